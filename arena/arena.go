@@ -1,0 +1,76 @@
+// Package arena manages ferryd's staging memory: one contiguous region
+// whose slices local clients fill through their own mapping and peers
+// write into. The Allocator deals in offsets only, so the region may be
+// host memory (HostFile) or, later, device memory.
+package arena
+
+import "fmt"
+
+// Slice is a piece of the arena. Len is the length asked for; the
+// allocation behind it is Len rounded up to the alignment.
+type Slice struct {
+	Offset, Len int64
+}
+
+// Arena allocates Slices of a Memory.
+type Arena struct {
+	mem   Memory
+	alloc *Allocator
+}
+
+// New manages mem with slices aligned to align (a power of two, at least
+// MinAlign). A tail of mem shorter than align is left unused, so Stats().Size
+// may be slightly below mem.Size().
+func New(mem Memory, align int64) (*Arena, error) {
+	if err := checkAlign(align); err != nil {
+		return nil, err
+	}
+	usable := mem.Size() &^ (align - 1)
+	if usable <= 0 {
+		return nil, fmt.Errorf("arena: %s memory of %d bytes is smaller than the alignment %d", mem.Kind(), mem.Size(), align)
+	}
+	alloc, err := NewAllocator(usable, align)
+	if err != nil {
+		return nil, err
+	}
+	return &Arena{mem: mem, alloc: alloc}, nil
+}
+
+// Alloc reserves a slice of n bytes.
+func (a *Arena) Alloc(n int64) (Slice, error) {
+	off, err := a.alloc.Alloc(n)
+	if err != nil {
+		return Slice{}, err
+	}
+	return Slice{Offset: off, Len: n}, nil
+}
+
+// Free releases s.
+func (a *Arena) Free(s Slice) error {
+	_, err := a.alloc.Free(s.Offset)
+	return err
+}
+
+// Stats returns the allocator's accounting.
+func (a *Arena) Stats() Stats { return a.alloc.Stats() }
+
+// Memory returns the memory the arena hands out.
+func (a *Arena) Memory() Memory { return a.mem }
+
+// Bytes returns the host bytes of s, or nil when the memory is not
+// host-addressable. The capacity is s.Len, so an append cannot spill into a
+// neighbouring slice.
+func (a *Arena) Bytes(s Slice) []byte {
+	host := a.mem.Host()
+	if host == nil {
+		return nil
+	}
+	end := s.Offset + s.Len
+	return host[s.Offset:end:end]
+}
+
+// Addr is the address of s's first byte as peers see it.
+func (a *Arena) Addr(s Slice) uint64 { return a.mem.Base() + uint64(s.Offset) }
+
+// Close closes the memory. Slices and their bytes are invalid afterwards.
+func (a *Arena) Close() error { return a.mem.Close() }

@@ -1,0 +1,188 @@
+package arena
+
+import (
+	"errors"
+	"fmt"
+	"io/fs"
+	"math"
+	"os"
+	"path/filepath"
+	"sync"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Memory is the region an Arena hands out. The allocator deals in offsets
+// only, so host memory and (later) device memory plug in the same way.
+type Memory interface {
+	// Base is the address of the first byte as peers see it: the mapping's
+	// virtual address for host memory.
+	Base() uint64
+	Size() int64
+	// Host returns the bytes when they are host-addressable, nil otherwise.
+	Host() []byte
+	// Kind names the memory: "host", later "cuda".
+	Kind() string
+	Close() error
+}
+
+// HostFile is host memory backed by a file that local clients map too, so
+// they write tensors straight into the arena (zero-copy staging). On
+// hugetlbfs the file is backed by huge pages.
+type HostFile struct {
+	path     string
+	size     int64
+	base     uint64
+	huge     bool
+	pageSize int64
+	ino      uint64 // Close removes the path only if it is still this file
+
+	mu   sync.Mutex
+	data []byte // nil once closed
+}
+
+// CreateHostFile creates the file at path (mode 0660, so clients in the
+// daemon's group can map it read-write), sizes it and maps it shared.
+//
+// A file already at path is removed first: it is a leftover of a daemon
+// that did not shut down cleanly, and mapping it would hand clients stale
+// bytes. The new file is then created with O_EXCL so that the mapping is
+// always of a file this call created. Running one daemon per path is the
+// caller's job.
+//
+// The file's blocks are reserved up front (fallocate) where the file system
+// supports it: running out of /dev/shm or of huge pages then fails here,
+// with a message, instead of as SIGBUS when a client first touches a page.
+//
+// If the directory is on hugetlbfs, size is rounded up to the huge page size.
+func CreateHostFile(path string, size int64) (*HostFile, error) {
+	if size <= 0 {
+		return nil, fmt.Errorf("arena: %s: size must be positive, got %d", path, size)
+	}
+	dir := filepath.Dir(path)
+	var st unix.Statfs_t
+	if err := unix.Statfs(dir, &st); err != nil {
+		return nil, fmt.Errorf("arena: cannot create %s: directory %s: %w (create the directory or choose another arena path)", path, dir, err)
+	}
+	h := &HostFile{path: path, pageSize: int64(os.Getpagesize())}
+	if st.Type == unix.HUGETLBFS_MAGIC {
+		h.huge, h.pageSize = true, st.Bsize
+		if size > math.MaxInt64-h.pageSize {
+			return nil, fmt.Errorf("arena: %s: size %d is too large", path, size)
+		}
+		size = (size + h.pageSize - 1) / h.pageSize * h.pageSize
+	}
+	h.size = size
+
+	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+		return nil, h.createErr("remove stale", err)
+	}
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC, 0o660)
+	if err != nil {
+		return nil, h.createErr("create", err)
+	}
+	// The mapping outlives the descriptor; clients open the path themselves.
+	defer unix.Close(fd)
+	data, err := h.mapFile(fd)
+	if err != nil {
+		_ = os.Remove(path)
+		return nil, err
+	}
+	h.data = data
+	h.base = uint64(uintptr(unsafe.Pointer(unsafe.SliceData(data))))
+	return h, nil
+}
+
+func (h *HostFile) mapFile(fd int) ([]byte, error) {
+	var fst unix.Stat_t
+	if err := unix.Fstat(fd, &fst); err != nil {
+		return nil, h.createErr("stat", err)
+	}
+	h.ino = fst.Ino
+	// The umask would strip the group write bit that clients need.
+	if err := unix.Fchmod(fd, 0o660); err != nil {
+		return nil, h.createErr("chmod", err)
+	}
+	if err := unix.Ftruncate(fd, h.size); err != nil {
+		return nil, h.createErr("size", err)
+	}
+	err := unix.Fallocate(fd, 0, 0, h.size)
+	if err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
+		return nil, h.createErr("reserve", err)
+	}
+	data, err := unix.Mmap(fd, 0, int(h.size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, h.createErr("map", err)
+	}
+	return data, nil
+}
+
+// createErr says what failed and what the operator can do about it.
+func (h *HostFile) createErr(op string, err error) error {
+	dir := filepath.Dir(h.path)
+	var hint string
+	switch {
+	case (errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM)) && h.huge:
+		hint = fmt.Sprintf("not enough free %d-byte huge pages in %s for %d bytes: raise vm.nr_hugepages or lower --arena-size", h.pageSize, dir, h.size)
+	case errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM):
+		hint = fmt.Sprintf("no space in %s for %d bytes: lower --arena-size or free space there", dir, h.size)
+	case errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM):
+		hint = fmt.Sprintf("permission denied: run ferryd as a user that may write %s or choose another arena path", dir)
+	case errors.Is(err, unix.EEXIST):
+		hint = "another process created it concurrently: run one ferryd per arena path"
+	default:
+		hint = "check the arena path and --arena-size"
+	}
+	return fmt.Errorf("arena: %s %s: %w (%s)", op, h.path, err, hint)
+}
+
+// Base is the virtual address of the mapping in this process.
+func (h *HostFile) Base() uint64 { return h.base }
+
+// Size is the mapped size, rounded up to the huge page size on hugetlbfs.
+func (h *HostFile) Size() int64 { return h.size }
+
+// Host returns the mapped bytes, nil after Close. They are not Go heap
+// memory, so the garbage collector never moves or scans them.
+func (h *HostFile) Host() []byte {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	return h.data
+}
+
+// Kind is "host".
+func (h *HostFile) Kind() string { return "host" }
+
+// Path is the file clients map.
+func (h *HostFile) Path() string { return h.path }
+
+// HugePages reports whether the file is on hugetlbfs.
+func (h *HostFile) HugePages() bool { return h.huge }
+
+// PageSize is the page size backing the file: the huge page size on
+// hugetlbfs, the system page size otherwise.
+func (h *HostFile) PageSize() int64 { return h.pageSize }
+
+// Close unmaps the file and removes it; later calls do nothing. Bytes
+// obtained from Host must not be used after Close.
+func (h *HostFile) Close() error {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	if h.data == nil {
+		return nil
+	}
+	var errs []error
+	if err := unix.Munmap(h.data); err != nil {
+		errs = append(errs, fmt.Errorf("arena: unmap %s: %w", h.path, err))
+	}
+	h.data = nil
+	// A successor daemon may already have replaced the file; leave its file be.
+	var st unix.Stat_t
+	if err := unix.Stat(h.path, &st); err == nil && st.Ino == h.ino {
+		if err := os.Remove(h.path); err != nil && !errors.Is(err, fs.ErrNotExist) {
+			errs = append(errs, fmt.Errorf("arena: remove %s: %w", h.path, err))
+		}
+	}
+	return errors.Join(errs...)
+}
