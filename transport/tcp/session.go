@@ -1,0 +1,369 @@
+package tcp
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+)
+
+// lateReplyWait is how long a sender whose body write failed looks for
+// the refusal that explains it; such a reply is already queued if sent.
+const lateReplyWait = 200 * time.Millisecond
+
+// Dial opens a session to the peer listening at addr, with one connection
+// that has completed the handshake.
+func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, error) {
+	if t.isClosed() {
+		return nil, fmt.Errorf("tcp dial %s: %w", addr, transport.ErrClosed)
+	}
+	c, instance, err := t.dial(ctx, addr)
+	if err != nil {
+		return nil, fmt.Errorf("tcp dial %s: %w", addr, err)
+	}
+	n := t.cfg.MaxConnsPerPeer
+	s := &session{
+		t:        t,
+		peer:     addr,
+		instance: instance,
+		idle:     make(chan *conn, n),
+		tokens:   make(chan struct{}, n),
+		done:     make(chan struct{}),
+		conns:    map[*conn]struct{}{c: {}},
+	}
+	s.tokens <- struct{}{}
+	s.idle <- c
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		c.nc.Close()
+		return nil, fmt.Errorf("tcp dial %s: %w", addr, transport.ErrClosed)
+	}
+	t.sessions[s] = struct{}{}
+	t.mu.Unlock()
+	return s, nil
+}
+
+// dial opens one connection to addr and runs the client side of the
+// handshake, returning the peer's instance.
+func (t *Transport) dial(ctx context.Context, addr string) (*conn, uint64, error) {
+	hctx, cancel := context.WithTimeout(ctx, t.cfg.HandshakeTimeout)
+	defer cancel()
+	d := net.Dialer{KeepAliveConfig: keepAlive}
+	nc, err := d.DialContext(hctx, "tcp", addr)
+	if err != nil {
+		// Keep the cause only: the caller names addr and the step already.
+		if op := (*net.OpError)(nil); errors.As(err, &op) {
+			err = op.Err
+		}
+		if sc := (*os.SyscallError)(nil); errors.As(err, &sc) {
+			err = sc.Err
+		}
+		return nil, 0, t.dialErr(ctx, hctx, "connect", err)
+	}
+	c := &conn{nc: nc.(*net.TCPConn)}
+	tune(c.nc)
+	instance, err := c.greet(hctx, t.cfg.Instance)
+	if err != nil {
+		c.nc.Close()
+		return nil, 0, t.dialErr(ctx, hctx, "handshake", err)
+	}
+	return c, instance, nil
+}
+
+// dialErr says whether the caller's ctx or the handshake timeout cut a
+// dial short, as the socket error alone does not.
+func (t *Transport) dialErr(ctx, hctx context.Context, step string, err error) error {
+	if cerr := ctxErr(ctx); cerr != nil {
+		return fmt.Errorf("%s: %w: %w", step, cerr, err)
+	}
+	if ctxErr(hctx) != nil {
+		return fmt.Errorf("%s: no answer within %s: %w", step, t.cfg.HandshakeTimeout, err)
+	}
+	return fmt.Errorf("%s: %w", step, err)
+}
+
+// ctxErr is ctx.Err(), but also DeadlineExceeded once the deadline has
+// passed: a connection deadline set from ctx can fire before ctx's own
+// timer does.
+func ctxErr(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if d, ok := ctx.Deadline(); ok && !time.Now().Before(d) {
+		return context.DeadlineExceeded
+	}
+	return nil
+}
+
+// conn is one dialed connection and the buffers a write on it needs, so
+// a write allocates no buffers of its own.
+type conn struct {
+	nc   *net.TCPConn
+	hdr  [headerSize]byte
+	rep  [replySize]byte
+	bufs [2][]byte
+	vec  net.Buffers
+}
+
+func (c *conn) greet(ctx context.Context, instance uint64) (uint64, error) {
+	stop := context.AfterFunc(ctx, func() { c.nc.Close() })
+	defer stop()
+	deadline, _ := ctx.Deadline()
+	c.nc.SetDeadline(deadline)
+	var hb [helloSize]byte
+	h := ours(instance)
+	h.encode(&hb)
+	if _, err := c.nc.Write(hb[:]); err != nil {
+		return 0, fmt.Errorf("sending the hello: %w", err)
+	}
+	var wb [welcomeSize]byte
+	if n, err := io.ReadFull(c.nc, wb[:]); err != nil {
+		if isPeerGone(err) {
+			return 0, fmt.Errorf("peer closed the connection after %d of the %d-byte welcome: %w", n, welcomeSize, err)
+		}
+		return 0, fmt.Errorf("read %d of the %d-byte welcome: %w", n, welcomeSize, err)
+	}
+	var w welcome
+	w.decode(&wb)
+	if _, err := w.check(); err != nil {
+		return 0, err
+	}
+	if w.status != statusOK {
+		return 0, fmt.Errorf("peer refused the handshake with status %d", w.status)
+	}
+	if !stop() {
+		return 0, ctx.Err() // ctx ended just now, and closed the connection
+	}
+	c.nc.SetDeadline(time.Time{})
+	return w.instance, nil
+}
+
+// session is a pool of connections to one peer. A write holds a
+// connection for its whole exchange, so concurrent writes use separate
+// connections and never wait behind one another's bytes.
+type session struct {
+	t        *Transport
+	peer     string
+	instance uint64
+	idle     chan *conn    // connections between writes
+	tokens   chan struct{} // one per open (or opening) connection
+	done     chan struct{} // closed by Close
+
+	mu     sync.Mutex
+	closed bool
+	conns  map[*conn]struct{} // every open connection, for Close
+}
+
+func (s *session) Peer() string { return s.peer }
+
+func (s *session) PeerInstance() uint64 { return s.instance }
+
+// Close closes every connection of the session; writes in flight fail.
+func (s *session) Close() error {
+	s.mu.Lock()
+	if s.closed {
+		s.mu.Unlock()
+		return nil
+	}
+	s.closed = true
+	close(s.done)
+	for c := range s.conns {
+		c.nc.Close()
+	}
+	s.mu.Unlock()
+	s.t.mu.Lock()
+	delete(s.t.sessions, s)
+	s.t.mu.Unlock()
+	return nil
+}
+
+func (s *session) isClosed() bool {
+	select {
+	case <-s.done:
+		return true
+	default:
+		return false
+	}
+}
+
+func (s *session) Write(ctx context.Context, w transport.Write) error {
+	if s.isClosed() {
+		return fmt.Errorf("tcp write to %s: %w", s.peer, transport.ErrClosed)
+	}
+	if err := ctx.Err(); err != nil {
+		return fmt.Errorf("tcp write to %s: %w", s.peer, err)
+	}
+	c, err := s.get(ctx)
+	if err != nil {
+		return err
+	}
+	reuse, err := s.send(ctx, c, &w)
+	if reuse {
+		s.put(c)
+	} else {
+		s.drop(c)
+	}
+	return err
+}
+
+// get takes an idle connection, or opens one while the session is under
+// its limit, or waits for one to come back.
+func (s *session) get(ctx context.Context) (*conn, error) {
+	select {
+	case c := <-s.idle:
+		return c, nil
+	default:
+	}
+	select {
+	case c := <-s.idle:
+		return c, nil
+	case s.tokens <- struct{}{}:
+	case <-s.done:
+		return nil, fmt.Errorf("tcp write to %s: %w", s.peer, transport.ErrClosed)
+	case <-ctx.Done():
+		return nil, fmt.Errorf("tcp write to %s: waiting for a connection: %w", s.peer, ctx.Err())
+	}
+	c, instance, err := s.t.dial(ctx, s.peer)
+	if err == nil && instance != s.instance {
+		c.nc.Close()
+		err = fmt.Errorf("peer restarted (instance %#x, session opened with %#x); open a new session", instance, s.instance)
+	}
+	if err != nil {
+		<-s.tokens
+		if s.isClosed() {
+			err = fmt.Errorf("%w: %w", transport.ErrClosed, err)
+		}
+		return nil, fmt.Errorf("tcp write to %s: opening a connection: %w", s.peer, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		c.nc.Close()
+		<-s.tokens
+		return nil, fmt.Errorf("tcp write to %s: %w", s.peer, transport.ErrClosed)
+	}
+	s.conns[c] = struct{}{}
+	return c, nil
+}
+
+func (s *session) put(c *conn) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		c.nc.Close()
+		return
+	}
+	s.idle <- c // never blocks: idle holds at most one per token
+}
+
+func (s *session) drop(c *conn) {
+	c.nc.Close()
+	s.mu.Lock()
+	delete(s.conns, c)
+	s.mu.Unlock()
+	<-s.tokens
+}
+
+// send runs one write on c: header and body out, reply in. reuse reports
+// whether c is still in step and may carry another write.
+func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse bool, err error) {
+	if ctx.Done() != nil {
+		stop := context.AfterFunc(ctx, func() { c.nc.Close() })
+		defer func() {
+			if !stop() {
+				reuse = false // closed by the cancellation
+			}
+		}()
+	}
+	body := w.Src
+	h := header{addr: w.Remote, len: uint64(len(body)), key: w.Key, tag: w.Tag}
+	h.encode(&c.hdr)
+
+	// The header and the first chunk go in one writev; the rest of the
+	// body follows in chunks, each with a fresh deadline.
+	c.bufs = [2][]byte{c.hdr[:], body[:min(len(body), ioChunk)]}
+	c.vec = c.bufs[:]
+	c.nc.SetWriteDeadline(s.deadline(ctx))
+	n, err := c.vec.WriteTo(c.nc)
+	sent := max(int(n)-headerSize, 0)
+	for err == nil && sent < len(body) {
+		c.nc.SetWriteDeadline(s.deadline(ctx))
+		var m int
+		m, err = c.nc.Write(body[sent:min(sent+ioChunk, len(body))])
+		sent += m
+	}
+	if err != nil {
+		if ctxErr(ctx) == nil && isPeerGone(err) {
+			// A receiver that refuses a write outright replies first and
+			// then closes; that reply says why the body could not go.
+			c.nc.SetReadDeadline(time.Now().Add(lateReplyWait))
+			if code, _, msg, rerr := c.readReply(); rerr == nil && code != transport.OK {
+				return false, &transport.Refusal{Code: code, Message: msg}
+			}
+		}
+		return false, s.fail(ctx, err, fmt.Sprintf("after %d of %d bytes", sent, len(body)))
+	}
+
+	c.nc.SetReadDeadline(s.deadline(ctx))
+	code, flags, msg, err := c.readReply()
+	if err != nil {
+		return false, s.fail(ctx, err, fmt.Sprintf("waiting for the completion of %d bytes", len(body)))
+	}
+	reuse = flags&flagClose == 0
+	if code != transport.OK {
+		return reuse, &transport.Refusal{Code: code, Message: msg}
+	}
+	return reuse, nil
+}
+
+// deadline is IOTimeout from now, or ctx's deadline if sooner.
+func (s *session) deadline(ctx context.Context) time.Time {
+	d := time.Now().Add(s.t.cfg.IOTimeout)
+	if cd, ok := ctx.Deadline(); ok && cd.Before(d) {
+		return cd
+	}
+	return d
+}
+
+// fail explains a broken write: whose doing it was, and how far it got.
+func (s *session) fail(ctx context.Context, err error, where string) error {
+	switch {
+	case s.isClosed():
+		return fmt.Errorf("tcp write to %s: %w %s: %w", s.peer, transport.ErrClosed, where, err)
+	case ctxErr(ctx) != nil:
+		return fmt.Errorf("tcp write to %s: %w %s", s.peer, ctxErr(ctx), where)
+	case errors.Is(err, os.ErrDeadlineExceeded):
+		return fmt.Errorf("tcp write to %s: peer made no progress for %s %s: %w", s.peer, s.t.cfg.IOTimeout, where, err)
+	case isPeerGone(err):
+		return fmt.Errorf("tcp write to %s: peer closed the connection %s: %w", s.peer, where, err)
+	}
+	return fmt.Errorf("tcp write to %s: failed %s: %w", s.peer, where, err)
+}
+
+func isPeerGone(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
+}
+
+func (c *conn) readReply() (code transport.Code, flags uint16, msg string, err error) {
+	if _, err := io.ReadFull(c.nc, c.rep[:]); err != nil {
+		return 0, 0, "", err
+	}
+	code, flags, n, err := decodeReply(&c.rep)
+	if err != nil || n == 0 {
+		return code, flags, "", err
+	}
+	b := make([]byte, n)
+	if _, err := io.ReadFull(c.nc, b); err != nil {
+		return 0, 0, "", err
+	}
+	return code, flags, string(b), nil
+}

@@ -1,0 +1,122 @@
+// Package transport defines what ferry needs from a data plane: one-sided
+// writes with RDMA semantics. A sender writes n bytes from local memory to
+// (remote address, key) on a session with a peer daemon, carrying a 32-bit
+// tag (the width of an RDMA immediate) that the receiver sees on completion.
+// The receiver accepts a write only into a live receive slot with the right
+// key. Implementations: transport/tcp (everywhere) and rdma (verbs). Each
+// must pass the conformance suite in transport/transporttest.
+package transport
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+)
+
+// Sink is the receiving side's memory: the daemon's live receive slots.
+// A transport calls Accept for each incoming write before placing any byte.
+type Sink interface {
+	// Accept runs on the receive path (Transport.Close waits for it), so it
+	// must not block for long. It checks a write of n bytes at addr carrying
+	// key and tag, and
+	// returns the memory the bytes go to (len(dst) == n). The transport
+	// must call done exactly once: with nil when all n bytes are in dst,
+	// or with the error that stopped the write. Until done returns the slot
+	// stays pinned, so freeing it cannot hand its memory to a newer slot.
+	// A refusal is an *Refusal naming what was wrong.
+	Accept(addr, n uint64, key, tag uint32) (dst []byte, done func(error), err error)
+}
+
+// Write is one one-sided write.
+type Write struct {
+	Src    []byte // local bytes to send
+	Remote uint64 // destination address in the peer's arena
+	Key    uint32 // the receive slot's key
+	Tag    uint32 // delivered to the receiver with the completion
+}
+
+// Transport is one data plane: a listener on the peer port that delivers
+// incoming writes into its Sink, and a dialer of sessions to peers.
+type Transport interface {
+	Name() string
+	// Addr is the peer-port listener's address.
+	Addr() net.Addr
+	// Dial opens a session to the peer daemon listening at addr
+	// (host:port). The handshake runs before Dial returns.
+	Dial(ctx context.Context, addr string) (Session, error)
+	// Close stops the listener and ends every connection, in both
+	// directions; writes in flight fail.
+	Close() error
+}
+
+// Session is an open path to one peer. It is safe for concurrent use:
+// concurrent writes do not wait behind one another's bytes.
+type Session interface {
+	Peer() string
+	// PeerInstance identifies the peer daemon's process; it changes when
+	// the peer restarts.
+	PeerInstance() uint64
+	// Write returns once the peer has placed every byte (a completion),
+	// or with an error. ctx bounds the whole write; the error wraps
+	// ctx.Err() when ctx ended it, and ErrClosed when the session or
+	// transport was closed. An error that is not a Refusal does not prove
+	// the bytes did not land (the completion may be what was lost), so a
+	// retry can meet a slot that already holds its data.
+	Write(ctx context.Context, w Write) error
+	Close() error
+}
+
+// Code is a receiver's answer to a write, as carried on the wire.
+type Code uint32
+
+const (
+	OK           Code = 0
+	NoSlot       Code = 1 // no live receive slot at that address
+	BadKey       Code = 2 // the slot exists but the key differs
+	OutOfBounds  Code = 3 // the write runs past the end of its slot
+	SlotBusy     Code = 4 // the slot already has a write landing
+	ShuttingDown Code = 5 // the receiver is stopping
+	Internal     Code = 6
+)
+
+func (c Code) String() string {
+	switch c {
+	case OK:
+		return "ok"
+	case NoSlot:
+		return "no_slot"
+	case BadKey:
+		return "bad_key"
+	case OutOfBounds:
+		return "out_of_bounds"
+	case SlotBusy:
+		return "slot_busy"
+	case ShuttingDown:
+		return "shutting_down"
+	case Internal:
+		return "internal"
+	}
+	return fmt.Sprintf("code_%d", uint32(c))
+}
+
+// Refusal is a write the receiver would not take, with its reason.
+// The Sink returns it; a sender sees it back from Session.Write.
+type Refusal struct {
+	Code    Code
+	Message string
+}
+
+func (r *Refusal) Error() string {
+	return fmt.Sprintf("write refused by receiver (%s): %s", r.Code, r.Message)
+}
+
+// ErrClosed is returned for work on a closed transport or session.
+var ErrClosed = errors.New("transport closed")
+
+// IsRefusal reports whether err is a receiver's refusal, as opposed to a
+// broken path (which a retry on a fresh session may fix).
+func IsRefusal(err error) bool {
+	var r *Refusal
+	return errors.As(err, &r)
+}

@@ -1,0 +1,164 @@
+// Package transporttest is the conformance suite every ferry transport
+// must pass, and Slots, the reference transport.Sink it runs against.
+package transporttest
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+
+	"github.com/ferry-project/ferry/transport"
+)
+
+// Slots is a transport.Sink over one memory arena: a table of receive
+// slots, each a range of Mem (addresses are offsets into Mem) with its own
+// random key. It admits one write at a time per slot, counts each tag
+// completed with done(nil), and records what breaks the Sink contract.
+type Slots struct {
+	Mem []byte
+
+	mu      sync.Mutex
+	slots   []*slot
+	tags    map[uint32]int // completions per tag
+	pending int            // accepted writes whose done has not run
+	changed chan struct{}  // closed and replaced on every done
+	errs    []error
+}
+
+type slot struct {
+	addr, size uint64
+	key        uint32
+	busy       bool
+}
+
+var _ transport.Sink = (*Slots)(nil)
+
+// NewSlots returns a Sink with size bytes of zeroed memory and no slots.
+func NewSlots(size int) *Slots {
+	return &Slots{Mem: make([]byte, size), tags: make(map[uint32]int), changed: make(chan struct{})}
+}
+
+// Add makes [addr, addr+size) of Mem a receive slot and returns its key.
+// It panics on a range outside Mem or overlapping another slot.
+func (s *Slots) Add(addr, size uint64) (key uint32) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if size == 0 || addr >= uint64(len(s.Mem)) || size > uint64(len(s.Mem))-addr {
+		panic(fmt.Sprintf("transporttest: slot [%#x, +%d) outside %d bytes of memory", addr, size, len(s.Mem)))
+	}
+	for _, o := range s.slots {
+		if addr < o.addr+o.size && o.addr < addr+size {
+			panic(fmt.Sprintf("transporttest: slot [%#x, +%d) overlaps [%#x, +%d)", addr, size, o.addr, o.size))
+		}
+	}
+	sl := &slot{addr: addr, size: size, key: rand.Uint32()}
+	s.slots = append(s.slots, sl)
+	return sl.key
+}
+
+// Accept implements transport.Sink.
+func (s *Slots) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var sl *slot
+	for _, o := range s.slots {
+		if addr >= o.addr && addr-o.addr < o.size {
+			sl = o
+			break
+		}
+	}
+	switch {
+	case sl == nil:
+		return nil, nil, &transport.Refusal{Code: transport.NoSlot, Message: fmt.Sprintf("no receive slot at %#x", addr)}
+	case key != sl.key:
+		return nil, nil, &transport.Refusal{Code: transport.BadKey, Message: fmt.Sprintf("wrong key for the slot at %#x", sl.addr)}
+	case n > sl.addr+sl.size-addr: // written so as not to overflow
+		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf("%d bytes at %#x run past the slot [%#x, +%d)", n, addr, sl.addr, sl.size)}
+	case sl.busy:
+		return nil, nil, &transport.Refusal{Code: transport.SlotBusy, Message: fmt.Sprintf("the slot at %#x has a write landing", sl.addr)}
+	}
+	sl.busy = true
+	s.pending++
+	called := false
+	done := func(err error) {
+		s.mu.Lock()
+		defer s.mu.Unlock()
+		if called {
+			s.errs = append(s.errs, fmt.Errorf("done called twice for the write tagged %d", tag))
+			return
+		}
+		called = true
+		sl.busy = false
+		s.pending--
+		if err == nil {
+			s.tags[tag]++
+		}
+		close(s.changed)
+		s.changed = make(chan struct{})
+	}
+	return s.Mem[addr : addr+n : addr+n], done, nil
+}
+
+// Delivered is how many writes tagged tag have completed.
+func (s *Slots) Delivered(tag uint32) int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.tags[tag]
+}
+
+// Pending is how many accepted writes have not yet called done.
+func (s *Slots) Pending() int {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.pending
+}
+
+// Wait waits until a write with each of tags has completed. A transport
+// may report a completion to its sender before the receiver's done runs
+// (RDMA does), so a test waits here before reading Mem.
+func (s *Slots) Wait(ctx context.Context, tags ...uint32) error {
+	return s.wait(ctx, func() error {
+		for _, tag := range tags {
+			if s.tags[tag] == 0 {
+				return fmt.Errorf("tag %d not delivered", tag)
+			}
+		}
+		return nil
+	})
+}
+
+// WaitIdle waits until every accepted write has called done.
+func (s *Slots) WaitIdle(ctx context.Context) error {
+	return s.wait(ctx, func() error {
+		if s.pending > 0 {
+			return fmt.Errorf("%d accepted writes never called done", s.pending)
+		}
+		return nil
+	})
+}
+
+// wait waits until unmet, called with s.mu held, returns nil.
+func (s *Slots) wait(ctx context.Context, unmet func() error) error {
+	for {
+		s.mu.Lock()
+		err, changed := unmet(), s.changed
+		s.mu.Unlock()
+		if err == nil {
+			return nil
+		}
+		select {
+		case <-changed:
+		case <-ctx.Done():
+			return fmt.Errorf("%w: %w", err, ctx.Err())
+		}
+	}
+}
+
+// Err reports the breaches of the Sink contract seen so far.
+func (s *Slots) Err() error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return errors.Join(s.errs...)
+}
