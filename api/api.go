@@ -1,0 +1,190 @@
+// Package api holds the wire types of ferryd's control API (HTTP/1.1 + JSON
+// over a Unix socket, under /v1). The server (daemon), the Go client
+// (client) and ferryctl share them; nothing here does I/O.
+package api
+
+import "time"
+
+// DefaultSocket is where ferryd listens for local clients unless told.
+const DefaultSocket = "/run/ferry/ferryd.sock"
+
+// DefaultPeerPort is the port daemons dial each other on.
+const DefaultPeerPort = 17100
+
+// Error codes carried in the error envelope. Each pairs with one HTTP status.
+const (
+	CodeBadRequest     = "bad_request"  // 400: malformed or invalid input
+	CodeRefused        = "refused"      // 400: the peer refused the write (no slot, wrong key, slot too small)
+	CodeNoEmbedding    = "no_embedding" // 404: send of a req_id that is not staged
+	CodeNotFound       = "not_found"    // 404: unknown receive slot, session or route
+	CodeMethod         = "method_not_allowed"
+	CodeExists         = "exists"          // 409: req_id already in use
+	CodeBusy           = "busy"            // 409: the entry is being sent
+	CodeTooLarge       = "too_large"       // 413: larger than the whole arena or a request limit
+	CodeArenaFull      = "arena_full"      // 507: fits the arena, but not the free space now
+	CodeTransferFailed = "transfer_failed" // 502: the transport failed after retries
+	CodeTimeout        = "timeout"         // 504: a wait ran out
+	CodeUnavailable    = "unavailable"     // 503: the daemon is shutting down
+	CodeInternal       = "internal"        // 500
+)
+
+// ErrorBody is the one error envelope: {"error":{"code","message"}}.
+type ErrorBody struct {
+	Error Error `json:"error"`
+}
+
+type Error struct {
+	Code    string `json:"code"`
+	Message string `json:"message"`
+}
+
+// Status answers GET /v1/status.
+type Status struct {
+	Version      string            `json:"version"`
+	PID          int               `json:"pid"`
+	Instance     string            `json:"instance"`
+	StartedAt    time.Time         `json:"started_at"`
+	Memory       MemoryStatus      `json:"memory"`
+	Registration Registration      `json:"registration"`
+	Transport    TransportStatus   `json:"transport"`
+	Staged       int               `json:"staged"`
+	Receives     int               `json:"receives"`
+	Sessions     []Session         `json:"sessions"`
+	Settings     Settings          `json:"settings"`
+	Counters     map[string]uint64 `json:"counters"`
+}
+
+type MemoryStatus struct {
+	Kind        string `json:"kind"`   // "host" (later "cuda")
+	Device      string `json:"device"` // "cpu" or "cuda:N"
+	ArenaFile   string `json:"arena_file"`
+	ArenaBase   uint64 `json:"arena_base"`
+	HugePages   bool   `json:"huge_pages"`
+	Size        int64  `json:"size"`
+	Used        int64  `json:"used"`
+	Free        int64  `json:"free"`
+	LargestFree int64  `json:"largest_free"`
+	Allocations int    `json:"allocations"`
+	Alignment   int64  `json:"alignment"`
+}
+
+// Registration says how the arena is made visible to the NIC.
+type Registration struct {
+	Mode   string `json:"mode"` // "shared", "per-send" or "none"
+	Reason string `json:"reason"`
+}
+
+type TransportStatus struct {
+	Name      string `json:"name"`
+	Listen    string `json:"listen"`
+	Advertise string `json:"advertise"`
+	Reason    string `json:"reason"`
+}
+
+type Settings struct {
+	SlowThreshold string `json:"slow_threshold"`
+	SendRetries   int    `json:"send_retries"`
+	SendTimeout   string `json:"send_timeout"`
+	StageTTL      string `json:"stage_ttl"`
+	ReceiveTTL    string `json:"receive_ttl"`
+}
+
+// Embedding describes a staged (or reserved) entry.
+type Embedding struct {
+	ReqID     string    `json:"req_id"`
+	State     string    `json:"state"` // "reserved", "staged", "sending"
+	Shape     []int64   `json:"shape,omitempty"`
+	DType     string    `json:"dtype,omitempty"`
+	NBytes    int64     `json:"nbytes"`
+	Offset    int64     `json:"offset"`
+	Since     time.Time `json:"since"`
+	ArenaFile string    `json:"arena_file,omitempty"`
+}
+
+// SliceRequest asks for an arena slice to fill in place (zero-copy staging):
+// POST /v1/embeddings/{req_id}/slice. Give shape+dtype, or nbytes alone.
+type SliceRequest struct {
+	Shape  []int64 `json:"shape,omitempty"`
+	DType  string  `json:"dtype,omitempty"`
+	NBytes int64   `json:"nbytes,omitempty"`
+}
+
+// Slice is where a client writes through its own mapping of ArenaFile.
+type Slice struct {
+	ReqID     string `json:"req_id"`
+	ArenaFile string `json:"arena_file"`
+	Offset    int64  `json:"offset"`
+	NBytes    int64  `json:"nbytes"`
+}
+
+// CommitRequest seals a zero-copy slice: POST /v1/embeddings/{req_id}/commit.
+type CommitRequest struct {
+	Shape []int64 `json:"shape"`
+	DType string  `json:"dtype"`
+}
+
+// SendRequest: POST /v1/embeddings/{req_id}/send.
+type SendRequest struct {
+	Session       string `json:"session"`
+	BufferAddress uint64 `json:"buffer_address"`
+	Key           uint32 `json:"key"`
+	// WaitMS waits this long for the req_id to be staged, to cover a stage
+	// that races the send. 0 fails at once.
+	WaitMS int64 `json:"wait_ms,omitempty"`
+}
+
+type SendResult struct {
+	ReqID     string  `json:"req_id"`
+	Session   string  `json:"session"`
+	NBytes    int64   `json:"nbytes"`
+	Millis    float64 `json:"ms"`
+	GBps      float64 `json:"gb_per_s"`
+	Transport string  `json:"transport"`
+	SharedMR  bool    `json:"shared_mr"`
+	Attempts  int     `json:"attempts"`
+}
+
+// ReceiveRequest: POST /v1/receives.
+type ReceiveRequest struct {
+	ReqID  string `json:"req_id"`
+	NBytes int64  `json:"nbytes"`
+}
+
+// ReceiveSlot is what a receiver hands to the sender out of band.
+type ReceiveSlot struct {
+	ReqID         string `json:"req_id"`
+	Session       string `json:"session"`
+	BufferAddress uint64 `json:"buffer_address"`
+	Key           uint32 `json:"key"`
+	NBytes        int64  `json:"nbytes"`
+}
+
+// Receive describes a slot: GET /v1/receives/{req_id}?format=json.
+type Receive struct {
+	ReceiveSlot
+	Arrived   bool      `json:"arrived"`
+	Received  int64     `json:"received"` // bytes that arrived
+	Tag       uint32    `json:"tag"`      // the tag the write carried
+	Offset    int64     `json:"offset"`
+	ArenaFile string    `json:"arena_file"`
+	Since     time.Time `json:"since"`
+}
+
+// Headers on the raw-bytes answer of GET /v1/receives/{req_id}.
+const (
+	HeaderNBytes = "Ferry-Nbytes"
+	HeaderTag    = "Ferry-Tag"
+)
+
+// Session is an open path to a peer daemon.
+type Session struct {
+	ID           string    `json:"id"`
+	Peer         string    `json:"peer"`
+	Transport    string    `json:"transport"`
+	State        string    `json:"state"` // "connected" or "down" (torn down; re-dialed on the next send)
+	PeerInstance string    `json:"peer_instance"`
+	DialedAt     time.Time `json:"dialed_at"`
+	Sends        uint64    `json:"sends"`
+	Failures     uint64    `json:"failures"`
+	LastError    string    `json:"last_error,omitempty"`
+}
