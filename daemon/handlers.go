@@ -1,0 +1,425 @@
+package daemon
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/rs/zerolog"
+
+	"github.com/ferry-project/ferry/api"
+)
+
+// apiError is an error with its HTTP status and envelope code.
+type apiError struct {
+	status int
+	code   string
+	msg    string
+}
+
+func (e *apiError) Error() string { return e.msg }
+
+func apiErr(status int, code, format string, args ...any) error {
+	return &apiError{status: status, code: code, msg: fmt.Sprintf(format, args...)}
+}
+
+func isCode(err error, code string) bool {
+	var ae *apiError
+	return errors.As(err, &ae) && ae.code == code
+}
+
+var errStopping = apiErr(http.StatusServiceUnavailable, api.CodeUnavailable,
+	"ferryd is shutting down and takes no new work: retry against the restarted daemon")
+
+// maxJSONBody bounds every JSON request body.
+const maxJSONBody = 64 << 10
+
+// routes is the whole control API in one table.
+func (d *Daemon) routes() http.Handler {
+	mux := http.NewServeMux()
+	for pattern, h := range map[string]func(http.ResponseWriter, *http.Request) error{
+		"GET /v1/status":                      d.handleStatus,
+		"GET /v1/embeddings":                  d.handleListEmbeddings,
+		"PUT /v1/embeddings/{req_id}":         d.handleUpload,
+		"GET /v1/embeddings/{req_id}":         d.handleGetEmbedding,
+		"DELETE /v1/embeddings/{req_id}":      d.handleDeleteEmbedding,
+		"POST /v1/embeddings/{req_id}/slice":  d.handleSlice,
+		"POST /v1/embeddings/{req_id}/commit": d.handleCommit,
+		"POST /v1/embeddings/{req_id}/send":   d.handleSend,
+		"POST /v1/receives":                   d.handleNewReceive,
+		"GET /v1/receives":                    d.handleListReceives,
+		"GET /v1/receives/{req_id}":           d.handleGetReceive,
+		"DELETE /v1/receives/{req_id}":        d.handleDeleteReceive,
+		"GET /v1/sessions":                    d.handleListSessions,
+		"DELETE /v1/sessions/{id}":            d.handleDeleteSession,
+	} {
+		mux.Handle(pattern, d.wrap(h))
+	}
+	mux.Handle("GET /metrics", promhttp.HandlerFor(d.metrics.reg, promhttp.HandlerOpts{}))
+	mux.Handle("/", d.wrap(func(w http.ResponseWriter, r *http.Request) error {
+		return noRoute(mux, r)
+	}))
+	return mux
+}
+
+// noRoute tells a wrong method (405, with Allow) from an unknown path (404).
+func noRoute(mux *http.ServeMux, r *http.Request) error {
+	var allow []string
+	for _, m := range []string{"GET", "PUT", "POST", "DELETE"} {
+		probe := r.Clone(r.Context())
+		probe.Method = m
+		if _, pattern := mux.Handler(probe); pattern != "/" && pattern != "" {
+			allow = append(allow, m)
+		}
+	}
+	if len(allow) > 0 {
+		return &apiError{status: http.StatusMethodNotAllowed, code: api.CodeMethod,
+			msg: fmt.Sprintf("%s is not allowed on %s: use %s", r.Method, r.URL.Path, strings.Join(allow, ", "))}
+	}
+	return apiErr(http.StatusNotFound, api.CodeNotFound, "no API route %s %s: see docs/api.md", r.Method, r.URL.Path)
+}
+
+// wrap turns a handler's error into the one error envelope, logs failed
+// requests at WARN with their req_id, and every request at DEBUG.
+func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Handler {
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		start := time.Now()
+		err := h(w, r)
+		ev := d.log.Debug()
+		if err != nil {
+			ae := &apiError{status: http.StatusInternalServerError, code: api.CodeInternal, msg: err.Error()}
+			errors.As(err, &ae)
+			writeJSON(w, ae.status, api.ErrorBody{Error: api.Error{Code: ae.code, Message: ae.msg}})
+			ev = d.log.Warn().Int("status", ae.status).Str("code", ae.code).Str("error", ae.msg)
+		}
+		if id := r.PathValue("req_id"); id != "" {
+			ev = ev.Str("req_id", id)
+		}
+		ev.Str("method", r.Method).Str("path", r.URL.Path).Dur("took", time.Since(start)).Msg("request")
+	})
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// decodeJSON reads a bounded JSON body that must hold exactly one object of
+// known fields.
+func decodeJSON(r *http.Request, v any) error {
+	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, maxJSONBody))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge, "request body is over %d bytes", maxJSONBody)
+		}
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
+	}
+	if dec.More() {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "request body has data after its JSON object")
+	}
+	return nil
+}
+
+// reqID reads and checks the {req_id} path segment.
+func reqID(r *http.Request) (string, error) {
+	id := r.PathValue("req_id")
+	if err := api.CheckReqID(id); err != nil {
+		return "", apiErr(http.StatusBadRequest, api.CodeBadRequest, "%v", err)
+	}
+	return id, nil
+}
+
+// parseWait reads ?wait= as a Go duration or plain seconds.
+func parseWait(r *http.Request) (time.Duration, error) {
+	v := r.URL.Query().Get("wait")
+	if v == "" {
+		return 0, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil {
+		secs, serr := strconv.ParseFloat(v, 64)
+		if serr != nil {
+			return 0, apiErr(http.StatusBadRequest, api.CodeBadRequest, "wait=%q is not a duration: write e.g. wait=30s or wait=500ms", v)
+		}
+		d = time.Duration(secs * float64(time.Second))
+	}
+	if d < 0 || d > maxWait {
+		return 0, apiErr(http.StatusBadRequest, api.CodeBadRequest, "wait=%s is outside 0..%s", v, maxWait)
+	}
+	return d, nil
+}
+
+func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) error {
+	st := d.arena.Stats()
+	staged, receives := d.reg.counts()
+	writeJSON(w, http.StatusOK, api.Status{
+		Version: Version, PID: os.Getpid(), Instance: fmt.Sprintf("%016x", d.instance), StartedAt: d.started,
+		Memory: api.MemoryStatus{
+			Kind: d.mem.Kind(), Device: d.cfg.Device, ArenaFile: d.mem.Path(), ArenaBase: d.mem.Base(),
+			HugePages: d.mem.HugePages(), Size: st.Size, Used: st.Used, Free: st.Free,
+			LargestFree: st.LargestFree, Allocations: st.Allocations, Alignment: arenaAlign,
+		},
+		Registration: api.Registration{Mode: "none", Reason: "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"},
+		Transport: api.TransportStatus{
+			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
+			Reason: "tcp is the only transport in this build",
+		},
+		Staged: staged, Receives: receives, Sessions: d.sessions.list(),
+		Settings: api.Settings{
+			SlowThreshold: d.slowThreshold().String(), SendRetries: d.cfg.SendRetries,
+			SendTimeout: d.cfg.SendTimeout.String(), StageTTL: d.cfg.StageTTL.String(), ReceiveTTL: d.cfg.ReceiveTTL.String(),
+		},
+	})
+	return nil
+}
+
+func (d *Daemon) handleListEmbeddings(w http.ResponseWriter, r *http.Request) error {
+	writeJSON(w, http.StatusOK, d.reg.embeddings())
+	return nil
+}
+
+func (d *Daemon) handleGetEmbedding(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	e, err := d.reg.embedding(id)
+	if err != nil {
+		return err
+	}
+	e.ArenaFile = d.mem.Path()
+	writeJSON(w, http.StatusOK, e)
+	return nil
+}
+
+// handleUpload stages by upload: PUT /v1/embeddings/{req_id}?shape=R,C&dtype=D
+// with the raw bytes as the body, copied straight into the arena.
+func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	q := r.URL.Query()
+	shape, err := api.ParseShape(q.Get("shape"))
+	if err != nil {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", id, err)
+	}
+	n, dtype, err := api.NBytes(shape, q.Get("dtype"))
+	if err != nil {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", id, err)
+	}
+	size := d.arena.Stats().Size
+	if r.ContentLength > size || n > size {
+		return apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge,
+			"%s: %d bytes is larger than the whole arena (%d bytes): raise --arena-size", id, max(n, r.ContentLength), size)
+	}
+	if r.ContentLength >= 0 && r.ContentLength != n {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest,
+			"%s: the body is %d bytes but shape %s %s needs %d bytes (rows*cols*elem_size)", id, r.ContentLength, api.ShapeString(shape), dtype, n)
+	}
+	e, err := d.reg.reserve(id, n, shape, dtype, uploading)
+	if err != nil {
+		return err
+	}
+	got, err := io.ReadFull(r.Body, d.arena.Bytes(e.slice))
+	if err == nil {
+		var extra [1]byte
+		if k, _ := r.Body.Read(extra[:]); k > 0 {
+			err = fmt.Errorf("the body is longer than the %d bytes shape %s %s needs", n, api.ShapeString(shape), dtype)
+		}
+	} else {
+		err = fmt.Errorf("the body ended after %d of the %d bytes shape %s %s needs: %v", got, n, api.ShapeString(shape), dtype, err)
+	}
+	d.reg.finishUpload(e, err == nil)
+	if err != nil {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v; nothing was staged", id, err)
+	}
+	d.metrics.staged.WithLabelValues("upload").Inc()
+	e2, _ := d.reg.embedding(id)
+	writeJSON(w, http.StatusCreated, e2)
+	return nil
+}
+
+// handleSlice reserves an arena slice for zero-copy staging.
+func (d *Daemon) handleSlice(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	var req api.SliceRequest
+	if err := decodeJSON(r, &req); err != nil {
+		return err
+	}
+	n, dtype := req.NBytes, ""
+	switch {
+	case len(req.Shape) > 0 || req.DType != "":
+		n, dtype, err = api.NBytes(req.Shape, req.DType)
+		if err != nil {
+			return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", id, err)
+		}
+		if req.NBytes != 0 && req.NBytes != n {
+			return apiErr(http.StatusBadRequest, api.CodeBadRequest,
+				"%s: nbytes %d disagrees with shape %s %s (%d bytes): give one or make them agree", id, req.NBytes, api.ShapeString(req.Shape), dtype, n)
+		}
+	case n <= 0:
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: give shape and dtype, or a positive nbytes", id)
+	}
+	e, err := d.reg.reserve(id, n, req.Shape, dtype, reserved)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusCreated, api.Slice{ReqID: id, ArenaFile: d.mem.Path(), Offset: e.slice.Offset, NBytes: n})
+	return nil
+}
+
+func (d *Daemon) handleCommit(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	var req api.CommitRequest
+	if err := decodeJSON(r, &req); err != nil {
+		return err
+	}
+	e, err := d.reg.commit(id, req.Shape, req.DType)
+	if err != nil {
+		return err
+	}
+	d.metrics.staged.WithLabelValues("zero_copy").Inc()
+	writeJSON(w, http.StatusOK, d.reg.describe(e))
+	return nil
+}
+
+func (d *Daemon) handleSend(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	var req api.SendRequest
+	if err := decodeJSON(r, &req); err != nil {
+		return err
+	}
+	res, err := d.send(r.Context(), id, req)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusOK, res)
+	return nil
+}
+
+func (d *Daemon) handleDeleteEmbedding(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	if err := d.reg.deleteEntry(id); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error {
+	var req api.ReceiveRequest
+	if err := decodeJSON(r, &req); err != nil {
+		return err
+	}
+	if err := api.CheckReqID(req.ReqID); err != nil {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%v", err)
+	}
+	if req.NBytes <= 0 {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: nbytes %d must be positive", req.ReqID, req.NBytes)
+	}
+	s, err := d.reg.newSlot(req.ReqID, req.NBytes)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusCreated, api.ReceiveSlot{
+		ReqID: req.ReqID, Session: d.advertise, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes,
+	})
+	return nil
+}
+
+func (d *Daemon) handleListReceives(w http.ResponseWriter, r *http.Request) error {
+	out := d.reg.receives()
+	for i := range out {
+		out[i].Session, out[i].ArenaFile = d.advertise, d.mem.Path()
+	}
+	writeJSON(w, http.StatusOK, out)
+	return nil
+}
+
+// handleGetReceive answers with the arrived bytes, or with the slot's
+// description (?format=json) for a client that reads them in place.
+func (d *Daemon) handleGetReceive(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	wait, err := parseWait(r)
+	if err != nil {
+		return err
+	}
+	asJSON := r.URL.Query().Get("format") == "json"
+	desc, data, release, err := d.reg.waitSlot(r.Context(), id, wait, !asJSON)
+	if err != nil {
+		return err
+	}
+	defer release()
+	if asJSON {
+		desc.Session, desc.ArenaFile = d.advertise, d.mem.Path()
+		writeJSON(w, http.StatusOK, desc)
+		return nil
+	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Length", strconv.Itoa(len(data)))
+	w.Header().Set(api.HeaderNBytes, strconv.Itoa(len(data)))
+	w.Header().Set(api.HeaderTag, strconv.FormatUint(uint64(desc.Tag), 10))
+	w.WriteHeader(http.StatusOK)
+	_, _ = w.Write(data)
+	return nil
+}
+
+func (d *Daemon) handleDeleteReceive(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	if err := d.reg.deleteSlot(id); err != nil {
+		return err
+	}
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (d *Daemon) handleListSessions(w http.ResponseWriter, r *http.Request) error {
+	writeJSON(w, http.StatusOK, d.sessions.list())
+	return nil
+}
+
+func (d *Daemon) handleDeleteSession(w http.ResponseWriter, r *http.Request) error {
+	id := r.PathValue("id")
+	if !d.sessions.remove(id) {
+		return apiErr(http.StatusNotFound, api.CodeNotFound, "no session %q: GET /v1/sessions lists them", id)
+	}
+	d.log.Info().Str("session", id).Msg("session torn down on request")
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+// newStdLogger routes net/http's own complaints (bad requests it rejects
+// itself) into the daemon's log.
+func newStdLogger(l zerolog.Logger) *log.Logger {
+	return log.New(l.Level(zerolog.WarnLevel).With().Str("component", "http").Logger(), "", 0)
+}

@@ -1,0 +1,510 @@
+package daemon
+
+import (
+	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"net/http"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/transport"
+)
+
+// entryState is where a staged entry is in its life.
+type entryState int
+
+const (
+	reserved  entryState = iota // zero-copy slice handed out, not committed
+	uploading                   // bytes being copied in from a PUT body
+	staged                      // ready to send
+	sending                     // a send owns it; delete and sweep wait
+)
+
+func (s entryState) String() string {
+	return [...]string{"reserved", "uploading", "staged", "sending"}[s]
+}
+
+// entry is one req_id on the sending side.
+type entry struct {
+	reqID  string
+	state  entryState
+	slice  arena.Slice
+	shape  []int64
+	dtype  string
+	nbytes int64
+	since  time.Time
+}
+
+// slot is one receive slot on the receiving side. Its memory goes back to
+// the arena only when it is freed and no write or read still holds it
+// (pins), so a late write can never land in a newer slot at the same
+// address.
+type slot struct {
+	reqID    string
+	slice    arena.Slice
+	addr     uint64
+	key      uint32
+	nbytes   int64
+	since    time.Time
+	pins     int
+	arrived  bool
+	received int64
+	tag      uint32
+	freed    bool
+}
+
+// registry holds the staged entries and receive slots over one arena. It is
+// the transports' Sink.
+type registry struct {
+	arena *arena.Arena
+
+	mu       sync.Mutex
+	entries  map[string]*entry
+	slots    map[string]*slot
+	byKey    map[uint32]*slot
+	changed  chan struct{} // closed and replaced on every change
+	stopping bool
+}
+
+func newRegistry(a *arena.Arena) *registry {
+	return &registry{
+		arena:   a,
+		entries: make(map[string]*entry),
+		slots:   make(map[string]*slot),
+		byKey:   make(map[uint32]*slot),
+		changed: make(chan struct{}),
+	}
+}
+
+// notify wakes every waiter; callers hold mu.
+func (r *registry) notify() {
+	close(r.changed)
+	r.changed = make(chan struct{})
+}
+
+// alloc takes arena memory, turning the allocator's refusal into the API's
+// 413 (can never fit) or 507 (does not fit now).
+func (r *registry) alloc(reqID string, n int64) (arena.Slice, error) {
+	s, err := r.arena.Alloc(n)
+	if err == nil {
+		return s, nil
+	}
+	if errors.Is(err, arena.ErrNoSpace) {
+		st := r.arena.Stats()
+		if n > st.Size {
+			return s, apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge,
+				"%s: %d bytes is larger than the whole arena (%d bytes): raise --arena-size", reqID, n, st.Size)
+		}
+		return s, apiErr(http.StatusInsufficientStorage, api.CodeArenaFull,
+			"%s: %v; free staged entries or receive slots you no longer need, or raise --arena-size", reqID, err)
+	}
+	return s, err
+}
+
+func (r *registry) free(s arena.Slice) {
+	// A failure here is a bookkeeping bug, never the client's doing.
+	if err := r.arena.Free(s); err != nil {
+		panic(fmt.Sprintf("ferryd: arena bookkeeping broken: %v", err))
+	}
+}
+
+// --- sending side ---
+
+func (r *registry) exists(reqID string) error {
+	if e, ok := r.entries[reqID]; ok {
+		return apiErr(http.StatusConflict, api.CodeExists,
+			"req_id %s is already %s: DELETE /v1/embeddings/%s first or use another req_id", reqID, e.state, reqID)
+	}
+	return nil
+}
+
+// reserve creates an entry in state st with n bytes of arena memory.
+func (r *registry) reserve(reqID string, n int64, shape []int64, dtype string, st entryState) (*entry, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return nil, errStopping
+	}
+	if err := r.exists(reqID); err != nil {
+		return nil, err
+	}
+	s, err := r.alloc(reqID, n)
+	if err != nil {
+		return nil, err
+	}
+	e := &entry{reqID: reqID, state: st, slice: s, shape: shape, dtype: dtype, nbytes: n, since: time.Now()}
+	r.entries[reqID] = e
+	return e, nil
+}
+
+// finishUpload makes an uploaded entry sendable, or drops it when the
+// upload failed.
+func (r *registry) finishUpload(e *entry, ok bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if ok {
+		e.state = staged
+		e.since = time.Now()
+	} else {
+		delete(r.entries, e.reqID)
+		r.free(e.slice)
+	}
+	r.notify()
+}
+
+// commit seals a reserved zero-copy slice with its shape and dtype.
+func (r *registry) commit(reqID string, shape []int64, dtype string) (*entry, error) {
+	n, canon, err := api.NBytes(shape, dtype)
+	if err != nil {
+		return nil, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
+	}
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	e, ok := r.entries[reqID]
+	if !ok {
+		return nil, apiErr(http.StatusNotFound, api.CodeNoEmbedding,
+			"no slice reserved for req_id %s: POST /v1/embeddings/%s/slice first", reqID, reqID)
+	}
+	if e.state != reserved {
+		return nil, apiErr(http.StatusConflict, api.CodeExists, "req_id %s is already %s, not a reserved slice", reqID, e.state)
+	}
+	if n != e.nbytes {
+		return nil, apiErr(http.StatusBadRequest, api.CodeBadRequest,
+			"%s: shape %s %s is %d bytes but the reserved slice is %d bytes", reqID, api.ShapeString(shape), canon, n, e.nbytes)
+	}
+	e.shape, e.dtype, e.state, e.since = shape, canon, staged, time.Now()
+	r.notify()
+	return e, nil
+}
+
+// takeForSend waits up to wait for reqID to be staged and claims it for a
+// send. The race the first seed lost (send before stage) is a wait here,
+// then a no_embedding error naming the req_id.
+// onWait runs once, when the send starts waiting.
+func (r *registry) takeForSend(ctx context.Context, reqID string, wait time.Duration, onWait func()) (*entry, error) {
+	deadline := time.NewTimer(wait)
+	defer deadline.Stop()
+	for first := true; ; first = false {
+		r.mu.Lock()
+		if r.stopping {
+			r.mu.Unlock()
+			return nil, errStopping
+		}
+		e, ok := r.entries[reqID]
+		if ok && e.state == staged {
+			e.state = sending
+			r.mu.Unlock()
+			return e, nil
+		}
+		if ok && e.state == sending {
+			r.mu.Unlock()
+			return nil, apiErr(http.StatusConflict, api.CodeBusy, "req_id %s is already being sent: wait for that send to finish", reqID)
+		}
+		changed := r.changed
+		r.mu.Unlock()
+		if first && wait > 0 {
+			onWait()
+		}
+
+		select {
+		case <-changed:
+			continue
+		case <-ctx.Done():
+		case <-deadline.C:
+		}
+		what := "nothing is staged under it"
+		if ok {
+			what = fmt.Sprintf("it is still %s (not committed)", e.state)
+		}
+		return nil, apiErr(http.StatusNotFound, api.CodeNoEmbedding,
+			"no embedding staged for req_id %s after waiting %s: %s; stage it (PUT /v1/embeddings/%s or slice+commit) before sending, or pass wait_ms to cover a stage that races the send",
+			reqID, wait, what, reqID)
+	}
+}
+
+// finishSend frees a sent entry, or keeps it staged for a retry.
+func (r *registry) finishSend(e *entry, sent bool) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if sent {
+		delete(r.entries, e.reqID)
+		r.free(e.slice)
+	} else {
+		e.state = staged
+	}
+	r.notify()
+}
+
+func (r *registry) deleteEntry(reqID string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	e, ok := r.entries[reqID]
+	if !ok {
+		return apiErr(http.StatusNotFound, api.CodeNoEmbedding, "no embedding staged for req_id %s", reqID)
+	}
+	if e.state == sending || e.state == uploading {
+		return apiErr(http.StatusConflict, api.CodeBusy, "req_id %s is %s: delete it once that finishes", reqID, e.state)
+	}
+	delete(r.entries, reqID)
+	r.free(e.slice)
+	r.notify()
+	return nil
+}
+
+func (r *registry) describe(e *entry) api.Embedding {
+	return api.Embedding{
+		ReqID: e.reqID, State: e.state.String(), Shape: e.shape, DType: e.dtype,
+		NBytes: e.nbytes, Offset: e.slice.Offset, Since: e.since,
+	}
+}
+
+func (r *registry) embedding(reqID string) (api.Embedding, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	e, ok := r.entries[reqID]
+	if !ok {
+		return api.Embedding{}, apiErr(http.StatusNotFound, api.CodeNoEmbedding, "no embedding staged for req_id %s", reqID)
+	}
+	return r.describe(e), nil
+}
+
+func (r *registry) embeddings() []api.Embedding {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]api.Embedding, 0, len(r.entries))
+	for _, e := range r.entries {
+		out = append(out, r.describe(e))
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ReqID < out[j].ReqID })
+	return out
+}
+
+// --- receiving side ---
+
+// newSlot allocates a receive slot with a fresh random key that no live
+// slot uses; the key is also the tag the sender's write carries.
+func (r *registry) newSlot(reqID string, n int64) (*slot, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return nil, errStopping
+	}
+	if _, ok := r.slots[reqID]; ok {
+		return nil, apiErr(http.StatusConflict, api.CodeExists,
+			"a receive slot for req_id %s already exists: DELETE /v1/receives/%s first or use another req_id", reqID, reqID)
+	}
+	sl, err := r.alloc(reqID, n)
+	if err != nil {
+		return nil, err
+	}
+	var key uint32
+	for key == 0 || r.byKey[key] != nil {
+		var b [4]byte
+		_, _ = rand.Read(b[:]) // crypto/rand.Read never fails on Linux
+		key = binary.LittleEndian.Uint32(b[:])
+	}
+	s := &slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), key: key, nbytes: n, since: time.Now()}
+	r.slots[reqID] = s
+	r.byKey[key] = s
+	return s, nil
+}
+
+// Accept implements transport.Sink.
+func (r *registry) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return nil, nil, &transport.Refusal{Code: transport.ShuttingDown, Message: "the receiving ferryd is shutting down"}
+	}
+	s := r.byKey[key]
+	if s == nil {
+		for _, o := range r.slots {
+			if addr >= o.addr && addr < o.addr+uint64(o.nbytes) {
+				return nil, nil, &transport.Refusal{Code: transport.BadKey,
+					Message: fmt.Sprintf("address %#x is in the receive slot of req_id %s, but key %d is not that slot's key", addr, o.reqID, key)}
+			}
+		}
+		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
+			Message: fmt.Sprintf("no live receive slot with key %d at address %#x: it was freed, timed out, or the receiver restarted; ask the receiver for a new slot", key, addr)}
+	}
+	end := addr + n
+	if addr < s.addr || end < addr || end > s.addr+uint64(s.nbytes) {
+		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds,
+			Message: fmt.Sprintf("a write of %d bytes at %#x does not fit the receive slot of req_id %s (%d bytes at %#x): the slot is too small for this embedding", n, addr, s.reqID, s.nbytes, s.addr)}
+	}
+	if s.arrived {
+		return nil, nil, &transport.Refusal{Code: transport.SlotBusy,
+			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data: ask the receiver for a new slot", s.reqID)}
+	}
+	s.pins++
+	off := addr - s.addr
+	dst := r.arena.Bytes(s.slice)[off : off+n]
+	done := func(err error) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		if err == nil && !s.freed {
+			s.arrived, s.received, s.tag = true, int64(off+n), tag
+			r.notify()
+		}
+		r.unpin(s)
+	}
+	return dst, done, nil
+}
+
+// unpin drops a hold on s and returns its memory once it is freed and
+// unheld; callers hold mu.
+func (r *registry) unpin(s *slot) {
+	s.pins--
+	if s.freed && s.pins == 0 {
+		r.free(s.slice)
+	}
+}
+
+func (r *registry) describeSlot(s *slot) api.Receive {
+	return api.Receive{
+		ReceiveSlot: api.ReceiveSlot{ReqID: s.reqID, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes},
+		Arrived:     s.arrived, Received: s.received, Tag: s.tag, Offset: s.slice.Offset, Since: s.since,
+	}
+}
+
+// waitSlot waits up to wait for reqID's data to arrive. With pin, the slot
+// is returned pinned (its bytes stay valid until release).
+func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duration, pin bool) (api.Receive, []byte, func(), error) {
+	deadline := time.NewTimer(wait)
+	defer deadline.Stop()
+	for {
+		r.mu.Lock()
+		if r.stopping {
+			r.mu.Unlock()
+			return api.Receive{}, nil, nil, errStopping
+		}
+		s, ok := r.slots[reqID]
+		if !ok {
+			r.mu.Unlock()
+			return api.Receive{}, nil, nil, apiErr(http.StatusNotFound, api.CodeNotFound,
+				"no receive slot for req_id %s: POST /v1/receives first (it may have been freed or timed out)", reqID)
+		}
+		if s.arrived || wait == 0 {
+			desc := r.describeSlot(s)
+			var data []byte
+			release := func() {}
+			if s.arrived && pin {
+				s.pins++
+				data = r.arena.Bytes(s.slice)[:s.received]
+				release = func() {
+					r.mu.Lock()
+					defer r.mu.Unlock()
+					r.unpin(s)
+				}
+			}
+			r.mu.Unlock()
+			if !desc.Arrived && pin {
+				return desc, nil, nil, apiErr(http.StatusGatewayTimeout, api.CodeTimeout,
+					"req_id %s: no data has arrived in its receive slot yet: pass ?wait=30s to wait for it", reqID)
+			}
+			return desc, data, release, nil
+		}
+		changed := r.changed
+		r.mu.Unlock()
+		select {
+		case <-changed:
+			continue
+		case <-ctx.Done():
+		case <-deadline.C:
+		}
+		return api.Receive{}, nil, nil, apiErr(http.StatusGatewayTimeout, api.CodeTimeout,
+			"req_id %s: nothing arrived in its receive slot within %s: check the sender, or wait again", reqID, wait)
+	}
+}
+
+// removeSlot takes s out of the tables; its memory follows once unpinned.
+// Callers hold mu.
+func (r *registry) removeSlot(s *slot) {
+	delete(r.slots, s.reqID)
+	delete(r.byKey, s.key)
+	s.freed = true
+	s.pins++
+	r.unpin(s)
+	r.notify()
+}
+
+func (r *registry) deleteSlot(reqID string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	s, ok := r.slots[reqID]
+	if !ok {
+		return apiErr(http.StatusNotFound, api.CodeNotFound, "no receive slot for req_id %s", reqID)
+	}
+	r.removeSlot(s)
+	return nil
+}
+
+func (r *registry) receives() []api.Receive {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]api.Receive, 0, len(r.slots))
+	for _, s := range r.slots {
+		out = append(out, r.describeSlot(s))
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ReqID < out[j].ReqID })
+	return out
+}
+
+// counts returns how many entries and slots are live.
+func (r *registry) counts() (entries, slots int) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return len(r.entries), len(r.slots)
+}
+
+// dropped is one thing the TTL sweep took away.
+type dropped struct {
+	kind   string // "staged" or "receive"
+	reqID  string
+	state  string
+	nbytes int64
+	age    time.Duration
+}
+
+// sweep drops entries and slots older than their TTLs. Entries being sent
+// or uploaded are left alone: their owners will finish them.
+func (r *registry) sweep(now time.Time, stageTTL, receiveTTL time.Duration) []dropped {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	var out []dropped
+	for id, e := range r.entries {
+		if (e.state == staged || e.state == reserved) && now.Sub(e.since) > stageTTL {
+			delete(r.entries, id)
+			r.free(e.slice)
+			out = append(out, dropped{"staged", id, e.state.String(), e.nbytes, now.Sub(e.since)})
+		}
+	}
+	for _, s := range r.slots {
+		if now.Sub(s.since) > receiveTTL {
+			state := "waiting"
+			if s.arrived {
+				state = "arrived"
+			}
+			out = append(out, dropped{"receive", s.reqID, state, s.nbytes, now.Sub(s.since)})
+			r.removeSlot(s)
+		}
+	}
+	if len(out) > 0 {
+		r.notify()
+	}
+	return out
+}
+
+// stop refuses new work from now on and wakes every waiter.
+func (r *registry) stop() {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.stopping = true
+	r.notify()
+}

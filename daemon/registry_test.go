@@ -1,0 +1,262 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/transport"
+)
+
+func newTestRegistry(t *testing.T, size int64) *registry {
+	t.Helper()
+	mem, err := arena.CreateHostFile(filepath.Join(t.TempDir(), "arena"), size)
+	if err != nil {
+		t.Fatal(err)
+	}
+	a, err := arena.New(mem, arenaAlign)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { a.Close() })
+	return newRegistry(a)
+}
+
+func refusalCode(t *testing.T, err error) transport.Code {
+	t.Helper()
+	var r *transport.Refusal
+	if !errors.As(err, &r) {
+		t.Fatalf("want a refusal, got %v", err)
+	}
+	return r.Code
+}
+
+// A slot freed while a write is landing keeps its memory until the write
+// ends, so a newer slot never shares those bytes; the late write does not
+// mark anything arrived.
+func TestFreedSlotKeepsMemoryUntilWriteEnds(t *testing.T) {
+	r := newTestRegistry(t, 4096)
+	a, err := r.newSlot("a", 1024)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst, done, err := r.Accept(a.addr, 1024, a.key, a.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.deleteSlot("a"); err != nil {
+		t.Fatal(err)
+	}
+	// New writes to the freed slot are refused at once.
+	if _, _, err := r.Accept(a.addr, 1024, a.key, a.key); refusalCode(t, err) != transport.NoSlot {
+		t.Fatalf("write to a freed slot: %v", err)
+	}
+	// Fill the rest of the arena: none of it may overlap a's pinned bytes.
+	var others []*slot
+	for i := 0; ; i++ {
+		s, err := r.newSlot("b"+string(rune('0'+i)), 1024)
+		if err != nil {
+			if !isCode(err, api.CodeArenaFull) {
+				t.Fatal(err)
+			}
+			break
+		}
+		if s.addr < a.addr+1024 && a.addr < s.addr+1024 {
+			t.Fatalf("slot %s at %#x overlaps the freed slot still being written at %#x", s.reqID, s.addr, a.addr)
+		}
+		others = append(others, s)
+	}
+	if len(others) != 3 {
+		t.Fatalf("want 3 more slots beside the pinned one, got %d", len(others))
+	}
+	for i := range dst {
+		dst[i] = 0xAB
+	}
+	done(nil)
+	for _, s := range others {
+		if s.arrived {
+			t.Fatalf("a late write marked %s arrived", s.reqID)
+		}
+	}
+	// Now a's memory is back.
+	if _, err := r.newSlot("c", 1024); err != nil {
+		t.Fatalf("memory of the freed slot did not come back after its write ended: %v", err)
+	}
+}
+
+func TestAcceptRefusals(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	s, err := r.newSlot("r", 1000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	cases := []struct {
+		name      string
+		addr, n   uint64
+		key       uint32
+		want      transport.Code
+		mentioned string
+	}{
+		{"wrong key inside a slot", s.addr, 10, s.key + 1, transport.BadKey, "req_id r"},
+		{"no slot", s.addr + 1<<15, 10, s.key + 1, transport.NoSlot, "no live receive slot"},
+		{"past the end", s.addr + 990, 11, s.key, transport.OutOfBounds, "too small"},
+		{"before the start", s.addr - 1, 1, s.key, transport.OutOfBounds, "too small"},
+		{"wrapping length", s.addr, ^uint64(0), s.key, transport.OutOfBounds, "too small"},
+	}
+	for _, c := range cases {
+		_, _, err := r.Accept(c.addr, c.n, c.key, 0)
+		if got := refusalCode(t, err); got != c.want {
+			t.Errorf("%s: got %s, want %s (%v)", c.name, got, c.want, err)
+		}
+	}
+	// A filled slot refuses a second write.
+	_, done, err := r.Accept(s.addr, 1000, s.key, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done(nil)
+	if _, _, err := r.Accept(s.addr, 1000, s.key, 7); refusalCode(t, err) != transport.SlotBusy {
+		t.Fatalf("second write into a filled slot: %v", err)
+	}
+	desc, data, release, err := r.waitSlot(context.Background(), "r", 0, true)
+	if err != nil || !desc.Arrived || desc.Tag != 7 || len(data) != 1000 {
+		t.Fatalf("arrived slot: %+v, %d bytes, %v", desc, len(data), err)
+	}
+	release()
+}
+
+// A failed write leaves the slot open for the retry.
+func TestFailedWriteLeavesSlotOpen(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	s, _ := r.newSlot("r", 100)
+	_, done, err := r.Accept(s.addr, 100, s.key, s.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done(errors.New("connection reset"))
+	_, done, err = r.Accept(s.addr, 100, s.key, s.key)
+	if err != nil {
+		t.Fatalf("retry after a failed write refused: %v", err)
+	}
+	done(nil)
+}
+
+func TestTakeForSendWaitsForStage(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	waiting := make(chan struct{})
+	got := make(chan error, 1)
+	go func() {
+		e, err := r.takeForSend(context.Background(), "x", time.Minute, func() { close(waiting) })
+		if err == nil && e.state != sending {
+			err = errors.New("entry not claimed for sending")
+		}
+		got <- err
+	}()
+	<-waiting
+	e, err := r.reserve("x", 64, []int64{64}, "u8", uploading)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r.finishUpload(e, true)
+	if err := <-got; err != nil {
+		t.Fatal(err)
+	}
+	// While it is sending, a second send and a delete are refused.
+	if _, err := r.takeForSend(context.Background(), "x", 0, func() {}); !isCode(err, api.CodeBusy) {
+		t.Fatalf("second send: %v", err)
+	}
+	if err := r.deleteEntry("x"); !isCode(err, api.CodeBusy) {
+		t.Fatalf("delete while sending: %v", err)
+	}
+	r.finishSend(e, false)
+	if st := r.entries["x"].state; st != staged {
+		t.Fatalf("failed send left the entry %s, want staged", st)
+	}
+}
+
+func TestTakeForSendTimesOutNamingReqID(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	if _, err := r.reserve("z", 64, nil, "", reserved); err != nil {
+		t.Fatal(err)
+	}
+	_, err := r.takeForSend(context.Background(), "z", time.Millisecond, func() {})
+	if !isCode(err, api.CodeNoEmbedding) || !contains(err.Error(), "z", "not committed") {
+		t.Fatalf("send of an uncommitted slice: %v", err)
+	}
+}
+
+func TestSweepDropsOnlyIdleOldEntries(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	old, _ := r.reserve("old", 64, []int64{64}, "u8", uploading)
+	r.finishUpload(old, true)
+	busy, _ := r.reserve("busy", 64, []int64{64}, "u8", uploading)
+	r.finishUpload(busy, true)
+	if _, err := r.takeForSend(context.Background(), "busy", 0, func() {}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.newSlot("slot", 64); err != nil {
+		t.Fatal(err)
+	}
+	out := r.sweep(time.Now().Add(time.Hour), time.Minute, time.Minute)
+	names := map[string]bool{}
+	for _, d := range out {
+		names[d.reqID] = true
+	}
+	if !names["old"] || !names["slot"] || names["busy"] || len(out) != 2 {
+		t.Fatalf("sweep dropped %+v", out)
+	}
+	if st := r.arena.Stats(); st.Used != 256 {
+		t.Fatalf("after the sweep %d bytes are used; want only the sending entry's 256", st.Used)
+	}
+}
+
+func TestConcurrentSlotsAndWrites(t *testing.T) {
+	r := newTestRegistry(t, 1<<20)
+	var wg sync.WaitGroup
+	for g := range 8 {
+		wg.Add(1)
+		go func(g int) {
+			defer wg.Done()
+			for i := range 200 {
+				id := "g" + string(rune('a'+g)) + "-" + string(rune('a'+i%26)) + string(rune('a'+i/26))
+				s, err := r.newSlot(id, 512)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				dst, done, err := r.Accept(s.addr, 512, s.key, s.key)
+				if err != nil {
+					t.Error(err)
+					return
+				}
+				dst[0] = byte(i)
+				if i%2 == 0 {
+					_ = r.deleteSlot(id) // freed mid-write
+				}
+				done(nil)
+				if i%2 == 1 {
+					_ = r.deleteSlot(id)
+				}
+			}
+		}(g)
+	}
+	wg.Wait()
+	if st := r.arena.Stats(); st.Used != 0 || len(r.slots) != 0 || len(r.byKey) != 0 {
+		t.Fatalf("leak: %+v, %d slots, %d keys", st, len(r.slots), len(r.byKey))
+	}
+}
+
+func contains(s string, subs ...string) bool {
+	for _, x := range subs {
+		if !strings.Contains(s, x) {
+			return false
+		}
+	}
+	return true
+}

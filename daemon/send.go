@@ -1,0 +1,148 @@
+package daemon
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"syscall"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/transport"
+)
+
+// maxWait bounds wait_ms and ?wait=: a client that wants longer asks again.
+const maxWait = 10 * time.Minute
+
+// checkSession validates a peer address ("host:port").
+func checkSession(s string) error {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil || host == "" {
+		return fmt.Errorf("session %q is not host:port of a peer ferryd (e.g. 10.0.0.5:%d): use the session the receiver's POST /v1/receives returned", s, api.DefaultPeerPort)
+	}
+	if p, err := strconv.ParseUint(port, 10, 16); err != nil || p == 0 {
+		return fmt.Errorf("session %q: port %q is not a port number from 1 to 65535", s, port)
+	}
+	return nil
+}
+
+// send carries out DESIGN.md data flow 4 for one req_id: take the staged
+// entry (waiting wait_ms for a racing stage), write it to the peer's slot,
+// and on a broken path tear the session down, re-dial and retry
+// SendRetries times. The entry is freed only after a completed write; on
+// any failure it stays staged for the client to retry or delete.
+func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (api.SendResult, error) {
+	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name(), SharedMR: true}
+	if err := checkSession(req.Session); err != nil {
+		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
+	}
+	if req.BufferAddress == 0 {
+		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest,
+			"%s: buffer_address is missing: use the buffer_address the receiver's POST /v1/receives returned", reqID)
+	}
+	wait := time.Duration(req.WaitMS) * time.Millisecond
+	if req.WaitMS < 0 || wait > maxWait {
+		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: wait_ms %d is outside 0..%d", reqID, req.WaitMS, maxWait.Milliseconds())
+	}
+
+	e, err := d.reg.takeForSend(ctx, reqID, wait, func() {
+		d.log.Debug().Str("req_id", reqID).Dur("wait", wait).Msg("send waiting for its req_id to be staged")
+	})
+	if err != nil {
+		if isCode(err, api.CodeNoEmbedding) {
+			d.metrics.transfers.WithLabelValues(d.tr.Name(), "no_embedding").Inc()
+		}
+		return res, err
+	}
+	res.NBytes = e.nbytes
+	sent := false
+	defer func() { d.reg.finishSend(e, sent) }()
+
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout)
+	defer cancel()
+	w := transport.Write{Src: d.arena.Bytes(e.slice), Remote: req.BufferAddress, Key: req.Key, Tag: req.Key}
+	start := time.Now()
+	var lastErr error
+	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
+		res.Attempts = attempt
+		sess, p, err := d.sessions.get(ctx, req.Session)
+		if err == nil {
+			err = sess.Write(ctx, w)
+			p.outcome(err)
+		}
+		if err == nil {
+			sent = true
+			break
+		}
+		lastErr = err
+		if transport.IsRefusal(err) {
+			d.metrics.transfers.WithLabelValues(d.tr.Name(), "refused").Inc()
+			return res, apiErr(http.StatusBadRequest, api.CodeRefused,
+				"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept",
+				reqID, req.Session, e.nbytes, req.BufferAddress, err)
+		}
+		d.metrics.sessionFailures.WithLabelValues(req.Session).Inc()
+		p.teardown(sess)
+		if ctx.Err() != nil {
+			break
+		}
+		if attempt <= d.cfg.SendRetries {
+			d.log.Warn().Str("req_id", reqID).Str("session", req.Session).Int("attempt", attempt).
+				Str("ret", retCode(err)).Err(err).Msg("write failed; session torn down, re-dialing and retrying")
+		}
+	}
+	elapsed := time.Since(start)
+	res.Millis = float64(elapsed.Microseconds()) / 1000
+	if !sent {
+		d.metrics.transfers.WithLabelValues(d.tr.Name(), "failed").Inc()
+		return res, apiErr(http.StatusBadGateway, api.CodeTransferFailed,
+			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend when the peer is back, or DELETE /v1/embeddings/%s",
+			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, reqID)
+	}
+	if elapsed > 0 {
+		res.GBps = float64(e.nbytes) / elapsed.Seconds() / 1e9
+	}
+	d.metrics.transfers.WithLabelValues(d.tr.Name(), "ok").Inc()
+	d.metrics.transferBytes.WithLabelValues(d.tr.Name()).Add(float64(e.nbytes))
+	d.metrics.transferSeconds.WithLabelValues(d.tr.Name()).Observe(elapsed.Seconds())
+	if elapsed > d.slowThreshold() || !res.SharedMR {
+		if elapsed > d.slowThreshold() {
+			d.metrics.slowTransfers.WithLabelValues(d.tr.Name()).Inc()
+		}
+		d.log.Info().Str("req_id", reqID).Str("session", req.Session).Int64("nbytes", e.nbytes).
+			Float64("ms", res.Millis).Str("transport", d.tr.Name()).Bool("shared_mr", res.SharedMR).
+			Int("attempts", res.Attempts).Msg("slow transfer")
+	}
+	return res, nil
+}
+
+// retCode names the failure the way an operator greps for it: the errno
+// (ECONNREFUSED, ECONNRESET, EPIPE), "timeout", "eof" or "error".
+func retCode(err error) string {
+	var errno syscall.Errno
+	var nerr net.Error
+	switch {
+	case err == nil:
+		return "0"
+	case errors.As(err, &errno):
+		if name := unix.ErrnoName(errno); name != "" {
+			return name
+		}
+		return "errno " + strconv.Itoa(int(errno))
+	case errors.Is(err, context.DeadlineExceeded), errors.Is(err, os.ErrDeadlineExceeded),
+		errors.As(err, &nerr) && nerr.Timeout():
+		return "timeout"
+	case errors.Is(err, io.EOF), errors.Is(err, io.ErrUnexpectedEOF):
+		return "eof"
+	case errors.Is(err, transport.ErrClosed):
+		return "closed"
+	}
+	return "error"
+}

@@ -1,0 +1,153 @@
+package daemon
+
+import (
+	"context"
+	"fmt"
+	"sort"
+	"sync"
+	"time"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/transport"
+)
+
+// peer is the daemon's record of one peer daemon: the live session, if
+// any, and counters that outlive teardowns so an operator sees the history.
+type peer struct {
+	addr string
+
+	dialMu sync.Mutex // one dial at a time per peer
+
+	mu       sync.Mutex
+	sess     transport.Session
+	dialedAt time.Time
+	sends    uint64
+	failures uint64
+	lastErr  string
+}
+
+// sessions is the table of peers, keyed by their "host:port".
+type sessions struct {
+	tr transport.Transport
+
+	mu    sync.Mutex
+	peers map[string]*peer
+}
+
+func newSessions(tr transport.Transport) *sessions {
+	return &sessions{tr: tr, peers: make(map[string]*peer)}
+}
+
+// get returns the live session to addr, dialing one if there is none.
+// A peer is recorded only once a dial to it has succeeded, so mistyped
+// addresses leave nothing behind.
+func (s *sessions) get(ctx context.Context, addr string) (transport.Session, *peer, error) {
+	s.mu.Lock()
+	p := s.peers[addr]
+	if p == nil {
+		p = &peer{addr: addr}
+	}
+	s.mu.Unlock()
+
+	p.dialMu.Lock()
+	defer p.dialMu.Unlock()
+	p.mu.Lock()
+	sess := p.sess
+	p.mu.Unlock()
+	if sess != nil {
+		return sess, p, nil
+	}
+	sess, err := s.tr.Dial(ctx, addr)
+	if err != nil {
+		return nil, p, err
+	}
+	p.mu.Lock()
+	p.sess, p.dialedAt = sess, time.Now()
+	p.mu.Unlock()
+	s.mu.Lock()
+	s.peers[addr] = p
+	s.mu.Unlock()
+	return sess, p, nil
+}
+
+// outcome records a send's result against p.
+func (p *peer) outcome(err error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.sends++
+	if err != nil {
+		p.failures++
+		p.lastErr = err.Error()
+	}
+}
+
+// teardown closes sess if it is still p's session (a racing send may have
+// re-dialed already; that fresh session stays).
+func (p *peer) teardown(sess transport.Session) {
+	p.mu.Lock()
+	if sess == nil || p.sess != sess {
+		p.mu.Unlock()
+		return
+	}
+	p.sess = nil
+	p.mu.Unlock()
+	_ = sess.Close()
+}
+
+func (p *peer) describe(transportName string) api.Session {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	d := api.Session{
+		ID: p.addr, Peer: p.addr, Transport: transportName, State: "down",
+		Sends: p.sends, Failures: p.failures, LastError: p.lastErr,
+	}
+	if p.sess != nil {
+		d.State = "connected"
+		d.DialedAt = p.dialedAt
+		d.PeerInstance = fmt.Sprintf("%016x", p.sess.PeerInstance())
+	}
+	return d
+}
+
+func (s *sessions) list() []api.Session {
+	s.mu.Lock()
+	peers := make([]*peer, 0, len(s.peers))
+	for _, p := range s.peers {
+		peers = append(peers, p)
+	}
+	s.mu.Unlock()
+	out := make([]api.Session, 0, len(peers))
+	for _, p := range peers {
+		out = append(out, p.describe(s.tr.Name()))
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
+	return out
+}
+
+// remove tears down and forgets the peer with this id.
+func (s *sessions) remove(id string) bool {
+	s.mu.Lock()
+	p, ok := s.peers[id]
+	delete(s.peers, id)
+	s.mu.Unlock()
+	if ok {
+		p.mu.Lock()
+		sess := p.sess
+		p.mu.Unlock()
+		p.teardown(sess)
+	}
+	return ok
+}
+
+// closeAll tears every session down (shutdown).
+func (s *sessions) closeAll() {
+	s.mu.Lock()
+	ids := make([]string, 0, len(s.peers))
+	for id := range s.peers {
+		ids = append(ids, id)
+	}
+	s.mu.Unlock()
+	for _, id := range ids {
+		s.remove(id)
+	}
+}

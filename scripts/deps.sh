@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Installs the system packages ferry's build, demo and tests need on a
+# Debian machine. A no-op when everything is present.
+set -euo pipefail
+export PATH="$PATH:/usr/local/go/bin"
+
+if ! command -v go >/dev/null; then
+  echo "deps: Go is not installed: install Go $(sed -n 's/^go //p' go.mod) or newer from go.dev/dl into /usr/local/go" >&2
+  exit 1
+fi
+
+need=()
+command -v gcc >/dev/null || need+=(gcc libc6-dev)   # cgo and the race detector
+command -v ip >/dev/null || need+=(iproute2)         # network-namespace tests
+command -v cmp >/dev/null || need+=(diffutils)       # the demo's byte check
+if ((${#need[@]})); then
+  if [[ $(id -u) -ne 0 ]]; then
+    echo "deps: missing packages ${need[*]}: run 'sudo make deps' or apt-get install -y ${need[*]}" >&2
+    exit 1
+  fi
+  echo "deps: installing ${need[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi

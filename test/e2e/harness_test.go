@@ -1,0 +1,199 @@
+// Package e2e runs real ferryd processes on loopback (and in network
+// namespaces it creates) and drives them through the Go client and ferryctl.
+package e2e
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/client"
+)
+
+// bin holds the binaries TestMain built for this run.
+var bin string
+
+func TestMain(m *testing.M) {
+	dir, err := os.MkdirTemp("", "ferry-e2e-bin-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	bin = dir
+	args := []string{"build", "-o", dir + "/"}
+	if os.Getenv("FERRY_E2E_RACE") == "1" {
+		args = append(args, "-race")
+	}
+	build := exec.Command("go", append(args, "../../cmd/ferryd", "../../cmd/ferryctl")...)
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building ferryd and ferryctl:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+// logLines collects a daemon's JSON log lines and lets tests wait for one.
+type logLines struct {
+	mu      sync.Mutex
+	lines   []map[string]any
+	raw     []string
+	changed chan struct{}
+	done    chan struct{}
+}
+
+func newLogLines(r io.Reader) *logLines {
+	l := &logLines{changed: make(chan struct{}), done: make(chan struct{})}
+	go func() {
+		defer close(l.done)
+		sc := bufio.NewScanner(r)
+		sc.Buffer(make([]byte, 64<<10), 1<<20)
+		for sc.Scan() {
+			var m map[string]any
+			_ = json.Unmarshal(sc.Bytes(), &m)
+			l.mu.Lock()
+			l.lines = append(l.lines, m)
+			l.raw = append(l.raw, sc.Text())
+			close(l.changed)
+			l.changed = make(chan struct{})
+			l.mu.Unlock()
+		}
+	}()
+	return l
+}
+
+// wait returns the first line that match accepts, failing the test if
+// none comes within timeout.
+func (l *logLines) wait(t *testing.T, timeout time.Duration, what string, match func(map[string]any) bool) map[string]any {
+	t.Helper()
+	deadline := time.After(timeout)
+	seen := 0
+	for {
+		l.mu.Lock()
+		for ; seen < len(l.lines); seen++ {
+			if m := l.lines[seen]; m != nil && match(m) {
+				l.mu.Unlock()
+				return m
+			}
+		}
+		ch := l.changed
+		l.mu.Unlock()
+		select {
+		case <-ch:
+		case <-l.done:
+			l.mu.Lock()
+			n := len(l.lines)
+			l.mu.Unlock()
+			if seen == n {
+				t.Fatalf("ferryd exited before logging %s; its log:\n%s", what, l.dump())
+			}
+		case <-deadline:
+			t.Fatalf("no log line %s within %s; log so far:\n%s", what, timeout, l.dump())
+		}
+	}
+}
+
+func (l *logLines) dump() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Join(l.raw, "\n")
+}
+
+// msg matches a log line by its message.
+func msg(m string) func(map[string]any) bool {
+	return func(line map[string]any) bool { return line["message"] == m }
+}
+
+// daemon is one ferryd process.
+type daemon struct {
+	t         *testing.T
+	cmd       *exec.Cmd
+	socket    string
+	advertise string
+	listen    string
+	log       *logLines
+	c         *client.Client
+	exited    chan struct{}
+}
+
+// startDaemon runs ferryd with a socket in dir and the given extra flags
+// (the defaults put its peer port on 127.0.0.1:0), waits for its "ready"
+// line, and stops it by PID at the end of the test.
+func startDaemon(t *testing.T, dir, name string, extra ...string) *daemon {
+	t.Helper()
+	return startDaemonIn(t, nil, dir, name, extra...)
+}
+
+// startDaemonIn is startDaemon with a command prefix (e.g. "ip netns exec ns").
+func startDaemonIn(t *testing.T, prefix []string, dir, name string, extra ...string) *daemon {
+	t.Helper()
+	sock := filepath.Join(dir, name+".sock")
+	args := []string{"--socket", sock, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug"}
+	args = append(args, extra...)
+	argv := append(append(append([]string{}, prefix...), filepath.Join(bin, "ferryd")), args...)
+	cmd := exec.Command(argv[0], argv[1:]...)
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	d := &daemon{t: t, cmd: cmd, socket: sock, log: newLogLines(stderr), exited: make(chan struct{})}
+	go func() { _ = cmd.Wait(); close(d.exited) }()
+	t.Cleanup(d.stop)
+	ready := d.log.wait(t, 20*time.Second, `"ready"`, msg("ready"))
+	d.advertise, _ = ready["advertise"].(string)
+	d.listen, _ = ready["listen"].(string)
+	d.c = &client.Client{Socket: sock}
+	return d
+}
+
+// stop ends the daemon by PID: SIGTERM, then SIGKILL if it outstays 10 s.
+func (d *daemon) stop() {
+	select {
+	case <-d.exited:
+		return
+	default:
+	}
+	_ = d.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-d.exited:
+	case <-time.After(10 * time.Second):
+		d.t.Errorf("ferryd pid %d ignored SIGTERM for 10s; killing it", d.cmd.Process.Pid)
+		_ = d.cmd.Process.Kill()
+		<-d.exited
+	}
+}
+
+// kill ends the daemon with SIGKILL, as a crash would.
+func (d *daemon) kill() {
+	_ = d.cmd.Process.Kill()
+	<-d.exited
+}
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+// alive checks that the daemon still answers status.
+func (d *daemon) alive(t *testing.T) {
+	t.Helper()
+	if _, err := d.c.Status(ctxT(t)); err != nil {
+		t.Fatalf("ferryd stopped answering status: %v\nlog:\n%s", err, d.log.dump())
+	}
+}
