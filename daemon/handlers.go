@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -87,11 +88,23 @@ func noRoute(mux *http.ServeMux, r *http.Request) error {
 	return apiErr(http.StatusNotFound, api.CodeNotFound, "no API route %s %s: see docs/api.md", r.Method, r.URL.Path)
 }
 
+// reqLogKey carries, in a request's context, the req_id its handler found
+// (in the path or the body), so the request's log line can name it.
+type reqLogKey struct{}
+
+func noteReqID(r *http.Request, id string) {
+	if p, ok := r.Context().Value(reqLogKey{}).(*string); ok {
+		*p = id
+	}
+}
+
 // wrap turns a handler's error into the one error envelope, logs failed
 // requests at WARN with their req_id, and every request at DEBUG.
 func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
+		var id string
+		r = r.WithContext(context.WithValue(r.Context(), reqLogKey{}, &id))
 		err := h(w, r)
 		ev := d.log.Debug()
 		if err != nil {
@@ -100,7 +113,10 @@ func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Han
 			writeJSON(w, ae.status, api.ErrorBody{Error: api.Error{Code: ae.code, Message: ae.msg}})
 			ev = d.log.Warn().Int("status", ae.status).Str("code", ae.code).Str("error", ae.msg)
 		}
-		if id := r.PathValue("req_id"); id != "" {
+		if id == "" {
+			id = r.PathValue("req_id")
+		}
+		if id != "" {
 			ev = ev.Str("req_id", id)
 		}
 		ev.Str("method", r.Method).Str("path", r.URL.Path).Dur("took", time.Since(start)).Msg("request")
@@ -134,6 +150,7 @@ func decodeJSON(r *http.Request, v any) error {
 // reqID reads and checks the {req_id} path segment.
 func reqID(r *http.Request) (string, error) {
 	id := r.PathValue("req_id")
+	noteReqID(r, id)
 	if err := api.CheckReqID(id); err != nil {
 		return "", apiErr(http.StatusBadRequest, api.CodeBadRequest, "%v", err)
 	}
@@ -335,6 +352,7 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 	if err := decodeJSON(r, &req); err != nil {
 		return err
 	}
+	noteReqID(r, req.ReqID)
 	if err := api.CheckReqID(req.ReqID); err != nil {
 		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%v", err)
 	}

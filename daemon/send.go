@@ -112,13 +112,19 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	d.metrics.transfers.WithLabelValues(d.tr.Name(), "ok").Inc()
 	d.metrics.transferBytes.WithLabelValues(d.tr.Name()).Add(float64(e.nbytes))
 	d.metrics.transferSeconds.WithLabelValues(d.tr.Name()).Observe(elapsed.Seconds())
-	if elapsed > d.slowThreshold() || !res.SharedMR {
-		if elapsed > d.slowThreshold() {
-			d.metrics.slowTransfers.WithLabelValues(d.tr.Name()).Inc()
+	slow := elapsed > d.slowThreshold()
+	if slow {
+		d.metrics.slowTransfers.WithLabelValues(d.tr.Name()).Inc()
+	}
+	// The seeds' line: slow transfers and per-send registrations, at INFO.
+	if slow || !res.SharedMR {
+		what := "slow transfer"
+		if !slow {
+			what = "transfer with a per-send registration"
 		}
 		d.log.Info().Str("req_id", reqID).Str("session", req.Session).Int64("nbytes", e.nbytes).
 			Float64("ms", res.Millis).Str("transport", d.tr.Name()).Bool("shared_mr", res.SharedMR).
-			Int("attempts", res.Attempts).Msg("slow transfer")
+			Int("attempts", res.Attempts).Msg(what)
 	}
 	return res, nil
 }

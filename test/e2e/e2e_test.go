@@ -50,6 +50,13 @@ func wantErr(t *testing.T, err error, status int, code string, names ...string) 
 	}
 }
 
+// warnFor matches the WARN line a failed request logs.
+func warnFor(reqID, code string) func(map[string]any) bool {
+	return func(m map[string]any) bool {
+		return m["level"] == "warn" && m["req_id"] == reqID && m["code"] == code
+	}
+}
+
 var embShape = []int64{16, 4096}
 
 const embBytes = 16 * 4096 * 2 // bf16
@@ -167,6 +174,7 @@ func TestSendBeforeStageNamesReqID(t *testing.T) {
 	snd, rcv := pair(t)
 	_, err := snd.c.Send(ctxT(t), "never-staged", slotFor(t, rcv, "x", 64))
 	wantErr(t, err, 404, api.CodeNoEmbedding, "never-staged")
+	snd.log.wait(t, 5*time.Second, "a WARN naming the req_id", warnFor("never-staged", api.CodeNoEmbedding))
 	snd.alive(t)
 }
 
@@ -309,6 +317,8 @@ func TestBadInputGetsClearErrorsAndDaemonStaysUp(t *testing.T) {
 		_, err = rcv.c.Receive(ctx, "dupslot", 10)
 	}
 	wantErr(t, err, 409, api.CodeExists, "dupslot")
+	// A req_id carried in the body is named in the WARN line too.
+	rcv.log.wait(t, 5*time.Second, "a WARN naming dupslot", warnFor("dupslot", api.CodeExists))
 
 	// Slot too small → 400 naming both sizes, staged data kept.
 	_, err = snd.c.Send(ctx, "dup", slotFor(t, rcv, "tiny", 512))
