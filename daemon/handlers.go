@@ -249,7 +249,7 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	got, err := io.ReadFull(r.Body, d.arena.Bytes(e.slice))
+	got, err := d.readBody(w, r.Body, d.arena.Bytes(e.slice))
 	if err == nil {
 		var extra [1]byte
 		if k, _ := r.Body.Read(extra[:]); k > 0 {
@@ -266,6 +266,27 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	e2, _ := d.reg.embedding(id)
 	writeJSON(w, http.StatusCreated, e2)
 	return nil
+}
+
+// uploadChunk is how much of an upload body must arrive within one
+// --io-timeout: a stalled client cannot pin an uploading entry forever.
+const uploadChunk = 4 << 20
+
+// readBody fills dst from body, chunk by chunk, each under a fresh read
+// deadline.
+func (d *Daemon) readBody(w http.ResponseWriter, body io.Reader, dst []byte) (int, error) {
+	rc := http.NewResponseController(w)
+	defer rc.SetReadDeadline(time.Time{})
+	got := 0
+	for got < len(dst) {
+		_ = rc.SetReadDeadline(time.Now().Add(d.cfg.IOTimeout))
+		n, err := io.ReadFull(body, dst[got:min(got+uploadChunk, len(dst))])
+		got += n
+		if err != nil {
+			return got, err
+		}
+	}
+	return got, nil
 }
 
 // handleSlice reserves an arena slice for zero-copy staging.

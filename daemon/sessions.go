@@ -39,34 +39,40 @@ func newSessions(tr transport.Transport) *sessions {
 }
 
 // get returns the live session to addr, dialing one if there is none.
-// A peer is recorded only once a dial to it has succeeded, so mistyped
-// addresses leave nothing behind.
+// Concurrent sends to a new peer share one record and one dial. A peer that
+// was never reached is forgotten again, so mistyped addresses leave nothing
+// behind.
 func (s *sessions) get(ctx context.Context, addr string) (transport.Session, *peer, error) {
 	s.mu.Lock()
 	p := s.peers[addr]
 	if p == nil {
 		p = &peer{addr: addr}
+		s.peers[addr] = p
 	}
 	s.mu.Unlock()
 
 	p.dialMu.Lock()
 	defer p.dialMu.Unlock()
 	p.mu.Lock()
-	sess := p.sess
+	sess, reached := p.sess, !p.dialedAt.IsZero()
 	p.mu.Unlock()
 	if sess != nil {
 		return sess, p, nil
 	}
 	sess, err := s.tr.Dial(ctx, addr)
 	if err != nil {
+		if !reached {
+			s.mu.Lock()
+			if s.peers[addr] == p {
+				delete(s.peers, addr)
+			}
+			s.mu.Unlock()
+		}
 		return nil, p, err
 	}
 	p.mu.Lock()
 	p.sess, p.dialedAt = sess, time.Now()
 	p.mu.Unlock()
-	s.mu.Lock()
-	s.peers[addr] = p
-	s.mu.Unlock()
 	return sess, p, nil
 }
 
