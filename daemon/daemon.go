@@ -190,6 +190,9 @@ func New(cfg Config) (*Daemon, error) {
 		Addr: cfg.Listen, Sink: d.reg, Instance: d.instance,
 		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout,
 		MaxWrite: uint64(cfg.ArenaSize),
+		Logf: func(format string, args ...any) {
+			d.log.Warn().Str("component", "tcp").Msgf(format, args...)
+		},
 	})
 	if err != nil {
 		return nil, fmt.Errorf("peer port %s: %w", cfg.Listen, err)
