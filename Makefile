@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e bench-tcp clean
+.PHONY: all deps build demo test vet unit e2e bench-tcp install clean
 
 all: build
 
@@ -35,6 +35,26 @@ e2e: deps
 	FERRY_E2E_RACE=1 $(GOTEST) -v ./test/... 2>&1 | scripts/gotest-summary.sh
 
 test: vet unit e2e
+
+# Binaries, systemd units, sysusers.d/tmpfiles.d entries and the example
+# configuration. PREFIX=/usr for a package; DESTDIR stages into a tree. The
+# unit's paths follow PREFIX and SYSCONFDIR. An existing ferryd.toml is kept.
+PREFIX ?= /usr/local
+SYSCONFDIR ?= /etc
+DESTDIR ?=
+LIBDIR := $(DESTDIR)$(PREFIX)/lib
+install: build
+	install -d $(DESTDIR)$(PREFIX)/bin $(LIBDIR)/systemd/system $(LIBDIR)/sysusers.d $(LIBDIR)/tmpfiles.d \
+		$(DESTDIR)$(PREFIX)/share/doc/ferry $(DESTDIR)$(SYSCONFDIR)/ferry
+	install -m 0755 $(BIN)/* $(DESTDIR)$(PREFIX)/bin/
+	sed -e 's|/usr/bin/ferryd|$(PREFIX)/bin/ferryd|' -e 's|/etc/ferry/|$(SYSCONFDIR)/ferry/|' \
+		systemd/ferryd.service > $(LIBDIR)/systemd/system/ferryd.service
+	install -m 0644 systemd/ferryd.socket $(LIBDIR)/systemd/system/
+	install -m 0644 systemd/ferry.sysusers $(LIBDIR)/sysusers.d/ferry.conf
+	install -m 0644 systemd/ferry.tmpfiles $(LIBDIR)/tmpfiles.d/ferry.conf
+	install -m 0644 systemd/ferryd.toml README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/ferry/
+	test -e $(DESTDIR)$(SYSCONFDIR)/ferry/ferryd.toml || install -m 0644 systemd/ferryd.toml $(DESTDIR)$(SYSCONFDIR)/ferry/
+	@echo "installed; then: systemd-sysusers && systemd-tmpfiles --create && systemctl daemon-reload && systemctl enable --now ferryd.socket ferryd.service"
 
 clean:
 	rm -rf $(BIN)

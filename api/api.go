@@ -18,6 +18,7 @@ const (
 	CodeNoEmbedding    = "no_embedding" // 404: send of a req_id that is not staged
 	CodeNotFound       = "not_found"    // 404: unknown receive slot, session or route
 	CodeMethod         = "method_not_allowed"
+	CodeForbidden      = "forbidden"       // 403: the caller's uid/gid is not on the allow-list
 	CodeExists         = "exists"          // 409: req_id already in use
 	CodeBusy           = "busy"            // 409: the entry is being sent
 	CodeTooLarge       = "too_large"       // 413: larger than the whole arena or a request limit

@@ -45,17 +45,32 @@ type Config struct {
 	IOTimeout     time.Duration // deadline on each network read/write
 	MaxConns      int           // connections per peer session
 	Log           zerolog.Logger
+
+	// The control socket's access and limits.
+	SocketGroup    string        // group (name or gid) owning the control socket and arena file; "" keeps ferryd's own
+	AllowUIDs      []uint32      // with AllowGIDs, who may call the API; both empty: anyone who can open the socket
+	AllowGIDs      []uint32      // matched against the caller's primary and supplementary groups
+	RequestTimeout time.Duration // bound on one control request, from its headers to its answer
+	MaxHeaderBytes int           // bound on a request's headers
+	MaxBodyBytes   int64         // bound on a JSON request body (uploads are bounded by the arena)
+	// ControlListener, when set, is the control socket already listening
+	// (systemd socket activation): ferryd serves on it and leaves the file,
+	// its mode and group to whoever created it.
+	ControlListener net.Listener
 }
 
 // Defaults.
 const (
-	DefaultArenaSize     = 1 << 30
-	DefaultSlowThreshold = 200 * time.Millisecond
-	DefaultSendTimeout   = 60 * time.Second
-	DefaultTTL           = 10 * time.Minute
-	DefaultIOTimeout     = 10 * time.Second
-	DefaultMaxConns      = 8
-	arenaAlign           = 256
+	DefaultArenaSize      = 1 << 30
+	DefaultSlowThreshold  = 200 * time.Millisecond
+	DefaultSendTimeout    = 60 * time.Second
+	DefaultTTL            = 10 * time.Minute
+	DefaultIOTimeout      = 10 * time.Second
+	DefaultMaxConns       = 8
+	DefaultRequestTimeout = 15 * time.Minute // above the longest wait a request may ask for
+	DefaultMaxHeaderBytes = 64 << 10
+	DefaultMaxBodyBytes   = 64 << 10
+	arenaAlign            = 256
 )
 
 func (c *Config) applyDefaults() {
@@ -95,6 +110,15 @@ func (c *Config) applyDefaults() {
 	if c.MaxConns == 0 {
 		c.MaxConns = DefaultMaxConns
 	}
+	if c.RequestTimeout == 0 {
+		c.RequestTimeout = DefaultRequestTimeout
+	}
+	if c.MaxHeaderBytes == 0 {
+		c.MaxHeaderBytes = DefaultMaxHeaderBytes
+	}
+	if c.MaxBodyBytes == 0 {
+		c.MaxBodyBytes = DefaultMaxBodyBytes
+	}
 }
 
 // Check says what is wrong with the configuration, one sentence per field.
@@ -115,7 +139,7 @@ func (c *Config) Check() error {
 	}
 	for name, d := range map[string]time.Duration{
 		"--slow-threshold": c.SlowThreshold, "--send-timeout": c.SendTimeout, "--stage-ttl": c.StageTTL,
-		"--receive-ttl": c.ReceiveTTL, "--io-timeout": c.IOTimeout,
+		"--receive-ttl": c.ReceiveTTL, "--io-timeout": c.IOTimeout, "--request-timeout": c.RequestTimeout,
 	} {
 		if d < 0 {
 			errs = append(errs, fmt.Errorf("%s %s is negative", name, d))
@@ -128,6 +152,15 @@ func (c *Config) Check() error {
 		if err := checkSession(c.Advertise); err != nil {
 			errs = append(errs, fmt.Errorf("--advertise: %v", err))
 		}
+	}
+	if c.RequestTimeout <= c.SendTimeout {
+		errs = append(errs, fmt.Errorf("--request-timeout %s must be longer than --send-timeout %s: a send must be able to use its whole time", c.RequestTimeout, c.SendTimeout))
+	}
+	if c.MaxHeaderBytes < 1<<10 || c.MaxBodyBytes < 1<<10 {
+		errs = append(errs, fmt.Errorf("--max-header-bytes %d and --max-body-bytes %d must each be at least 1KiB", c.MaxHeaderBytes, c.MaxBodyBytes))
+	}
+	if _, err := lookupGroup(c.SocketGroup); err != nil {
+		errs = append(errs, err)
 	}
 	return errors.Join(errs...)
 }
@@ -149,22 +182,42 @@ type Daemon struct {
 	http      *http.Server
 	advertise string
 	slowNanos atomic.Int64
+
+	inflight       inflight                // control requests being served
+	reqCtx         context.Context         // parent of every request's context
+	cancelRequests context.CancelCauseFunc // ends them when a drain runs out
 }
 
 // New allocates the arena, opens the peer port and the control socket.
 // Nothing is served until Serve.
 func New(cfg Config) (*Daemon, error) {
+	if cfg.ControlListener != nil {
+		// The socket systemd passed is the one clients use, whatever
+		// --socket says; defaults that derive from it follow it.
+		if p := cfg.ControlListener.Addr().String(); p != cfg.Socket {
+			if cfg.Socket != "" {
+				cfg.Log.Info().Str("socket", p).Str("configured", cfg.Socket).Msg("serving on the socket systemd passed instead of the configured one")
+			}
+			cfg.Socket = p
+		}
+	}
 	if err := cfg.Check(); err != nil {
 		return nil, err
 	}
 	d := &Daemon{cfg: cfg, log: cfg.Log, started: time.Now(), instance: randomInstance()}
 	d.slowNanos.Store(int64(cfg.SlowThreshold))
+	gid, _ := lookupGroup(cfg.SocketGroup) // Check resolved it
 
 	// Claim the control socket first: if another ferryd answers there, stop
 	// before touching its arena file.
-	ln, err := listenControl(cfg.Socket)
-	if err != nil {
-		return nil, err
+	ln := cfg.ControlListener
+	if ln != nil {
+		d.log.Info().Str("socket", cfg.Socket).Msg("control socket passed by systemd (socket activation)")
+	} else {
+		var err error
+		if ln, err = listenControl(cfg.Socket, gid); err != nil {
+			return nil, err
+		}
 	}
 	d.control = ln
 	ok := false
@@ -177,8 +230,14 @@ func New(cfg Config) (*Daemon, error) {
 	if err := os.MkdirAll(filepath.Dir(cfg.ArenaFile), 0o755); err != nil {
 		return nil, fmt.Errorf("arena file directory: %w", err)
 	}
+	var err error
 	d.mem, err = arena.CreateHostFile(cfg.ArenaFile, cfg.ArenaSize)
 	if err != nil {
+		return nil, err
+	}
+	// Clients map the arena file for zero-copy: it goes to the group that
+	// may use the socket.
+	if err := chownGroup(cfg.ArenaFile, gid, "arena file"); err != nil {
 		return nil, err
 	}
 	d.arena, err = arena.New(d.mem, arenaAlign)
@@ -206,11 +265,18 @@ func New(cfg Config) (*Daemon, error) {
 		st := d.arena.Stats()
 		return float64(st.Size), float64(st.Used)
 	}, d.reg.counts)
+	d.reqCtx, d.cancelRequests = context.WithCancelCause(context.Background())
 	d.http = &http.Server{
 		Handler:           d.routes(),
 		ReadHeaderTimeout: 10 * time.Second,
-		MaxHeaderBytes:    64 << 10,
-		ErrorLog:          newStdLogger(d.log),
+		// The server's own limits sit a little above RequestTimeout, so the
+		// handler's deadline ends a request first, with an answer that says so.
+		ReadTimeout:    cfg.RequestTimeout + requestGrace,
+		WriteTimeout:   cfg.RequestTimeout + requestGrace,
+		MaxHeaderBytes: cfg.MaxHeaderBytes,
+		ErrorLog:       newStdLogger(d.log),
+		BaseContext:    func(net.Listener) context.Context { return d.reqCtx },
+		ConnContext:    withCaller,
 	}
 	ok = true
 	return d, nil
@@ -254,8 +320,12 @@ func (d *Daemon) SetSlowThreshold(t time.Duration) { d.slowNanos.Store(int64(t))
 func (d *Daemon) slowThreshold() time.Duration { return time.Duration(d.slowNanos.Load()) }
 
 // Serve answers the control API until ctx ends, then shuts down: new
-// requests are refused, in-flight ones get up to drain to finish, sessions
-// and listeners close, and the arena file is removed.
+// requests are answered 503 unavailable, in-flight ones get up to drain to
+// finish, sessions and listeners close, and the arena file is removed.
+//
+// A request still running when drain runs out is cancelled and answered
+// 503 unavailable too; what is still staged is dropped with a WARN line
+// per req_id. Serve returns nil after a requested shutdown.
 func (d *Daemon) Serve(ctx context.Context, drain time.Duration) error {
 	d.log.Info().
 		Str("socket", d.cfg.Socket).Str("listen", d.tr.Addr().String()).Str("advertise", d.advertise).
@@ -272,13 +342,8 @@ func (d *Daemon) Serve(ctx context.Context, drain time.Duration) error {
 	case err = <-errc:
 		err = fmt.Errorf("control socket: %w", err)
 	}
-	d.log.Info().Dur("drain", drain).Msg("shutting down")
-	sctx, cancel := context.WithTimeout(context.Background(), drain)
-	defer cancel()
-	d.reg.stop()
-	if serr := d.http.Shutdown(sctx); serr != nil {
-		d.log.Warn().Err(serr).Msg("drain timed out; closing the remaining requests")
-	}
+	d.drain(drain)
+	d.logDropped(d.reg.sweep(time.Now(), -1, -1), "dropped at shutdown: it was never sent, read or deleted")
 	d.closeAll()
 	d.log.Info().Msg("stopped")
 	return err
@@ -296,7 +361,7 @@ func (d *Daemon) closeAll() {
 		_ = d.tr.Close()
 	}
 	if d.control != nil {
-		_ = d.control.Close() // unlinks the socket file
+		_ = d.control.Close() // unlinks the socket file, unless systemd passed it
 	}
 	if d.arena != nil {
 		_ = d.arena.Close()
@@ -317,12 +382,18 @@ func (d *Daemon) sweepLoop(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
-			for _, x := range d.reg.sweep(now, d.cfg.StageTTL, d.cfg.ReceiveTTL) {
+			drops := d.reg.sweep(now, d.cfg.StageTTL, d.cfg.ReceiveTTL)
+			for _, x := range drops {
 				d.metrics.swept.WithLabelValues(x.kind).Inc()
-				d.log.Warn().Str("req_id", x.reqID).Str("kind", x.kind).Str("state", x.state).
-					Int64("nbytes", x.nbytes).Dur("age", x.age).
-					Msg("dropped after its TTL: it was never sent, read or deleted")
 			}
+			d.logDropped(drops, "dropped after its TTL: it was never sent, read or deleted")
 		}
+	}
+}
+
+func (d *Daemon) logDropped(drops []dropped, why string) {
+	for _, x := range drops {
+		d.log.Warn().Str("req_id", x.reqID).Str("kind", x.kind).Str("state", x.state).
+			Int64("nbytes", x.nbytes).Dur("age", x.age).Msg(why)
 	}
 }

@@ -40,9 +40,6 @@ func isCode(err error, code string) bool {
 var errStopping = apiErr(http.StatusServiceUnavailable, api.CodeUnavailable,
 	"ferryd is shutting down and takes no new work: retry against the restarted daemon")
 
-// maxJSONBody bounds every JSON request body.
-const maxJSONBody = 64 << 10
-
 // routes is the whole control API in one table.
 func (d *Daemon) routes() http.Handler {
 	mux := http.NewServeMux()
@@ -64,7 +61,11 @@ func (d *Daemon) routes() http.Handler {
 	} {
 		mux.Handle(pattern, d.wrap(h))
 	}
-	mux.Handle("GET /metrics", promhttp.HandlerFor(d.metrics.reg, promhttp.HandlerOpts{}))
+	prom := promhttp.HandlerFor(d.metrics.reg, promhttp.HandlerOpts{})
+	mux.Handle("GET /metrics", d.wrap(func(w http.ResponseWriter, r *http.Request) error {
+		prom.ServeHTTP(w, r)
+		return nil
+	}))
 	mux.Handle("/", d.wrap(func(w http.ResponseWriter, r *http.Request) error {
 		return noRoute(mux, r)
 	}))
@@ -98,14 +99,20 @@ func noteReqID(r *http.Request, id string) {
 	}
 }
 
-// wrap turns a handler's error into the one error envelope, logs failed
-// requests at WARN with their req_id, and every request at DEBUG.
+// wrap admits a request (the caller's uid against the allow-list, no new
+// work while draining), bounds it by RequestTimeout, turns a handler's error
+// into the one error envelope, logs failed requests at WARN with their
+// req_id, and every request at DEBUG with the caller's uid and pid.
 func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Handler {
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
 		start := time.Now()
 		var id string
 		r = r.WithContext(context.WithValue(r.Context(), reqLogKey{}, &id))
-		err := h(w, r)
+		c := callerOf(r.Context())
+		err := d.admit(c)
+		if err == nil {
+			err = d.serveOne(w, r, h)
+		}
 		ev := d.log.Debug()
 		if err != nil {
 			ae := &apiError{status: http.StatusInternalServerError, code: api.CodeInternal, msg: err.Error()}
@@ -119,7 +126,8 @@ func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Han
 		if id != "" {
 			ev = ev.Str("req_id", id)
 		}
-		ev.Str("method", r.Method).Str("path", r.URL.Path).Dur("took", time.Since(start)).Msg("request")
+		ev.Str("method", r.Method).Str("path", r.URL.Path).Dur("took", time.Since(start)).
+			Uint32("uid", c.uid).Int32("pid", c.pid).Msg("request")
 	})
 }
 
@@ -129,15 +137,16 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	_ = json.NewEncoder(w).Encode(v)
 }
 
-// decodeJSON reads a bounded JSON body that must hold exactly one object of
-// known fields.
-func decodeJSON(r *http.Request, v any) error {
-	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, maxJSONBody))
+// decodeJSON reads a JSON body of at most MaxBodyBytes that must hold
+// exactly one object of known fields.
+func (d *Daemon) decodeJSON(r *http.Request, v any) error {
+	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, d.cfg.MaxBodyBytes))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
-			return apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge, "request body is over %d bytes", maxJSONBody)
+			return apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge,
+				"request body is over %d bytes (max_body_bytes): send less, or raise max_body_bytes", d.cfg.MaxBodyBytes)
 		}
 		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
 	}
@@ -178,9 +187,15 @@ func parseWait(r *http.Request) (time.Duration, error) {
 }
 
 func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) error {
+	writeJSON(w, http.StatusOK, d.Status())
+	return nil
+}
+
+// Status is what GET /v1/status answers.
+func (d *Daemon) Status() api.Status {
 	st := d.arena.Stats()
 	staged, receives := d.reg.counts()
-	writeJSON(w, http.StatusOK, api.Status{
+	return api.Status{
 		Version: Version, PID: os.Getpid(), Instance: fmt.Sprintf("%016x", d.instance), StartedAt: d.started,
 		Memory: api.MemoryStatus{
 			Kind: d.mem.Kind(), Device: d.cfg.Device, ArenaFile: d.mem.Path(), ArenaBase: d.mem.Base(),
@@ -197,8 +212,7 @@ func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) error {
 			SlowThreshold: d.slowThreshold().String(), SendRetries: d.cfg.SendRetries,
 			SendTimeout: d.cfg.SendTimeout.String(), StageTTL: d.cfg.StageTTL.String(), ReceiveTTL: d.cfg.ReceiveTTL.String(),
 		},
-	})
-	return nil
+	}
 }
 
 func (d *Daemon) handleListEmbeddings(w http.ResponseWriter, r *http.Request) error {
@@ -296,7 +310,7 @@ func (d *Daemon) handleSlice(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	var req api.SliceRequest
-	if err := decodeJSON(r, &req); err != nil {
+	if err := d.decodeJSON(r, &req); err != nil {
 		return err
 	}
 	n, dtype := req.NBytes, ""
@@ -327,7 +341,7 @@ func (d *Daemon) handleCommit(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	var req api.CommitRequest
-	if err := decodeJSON(r, &req); err != nil {
+	if err := d.decodeJSON(r, &req); err != nil {
 		return err
 	}
 	e, err := d.reg.commit(id, req.Shape, req.DType)
@@ -345,7 +359,7 @@ func (d *Daemon) handleSend(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	var req api.SendRequest
-	if err := decodeJSON(r, &req); err != nil {
+	if err := d.decodeJSON(r, &req); err != nil {
 		return err
 	}
 	res, err := d.send(r.Context(), id, req)
@@ -370,7 +384,7 @@ func (d *Daemon) handleDeleteEmbedding(w http.ResponseWriter, r *http.Request) e
 
 func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error {
 	var req api.ReceiveRequest
-	if err := decodeJSON(r, &req); err != nil {
+	if err := d.decodeJSON(r, &req); err != nil {
 		return err
 	}
 	noteReqID(r, req.ReqID)

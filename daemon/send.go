@@ -72,6 +72,8 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	var lastErr error
 	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
 		res.Attempts = attempt
+		d.log.Debug().Str("req_id", reqID).Str("session", req.Session).Int64("nbytes", e.nbytes).
+			Int("attempt", attempt).Msg("send attempt")
 		sess, p, err := d.sessions.get(ctx, req.Session)
 		if err == nil {
 			err = sess.Write(ctx, w)

@@ -5,15 +5,18 @@ import (
 	"fmt"
 	"net"
 	"os"
+	"os/user"
 	"path/filepath"
+	"strconv"
 	"syscall"
 	"time"
 )
 
-// listenControl opens the control socket at path. If something answers
-// there, another ferryd owns it and we refuse rather than steal it; a file
-// nobody answers on is stale (a crashed daemon) and is replaced.
-func listenControl(path string) (net.Listener, error) {
+// listenControl opens the control socket at path, mode 0660, owned by
+// group gid (-1: ferryd's own). If something answers there, another ferryd
+// owns it and we refuse rather than steal it; a file nobody answers on is
+// stale (a crashed daemon) and is replaced.
+func listenControl(path string, gid int) (net.Listener, error) {
 	if c, err := net.DialTimeout("unix", path, time.Second); err == nil {
 		c.Close()
 		return nil, fmt.Errorf("control socket %s is in use by a running ferryd: stop it first, or give this one another --socket", path)
@@ -40,5 +43,40 @@ func listenControl(path string) (net.Listener, error) {
 		}
 		return nil, fmt.Errorf("control socket %s: %w", path, err)
 	}
+	if err := chownGroup(path, gid, "control socket"); err != nil {
+		ln.Close()
+		return nil, err
+	}
 	return ln, nil
+}
+
+// lookupGroup resolves socket_group (a name or a numeric gid); "" is -1,
+// meaning ferryd's own group.
+func lookupGroup(name string) (int, error) {
+	if name == "" {
+		return -1, nil
+	}
+	if gid, err := strconv.ParseUint(name, 10, 31); err == nil {
+		return int(gid), nil
+	}
+	g, err := user.LookupGroup(name)
+	if err != nil {
+		return -1, fmt.Errorf("--socket-group %q: %v: create the group (systemd-sysusers does, from sysusers.d/ferry.conf) or name an existing one", name, err)
+	}
+	gid, err := strconv.Atoi(g.Gid)
+	if err != nil {
+		return -1, fmt.Errorf("--socket-group %q has the non-numeric gid %q", name, g.Gid)
+	}
+	return gid, nil
+}
+
+// chownGroup gives the file at path to group gid (-1: leave it).
+func chownGroup(path string, gid int, what string) error {
+	if gid < 0 {
+		return nil
+	}
+	if err := os.Chown(path, -1, gid); err != nil {
+		return fmt.Errorf("giving the %s %s to group %d: %w: ferryd's user must be a member of that group (or run it as root)", what, path, gid, err)
+	}
+	return nil
 }

@@ -3,106 +3,145 @@ package main
 
 import (
 	"context"
+	"errors"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
-	"strings"
 	"syscall"
 	"time"
 
+	"github.com/coreos/go-systemd/v22/activation"
 	"github.com/rs/zerolog"
 
-	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/daemon"
-	"github.com/ferry-project/ferry/internal/size"
 )
-
-// sizeFlag is a byte count flag that reads "64MiB".
-type sizeFlag struct{ n *int64 }
-
-func (s sizeFlag) String() string {
-	if s.n == nil {
-		return ""
-	}
-	return size.Format(*s.n)
-}
-func (s sizeFlag) Set(v string) error {
-	n, err := size.Parse(v)
-	if err == nil {
-		*s.n = n
-	}
-	return err
-}
 
 func main() {
 	// Signals are trapped before the slow set-up (arena allocation), so a
-	// stop during start-up still shuts down cleanly.
+	// stop during start-up still shuts down cleanly, and a SIGHUP or
+	// SIGUSR1 never kills the daemon with their default action.
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if err := run(ctx, os.Args[1:]); err != nil {
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGUSR1)
+	if err := run(ctx, os.Args[1:], sigs); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return
+		}
 		fmt.Fprintln(os.Stderr, "ferryd:", err)
 		os.Exit(1)
 	}
 }
 
-func run(ctx context.Context, args []string) error {
-	fs := flag.NewFlagSet("ferryd", flag.ContinueOnError)
-	cfg := daemon.Config{ArenaSize: daemon.DefaultArenaSize}
-	fs.StringVar(&cfg.Socket, "socket", api.DefaultSocket, "control socket `path`")
-	fs.StringVar(&cfg.Listen, "listen", fmt.Sprintf(":%d", api.DefaultPeerPort), "peer port `host:port` other daemons dial")
-	fs.StringVar(&cfg.Advertise, "advertise", "", "`host:port` receive slots name as their session (default: the listen address, or this host's first IPv4 address when listening on all)")
-	fs.StringVar(&cfg.Device, "device", "cpu", "arena memory: cpu (host memory)")
-	fs.StringVar(&cfg.Transport, "transport", "tcp", "data plane: tcp")
-	fs.Var(sizeFlag{&cfg.ArenaSize}, "arena-size", "arena `size`, e.g. 64MiB or 8GiB")
-	fs.StringVar(&cfg.ArenaFile, "arena-file", "", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)")
-	fs.DurationVar(&cfg.SlowThreshold, "slow-threshold", daemon.DefaultSlowThreshold, "log transfers slower than this")
-	fs.IntVar(&cfg.SendRetries, "send-retries", 1, "re-dial and retry a failed write this many times")
-	fs.DurationVar(&cfg.SendTimeout, "send-timeout", daemon.DefaultSendTimeout, "bound on one send, retries included")
-	fs.DurationVar(&cfg.StageTTL, "stage-ttl", daemon.DefaultTTL, "drop staged entries not sent or deleted after this long (logged at WARN)")
-	fs.DurationVar(&cfg.ReceiveTTL, "receive-ttl", daemon.DefaultTTL, "drop receive slots not freed after this long (logged at WARN)")
-	fs.DurationVar(&cfg.IOTimeout, "io-timeout", daemon.DefaultIOTimeout, "deadline on each network read and write; a stalled peer fails within it")
-	fs.IntVar(&cfg.MaxConns, "max-conns", daemon.DefaultMaxConns, "connections per peer session (concurrent writes to one peer)")
-	drain := fs.Duration("drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish")
-	level := fs.String("log-level", "info", "debug, info, warn or error")
-	format := fs.String("log-format", "json", "json (for journald) or console")
-	version := fs.Bool("version", false, "print the version and exit")
-	if err := fs.Parse(args); err != nil {
+func run(ctx context.Context, args []string, sigs <-chan os.Signal) error {
+	ld, err := config.Load(args, os.LookupEnv, os.Stderr)
+	if err != nil {
 		return err
 	}
-	if *version {
+	switch {
+	case ld.Version:
 		fmt.Println("ferryd", daemon.Version)
 		return nil
+	case ld.Print:
+		out, err := ld.TOML()
+		if err != nil {
+			return err
+		}
+		_, err = os.Stdout.Write(out)
+		return err
 	}
-	if fs.NArg() > 0 {
-		return fmt.Errorf("unexpected arguments %q: ferryd takes flags only (see ferryd -h)", fs.Args())
-	}
-	log, err := newLogger(*level, *format)
+	log, err := newLogger(ld.Settings.LogFormat)
 	if err != nil {
 		return err
 	}
-	cfg.Log = log
+	setLevel(ld.Settings.LogLevel)
+	cfg := ld.Settings.Daemon(log)
+	if ld.CheckOnly {
+		if err := cfg.Check(); err != nil {
+			return err
+		}
+		fmt.Printf("ferryd: configuration OK (file: %s)\n", orNone(ld.File))
+		return nil
+	}
+	if cfg.ControlListener, err = activatedSocket(); err != nil {
+		return err
+	}
+	log.Info().Str("file", orNone(ld.File)).Msg("configuration loaded")
 	d, err := daemon.New(cfg)
 	if err != nil {
+		notify(log, "STATUS=failed to start: "+err.Error())
 		return err
 	}
-	return d.Serve(ctx, *drain)
+	drain := ld.Settings.DrainTimeout.D()
+	served := make(chan struct{})
+	defer close(served)
+	go handleSignals(ctx, sigs, served, args, ld.Settings, d, log)
+	notify(log, "READY=1\nSTATUS="+statusLine(d))
+	go watchdog(ctx, d, log)
+	go func() {
+		select {
+		case <-ctx.Done():
+			notify(log, fmt.Sprintf("STOPPING=1\nSTATUS=draining: in-flight requests have up to %s", drain))
+		case <-served:
+		}
+	}()
+	return d.Serve(ctx, drain)
 }
 
-func newLogger(level, format string) (zerolog.Logger, error) {
-	lvl, err := zerolog.ParseLevel(strings.ToLower(level))
-	if err != nil || level == "" {
-		return zerolog.Logger{}, fmt.Errorf("--log-level %q: use debug, info, warn or error", level)
+func orNone(file string) string {
+	if file == "" {
+		return "none"
 	}
+	return file
+}
+
+// activatedSocket is the control socket systemd passed (ferryd.socket),
+// or nil when ferryd was started without one.
+func activatedSocket() (net.Listener, error) {
+	files := activation.Files(true)
+	if len(files) == 0 {
+		return nil, nil
+	}
+	defer func() {
+		for _, f := range files {
+			f.Close()
+		}
+	}()
+	if len(files) > 1 {
+		return nil, fmt.Errorf("systemd passed %d sockets (LISTEN_FDS); ferryd takes one, the control socket: give ferryd.socket a single ListenStream=", len(files))
+	}
+	ln, err := net.FileListener(files[0])
+	if err != nil {
+		return nil, fmt.Errorf("the socket systemd passed (fd 3, %s) is not a listening socket: %v", files[0].Name(), err)
+	}
+	if _, ok := ln.(*net.UnixListener); !ok {
+		ln.Close()
+		return nil, fmt.Errorf("the socket systemd passed listens on %s, not a path: ferryd.socket's ListenStream= must be the control socket's path", ln.Addr())
+	}
+	return ln, nil
+}
+
+// newLogger writes JSON lines (for journald) or console lines on stderr.
+// The level is process-wide (setLevel), so SIGHUP can change it.
+func newLogger(format string) (zerolog.Logger, error) {
 	zerolog.DurationFieldUnit = time.Millisecond
 	zerolog.DurationFieldInteger = false
-	var out = zerolog.New(os.Stderr)
+	out := zerolog.New(os.Stderr)
 	switch format {
 	case "json":
 	case "console":
 		out = zerolog.New(zerolog.ConsoleWriter{Out: os.Stderr, TimeFormat: time.RFC3339Nano})
 	default:
-		return zerolog.Logger{}, fmt.Errorf("--log-format %q: use json or console", format)
+		return zerolog.Logger{}, fmt.Errorf("log_format %q: use json or console", format)
 	}
-	return out.Level(lvl).With().Timestamp().Logger(), nil
+	return out.With().Timestamp().Logger(), nil
+}
+
+// setLevel applies a log_level config.Load has checked.
+func setLevel(level string) {
+	lvl, _ := zerolog.ParseLevel(level)
+	zerolog.SetGlobalLevel(lvl)
 }

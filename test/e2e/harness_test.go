@@ -6,6 +6,7 @@ import (
 	"bufio"
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"os"
@@ -30,6 +31,11 @@ func TestMain(m *testing.M) {
 		os.Exit(1)
 	}
 	bin = dir
+	// Other users run ferryctl from here in the access tests.
+	if err := os.Chmod(dir, 0o755); err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
 	args := []string{"build", "-o", dir + "/"}
 	if os.Getenv("FERRY_E2E_RACE") == "1" {
 		args = append(args, "-race")
@@ -116,6 +122,13 @@ func msg(m string) func(map[string]any) bool {
 	return func(line map[string]any) bool { return line["message"] == m }
 }
 
+// snapshot returns the lines logged so far, in order.
+func (l *logLines) snapshot() []map[string]any {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]map[string]any(nil), l.lines...)
+}
+
 // daemon is one ferryd process.
 type daemon struct {
 	t         *testing.T
@@ -126,6 +139,15 @@ type daemon struct {
 	log       *logLines
 	c         *client.Client
 	exited    chan struct{}
+	exitErr   error // cmd.Wait's result, once exited is closed
+}
+
+// launch is how a test starts ferryd, beyond its flags.
+type launch struct {
+	prefix []string   // command prefix, e.g. "ip netns exec ns"
+	env    []string   // added to the environment, KEY=VALUE
+	files  []*os.File // passed as fds 3, 4, … (socket activation)
+	bare   bool       // pass only --socket: the test gives the rest
 }
 
 // startDaemon runs ferryd with a socket in dir and the given extra flags
@@ -133,26 +155,45 @@ type daemon struct {
 // line, and stops it by PID at the end of the test.
 func startDaemon(t *testing.T, dir, name string, extra ...string) *daemon {
 	t.Helper()
-	return startDaemonIn(t, nil, dir, name, extra...)
+	return startDaemonWith(t, launch{}, dir, name, extra...)
 }
 
 // startDaemonIn is startDaemon with a command prefix (e.g. "ip netns exec ns").
 func startDaemonIn(t *testing.T, prefix []string, dir, name string, extra ...string) *daemon {
 	t.Helper()
+	return startDaemonWith(t, launch{prefix: prefix}, dir, name, extra...)
+}
+
+// startDaemonWith is startDaemon started as l says. The daemon reads no
+// configuration file unless the test passes --config.
+func startDaemonWith(t *testing.T, l launch, dir, name string, extra ...string) *daemon {
+	t.Helper()
 	sock := filepath.Join(dir, name+".sock")
-	args := []string{"--socket", sock, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug"}
+	args := []string{"--socket", sock}
+	if !l.bare {
+		args = append(args, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug")
+	}
 	args = append(args, extra...)
-	argv := append(append(append([]string{}, prefix...), filepath.Join(bin, "ferryd")), args...)
+	argv := append(append(append([]string{}, l.prefix...), filepath.Join(bin, "ferryd")), args...)
 	cmd := exec.Command(argv[0], argv[1:]...)
-	stderr, err := cmd.StderrPipe()
+	cmd.Env = append(append(os.Environ(), "FERRY_CONFIG="+os.DevNull), l.env...)
+	cmd.ExtraFiles = l.files
+	// A pipe of our own rather than StderrPipe: Wait closes that one when
+	// the process exits, dropping its last lines unread.
+	stderr, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)
 	}
-	if err := cmd.Start(); err != nil {
+	cmd.Stderr = w
+	err = cmd.Start()
+	w.Close()
+	if err != nil {
+		stderr.Close()
 		t.Fatal(err)
 	}
 	d := &daemon{t: t, cmd: cmd, socket: sock, log: newLogLines(stderr), exited: make(chan struct{})}
-	go func() { _ = cmd.Wait(); close(d.exited) }()
+	go func() { <-d.log.done; stderr.Close() }()
+	go func() { d.exitErr = cmd.Wait(); close(d.exited) }()
 	t.Cleanup(d.stop)
 	ready := d.log.wait(t, 20*time.Second, `"ready"`, msg("ready"))
 	d.advertise, _ = ready["advertise"].(string)
@@ -176,6 +217,43 @@ func (d *daemon) stop() {
 		_ = d.cmd.Process.Kill()
 		<-d.exited
 	}
+}
+
+// signal sends sig to the daemon's PID.
+func (d *daemon) signal(sig syscall.Signal) {
+	d.t.Helper()
+	if err := d.cmd.Process.Signal(sig); err != nil {
+		d.t.Fatalf("signalling ferryd pid %d: %v", d.cmd.Process.Pid, err)
+	}
+}
+
+// waitExit waits for the daemon to exit on its own and returns its exit
+// code, failing the test if it outstays timeout.
+func (d *daemon) waitExit(t *testing.T, timeout time.Duration) int {
+	t.Helper()
+	select {
+	case <-d.exited:
+	case <-time.After(timeout):
+		t.Fatalf("ferryd pid %d still running after %s; log:\n%s", d.cmd.Process.Pid, timeout, d.log.dump())
+	}
+	<-d.log.done // its last lines are in
+	if d.exitErr == nil {
+		return 0
+	}
+	var ee *exec.ExitError
+	if errors.As(d.exitErr, &ee) {
+		return ee.ExitCode()
+	}
+	t.Fatalf("waiting for ferryd: %v", d.exitErr)
+	return -1
+}
+
+// pause stops the daemon's process (SIGSTOP): a peer that takes no data.
+// It resumes at the end of the test at the latest.
+func (d *daemon) pause(t *testing.T) {
+	t.Helper()
+	d.signal(syscall.SIGSTOP)
+	t.Cleanup(func() { _ = d.cmd.Process.Signal(syscall.SIGCONT) })
 }
 
 // kill ends the daemon with SIGKILL, as a crash would.

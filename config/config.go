@@ -1,0 +1,408 @@
+// Package config reads ferryd's settings from its defaults, a TOML file,
+// FERRY_* environment variables and command-line flags, each overriding
+// the one before. A setting has one name in all three: the key arena_size
+// is the variable FERRY_ARENA_SIZE and the flag --arena-size.
+//
+// The file is strict: an unknown key, a value of the wrong type, or a
+// size or duration that does not parse is an error naming the key, the
+// file and the line. Every value, wherever it comes from, goes through the
+// same checks.
+package config
+
+import (
+	"bytes"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"regexp"
+	"strings"
+
+	"github.com/pelletier/go-toml/v2"
+	"github.com/rs/zerolog"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/daemon"
+	"github.com/ferry-project/ferry/internal/size"
+)
+
+// DefaultFile is read when no --config or FERRY_CONFIG names a file, and
+// only if it exists: flags and defaults alone run ferryd.
+const DefaultFile = "/etc/ferry/ferryd.toml"
+
+// Settings is ferryd's configuration, as the TOML file spells it.
+type Settings struct {
+	Socket         string   `toml:"socket"`
+	SocketGroup    string   `toml:"socket_group"`
+	AllowUIDs      []uint32 `toml:"allow_uids"`
+	AllowGIDs      []uint32 `toml:"allow_gids"`
+	RequestTimeout Duration `toml:"request_timeout"`
+	MaxHeaderBytes Size     `toml:"max_header_bytes"`
+	MaxBodyBytes   Size     `toml:"max_body_bytes"`
+	Listen         string   `toml:"listen"`
+	Advertise      string   `toml:"advertise"`
+	Transport      string   `toml:"transport"`
+	IOTimeout      Duration `toml:"io_timeout"`
+	MaxConns       int      `toml:"max_conns"`
+	Device         string   `toml:"device"`
+	ArenaSize      Size     `toml:"arena_size"`
+	ArenaFile      string   `toml:"arena_file"`
+	SlowThreshold  Duration `toml:"slow_threshold"`
+	SendRetries    int      `toml:"send_retries"`
+	SendTimeout    Duration `toml:"send_timeout"`
+	StageTTL       Duration `toml:"stage_ttl"`
+	ReceiveTTL     Duration `toml:"receive_ttl"`
+	DrainTimeout   Duration `toml:"drain_timeout"`
+	LogLevel       string   `toml:"log_level"`
+	LogFormat      string   `toml:"log_format"`
+}
+
+// option is one setting: its key, its help text, and its field in a
+// Settings.
+type option struct {
+	key  string
+	help string
+	of   func(*Settings) value
+}
+
+// options is every setting, in the order --print-config writes them.
+var options = []option{
+	{"socket", "control socket `path`", func(s *Settings) value { return (*text)(&s.Socket) }},
+	{"socket_group", "`group` (name or gid) that owns the control socket and the arena file, both mode 0660 (default: ferryd's own group)", func(s *Settings) value { return (*text)(&s.SocketGroup) }},
+	{"allow_uids", "comma-separated `uids` that may call the API (with --allow-gids; both empty: anyone who can open the socket; root and ferryd's own uid always may)", func(s *Settings) value { return (*ids)(&s.AllowUIDs) }},
+	{"allow_gids", "comma-separated `gids` whose members may call the API (primary or supplementary group)", func(s *Settings) value { return (*ids)(&s.AllowGIDs) }},
+	{"request_timeout", "bound (a `duration`) on one control request, from its headers to its answer; must exceed --send-timeout", func(s *Settings) value { return &s.RequestTimeout }},
+	{"max_header_bytes", "bound on a control request's headers (`size`)", func(s *Settings) value { return &s.MaxHeaderBytes }},
+	{"max_body_bytes", "bound on a JSON request body (`size`; uploads are bounded by the arena)", func(s *Settings) value { return &s.MaxBodyBytes }},
+	{"listen", "peer port `host:port` other daemons dial", func(s *Settings) value { return (*text)(&s.Listen) }},
+	{"advertise", "`host:port` receive slots name as their session (default: the listen address, or this host's first IPv4 address when listening on all)", func(s *Settings) value { return (*text)(&s.Advertise) }},
+	{"transport", "`transport` of the data plane: tcp", func(s *Settings) value { return (*text)(&s.Transport) }},
+	{"io_timeout", "`deadline` on each network read and write; a stalled peer fails within it", func(s *Settings) value { return &s.IOTimeout }},
+	{"max_conns", "`connections` per peer session (concurrent writes to one peer)", func(s *Settings) value { return (*number)(&s.MaxConns) }},
+	{"device", "arena `memory`: cpu (host memory)", func(s *Settings) value { return (*text)(&s.Device) }},
+	{"arena_size", "arena `size`, e.g. 64MiB or 8GiB", func(s *Settings) value { return &s.ArenaSize }},
+	{"arena_file", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)", func(s *Settings) value { return (*text)(&s.ArenaFile) }},
+	{"slow_threshold", "log transfers slower than this `duration` (reloaded on SIGHUP)", func(s *Settings) value { return &s.SlowThreshold }},
+	{"send_retries", "re-dial and retry a failed write this many `times`", func(s *Settings) value { return (*number)(&s.SendRetries) }},
+	{"send_timeout", "bound (a `duration`) on one send, retries included", func(s *Settings) value { return &s.SendTimeout }},
+	{"stage_ttl", "drop staged entries not sent or deleted after this `duration` (logged at WARN)", func(s *Settings) value { return &s.StageTTL }},
+	{"receive_ttl", "drop receive slots not freed after this `duration` (logged at WARN)", func(s *Settings) value { return &s.ReceiveTTL }},
+	{"drain_timeout", "on SIGTERM, how `long` in-flight requests may finish before they are cancelled", func(s *Settings) value { return &s.DrainTimeout }},
+	{"log_level", "`level`: debug, info, warn or error (reloaded on SIGHUP)", func(s *Settings) value {
+		return choice{&s.LogLevel, []string{"debug", "info", "warn", "error"}}
+	}},
+	{"log_format", "`format`: json (for journald) or console", func(s *Settings) value { return choice{&s.LogFormat, []string{"json", "console"}} }},
+}
+
+func lookup(key string) (option, bool) {
+	for _, o := range options {
+		if o.key == key {
+			return o, true
+		}
+	}
+	return option{}, false
+}
+
+// FlagName and EnvName spell a key as a flag and as a variable.
+func FlagName(key string) string { return strings.ReplaceAll(key, "_", "-") }
+func EnvName(key string) string  { return "FERRY_" + strings.ToUpper(key) }
+
+// Defaults are the settings with nothing given.
+func Defaults() Settings {
+	return Settings{
+		Socket:         api.DefaultSocket,
+		AllowUIDs:      []uint32{},
+		AllowGIDs:      []uint32{},
+		RequestTimeout: durationOf(daemon.DefaultRequestTimeout),
+		MaxHeaderBytes: Size(size.Format(daemon.DefaultMaxHeaderBytes)),
+		MaxBodyBytes:   Size(size.Format(daemon.DefaultMaxBodyBytes)),
+		Listen:         fmt.Sprintf(":%d", api.DefaultPeerPort),
+		Transport:      "tcp",
+		IOTimeout:      durationOf(daemon.DefaultIOTimeout),
+		MaxConns:       daemon.DefaultMaxConns,
+		Device:         "cpu",
+		ArenaSize:      Size(size.Format(daemon.DefaultArenaSize)),
+		SlowThreshold:  durationOf(daemon.DefaultSlowThreshold),
+		SendRetries:    1,
+		SendTimeout:    durationOf(daemon.DefaultSendTimeout),
+		StageTTL:       durationOf(daemon.DefaultTTL),
+		ReceiveTTL:     durationOf(daemon.DefaultTTL),
+		DrainTimeout:   "30s",
+		LogLevel:       "info",
+		LogFormat:      "json",
+	}
+}
+
+// Loaded is what Load read: the effective settings, where each came from,
+// and what the command line asked for besides.
+type Loaded struct {
+	Settings Settings
+	File     string            // the file read, "" for none
+	Source   map[string]string // key -> "file", "FERRY_X" or "--x"; absent: default
+
+	CheckOnly bool // --check-config
+	Print     bool // --print-config
+	Version   bool // --version
+}
+
+// Load reads the command line (args, without the program name), the
+// environment (through getenv) and the configuration file. A --help
+// returns flag.ErrHelp after printing the usage to usage.
+func Load(args []string, getenv func(string) (string, bool), usage io.Writer) (*Loaded, error) {
+	l := &Loaded{Settings: Defaults(), Source: map[string]string{}}
+
+	// Flags are checked as they are parsed (into a scratch copy) and
+	// applied last, so they override the file and the environment.
+	fs := flag.NewFlagSet("ferryd", flag.ContinueOnError)
+	fs.SetOutput(io.Discard) // a bad flag is one error line, not the whole usage
+	scratch := Defaults()
+	given := map[string]string{}
+	for _, o := range options {
+		fs.Var(recorder{o.of(&scratch), o.key, given}, FlagName(o.key), o.help)
+	}
+	file := fs.String("config", "", "TOML configuration `file` (default: $FERRY_CONFIG, else "+DefaultFile+" if it exists)")
+	fs.BoolVar(&l.CheckOnly, "check-config", false, "check the configuration and exit: 0 when it is good")
+	fs.BoolVar(&l.Print, "print-config", false, "print the effective configuration as TOML and exit")
+	fs.BoolVar(&l.Version, "version", false, "print the version and exit")
+	if err := fs.Parse(args); err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintf(usage, "Usage: ferryd [flags]\n\nEvery flag is also a key of the TOML file (--arena-size is arena_size) and an\nenvironment variable (FERRY_ARENA_SIZE). Flags beat variables, variables beat\nthe file, the file beats the defaults.\n\n")
+			fs.SetOutput(usage)
+			fs.PrintDefaults()
+		}
+		return nil, err
+	}
+	if fs.NArg() > 0 {
+		return nil, fmt.Errorf("unexpected arguments %q: ferryd takes flags only (see ferryd -h)", fs.Args())
+	}
+
+	l.File = *file
+	if l.File == "" {
+		l.File, _ = getenv("FERRY_CONFIG")
+	}
+	explicit := l.File != ""
+	if !explicit {
+		if _, err := os.Stat(DefaultFile); err == nil {
+			l.File = DefaultFile
+		}
+	}
+	if l.File != "" {
+		if err := l.readFile(explicit); err != nil {
+			return nil, err
+		}
+	}
+
+	var errs []error
+	for _, o := range options {
+		name := EnvName(o.key)
+		if v, ok := getenv(name); ok {
+			if err := o.of(&l.Settings).Set(v); err != nil {
+				errs = append(errs, fmt.Errorf("%s: %v", name, err))
+				continue
+			}
+			l.Source[o.key] = name
+		}
+	}
+	if err := errors.Join(errs...); err != nil {
+		return nil, err
+	}
+	for _, o := range options {
+		if v, ok := given[o.key]; ok {
+			_ = o.of(&l.Settings).Set(v) // checked while parsing
+			l.Source[o.key] = "--" + FlagName(o.key)
+		}
+	}
+	return l, nil
+}
+
+// recorder checks a flag's value as it is parsed and keeps its text.
+type recorder struct {
+	value
+	key   string
+	given map[string]string
+}
+
+// String is the default --help shows; the flag package also calls it on
+// a zero recorder.
+func (r recorder) String() string {
+	if r.value == nil {
+		return ""
+	}
+	return r.value.String()
+}
+
+func (r recorder) Set(s string) error {
+	if err := r.value.Set(s); err != nil {
+		return err
+	}
+	r.given[r.key] = s
+	return nil
+}
+
+// readFile decodes the TOML file over the defaults, strictly.
+func (l *Loaded) readFile(explicit bool) error {
+	data, err := os.ReadFile(l.File)
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) && explicit {
+			return fmt.Errorf("config file %s does not exist: create it (systemd/ferryd.toml is an example documenting every key) or name another with --config", l.File)
+		}
+		return fmt.Errorf("config file: %w", err)
+	}
+	dec := toml.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&l.Settings); err != nil {
+		return l.explain(err)
+	}
+	// Decoding checked the types; the values are checked here, the same
+	// way a flag's or a variable's are.
+	var present map[string]any
+	_ = toml.Unmarshal(data, &present) // it decoded above
+	var errs []error
+	for _, o := range options {
+		if _, ok := present[o.key]; !ok {
+			continue
+		}
+		l.Source[o.key] = "file"
+		v := o.of(&l.Settings)
+		if err := v.Set(v.String()); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %s: %v", l.where(lineOf(data, o.key), 0), o.key, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// explain turns go-toml's errors into ones naming the file, line, column
+// and key, with what a good value looks like.
+func (l *Loaded) explain(err error) error {
+	var strict *toml.StrictMissingError
+	if errors.As(err, &strict) {
+		var errs []error
+		for _, e := range strict.Errors {
+			row, col := e.Position()
+			key := strings.Join(e.Key(), ".")
+			errs = append(errs, fmt.Errorf("%s: unknown key %q%s", l.where(row, col), key, suggest(key)))
+		}
+		return errors.Join(errs...)
+	}
+	var de *toml.DecodeError
+	if errors.As(err, &de) {
+		row, col := de.Position()
+		// go-toml names the Go field and type; the key and what it wants
+		// say it better.
+		msg := typeMismatch.ReplaceAllString(strings.TrimPrefix(de.Error(), "toml: "), "a TOML $1 is the wrong type")
+		if len(de.Key()) == 0 {
+			return fmt.Errorf("%s: not valid TOML: %s", l.where(row, col), msg)
+		}
+		key := strings.Join(de.Key(), ".")
+		if o, ok := lookup(key); ok {
+			return fmt.Errorf("%s: %s: %s; want %s", l.where(row, col), key, msg, o.of(&Settings{}).want())
+		}
+		return fmt.Errorf("%s: %s: %s", l.where(row, col), key, msg)
+	}
+	return fmt.Errorf("config file %s: %w", l.File, err)
+}
+
+var typeMismatch = regexp.MustCompile(`^cannot decode TOML (\w+) into .*`)
+
+func (l *Loaded) where(row, col int) string {
+	if col > 0 {
+		return fmt.Sprintf("config file %s, line %d, column %d", l.File, row, col)
+	}
+	return fmt.Sprintf("config file %s, line %d", l.File, row)
+}
+
+// lineOf finds the line that sets key; the file has no tables, so it is
+// the one that starts with the key.
+func lineOf(data []byte, key string) int {
+	re := regexp.MustCompile(`^\s*["']?` + regexp.QuoteMeta(key) + `["']?\s*=`)
+	for i, line := range bytes.Split(data, []byte("\n")) {
+		if re.Match(line) {
+			return i + 1
+		}
+	}
+	return 0
+}
+
+// suggest names the known key closest to a misspelt one.
+func suggest(key string) string {
+	best, dist := "", 4
+	for _, o := range options {
+		if d := editDistance(key, o.key); d < dist {
+			best, dist = o.key, d
+		}
+	}
+	if best != "" {
+		return fmt.Sprintf(": did you mean %q?", best)
+	}
+	return ": remove it; ferryd --print-config lists every key"
+}
+
+func editDistance(a, b string) int {
+	prev := make([]int, len(b)+1)
+	for j := range prev {
+		prev[j] = j
+	}
+	for i := 1; i <= len(a); i++ {
+		cur := make([]int, len(b)+1)
+		cur[0] = i
+		for j := 1; j <= len(b); j++ {
+			cost := 1
+			if a[i-1] == b[j-1] {
+				cost = 0
+			}
+			cur[j] = min(prev[j]+1, cur[j-1]+1, prev[j-1]+cost)
+		}
+		prev = cur
+	}
+	return prev[len(b)]
+}
+
+// Daemon is the daemon's runtime configuration for these settings.
+func (s Settings) Daemon(log zerolog.Logger) daemon.Config {
+	return daemon.Config{
+		Socket: s.Socket, Listen: s.Listen, Advertise: s.Advertise,
+		Device: s.Device, Transport: s.Transport,
+		ArenaSize: s.ArenaSize.Bytes(), ArenaFile: s.ArenaFile,
+		SlowThreshold: s.SlowThreshold.D(), SendRetries: s.SendRetries, SendTimeout: s.SendTimeout.D(),
+		StageTTL: s.StageTTL.D(), ReceiveTTL: s.ReceiveTTL.D(),
+		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, Log: log,
+		SocketGroup: s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
+		RequestTimeout: s.RequestTimeout.D(),
+		MaxHeaderBytes: int(s.MaxHeaderBytes.Bytes()), MaxBodyBytes: s.MaxBodyBytes.Bytes(),
+	}
+}
+
+// Changed lists the keys whose values differ between a and b.
+func Changed(a, b Settings) []string {
+	var out []string
+	for _, o := range options {
+		if o.of(&a).String() != o.of(&b).String() {
+			out = append(out, o.key)
+		}
+	}
+	return out
+}
+
+// TOML writes the effective settings as a configuration file, each key
+// followed by where its value came from.
+func (l *Loaded) TOML() ([]byte, error) {
+	body, err := toml.Marshal(l.Settings)
+	if err != nil {
+		return nil, err
+	}
+	var b bytes.Buffer
+	b.WriteString("# ferryd's effective configuration: flags > FERRY_* variables > file > defaults\n")
+	if l.File != "" {
+		fmt.Fprintf(&b, "# file: %s\n", l.File)
+	}
+	for _, line := range strings.Split(strings.TrimRight(string(body), "\n"), "\n") {
+		key, _, _ := strings.Cut(line, " =")
+		from := "default"
+		if src, ok := l.Source[key]; ok {
+			from = src
+		}
+		fmt.Fprintf(&b, "%s  # %s\n", line, from)
+	}
+	return b.Bytes(), nil
+}

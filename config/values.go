@@ -1,0 +1,140 @@
+package config
+
+import (
+	"fmt"
+	"slices"
+	"strconv"
+	"strings"
+	"time"
+
+	"github.com/ferry-project/ferry/internal/size"
+)
+
+// value is one setting as flags, FERRY_* variables and the file's
+// validation see it: Set checks and stores the text, String gives it back
+// so that Set(String()) holds, and want says what a good value looks like.
+type value interface {
+	Set(string) error
+	String() string
+	want() string
+}
+
+// text is a string setting.
+type text string
+
+func (t *text) Set(s string) error { *t = text(s); return nil }
+func (t *text) String() string     { return string(*t) }
+func (t *text) want() string       { return `a string in quotes` }
+
+// choice is a string setting with a fixed set of values.
+type choice struct {
+	p  *string
+	of []string
+}
+
+func (c choice) Set(s string) error {
+	if !slices.Contains(c.of, s) {
+		return fmt.Errorf("%q is not one of %s", s, strings.Join(c.of, ", "))
+	}
+	*c.p = s
+	return nil
+}
+func (c choice) String() string { return *c.p }
+func (c choice) want() string   { return "one of " + strings.Join(c.of, ", ") + ", in quotes" }
+
+// number is an integer setting.
+type number int
+
+func (n *number) Set(s string) error {
+	v, err := strconv.Atoi(strings.TrimSpace(s))
+	if err != nil {
+		return fmt.Errorf("%q is not an integer", s)
+	}
+	*n = number(v)
+	return nil
+}
+func (n *number) String() string { return strconv.Itoa(int(*n)) }
+func (n *number) want() string   { return "an integer" }
+
+// Duration is a duration as written ("200ms", "30s", "10m"). The file
+// holds it as a TOML string, so a bare number (no unit) is refused where
+// it is written rather than read as nanoseconds.
+type Duration string
+
+func (d *Duration) Set(s string) error {
+	v, err := time.ParseDuration(strings.TrimSpace(s))
+	if err != nil {
+		return fmt.Errorf("%q is not a duration: write a number with a unit, e.g. \"200ms\", \"30s\" or \"10m\"", s)
+	}
+	if v < 0 {
+		return fmt.Errorf("%q is negative", s)
+	}
+	*d = Duration(strings.TrimSpace(s))
+	return nil
+}
+func (d *Duration) String() string { return string(*d) }
+func (d *Duration) want() string   { return `a duration in quotes, e.g. "200ms", "30s" or "10m"` }
+
+// D is the duration; a Duration that came through Set always parses.
+func (d Duration) D() time.Duration {
+	v, _ := time.ParseDuration(string(d))
+	return v
+}
+
+func durationOf(t time.Duration) Duration {
+	s := t.String()
+	// "1m0s" and "1h0m0s" read better as "1m" and "1h".
+	if strings.HasSuffix(s, "m0s") {
+		s = strings.TrimSuffix(s, "0s")
+	}
+	if strings.HasSuffix(s, "h0m") {
+		s = strings.TrimSuffix(s, "0m")
+	}
+	return Duration(s)
+}
+
+// Size is a byte count as written ("64MiB", "8GiB", "4096"), a TOML
+// string for the same reason as Duration.
+type Size string
+
+func (z *Size) Set(s string) error {
+	if _, err := size.Parse(s); err != nil {
+		return err
+	}
+	*z = Size(strings.TrimSpace(s))
+	return nil
+}
+func (z *Size) String() string { return string(*z) }
+func (z *Size) want() string   { return `a size in quotes, e.g. "64MiB", "8GiB" or "4096"` }
+
+// Bytes is the byte count; a Size that came through Set always parses.
+func (z Size) Bytes() int64 {
+	n, _ := size.Parse(string(z))
+	return n
+}
+
+// ids is a list of numeric user or group ids: a TOML array, or
+// comma-separated as a flag or variable.
+type ids []uint32
+
+func (l *ids) Set(s string) error {
+	out := ids{}
+	for _, f := range strings.FieldsFunc(s, func(r rune) bool { return r == ',' || r == ' ' }) {
+		v, err := strconv.ParseUint(f, 10, 32)
+		if err != nil {
+			return fmt.Errorf("%q is not a numeric id", f)
+		}
+		out = append(out, uint32(v))
+	}
+	*l = out
+	return nil
+}
+
+func (l *ids) String() string {
+	parts := make([]string, len(*l))
+	for i, v := range *l {
+		parts[i] = strconv.FormatUint(uint64(v), 10)
+	}
+	return strings.Join(parts, ",")
+}
+func (l *ids) want() string { return "a list of numeric ids, e.g. [1000, 1001]" }
