@@ -48,13 +48,14 @@ func main() {
 
 func run(ctx context.Context, args []string) error {
 	fs := flag.NewFlagSet("ferryd", flag.ContinueOnError)
-	cfg := daemon.Config{ArenaSize: daemon.DefaultArenaSize}
+	cfg := daemon.Config{ArenaSize: daemon.DefaultArenaSize, BounceSize: daemon.DefaultBounceSize}
 	fs.StringVar(&cfg.Socket, "socket", api.DefaultSocket, "control socket `path`")
 	fs.StringVar(&cfg.Listen, "listen", fmt.Sprintf(":%d", api.DefaultPeerPort), "peer port `host:port` other daemons dial")
 	fs.StringVar(&cfg.Advertise, "advertise", "", "`host:port` receive slots name as their session (default: the listen address, or this host's first IPv4 address when listening on all)")
-	fs.StringVar(&cfg.Device, "device", "cpu", "arena memory: cpu (host memory)")
+	fs.StringVar(&cfg.Device, "device", "auto", "arena memory: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N")
 	fs.StringVar(&cfg.Transport, "transport", "tcp", "data plane: tcp")
 	fs.Var(sizeFlag{&cfg.ArenaSize}, "arena-size", "arena `size`, e.g. 64MiB or 8GiB")
+	fs.Var(sizeFlag{&cfg.BounceSize}, "bounce-size", "pinned host memory that copies to and from a GPU arena are staged in")
 	fs.StringVar(&cfg.ArenaFile, "arena-file", "", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)")
 	fs.DurationVar(&cfg.SlowThreshold, "slow-threshold", daemon.DefaultSlowThreshold, "log transfers slower than this")
 	fs.IntVar(&cfg.SendRetries, "send-retries", 1, "re-dial and retry a failed write this many times")

@@ -24,6 +24,11 @@ import (
 var bin string
 
 func TestMain(m *testing.M) {
+	// FERRY_BIN names binaries built beforehand, for hosts without Go (the
+	// GPU bundle of make gpu-bundle).
+	if bin = os.Getenv("FERRY_BIN"); bin != "" {
+		os.Exit(m.Run())
+	}
 	dir, err := os.MkdirTemp("", "ferry-e2e-bin-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -140,7 +145,8 @@ func startDaemon(t *testing.T, dir, name string, extra ...string) *daemon {
 func startDaemonIn(t *testing.T, prefix []string, dir, name string, extra ...string) *daemon {
 	t.Helper()
 	sock := filepath.Join(dir, name+".sock")
-	args := []string{"--socket", sock, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug"}
+	// Host memory unless a test asks for a device (a later --device wins).
+	args := []string{"--socket", sock, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug", "--device", "cpu"}
 	args = append(args, extra...)
 	argv := append(append(append([]string{}, prefix...), filepath.Join(bin, "ferryd")), args...)
 	cmd := exec.Command(argv[0], argv[1:]...)
