@@ -134,6 +134,11 @@ func Load() (*Driver, error) {
 func load(name string) (*Driver, error) {
 	lib, err := dl.Open(name)
 	if err != nil {
+		var de *dl.Error
+		if errors.As(err, &de) {
+			// dlerror's text already names the library.
+			return nil, fmt.Errorf("%w: %s", ErrNoDriver, de.Message)
+		}
 		return nil, fmt.Errorf("%w: %v", ErrNoDriver, err)
 	}
 	d := &Driver{lib: lib}
