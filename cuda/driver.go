@@ -243,9 +243,20 @@ func (d *Driver) info(ordinal int, dev C.CUdevice) (Info, error) {
 	}
 	in.Name = C.GoString(&name[0])
 	in.UUID = formatUUID(C.GoBytes(unsafe.Pointer(&uuid), 16))
-	in.PCIBusID = strings.ToLower(C.GoString(&bus[0]))
+	in.PCIBusID = sysfsBusID(C.GoString(&bus[0]))
 	in.TotalMemory = int64(total)
 	return in, nil
+}
+
+// sysfsBusID writes a PCI address the way /sys/bus/pci/devices names it
+// (0000:3b:00.0): lower case, a 4-digit domain, so it can be compared with
+// a NIC's address there.
+func sysfsBusID(id string) string {
+	var dom, bus, dev, fn uint
+	if n, err := fmt.Sscanf(id, "%x:%x:%x.%x", &dom, &bus, &dev, &fn); err != nil || n != 4 {
+		return strings.ToLower(id)
+	}
+	return fmt.Sprintf("%04x:%02x:%02x.%x", dom, bus, dev, fn)
 }
 
 func formatUUID(b []byte) string {

@@ -123,3 +123,16 @@ func TestFormatUUIDLikeNvidiaSMI(t *testing.T) {
 		t.Fatalf("formatUUID = %q, want %q", got, want)
 	}
 }
+
+func TestBusIDsAreWrittenAsSysfsNamesThem(t *testing.T) {
+	for in, want := range map[string]string{
+		"0000:3B:00.0":     "0000:3b:00.0",
+		"00000000:3B:00.0": "0000:3b:00.0",
+		"0001:c1:1f.7":     "0001:c1:1f.7",
+		"garbage":          "garbage",
+	} {
+		if got := sysfsBusID(in); got != want {
+			t.Errorf("sysfsBusID(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
