@@ -212,14 +212,14 @@ func TestNewArenaAllocatesOnceAndExportsEverything(t *testing.T) {
 
 func TestNewArenaRecordsWhyIPCAndDMABufAreMissing(t *testing.T) {
 	dev := newFakeDevice()
-	dev.fail["IPCHandle"] = &Error{Call: "cuIpcGetMemHandle", Result: ErrorNotSupported}
+	dev.fail["IPCHandle"] = &Error{Call: "cuIpcGetMemHandle", Result: Result(801)}
 	dev.fail["ExportDMABuf"] = errors.New("cuda:0 (Fake H200) reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0")
 	a, err := newArena(dev, 2<<20, 1<<20)
 	if err != nil {
 		t.Fatalf("missing IPC or dmabuf must not stop the arena: %v", err)
 	}
 	defer a.Close()
-	if _, err := a.IPCHandle(); !errors.Is(err, ErrorNotSupported) || !strings.Contains(err.Error(), "upload staging still works") {
+	if _, err := a.IPCHandle(); !errors.Is(err, Result(801)) || !strings.Contains(err.Error(), "upload staging still works") {
 		t.Errorf("IPCHandle error = %v", err)
 	}
 	if fd, _, err := a.DMABuf(); fd != -1 || err == nil || !strings.Contains(err.Error(), "DMA_BUF_SUPPORTED=0") {

@@ -160,7 +160,7 @@ func (dev *Device) ExportDMABuf(p uint64, n int64) (int, error) {
 	switch {
 	case dev.drv.sym.memGetHandleForAddressRange == nil:
 		return -1, fmt.Errorf("cuda:%d: the driver (CUDA %s) has no cuMemGetHandleForAddressRange: dmabuf export needs CUDA 11.7 or newer",
-			dev.info.Ordinal, dev.drv.VersionString())
+			dev.info.Ordinal, dev.drv.Version())
 	case !dev.info.DMABuf:
 		return -1, fmt.Errorf("%v reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0: dmabuf export needs NVIDIA's open kernel modules", dev.info)
 	}

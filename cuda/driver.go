@@ -158,11 +158,8 @@ func load(name string) (*Driver, error) {
 	return d, nil
 }
 
-// Version is the driver's CUDA version, e.g. 12040 for 12.4.
-func (d *Driver) Version() int { return d.version }
-
-// VersionString is Version as "12.4".
-func (d *Driver) VersionString() string {
+// Version is the CUDA version the driver supports, e.g. "12.4".
+func (d *Driver) Version() string {
 	return fmt.Sprintf("%d.%d", d.version/1000, d.version%1000/10)
 }
 

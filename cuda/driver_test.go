@@ -27,7 +27,7 @@ func TestLoadOfAMissingLibraryIsErrNoDriverNamingIt(t *testing.T) {
 func TestLoadWithoutADriverFailsCleanly(t *testing.T) {
 	d, err := Load()
 	if err == nil {
-		t.Skipf("a CUDA driver is present here (CUDA %s): this test is for hosts without one", d.VersionString())
+		t.Skipf("a CUDA driver is present here (CUDA %s): this test is for hosts without one", d.Version())
 	}
 	if !errors.Is(err, ErrNoDriver) && !errors.Is(err, ErrNoDevice) {
 		t.Fatalf("want ErrNoDriver or ErrNoDevice, got %v", err)

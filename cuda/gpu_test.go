@@ -39,7 +39,7 @@ func TestGPUDeviceDescription(t *testing.T) {
 	in := dev.Info()
 	drv, _ := cuda.Load()
 	t.Logf("%v: driver CUDA %s, uuid %s, pci %s, %d MiB, gpudirect_rdma=%v dmabuf=%v vmm=%v unified_addressing=%v",
-		in, drv.VersionString(), in.UUID, in.PCIBusID, in.TotalMemory/MiB, in.GPUDirectRDMA, in.DMABuf, in.VMM, in.UnifiedAddressing)
+		in, drv.Version(), in.UUID, in.PCIBusID, in.TotalMemory/MiB, in.GPUDirectRDMA, in.DMABuf, in.VMM, in.UnifiedAddressing)
 	if in.Name == "" || in.TotalMemory < 1<<30 || !in.UnifiedAddressing {
 		t.Errorf("implausible description %+v", in)
 	}

@@ -21,12 +21,10 @@ type Result int32
 
 // The codes ferry reacts to.
 const (
-	Success            Result = 0
-	ErrorOutOfMemory   Result = 2
-	ErrorStubLibrary   Result = 34
-	ErrorNoDevice      Result = 100
-	ErrorInvalidDevice Result = 101
-	ErrorNotSupported  Result = 801
+	Success          Result = 0
+	ErrorOutOfMemory Result = 2
+	ErrorStubLibrary Result = 34
+	ErrorNoDevice    Result = 100
 )
 
 // resultNames are the CUresult values of cuda.h (CUDA 12/13).

@@ -9,14 +9,14 @@ import (
 
 func TestResultNamesAreKnownWithoutTheDriver(t *testing.T) {
 	for r, want := range map[Result]string{
-		Success:            "CUDA_SUCCESS",
-		ErrorOutOfMemory:   "CUDA_ERROR_OUT_OF_MEMORY",
-		ErrorStubLibrary:   "CUDA_ERROR_STUB_LIBRARY",
-		ErrorNoDevice:      "CUDA_ERROR_NO_DEVICE",
-		ErrorInvalidDevice: "CUDA_ERROR_INVALID_DEVICE",
-		ErrorNotSupported:  "CUDA_ERROR_NOT_SUPPORTED",
-		201:                "CUDA_ERROR_INVALID_CONTEXT",
-		999:                "CUDA_ERROR_UNKNOWN",
+		Success:          "CUDA_SUCCESS",
+		ErrorOutOfMemory: "CUDA_ERROR_OUT_OF_MEMORY",
+		ErrorStubLibrary: "CUDA_ERROR_STUB_LIBRARY",
+		ErrorNoDevice:    "CUDA_ERROR_NO_DEVICE",
+		Result(101):      "CUDA_ERROR_INVALID_DEVICE",
+		Result(801):      "CUDA_ERROR_NOT_SUPPORTED",
+		201:              "CUDA_ERROR_INVALID_CONTEXT",
+		999:              "CUDA_ERROR_UNKNOWN",
 	} {
 		if got := r.String(); got != want {
 			t.Errorf("Result(%d).String() = %q, want %q", int32(r), got, want)
@@ -40,8 +40,8 @@ func TestErrorsSortIntoNoDriverNoDeviceAndTheRest(t *testing.T) {
 		{ErrorStubLibrary, ErrNoDriver},
 		{ErrorNoDevice, ErrNoDevice},
 		{ErrorOutOfMemory, ErrCUDA},
-		{ErrorInvalidDevice, ErrCUDA},
-		{ErrorNotSupported, ErrCUDA},
+		{Result(101), ErrCUDA},
+		{Result(801), ErrCUDA},
 	}
 	for _, c := range cases {
 		err := fmt.Errorf("cuda:0: %w", check("cuSomething", c.r))

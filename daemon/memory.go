@@ -58,7 +58,7 @@ func openMemory(cfg Config, log zerolog.Logger) (*memory, error) {
 		if err == nil && ordinal < 0 {
 			var n int
 			if n, err = drv.DeviceCount(); err == nil && n == 0 {
-				err = fmt.Errorf("%w: the driver (CUDA %s) sees no GPU", cuda.ErrNoDevice, drv.VersionString())
+				err = fmt.Errorf("%w: the driver (CUDA %s) sees no GPU", cuda.ErrNoDevice, drv.Version())
 			}
 		}
 		switch {
@@ -105,7 +105,7 @@ func openGPU(cfg Config, log zerolog.Logger, drv *cuda.Driver, ordinal int) (*me
 	m := &memory{Memory: gpu, device: fmt.Sprintf("cuda:%d", ordinal), gpu: gpu, dev: dev, drv: drv,
 		reason: fmt.Sprintf("--device %s: %v", cfg.Device, in)}
 	ev := log.Info().Str("device", m.device).Str("name", in.Name).Str("uuid", in.UUID).Str("pci_bus_id", in.PCIBusID).
-		Str("driver", drv.VersionString()).Int64("arena_size", gpu.Size()).Int64("bounce_size", int64(len(gpu.BounceArea()))).
+		Str("driver", drv.Version()).Int64("arena_size", gpu.Size()).Int64("bounce_size", int64(len(gpu.BounceArea()))).
 		Bool("gpudirect_rdma", in.GPUDirectRDMA).Bool("dmabuf", in.DMABuf).Bool("vmm", in.VMM)
 	if _, err := gpu.IPCHandle(); err != nil {
 		ev = ev.Str("ipc_error", err.Error())
@@ -154,7 +154,7 @@ func (m *memory) status() *api.CUDAStatus {
 	in := m.gpu.Device()
 	st := &api.CUDAStatus{
 		Name: in.Name, UUID: in.UUID, PCIBusID: in.PCIBusID, TotalMemory: in.TotalMemory,
-		DriverVersion: m.drv.VersionString(), GPUDirectRDMA: in.GPUDirectRDMA, DMABuf: in.DMABuf, VMM: in.VMM,
+		DriverVersion: m.drv.Version(), GPUDirectRDMA: in.GPUDirectRDMA, DMABuf: in.DMABuf, VMM: in.VMM,
 		UnifiedAddressing: in.UnifiedAddressing, BounceSize: int64(len(m.gpu.BounceArea())),
 		BounceFallbacks: m.gpu.BounceFallbacks(), DMABufExported: m.dmabufErr() == nil,
 	}
