@@ -14,18 +14,22 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/cuda"
 	"github.com/ferry-project/ferry/cuda/cudatest"
+	"github.com/ferry-project/ferry/internal/fakecuda"
 )
 
 // ferrydExit runs a ferryd that is expected to fail at start and returns
 // its output and exit code; a ferryd still running after 30 s is killed by
 // its PID and fails the test.
-func ferrydExit(t *testing.T, extra ...string) (string, int) {
+// prefix runs before it (e.g. "env LD_LIBRARY_PATH=...").
+func ferrydExit(t *testing.T, prefix []string, extra ...string) (string, int) {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	dir := t.TempDir()
-	args := append([]string{"--socket", filepath.Join(dir, "d.sock"), "--listen", "127.0.0.1:0", "--arena-size", "64MiB"}, extra...)
-	cmd := exec.CommandContext(ctx, filepath.Join(bin, "ferryd"), args...)
+	argv := append(append([]string{}, prefix...), filepath.Join(bin, "ferryd"), "--socket", filepath.Join(dir, "d.sock"),
+		"--listen", "127.0.0.1:0", "--arena-size", "64MiB")
+	argv = append(argv, extra...)
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
 	out, err := cmd.CombinedOutput()
 	if ctx.Err() != nil {
 		t.Fatalf("ferryd %v was still running after 30 s; output:\n%s", extra, out)
@@ -40,7 +44,7 @@ func ferrydExit(t *testing.T, extra ...string) (string, int) {
 func TestDeviceCUDAWithoutAGPUFailsAtStartNamingWhatIsMissing(t *testing.T) {
 	cudatest.NeedsNoGPU(t)
 	why := cudatest.Probe()
-	out, code := ferrydExit(t, "--device", "cuda:0")
+	out, code := ferrydExit(t, nil, "--device", "cuda:0")
 	if code != 1 {
 		t.Fatalf("exit code %d, want 1; output:\n%s", code, out)
 	}
@@ -79,6 +83,61 @@ func TestDeviceAutoWithoutAGPUUsesHostMemoryAndSaysWhy(t *testing.T) {
 	sl, err := d.c.Slice(ctxT(t), "auto-1", api.SliceRequest{NBytes: 4096})
 	if err != nil || sl.CUDAIPC != nil || sl.ArenaFile == "" {
 		t.Fatalf("a host arena's slice %+v, %v: want the arena file and no IPC handle", sl, err)
+	}
+}
+
+// The daemon's GPU-arena plumbing, run by ferryd processes that load the
+// stand-in driver (internal/fakecuda) through LD_LIBRARY_PATH: the choice
+// of device, status, upload staging copied in, sends copied out through
+// the bounce area (and past it when it is full), received writes copied in
+// and reads copied out. TestGPUArenasTransferOverTCP runs the same on the
+// real driver (make test-gpu).
+func TestDeviceArenaOverAStandInDriver(t *testing.T) {
+	env := []string{"env", "LD_LIBRARY_PATH=" + fakecuda.Build(t, fakecuda.Working)}
+	dir := t.TempDir()
+	snd := startDaemonIn(t, env, dir, "snd", "--device", "auto", "--bounce-size", "1MiB")
+	rcv := startDaemonIn(t, env, dir, "rcv", "--device", "cuda:1", "--bounce-size", "1MiB")
+	ctx := ctxT(t)
+	for name, d := range map[string]*daemon{"cuda:0": snd, "cuda:1": rcv} {
+		line := d.log.wait(t, 5*time.Second, "saying the arena is in GPU memory", msg("the arena is in GPU memory"))
+		if line["device"] != name || line["pci_bus_id"] == "" || line["dmabuf_exported"] != true {
+			t.Errorf("GPU arena line %v", line)
+		}
+		st, err := d.c.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m := st.Memory; m.Kind != "cuda" || m.Device != name || m.CUDA == nil || m.CUDA.Name != "Fake GPU "+name[5:] ||
+			!m.CUDA.DMABufExported || m.CUDA.BounceSize != 1<<20 || m.ArenaFile != "" || !strings.Contains(st.Registration.Reason, "bounce") {
+			t.Errorf("status of %s: %+v (cuda %+v)", name, m, m.CUDA)
+		}
+	}
+
+	for i, n := range []int{embBytes, 3 << 20} { // the second is larger than the bounce area
+		id := []string{"fake-small", "fake-large"}[i]
+		data := randomBytes(n, uint64(20+i))
+		if _, err := snd.c.Stage(ctx, id, []int64{int64(n)}, "u8", bytes.NewReader(data), int64(n)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := snd.c.Send(ctx, id, slotFor(t, rcv, id, int64(n))); err != nil {
+			t.Fatal(err)
+		}
+		got, err := rcv.c.Wait(ctx, id, 10*time.Second)
+		if err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("%s: %d bytes back, %v: the bytes differ", id, len(got), err)
+		}
+	}
+	if st, _ := snd.c.Status(ctx); st.Memory.CUDA == nil || st.Memory.CUDA.BounceFallbacks == 0 {
+		t.Error("a copy larger than the bounce area was not counted as a fallback")
+	}
+	sl, err := snd.c.Slice(ctx, "fake-zc", api.SliceRequest{NBytes: 4096})
+	if err != nil || sl.CUDAIPC == nil || sl.Device != "cuda:0" || len(sl.IPCHandle) != 64 || sl.ArenaFile != "" {
+		t.Fatalf("slice of a GPU arena %+v, %v", sl, err)
+	}
+
+	out, code := ferrydExit(t, env, "--device", "cuda:5")
+	if code != 1 || !strings.Contains(out, "--device cuda:5: no CUDA device: cuda:5 does not exist: the driver sees 2 CUDA device(s) (cuda:0 to cuda:1)") {
+		t.Errorf("cuda:5 of two GPUs: exit %d\n%s", code, out)
 	}
 }
 
