@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e bench-tcp install clean
+.PHONY: all deps build demo test vet unit e2e bench-tcp install clean gpu-bundle test-gpu
 
 all: build
 
@@ -55,6 +55,23 @@ install: build
 	install -m 0644 systemd/ferryd.toml README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/ferry/
 	test -e $(DESTDIR)$(SYSCONFDIR)/ferry/ferryd.toml || install -m 0644 systemd/ferryd.toml $(DESTDIR)$(SYSCONFDIR)/ferry/
 	@echo "installed; then: systemd-sysusers && systemd-tmpfiles --create && systemctl daemon-reload && systemctl enable --now ferryd.socket ferryd.service"
+
+# Everything make test-gpu runs, built here for a GPU host that may lack
+# Go: stripped binaries and test binaries plus the scripts. Copy the folder
+# there and run test-gpu.sh in it (or make test-gpu).
+GPU_BUNDLE := $(BIN)/gpu-bundle
+gpu-bundle: deps
+	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)
+	$(GO) build -ldflags='-s -w' -o $(GPU_BUNDLE)/ ./cmd/ferryd ./cmd/ferryctl
+	$(GO) test -c -ldflags='-s -w' -o $(GPU_BUNDLE)/cuda.test ./cuda
+	$(GO) test -c -ldflags='-s -w' -o $(GPU_BUNDLE)/e2e.test ./test/e2e
+	cp scripts/gpu/test-gpu.sh scripts/gpu/*.py $(GPU_BUNDLE)/
+
+# The checks on a real GPU (NVIDIA driver, python3 with torch): builds the
+# bundle first where Go is installed.
+test-gpu:
+	@if command -v $(GO) >/dev/null 2>&1; then $(MAKE) --no-print-directory gpu-bundle; fi
+	$(GPU_BUNDLE)/test-gpu.sh
 
 clean:
 	rm -rf $(BIN)

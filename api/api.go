@@ -56,8 +56,9 @@ type Status struct {
 }
 
 type MemoryStatus struct {
-	Kind        string `json:"kind"`   // "host" (later "cuda")
+	Kind        string `json:"kind"`   // "host" or "cuda"
 	Device      string `json:"device"` // "cpu" or "cuda:N"
+	Reason      string `json:"reason"` // why this memory: the --device asked for, or why auto chose it
 	ArenaFile   string `json:"arena_file"`
 	ArenaBase   uint64 `json:"arena_base"`
 	HugePages   bool   `json:"huge_pages"`
@@ -67,6 +68,37 @@ type MemoryStatus struct {
 	LargestFree int64  `json:"largest_free"`
 	Allocations int    `json:"allocations"`
 	Alignment   int64  `json:"alignment"`
+	// CUDA describes the GPU and the device arena when Kind is "cuda".
+	CUDA *CUDAStatus `json:"cuda,omitempty"`
+}
+
+// CUDAStatus describes a GPU arena: the device, what it supports, and
+// what ferryd could export of the arena.
+type CUDAStatus struct {
+	Name              string `json:"name"`
+	UUID              string `json:"uuid"`
+	PCIBusID          string `json:"pci_bus_id"`
+	TotalMemory       int64  `json:"total_memory"`
+	DriverVersion     string `json:"driver_version"` // CUDA version of the driver, e.g. "12.4"
+	GPUDirectRDMA     bool   `json:"gpudirect_rdma"`
+	DMABuf            bool   `json:"dmabuf"`
+	VMM               bool   `json:"vmm"`
+	UnifiedAddressing bool   `json:"unified_addressing"`
+	IPCHandle         []byte `json:"ipc_handle,omitempty"` // base64; see CUDAIPC
+	IPCError          string `json:"ipc_error,omitempty"`  // why there is no IPC handle
+	DMABufExported    bool   `json:"dmabuf_exported"`
+	DMABufReason      string `json:"dmabuf_reason,omitempty"` // why the arena is not exported as a dmabuf
+	BounceSize        int64  `json:"bounce_size"`             // pinned host memory copies are staged in
+	BounceFallbacks   int64  `json:"bounce_fallbacks"`        // copies staged in pageable memory: the pinned area was full
+}
+
+// CUDAIPC is how a client reaches a GPU arena from its own process: open
+// IPCHandle with cuIpcOpenMemHandle on Device (torch and cupy can wrap the
+// pointer), then the bytes of an entry or slot are at that base + offset.
+// It is absent for a host-memory arena, which clients map as ArenaFile.
+type CUDAIPC struct {
+	Device    string `json:"device"`     // "cuda:N"
+	IPCHandle []byte `json:"ipc_handle"` // the 64-byte CUipcMemHandle, base64 in JSON
 }
 
 // Registration says how the arena is made visible to the NIC.
@@ -100,6 +132,7 @@ type Embedding struct {
 	Offset    int64     `json:"offset"`
 	Since     time.Time `json:"since"`
 	ArenaFile string    `json:"arena_file,omitempty"`
+	*CUDAIPC
 }
 
 // SliceRequest asks for an arena slice to fill in place (zero-copy staging):
@@ -110,12 +143,14 @@ type SliceRequest struct {
 	NBytes int64   `json:"nbytes,omitempty"`
 }
 
-// Slice is where a client writes through its own mapping of ArenaFile.
+// Slice is where a client writes through its own mapping of ArenaFile (or
+// of the GPU arena, through CUDAIPC).
 type Slice struct {
 	ReqID     string `json:"req_id"`
 	ArenaFile string `json:"arena_file"`
 	Offset    int64  `json:"offset"`
 	NBytes    int64  `json:"nbytes"`
+	*CUDAIPC         // set instead of ArenaFile for a GPU arena
 }
 
 // CommitRequest seals a zero-copy slice: POST /v1/embeddings/{req_id}/commit.
@@ -169,6 +204,7 @@ type Receive struct {
 	Offset    int64     `json:"offset"`
 	ArenaFile string    `json:"arena_file"`
 	Since     time.Time `json:"since"`
+	*CUDAIPC
 }
 
 // Headers on the raw-bytes answer of GET /v1/receives/{req_id}.

@@ -69,6 +69,60 @@ func (a *Arena) Bytes(s Slice) []byte {
 	return host[s.Offset:end:end]
 }
 
+// Writable returns host memory to put n bytes at offset off of s in, and
+// commit, which must be called once: commit(true) makes the bytes s's (a
+// copy in for a Copier; nothing for host memory, where dst is s itself),
+// commit(false) drops them.
+func (a *Arena) Writable(s Slice, off, n int64) (dst []byte, commit func(keep bool) error, err error) {
+	if err := within(s, off, n); err != nil {
+		return nil, nil, err
+	}
+	if host := a.Bytes(s); host != nil {
+		return host[off : off+n], func(bool) error { return nil }, nil
+	}
+	c, ok := a.mem.(Copier)
+	if !ok {
+		return nil, nil, fmt.Errorf("arena: %s memory is closed", a.mem.Kind())
+	}
+	buf, release := c.Bounce(n)
+	return buf, func(keep bool) error {
+		defer release()
+		if !keep {
+			return nil
+		}
+		return c.CopyIn(s.Offset+off, buf)
+	}, nil
+}
+
+// Readable returns n bytes at offset off of s where the host can read
+// them: s itself for host memory, a bounce buffer filled by a copy out for
+// a Copier. release must be called once when done with them.
+func (a *Arena) Readable(s Slice, off, n int64) (src []byte, release func(), err error) {
+	if err := within(s, off, n); err != nil {
+		return nil, nil, err
+	}
+	if host := a.Bytes(s); host != nil {
+		return host[off : off+n], func() {}, nil
+	}
+	c, ok := a.mem.(Copier)
+	if !ok {
+		return nil, nil, fmt.Errorf("arena: %s memory is closed", a.mem.Kind())
+	}
+	buf, release := c.Bounce(n)
+	if err := c.CopyOut(buf, s.Offset+off); err != nil {
+		release()
+		return nil, nil, err
+	}
+	return buf, release, nil
+}
+
+func within(s Slice, off, n int64) error {
+	if off < 0 || n < 0 || off+n > s.Len || off+n < off {
+		return fmt.Errorf("arena: range [%d, +%d) is outside the %d-byte slice at offset %d", off, n, s.Len, s.Offset)
+	}
+	return nil
+}
+
 // Addr is the address of s's first byte as peers see it.
 func (a *Arena) Addr(s Slice) uint64 { return a.mem.Base() + uint64(s.Offset) }
 

@@ -14,17 +14,31 @@ import (
 )
 
 // Memory is the region an Arena hands out. The allocator deals in offsets
-// only, so host memory and (later) device memory plug in the same way.
+// only, so host memory and device memory plug in the same way.
 type Memory interface {
 	// Base is the address of the first byte as peers see it: the mapping's
-	// virtual address for host memory.
+	// virtual address for host memory, the device pointer for GPU memory.
 	Base() uint64
 	Size() int64
 	// Host returns the bytes when they are host-addressable, nil otherwise.
 	Host() []byte
-	// Kind names the memory: "host", later "cuda".
+	// Kind names the memory: "host" or "cuda".
 	Kind() string
 	Close() error
+}
+
+// Copier is Memory the host cannot address (Host returns nil), such as GPU
+// memory: bytes move in and out by copies, staged in host memory that
+// Bounce lends.
+type Copier interface {
+	Memory
+	// CopyIn copies src to offset off; it has landed when CopyIn returns.
+	CopyIn(off int64, src []byte) error
+	// CopyOut copies len(dst) bytes at offset off into dst.
+	CopyOut(dst []byte, off int64) error
+	// Bounce lends n bytes of host memory to stage a copy in (pinned when
+	// it can, so the copy runs at full speed); release gives them back.
+	Bounce(n int64) (buf []byte, release func())
 }
 
 // HostFile is host memory backed by a file that local clients map too, so

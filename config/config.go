@@ -47,6 +47,7 @@ type Settings struct {
 	MaxConns       int      `toml:"max_conns"`
 	Device         string   `toml:"device"`
 	ArenaSize      Size     `toml:"arena_size"`
+	BounceSize     Size     `toml:"bounce_size"`
 	ArenaFile      string   `toml:"arena_file"`
 	SlowThreshold  Duration `toml:"slow_threshold"`
 	SendRetries    int      `toml:"send_retries"`
@@ -80,8 +81,9 @@ var options = []option{
 	{"transport", "`transport` of the data plane: tcp", func(s *Settings) value { return (*text)(&s.Transport) }},
 	{"io_timeout", "`deadline` on each network read and write; a stalled peer fails within it", func(s *Settings) value { return &s.IOTimeout }},
 	{"max_conns", "`connections` per peer session (concurrent writes to one peer)", func(s *Settings) value { return (*number)(&s.MaxConns) }},
-	{"device", "arena `memory`: cpu (host memory)", func(s *Settings) value { return (*text)(&s.Device) }},
+	{"device", "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N", func(s *Settings) value { return (*text)(&s.Device) }},
 	{"arena_size", "arena `size`, e.g. 64MiB or 8GiB", func(s *Settings) value { return &s.ArenaSize }},
+	{"bounce_size", "pinned host memory (`size`) that copies to and from a GPU arena are staged in", func(s *Settings) value { return &s.BounceSize }},
 	{"arena_file", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)", func(s *Settings) value { return (*text)(&s.ArenaFile) }},
 	{"slow_threshold", "log transfers slower than this `duration` (reloaded on SIGHUP)", func(s *Settings) value { return &s.SlowThreshold }},
 	{"send_retries", "re-dial and retry a failed write this many `times`", func(s *Settings) value { return (*number)(&s.SendRetries) }},
@@ -121,8 +123,9 @@ func Defaults() Settings {
 		Transport:      "tcp",
 		IOTimeout:      durationOf(daemon.DefaultIOTimeout),
 		MaxConns:       daemon.DefaultMaxConns,
-		Device:         "cpu",
+		Device:         "auto",
 		ArenaSize:      Size(size.Format(daemon.DefaultArenaSize)),
+		BounceSize:     Size(size.Format(daemon.DefaultBounceSize)),
 		SlowThreshold:  durationOf(daemon.DefaultSlowThreshold),
 		SendRetries:    1,
 		SendTimeout:    durationOf(daemon.DefaultSendTimeout),
@@ -363,7 +366,7 @@ func (s Settings) Daemon(log zerolog.Logger) daemon.Config {
 	return daemon.Config{
 		Socket: s.Socket, Listen: s.Listen, Advertise: s.Advertise,
 		Device: s.Device, Transport: s.Transport,
-		ArenaSize: s.ArenaSize.Bytes(), ArenaFile: s.ArenaFile,
+		ArenaSize: s.ArenaSize.Bytes(), BounceSize: s.BounceSize.Bytes(), ArenaFile: s.ArenaFile,
 		SlowThreshold: s.SlowThreshold.D(), SendRetries: s.SendRetries, SendTimeout: s.SendTimeout.D(),
 		StageTTL: s.StageTTL.D(), ReceiveTTL: s.ReceiveTTL.D(),
 		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, Log: log,

@@ -12,7 +12,6 @@ import (
 	"net"
 	"net/http"
 	"os"
-	"path/filepath"
 	"sync/atomic"
 	"time"
 
@@ -33,10 +32,11 @@ type Config struct {
 	Socket        string        // control socket path
 	Listen        string        // peer port, host:port
 	Advertise     string        // what receive slots name as session; default from Listen
-	Device        string        // "cpu" (CUDA comes later)
+	Device        string        // "auto", "cpu" or "cuda:N"
 	Transport     string        // "tcp" (RDMA comes later)
 	ArenaSize     int64         // bytes
 	ArenaFile     string        // backing file clients map; default Socket+".arena"
+	BounceSize    int64         // pinned host memory copies to and from a GPU arena are staged in
 	SlowThreshold time.Duration // transfers slower than this are logged
 	SendRetries   int           // re-dials after a failed write
 	SendTimeout   time.Duration // bound on one send, retries included
@@ -62,6 +62,7 @@ type Config struct {
 // Defaults.
 const (
 	DefaultArenaSize      = 1 << 30
+	DefaultBounceSize     = 256 << 20
 	DefaultSlowThreshold  = 200 * time.Millisecond
 	DefaultSendTimeout    = 60 * time.Second
 	DefaultTTL            = 10 * time.Minute
@@ -81,7 +82,7 @@ func (c *Config) applyDefaults() {
 		c.Listen = fmt.Sprintf(":%d", api.DefaultPeerPort)
 	}
 	if c.Device == "" {
-		c.Device = "cpu"
+		c.Device = "auto"
 	}
 	if c.Transport == "" {
 		c.Transport = "tcp"
@@ -91,6 +92,9 @@ func (c *Config) applyDefaults() {
 	}
 	if c.ArenaFile == "" {
 		c.ArenaFile = c.Socket + ".arena"
+	}
+	if c.BounceSize == 0 {
+		c.BounceSize = DefaultBounceSize
 	}
 	if c.SlowThreshold == 0 {
 		c.SlowThreshold = DefaultSlowThreshold
@@ -125,14 +129,17 @@ func (c *Config) applyDefaults() {
 func (c *Config) Check() error {
 	c.applyDefaults()
 	var errs []error
-	if c.Device != "cpu" {
-		errs = append(errs, fmt.Errorf("--device %q is not available in this build: only \"cpu\" (host memory) is supported so far", c.Device))
+	if _, err := parseDevice(c.Device); err != nil {
+		errs = append(errs, err)
 	}
 	if c.Transport != "tcp" {
 		errs = append(errs, fmt.Errorf("--transport %q is not available in this build: only \"tcp\" is supported so far", c.Transport))
 	}
 	if c.ArenaSize < arenaAlign {
 		errs = append(errs, fmt.Errorf("--arena-size %d is too small: give at least %d bytes, e.g. 64MiB", c.ArenaSize, arenaAlign))
+	}
+	if c.BounceSize < 0 {
+		errs = append(errs, fmt.Errorf("--bounce-size %d is negative", c.BounceSize))
 	}
 	if c.SendRetries < 0 || c.SendRetries > 10 {
 		errs = append(errs, fmt.Errorf("--send-retries %d is outside 0..10", c.SendRetries))
@@ -173,7 +180,7 @@ type Daemon struct {
 	started  time.Time
 
 	arena     *arena.Arena
-	mem       *arena.HostFile
+	mem       *memory
 	reg       *registry
 	tr        transport.Transport
 	sessions  *sessions
@@ -227,20 +234,19 @@ func New(cfg Config) (*Daemon, error) {
 		}
 	}()
 
-	if err := os.MkdirAll(filepath.Dir(cfg.ArenaFile), 0o755); err != nil {
-		return nil, fmt.Errorf("arena file directory: %w", err)
-	}
 	var err error
-	d.mem, err = arena.CreateHostFile(cfg.ArenaFile, cfg.ArenaSize)
+	d.mem, err = openMemory(cfg, d.log)
 	if err != nil {
 		return nil, err
 	}
-	// Clients map the arena file for zero-copy: it goes to the group that
-	// may use the socket.
-	if err := chownGroup(cfg.ArenaFile, gid, "arena file"); err != nil {
-		return nil, err
+	// Clients map a host arena's file for zero-copy: it goes to the group
+	// that may use the socket.
+	if d.mem.host != nil {
+		if err := chownGroup(cfg.ArenaFile, gid, "arena file"); err != nil {
+			return nil, err
+		}
 	}
-	d.arena, err = arena.New(d.mem, arenaAlign)
+	d.arena, err = arena.New(d.mem.Memory, arenaAlign)
 	if err != nil {
 		return nil, err
 	}
@@ -329,8 +335,8 @@ func (d *Daemon) slowThreshold() time.Duration { return time.Duration(d.slowNano
 func (d *Daemon) Serve(ctx context.Context, drain time.Duration) error {
 	d.log.Info().
 		Str("socket", d.cfg.Socket).Str("listen", d.tr.Addr().String()).Str("advertise", d.advertise).
-		Str("transport", d.tr.Name()).Str("device", d.cfg.Device).Int64("arena_size", d.cfg.ArenaSize).
-		Str("arena_file", d.cfg.ArenaFile).Str("version", Version).Int("pid", os.Getpid()).
+		Str("transport", d.tr.Name()).Str("device", d.mem.device).Int64("arena_size", d.mem.Size()).
+		Str("arena_file", d.mem.Path()).Str("version", Version).Int("pid", os.Getpid()).
 		Msg("ready")
 	errc := make(chan error, 1)
 	go func() { errc <- d.http.Serve(d.control) }()
@@ -363,10 +369,8 @@ func (d *Daemon) closeAll() {
 	if d.control != nil {
 		_ = d.control.Close() // unlinks the socket file, unless systemd passed it
 	}
-	if d.arena != nil {
-		_ = d.arena.Close()
-	} else if d.mem != nil {
-		_ = d.mem.Close()
+	if d.mem != nil {
+		_ = d.mem.close()
 	}
 }
 

@@ -198,11 +198,11 @@ func (d *Daemon) Status() api.Status {
 	return api.Status{
 		Version: Version, PID: os.Getpid(), Instance: fmt.Sprintf("%016x", d.instance), StartedAt: d.started,
 		Memory: api.MemoryStatus{
-			Kind: d.mem.Kind(), Device: d.cfg.Device, ArenaFile: d.mem.Path(), ArenaBase: d.mem.Base(),
+			Kind: d.mem.Kind(), Device: d.mem.device, Reason: d.mem.reason, ArenaFile: d.mem.Path(), ArenaBase: d.mem.Base(),
 			HugePages: d.mem.HugePages(), Size: st.Size, Used: st.Used, Free: st.Free,
-			LargestFree: st.LargestFree, Allocations: st.Allocations, Alignment: arenaAlign,
+			LargestFree: st.LargestFree, Allocations: st.Allocations, Alignment: arenaAlign, CUDA: d.mem.status(),
 		},
-		Registration: api.Registration{Mode: "none", Reason: "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"},
+		Registration: api.Registration{Mode: "none", Reason: d.registrationReason()},
 		Transport: api.TransportStatus{
 			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
 			Reason: "tcp is the only transport in this build",
@@ -229,7 +229,7 @@ func (d *Daemon) handleGetEmbedding(w http.ResponseWriter, r *http.Request) erro
 	if err != nil {
 		return err
 	}
-	e.ArenaFile = d.mem.Path()
+	e.ArenaFile, e.CUDAIPC = d.mem.Path(), d.mem.ipc()
 	writeJSON(w, http.StatusOK, e)
 	return nil
 }
@@ -263,7 +263,13 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	got, err := d.readBody(w, r.Body, d.arena.Bytes(e.slice))
+	// For a GPU arena the body lands in a host bounce buffer, copied in on commit.
+	dst, commit, err := d.arena.Writable(e.slice, 0, n)
+	if err != nil {
+		d.reg.finishUpload(e, false)
+		return err
+	}
+	got, err := d.readBody(w, r.Body, dst)
 	if err == nil {
 		var extra [1]byte
 		if k, _ := r.Body.Read(extra[:]); k > 0 {
@@ -271,6 +277,9 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 		}
 	} else {
 		err = fmt.Errorf("the body ended after %d of the %d bytes shape %s %s needs: %v", got, n, api.ShapeString(shape), dtype, err)
+	}
+	if cerr := commit(err == nil); err == nil && cerr != nil {
+		err = fmt.Errorf("copying it into GPU memory failed: %v", cerr)
 	}
 	d.reg.finishUpload(e, err == nil)
 	if err != nil {
@@ -331,7 +340,7 @@ func (d *Daemon) handleSlice(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusCreated, api.Slice{ReqID: id, ArenaFile: d.mem.Path(), Offset: e.slice.Offset, NBytes: n})
+	writeJSON(w, http.StatusCreated, api.Slice{ReqID: id, ArenaFile: d.mem.Path(), Offset: e.slice.Offset, NBytes: n, CUDAIPC: d.mem.ipc()})
 	return nil
 }
 
@@ -407,7 +416,7 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 func (d *Daemon) handleListReceives(w http.ResponseWriter, r *http.Request) error {
 	out := d.reg.receives()
 	for i := range out {
-		out[i].Session, out[i].ArenaFile = d.advertise, d.mem.Path()
+		out[i].Session, out[i].ArenaFile, out[i].CUDAIPC = d.advertise, d.mem.Path(), d.mem.ipc()
 	}
 	writeJSON(w, http.StatusOK, out)
 	return nil
@@ -431,7 +440,7 @@ func (d *Daemon) handleGetReceive(w http.ResponseWriter, r *http.Request) error 
 	}
 	defer release()
 	if asJSON {
-		desc.Session, desc.ArenaFile = d.advertise, d.mem.Path()
+		desc.Session, desc.ArenaFile, desc.CUDAIPC = d.advertise, d.mem.Path(), d.mem.ipc()
 		writeJSON(w, http.StatusOK, desc)
 		return nil
 	}

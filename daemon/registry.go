@@ -57,6 +57,7 @@ type slot struct {
 	received int64
 	tag      uint32
 	freed    bool
+	copyErr  error // the last write arrived but did not reach GPU memory
 }
 
 // registry holds the staged entries and receive slots over one arena. It is
@@ -342,14 +343,23 @@ func (r *registry) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error),
 		return nil, nil, &transport.Refusal{Code: transport.SlotBusy,
 			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data: ask the receiver for a new slot", s.reqID)}
 	}
-	s.pins++
 	off := addr - s.addr
-	dst := r.arena.Bytes(s.slice)[off : off+n]
+	// For a GPU arena the bytes land in a host bounce buffer and are
+	// copied in before the slot counts as arrived.
+	dst, commit, err := r.arena.Writable(s.slice, int64(off), int64(n))
+	if err != nil {
+		return nil, nil, err
+	}
+	s.pins++
 	done := func(err error) {
+		cerr := commit(err == nil)
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		if err == nil && !s.freed {
-			s.arrived, s.received, s.tag = true, int64(off+n), tag
+			s.copyErr = cerr
+			if cerr == nil {
+				s.arrived, s.received, s.tag = true, int64(off+n), tag
+			}
 			r.notify()
 		}
 		r.unpin(s)
@@ -390,25 +400,38 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 			return api.Receive{}, nil, nil, apiErr(http.StatusNotFound, api.CodeNotFound,
 				"no receive slot for req_id %s: POST /v1/receives first (it may have been freed or timed out)", reqID)
 		}
+		if s.copyErr != nil {
+			err := s.copyErr
+			r.mu.Unlock()
+			return api.Receive{}, nil, nil, apiErr(http.StatusInternalServerError, api.CodeInternal,
+				"req_id %s: its data arrived but could not be copied into GPU memory: %v; the slot is still open: have the sender send again", reqID, err)
+		}
 		if s.arrived || wait == 0 {
 			desc := r.describeSlot(s)
-			var data []byte
-			release := func() {}
-			if s.arrived && pin {
+			pinned := s.arrived && pin
+			if pinned {
 				s.pins++
-				data = r.arena.Bytes(s.slice)[:s.received]
-				release = func() {
-					r.mu.Lock()
-					defer r.mu.Unlock()
-					r.unpin(s)
-				}
 			}
 			r.mu.Unlock()
 			if !desc.Arrived && pin {
 				return desc, nil, nil, apiErr(http.StatusGatewayTimeout, api.CodeTimeout,
 					"req_id %s: no data has arrived in its receive slot yet: pass ?wait=30s to wait for it", reqID)
 			}
-			return desc, data, release, nil
+			if !pinned {
+				return desc, nil, func() {}, nil
+			}
+			unpin := func() {
+				r.mu.Lock()
+				defer r.mu.Unlock()
+				r.unpin(s)
+			}
+			// Read outside the lock: for a GPU arena this is a copy out.
+			data, release, err := r.arena.Readable(s.slice, 0, desc.Received)
+			if err != nil {
+				unpin()
+				return desc, nil, nil, fmt.Errorf("req_id %s: reading its receive slot: %w", reqID, err)
+			}
+			return desc, data, func() { release(); unpin() }, nil
 		}
 		changed := r.changed
 		r.mu.Unlock()

@@ -67,7 +67,14 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout)
 	defer cancel()
-	w := transport.Write{Src: d.arena.Bytes(e.slice), Remote: req.BufferAddress, Key: req.Key, Tag: req.Key}
+	// A GPU arena's bytes are copied out to a host bounce buffer first.
+	src, release, err := d.arena.Readable(e.slice, 0, e.nbytes)
+	if err != nil {
+		return res, apiErr(http.StatusInternalServerError, api.CodeInternal,
+			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
+	}
+	defer release()
+	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key}
 	start := time.Now()
 	var lastErr error
 	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {

@@ -181,7 +181,14 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 			fmt.Fprintf(w, "ferryd %s  pid %d  up %s\n", st.Version, st.PID, time.Since(st.StartedAt).Round(time.Second))
 			fmt.Fprintf(w, "memory     %s (%s), arena %s, used %s, free %s, largest free %s\n",
 				m.Kind, m.Device, size.Format(m.Size), size.Format(m.Used), size.Format(m.Free), size.Format(m.LargestFree))
-			fmt.Fprintf(w, "arena file %s\n", m.ArenaFile)
+			if m.ArenaFile != "" {
+				fmt.Fprintf(w, "arena file %s\n", m.ArenaFile)
+			}
+			fmt.Fprintf(w, "chosen     %s\n", m.Reason)
+			if g := m.CUDA; g != nil {
+				fmt.Fprintf(w, "gpu        %s, %s, pci %s, driver CUDA %s; gpudirect_rdma=%v dmabuf=%v vmm=%v; dmabuf exported=%v; pinned bounce %s\n",
+					g.Name, g.UUID, g.PCIBusID, g.DriverVersion, g.GPUDirectRDMA, g.DMABuf, g.VMM, g.DMABufExported, size.Format(g.BounceSize))
+			}
 			fmt.Fprintf(w, "transport  %s, listening on %s, advertised as %s\n", st.Transport.Name, st.Transport.Listen, st.Transport.Advertise)
 			fmt.Fprintf(w, "register   %s (%s)\n", st.Registration.Mode, st.Registration.Reason)
 			fmt.Fprintf(w, "staged     %d embeddings, %d receive slots, %d sessions\n", st.Staged, st.Receives, len(st.Sessions))
@@ -254,6 +261,9 @@ func stageInPlace(ctx context.Context, c *client.Client, id string, shape []int6
 	fail := func(err error) (api.Embedding, error) {
 		_ = c.Delete(ctx, id)
 		return api.Embedding{}, err
+	}
+	if sl.ArenaFile == "" {
+		return fail(errors.New("ferryd's arena is GPU memory: zero-copy staging there takes a CUDA client that opens the slice's ipc_handle (cuIpcOpenMemHandle) and writes at its offset; ferryctl stages by upload: drop --zero-copy"))
 	}
 	m, err := client.MapArena(sl.ArenaFile)
 	if err != nil {

@@ -25,6 +25,11 @@ import (
 var bin string
 
 func TestMain(m *testing.M) {
+	// FERRY_BIN names binaries built beforehand, for hosts without Go (the
+	// GPU bundle of make gpu-bundle).
+	if bin = os.Getenv("FERRY_BIN"); bin != "" {
+		os.Exit(m.Run())
+	}
 	dir, err := os.MkdirTemp("", "ferry-e2e-bin-")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, err)
@@ -171,7 +176,8 @@ func startDaemonWith(t *testing.T, l launch, dir, name string, extra ...string) 
 	sock := filepath.Join(dir, name+".sock")
 	args := []string{"--socket", sock}
 	if !l.bare {
-		args = append(args, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug")
+		// Host memory unless a test asks for a device (a later --device wins).
+		args = append(args, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug", "--device", "cpu")
 	}
 	args = append(args, extra...)
 	argv := append(append(append([]string{}, l.prefix...), filepath.Join(bin, "ferryd")), args...)

@@ -1,0 +1,175 @@
+package cuda
+
+import (
+	"bytes"
+	"errors"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+
+	"github.com/ferry-project/ferry/internal/fakecuda"
+)
+
+// buildFakeDriver builds the stand-in libcuda.so.1 (internal/fakecuda), so
+// the whole call path (dlopen, the symbol table, the C helpers, the
+// per-device thread with its context) runs here without a GPU.
+func buildFakeDriver(t *testing.T, variant string) string {
+	t.Helper()
+	lib := filepath.Join(fakecuda.Build(t, variant), "libcuda.so.1")
+	// Result names come from whichever driver loaded first; each test
+	// starts and ends with none.
+	loaded.Store(nil)
+	t.Cleanup(func() { loaded.Store(nil) })
+	return lib
+}
+
+func TestFakeDriverRunsTheRealCallPath(t *testing.T) {
+	d, err := load(buildFakeDriver(t, fakecuda.Working))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if d.Version() != "12.4" {
+		t.Errorf("Version() = %q", d.Version())
+	}
+	if n, err := d.DeviceCount(); n != 2 || err != nil {
+		t.Fatalf("DeviceCount = %d, %v", n, err)
+	}
+	if _, err := d.Open(2); !errors.Is(err, ErrNoDevice) || !strings.Contains(err.Error(), "cuda:2 does not exist: the driver sees 2 CUDA device(s) (cuda:0 to cuda:1)") {
+		t.Errorf("Open(2): %v", err)
+	}
+	dev, err := d.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Info{Ordinal: 0, Name: "Fake GPU 0", UUID: "GPU-00010203-0405-0607-0809-0a0b0c0d0e0f", PCIBusID: "0000:3b:00.0",
+		TotalMemory: 1 << 30, DMABuf: true, VMM: true, UnifiedAddressing: true}
+	if dev.Info() != want {
+		t.Errorf("Info() = %+v\nwant     %+v", dev.Info(), want)
+	}
+
+	// The fake refuses memory calls without a current context and copies
+	// into memory without SYNC_MEMOPS: these succeed only if the device's
+	// thread holds its context and the arena set the attribute.
+	a, err := NewArena(dev, 8<<20, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var wg sync.WaitGroup
+	errs := make(chan error, 8)
+	for i := range 8 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			data := bytes.Repeat([]byte{byte(i + 1)}, 256<<10)
+			buf, release := a.Bounce(int64(len(data)))
+			defer release()
+			copy(buf, data)
+			off := int64(i) * (1 << 20)
+			if err := a.CopyIn(off, buf); err != nil {
+				errs <- err
+				return
+			}
+			got := make([]byte, len(data))
+			if err := a.CopyOut(got, off); err != nil || !bytes.Equal(got, data) {
+				errs <- errors.Join(err, errors.New("round trip differs"))
+			}
+		}()
+	}
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		t.Error(err)
+	}
+
+	// The IPC handle crosses into C by value and back intact.
+	h, err := a.IPCHandle()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if base, err := dev.OpenIPC(h); err != nil || base != a.Base() {
+		t.Errorf("OpenIPC = %#x, %v; want the arena's base %#x", base, err, a.Base())
+	} else if err := dev.CloseIPC(base); err != nil {
+		t.Error(err)
+	}
+	if fd, _, err := a.DMABuf(); err != nil || !fdOpen(fd) {
+		t.Errorf("DMABuf = %d, %v", fd, err)
+	}
+
+	// A driver error is named by the driver and sorted as ErrCUDA.
+	err = dev.CopyHtoD(0xdead0000, []byte{1})
+	var ce *Error
+	if !errors.As(err, &ce) || ce.Call != "cuMemcpyHtoD_v2" || !errors.Is(err, ErrCUDA) ||
+		!strings.Contains(err.Error(), "cuda:0: cuMemcpyHtoD_v2: CUDA_ERROR_INVALID_VALUE (invalid argument)") {
+		t.Errorf("a copy to a bad address: %v", err)
+	}
+
+	// A second device has its own thread and context.
+	dev1, err := d.Open(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	p, err := dev1.Alloc(4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := errors.Join(dev1.Free(p), dev1.Close()); err != nil {
+		t.Fatal(err)
+	}
+
+	if err := errors.Join(a.Close(), dev.Close()); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dev.Alloc(1); err == nil || !strings.Contains(err.Error(), "cuda:0: device is closed") {
+		t.Errorf("Alloc after Close: %v", err)
+	}
+	if err := dev.Close(); err != nil {
+		t.Errorf("second Close: %v", err)
+	}
+}
+
+func TestFakeDriverVariantsFailAsTheirKind(t *testing.T) {
+	for _, c := range []struct {
+		variant string
+		kind    error
+		says    []string
+	}{
+		{fakecuda.NoDevice, ErrNoDevice, []string{"cuInit: CUDA_ERROR_NO_DEVICE (no CUDA-capable device is detected)"}},
+		{fakecuda.Stub, ErrNoDriver, []string{"cuInit: CUDA_ERROR_STUB_LIBRARY"}},
+		{fakecuda.Broken, ErrNoDriver, []string{"lacks cuMemHostAlloc:", "install a newer one"}},
+	} {
+		t.Run(c.variant, func(t *testing.T) {
+			_, err := load(buildFakeDriver(t, c.variant))
+			if !errors.Is(err, c.kind) {
+				t.Fatalf("want %v, got %v", c.kind, err)
+			}
+			for _, s := range c.says {
+				if !strings.Contains(err.Error(), s) {
+					t.Errorf("%q does not say %q", err, s)
+				}
+			}
+		})
+	}
+}
+
+// Without cuMemGetHandleForAddressRange (drivers before CUDA 11.7) the
+// arena still works and says why there is no dmabuf.
+func TestFakeDriverWithoutDMABufExport(t *testing.T) {
+	d, err := load(buildFakeDriver(t, fakecuda.Old))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, err := d.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	a, err := NewArena(dev, 2<<20, 1<<20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer a.Close()
+	if fd, _, err := a.DMABuf(); fd != -1 || err == nil || !strings.Contains(err.Error(), "has no cuMemGetHandleForAddressRange: dmabuf export needs CUDA 11.7 or newer") {
+		t.Errorf("DMABuf = %d, %v", fd, err)
+	}
+}

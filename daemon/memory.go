@@ -1,0 +1,189 @@
+package daemon
+
+import (
+	"errors"
+	"fmt"
+	"os"
+	"path/filepath"
+	"strconv"
+	"strings"
+
+	"github.com/rs/zerolog"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/cuda"
+)
+
+// memory is the arena's memory (--device): a host file clients map, or a
+// GPU allocation clients open by its IPC handle.
+type memory struct {
+	arena.Memory
+	device string // "cpu" or "cuda:N"
+	reason string // why this memory
+
+	host *arena.HostFile // for host memory
+	gpu  *cuda.Arena     // for GPU memory
+	dev  *cuda.Device
+	drv  *cuda.Driver
+}
+
+// parseDevice reads --device: auto, cpu or cuda:N. ordinal is -1 for cpu
+// and auto.
+func parseDevice(s string) (ordinal int, err error) {
+	switch s {
+	case "auto", "cpu":
+		return -1, nil
+	}
+	if n, ok := strings.CutPrefix(s, "cuda:"); ok {
+		if i, err := strconv.Atoi(n); err == nil && i >= 0 {
+			return i, nil
+		}
+	}
+	return -1, fmt.Errorf("--device %q: use auto (a GPU when there is one, else host memory), cpu, or cuda:N (e.g. cuda:0)", s)
+}
+
+// openMemory allocates the arena's memory as --device says. auto takes
+// cuda:0 when the driver and a GPU are there, else host memory with one
+// INFO line saying why; cuda:N without them fails with a sentence naming
+// what is missing.
+func openMemory(cfg Config, log zerolog.Logger) (*memory, error) {
+	ordinal, err := parseDevice(cfg.Device)
+	if err != nil {
+		return nil, err
+	}
+	reason := "--device cpu"
+	if cfg.Device != "cpu" {
+		drv, err := cuda.Load()
+		if err == nil && ordinal < 0 {
+			var n int
+			if n, err = drv.DeviceCount(); err == nil && n == 0 {
+				err = fmt.Errorf("%w: the driver (CUDA %s) sees no GPU", cuda.ErrNoDevice, drv.Version())
+			}
+		}
+		switch {
+		case err == nil:
+			return openGPU(cfg, log, drv, max(ordinal, 0))
+		case ordinal >= 0:
+			return nil, fmt.Errorf("--device %s: %s", cfg.Device, missingGPU(err))
+		}
+		reason = "--device auto found no usable GPU: " + missingGPU(err)
+		log.Info().Str("reason", reason).Msg("the arena is in host memory")
+	}
+	if err := os.MkdirAll(filepath.Dir(cfg.ArenaFile), 0o755); err != nil {
+		return nil, fmt.Errorf("arena file directory: %w", err)
+	}
+	host, err := arena.CreateHostFile(cfg.ArenaFile, cfg.ArenaSize)
+	if err != nil {
+		return nil, err
+	}
+	return &memory{Memory: host, device: "cpu", reason: reason, host: host}, nil
+}
+
+// missingGPU says what is missing, and what to do, in one sentence.
+func missingGPU(err error) string {
+	switch {
+	case errors.Is(err, cuda.ErrNoDriver):
+		return fmt.Sprintf("%v: install the NVIDIA driver (it provides %s), or run with --device cpu", err, cuda.Library)
+	case errors.Is(err, cuda.ErrNoDevice):
+		return fmt.Sprintf("%v: check nvidia-smi and CUDA_VISIBLE_DEVICES, or run with --device cpu", err)
+	}
+	return fmt.Sprintf("the CUDA driver failed: %v: check nvidia-smi and the kernel log, or run with --device cpu", err)
+}
+
+func openGPU(cfg Config, log zerolog.Logger, drv *cuda.Driver, ordinal int) (*memory, error) {
+	dev, err := drv.Open(ordinal)
+	if err != nil {
+		return nil, fmt.Errorf("--device %s: %s", cfg.Device, missingGPU(err))
+	}
+	gpu, err := cuda.NewArena(dev, cfg.ArenaSize, min(cfg.BounceSize, cfg.ArenaSize))
+	if err != nil {
+		dev.Close()
+		return nil, fmt.Errorf("--device %s: %w", cfg.Device, err)
+	}
+	in := dev.Info()
+	m := &memory{Memory: gpu, device: fmt.Sprintf("cuda:%d", ordinal), gpu: gpu, dev: dev, drv: drv,
+		reason: fmt.Sprintf("--device %s: %v", cfg.Device, in)}
+	ev := log.Info().Str("device", m.device).Str("name", in.Name).Str("uuid", in.UUID).Str("pci_bus_id", in.PCIBusID).
+		Str("driver", drv.Version()).Int64("arena_size", gpu.Size()).Int64("bounce_size", int64(len(gpu.BounceArea()))).
+		Bool("gpudirect_rdma", in.GPUDirectRDMA).Bool("dmabuf", in.DMABuf).Bool("vmm", in.VMM)
+	if _, err := gpu.IPCHandle(); err != nil {
+		ev = ev.Str("ipc_error", err.Error())
+	}
+	if err := m.dmabufErr(); err != nil {
+		ev = ev.Str("dmabuf_reason", err.Error())
+	}
+	ev.Bool("dmabuf_exported", m.dmabufErr() == nil).Msg("the arena is in GPU memory")
+	return m, nil
+}
+
+func (m *memory) dmabufErr() error {
+	_, _, err := m.gpu.DMABuf()
+	return err
+}
+
+// Path is the file clients map, "" for GPU memory.
+func (m *memory) Path() string {
+	if m.host == nil {
+		return ""
+	}
+	return m.host.Path()
+}
+
+// HugePages reports whether a host arena is on hugetlbfs.
+func (m *memory) HugePages() bool { return m.host != nil && m.host.HugePages() }
+
+// ipc is what a client needs to open a GPU arena; nil for host memory or
+// when the driver gave no handle.
+func (m *memory) ipc() *api.CUDAIPC {
+	if m.gpu == nil {
+		return nil
+	}
+	h, err := m.gpu.IPCHandle()
+	if err != nil {
+		return nil
+	}
+	return &api.CUDAIPC{Device: m.device, IPCHandle: h[:]}
+}
+
+// status describes a GPU arena for GET /v1/status; nil for host memory.
+func (m *memory) status() *api.CUDAStatus {
+	if m.gpu == nil {
+		return nil
+	}
+	in := m.gpu.Device()
+	st := &api.CUDAStatus{
+		Name: in.Name, UUID: in.UUID, PCIBusID: in.PCIBusID, TotalMemory: in.TotalMemory,
+		DriverVersion: m.drv.Version(), GPUDirectRDMA: in.GPUDirectRDMA, DMABuf: in.DMABuf, VMM: in.VMM,
+		UnifiedAddressing: in.UnifiedAddressing, BounceSize: int64(len(m.gpu.BounceArea())),
+		BounceFallbacks: m.gpu.BounceFallbacks(), DMABufExported: m.dmabufErr() == nil,
+	}
+	if h, err := m.gpu.IPCHandle(); err == nil {
+		st.IPCHandle = h[:]
+	} else {
+		st.IPCError = err.Error()
+	}
+	if err := m.dmabufErr(); err != nil {
+		st.DMABufReason = err.Error()
+	}
+	return st
+}
+
+// close frees the memory, then lets go of the GPU.
+func (m *memory) close() error {
+	err := m.Memory.Close()
+	if m.dev != nil {
+		err = errors.Join(err, m.dev.Close())
+	}
+	return err
+}
+
+// registrationReason says how the transport reaches the arena. The TCP
+// transport registers nothing with a NIC: it reads and writes host memory
+// directly, and stages a GPU arena's bytes in the pinned bounce area.
+func (d *Daemon) registrationReason() string {
+	if d.mem.gpu != nil {
+		return "the tcp transport copies GPU memory through the pinned host bounce area (cuMemcpyHtoD/DtoH); there is nothing to register with a NIC"
+	}
+	return "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"
+}

@@ -1,0 +1,216 @@
+// A stand-in for libcuda.so.1 for tests on hosts without a GPU: it takes
+// the real signatures (cuda.h's, with the versioned names), so the package's
+// dlopen, symbol table, C helpers and per-device thread run for real. It
+// is strict where the real driver is: memory calls need a current context
+// on the calling thread. It is stricter in one way, to make the arena's
+// set-up observable: copies into an allocation fail unless SYNC_MEMOPS was
+// set on it. "Device memory" is host memory; make test-gpu runs the real
+// driver.
+//
+// Variants, by macro: FAKE_NO_DEVICE (cuInit finds no GPU), FAKE_STUB
+// (cuInit answers like the toolkit's stub library), FAKE_OLD (no
+// cuMemGetHandleForAddressRange), FAKE_BROKEN (no cuMemHostAlloc).
+#include <fcntl.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+typedef int CUresult;
+typedef unsigned long long CUdeviceptr;
+typedef struct { char reserved[64]; } ipc_handle;
+
+enum { OK = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, STUB = 34, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201 };
+enum { NDEV = 2, MAXALLOC = 64 };
+
+static int inited;
+static int ctx_refs[NDEV];
+static char ctxs[NDEV]; // a context is the address of its byte
+static __thread void *current;
+
+static struct alloc { char *p; size_t n; int sync; } allocs[MAXALLOC];
+
+CUresult cuGetErrorName(CUresult r, const char **s) {
+	switch (r) {
+	case OK: *s = "CUDA_SUCCESS"; return OK;
+	case INVALID_VALUE: *s = "CUDA_ERROR_INVALID_VALUE"; return OK;
+	case INVALID_CONTEXT: *s = "CUDA_ERROR_INVALID_CONTEXT"; return OK;
+	}
+	return INVALID_VALUE;
+}
+
+CUresult cuGetErrorString(CUresult r, const char **s) {
+	switch (r) {
+	case INVALID_VALUE: *s = "invalid argument"; return OK;
+	case INVALID_CONTEXT: *s = "invalid device context"; return OK;
+	case NO_DEVICE: *s = "no CUDA-capable device is detected"; return OK;
+	}
+	return INVALID_VALUE;
+}
+
+CUresult cuInit(unsigned int flags) {
+#if defined(FAKE_NO_DEVICE)
+	return NO_DEVICE;
+#elif defined(FAKE_STUB)
+	return STUB;
+#endif
+	if (flags != 0) return INVALID_VALUE;
+	inited = 1;
+	return OK;
+}
+
+CUresult cuDriverGetVersion(int *v) { *v = 12040; return OK; }
+
+CUresult cuDeviceGetCount(int *n) {
+	if (!inited) return NOT_INITIALIZED;
+	*n = NDEV;
+	return OK;
+}
+
+CUresult cuDeviceGet(int *d, int ordinal) {
+	if (ordinal < 0 || ordinal >= NDEV) return INVALID_DEVICE;
+	*d = ordinal;
+	return OK;
+}
+
+CUresult cuDeviceGetName(char *name, int len, int d) {
+	snprintf(name, len, "Fake GPU %d", d);
+	return OK;
+}
+
+CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int d) {
+	for (int i = 0; i < 16; i++) uuid[i] = (unsigned char)(d * 16 + i);
+	return OK;
+}
+
+// The driver writes an 8-digit domain in upper case.
+CUresult cuDeviceGetPCIBusId(char *id, int len, int d) {
+	snprintf(id, len, "00000000:%02X:00.0", 0x3b + d);
+	return OK;
+}
+
+CUresult cuDeviceTotalMem_v2(size_t *n, int d) { *n = (size_t)1 << 30; return OK; }
+
+CUresult cuDeviceGetAttribute(int *v, int attr, int d) {
+	switch (attr) {
+	case 41: *v = 1; return OK;  // unified addressing
+	case 102: *v = 1; return OK; // VMM
+	case 116: *v = 0; return OK; // GPUDirect RDMA
+	case 124: *v = 1; return OK; // dmabuf
+	}
+	return INVALID_VALUE;
+}
+
+CUresult cuDevicePrimaryCtxRetain(void **ctx, int d) {
+	if (d < 0 || d >= NDEV) return INVALID_DEVICE;
+	ctx_refs[d]++;
+	*ctx = &ctxs[d];
+	return OK;
+}
+
+CUresult cuDevicePrimaryCtxRelease_v2(int d) {
+	if (d < 0 || d >= NDEV || ctx_refs[d] == 0) return INVALID_CONTEXT;
+	ctx_refs[d]--;
+	return OK;
+}
+
+CUresult cuCtxSetCurrent(void *ctx) { current = ctx; return OK; }
+
+// find returns the allocation holding [p, p+n), or NULL.
+static struct alloc *find(CUdeviceptr p, size_t n) {
+	for (int i = 0; i < MAXALLOC; i++) {
+		struct alloc *a = &allocs[i];
+		if (a->p && p >= (CUdeviceptr)a->p && p + n <= (CUdeviceptr)a->p + a->n) return a;
+	}
+	return NULL;
+}
+
+CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
+	if (!current) return INVALID_CONTEXT;
+	for (int i = 0; i < MAXALLOC; i++) {
+		if (!allocs[i].p) {
+			allocs[i].p = aligned_alloc(2 << 20, (n + (2 << 20) - 1) / (2 << 20) * (2 << 20));
+			allocs[i].n = n;
+			allocs[i].sync = 0;
+			*p = (CUdeviceptr)allocs[i].p;
+			return allocs[i].p ? OK : 2;
+		}
+	}
+	return 2;
+}
+
+CUresult cuMemFree_v2(CUdeviceptr p) {
+	if (!current) return INVALID_CONTEXT;
+	struct alloc *a = find(p, 0);
+	if (!a || (CUdeviceptr)a->p != p) return INVALID_VALUE;
+	free(a->p);
+	a->p = NULL;
+	return OK;
+}
+
+CUresult cuPointerSetAttribute(const void *value, int attr, CUdeviceptr p) {
+	if (!current) return INVALID_CONTEXT;
+	struct alloc *a = find(p, 0);
+	if (attr != 6 || !a || *(const unsigned int *)value != 1) return INVALID_VALUE;
+	a->sync = 1;
+	return OK;
+}
+
+CUresult cuMemcpyHtoD_v2(CUdeviceptr dst, const void *src, size_t n) {
+	if (!current) return INVALID_CONTEXT;
+	struct alloc *a = find(dst, n);
+	if (!a || !a->sync) return INVALID_VALUE;
+	memcpy((void *)dst, src, n);
+	return OK;
+}
+
+CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
+	if (!current) return INVALID_CONTEXT;
+	if (!find(src, n)) return INVALID_VALUE;
+	memcpy(dst, (void *)src, n);
+	return OK;
+}
+
+CUresult cuIpcGetMemHandle(ipc_handle *h, CUdeviceptr p) {
+	if (!current) return INVALID_CONTEXT;
+	if (!find(p, 0)) return INVALID_VALUE;
+	memset(h, 0, sizeof *h);
+	memcpy(h->reserved, "fakeipc", 7);
+	memcpy(h->reserved + 56, &p, sizeof p); // at the end: the whole struct must arrive
+	return OK;
+}
+
+// The real driver refuses a process its own handles; the fake hands back
+// the allocation, to show the handle crossed by value intact.
+CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, ipc_handle h, unsigned int flags) {
+	if (!current) return INVALID_CONTEXT;
+	if (flags != 1 || memcmp(h.reserved, "fakeipc", 7) != 0) return INVALID_VALUE;
+	memcpy(p, h.reserved + 56, sizeof *p);
+	return OK;
+}
+
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) { return current ? OK : INVALID_CONTEXT; }
+
+#ifndef FAKE_BROKEN
+CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
+	if (!current) return INVALID_CONTEXT;
+	if (flags != 0) return INVALID_VALUE;
+	*p = malloc(n);
+	return *p ? OK : 2;
+}
+#endif
+
+CUresult cuMemFreeHost(void *p) {
+	if (!current) return INVALID_CONTEXT;
+	free(p);
+	return OK;
+}
+
+#ifndef FAKE_OLD
+CUresult cuMemGetHandleForAddressRange(void *handle, CUdeviceptr p, size_t n, int type, unsigned long long flags) {
+	if (!current) return INVALID_CONTEXT;
+	if (type != 1 || flags != 0 || !find(p, n) || p % 4096 || n % 4096) return INVALID_VALUE;
+	*(int *)handle = open("/dev/null", O_RDONLY | O_CLOEXEC);
+	return OK;
+}
+#endif

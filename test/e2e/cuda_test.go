@@ -1,0 +1,298 @@
+package e2e
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/cuda"
+	"github.com/ferry-project/ferry/cuda/cudatest"
+	"github.com/ferry-project/ferry/internal/fakecuda"
+)
+
+// ferrydExit runs a ferryd that is expected to fail at start and returns
+// its output and exit code; a ferryd still running after 30 s is killed by
+// its PID and fails the test.
+// prefix runs before it (e.g. "env LD_LIBRARY_PATH=...").
+func ferrydExit(t *testing.T, prefix []string, extra ...string) (string, int) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dir := t.TempDir()
+	argv := append(append([]string{}, prefix...), filepath.Join(bin, "ferryd"), "--socket", filepath.Join(dir, "d.sock"),
+		"--listen", "127.0.0.1:0", "--arena-size", "64MiB")
+	argv = append(argv, extra...)
+	cmd := exec.CommandContext(ctx, argv[0], argv[1:]...)
+	out, err := cmd.CombinedOutput()
+	if ctx.Err() != nil {
+		t.Fatalf("ferryd %v was still running after 30 s; output:\n%s", extra, out)
+	}
+	var ee *exec.ExitError
+	if !errors.As(err, &ee) {
+		t.Fatalf("ferryd %v: want a failed start, got %v; output:\n%s", extra, err, out)
+	}
+	return string(out), ee.ExitCode()
+}
+
+func TestDeviceCUDAWithoutAGPUFailsAtStartNamingWhatIsMissing(t *testing.T) {
+	cudatest.NeedsNoGPU(t)
+	why := cudatest.Probe()
+	out, code := ferrydExit(t, nil, "--device", "cuda:0")
+	if code != 1 {
+		t.Fatalf("exit code %d, want 1; output:\n%s", code, out)
+	}
+	want := []string{"--device cuda:0", "or run with --device cpu"}
+	if errors.Is(why, cuda.ErrNoDriver) {
+		want = append(want, "no CUDA driver", cuda.Library, "install the NVIDIA driver")
+	}
+	for _, w := range want {
+		if !strings.Contains(out, w) {
+			t.Errorf("output does not say %q:\n%s", w, out)
+		}
+	}
+	if n := strings.Count(strings.TrimSpace(out), "\n"); n != 0 {
+		t.Errorf("want one sentence on one line, got %d lines:\n%s", n+1, out)
+	}
+}
+
+func TestDeviceAutoWithoutAGPUUsesHostMemoryAndSaysWhy(t *testing.T) {
+	cudatest.NeedsNoGPU(t)
+	d := startDaemon(t, t.TempDir(), "auto", "--device", "auto")
+	line := d.log.wait(t, 5*time.Second, "saying the arena is in host memory", msg("the arena is in host memory"))
+	reason, _ := line["reason"].(string)
+	if line["level"] != "info" || !strings.Contains(reason, "--device auto found no usable GPU") || !strings.Contains(reason, "--device cpu") {
+		t.Fatalf("fallback line %v", line)
+	}
+	if n := strings.Count(d.log.dump(), "the arena is in host memory"); n != 1 {
+		t.Errorf("%d fallback lines, want one", n)
+	}
+	st, err := d.c.Status(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m := st.Memory; m.Kind != "host" || m.Device != "cpu" || m.Reason != reason || m.CUDA != nil || m.ArenaFile == "" {
+		t.Fatalf("status memory %+v", m)
+	}
+	sl, err := d.c.Slice(ctxT(t), "auto-1", api.SliceRequest{NBytes: 4096})
+	if err != nil || sl.CUDAIPC != nil || sl.ArenaFile == "" {
+		t.Fatalf("a host arena's slice %+v, %v: want the arena file and no IPC handle", sl, err)
+	}
+}
+
+// The daemon's GPU-arena plumbing, run by ferryd processes that load the
+// stand-in driver (internal/fakecuda) through LD_LIBRARY_PATH: the choice
+// of device, status, upload staging copied in, sends copied out through
+// the bounce area (and past it when it is full), received writes copied in
+// and reads copied out. TestGPUArenasTransferOverTCP runs the same on the
+// real driver (make test-gpu).
+func TestDeviceArenaOverAStandInDriver(t *testing.T) {
+	env := []string{"env", "LD_LIBRARY_PATH=" + fakecuda.Build(t, fakecuda.Working)}
+	dir := t.TempDir()
+	snd := startDaemonIn(t, env, dir, "snd", "--device", "auto", "--bounce-size", "1MiB")
+	rcv := startDaemonIn(t, env, dir, "rcv", "--device", "cuda:1", "--bounce-size", "1MiB")
+	ctx := ctxT(t)
+	for name, d := range map[string]*daemon{"cuda:0": snd, "cuda:1": rcv} {
+		line := d.log.wait(t, 5*time.Second, "saying the arena is in GPU memory", msg("the arena is in GPU memory"))
+		if line["device"] != name || line["pci_bus_id"] == "" || line["dmabuf_exported"] != true {
+			t.Errorf("GPU arena line %v", line)
+		}
+		st, err := d.c.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if m := st.Memory; m.Kind != "cuda" || m.Device != name || m.CUDA == nil || m.CUDA.Name != "Fake GPU "+name[5:] ||
+			!m.CUDA.DMABufExported || m.CUDA.BounceSize != 1<<20 || m.ArenaFile != "" || !strings.Contains(st.Registration.Reason, "bounce") {
+			t.Errorf("status of %s: %+v (cuda %+v)", name, m, m.CUDA)
+		}
+	}
+
+	for i, n := range []int{embBytes, 3 << 20} { // the second is larger than the bounce area
+		id := []string{"fake-small", "fake-large"}[i]
+		data := randomBytes(n, uint64(20+i))
+		if _, err := snd.c.Stage(ctx, id, []int64{int64(n)}, "u8", bytes.NewReader(data), int64(n)); err != nil {
+			t.Fatal(err)
+		}
+		if _, err := snd.c.Send(ctx, id, slotFor(t, rcv, id, int64(n))); err != nil {
+			t.Fatal(err)
+		}
+		got, err := rcv.c.Wait(ctx, id, 10*time.Second)
+		if err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("%s: %d bytes back, %v: the bytes differ", id, len(got), err)
+		}
+	}
+	if st, _ := snd.c.Status(ctx); st.Memory.CUDA == nil || st.Memory.CUDA.BounceFallbacks == 0 {
+		t.Error("a copy larger than the bounce area was not counted as a fallback")
+	}
+	sl, err := snd.c.Slice(ctx, "fake-zc", api.SliceRequest{NBytes: 4096})
+	if err != nil || sl.CUDAIPC == nil || sl.Device != "cuda:0" || len(sl.IPCHandle) != 64 || sl.ArenaFile != "" {
+		t.Fatalf("slice of a GPU arena %+v, %v", sl, err)
+	}
+
+	out, code := ferrydExit(t, env, "--device", "cuda:5")
+	if code != 1 || !strings.Contains(out, "--device cuda:5: no CUDA device: cuda:5 does not exist: the driver sees 2 CUDA device(s) (cuda:0 to cuda:1)") {
+		t.Errorf("cuda:5 of two GPUs: exit %d\n%s", code, out)
+	}
+}
+
+// ferryd must start where libcuda.so.1 is absent: it loads the library at
+// run time, never links it.
+func TestFerrydDoesNotLinkLibcuda(t *testing.T) {
+	ldd, err := exec.LookPath("ldd")
+	if err != nil {
+		t.Skip("ldd is not installed (it comes with libc-bin)")
+	}
+	for _, name := range []string{"ferryd", "ferryctl"} {
+		out, err := exec.Command(ldd, filepath.Join(bin, name)).CombinedOutput()
+		if err != nil && !strings.Contains(string(out), "not a dynamic executable") {
+			t.Fatalf("ldd %s: %v\n%s", name, err, out)
+		}
+		if strings.Contains(string(out), "libcuda") || strings.Contains(string(out), "not found") {
+			t.Fatalf("%s needs libraries beyond libc:\n%s", name, out)
+		}
+		t.Logf("ldd %s:\n%s", name, out)
+	}
+}
+
+// Two ferryd with GPU arenas on loopback over TCP: upload staging copies
+// in, the send copies out through the pinned area, the receiver copies in,
+// and a client reads back through a copy out. Then zero-copy: this test
+// process is the CUDA client, writing and reading the arenas in place
+// through their IPC handles.
+func TestGPUArenasTransferOverTCP(t *testing.T) {
+	gpu := cudatest.Device(t)
+	snd, rcv := pair(t, "--device", "cuda:0", "--arena-size", "512MiB", "--bounce-size", "128MiB")
+	ctx := ctxT(t)
+	for _, d := range []*daemon{snd, rcv} {
+		d.log.wait(t, 5*time.Second, "saying the arena is in GPU memory", msg("the arena is in GPU memory"))
+		st, err := d.c.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		m := st.Memory
+		if m.Kind != "cuda" || m.Device != "cuda:0" || m.CUDA == nil || m.CUDA.Name != gpu.Info().Name ||
+			len(m.CUDA.IPCHandle) != len(cuda.IPCHandle{}) || m.ArenaFile != "" {
+			t.Fatalf("status memory %+v (cuda %+v)", m, m.CUDA)
+		}
+		t.Logf("%s: %+v", d.socket, *m.CUDA)
+	}
+
+	// Upload staging of 96 MiB.
+	data := randomBytes(96<<20, 11)
+	if _, err := snd.c.Stage(ctx, "gpu-up", []int64{96 << 10, 1024}, "u8", bytes.NewReader(data), int64(len(data))); err != nil {
+		t.Fatal(err)
+	}
+	res, err := snd.c.Send(ctx, "gpu-up", slotFor(t, rcv, "gpu-up", int64(len(data))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	got, err := rcv.c.Wait(ctx, "gpu-up", 30*time.Second)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("upload-staged bytes differ after the transfer (%d bytes back, %v)", len(got), err)
+	}
+	t.Logf("96 MiB GPU to GPU over loopback TCP: %.1f ms, %.2f GB/s", res.Millis, res.GBps)
+
+	// Zero-copy: write the slice through the sender's IPC handle.
+	emb := randomBytes(embBytes, 12)
+	sl, err := snd.c.Slice(ctx, "gpu-zc", api.SliceRequest{Shape: embShape, DType: "bf16"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if sl.CUDAIPC == nil || sl.Device != "cuda:0" {
+		t.Fatalf("slice of a GPU arena without an IPC handle: %+v", sl)
+	}
+	withIPC(t, gpu, sl.IPCHandle, func(base uint64) {
+		if err := gpu.CopyHtoD(base+uint64(sl.Offset), emb); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if _, err := snd.c.Commit(ctx, "gpu-zc", embShape, "bf16"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := snd.c.Send(ctx, "gpu-zc", slotFor(t, rcv, "gpu-zc", embBytes)); err != nil {
+		t.Fatal(err)
+	}
+	info, err := rcv.c.WaitInfo(ctx, "gpu-zc", 30*time.Second)
+	if err != nil || !info.Arrived || info.CUDAIPC == nil {
+		t.Fatalf("receive %+v, %v", info, err)
+	}
+	inPlace := make([]byte, embBytes)
+	withIPC(t, gpu, info.IPCHandle, func(base uint64) {
+		if err := gpu.CopyDtoH(inPlace, base+uint64(info.Offset)); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if !bytes.Equal(inPlace, emb) {
+		t.Fatal("the embedding read in place from the receiver's GPU arena differs from what was written")
+	}
+
+	// ferryctl cannot write GPU memory: it says so instead of failing obscurely.
+	in := filepath.Join(t.TempDir(), "emb.bin")
+	if err := os.WriteFile(in, emb, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	cmd := exec.Command(filepath.Join(bin, "ferryctl"), "--socket", snd.socket, "stage", "gpu-cli", "--shape", "16,4096", "--dtype", "bf16", "--zero-copy", in)
+	out, err := cmd.CombinedOutput()
+	if err == nil || !strings.Contains(string(out), "drop --zero-copy") {
+		t.Fatalf("ferryctl --zero-copy on a GPU arena: %v\n%s", err, out)
+	}
+	snd.alive(t)
+}
+
+// withIPC maps a daemon's arena into this process for f.
+func withIPC(t *testing.T, gpu *cuda.Device, handle []byte, f func(base uint64)) {
+	t.Helper()
+	var h cuda.IPCHandle
+	if copy(h[:], handle) != len(h) {
+		t.Fatalf("an IPC handle of %d bytes", len(handle))
+	}
+	base, err := gpu.OpenIPC(h)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := gpu.CloseIPC(base); err != nil {
+			t.Error(err)
+		}
+	}()
+	f(base)
+}
+
+// scriptsDir holds the GPU scripts: FERRY_GPU_SCRIPTS in the GPU bundle,
+// else the source tree.
+func scriptsDir() string {
+	if d := os.Getenv("FERRY_GPU_SCRIPTS"); d != "" {
+		return d
+	}
+	return "../../scripts/gpu"
+}
+
+// A torch process is the client: it stages an embedding in place through
+// the sender's IPC handle and reads it in place on the receiver's arena
+// (scripts/gpu/torch_ipc.py).
+func TestGPUTorchClientStagesAndReadsInPlace(t *testing.T) {
+	cudatest.Require(t)
+	if out, err := exec.Command("python3", "-c", "import torch; assert torch.cuda.is_available()").CombinedOutput(); err != nil {
+		if cudatest.Required() {
+			t.Fatalf("python3 with CUDA-enabled torch is needed here: %v\n%s", err, out)
+		}
+		t.Skipf("python3 with CUDA-enabled torch is not installed: %s", bytes.TrimSpace(out))
+	}
+	snd, rcv := pair(t, "--device", "cuda:0", "--arena-size", "256MiB", "--bounce-size", "64MiB")
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "python3", filepath.Join(scriptsDir(), "torch_ipc.py"), snd.socket, rcv.socket)
+	out, err := cmd.CombinedOutput()
+	t.Logf("torch_ipc.py (pid %d):\n%s", cmd.Process.Pid, out)
+	if err != nil || !bytes.Contains(out, []byte("\nPASS")) {
+		t.Fatalf("the torch client failed: %v", err)
+	}
+	snd.alive(t)
+	rcv.alive(t)
+}
