@@ -18,6 +18,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ferry-project/ferry/client"
 )
 
@@ -260,6 +262,13 @@ func (d *daemon) pause(t *testing.T) {
 	t.Helper()
 	d.signal(syscall.SIGSTOP)
 	t.Cleanup(func() { _ = d.cmd.Process.Signal(syscall.SIGCONT) })
+	// kill(2) returns before the process has stopped; a test that relies on
+	// the stop waits for the kernel to report it (WNOWAIT leaves the state
+	// for nobody else to reap: the exit is still Wait's).
+	var info unix.Siginfo
+	if err := unix.Waitid(unix.P_PID, d.cmd.Process.Pid, &info, unix.WSTOPPED|unix.WNOWAIT, nil); err != nil {
+		t.Fatalf("waiting for ferryd pid %d to stop: %v", d.cmd.Process.Pid, err)
+	}
 }
 
 // kill ends the daemon with SIGKILL, as a crash would.

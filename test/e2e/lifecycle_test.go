@@ -56,7 +56,7 @@ func TestDrainLetsAnInFlightSendFinish(t *testing.T) {
 	snd.signal(syscall.SIGTERM)
 	line := snd.log.wait(t, 10*time.Second, "the draining line", msg("draining: new requests get 503, requests in flight may finish"))
 	if line["in_flight"] != 1.0 {
-		t.Errorf("draining with in_flight=%v, want 1 (the send)", line["in_flight"])
+		t.Errorf("draining with in_flight=%v, want 1 (the send); log:\n%s", line["in_flight"], snd.log.dump())
 	}
 	// A new request during the drain: 503 in the envelope, at once.
 	_, err := snd.c.Status(ctxT(t))
