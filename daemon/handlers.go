@@ -12,7 +12,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
@@ -63,7 +62,7 @@ func (d *Daemon) routes() http.Handler {
 	} {
 		mux.Handle(pattern, d.wrap(h))
 	}
-	mux.Handle("GET /metrics", promhttp.HandlerFor(d.metrics.reg, promhttp.HandlerOpts{}))
+	mux.Handle("GET /metrics", d.metrics.handler())
 	mux.Handle("/", d.wrap(func(w http.ResponseWriter, r *http.Request) error {
 		return noRoute(mux, r)
 	}))
@@ -170,7 +169,7 @@ func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) error {
 			HugePages: d.mem.HugePages(), Size: st.Size, Used: st.Used, Free: st.Free,
 			LargestFree: st.LargestFree, Allocations: st.Allocations, Alignment: arenaAlign,
 		},
-		Registration: api.Registration{Mode: "none", Reason: "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"},
+		Registration: api.Registration{Mode: d.regs.mode(), Reason: d.regs.reason},
 		Transport: api.TransportStatus{
 			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
 			Reason: "tcp is the only transport in this build",

@@ -63,6 +63,7 @@ func run(ctx context.Context, args []string) error {
 	fs.DurationVar(&cfg.ReceiveTTL, "receive-ttl", daemon.DefaultTTL, "drop receive slots not freed after this long (logged at WARN)")
 	fs.DurationVar(&cfg.IOTimeout, "io-timeout", daemon.DefaultIOTimeout, "deadline on each network read and write; a stalled peer fails within it")
 	fs.IntVar(&cfg.MaxConns, "max-conns", daemon.DefaultMaxConns, "connections per peer session (concurrent writes to one peer)")
+	fs.StringVar(&cfg.MetricsListen, "metrics-listen", "", "also serve GET /metrics on this TCP `host:port` (off by default; the control socket always serves it)")
 	drain := fs.Duration("drain-timeout", 30*time.Second, "on SIGTERM, how long in-flight requests may finish")
 	level := fs.String("log-level", "info", "debug, info, warn or error")
 	format := fs.String("log-format", "json", "json (for journald) or console")
