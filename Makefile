@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e bench-tcp clean
+.PHONY: all deps build demo test vet unit e2e bench clean
 
 all: build
 
@@ -35,6 +35,16 @@ e2e: deps
 	FERRY_E2E_RACE=1 $(GOTEST) -v ./test/... 2>&1 | scripts/gotest-summary.sh
 
 test: vet unit e2e
+
+# Benchmarks, never part of make test (which runs only ferrybench's smoke
+# test): a short transfer sweep with its plot, the control plane, and the
+# side-by-side comparisons with iperf3 and the raw transport write. See
+# bench/README.md.
+bench: build
+	$(BIN)/ferrybench transfer --duration 300ms --plot $(BIN)/bench-transfer.png
+	$(BIN)/ferrybench api --duration 1s
+	FERRYBENCH=$(BIN)/ferrybench bench/compare-tcp.sh
+	FERRYBENCH=$(BIN)/ferrybench bench/compare-raw.sh
 
 clean:
 	rm -rf $(BIN)

@@ -54,7 +54,8 @@ func Percentile(sorted []time.Duration, p float64) float64 {
 	if len(sorted) == 0 {
 		return 0
 	}
-	rank := int(math.Ceil(p / 100 * float64(len(sorted))))
+	// The epsilon keeps 99.9 % of 1000 at rank 999 despite float rounding.
+	rank := int(math.Ceil(p/100*float64(len(sorted)) - 1e-9))
 	return micros(sorted[min(max(rank, 1), len(sorted))-1])
 }
 

@@ -22,7 +22,7 @@ import (
 
 // serveTestDaemon runs a real ferryd in this process: its control socket
 // in dir, its peer port on loopback. It stops when the test ends.
-func serveTestDaemon(t *testing.T, dir, name string, mod func(*Config)) (*Daemon, *client.Client) {
+func serveTestDaemon(t testing.TB, dir, name string, mod func(*Config)) (*Daemon, *client.Client) {
 	t.Helper()
 	cfg := Config{
 		Socket: filepath.Join(dir, name+".sock"), Listen: "127.0.0.1:0", ArenaSize: 8 << 20,
