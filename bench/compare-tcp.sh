@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
-# ferry's TCP path beside iperf3, one stream on loopback, in one run:
-# at each size, ferry and iperf3 alternate (A B A B ...) and the medians
-# are quoted as ratio=ferry/iperf3. ferry's figure is a ferrybench
-# transfer point at concurrency 1 (two ferryd, staged data, each send
-# waiting for its completion); iperf3 streams with writes of the same size,
-# capped at the 1 MiB iperf3 allows.
+# ferry over TCP beside iperf3, one stream on loopback, in one run: at each
+# size ferry, the bare transport and iperf3 alternate, and the medians are
+# quoted as ratio=ferry/iperf3 and raw_ratio=raw/iperf3.
+#   ferry   a ferrybench transfer point at concurrency 1: two ferryd, staged
+#           data, the client's send call (control round trip included)
+#           waiting for each completion
+#   raw     ferrybench transfer --raw: the tcp transport's writes between
+#           two processes, no daemon
+#   iperf3  one stream with writes of the same size, capped at the 1 MiB
+#           iperf3 allows; it never waits for a completion
 #
 # Environment: FERRYBENCH (default bin/ferrybench), ROUNDS (3),
 # SECONDS_PER_RUN (2), SIZES ("1MiB 4MiB 16MiB"). Installs iperf3 if missing.
@@ -15,7 +19,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 FERRYBENCH=${FERRYBENCH:-$here/../bin/ferrybench}
 ROUNDS=${ROUNDS:-3}
 SECONDS_PER_RUN=${SECONDS_PER_RUN:-2}
-read -r -a sizes <<<"${SIZES:-1MiB 4MiB 16MiB}"
+SIZES=${SIZES:-1MiB 4MiB 16MiB}
 [[ -x $FERRYBENCH ]] || { echo "compare-tcp: $FERRYBENCH is missing: run make build" >&2; exit 1; }
 need_tool iperf3 iperf3
 
@@ -49,6 +53,10 @@ ferry() {
   ferrybench_column gbit_per_s --sizes "$1" --concurrency 1 --duration "${SECONDS_PER_RUN}s"
 }
 
+raw() {
+  ferrybench_column gbit_per_s --raw --sizes "$1" --concurrency 1 --duration "${SECONDS_PER_RUN}s"
+}
+
 iperf3_stream() {
   local len
   len=$(size_bytes "$1")
@@ -57,5 +65,5 @@ iperf3_stream() {
     awk '/receiver/ {for (i = 2; i <= NF; i++) if ($i == "Gbits/sec") {print $(i - 1); found = 1}} END {exit !found}'
 }
 
-echo "# ferry tcp (ferrybench transfer, concurrency 1) vs iperf3 (1 stream), loopback, $(date -u +%FT%TZ), $ROUNDS alternating rounds of ${SECONDS_PER_RUN}s, $(nproc) cpus"
-compare ferry ferry iperf3 iperf3_stream Gbit/s "$ROUNDS" "${sizes[@]}"
+echo "# ferry tcp send and raw tcp transport (concurrency 1) vs iperf3 (1 stream), loopback, $(date -u +%FT%TZ), $ROUNDS alternating rounds of ${SECONDS_PER_RUN}s, $(nproc) cpus"
+compare Gbit/s "$ROUNDS" "$SIZES" iperf3 iperf3_stream ferry ferry raw raw

@@ -1,40 +1,60 @@
 #!/usr/bin/env bash
 # Side-by-side comparisons, sourced by compare-tcp.sh and compare-raw.sh
-# (and by the RDMA comparison with ib_write_bw). One run alternates A B A B
-# per size, because these machines are shared and noisy, and quotes the
-# medians as a ratio A/B.
+# (and by the RDMA comparison with ib_write_bw). One run alternates the
+# candidates per size (A B A B ..., or A B C A B C ...), because these
+# machines are shared and noisy, and quotes medians as ratios to a base.
 #
-#   compare NAME_A FN_A NAME_B FN_B UNIT ROUNDS SIZE...
+#   compare UNIT ROUNDS "SIZE..." BASE_NAME BASE_FN NAME FN [NAME FN]...
 #
-# FN_A and FN_B are commands called with one size (e.g. 4MiB) that print
-# one number in UNIT; each size prints one line:
-#   size=4MiB ferry=12.31Gbit/s iperf3=14.02Gbit/s ratio=0.88 runs=3 ferry_runs=12.1,12.3,12.6 iperf3_runs=...
+# Each FN is a command called with one size (e.g. 4MiB) that prints one
+# number in UNIT. Each size prints one line; ratio= is the first
+# candidate's median over the base's, NAME_ratio= each further one's:
+#   size=4MiB ferry=9.80Gbit/s raw=11.2Gbit/s iperf3=14.0Gbit/s ratio=0.70 raw_ratio=0.80 runs=3 ferry_runs=...
 
 # median prints the median of its numeric arguments.
 median() {
   printf '%s\n' "$@" | sort -g | awk '{v[NR]=$1} END {if (NR%2) print v[(NR+1)/2]; else print (v[NR/2]+v[NR/2+1])/2}'
 }
 
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN {if (b > 0) printf "%.2f", a / b; else print "inf"}'; }
+
 compare() {
-  local name_a=$1 fn_a=$2 name_b=$3 fn_b=$4 unit=$5 rounds=$6
-  shift 6
-  local size a b
-  for size in "$@"; do
-    local as=() bs=()
+  local unit=$1 rounds=$2 sizes=$3
+  shift 3
+  local names=() fns=() i size r v
+  while (($#)); do
+    names+=("$1")
+    fns+=("$2")
+    shift 2
+  done
+  # Candidates first, the base (given first) last, in each line.
+  local order=() n=${#names[@]}
+  for ((i = 1; i < n; i++)); do order+=("$i"); done
+  order+=(0)
+  for size in $sizes; do
+    local -A runs=()
     for ((r = 1; r <= rounds; r++)); do
-      a=$("$fn_a" "$size") || { echo "compare: $name_a at $size failed" >&2; return 1; }
-      b=$("$fn_b" "$size") || { echo "compare: $name_b at $size failed" >&2; return 1; }
-      as+=("$a")
-      bs+=("$b")
-      echo "compare: $size round $r/$rounds: $name_a=$a $name_b=$b $unit" >&2
+      local line="compare: $size round $r/$rounds:"
+      for i in "${order[@]}"; do
+        v=$("${fns[i]}" "$size") || { echo "compare: ${names[i]} at $size failed" >&2; return 1; }
+        runs[$i]+="${runs[$i]:+,}$v"
+        line+=" ${names[i]}=$v"
+      done
+      echo "$line $unit" >&2
     done
-    local ma mb
-    ma=$(median "${as[@]}")
-    mb=$(median "${bs[@]}")
-    printf 'size=%s %s=%s%s %s=%s%s ratio=%s runs=%d %s_runs=%s %s_runs=%s\n' \
-      "$size" "$name_a" "$ma" "$unit" "$name_b" "$mb" "$unit" \
-      "$(awk -v a="$ma" -v b="$mb" 'BEGIN {if (b > 0) printf "%.2f", a / b; else print "inf"}')" \
-      "$rounds" "$name_a" "$(IFS=,; echo "${as[*]}")" "$name_b" "$(IFS=,; echo "${bs[*]}")"
+    local -A med=()
+    for i in "${order[@]}"; do
+      # shellcheck disable=SC2086
+      med[$i]=$(median ${runs[$i]//,/ })
+    done
+    local out="size=$size"
+    for i in "${order[@]}"; do out+=" ${names[i]}=${med[$i]}$unit"; done
+    out+=" ratio=$(ratio "${med[1]}" "${med[0]}")"
+    for ((i = 2; i < n; i++)); do out+=" ${names[i]}_ratio=$(ratio "${med[$i]}" "${med[0]}")"; done
+    out+=" runs=$rounds"
+    for i in "${order[@]}"; do out+=" ${names[i]}_runs=${runs[$i]}"; done
+    echo "$out"
+    unset runs med
   done
 }
 
