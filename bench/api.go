@@ -32,8 +32,7 @@ type APIConfig struct {
 // slots are allocated before and freed after each timed round.
 func API(ctx context.Context, p Peers, cfg APIConfig) ([]Row, error) {
 	prog := newProgress(cfg.Progress, len(cfg.Ops)*len(cfg.Concurrency))
-	t := &transferRun{p: p, data: pattern(cfg.Size), prefix: fmt.Sprintf("fb%d-api-", os.Getpid()),
-		cfg: TransferConfig{Stage: Upload}}
+	t := &transferRun{p: p, data: pattern(cfg.Size), prefix: fmt.Sprintf("fb%d-api-", os.Getpid())}
 	var rows []Row
 	for _, op := range cfg.Ops {
 		for _, c := range cfg.Concurrency {

@@ -124,10 +124,10 @@ func startProc(ctx context.Context, name string, cmd *exec.Cmd, out io.Reader, r
 	case <-p.exited:
 		return nil, "", fmt.Errorf("%s (pid %d) exited during start-up (%s); its output:\n%s", name, cmd.Process.Pid, cmd.ProcessState, p.log)
 	case <-timer.C:
-		p.stop()
+		p.Stop()
 		return nil, "", fmt.Errorf("%s (pid %d) was not ready within %s; its output:\n%s", name, cmd.Process.Pid, readyTimeout, p.log)
 	case <-ctx.Done():
-		p.stop()
+		p.Stop()
 		return nil, "", ctx.Err()
 	}
 }
@@ -135,11 +135,8 @@ func startProc(ctx context.Context, name string, cmd *exec.Cmd, out io.Reader, r
 // PID is the process id.
 func (p *proc) PID() int { return p.cmd.Process.Pid }
 
-// Stop ends the daemon by its PID.
-func (d *Daemon) Stop() error { return d.proc.stop() }
-
-// stop ends the process by its PID: SIGTERM, then SIGKILL after 15 s.
-func (p *proc) stop() error {
+// Stop ends the process by its PID: SIGTERM, then SIGKILL after 15 s.
+func (p *proc) Stop() error {
 	select {
 	case <-p.exited:
 		return nil
@@ -218,6 +215,3 @@ func StartRawSink(ctx context.Context, self, arenaDir string, n int64) (*RawSink
 
 // RawSinkReady starts the line a raw sink prints once it listens.
 const RawSinkReady = "ready "
-
-// Stop ends the raw sink by its PID.
-func (r *RawSinkProc) Stop() error { return r.proc.stop() }

@@ -39,10 +39,9 @@ type TransferConfig struct {
 
 // A round stages about roundBytes (at least one block per send in flight,
 // at most batchCap blocks) before sending them. Rounds reuse the same
-// arena memory, so the data is as warm in the caches as a tensor a client
-// has just written, and as iperf3's one buffer; a large batch would send
-// from memory the caches lost long ago, and on loopback, where the copies
-// are the cost, measure the memory instead of ferry.
+// arena memory, so a send reads data written as recently as a tensor a
+// client has just staged (and iperf3 reuses one buffer), and a sweep needs
+// only a small arena.
 const (
 	roundBytes = 4 << 20
 	batchCap   = 512
