@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"fmt"
+	"sync"
 	"time"
 
 	"github.com/rs/zerolog"
@@ -25,6 +26,8 @@ type memRegs struct {
 	shared transport.Registration
 	reason string
 	m      *metrics
+
+	closeOnce sync.Once
 }
 
 // newMemRegs registers [base, base+size) with tr if tr needs it. A failure
@@ -82,12 +85,16 @@ func (g *memRegs) register(mode string, addr uint64, n int64) (transport.Registr
 	return reg, nil
 }
 
-// close deregisters the shared registration (before the transport closes).
+// close deregisters the shared registration (before the transport
+// closes). The fields stay as they are: a send the drain timeout left
+// running may still read them, and its write fails on the closing
+// transport.
 func (g *memRegs) close() error {
-	if g.shared == nil {
-		return nil
-	}
-	reg := g.shared
-	g.shared = nil
-	return reg.Deregister()
+	var err error
+	g.closeOnce.Do(func() {
+		if g.shared != nil {
+			err = g.shared.Deregister()
+		}
+	})
+	return err
 }

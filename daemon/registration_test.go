@@ -84,6 +84,9 @@ func TestMemRegsSharedOnce(t *testing.T) {
 	if err := g.close(); err != nil || len(r.live) != 0 {
 		t.Fatalf("close: %v, still registered %v", err, r.live)
 	}
+	if err := g.close(); err != nil {
+		t.Fatalf("a second close: %v", err)
+	}
 }
 
 func TestMemRegsPerSendWhenSharedFails(t *testing.T) {
