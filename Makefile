@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e bench-tcp install clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e bench install clean gpu-bundle test-gpu
 
 all: build
 
@@ -72,6 +72,16 @@ gpu-bundle: deps
 test-gpu:
 	@if command -v $(GO) >/dev/null 2>&1; then $(MAKE) --no-print-directory gpu-bundle; fi
 	$(GPU_BUNDLE)/test-gpu.sh
+
+# Benchmarks, never part of make test (which runs only ferrybench's smoke
+# test): a short transfer sweep with its plot, the control plane, and the
+# side-by-side comparisons with iperf3 and the raw transport write. See
+# bench/README.md.
+bench: build
+	$(BIN)/ferrybench transfer --duration 300ms --plot $(BIN)/bench-transfer.png
+	$(BIN)/ferrybench api --duration 1s
+	FERRYBENCH=$(BIN)/ferrybench bench/compare-tcp.sh
+	FERRYBENCH=$(BIN)/ferrybench bench/compare-raw.sh
 
 clean:
 	rm -rf $(BIN)

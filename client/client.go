@@ -69,14 +69,18 @@ func UnixDialer(path string) func(ctx context.Context, network, addr string) (ne
 
 func (c *Client) http() *http.Client {
 	c.once.Do(func() {
-		dial := UnixDialer(c.socket())
-		if c.Dial != nil {
-			dial = func(ctx context.Context, _, _ string) (net.Conn, error) { return c.Dial(ctx) }
+		dial := c.Dial
+		if dial == nil {
+			unix := UnixDialer(c.socket())
+			dial = func(ctx context.Context) (net.Conn, error) { return unix(ctx, "", "") }
 		}
-		c.hc = &http.Client{Transport: &http.Transport{
-			DialContext:         dial,
-			MaxIdleConnsPerHost: 64,
-			IdleConnTimeout:     30 * time.Second,
+		c.hc = &http.Client{Transport: &syncTransport{
+			dial: dial,
+			fallback: &http.Transport{
+				DialContext:         func(ctx context.Context, _, _ string) (net.Conn, error) { return dial(ctx) },
+				MaxIdleConnsPerHost: 64,
+				IdleConnTimeout:     30 * time.Second,
+			},
 		}}
 	})
 	return c.hc

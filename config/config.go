@@ -45,6 +45,7 @@ type Settings struct {
 	Transport      string   `toml:"transport"`
 	IOTimeout      Duration `toml:"io_timeout"`
 	MaxConns       int      `toml:"max_conns"`
+	MetricsListen  string   `toml:"metrics_listen"`
 	Device         string   `toml:"device"`
 	ArenaSize      Size     `toml:"arena_size"`
 	BounceSize     Size     `toml:"bounce_size"`
@@ -81,6 +82,7 @@ var options = []option{
 	{"transport", "`transport` of the data plane: tcp", func(s *Settings) value { return (*text)(&s.Transport) }},
 	{"io_timeout", "`deadline` on each network read and write; a stalled peer fails within it", func(s *Settings) value { return &s.IOTimeout }},
 	{"max_conns", "`connections` per peer session (concurrent writes to one peer)", func(s *Settings) value { return (*number)(&s.MaxConns) }},
+	{"metrics_listen", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)", func(s *Settings) value { return (*text)(&s.MetricsListen) }},
 	{"device", "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N", func(s *Settings) value { return (*text)(&s.Device) }},
 	{"arena_size", "arena `size`, e.g. 64MiB or 8GiB", func(s *Settings) value { return &s.ArenaSize }},
 	{"bounce_size", "pinned host memory (`size`) that copies to and from a GPU arena are staged in", func(s *Settings) value { return &s.BounceSize }},
@@ -369,7 +371,7 @@ func (s Settings) Daemon(log zerolog.Logger) daemon.Config {
 		ArenaSize: s.ArenaSize.Bytes(), BounceSize: s.BounceSize.Bytes(), ArenaFile: s.ArenaFile,
 		SlowThreshold: s.SlowThreshold.D(), SendRetries: s.SendRetries, SendTimeout: s.SendTimeout.D(),
 		StageTTL: s.StageTTL.D(), ReceiveTTL: s.ReceiveTTL.D(),
-		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, Log: log,
+		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, MetricsListen: s.MetricsListen, Log: log,
 		SocketGroup: s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
 		RequestTimeout: s.RequestTimeout.D(),
 		MaxHeaderBytes: int(s.MaxHeaderBytes.Bytes()), MaxBodyBytes: s.MaxBodyBytes.Bytes(),

@@ -44,6 +44,7 @@ type Config struct {
 	ReceiveTTL    time.Duration // receive slots older than this are swept
 	IOTimeout     time.Duration // deadline on each network read/write
 	MaxConns      int           // connections per peer session
+	MetricsListen string        // optional TCP host:port serving GET /metrics; "" for none
 	Log           zerolog.Logger
 
 	// The control socket's access and limits.
@@ -155,6 +156,9 @@ func (c *Config) Check() error {
 	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
 		errs = append(errs, fmt.Errorf("--listen %q is not host:port (e.g. :17100 or 10.0.0.5:17100)", c.Listen))
 	}
+	if _, _, err := net.SplitHostPort(c.MetricsListen); c.MetricsListen != "" && err != nil {
+		errs = append(errs, fmt.Errorf("--metrics-listen %q is not host:port (e.g. 127.0.0.1:9464 or :9464)", c.MetricsListen))
+	}
 	if c.Advertise != "" {
 		if err := checkSession(c.Advertise); err != nil {
 			errs = append(errs, fmt.Errorf("--advertise: %v", err))
@@ -185,8 +189,11 @@ type Daemon struct {
 	tr        transport.Transport
 	sessions  *sessions
 	metrics   *metrics
+	regs      *memRegs
 	control   net.Listener
 	http      *http.Server
+	metricsLn net.Listener // --metrics-listen, or nil
+	metricsHS *http.Server
 	advertise string
 	slowNanos atomic.Int64
 
@@ -267,10 +274,26 @@ func New(cfg Config) (*Daemon, error) {
 		d.advertise = advertiseFor(d.tr.Addr(), d.log)
 	}
 	d.sessions = newSessions(d.tr)
-	d.metrics = newMetrics(func() (float64, float64) {
-		st := d.arena.Stats()
-		return float64(st.Size), float64(st.Used)
-	}, d.reg.counts)
+	d.metrics = newMetrics(gauges{
+		arena: func() (int64, int64, int64) {
+			st := d.arena.Stats()
+			return st.Size, st.Used, st.Free
+		},
+		counts:   d.reg.counts,
+		sessions: d.sessions.states,
+	})
+	d.regs = newMemRegs(d.tr, d.mem.Base(), d.mem.Size(), d.metrics, d.log)
+	if cfg.MetricsListen != "" {
+		// Only /metrics here: the control API stays on the socket, whose
+		// file mode is its access control.
+		d.metricsLn, err = net.Listen("tcp", cfg.MetricsListen)
+		if err != nil {
+			return nil, fmt.Errorf("--metrics-listen %s: %w", cfg.MetricsListen, err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("GET /metrics", d.metrics.handler())
+		d.metricsHS = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, ErrorLog: newStdLogger(d.log)}
+	}
 	d.reqCtx, d.cancelRequests = context.WithCancelCause(context.Background())
 	d.http = &http.Server{
 		Handler:           d.routes(),
@@ -320,6 +343,14 @@ func advertiseFor(addr net.Addr, log zerolog.Logger) string {
 // Advertise is the session name this daemon's receive slots carry.
 func (d *Daemon) Advertise() string { return d.advertise }
 
+// MetricsAddr is the --metrics-listen listener's address, or nil.
+func (d *Daemon) MetricsAddr() net.Addr {
+	if d.metricsLn == nil {
+		return nil
+	}
+	return d.metricsLn.Addr()
+}
+
 // SetSlowThreshold changes the slow-transfer threshold while running.
 func (d *Daemon) SetSlowThreshold(t time.Duration) { d.slowNanos.Store(int64(t)) }
 
@@ -333,20 +364,29 @@ func (d *Daemon) slowThreshold() time.Duration { return time.Duration(d.slowNano
 // 503 unavailable too; what is still staged is dropped with a WARN line
 // per req_id. Serve returns nil after a requested shutdown.
 func (d *Daemon) Serve(ctx context.Context, drain time.Duration) error {
-	d.log.Info().
+	ev := d.log.Info().
 		Str("socket", d.cfg.Socket).Str("listen", d.tr.Addr().String()).Str("advertise", d.advertise).
 		Str("transport", d.tr.Name()).Str("device", d.mem.device).Int64("arena_size", d.mem.Size()).
-		Str("arena_file", d.mem.Path()).Str("version", Version).Int("pid", os.Getpid()).
-		Msg("ready")
-	errc := make(chan error, 1)
-	go func() { errc <- d.http.Serve(d.control) }()
+		Str("arena_file", d.mem.Path()).Str("registration", d.regs.mode())
+	if d.metricsLn != nil {
+		ev = ev.Str("metrics", d.metricsLn.Addr().String())
+	}
+	ev.Str("version", Version).Int("pid", os.Getpid()).Msg("ready")
+	errc := make(chan error, 2)
+	go func() { errc <- fmt.Errorf("control socket: %w", d.http.Serve(d.control)) }()
+	if d.metricsHS != nil {
+		go func() {
+			if err := d.metricsHS.Serve(d.metricsLn); err != nil {
+				errc <- fmt.Errorf("metrics listener: %w", err)
+			}
+		}()
+	}
 	go d.sweepLoop(ctx)
 
 	var err error
 	select {
 	case <-ctx.Done():
 	case err = <-errc:
-		err = fmt.Errorf("control socket: %w", err)
 	}
 	d.drain(drain)
 	d.logDropped(d.reg.sweep(time.Now(), -1, -1), "dropped at shutdown: it was never sent, read or deleted")
@@ -360,8 +400,18 @@ func (d *Daemon) closeAll() {
 	if d.http != nil {
 		_ = d.http.Close()
 	}
+	if d.metricsHS != nil {
+		_ = d.metricsHS.Close()
+	} else if d.metricsLn != nil {
+		_ = d.metricsLn.Close()
+	}
 	if d.sessions != nil {
 		d.sessions.closeAll()
+	}
+	if d.regs != nil {
+		if err := d.regs.close(); err != nil {
+			d.log.Warn().Err(err).Msg("deregistering the arena")
+		}
 	}
 	if d.tr != nil {
 		_ = d.tr.Close()

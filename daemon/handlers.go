@@ -13,7 +13,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
@@ -61,7 +60,8 @@ func (d *Daemon) routes() http.Handler {
 	} {
 		mux.Handle(pattern, d.wrap(h))
 	}
-	prom := promhttp.HandlerFor(d.metrics.reg, promhttp.HandlerOpts{})
+	// Through wrap, so the socket's allow-list covers /metrics too.
+	prom := d.metrics.handler()
 	mux.Handle("GET /metrics", d.wrap(func(w http.ResponseWriter, r *http.Request) error {
 		prom.ServeHTTP(w, r)
 		return nil
@@ -202,7 +202,7 @@ func (d *Daemon) Status() api.Status {
 			HugePages: d.mem.HugePages(), Size: st.Size, Used: st.Used, Free: st.Free,
 			LargestFree: st.LargestFree, Allocations: st.Allocations, Alignment: arenaAlign, CUDA: d.mem.status(),
 		},
-		Registration: api.Registration{Mode: "none", Reason: d.registrationReason()},
+		Registration: d.registration(),
 		Transport: api.TransportStatus{
 			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
 			Reason: "tcp is the only transport in this build",

@@ -178,12 +178,13 @@ func (m *memory) close() error {
 	return err
 }
 
-// registrationReason says how the transport reaches the arena. The TCP
-// transport registers nothing with a NIC: it reads and writes host memory
-// directly, and stages a GPU arena's bytes in the pinned bounce area.
-func (d *Daemon) registrationReason() string {
-	if d.mem.gpu != nil {
-		return "the tcp transport copies GPU memory through the pinned host bounce area (cuMemcpyHtoD/DtoH); there is nothing to register with a NIC"
+// registration says how the arena is made visible to the NIC. The TCP
+// transport registers nothing: it reads and writes host memory directly, and
+// stages a GPU arena's bytes in the pinned bounce area.
+func (d *Daemon) registration() api.Registration {
+	reg := api.Registration{Mode: d.regs.mode(), Reason: d.regs.reason}
+	if reg.Mode == regNone && d.mem.gpu != nil {
+		reg.Reason = "the tcp transport copies GPU memory through the pinned host bounce area (cuMemcpyHtoD/DtoH); there is nothing to register with a NIC"
 	}
-	return "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"
+	return reg
 }

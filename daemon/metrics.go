@@ -1,26 +1,41 @@
 package daemon
 
 import (
+	"net/http"
+
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
 )
 
 // metrics is the daemon's own registry (never the global one), served on
-// GET /metrics. Labels stay low-cardinality: transport, outcome, peer
-// session (bounded by the peers that were reached), never req_id.
+// GET /metrics and on --metrics-listen. Labels stay low-cardinality:
+// transport, outcome, reason, mode, state, and the peer session (bounded
+// by the peers that were reached); never req_id.
 type metrics struct {
 	reg *prometheus.Registry
 
-	transfers       *prometheus.CounterVec
-	transferBytes   *prometheus.CounterVec
-	transferSeconds *prometheus.HistogramVec
-	slowTransfers   *prometheus.CounterVec
-	sessionFailures *prometheus.CounterVec
-	staged          *prometheus.CounterVec
-	swept           *prometheus.CounterVec
+	transfers        *prometheus.CounterVec
+	transferBytes    *prometheus.CounterVec
+	transferSeconds  *prometheus.HistogramVec
+	transferFailures *prometheus.CounterVec
+	retries          prometheus.Counter
+	slowTransfers    *prometheus.CounterVec
+	sessionFailures  *prometheus.CounterVec
+	registrations    *prometheus.CounterVec
+	registerSeconds  *prometheus.HistogramVec
+	staged           *prometheus.CounterVec
+	swept            *prometheus.CounterVec
 }
 
-func newMetrics(arenaStats func() (size, used float64), counts func() (entries, slots int)) *metrics {
+// gauges are the daemon's live state, read at scrape time.
+type gauges struct {
+	arena    func() (total, used, free int64)
+	counts   func() (entries, slots int)
+	sessions func() (connected, down int)
+}
+
+func newMetrics(g gauges) *metrics {
 	reg := prometheus.NewRegistry()
 	m := &metrics{
 		reg: reg,
@@ -34,9 +49,17 @@ func newMetrics(arenaStats func() (size, used float64), counts func() (entries, 
 		}, []string{"transport"}),
 		transferSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "ferry_transfer_duration_seconds",
-			Help:    "Time from the first write attempt to its completion, successful sends only.",
-			Buckets: prometheus.ExponentialBuckets(50e-6, 2, 18), // 50µs .. ~6.5s
-		}, []string{"transport"}),
+			Help:    "Time from a send's first write attempt to its completion or final failure, retries included, by outcome (ok, refused, failed).",
+			Buckets: prometheus.ExponentialBuckets(25e-6, 2, 20), // 25µs .. ~13s
+		}, []string{"transport", "outcome"}),
+		transferFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ferry_transfer_failures_total",
+			Help: "Sends that did not deliver, by reason: no_embedding, the receiver's refusal (no_slot, bad_key, out_of_bounds, slot_busy, shutting_down, internal), or the broken path's code (ECONNREFUSED, ECONNRESET, EPIPE, timeout, eof, closed, error).",
+		}, []string{"reason"}),
+		retries: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ferry_transfer_retries_total",
+			Help: "Write attempts made again on a re-dialed session after a broken one.",
+		}),
 		slowTransfers: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_slow_transfers_total",
 			Help: "Sends slower than --slow-threshold.",
@@ -45,6 +68,15 @@ func newMetrics(arenaStats func() (size, used float64), counts func() (entries, 
 			Name: "ferry_session_failures_total",
 			Help: "Failed write attempts per peer session (each leads to a teardown).",
 		}, []string{"session"}),
+		registrations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ferry_registrations_total",
+			Help: "Memory registrations with the NIC by mode: shared (the whole arena, once) or per_send; none on tcp.",
+		}, []string{"mode"}),
+		registerSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "ferry_registration_duration_seconds",
+			Help:    "Time to register memory with the NIC, by mode.",
+			Buckets: prometheus.ExponentialBuckets(10e-6, 4, 12), // 10µs .. ~42s
+		}, []string{"mode"}),
 		staged: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_staged_total",
 			Help: "Embeddings staged, by method (upload, zero_copy).",
@@ -54,21 +86,39 @@ func newMetrics(arenaStats func() (size, used float64), counts func() (entries, 
 			Help: "Entries dropped by the TTL sweep, by kind (staged, receive).",
 		}, []string{"kind"}),
 	}
-	reg.MustRegister(m.transfers, m.transferBytes, m.transferSeconds, m.slowTransfers,
-		m.sessionFailures, m.staged, m.swept,
+	reg.MustRegister(m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
+		m.slowTransfers, m.sessionFailures, m.registrations, m.registerSeconds, m.staged, m.swept,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "ferry_arena_size_bytes", Help: "Size of the arena.",
-		}, func() float64 { s, _ := arenaStats(); return s }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "ferry_arena_used_bytes", Help: "Arena bytes allocated to staged entries and receive slots.",
-		}, func() float64 { _, u := arenaStats(); return u }),
-		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "ferry_staged_entries", Help: "Entries staged or reserved on the sending side.",
-		}, func() float64 { e, _ := counts(); return float64(e) }),
+			Name: "ferry_staged_embeddings", Help: "Entries staged or reserved on the sending side.",
+		}, func() float64 { e, _ := g.counts(); return float64(e) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ferry_receive_slots", Help: "Live receive slots.",
-		}, func() float64 { _, s := counts(); return float64(s) }),
+		}, func() float64 { _, s := g.counts(); return float64(s) }),
 	)
+	for state, read := range map[string]func() int64{
+		"total": func() int64 { t, _, _ := g.arena(); return t },
+		"used":  func() int64 { _, u, _ := g.arena(); return u },
+		"free":  func() int64 { _, _, f := g.arena(); return f },
+	} {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ferry_arena_bytes", Help: "Arena bytes by state: total, used (staged entries and receive slots), free.",
+			ConstLabels: prometheus.Labels{"state": state},
+		}, func() float64 { return float64(read()) }))
+	}
+	for state, read := range map[string]func() int{
+		"connected": func() int { c, _ := g.sessions(); return c },
+		"down":      func() int { _, d := g.sessions(); return d },
+	} {
+		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ferry_sessions", Help: "Peer sessions by state: connected, or down (torn down; re-dialed on the next send).",
+			ConstLabels: prometheus.Labels{"state": state},
+		}, func() float64 { return float64(read()) }))
+	}
 	return m
+}
+
+// handler serves the registry in the Prometheus text format.
+func (m *metrics) handler() http.Handler {
+	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{})
 }

@@ -58,6 +58,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	if err != nil {
 		if isCode(err, api.CodeNoEmbedding) {
 			d.metrics.transfers.WithLabelValues(d.tr.Name(), "no_embedding").Inc()
+			d.metrics.transferFailures.WithLabelValues("no_embedding").Inc()
 		}
 		return res, err
 	}
@@ -65,20 +66,37 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	sent := false
 	defer func() { d.reg.finishSend(e, sent) }()
 
+	release, shared, err := d.regs.forSend(d.arena.Addr(e.slice), e.nbytes)
+	if err != nil {
+		d.failed("register", "failed", 0)
+		return res, apiErr(http.StatusBadGateway, api.CodeTransferFailed,
+			"transfer of %s failed (session=%s, nbytes=%d, ret=register): registering its %d bytes with the NIC failed: %v; the staged embedding is kept",
+			reqID, req.Session, e.nbytes, e.nbytes, err)
+	}
+	res.SharedMR = shared
+	defer func() {
+		if err := release(); err != nil {
+			d.log.Warn().Str("req_id", reqID).Err(err).Msg("deregistering a per-send registration")
+		}
+	}()
+
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout)
 	defer cancel()
 	// A GPU arena's bytes are copied out to a host bounce buffer first.
-	src, release, err := d.arena.Readable(e.slice, 0, e.nbytes)
+	src, releaseSrc, err := d.arena.Readable(e.slice, 0, e.nbytes)
 	if err != nil {
 		return res, apiErr(http.StatusInternalServerError, api.CodeInternal,
 			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
 	}
-	defer release()
+	defer releaseSrc()
 	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key}
 	start := time.Now()
 	var lastErr error
 	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
 		res.Attempts = attempt
+		if attempt > 1 {
+			d.metrics.retries.Inc()
+		}
 		d.log.Debug().Str("req_id", reqID).Str("session", req.Session).Int64("nbytes", e.nbytes).
 			Int("attempt", attempt).Msg("send attempt")
 		sess, p, err := d.sessions.get(ctx, req.Session)
@@ -91,8 +109,9 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			break
 		}
 		lastErr = err
-		if transport.IsRefusal(err) {
-			d.metrics.transfers.WithLabelValues(d.tr.Name(), "refused").Inc()
+		var rf *transport.Refusal
+		if errors.As(err, &rf) {
+			d.failed(rf.Code.String(), "refused", time.Since(start))
 			return res, apiErr(http.StatusBadRequest, api.CodeRefused,
 				"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept",
 				reqID, req.Session, e.nbytes, req.BufferAddress, err)
@@ -110,7 +129,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	elapsed := time.Since(start)
 	res.Millis = float64(elapsed.Microseconds()) / 1000
 	if !sent {
-		d.metrics.transfers.WithLabelValues(d.tr.Name(), "failed").Inc()
+		d.failed(retCode(lastErr), "failed", elapsed)
 		return res, apiErr(http.StatusBadGateway, api.CodeTransferFailed,
 			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend when the peer is back, or DELETE /v1/embeddings/%s",
 			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, reqID)
@@ -120,7 +139,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	}
 	d.metrics.transfers.WithLabelValues(d.tr.Name(), "ok").Inc()
 	d.metrics.transferBytes.WithLabelValues(d.tr.Name()).Add(float64(e.nbytes))
-	d.metrics.transferSeconds.WithLabelValues(d.tr.Name()).Observe(elapsed.Seconds())
+	d.metrics.transferSeconds.WithLabelValues(d.tr.Name(), "ok").Observe(elapsed.Seconds())
 	slow := elapsed > d.slowThreshold()
 	if slow {
 		d.metrics.slowTransfers.WithLabelValues(d.tr.Name()).Inc()
@@ -136,6 +155,16 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			Int("attempts", res.Attempts).Msg(what)
 	}
 	return res, nil
+}
+
+// failed counts a send that did not deliver; took is zero when no write
+// was attempted.
+func (d *Daemon) failed(reason, outcome string, took time.Duration) {
+	d.metrics.transfers.WithLabelValues(d.tr.Name(), outcome).Inc()
+	d.metrics.transferFailures.WithLabelValues(reason).Inc()
+	if took > 0 {
+		d.metrics.transferSeconds.WithLabelValues(d.tr.Name(), outcome).Observe(took.Seconds())
+	}
 }
 
 // retCode names the failure the way an operator greps for it: the errno

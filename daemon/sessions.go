@@ -130,6 +130,22 @@ func (s *sessions) list() []api.Session {
 	return out
 }
 
+// states counts the peers with a live session and those torn down.
+func (s *sessions) states() (connected, down int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, p := range s.peers {
+		p.mu.Lock()
+		if p.sess != nil {
+			connected++
+		} else {
+			down++
+		}
+		p.mu.Unlock()
+	}
+	return connected, down
+}
+
 // remove tears down and forgets the peer with this id.
 func (s *sessions) remove(id string) bool {
 	s.mu.Lock()

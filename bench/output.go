@@ -1,0 +1,187 @@
+package bench
+
+import (
+	"encoding/csv"
+	"encoding/json"
+	"fmt"
+	"io"
+	"strconv"
+	"strings"
+	"text/tabwriter"
+	"time"
+
+	"github.com/ferry-project/ferry/internal/size"
+)
+
+// Row is one measured point: a block size at a concurrency, one kind of
+// control call, or one registration size.
+type Row struct {
+	// Op is what was timed: send (the daemon's send of staged data into
+	// a peer slot, as its client sees it), write (a bare transport write,
+	// no daemon), status, stage_send, register or deregister.
+	Op          string  `json:"op"`
+	Mode        string  `json:"mode,omitempty"` // register: shared or per_send
+	Size        int64   `json:"size_bytes,omitempty"`
+	Concurrency int     `json:"concurrency,omitempty"`
+	Iterations  int     `json:"iterations"`
+	Seconds     float64 `json:"seconds"` // the measured time the rates divide by
+	GBps        float64 `json:"gb_per_s,omitempty"`
+	Gbitps      float64 `json:"gbit_per_s,omitempty"`
+	OpsPerSec   float64 `json:"ops_per_s"`
+	Latency     Summary `json:"latency"`
+	Errors      int     `json:"errors"`
+	// DaemonWrite is the transport write as the sending daemon timed it
+	// (its "ms"), without the control-socket round trip.
+	DaemonWrite *Summary `json:"daemon_write,omitempty"`
+	// Stage is the staging that fed the sends, timed apart from them.
+	Stage *Stage `json:"stage,omitempty"`
+
+	samples []time.Duration // sorted, for the latency CDF
+}
+
+// Stage is the staging phase of a transfer point.
+type Stage struct {
+	Method  string  `json:"method"` // zero-copy or upload
+	Seconds float64 `json:"seconds"`
+	GBps    float64 `json:"gb_per_s"`
+	Latency Summary `json:"latency"`
+}
+
+// Report is one ferrybench run.
+type Report struct {
+	Command string            `json:"command"`
+	Date    time.Time         `json:"date"`
+	Setup   map[string]string `json:"setup"`
+	Rows    []Row             `json:"rows"`
+}
+
+// finish computes a row's rates and latency summary from its samples and
+// the measured wall time.
+func (r *Row) finish(samples []time.Duration, wall time.Duration) {
+	r.Iterations = len(samples)
+	r.Seconds = wall.Seconds()
+	r.Latency = Summarize(samples)
+	r.samples = samples
+	if wall > 0 {
+		r.OpsPerSec = float64(len(samples)) / wall.Seconds()
+		if r.Size > 0 {
+			r.GBps = float64(r.Size) * float64(len(samples)) / wall.Seconds() / 1e9
+			r.Gbitps = r.GBps * 8
+		}
+	}
+}
+
+// column is one column of the table and the CSV.
+type column struct {
+	head string // table heading
+	csv  string // CSV heading
+	cell func(Row) string
+}
+
+func num(v float64, prec int) string { return strconv.FormatFloat(v, 'f', prec, 64) }
+
+var (
+	colOp   = column{"op", "op", func(r Row) string { return r.Op }}
+	colSize = column{"size", "size_bytes", func(r Row) string {
+		if r.Size == 0 {
+			return "-"
+		}
+		return size.Format(r.Size)
+	}}
+	colConc   = column{"conc", "concurrency", func(r Row) string { return strconv.Itoa(r.Concurrency) }}
+	colIters  = column{"iters", "iterations", func(r Row) string { return strconv.Itoa(r.Iterations) }}
+	colGBps   = column{"GB/s", "gb_per_s", func(r Row) string { return num(r.GBps, 3) }}
+	colGbit   = column{"Gbit/s", "gbit_per_s", func(r Row) string { return num(r.Gbitps, 2) }}
+	colRate   = column{"req/s", "ops_per_s", func(r Row) string { return num(r.OpsPerSec, 0) }}
+	colP50    = column{"p50µs", "p50_us", func(r Row) string { return num(r.Latency.P50, 1) }}
+	colP90    = column{"p90µs", "p90_us", func(r Row) string { return num(r.Latency.P90, 1) }}
+	colP99    = column{"p99µs", "p99_us", func(r Row) string { return num(r.Latency.P99, 1) }}
+	colP999   = column{"p99.9µs", "p99_9_us", func(r Row) string { return num(r.Latency.P999, 1) }}
+	colMax    = column{"maxµs", "max_us", func(r Row) string { return num(r.Latency.Max, 1) }}
+	colErrors = column{"errors", "errors", func(r Row) string { return strconv.Itoa(r.Errors) }}
+	colMode   = column{"mode", "mode", func(r Row) string { return r.Mode }}
+	colWrite  = column{"write p50µs", "daemon_write_p50_us", func(r Row) string {
+		if r.DaemonWrite == nil {
+			return "-"
+		}
+		return num(r.DaemonWrite.P50, 1)
+	}}
+	colStage = column{"stage GB/s", "stage_gb_per_s", func(r Row) string {
+		if r.Stage == nil {
+			return "-"
+		}
+		return num(r.Stage.GBps, 3)
+	}}
+)
+
+// Column sets per command. The size column shows bytes in the CSV.
+var (
+	transferColumns = []column{colOp, colSize, colConc, colIters, colGBps, colGbit, colP50, colP90, colP99, colP999, colMax, colErrors, colWrite, colStage}
+	apiColumns      = []column{colOp, colSize, colConc, colIters, colRate, colP50, colP90, colP99, colP999, colMax, colErrors}
+	registerColumns = []column{colOp, colMode, colSize, colIters, colP50, colP90, colP99, colMax, colErrors}
+)
+
+// Format names an output format.
+type Format string
+
+const (
+	Table Format = "table"
+	JSON  Format = "json"
+	CSV   Format = "csv"
+)
+
+// Write prints rep in format f, with the columns of its command.
+func (rep Report) Write(w io.Writer, f Format) error {
+	cols := columnsFor(rep.Command)
+	switch f {
+	case JSON:
+		enc := json.NewEncoder(w)
+		enc.SetIndent("", "  ")
+		return enc.Encode(rep)
+	case CSV:
+		cw := csv.NewWriter(w)
+		head := make([]string, len(cols))
+		for i, c := range cols {
+			head[i] = c.csv
+		}
+		_ = cw.Write(head)
+		for _, r := range rep.Rows {
+			rec := make([]string, len(cols))
+			for i, c := range cols {
+				rec[i] = c.cell(r)
+				if c.csv == "size_bytes" {
+					rec[i] = strconv.FormatInt(r.Size, 10)
+				}
+			}
+			_ = cw.Write(rec)
+		}
+		cw.Flush()
+		return cw.Error()
+	case Table:
+		tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', tabwriter.AlignRight)
+		head := make([]string, len(cols))
+		for i, c := range cols {
+			head[i] = c.head
+		}
+		fmt.Fprintln(tw, strings.Join(head, "\t")+"\t")
+		for _, r := range rep.Rows {
+			cells := make([]string, len(cols))
+			for i, c := range cols {
+				cells[i] = c.cell(r)
+			}
+			fmt.Fprintln(tw, strings.Join(cells, "\t")+"\t")
+		}
+		return tw.Flush()
+	}
+	return fmt.Errorf("output format %q: use table, json or csv", f)
+}
+
+func columnsFor(command string) []column {
+	switch command {
+	case "api":
+		return apiColumns
+	case "register":
+		return registerColumns
+	}
+	return transferColumns
+}

@@ -1,0 +1,468 @@
+// Command ferrybench measures ferry: transfer sweeps, memory registration
+// and the control plane. The logic is in package bench.
+package main
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"runtime"
+	"slices"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/ferry-project/ferry/bench"
+	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/internal/size"
+	"github.com/ferry-project/ferry/transport"
+)
+
+const usage = `ferrybench measures ferry.
+
+Usage: ferrybench COMMAND [flags]
+
+Commands:
+  transfer   sweep block sizes x concurrency through two daemons' send path
+             (--raw: the bare transport write, no daemon)
+  api        control-plane round trips: status, and stage+send of a tiny embedding
+  register   cost of registering memory with the NIC, on transports that do
+
+Daemons: --from SOCKET --to SOCKET measures two running ferryd; without them
+ferrybench starts two ferryd on loopback (--ferryd PATH, default the one
+beside ferrybench or on PATH) and stops them by PID when done.
+
+Output: an aligned table, or --json / --csv; --plot FILE.png|svg draws it.
+Run 'ferrybench COMMAND -h' for a command's flags.
+`
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
+	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
+	stop()
+	if err != nil {
+		if !errors.Is(err, flag.ErrHelp) {
+			fmt.Fprintln(os.Stderr, "ferrybench:", err)
+		}
+		os.Exit(1)
+	}
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
+	if len(args) == 0 || args[0] == "-h" || args[0] == "--help" || args[0] == "help" {
+		fmt.Fprint(stderr, usage)
+		if len(args) == 0 {
+			return errors.New("no command given")
+		}
+		return nil
+	}
+	cmd, ok := map[string]func(context.Context, []string, *out) error{
+		"transfer": cmdTransfer,
+		"api":      cmdAPI,
+		"register": cmdRegister,
+		"raw-sink": cmdRawSink,
+	}[args[0]]
+	if !ok {
+		return fmt.Errorf("unknown command %q: use transfer, api or register (ferrybench -h)", args[0])
+	}
+	return cmd(ctx, args[1:], &out{stdout: stdout, stderr: stderr})
+}
+
+// out is where a command writes: results on stdout, progress on stderr.
+type out struct {
+	stdout, stderr io.Writer
+	json, csv      bool
+	plot           string
+}
+
+func (o *out) register(fs *flag.FlagSet) {
+	fs.BoolVar(&o.json, "json", false, "print JSON (every figure, for machines)")
+	fs.BoolVar(&o.csv, "csv", false, "print CSV")
+	fs.StringVar(&o.plot, "plot", "", "also draw the results into `FILE`.png or FILE.svg")
+}
+
+// check runs before any measuring, so a bad flag costs no run.
+func (o *out) check() error {
+	if o.json && o.csv {
+		return errors.New("--json and --csv: choose one")
+	}
+	if o.plot == "" {
+		return nil
+	}
+	if ext := strings.ToLower(filepath.Ext(o.plot)); ext != ".png" && ext != ".svg" {
+		return fmt.Errorf("--plot %s: name a .png or .svg file", o.plot)
+	}
+	if fi, err := os.Stat(filepath.Dir(o.plot)); err != nil || !fi.IsDir() {
+		return fmt.Errorf("--plot %s: the directory %s does not exist", o.plot, filepath.Dir(o.plot))
+	}
+	return nil
+}
+
+func (o *out) report(rep bench.Report) error {
+	f := bench.Table
+	switch {
+	case o.json:
+		f = bench.JSON
+	case o.csv:
+		f = bench.CSV
+	default:
+		keys := make([]string, 0, len(rep.Setup))
+		for k, v := range rep.Setup {
+			keys = append(keys, k+"="+v)
+		}
+		slices.Sort(keys)
+		fmt.Fprintf(o.stdout, "# ferrybench %s  %s  %s\n", rep.Command, rep.Date.Format(time.RFC3339), strings.Join(keys, " "))
+	}
+	if err := rep.Write(o.stdout, f); err != nil {
+		return err
+	}
+	if o.plot != "" {
+		if err := rep.Plot(o.plot); err != nil {
+			return err
+		}
+		fmt.Fprintf(o.stderr, "ferrybench: plot written to %s\n", o.plot)
+	}
+	return nil
+}
+
+// daemonFlags choose the daemons: running ones, or two of our own.
+type daemonFlags struct {
+	from, to          string
+	ferryd            string
+	transport, device string
+	arenaSize         string
+	arenaDir          string
+}
+
+func (d *daemonFlags) register(fs *flag.FlagSet) {
+	fs.StringVar(&d.from, "from", "", "control `socket` of a running sending ferryd (with --to)")
+	fs.StringVar(&d.to, "to", "", "control `socket` of a running receiving ferryd (with --from)")
+	fs.StringVar(&d.ferryd, "ferryd", "", "ferryd `binary` for self-contained runs (default: beside ferrybench, else on PATH)")
+	fs.StringVar(&d.transport, "transport", "tcp", "data plane of the daemons ferrybench starts (ferryd --transport)")
+	fs.StringVar(&d.device, "device", "cpu", "arena memory of the daemons ferrybench starts (ferryd --device)")
+	fs.StringVar(&d.arenaSize, "arena-size", "auto", "arena `size` of each daemon ferrybench starts (auto: twice the largest size x concurrency, at least 64MiB)")
+	fs.StringVar(&d.arenaDir, "arena-dir", "", "`dir` for the arena files of self-contained runs (default /dev/shm: tmpfs keeps disk writeback out of the figures)")
+}
+
+// peers returns the two daemons to measure and the function that stops
+// any ferrybench started. need is the arena the run needs per daemon.
+func (d *daemonFlags) peers(ctx context.Context, fs *flag.FlagSet, need int64, maxConc int, setup map[string]string) (bench.Peers, func(), error) {
+	if (d.from == "") != (d.to == "") {
+		return bench.Peers{}, nil, errors.New("give both --from and --to (the sending and the receiving daemon's sockets), or neither for a self-contained run")
+	}
+	if d.from != "" {
+		for _, name := range []string{"ferryd", "transport", "device", "arena-size", "arena-dir"} {
+			if flagGiven(fs, name) {
+				return bench.Peers{}, nil, fmt.Errorf("--%s applies to the daemons ferrybench starts; with --from/--to the running daemons' own settings apply", name)
+			}
+		}
+		setup["daemons"] = "running:" + d.from + "->" + d.to
+		return bench.Peers{From: &client.Client{Socket: d.from}, To: &client.Client{Socket: d.to}}, func() {}, nil
+	}
+	ferryd, err := bench.FindFerryd(d.ferryd)
+	if err != nil {
+		return bench.Peers{}, nil, err
+	}
+	arenaSize := max(2*need, 64<<20)
+	if d.arenaSize != "auto" {
+		if arenaSize, err = size.Parse(d.arenaSize); err != nil {
+			return bench.Peers{}, nil, fmt.Errorf("--arena-size: %w", err)
+		}
+	}
+	dir, err := os.MkdirTemp("", "ferrybench-")
+	if err != nil {
+		return bench.Peers{}, nil, err
+	}
+	cfg := bench.DaemonConfig{
+		Ferryd: ferryd, Dir: dir, ArenaDir: d.arenaDirOrDefault(), ArenaSize: arenaSize,
+		Args: []string{"--transport", d.transport, "--device", d.device, "--max-conns", strconv.Itoa(max(maxConc, 8))},
+	}
+	var started []*bench.Daemon
+	stop := func() {
+		for _, dm := range started {
+			if err := dm.Stop(); err != nil {
+				fmt.Fprintln(os.Stderr, "ferrybench:", err)
+			}
+		}
+		os.RemoveAll(dir)
+	}
+	for _, name := range []string{"sender", "receiver"} {
+		dm, err := bench.StartDaemon(ctx, cfg, name)
+		if err != nil {
+			stop()
+			return bench.Peers{}, nil, err
+		}
+		started = append(started, dm)
+	}
+	setup["daemons"] = fmt.Sprintf("self-contained(pids %d,%d)", started[0].PID(), started[1].PID())
+	setup["transport"] = d.transport
+	setup["device"] = d.device
+	setup["arena"] = size.Format(arenaSize)
+	setup["max_conns"] = strconv.Itoa(max(maxConc, 8))
+	return bench.Peers{From: started[0].Client, To: started[1].Client}, stop, nil
+}
+
+func (d *daemonFlags) arenaDirOrDefault() string {
+	if d.arenaDir != "" {
+		return d.arenaDir
+	}
+	return bench.DefaultArenaDir()
+}
+
+func flagGiven(fs *flag.FlagSet, name string) bool {
+	given := false
+	fs.Visit(func(f *flag.Flag) { given = given || f.Name == name })
+	return given
+}
+
+// limitFlags are how long each point runs.
+type limitFlags struct {
+	duration   time.Duration
+	iterations int
+	warmup     int
+}
+
+func (l *limitFlags) register(fs *flag.FlagSet, duration time.Duration) {
+	fs.DurationVar(&l.duration, "duration", duration, "measured time per point (ignored with --iterations)")
+	fs.IntVar(&l.iterations, "iterations", 0, "operations per point instead of --duration")
+	fs.IntVar(&l.warmup, "warmup", 16, "operations per point before measuring (at least the concurrency)")
+}
+
+func (l *limitFlags) limit(setup map[string]string) (bench.Limit, error) {
+	if l.iterations < 0 || l.warmup < 0 {
+		return bench.Limit{}, errors.New("--iterations and --warmup must not be negative")
+	}
+	if l.iterations == 0 && l.duration <= 0 {
+		return bench.Limit{}, errors.New("give a positive --duration or --iterations")
+	}
+	if l.iterations > 0 {
+		setup["per_point"] = fmt.Sprintf("%d iterations", l.iterations)
+	} else {
+		setup["per_point"] = l.duration.String()
+	}
+	return bench.Limit{Iterations: l.iterations, Duration: l.duration, Warmup: l.warmup}, nil
+}
+
+func parseSizes(s string) ([]int64, error) {
+	var out []int64
+	for _, f := range strings.Split(s, ",") {
+		n, err := size.Parse(f)
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("--sizes %q: %q is not a positive size (e.g. 4KiB,1MiB,64MiB)", s, f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+func parseInts(flagName, s string) ([]int, error) {
+	var out []int
+	for _, f := range strings.Split(s, ",") {
+		n, err := strconv.Atoi(strings.TrimSpace(f))
+		if err != nil || n <= 0 {
+			return nil, fmt.Errorf("--%s %q: %q is not a positive integer (e.g. 1,4,16)", flagName, s, f)
+		}
+		out = append(out, n)
+	}
+	return out, nil
+}
+
+const defaultSizes = "4KiB,16KiB,64KiB,256KiB,1MiB,4MiB,16MiB,64MiB"
+
+func newFlagSet(name string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("ferrybench "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	return fs
+}
+
+func parse(fs *flag.FlagSet, args []string, o *out) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments %q: %s takes flags only", fs.Args(), fs.Name())
+	}
+	if o != nil {
+		return o.check()
+	}
+	return nil
+}
+
+func baseSetup() map[string]string {
+	return map[string]string{"cpus": strconv.Itoa(runtime.NumCPU())}
+}
+
+func cmdTransfer(ctx context.Context, args []string, o *out) error {
+	fs := newFlagSet("transfer", o.stderr)
+	var d daemonFlags
+	var l limitFlags
+	d.register(fs)
+	l.register(fs, time.Second)
+	o.register(fs)
+	sizes := fs.String("sizes", defaultSizes, "block `sizes` to sweep")
+	concs := fs.String("concurrency", "1,4,16", "sends in flight, a `list`")
+	stage := fs.String("stage", bench.ZeroCopy, "how the data is staged before the timed sends: zero-copy or upload")
+	raw := fs.Bool("raw", false, "time bare tcp transport writes instead, from ferrybench into a second ferrybench process (no daemon, no control socket, no staging)")
+	if err := parse(fs, args, o); err != nil {
+		return err
+	}
+	sz, err := parseSizes(*sizes)
+	if err != nil {
+		return err
+	}
+	cs, err := parseInts("concurrency", *concs)
+	if err != nil {
+		return err
+	}
+	setup := baseSetup()
+	lim, err := l.limit(setup)
+	if err != nil {
+		return err
+	}
+	need, maxConc := int64(0), 0
+	for _, s := range sz {
+		for _, c := range cs {
+			need = max(need, s*int64(c))
+			maxConc = max(maxConc, c)
+		}
+	}
+	rep := bench.Report{Command: "transfer", Date: time.Now(), Setup: setup}
+	if *raw {
+		if d.from != "" || d.to != "" || d.transport != "tcp" {
+			return errors.New("--raw times tcp writes from ferrybench into a receiving ferrybench process: it takes no --from/--to and only --transport tcp")
+		}
+		self, err := os.Executable()
+		if err != nil {
+			return err
+		}
+		sink, err := bench.StartRawSink(ctx, self, d.arenaDirOrDefault(), need)
+		if err != nil {
+			return err
+		}
+		setup["daemons"] = fmt.Sprintf("none(raw-sink pid %d)", sink.PID())
+		setup["transport"] = "tcp"
+		rep.Rows, err = bench.RawWrite(ctx, bench.RawConfig{Sizes: sz, Concurrency: cs, Limit: lim, Sink: sink.Addr, ArenaDir: d.arenaDirOrDefault(), Progress: o.stderr})
+		if serr := sink.Stop(); err == nil {
+			err = serr
+		}
+	} else {
+		p, stop, perr := d.peers(ctx, fs, need, maxConc, setup)
+		if perr != nil {
+			return perr
+		}
+		setup["stage"] = *stage
+		rep.Rows, err = bench.Transfer(ctx, p, bench.TransferConfig{Sizes: sz, Concurrency: cs, Limit: lim, Stage: *stage, Progress: o.stderr})
+		stop()
+	}
+	if err != nil {
+		if len(rep.Rows) > 0 {
+			_ = o.report(rep) // what was measured before the failure
+		}
+		return err
+	}
+	return o.report(rep)
+}
+
+func cmdAPI(ctx context.Context, args []string, o *out) error {
+	fs := newFlagSet("api", o.stderr)
+	var d daemonFlags
+	var l limitFlags
+	d.register(fs)
+	l.register(fs, 2*time.Second)
+	o.register(fs)
+	ops := fs.String("ops", bench.OpStatus+","+bench.OpStageSend, "operations to time, a `list`: status, stage_send")
+	concs := fs.String("concurrency", "1,4,16", "client calls in flight, a `list`")
+	emb := fs.String("size", "128B", "`bytes` of the stage_send embedding")
+	if err := parse(fs, args, o); err != nil {
+		return err
+	}
+	for _, op := range strings.Split(*ops, ",") {
+		if op != bench.OpStatus && op != bench.OpStageSend {
+			return fmt.Errorf("--ops %q: %q is not an operation: use %s, %s or both", *ops, op, bench.OpStatus, bench.OpStageSend)
+		}
+	}
+	cs, err := parseInts("concurrency", *concs)
+	if err != nil {
+		return err
+	}
+	n, err := size.Parse(*emb)
+	if err != nil || n <= 0 {
+		return fmt.Errorf("--size %q: give a positive size, e.g. 128B", *emb)
+	}
+	setup := baseSetup()
+	lim, err := l.limit(setup)
+	if err != nil {
+		return err
+	}
+	maxConc := 0
+	for _, c := range cs {
+		maxConc = max(maxConc, c)
+	}
+	p, stop, err := d.peers(ctx, fs, 32<<20, maxConc, setup)
+	if err != nil {
+		return err
+	}
+	rep := bench.Report{Command: "api", Date: time.Now(), Setup: setup}
+	rep.Rows, err = bench.API(ctx, p, bench.APIConfig{Ops: strings.Split(*ops, ","), Concurrency: cs, Limit: lim, Size: n, Progress: o.stderr})
+	stop()
+	if err != nil {
+		return err
+	}
+	return o.report(rep)
+}
+
+func cmdRegister(ctx context.Context, args []string, o *out) error {
+	fs := newFlagSet("register", o.stderr)
+	o.register(fs)
+	name := fs.String("transport", "tcp", "transport whose registration to measure")
+	sizes := fs.String("sizes", "64KiB,1MiB,16MiB", "per-send registration `sizes`")
+	iters := fs.Int("iterations", 20, "registrations per size")
+	arenaSize := fs.String("arena-size", "1GiB", "`size` registered once, as the daemon's shared registration")
+	if err := parse(fs, args, o); err != nil {
+		return err
+	}
+	sz, err := parseSizes(*sizes)
+	if err != nil {
+		return err
+	}
+	an, err := size.Parse(*arenaSize)
+	if err != nil {
+		return fmt.Errorf("--arena-size: %w", err)
+	}
+	tr, err := bench.OpenTransport(*name)
+	if err != nil {
+		return err
+	}
+	defer tr.Close()
+	r, ok := tr.(transport.Registrar)
+	if !ok {
+		fmt.Fprintf(o.stdout, "ferrybench register: the %s transport registers no memory: it reads and writes the arena directly, so there is nothing to measure. A transport that registers memory with a NIC (rdma) implements transport.Registrar, and this command then times a per-send registration at each size and the whole arena once.\n", tr.Name())
+		return nil
+	}
+	setup := baseSetup()
+	setup["transport"] = tr.Name()
+	rep := bench.Report{Command: "register", Date: time.Now(), Setup: setup}
+	rep.Rows, err = bench.Register(ctx, r, bench.RegisterConfig{Sizes: sz, Iterations: *iters, ArenaSize: an, ArenaDir: bench.DefaultArenaDir()})
+	if err != nil {
+		return err
+	}
+	return o.report(rep)
+}
+
+// cmdRawSink is the receiving process of transfer --raw; it prints
+// "ready ADDR" once it listens and serves until SIGTERM.
+func cmdRawSink(ctx context.Context, args []string, o *out) error {
+	fs := newFlagSet("raw-sink", o.stderr)
+	dir := fs.String("arena-dir", bench.DefaultArenaDir(), "`dir` for the memory file")
+	n := fs.Int64("bytes", 64<<20, "memory to receive into")
+	if err := parse(fs, args, nil); err != nil {
+		return err
+	}
+	return bench.RawSink(ctx, *dir, *n, func(addr string) { fmt.Fprintln(o.stdout, bench.RawSinkReady+addr) })
+}

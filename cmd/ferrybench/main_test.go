@@ -1,0 +1,142 @@
+package main
+
+import (
+	"bytes"
+	"context"
+	"encoding/csv"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/bench"
+)
+
+// ferryd is the binary TestMain built for the self-contained runs.
+var ferryd string
+
+func TestMain(m *testing.M) {
+	// transfer --raw runs its own executable as the receiving process;
+	// under test that executable is this test binary.
+	if len(os.Args) > 1 && os.Args[1] == "raw-sink" {
+		main()
+		return
+	}
+	dir, err := os.MkdirTemp("", "ferrybench-test-")
+	if err != nil {
+		fmt.Fprintln(os.Stderr, err)
+		os.Exit(1)
+	}
+	ferryd = filepath.Join(dir, "ferryd")
+	build := exec.Command("go", "build", "-o", ferryd, "../ferryd")
+	build.Stdout, build.Stderr = os.Stderr, os.Stderr
+	if err := build.Run(); err != nil {
+		fmt.Fprintln(os.Stderr, "building ferryd:", err)
+		os.Exit(1)
+	}
+	code := m.Run()
+	os.RemoveAll(dir)
+	os.Exit(code)
+}
+
+func runBench(t *testing.T, args ...string) (stdout, stderr string) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	var o, e bytes.Buffer
+	if err := run(ctx, args, &o, &e); err != nil {
+		t.Fatalf("ferrybench %s: %v\nstderr:\n%s", strings.Join(args, " "), err, e.String())
+	}
+	return o.String(), e.String()
+}
+
+// The smoke test that keeps the tool alive: one tiny self-contained
+// transfer point through two real ferryd, as CSV, with a plot.
+func TestTransferSmoke(t *testing.T) {
+	plot := filepath.Join(t.TempDir(), "sweep.png")
+	out, _ := runBench(t, "transfer", "--ferryd", ferryd, "--arena-dir", t.TempDir(),
+		"--sizes", "4KiB", "--concurrency", "2", "--iterations", "20", "--warmup", "2", "--csv", "--plot", plot)
+	recs, err := csv.NewReader(strings.NewReader(out)).ReadAll()
+	if err != nil || len(recs) != 2 {
+		t.Fatalf("want a header and one row of CSV, got %q (%v)", out, err)
+	}
+	row := map[string]string{}
+	for i, h := range recs[0] {
+		row[h] = recs[1][i]
+	}
+	if row["op"] != "send" || row["size_bytes"] != "4096" || row["concurrency"] != "2" || row["iterations"] != "20" || row["errors"] != "0" {
+		t.Fatalf("unexpected row %v", row)
+	}
+	for _, col := range []string{"gb_per_s", "p50_us", "p99_9_us", "daemon_write_p50_us", "stage_gb_per_s"} {
+		if v, err := strconv.ParseFloat(row[col], 64); err != nil || v <= 0 {
+			t.Errorf("%s = %q, want a positive number", col, row[col])
+		}
+	}
+	png, err := os.ReadFile(plot)
+	if err != nil || !bytes.HasPrefix(png, []byte("\x89PNG")) {
+		t.Fatalf("--plot did not write a PNG: %v", err)
+	}
+}
+
+func TestRawSmoke(t *testing.T) {
+	out, _ := runBench(t, "transfer", "--raw", "--arena-dir", t.TempDir(),
+		"--sizes", "4KiB,64KiB", "--concurrency", "1,2", "--iterations", "10", "--json")
+	var rep bench.Report
+	if err := json.Unmarshal([]byte(out), &rep); err != nil {
+		t.Fatalf("--json output does not parse: %v\n%s", err, out)
+	}
+	if len(rep.Rows) != 4 {
+		t.Fatalf("want 4 rows (2 sizes x 2 concurrencies), got %d", len(rep.Rows))
+	}
+	for _, r := range rep.Rows {
+		if r.Op != "write" || r.Iterations != 10 || r.Errors != 0 || r.GBps <= 0 {
+			t.Errorf("unexpected raw row %+v", r)
+		}
+	}
+}
+
+func TestAPISmoke(t *testing.T) {
+	out, _ := runBench(t, "api", "--ferryd", ferryd, "--arena-dir", t.TempDir(),
+		"--concurrency", "2", "--iterations", "20", "--warmup", "2")
+	for _, want := range []string{"# ferrybench api", "req/s", "status", "stage_send"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("table lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+func TestRegisterOnTCPSaysNothingToRegister(t *testing.T) {
+	out, _ := runBench(t, "register")
+	if !strings.Contains(out, "registers no memory") || !strings.Contains(out, "transport.Registrar") {
+		t.Fatalf("unexpected output: %s", out)
+	}
+}
+
+func TestBadInput(t *testing.T) {
+	for _, tc := range []struct {
+		args []string
+		want string
+	}{
+		{[]string{"transfer", "--from", "/x.sock"}, "give both --from and --to"},
+		{[]string{"transfer", "--sizes", "4KiB,lots"}, `"lots" is not a positive size`},
+		{[]string{"transfer", "--concurrency", "0"}, "not a positive integer"},
+		{[]string{"transfer", "--from", "/a", "--to", "/b", "--ferryd", "x"}, "--ferryd applies to the daemons ferrybench starts"},
+		{[]string{"transfer", "--duration", "0s"}, "positive --duration or --iterations"},
+		{[]string{"api", "--ops", "status,nap"}, `"nap" is not an operation`},
+		{[]string{"api", "--ops", "status", "--from", "/nonexistent/a.sock", "--to", "/nonexistent/b.sock", "--iterations", "1"}, "cannot reach ferryd"},
+		{[]string{"transfer", "--plot", "x.jpg"}, "name a .png or .svg"},
+		{[]string{"frobnicate"}, "unknown command"},
+		{[]string{"transfer", "--json", "--csv"}, "choose one"},
+	} {
+		var o, e bytes.Buffer
+		err := run(context.Background(), tc.args, &o, &e)
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("ferrybench %s: want an error containing %q, got %v", strings.Join(tc.args, " "), tc.want, err)
+		}
+	}
+}

@@ -1,0 +1,52 @@
+package daemon
+
+import (
+	"bytes"
+	"fmt"
+	"testing"
+
+	"github.com/ferry-project/ferry/api"
+)
+
+// BenchmarkStatus is a status round trip through the control socket with
+// the Go client, both in this process, so -cpuprofile sees both sides.
+func BenchmarkStatus(b *testing.B) {
+	_, c := serveTestDaemon(b, b.TempDir(), "st", nil)
+	ctx := b.Context()
+	b.ReportAllocs()
+	b.RunParallel(func(pb *testing.PB) {
+		for pb.Next() {
+			if _, err := c.Status(ctx); err != nil {
+				b.Error(err)
+				return
+			}
+		}
+	})
+}
+
+// BenchmarkSend is one 1 MiB send between two daemons in this process,
+// with its stage and receive slot, through the Go client.
+func BenchmarkSend(b *testing.B) {
+	dir := b.TempDir()
+	_, sc := serveTestDaemon(b, dir, "snd", nil)
+	_, rc := serveTestDaemon(b, dir, "rcv", nil)
+	ctx := b.Context()
+	data := make([]byte, 1<<20)
+	b.SetBytes(int64(len(data)))
+	for i := 0; b.Loop(); i++ {
+		id := fmt.Sprintf("b%d", i)
+		if _, err := sc.Stage(ctx, id, []int64{int64(len(data))}, "u8", bytes.NewReader(data), int64(len(data))); err != nil {
+			b.Fatal(err)
+		}
+		slot, err := rc.Receive(ctx, id, int64(len(data)))
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, err := sc.Send(ctx, id, api.SendRequest{Session: slot.Session, BufferAddress: slot.BufferAddress, Key: slot.Key}); err != nil {
+			b.Fatal(err)
+		}
+		if err := rc.FreeReceive(ctx, id); err != nil {
+			b.Fatal(err)
+		}
+	}
+}
