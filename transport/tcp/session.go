@@ -7,10 +7,10 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"syscall"
 	"time"
 
+	"github.com/ferry-project/ferry/internal/pool"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -28,22 +28,13 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	if err != nil {
 		return nil, fmt.Errorf("tcp dial %s: %w", addr, err)
 	}
-	n := t.cfg.MaxConnsPerPeer
-	s := &session{
-		t:        t,
-		peer:     addr,
-		instance: instance,
-		idle:     make(chan *conn, n),
-		tokens:   make(chan struct{}, n),
-		done:     make(chan struct{}),
-		conns:    map[*conn]struct{}{c: {}},
-	}
-	s.tokens <- struct{}{}
-	s.idle <- c
+	s := &session{t: t, peer: addr, instance: instance}
+	s.pool = pool.New(t.cfg.MaxConnsPerPeer, s.open, func(c *conn) { c.nc.Close() })
+	s.pool.Add(c)
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
-		c.nc.Close()
+		s.pool.Close()
 		return nil, fmt.Errorf("tcp dial %s: %w", addr, transport.ErrClosed)
 	}
 	t.sessions[s] = struct{}{}
@@ -179,13 +170,7 @@ type session struct {
 	t        *Transport
 	peer     string
 	instance uint64
-	idle     chan *conn    // connections between writes
-	tokens   chan struct{} // one per open (or opening) connection
-	done     chan struct{} // closed by Close
-
-	mu     sync.Mutex
-	closed bool
-	conns  map[*conn]struct{} // every open connection, for Close
+	pool     *pool.Pool[*conn]
 }
 
 func (s *session) Peer() string { return s.peer }
@@ -194,31 +179,14 @@ func (s *session) PeerInstance() uint64 { return s.instance }
 
 // Close closes every connection of the session; writes in flight fail.
 func (s *session) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return nil
-	}
-	s.closed = true
-	close(s.done)
-	for c := range s.conns {
-		c.nc.Close()
-	}
-	s.mu.Unlock()
+	s.pool.Close()
 	s.t.mu.Lock()
 	delete(s.t.sessions, s)
 	s.t.mu.Unlock()
 	return nil
 }
 
-func (s *session) isClosed() bool {
-	select {
-	case <-s.done:
-		return true
-	default:
-		return false
-	}
-}
+func (s *session) isClosed() bool { return s.pool.Closed() }
 
 func (s *session) Write(ctx context.Context, w transport.Write) error {
 	if s.isClosed() {
@@ -233,9 +201,9 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 	}
 	reuse, err := s.send(ctx, c, &w)
 	if reuse {
-		s.put(c)
+		s.pool.Put(c)
 	} else {
-		s.drop(c)
+		s.pool.Drop(c)
 	}
 	return err
 }
@@ -243,59 +211,29 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 // get takes an idle connection, or opens one while the session is under
 // its limit, or waits for one to come back.
 func (s *session) get(ctx context.Context) (*conn, error) {
-	select {
-	case c := <-s.idle:
+	c, err := s.pool.Get(ctx)
+	switch {
+	case err == nil:
 		return c, nil
-	default:
-	}
-	select {
-	case c := <-s.idle:
-		return c, nil
-	case s.tokens <- struct{}{}:
-	case <-s.done:
+	case err == pool.ErrClosed:
 		return nil, fmt.Errorf("tcp write to %s: %w", s.peer, transport.ErrClosed)
-	case <-ctx.Done():
-		return nil, fmt.Errorf("tcp write to %s: waiting for a connection: %w", s.peer, ctx.Err())
+	case errors.Is(err, pool.ErrClosed): // closed while opening one
+		return nil, fmt.Errorf("tcp write to %s: opening a connection: %w: %w", s.peer, transport.ErrClosed, err)
+	case err == ctx.Err():
+		return nil, fmt.Errorf("tcp write to %s: waiting for a connection: %w", s.peer, err)
 	}
+	return nil, fmt.Errorf("tcp write to %s: opening a connection: %w", s.peer, err)
+}
+
+// open opens one more connection of the session, to the same peer
+// process it was dialed to.
+func (s *session) open(ctx context.Context) (*conn, error) {
 	c, instance, err := s.t.dial(ctx, s.peer, kindData)
 	if err == nil && instance != s.instance {
 		c.nc.Close()
 		err = fmt.Errorf("peer restarted (instance %#x, session opened with %#x); open a new session", instance, s.instance)
 	}
-	if err != nil {
-		<-s.tokens
-		if s.isClosed() {
-			err = fmt.Errorf("%w: %w", transport.ErrClosed, err)
-		}
-		return nil, fmt.Errorf("tcp write to %s: opening a connection: %w", s.peer, err)
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		c.nc.Close()
-		<-s.tokens
-		return nil, fmt.Errorf("tcp write to %s: %w", s.peer, transport.ErrClosed)
-	}
-	s.conns[c] = struct{}{}
-	return c, nil
-}
-
-func (s *session) put(c *conn) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		c.nc.Close()
-		return
-	}
-	s.idle <- c // never blocks: idle holds at most one per token
-}
-
-func (s *session) drop(c *conn) {
-	c.nc.Close()
-	s.mu.Lock()
-	delete(s.conns, c)
-	s.mu.Unlock()
-	<-s.tokens
+	return c, err
 }
 
 // send runs one write on c: header and body out, reply in. reuse reports
