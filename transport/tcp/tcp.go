@@ -118,6 +118,9 @@ func (t *Transport) Addr() net.Addr { return t.ln.Addr() }
 // Instance is the identity this daemon announces to its peers.
 func (t *Transport) Instance() uint64 { return t.cfg.Instance }
 
+// Config is the configuration in force, defaults filled in.
+func (t *Transport) Config() Config { return t.cfg }
+
 // Close stops the listener, closes every accepted and dialed connection so
 // writes in flight fail on both sides, and waits for the connections'
 // goroutines to end (so for any Sink.Accept call in progress to return).
