@@ -20,10 +20,10 @@ type lane struct {
 	qp   queuePair
 	ctrl *net.TCPConn
 
-	wcs    chan completion // from the poller, in CQ order
-	quit   chan struct{}   // closed by close: the poller and any waiter stop
-	polled chan struct{}   // closed when the poller has returned
-	pollMu sync.Mutex
+	wcs     chan completion // from the poller, in CQ order
+	quit    chan struct{}   // closed by close: the poller and any waiter stop
+	polled  chan struct{}   // closed when the poller has returned
+	pollMu  sync.Mutex
 	pollErr error
 
 	// use is held by whoever works the lane (a write, a receive loop);

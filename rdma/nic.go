@@ -66,15 +66,15 @@ type endpoint struct {
 // op is one work request: an RDMA WRITE (with an immediate when WithImm),
 // or an RDMA READ.
 type op struct {
-	WRID         uint64
-	Local        uint64 // address of the local bytes, inside the region of LKey
-	Remote       uint64
-	Len          uint32
-	LKey, RKey   uint32
-	Imm          uint32
-	Signaled     bool
-	WithImm      bool
-	Read         bool
+	WRID       uint64
+	Local      uint64 // address of the local bytes, inside the region of LKey
+	Remote     uint64
+	Len        uint32
+	LKey, RKey uint32
+	Imm        uint32
+	Signaled   bool
+	WithImm    bool
+	Read       bool
 }
 
 // completion is one work completion.
