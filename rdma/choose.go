@@ -100,7 +100,7 @@ func rank(p Port, g GID, w Want) (int, string) {
 	}
 	if p.LinkLayer == "InfiniBand" {
 		if g.Index == 0 {
-			return 5, "InfiniBand port: GID 0"
+			return 4, "InfiniBand port: GID 0"
 		}
 		return 0, ""
 	}
