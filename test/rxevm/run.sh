@@ -130,7 +130,7 @@ timeout "$VM_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2
   -append "console=ttyS0 quiet panic=-1" >"$LOG" 2>&1
 qemu=$?
 set -e
-tr -d '\r' <"$LOG" | grep -a -E '^(== |--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark|    [a-z_]+\.go:[0-9]+:)' || true
+tr -d '\r' <"$LOG" | grep -a -E '^(== | *--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark| +[a-z_]+\.go:[0-9]+:)' || true
 say "VM done"
 if ((qemu == 124)); then
   echo "rxevm: the VM ran past ${VM_TIMEOUT}s and was stopped" >&2
