@@ -21,7 +21,6 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // Version is ferryd's version, set at link time.
@@ -34,7 +33,12 @@ type Config struct {
 	Listen        string        // peer port, host:port
 	Advertise     string        // what receive slots name as session; default from Listen
 	Device        string        // "cpu" (CUDA comes later)
-	Transport     string        // "tcp" (RDMA comes later)
+	Transport     string        // "auto", "rdma" or "tcp"
+	RDMADevice    string        // RDMA device to use; "" chooses
+	RDMAGIDIndex  *int          // GID table index; nil chooses by the advertised address
+	// RDMARegistration is "shared" (the arena registered once) or
+	// "per-send" (a debugging switch: each send registers its range).
+	RDMARegistration string
 	ArenaSize     int64         // bytes
 	ArenaFile     string        // backing file clients map; default Socket+".arena"
 	SlowThreshold time.Duration // transfers slower than this are logged
@@ -69,7 +73,10 @@ func (c *Config) applyDefaults() {
 		c.Device = "cpu"
 	}
 	if c.Transport == "" {
-		c.Transport = "tcp"
+		c.Transport = "auto"
+	}
+	if c.RDMARegistration == "" {
+		c.RDMARegistration = "shared"
 	}
 	if c.ArenaSize == 0 {
 		c.ArenaSize = DefaultArenaSize
@@ -104,8 +111,16 @@ func (c *Config) Check() error {
 	if c.Device != "cpu" {
 		errs = append(errs, fmt.Errorf("--device %q is not available in this build: only \"cpu\" (host memory) is supported so far", c.Device))
 	}
-	if c.Transport != "tcp" {
-		errs = append(errs, fmt.Errorf("--transport %q is not available in this build: only \"tcp\" is supported so far", c.Transport))
+	switch c.Transport {
+	case "auto", "rdma", "tcp":
+	default:
+		errs = append(errs, fmt.Errorf("--transport %q: use auto (RDMA when a usable RDMA port exists, else TCP), rdma or tcp", c.Transport))
+	}
+	if c.RDMARegistration != "shared" && c.RDMARegistration != "per-send" {
+		errs = append(errs, fmt.Errorf("--rdma-registration %q: use shared or per-send", c.RDMARegistration))
+	}
+	if c.RDMAGIDIndex != nil && *c.RDMAGIDIndex < 0 {
+		errs = append(errs, fmt.Errorf("--rdma-gid-index %d is negative: give a GID table index (see /sys/class/infiniband/*/ports/*/gids) or leave it out to choose by the advertised address", *c.RDMAGIDIndex))
 	}
 	if c.ArenaSize < arenaAlign {
 		errs = append(errs, fmt.Errorf("--arena-size %d is too small: give at least %d bytes, e.g. 64MiB", c.ArenaSize, arenaAlign))
@@ -143,6 +158,7 @@ type Daemon struct {
 	mem       *arena.HostFile
 	reg       *registry
 	tr        transport.Transport
+	dp        *dataPlane
 	sessions  *sessions
 	metrics   *metrics
 	control   net.Listener
@@ -186,14 +202,11 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d.reg = newRegistry(d.arena)
-	d.tr, err = tcp.Listen(tcp.Config{
-		Addr: cfg.Listen, Sink: d.reg, Instance: d.instance,
-		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout,
-		MaxWrite: uint64(cfg.ArenaSize),
-	})
+	d.dp, err = openTransport(cfg, d.reg, d.instance, d.mem.Host(), d.log)
 	if err != nil {
-		return nil, fmt.Errorf("peer port %s: %w", cfg.Listen, err)
+		return nil, err
 	}
+	d.tr = d.dp.tr
 	d.advertise = cfg.Advertise
 	if d.advertise == "" {
 		d.advertise = advertiseFor(d.tr.Addr(), d.log)
@@ -203,6 +216,7 @@ func New(cfg Config) (*Daemon, error) {
 		st := d.arena.Stats()
 		return float64(st.Size), float64(st.Used)
 	}, d.reg.counts)
+	d.metrics.reg.MustRegister(d.dp.collectors()...)
 	d.http = &http.Server{
 		Handler:           d.routes(),
 		ReadHeaderTimeout: 10 * time.Second,
@@ -231,15 +245,25 @@ func advertiseFor(addr net.Addr, log zerolog.Logger) string {
 		return ta.String()
 	}
 	port := ta.Port
-	if addrs, err := net.InterfaceAddrs(); err == nil {
-		for _, a := range addrs {
-			if ipn, ok := a.(*net.IPNet); ok && !ipn.IP.IsLoopback() && ipn.IP.To4() != nil {
-				return net.JoinHostPort(ipn.IP.String(), fmt.Sprint(port))
-			}
-		}
+	if ip := firstIPv4(); ip != nil {
+		return net.JoinHostPort(ip.String(), fmt.Sprint(port))
 	}
 	log.Warn().Int("port", port).Msg("no non-loopback IPv4 address to advertise; receive slots name 127.0.0.1: set --advertise HOST:PORT for peers on other hosts")
 	return net.JoinHostPort("127.0.0.1", fmt.Sprint(port))
+}
+
+// firstIPv4 is the host's first non-loopback IPv4 address, or nil.
+func firstIPv4() net.IP {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil
+	}
+	for _, a := range addrs {
+		if ipn, ok := a.(*net.IPNet); ok && !ipn.IP.IsLoopback() && ipn.IP.To4() != nil {
+			return ipn.IP
+		}
+	}
+	return nil
 }
 
 // Advertise is the session name this daemon's receive slots carry.

@@ -170,10 +170,10 @@ func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) error {
 			HugePages: d.mem.HugePages(), Size: st.Size, Used: st.Used, Free: st.Free,
 			LargestFree: st.LargestFree, Allocations: st.Allocations, Alignment: arenaAlign,
 		},
-		Registration: api.Registration{Mode: "none", Reason: "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"},
+		Registration: d.dp.registration(),
 		Transport: api.TransportStatus{
 			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
-			Reason: "tcp is the only transport in this build",
+			Reason: d.dp.reason, RDMA: d.dp.nics,
 		},
 		Staged: staged, Receives: receives, Sessions: d.sessions.list(),
 		Settings: api.Settings{

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -39,7 +40,7 @@ func checkSession(s string) error {
 // SendRetries times. The entry is freed only after a completed write; on
 // any failure it stays staged for the client to retry or delete.
 func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (api.SendResult, error) {
-	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name(), SharedMR: true}
+	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name()}
 	if err := checkSession(req.Session); err != nil {
 		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
 	}
@@ -68,12 +69,14 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout)
 	defer cancel()
 	w := transport.Write{Src: d.arena.Bytes(e.slice), Remote: req.BufferAddress, Key: req.Key, Tag: req.Key}
+	res.SharedMR = d.dp.sharedMR(w.Src)
 	start := time.Now()
 	var lastErr error
 	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
 		res.Attempts = attempt
 		sess, p, err := d.sessions.get(ctx, req.Session)
 		if err == nil {
+			res.Transport = sess.Transport()
 			err = sess.Write(ctx, w)
 			p.outcome(err)
 		}
@@ -123,7 +126,8 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	return res, nil
 }
 
-// retCode names the failure the way an operator greps for it: the errno
+// retCode names the failure the way an operator greps for it: the verbs
+// completion status (RETRY_EXC_ERR, REM_ACCESS_ERR), the errno
 // (ECONNREFUSED, ECONNRESET, EPIPE), "timeout", "eof" or "error".
 func retCode(err error) string {
 	var errno syscall.Errno
@@ -131,6 +135,8 @@ func retCode(err error) string {
 	switch {
 	case err == nil:
 		return "0"
+	case rdma.StatusName(err) != "":
+		return rdma.StatusName(err)
 	case errors.As(err, &errno):
 		if name := unix.ErrnoName(errno); name != "" {
 			return name

@@ -16,19 +16,6 @@ type Want struct {
 	Addr     net.IP // nil or unspecified when unknown
 }
 
-// Choice is the NIC port and GID the transport uses, and why.
-type Choice struct {
-	Device    string `json:"device"`
-	Port      int    `json:"port"`
-	GIDIndex  int    `json:"gid_index"`
-	GID       string `json:"gid"`
-	GIDType   string `json:"gid_type"`
-	Netdev    string `json:"netdev,omitempty"`
-	LinkLayer string `json:"link_layer"`
-	MTU       int    `json:"active_mtu"`
-	Why       string `json:"why"`
-}
-
 // ErrNoPort is Choose's answer when no device has an active port that
 // fits: the daemon's auto transport falls back to TCP on it.
 var ErrNoPort = errors.New("no usable RDMA port")
@@ -104,7 +91,7 @@ func rank(p Port, g GID, w Want) (int, string) {
 		}
 		return 0, ""
 	}
-	v4 := g.IPv4()
+	v4 := ipv4Of(g)
 	advertised := w.Addr != nil && !w.Addr.IsUnspecified()
 	switch {
 	case g.Type == "RoCE v2" && v4 != nil && advertised && v4.Equal(w.Addr):
@@ -124,7 +111,7 @@ func rank(p Port, g GID, w Want) (int, string) {
 
 func choiceOf(n NIC, p Port, g GID, why string) Choice {
 	return Choice{
-		Device: n.Name, Port: p.Num, GIDIndex: g.Index, GID: g.GID.String(), GIDType: g.Type,
+		Device: n.Name, Port: p.Num, GIDIndex: g.Index, GID: g.GID, GIDType: g.Type,
 		Netdev: g.Netdev, LinkLayer: p.LinkLayer, MTU: p.MTU, Why: why,
 	}
 }

@@ -7,45 +7,29 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 
 	"github.com/Mellanox/rdmamap"
+
+	"github.com/ferry-project/ferry/api"
 )
 
-// NIC is an RDMA device as discovery found it.
-type NIC struct {
-	Name    string   `json:"name"`
-	Netdevs []string `json:"netdevs,omitempty"` // network interfaces of the device (rdmamap)
-	PCI     string   `json:"pci,omitempty"`     // PCI address; empty for a virtual device (rxe)
-	FW      string   `json:"fw,omitempty"`
-	Ports   []Port   `json:"ports"`
-}
+// The inventory's types are the control API's (GET /v1/status shows
+// them as they are).
+type (
+	NIC    = api.NIC
+	Port   = api.NICPort
+	GID    = api.GID
+	Choice = api.NICChoice
+)
 
-// Port is one port of a NIC.
-type Port struct {
-	Num       int               `json:"num"`
-	State     string            `json:"state"` // "ACTIVE", "DOWN", ...
-	Active    bool              `json:"active"`
-	LinkLayer string            `json:"link_layer"` // "Ethernet" (RoCE) or "InfiniBand"
-	MTU       int               `json:"active_mtu"` // bytes
-	LID       uint16            `json:"lid,omitempty"`
-	GIDs      []GID             `json:"gids"`
-	Counters  map[string]uint64 `json:"counters,omitempty"` // sysfs port counters (rdmamap)
-}
-
-// GID is one used entry of a port's GID table.
-type GID struct {
-	Index  int    `json:"index"`
-	GID    net.IP `json:"gid"`
-	Type   string `json:"type"`             // "IB", "RoCE v1" or "RoCE v2"
-	Netdev string `json:"netdev,omitempty"` // the interface a RoCE GID belongs to
-}
-
-// IPv4 is the address of an IPv4-mapped GID (::ffff:a.b.c.d), else nil.
-func (g GID) IPv4() net.IP {
-	if len(g.GID) == net.IPv6len && g.GID.To4() != nil {
-		return g.GID.To4()
+// ipv4Of is the address of an IPv4-mapped GID (::ffff:a.b.c.d), else nil.
+func ipv4Of(g GID) net.IP {
+	// net.IP prints an IPv4-mapped address dotted, and nothing else so.
+	if !strings.Contains(g.GID, ".") {
+		return nil
 	}
-	return nil
+	return net.ParseIP(g.GID).To4()
 }
 
 // Inventory is what Discover saw.
@@ -127,7 +111,7 @@ func describe(name string) (NIC, error) {
 }
 
 func gidOf(index int, e gidEntry) GID {
-	g := GID{Index: index, GID: net.IP(slices.Clone(e.raw[:]))}
+	g := GID{Index: index, GID: net.IP(e.raw[:]).String()}
 	switch e.typ {
 	case gidTypeIB:
 		g.Type = "IB"

@@ -139,7 +139,7 @@ func TestDiscover(t *testing.T) {
 
 func TestChoose(t *testing.T) {
 	gid := func(i int, typ, ip, dev string) GID {
-		return GID{Index: i, GID: net.ParseIP(ip).To16(), Type: typ, Netdev: dev}
+		return GID{Index: i, GID: net.ParseIP(ip).String(), Type: typ, Netdev: dev}
 	}
 	roce := Port{Num: 1, State: "ACTIVE", Active: true, LinkLayer: "Ethernet", MTU: 1024, GIDs: []GID{
 		gid(0, "RoCE v1", "fe80::1", "eth0"),

@@ -125,6 +125,8 @@ type session struct {
 	pool     *pool.Pool[*lane]
 }
 
+func (s *session) Transport() string { return "rdma" }
+
 func (s *session) Peer() string { return s.peer }
 
 func (s *session) PeerInstance() uint64 { return s.instance }

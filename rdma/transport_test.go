@@ -308,6 +308,9 @@ func TestFallbackToTCP(t *testing.T) {
 	}
 	defer s.Close()
 	logs.wait(t, rx.Addr().String(), "serves no RDMA", "falls back to TCP")
+	if s.Transport() != "tcp" {
+		t.Errorf("fallback session runs on %q, want tcp", s.Transport())
+	}
 	writeAll(t, s, slots, make([]byte, 1<<20), []int{1 << 20})
 }
 

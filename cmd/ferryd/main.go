@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strconv"
 	"strings"
 	"syscall"
 	"time"
@@ -53,7 +54,17 @@ func run(ctx context.Context, args []string) error {
 	fs.StringVar(&cfg.Listen, "listen", fmt.Sprintf(":%d", api.DefaultPeerPort), "peer port `host:port` other daemons dial")
 	fs.StringVar(&cfg.Advertise, "advertise", "", "`host:port` receive slots name as their session (default: the listen address, or this host's first IPv4 address when listening on all)")
 	fs.StringVar(&cfg.Device, "device", "cpu", "arena memory: cpu (host memory)")
-	fs.StringVar(&cfg.Transport, "transport", "tcp", "data plane: tcp")
+	fs.StringVar(&cfg.Transport, "transport", "auto", "data plane: auto (RDMA when an active RDMA port exists, else TCP), rdma or tcp")
+	fs.StringVar(&cfg.RDMADevice, "rdma-device", "", "RDMA `device` to use, e.g. mlx5_0 (default: the one whose GID carries the advertised address)")
+	fs.Func("rdma-gid-index", "GID table `index` to use (default: the RoCE v2 GID of the advertised address)", func(v string) error {
+		n, err := strconv.Atoi(v)
+		if err != nil {
+			return fmt.Errorf("%q is not a GID table index", v)
+		}
+		cfg.RDMAGIDIndex = &n
+		return nil
+	})
+	fs.StringVar(&cfg.RDMARegistration, "rdma-registration", "shared", "shared (register the arena once) or per-send (debugging: each send registers its range)")
 	fs.Var(sizeFlag{&cfg.ArenaSize}, "arena-size", "arena `size`, e.g. 64MiB or 8GiB")
 	fs.StringVar(&cfg.ArenaFile, "arena-file", "", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)")
 	fs.DurationVar(&cfg.SlowThreshold, "slow-threshold", daemon.DefaultSlowThreshold, "log transfers slower than this")

@@ -173,6 +173,8 @@ type session struct {
 	pool     *pool.Pool[*conn]
 }
 
+func (s *session) Transport() string { return "tcp" }
+
 func (s *session) Peer() string { return s.peer }
 
 func (s *session) PeerInstance() uint64 { return s.instance }
