@@ -5,6 +5,8 @@ import (
 	"runtime"
 	"sync"
 	"time"
+
+	"github.com/ferry-project/ferry/transport"
 )
 
 // busyPoll is how long a lane's poller keeps polling its CQ after the last
@@ -33,6 +35,12 @@ type lane struct {
 	closeErr  error
 
 	seq uint32 // the sender's writes on this lane, for work request ids
+
+	// answers carries the receiver's replies on a dialed lane (readAnswers
+	// reads them); it closes when the control connection fails, after
+	// ansErr is set. nil on an accepted lane.
+	answers chan answer
+	ansErr  error
 
 	// The sender's bounce buffer, mapped and registered on first use.
 	bounce    []byte
@@ -111,22 +119,63 @@ func (l *lane) failure() error {
 	return errLaneClosed
 }
 
-// next waits for the next completion until deadline, or until the lane
-// is closing.
-func (l *lane) next(deadline time.Time, cancel <-chan struct{}) (completion, error) {
+// answer is a receiver's reply on a dialed lane, with its grant.
+type answer struct {
+	reply
+	grant grant
+}
+
+// readAnswers reads the receiver's replies off a dialed lane's control
+// connection, so that a sender waiting for completions also hears of a
+// receiver that gave up on the write or went away.
+func (l *lane) readAnswers() {
+	defer close(l.answers)
+	for {
+		var gb [grantSize]byte
+		r, err := readReply(l.ctrl, gb[:])
+		if err != nil {
+			l.ansErr = err
+			return
+		}
+		a := answer{reply: r}
+		if r.code == transport.OK {
+			a.grant.decode(&gb)
+		}
+		select {
+		case l.answers <- a:
+		case <-l.quit:
+			return
+		}
+	}
+}
+
+// event is what a lane's user waits for: a completion or, on a dialed
+// lane, an answer from the receiver (ok false: the connection failed).
+type event struct {
+	wc       completion
+	answer   answer
+	isAnswer bool
+	ok       bool
+}
+
+// next waits until deadline for the next completion or answer, or until
+// the lane is closing or cancel closes.
+func (l *lane) next(deadline time.Time, cancel <-chan struct{}) (event, error) {
 	t := time.NewTimer(time.Until(deadline))
 	defer t.Stop()
 	select {
 	case c := <-l.wcs:
-		return c, nil
+		return event{wc: c}, nil
+	case a, ok := <-l.answers:
+		return event{answer: a, isAnswer: true, ok: ok}, nil
 	case <-l.quit:
-		return completion{}, errLaneClosed
+		return event{}, errLaneClosed
 	case <-l.polled:
-		return completion{}, l.failure()
+		return event{}, l.failure()
 	case <-cancel:
-		return completion{}, errCanceled
+		return event{}, errCanceled
 	case <-t.C:
-		return completion{}, errNoProgress
+		return event{}, errNoProgress
 	}
 }
 

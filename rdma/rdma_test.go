@@ -76,23 +76,50 @@ func listenT(t testing.TB, f *fabric, cfg Config) *Transport {
 	if cfg.TCP.Logf == nil {
 		cfg.TCP.Logf = t.Logf
 	}
-	var tr *Transport
-	var err error
-	if onDevice(t) {
-		c, _ := realPort()
-		tr, err = Listen(cfg, c)
-	} else {
-		tr, err = listen(cfg, f.nic(1), Choice{Device: "fake0", Port: 1, Why: "test"})
+	// A loaded machine running the VM under TCG can take seconds for a
+	// handshake; the tests bound their own waits.
+	if cfg.TCP.HandshakeTimeout == 0 {
+		cfg.TCP.HandshakeTimeout = 30 * time.Second
 	}
+	if cfg.TCP.IOTimeout == 0 {
+		cfg.TCP.IOTimeout = 30 * time.Second
+	}
+	if !onDevice(t) {
+		return listenFake(t, f, cfg)
+	}
+	c, _ := realPort()
+	tr, err := Listen(cfg, c)
 	if err != nil {
 		t.Fatal(err)
 	}
+	closeAtEnd(t, tr)
+	return tr
+}
+
+// listenFake is listenT on a fake NIC whatever the machine has.
+func listenFake(t testing.TB, f *fabric, cfg Config) *Transport {
+	t.Helper()
+	if cfg.TCP.Addr == "" {
+		cfg.TCP.Addr = "127.0.0.1:0"
+	}
+	if cfg.TCP.Sink == nil {
+		cfg.TCP.Sink = transporttest.NewSlots(0)
+	}
+	tr, err := listen(cfg, f.nic(1), Choice{Device: "fake0", Port: 1, Why: "test"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, tr)
+	return tr
+}
+
+// closeAtEnd closes tr when t ends, failing t if Close reports a leak.
+func closeAtEnd(t testing.TB, tr *Transport) {
 	t.Cleanup(func() {
 		if err := tr.Close(); err != nil {
 			t.Errorf("transport close: %v", err)
 		}
 	})
-	return tr
 }
 
 func ctxFor(t *testing.T, d time.Duration) context.Context {
@@ -261,11 +288,11 @@ func newLoop(t *testing.T, size int) *loop {
 
 func (lp *loop) wait(t *testing.T, l *lane) completion {
 	t.Helper()
-	c, err := l.next(time.Now().Add(30*time.Second), nil)
+	ev, err := l.next(time.Now().Add(30*time.Second), nil)
 	if err != nil {
 		t.Fatalf("waiting for a completion: %v", err)
 	}
-	return c
+	return ev.wc
 }
 
 // TestLoopback writes with an immediate from one QP into another's

@@ -206,6 +206,13 @@ func (r *receiver) await(h tcp.Header, tg *target, done func(error)) error {
 	fail := func(err error) error {
 		tg.finish(false)
 		done(err)
+		// Tell the sender, which is waiting for its completion, why the
+		// write failed here; the lane then closes.
+		code := transport.Internal
+		if t.isClosing() {
+			code = transport.ShuttingDown
+		}
+		r.reply(code, tcp.FlagClose, err.Error(), nil)
 		return err
 	}
 	for {

@@ -99,7 +99,10 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", ctxErr(hctx))
 	}
 	c.SetDeadline(time.Time{})
-	return newLane(qp, c, sendDepth+1), instance, a.peerRegion, nil
+	l := newLane(qp, c, sendDepth+1)
+	l.answers = make(chan answer, 1)
+	go l.readAnswers()
+	return l, instance, a.peerRegion, nil
 }
 
 // ctxErr is ctx.Err(), but also DeadlineExceeded once the deadline has
@@ -189,19 +192,6 @@ func (s *session) write(ctx context.Context, l *lane, w *transport.Write) (reuse
 	// The NIC is done with src when write returns: the last work request
 	// completed, or the QP was broken and drained.
 	defer src.release()
-	select {
-	case <-l.quit:
-		return false, fmt.Errorf("rdma write to %s: %w", s.peer, transport.ErrClosed)
-	default:
-	}
-	if ctx.Done() != nil {
-		stop := context.AfterFunc(ctx, l.abort)
-		defer func() {
-			if !stop() {
-				reuse = false // aborted by the cancellation
-			}
-		}()
-	}
 
 	h := tcp.Header{Addr: w.Remote, Len: uint64(len(w.Src)), Key: w.Key, Tag: w.Tag}
 	var hb [tcp.HeaderSize]byte
@@ -210,18 +200,18 @@ func (s *session) write(ctx context.Context, l *lane, w *transport.Write) (reuse
 	if _, err := l.ctrl.Write(hb[:]); err != nil {
 		return false, s.fail(ctx, err, fmt.Sprintf("sending the header of %d bytes", len(w.Src)))
 	}
-	var gb [grantSize]byte
-	l.ctrl.SetReadDeadline(s.deadline(ctx))
-	r, err := readReply(l.ctrl, gb[:])
-	if err != nil {
-		return false, s.fail(ctx, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+	ev, err := l.next(s.deadline(ctx), ctx.Done())
+	switch {
+	case err != nil:
+		return false, s.broken(ctx, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+	case !ev.isAnswer:
+		return false, fmt.Errorf("rdma write to %s: a completion (%+v) came before the receiver's answer", s.peer, ev.wc)
+	case !ev.ok:
+		return false, s.fail(ctx, l.ansErr, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+	case ev.answer.code != transport.OK:
+		return ev.answer.flags&tcp.FlagClose == 0, &transport.Refusal{Code: ev.answer.code, Message: ev.answer.msg}
 	}
-	if r.code != transport.OK {
-		return r.flags&tcp.FlagClose == 0, &transport.Refusal{Code: r.code, Message: r.msg}
-	}
-	var g grant
-	g.decode(&gb)
-	if err := s.transfer(ctx, l, g, w, src); err != nil {
+	if err := s.transfer(ctx, l, ev.answer.grant, w, src); err != nil {
 		return false, err
 	}
 	return true, nil
@@ -279,19 +269,27 @@ func (s *session) transfer(ctx context.Context, l *lane, g grant, w *transport.W
 				return fmt.Errorf("rdma write to %s: %w", s.peer, err)
 			}
 		}
-		c, err := l.next(s.deadline(ctx), ctx.Done())
-		if err != nil {
+		ev, err := l.next(s.deadline(ctx), ctx.Done())
+		inFlight := fmt.Sprintf("with %d of a %d-byte write's %d work requests in flight", posted-retired, n, count)
+		switch {
+		case err != nil:
 			s.drain(l, base, posted)
-			return s.broken(ctx, err, n, posted-retired)
-		}
-		if c.WRID>>32 != base>>32 {
+			return s.broken(ctx, err, inFlight)
+		case ev.isAnswer:
+			// The receiver gave up on the write (its QP failed, it is
+			// stopping) and says why, or its end of the lane went away.
+			s.drain(l, base, posted)
+			if !ev.ok {
+				return s.fail(ctx, l.ansErr, inFlight)
+			}
+			return fmt.Errorf("rdma write to %s: the receiver failed the write %s (%s): %s", s.peer, inFlight, ev.answer.code, ev.answer.msg)
+		case ev.wc.WRID>>32 != base>>32:
 			continue // a stale completion; none are expected
-		}
-		if c.Status != wcSuccess {
+		case ev.wc.Status != wcSuccess:
 			return fmt.Errorf("rdma write to %s (%d bytes to %#x, rkey %#x): %w", s.peer, n, g.Addr, g.RKey,
-				&CompletionError{Status: c.Status, VendorErr: c.VendorErr, Op: "rdma write"})
+				&CompletionError{Status: ev.wc.Status, VendorErr: ev.wc.VendorErr, Op: "rdma write"})
 		}
-		retired = int(c.WRID&0xffffffff) + 1
+		retired = int(ev.wc.WRID&0xffffffff) + 1
 	}
 	return nil
 }
@@ -307,24 +305,24 @@ func (s *session) drain(l *lane, base uint64, posted int) {
 	last := base | uint64(posted-1)
 	deadline := time.Now().Add(drainWait)
 	for {
-		c, err := l.next(deadline, nil)
-		if err != nil || c.WRID == last {
+		ev, err := l.next(deadline, nil)
+		if err != nil || (!ev.isAnswer && ev.wc.WRID == last) {
 			return
 		}
 	}
 }
 
-// broken explains a write whose completion did not come.
-func (s *session) broken(ctx context.Context, err error, n, inFlight int) error {
+// broken explains a wait on l that ended without an event.
+func (s *session) broken(ctx context.Context, err error, where string) error {
 	switch {
 	case err == errLaneClosed || s.pool.Closed():
-		return fmt.Errorf("rdma write to %s: %w with %d work requests in flight", s.peer, transport.ErrClosed, inFlight)
+		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ErrClosed, where)
 	case ctxErr(ctx) != nil:
-		return fmt.Errorf("rdma write to %s: %w with %d of a %d-byte write's work requests in flight", s.peer, ctxErr(ctx), inFlight, n)
+		return fmt.Errorf("rdma write to %s: %w %s", s.peer, ctxErr(ctx), where)
 	case err == errNoProgress:
-		return fmt.Errorf("rdma write to %s: no completion for %s with %d work requests in flight: the peer's NIC made no progress", s.peer, s.t.cfg.TCP.IOTimeout, inFlight)
+		return fmt.Errorf("rdma write to %s: the peer made no progress for %s %s", s.peer, s.t.cfg.TCP.IOTimeout, where)
 	}
-	return fmt.Errorf("rdma write to %s: polling the completion queue: %w", s.peer, err)
+	return fmt.Errorf("rdma write to %s: polling the completion queue %s: %w", s.peer, where, err)
 }
 
 // deadline is IOTimeout from now, or ctx's deadline if sooner.

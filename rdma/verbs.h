@@ -229,7 +229,7 @@ static inline int fv_qp_rtr(struct ibv_qp *qp, const fv_path *p) {
 	a.dest_qp_num = p->qpn;
 	a.rq_psn = p->psn;
 	a.max_dest_rd_atomic = 1;
-	a.min_rnr_timer = 12; // 0.64 ms
+	a.min_rnr_timer = 14; // 1.28 ms between a sender's RNR retries
 	a.ah_attr.dlid = p->dlid;
 	a.ah_attr.port_num = p->port;
 	if (p->global) {
@@ -243,8 +243,10 @@ static inline int fv_qp_rtr(struct ibv_qp *qp, const fv_path *p) {
 }
 
 // fv_qp_rts: timeout 14 (4.096 us * 2^14 = 67 ms) with 7 retries bounds a
-// dead peer to about half a second before RETRY_EXC_ERR; rnr_retry 7 is
-// "retry forever", which is safe because receivers keep receives posted.
+// dead peer to about half a second before RETRY_EXC_ERR on a NIC that
+// honours them (rxe in Debian 12's kernel does not retire the request:
+// ferry bounds the wait itself). rnr_retry 6 rather than 7 ("forever"):
+// receivers keep receives posted, so running out is a failure to report.
 static inline int fv_qp_rts(struct ibv_qp *qp, uint32_t psn) {
 	struct ibv_qp_attr a;
 	memset(&a, 0, sizeof a);
@@ -252,7 +254,7 @@ static inline int fv_qp_rts(struct ibv_qp *qp, uint32_t psn) {
 	a.sq_psn = psn;
 	a.timeout = 14;
 	a.retry_cnt = 7;
-	a.rnr_retry = 7;
+	a.rnr_retry = 6;
 	a.max_rd_atomic = 1;
 	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
 	                     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);

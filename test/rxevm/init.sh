@@ -59,23 +59,27 @@ cd /
 # ---- benchmarks: ferry's write beside ib_write_bw, alternately ------------
 # ibbw SIZE ITERS: one ib_write_bw run on rxe0 over loopback; prints MB/s
 # (1e6 bytes/s, from its Gb/s average).
+# ib_write_bw runs as many QPs (-q) as ferry keeps writes in flight.
+QPS=4
 ibbw() {
-  ib_write_bw -d rxe0 -x "$GIDX" -s "$1" -n "$2" -F --report_gbits >/tmp/ibsrv.log 2>&1 &
+  ib_write_bw -d rxe0 -x "$GIDX" -q $QPS -s "$1" -n "$2" -F --report_gbits >/tmp/ibsrv.log 2>&1 &
   srv=$!
   # The server listens on TCP 18515 for the client's exchange; wait for it.
   for i in $(seq 1 100); do netstat -ltn 2>/dev/null | grep -q ':18515 ' && break; sleep 0.05; done
-  ib_write_bw -d rxe0 -x "$GIDX" -s "$1" -n "$2" -F --report_gbits 127.0.0.1 >/tmp/ibcli.log 2>&1
+  ib_write_bw -d rxe0 -x "$GIDX" -q $QPS -s "$1" -n "$2" -F --report_gbits 127.0.0.1 >/tmp/ibcli.log 2>&1
   wait $srv
   awk -v s="$1" '$1 == s && NF >= 4 {printf "%.2f", $4 * 125; found=1} END {if (!found) print "0"}' /tmp/ibcli.log
+  grep -q "^ *$1 " /tmp/ibcli.log || cat /tmp/ibcli.log /tmp/ibsrv.log >&2
 }
 # ferrybw NAME ITERS: one run of the rdma package's BenchmarkWrite/NAME;
 # prints its MB/s.
 ferrybw() {
-  /opt/rdma.test -test.run '^$' -test.bench "^BenchmarkWrite/$1\$" -test.benchtime "$2x" >/tmp/fb.log 2>&1
+  /opt/rdma.test -test.run '^$' -test.bench "^BenchmarkWrite\$/^$1\$" -test.benchtime "$2x" >/tmp/fb.log 2>&1
   awk '/MB\/s/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") {printf "%.2f", $i; found=1}} END {if (!found) print "0"}' /tmp/fb.log
+  grep -q "MB/s" /tmp/fb.log || cat /tmp/fb.log >&2
 }
 if [ "$BENCH" = 1 ]; then
-  echo "== bench: ferry = 4 concurrent writers from the shared registration, each a 4-lane session's write; ib_write_bw = one QP, 128 outstanding"
+  echo "== bench: ferry = 4 writes in flight from the shared registration, one per lane (RC QP); ib_write_bw -q 4 on the same rxe0"
   for spec in 65536:64KiB:600 1048576:1MiB:40 4194304:4MiB:12; do
     size=${spec%%:*} rest=${spec#*:}
     name=${rest%%:*} iters=${rest#*:}

@@ -127,7 +127,7 @@ set +e
 timeout "$VM_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 -m 2G \
   -nographic -no-reboot -nodefaults -serial stdio -monitor none \
   -kernel "$K/vmlinux" -initrd "$W/initramfs.gz" \
-  -append "console=ttyS0 quiet panic=-1" >"$LOG" 2>&1
+  -append "console=ttyS0 quiet panic=-1 ${RXEVM_APPEND:-}" >"$LOG" 2>&1
 qemu=$?
 set -e
 tr -d '\r' <"$LOG" | grep -a -E '^(== | *--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark| +[a-z_]+\.go:[0-9]+:)' || true
