@@ -29,26 +29,26 @@ var Version = "dev"
 // Config is everything ferryd is told at start. Zero values mean the
 // defaults below; Check reports what is wrong.
 type Config struct {
-	Socket        string        // control socket path
-	Listen        string        // peer port, host:port
-	Advertise     string        // what receive slots name as session; default from Listen
-	Device        string        // "cpu" (CUDA comes later)
-	Transport     string        // "auto", "rdma" or "tcp"
-	RDMADevice    string        // RDMA device to use; "" chooses
-	RDMAGIDIndex  *int          // GID table index; nil chooses by the advertised address
+	Socket       string // control socket path
+	Listen       string // peer port, host:port
+	Advertise    string // what receive slots name as session; default from Listen
+	Device       string // "cpu" (CUDA comes later)
+	Transport    string // "auto", "rdma" or "tcp"
+	RDMADevice   string // RDMA device to use; "" chooses
+	RDMAGIDIndex *int   // GID table index; nil chooses by the advertised address
 	// RDMARegistration is "shared" (the arena registered once) or
 	// "per-send" (a debugging switch: each send registers its range).
 	RDMARegistration string
-	ArenaSize     int64         // bytes
-	ArenaFile     string        // backing file clients map; default Socket+".arena"
-	SlowThreshold time.Duration // transfers slower than this are logged
-	SendRetries   int           // re-dials after a failed write
-	SendTimeout   time.Duration // bound on one send, retries included
-	StageTTL      time.Duration // staged entries older than this are swept
-	ReceiveTTL    time.Duration // receive slots older than this are swept
-	IOTimeout     time.Duration // deadline on each network read/write
-	MaxConns      int           // connections per peer session
-	Log           zerolog.Logger
+	ArenaSize        int64         // bytes
+	ArenaFile        string        // backing file clients map; default Socket+".arena"
+	SlowThreshold    time.Duration // transfers slower than this are logged
+	SendRetries      int           // re-dials after a failed write
+	SendTimeout      time.Duration // bound on one send, retries included
+	StageTTL         time.Duration // staged entries older than this are swept
+	ReceiveTTL       time.Duration // receive slots older than this are swept
+	IOTimeout        time.Duration // deadline on each network read/write
+	MaxConns         int           // connections per peer session
+	Log              zerolog.Logger
 }
 
 // Defaults.
