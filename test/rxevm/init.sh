@@ -57,30 +57,39 @@ cd /opt && FERRY_E2E_BIN=/opt/bin check "e2e tests over rdma" 300 /opt/e2e.test 
 cd /
 
 # ---- benchmarks: ferry's write beside ib_write_bw, alternately ------------
-# ibbw SIZE ITERS: one ib_write_bw run on rxe0 over loopback; prints MB/s
-# (1e6 bytes/s, from its Gb/s average).
-# ib_write_bw runs as many QPs (-q) as ferry keeps writes in flight.
+# Both keep the same number of RC QPs busy on rxe0: ferry 4 writes in
+# flight, one per lane (BenchmarkWrite's writers), ib_write_bw -q 4.
 QPS=4
+# ibbw SIZE ITERS: one ib_write_bw run of about ITERS messages in all;
+# prints MB/s (1e6 bytes/s, from its Gb/s average). The bench functions
+# run in $(...) subshells, so a failure is marked in a file.
 ibbw() {
-  ib_write_bw -d rxe0 -x "$GIDX" -q $QPS -s "$1" -n "$2" -F --report_gbits >/tmp/ibsrv.log 2>&1 &
+  n=$(($2 / QPS)); [ $n -lt 5 ] && n=5
+  ib_write_bw -d rxe0 -x "$GIDX" -q $QPS -s "$1" -n $n -F --report_gbits >/tmp/ibsrv.log 2>&1 &
   srv=$!
   # The server listens on TCP 18515 for the client's exchange; wait for it.
   for i in $(seq 1 100); do netstat -ltn 2>/dev/null | grep -q ':18515 ' && break; sleep 0.05; done
-  ib_write_bw -d rxe0 -x "$GIDX" -q $QPS -s "$1" -n "$2" -F --report_gbits 127.0.0.1 >/tmp/ibcli.log 2>&1
+  ib_write_bw -d rxe0 -x "$GIDX" -q $QPS -s "$1" -n $n -F --report_gbits 127.0.0.1 >/tmp/ibcli.log 2>&1
   wait $srv
-  awk -v s="$1" '$1 == s && NF >= 4 {printf "%.2f", $4 * 125; found=1} END {if (!found) print "0"}' /tmp/ibcli.log
-  grep -q "^ *$1 " /tmp/ibcli.log || cat /tmp/ibcli.log /tmp/ibsrv.log >&2
+  if ! awk -v s="$1" '$1 == s && NF >= 4 {printf "%.2f", $4 * 125; found=1} END {exit !found}' /tmp/ibcli.log; then
+    cat /tmp/ibcli.log /tmp/ibsrv.log >&2
+    echo 0
+    touch /tmp/benchfail
+  fi
 }
 # ferrybw NAME ITERS: one run of the rdma package's BenchmarkWrite/NAME;
 # prints its MB/s.
 ferrybw() {
   /opt/rdma.test -test.run '^$' -test.bench "^BenchmarkWrite\$/^$1\$" -test.benchtime "$2x" >/tmp/fb.log 2>&1
-  awk '/MB\/s/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") {printf "%.2f", $i; found=1}} END {if (!found) print "0"}' /tmp/fb.log
-  grep -q "MB/s" /tmp/fb.log || cat /tmp/fb.log >&2
+  if ! awk '/MB\/s/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") {printf "%.2f", $i; found=1}} END {exit !found}' /tmp/fb.log; then
+    cat /tmp/fb.log >&2
+    echo 0
+    touch /tmp/benchfail
+  fi
 }
 if [ "$BENCH" = 1 ]; then
-  echo "== bench: ferry = 4 writes in flight from the shared registration, one per lane (RC QP); ib_write_bw -q 4 on the same rxe0"
-  for spec in 65536:64KiB:600 1048576:1MiB:40 4194304:4MiB:12; do
+  echo "== bench: ferry = $QPS writes in flight from the shared registration, one per lane (RC QP); ib_write_bw -q $QPS; both on rxe0, run A B A B"
+  for spec in 65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:20; do
     size=${spec%%:*} rest=${spec#*:}
     name=${rest%%:*} iters=${rest#*:}
     ib1=$(ibbw $size $iters); f1=$(ferrybw $name $iters)
@@ -88,15 +97,17 @@ if [ "$BENCH" = 1 ]; then
     echo "$size $name $ib1 $f1 $ib2 $f2" | awk '{ib = ($3 + $5) / 2; f = ($4 + $6) / 2;
       printf "== BENCH write size=%s ib_write_bw_MBps=%.2f ferry_MBps=%.2f (runs: ib %s %s, ferry %s %s) ratio=%.2f\n", $2, ib, f, $3, $5, $4, $6, (ib > 0 ? f / ib : 0)}'
   done
-  /opt/rdma.test -test.run '^$' -test.bench '^BenchmarkRegister' -test.benchtime 5x >/tmp/reg.log 2>&1
-  grep Benchmark /tmp/reg.log | sed 's/^/== BENCH /'
+  /opt/rdma.test -test.run '^$' -test.bench '^BenchmarkRegister' -test.benchtime 5x >/tmp/reg.log 2>&1 || { cat /tmp/reg.log; FAIL=1; }
+  grep '^BenchmarkRegister' /tmp/reg.log | sed 's/^/== BENCH /'
   for round in 1 2; do
-    /opt/rdma.test -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x >/tmp/mode.log 2>&1
+    /opt/rdma.test -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x >/tmp/mode.log 2>&1 || { cat /tmp/mode.log >&2; FAIL=1; }
     awk '/^BenchmarkWriteMode/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") print $1, $i}' /tmp/mode.log
   done >/tmp/modes
   awk '/shared/ {s += $2; ns++} /per-send/ {p += $2; np++}
     END {s /= (ns ? ns : 1); p /= (np ? np : 1);
     printf "== BENCH registration 1MiB writes shared_MBps=%.2f per_send_MBps=%.2f ratio=%.2f (per-send/shared)\n", s, p, (s > 0 ? p / s : 0)}' /tmp/modes
+  # A benchmark that errs (not one that is slow) fails the run.
+  [ -e /tmp/benchfail ] && { echo "== FAIL a benchmark run failed (its output is above)"; FAIL=1; }
 fi
 
 [ $FAIL = 0 ] && echo "== RESULT: PASS at $(up)s" || echo "== RESULT: FAIL at $(up)s"
