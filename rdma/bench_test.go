@@ -83,6 +83,7 @@ func (r *rig) run(b *testing.B, size int) {
 	n := 0
 	var wg sync.WaitGroup
 	errs := make(chan error, writers)
+	var wrote [writers]bool
 	b.ResetTimer()
 	for i := range writers {
 		wg.Go(func() {
@@ -99,6 +100,7 @@ func (r *rig) run(b *testing.B, size int) {
 					errs <- err
 					return
 				}
+				wrote[i] = true
 			}
 		})
 	}
@@ -115,8 +117,10 @@ func (r *rig) run(b *testing.B, size int) {
 	case <-time.After(time.Minute):
 		b.Fatalf("%d of %d writes delivered", r.sink.delivered.Load(), b.N)
 	}
-	if !bytes.Equal(r.sink.mem[:size], r.src) {
-		b.Fatal("the written bytes differ from the source")
+	for i, w := range wrote {
+		if w && !bytes.Equal(r.sink.mem[i*size:][:size], r.src) {
+			b.Fatalf("writer %d's bytes differ from the source", i)
+		}
 	}
 }
 
