@@ -27,7 +27,7 @@ func benchDevice(b *testing.B) {
 // writers is how many writes a benchmark keeps in flight, each on its own
 // lane: ib_write_bw keeps up to 128 work requests outstanding on its QP,
 // and a lane carries one write at a time.
-const writers = 4
+const writers = 8
 
 // rig is a sender and a receiver over mapped memory, the way ferryd runs
 // them (Memory is the arena), with a region of the receiver's memory per

@@ -57,9 +57,9 @@ cd /opt && FERRY_E2E_BIN=/opt/bin check "e2e tests over rdma" 300 /opt/e2e.test 
 cd /
 
 # ---- benchmarks: ferry's write beside ib_write_bw, alternately ------------
-# Both keep the same number of RC QPs busy on rxe0: ferry 4 writes in
-# flight, one per lane (BenchmarkWrite's writers), ib_write_bw -q 4.
-QPS=4
+# Both keep the same number of RC QPs busy on rxe0: ferry 8 writes in
+# flight, one per lane (BenchmarkWrite's writers), ib_write_bw -q 8.
+QPS=8
 # ibbw SIZE ITERS: one ib_write_bw run of about ITERS messages in all;
 # prints MB/s (1e6 bytes/s, from its Gb/s average). The bench functions
 # run in $(...) subshells, so a failure is marked in a file.
@@ -89,7 +89,7 @@ ferrybw() {
 }
 if [ "$BENCH" = 1 ]; then
   echo "== bench: ferry = $QPS writes in flight from the shared registration, one per lane (RC QP); ib_write_bw -q $QPS; both on rxe0, run A B A B"
-  for spec in 65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:20; do
+  for spec in 65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40; do
     size=${spec%%:*} rest=${spec#*:}
     name=${rest%%:*} iters=${rest#*:}
     ib1=$(ibbw $size $iters); f1=$(ferrybw $name $iters)
