@@ -26,16 +26,7 @@ BENCH=${RXEVM_BENCH:-1}
 RUN=${RXEVM_RUN:-.}
 VM_TIMEOUT=${RXEVM_TIMEOUT:-900}
 
-need=()
-for c in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static cpio:cpio rdma:iproute2 \
-  ib_write_bw:perftest ibv_devices:ibverbs-utils modprobe:kmod; do
-  command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
-done
-[[ -e /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav34.so ]] || need+=(ibverbs-providers)
-if ((${#need[@]})); then
-  echo "rxevm: missing ${need[*]}: run 'make deps' (as root) first" >&2
-  exit 1
-fi
+scripts/deps.sh vm
 
 # ---- kernel: Debian's stock image, downloaded once into the cache -------
 KPKG=${RXEVM_KPKG:-$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')}
@@ -83,7 +74,7 @@ go test "${race[@]}" -c -o "$R/opt/e2e.test" ./test/e2e
 say "binaries built${race:+ (race)}"
 
 # ---- initramfs -------------------------------------------------------------
-cp /usr/bin/busybox "$R/usr/bin/busybox"
+cp "$(command -v busybox)" "$R/usr/bin/busybox"
 # copy FILE...: each file and the shared libraries ldd says it needs.
 copy() {
   local f l
@@ -131,7 +122,8 @@ timeout "$VM_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2
 qemu=$?
 set -e
 tr -d '\r' <"$LOG" | grep -a -E '^(== | *--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark| +[a-z_]+\.go:[0-9]+:)' || true
-say "VM done"
+count() { tr -d '\r' <"$LOG" | grep -ac -E "^ *--- $1: " || true; }
+say "VM done: $(count PASS) passed, $(count FAIL) failed, $(count SKIP) skipped; the VM's log is $LOG"
 if ((qemu == 124)); then
   echo "rxevm: the VM ran past ${VM_TIMEOUT}s and was stopped" >&2
   exit 1
