@@ -44,7 +44,7 @@ type rig struct {
 // region without waiting for the receiver's bookkeeping.
 type benchSink struct {
 	mem       []byte
-	want      int64         // deliveries to wait for; set before the writes
+	want      int64 // deliveries to wait for; set before the writes
 	delivered atomic.Int64
 	all       chan struct{} // closed at the want-th delivery
 }
