@@ -212,7 +212,7 @@ func (r *receiver) await(h tcp.Header, tg *target, done func(error)) error {
 		if t.isClosing() {
 			code = transport.ShuttingDown
 		}
-		r.reply(code, tcp.FlagClose, err.Error(), nil)
+		r.reply(code, tcp.FlagClose|flagFailed, err.Error(), nil)
 		return err
 	}
 	for {

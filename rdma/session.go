@@ -208,6 +208,10 @@ func (s *session) write(ctx context.Context, l *lane, w *transport.Write) (reuse
 		return false, fmt.Errorf("rdma write to %s: a completion (%+v) came before the receiver's answer", s.peer, ev.wc)
 	case !ev.ok:
 		return false, s.fail(ctx, l.ansErr, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+	case ev.answer.flags&flagFailed != 0:
+		// The receiver gave up on the lane after an earlier write: a
+		// broken path, not a refusal of this one.
+		return false, fmt.Errorf("rdma write to %s: the receiver closed the lane (%s): %s", s.peer, ev.answer.code, ev.answer.msg)
 	case ev.answer.code != transport.OK:
 		return ev.answer.flags&tcp.FlagClose == 0, &transport.Refusal{Code: ev.answer.code, Message: ev.answer.msg}
 	}

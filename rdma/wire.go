@@ -36,6 +36,10 @@ package rdma
 //	  8  rkey      u32     the registration covering [addr, addr+len)
 //	 12  reserved  u32
 //
+// A receiver that fails a granted write (its receive completed in error,
+// the completion did not match the grant, it is stopping) sends a reply
+// with flags bit 1 (flagFailed) and the reason, and closes the lane.
+//
 // After a grant the client posts the body to the granted range as RDMA
 // WRITEs of 1 MiB each (the last one shorter), the last one WITH IMM
 // carrying the tag. Its completion is the sender's completion: RC
@@ -71,6 +75,10 @@ const (
 	acceptSize   = endpointSize + 24
 	grantSize    = 16
 )
+
+// flagFailed in a reply's flags: the reply reports the failure of the
+// write in flight, and the lane closes (FlagClose is set too).
+const flagFailed = 2
 
 // Registration modes as the connect reply carries them.
 const (
