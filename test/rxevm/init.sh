@@ -80,7 +80,7 @@ ibbw() {
 # ferrybw NAME ITERS: one run of the rdma package's BenchmarkWrite/NAME;
 # prints its MB/s.
 ferrybw() {
-  /opt/rdma.test -test.run '^$' -test.bench "^BenchmarkWrite\$/^$1\$" -test.benchtime "$2x" >/tmp/fb.log 2>&1
+  /opt/rdma.bench -test.run '^$' -test.bench "^BenchmarkWrite\$/^$1\$" -test.benchtime "$2x" >/tmp/fb.log 2>&1
   if ! awk '/MB\/s/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") {printf "%.2f", $i; found=1}} END {exit !found}' /tmp/fb.log; then
     cat /tmp/fb.log >&2
     echo 0
@@ -98,10 +98,10 @@ if [ "$BENCH" = 1 ]; then
       printf "== BENCH write size=%s ib_write_bw_MBps=%.2f ferry_MBps=%.2f ratio=%.2f (runs: ib %s %s %s, ferry %s %s %s)\n",
         $1, ib, f, (ib > 0 ? f / ib : 0), $2, $4, $6, $3, $5, $7}'
   done
-  /opt/rdma.test -test.run '^$' -test.bench '^BenchmarkRegister' -test.benchtime 5x >/tmp/reg.log 2>&1 || { cat /tmp/reg.log; FAIL=1; }
+  /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkRegister' -test.benchtime 5x >/tmp/reg.log 2>&1 || { cat /tmp/reg.log; FAIL=1; }
   grep '^BenchmarkRegister' /tmp/reg.log | sed 's/^/== BENCH /'
   for round in 1 2; do
-    /opt/rdma.test -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x >/tmp/mode.log 2>&1 || { cat /tmp/mode.log >&2; FAIL=1; }
+    /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x >/tmp/mode.log 2>&1 || { cat /tmp/mode.log >&2; FAIL=1; }
     awk '/^BenchmarkWriteMode/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") print $1, $i}' /tmp/mode.log
   done >/tmp/modes
   awk '/shared/ {s += $2; ns++} /per-send/ {p += $2; np++}
