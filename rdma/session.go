@@ -124,7 +124,7 @@ type session struct {
 	t        *Transport
 	peer     string
 	instance uint64
-	region   peerRegion
+	region   peerRegion // the peer's shared registration, from the connect
 	pool     *pool.Pool[*lane]
 }
 
@@ -214,6 +214,9 @@ func (s *session) write(ctx context.Context, l *lane, w *transport.Write) (reuse
 		return false, fmt.Errorf("rdma write to %s: the receiver closed the lane (%s): %s", s.peer, ev.answer.code, ev.answer.msg)
 	case ev.answer.code != transport.OK:
 		return ev.answer.flags&tcp.FlagClose == 0, &transport.Refusal{Code: ev.answer.code, Message: ev.answer.msg}
+	}
+	if err := s.region.check(ev.answer.grant, uint64(len(w.Src))); err != nil {
+		return false, fmt.Errorf("rdma write to %s: %w", s.peer, err)
 	}
 	if err := s.transfer(ctx, l, ev.answer.grant, w, src); err != nil {
 		return false, err

@@ -103,7 +103,7 @@ type Transport struct {
 	mu        sync.Mutex
 	closed    bool
 	sessions  map[*session]struct{}
-	accepted  map[*lane]struct{}
+	accepted  map[*lane]struct{} // served by serveLane
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -242,12 +242,16 @@ func (t *Transport) Close() error {
 		for s := range t.sessions {
 			sessions = append(sessions, s)
 		}
+		// Accepted lanes stop at once (their receives flush); their
+		// goroutines end with their control connections, which the TCP
+		// side closes and waits out.
+		for l := range t.accepted {
+			l.abort()
+		}
 		t.mu.Unlock()
 		for _, s := range sessions {
 			s.Close()
 		}
-		// Accepted lanes end with their control connections, which the
-		// TCP side closes and waits out.
 		errs := []error{t.tcp.Close()}
 		if t.shared != nil {
 			errs = append(errs, t.shared.Close())

@@ -371,3 +371,22 @@ func (l *logLines) wait(t *testing.T, words ...string) {
 		}
 	}
 }
+
+func TestGrantOutsideTheSharedRegistration(t *testing.T) {
+	r := peerRegion{Base: 0x10000, Size: 0x1000, RKey: 7, Mode: modeShared}
+	for _, c := range []struct {
+		g    grant
+		n    uint64
+		fail bool
+	}{
+		{grant{Addr: 0x10000, RKey: 7}, 0x1000, false},
+		{grant{Addr: 0x10800, RKey: 7}, 0x800, false},
+		{grant{Addr: 0x10800, RKey: 7}, 0x801, true},
+		{grant{Addr: 0xf000, RKey: 7}, 1, true},
+		{grant{Addr: 0xf000, RKey: 8}, 1, false}, // another registration (staging)
+	} {
+		if err := r.check(c.g, c.n); (err != nil) != c.fail {
+			t.Errorf("grant %+v of %d bytes: %v", c.g, c.n, err)
+		}
+	}
+}

@@ -24,7 +24,8 @@ package rdma
 //	 52  mode      u32     1 shared, 2 per-send, 0 none
 //
 // Both sides then move their QP to RTS; the path MTU is the smaller of
-// the two.
+// the two. The dialer holds grants to the receiver's registration: one
+// that names the shared rkey must lie inside base and size.
 //
 // Then any number of writes, one at a time per lane:
 //
@@ -109,6 +110,19 @@ type peerRegion struct {
 	Base, Size uint64
 	RKey       uint32
 	Mode       uint32
+}
+
+// check refuses a grant that names the shared registration's rkey for a
+// range outside it: the NIC would fail the write with REM_ACCESS_ERR;
+// this says which side is wrong before posting anything.
+func (r peerRegion) check(g grant, n uint64) error {
+	if r.Mode != modeShared || g.RKey != r.RKey || n == 0 {
+		return nil
+	}
+	if g.Addr < r.Base || g.Addr-r.Base > r.Size || n > r.Size-(g.Addr-r.Base) {
+		return fmt.Errorf("the receiver granted [%#x, +%d) under the rkey of its registration [%#x, +%d), which does not hold it", g.Addr, n, r.Base, r.Size)
+	}
+	return nil
 }
 
 // accept is the server's part of the connect exchange.
