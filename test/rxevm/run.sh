@@ -29,7 +29,13 @@ VM_TIMEOUT=${RXEVM_TIMEOUT:-900}
 scripts/deps.sh vm
 
 # ---- kernel: Debian's stock image, downloaded once into the cache -------
-KPKG=${RXEVM_KPKG:-$(apt-cache depends linux-image-amd64 | awk '/Depends: linux-image-[0-9]/{print $2; exit}')}
+kpkg() { apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}'; }
+KPKG=${RXEVM_KPKG:-$(kpkg)}
+if [[ -z $KPKG ]]; then # a fresh machine may have no package lists yet
+  apt-get update -qq
+  KPKG=$(kpkg)
+fi
+[[ -n $KPKG ]] || { echo "rxevm: apt knows no linux-image-amd64: check /etc/apt/sources.list" >&2; exit 1; }
 K=$CACHE/$KPKG
 if [[ ! -e $K/vmlinux ]]; then
   say "downloading $KPKG"
