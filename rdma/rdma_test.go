@@ -105,7 +105,7 @@ func listenFake(t testing.TB, f *fabric, cfg Config) *Transport {
 	if cfg.TCP.Sink == nil {
 		cfg.TCP.Sink = transporttest.NewSlots(0)
 	}
-	tr, err := listen(cfg, f.nic(1), Choice{Device: "fake0", Port: 1, Why: "test"})
+	tr, err := listen(cfg, f.nic(1))
 	if err != nil {
 		t.Fatal(err)
 	}

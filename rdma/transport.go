@@ -94,7 +94,6 @@ type Transport struct {
 	cfg    Config
 	tcp    *tcp.Transport
 	nic    nic
-	choice Choice
 	shared region
 	reg    Registration
 	stats  counters
@@ -117,7 +116,7 @@ func Listen(cfg Config, choice Choice) (*Transport, error) {
 	if err != nil {
 		return nil, fmt.Errorf("rdma: opening %s port %d: %w", choice.Device, choice.Port, err)
 	}
-	t, err := listen(cfg, n, choice)
+	t, err := listen(cfg, n)
 	if err != nil {
 		n.Close()
 		return nil, err
@@ -126,9 +125,9 @@ func Listen(cfg Config, choice Choice) (*Transport, error) {
 }
 
 // listen runs a Transport over n, which it owns from here on.
-func listen(cfg Config, n nic, choice Choice) (*Transport, error) {
+func listen(cfg Config, n nic) (*Transport, error) {
 	t := &Transport{
-		cfg: cfg, nic: n, choice: choice,
+		cfg: cfg, nic: n,
 		closing:  make(chan struct{}),
 		sessions: make(map[*session]struct{}),
 		accepted: make(map[*lane]struct{}),
@@ -191,12 +190,6 @@ func memlockAdvice(err error, n int) error {
 func (t *Transport) Name() string { return "rdma" }
 
 func (t *Transport) Addr() net.Addr { return t.tcp.Addr() }
-
-// Instance is the identity this daemon announces to its peers.
-func (t *Transport) Instance() uint64 { return t.tcp.Instance() }
-
-// NIC is the port and GID in use, and why they were chosen.
-func (t *Transport) NIC() Choice { return t.choice }
 
 // Registration says how Memory is registered.
 func (t *Transport) Registration() Registration { return t.reg }

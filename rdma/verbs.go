@@ -119,10 +119,8 @@ func (d *device) Close() error {
 }
 
 type deviceAttr struct {
-	ports   int
-	maxQPWR int
-	maxCQE  int
-	fw      string
+	ports int
+	fw    string
 }
 
 func (d *device) query() (deviceAttr, error) {
@@ -130,7 +128,7 @@ func (d *device) query() (deviceAttr, error) {
 	if err := verbsErr("ibv_query_device "+d.name, C.fv_query_device(d.ctx, &a)); err != nil {
 		return deviceAttr{}, err
 	}
-	return deviceAttr{ports: int(a.ports), maxQPWR: int(a.max_qp_wr), maxCQE: int(a.max_cqe), fw: C.GoString(&a.fw_ver[0])}, nil
+	return deviceAttr{ports: int(a.ports), fw: C.GoString(&a.fw_ver[0])}, nil
 }
 
 type portAttr struct {

@@ -33,9 +33,6 @@ static inline int fv_open(struct ibv_device *dev, struct ibv_context **ctx) {
 
 typedef struct {
 	uint8_t ports;
-	int max_qp_wr;
-	int max_cqe;
-	uint64_t max_mr_size;
 	char fw_ver[64];
 } fv_device_attr;
 
@@ -44,9 +41,6 @@ static inline int fv_query_device(struct ibv_context *ctx, fv_device_attr *out) 
 	int rc = ibv_query_device(ctx, &a);
 	if (rc) return rc;
 	out->ports = a.phys_port_cnt;
-	out->max_qp_wr = a.max_qp_wr;
-	out->max_cqe = a.max_cqe;
-	out->max_mr_size = a.max_mr_size;
 	memcpy(out->fw_ver, a.fw_ver, sizeof out->fw_ver);
 	out->fw_ver[sizeof out->fw_ver - 1] = 0;
 	return 0;
