@@ -173,7 +173,7 @@ func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) error {
 		Registration: d.dp.registration(),
 		Transport: api.TransportStatus{
 			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
-			Reason: d.dp.reason, RDMA: d.dp.nics,
+			Reason: d.dp.reason, RDMA: d.dp.rdmaStatus(),
 		},
 		Staged: staged, Receives: receives, Sessions: d.sessions.list(),
 		Settings: api.Settings{

@@ -114,6 +114,16 @@ func (dp *dataPlane) logRegistration(log zerolog.Logger) {
 	}
 }
 
+// rdmaStatus is status's account of the NICs, with fresh port counters.
+func (dp *dataPlane) rdmaStatus() *api.RDMAStatus {
+	if dp.nics == nil {
+		return nil
+	}
+	st := *dp.nics
+	st.NICs = rdma.WithCounters(st.NICs)
+	return &st
+}
+
 // registration is status's account of the arena's registration.
 func (dp *dataPlane) registration() api.Registration {
 	if dp.rdma == nil {

@@ -130,6 +130,21 @@ func gidOf(index int, e gidEntry) GID {
 	return g
 }
 
+// WithCounters returns a copy of nics with their ports' counters read
+// afresh (the inventory is taken once, at start).
+func WithCounters(nics []NIC) []NIC {
+	out := make([]NIC, len(nics))
+	for i, n := range nics {
+		stats, _ := rdmamap.GetRdmaSysfsAllPortsStats(n.Name)
+		n.Ports = append([]Port(nil), n.Ports...)
+		for j := range n.Ports {
+			n.Ports[j].Counters = portCounters(stats, n.Ports[j].Num)
+		}
+		out[i] = n
+	}
+	return out
+}
+
 func portCounters(stats rdmamap.RdmaStats, port int) map[string]uint64 {
 	out := make(map[string]uint64)
 	for _, ps := range stats.PortStats {
