@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e bench install clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e test-rdma bench install clean gpu-bundle test-gpu
 
 all: build
 
@@ -34,7 +34,15 @@ unit: deps
 e2e: deps
 	FERRY_E2E_RACE=1 $(GOTEST) -v ./test/... 2>&1 | scripts/gotest-summary.sh
 
-test: vet unit e2e
+# The verbs path for real: the rdma package and the RDMA end-to-end tests
+# inside a soft-RoCE VM (QEMU TCG, Debian's kernel with rdma_rxe), then
+# ferry's RDMA writes beside ib_write_bw on the same device (ratio= lines).
+# About 3-5 minutes; the first run downloads the kernel package (~70 MB)
+# into .cache/rxevm.
+test-rdma: deps
+	test/rxevm/run.sh
+
+test: vet unit e2e test-rdma
 
 # Binaries, systemd units, sysusers.d/tmpfiles.d entries and the example
 # configuration. PREFIX=/usr for a package; DESTDIR stages into a tree. The

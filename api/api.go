@@ -105,13 +105,69 @@ type CUDAIPC struct {
 type Registration struct {
 	Mode   string `json:"mode"` // "shared", "per-send" or "none"
 	Reason string `json:"reason"`
+	Bytes  int64  `json:"bytes,omitempty"`
+	// Millis is how long the shared registration took (or took to fail).
+	Millis float64 `json:"ms,omitempty"`
+	// PerSend counts the writes that registered their own range (on
+	// either side) since start.
+	PerSend uint64 `json:"per_send_registrations"`
 }
 
 type TransportStatus struct {
-	Name      string `json:"name"`
-	Listen    string `json:"listen"`
-	Advertise string `json:"advertise"`
-	Reason    string `json:"reason"`
+	Name      string      `json:"name"` // "rdma" or "tcp"
+	Listen    string      `json:"listen"`
+	Advertise string      `json:"advertise"`
+	Reason    string      `json:"reason"` // why this transport
+	RDMA      *RDMAStatus `json:"rdma,omitempty"`
+}
+
+// RDMAStatus is what discovery saw and what the daemon chose (--transport
+// auto or rdma).
+type RDMAStatus struct {
+	NICs []NIC `json:"nics"`
+	// Why says why NICs is empty.
+	Why    string     `json:"why,omitempty"`
+	Chosen *NICChoice `json:"chosen,omitempty"`
+}
+
+// NIC is an RDMA device.
+type NIC struct {
+	Name    string    `json:"name"`
+	Netdevs []string  `json:"netdevs,omitempty"`
+	PCI     string    `json:"pci,omitempty"` // empty for a virtual device (soft-RoCE)
+	FW      string    `json:"fw,omitempty"`
+	Ports   []NICPort `json:"ports"`
+}
+
+type NICPort struct {
+	Num       int               `json:"num"`
+	State     string            `json:"state"`
+	Active    bool              `json:"active"`
+	LinkLayer string            `json:"link_layer"` // "Ethernet" (RoCE) or "InfiniBand"
+	MTU       int               `json:"active_mtu"`
+	LID       uint16            `json:"lid,omitempty"`
+	GIDs      []GID             `json:"gids"`
+	Counters  map[string]uint64 `json:"counters,omitempty"`
+}
+
+type GID struct {
+	Index  int    `json:"index"`
+	GID    string `json:"gid"`
+	Type   string `json:"type"` // "IB", "RoCE v1", "RoCE v2"
+	Netdev string `json:"netdev,omitempty"`
+}
+
+// NICChoice is the port and GID the RDMA transport uses, and why.
+type NICChoice struct {
+	Device    string `json:"device"`
+	Port      int    `json:"port"`
+	GIDIndex  int    `json:"gid_index"`
+	GID       string `json:"gid"`
+	GIDType   string `json:"gid_type"`
+	Netdev    string `json:"netdev,omitempty"`
+	LinkLayer string `json:"link_layer"`
+	MTU       int    `json:"active_mtu"`
+	Why       string `json:"why"`
 }
 
 type Settings struct {

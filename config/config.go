@@ -33,31 +33,34 @@ const DefaultFile = "/etc/ferry/ferryd.toml"
 
 // Settings is ferryd's configuration, as the TOML file spells it.
 type Settings struct {
-	Socket         string   `toml:"socket"`
-	SocketGroup    string   `toml:"socket_group"`
-	AllowUIDs      []uint32 `toml:"allow_uids"`
-	AllowGIDs      []uint32 `toml:"allow_gids"`
-	RequestTimeout Duration `toml:"request_timeout"`
-	MaxHeaderBytes Size     `toml:"max_header_bytes"`
-	MaxBodyBytes   Size     `toml:"max_body_bytes"`
-	Listen         string   `toml:"listen"`
-	Advertise      string   `toml:"advertise"`
-	Transport      string   `toml:"transport"`
-	IOTimeout      Duration `toml:"io_timeout"`
-	MaxConns       int      `toml:"max_conns"`
-	MetricsListen  string   `toml:"metrics_listen"`
-	Device         string   `toml:"device"`
-	ArenaSize      Size     `toml:"arena_size"`
-	BounceSize     Size     `toml:"bounce_size"`
-	ArenaFile      string   `toml:"arena_file"`
-	SlowThreshold  Duration `toml:"slow_threshold"`
-	SendRetries    int      `toml:"send_retries"`
-	SendTimeout    Duration `toml:"send_timeout"`
-	StageTTL       Duration `toml:"stage_ttl"`
-	ReceiveTTL     Duration `toml:"receive_ttl"`
-	DrainTimeout   Duration `toml:"drain_timeout"`
-	LogLevel       string   `toml:"log_level"`
-	LogFormat      string   `toml:"log_format"`
+	Socket           string   `toml:"socket"`
+	SocketGroup      string   `toml:"socket_group"`
+	AllowUIDs        []uint32 `toml:"allow_uids"`
+	AllowGIDs        []uint32 `toml:"allow_gids"`
+	RequestTimeout   Duration `toml:"request_timeout"`
+	MaxHeaderBytes   Size     `toml:"max_header_bytes"`
+	MaxBodyBytes     Size     `toml:"max_body_bytes"`
+	Listen           string   `toml:"listen"`
+	Advertise        string   `toml:"advertise"`
+	Transport        string   `toml:"transport"`
+	IOTimeout        Duration `toml:"io_timeout"`
+	MaxConns         int      `toml:"max_conns"`
+	MetricsListen    string   `toml:"metrics_listen"`
+	RDMADevice       string   `toml:"rdma_device"`
+	RDMAGIDIndex     int      `toml:"rdma_gid_index"`
+	RDMARegistration string   `toml:"rdma_registration"`
+	Device           string   `toml:"device"`
+	ArenaSize        Size     `toml:"arena_size"`
+	BounceSize       Size     `toml:"bounce_size"`
+	ArenaFile        string   `toml:"arena_file"`
+	SlowThreshold    Duration `toml:"slow_threshold"`
+	SendRetries      int      `toml:"send_retries"`
+	SendTimeout      Duration `toml:"send_timeout"`
+	StageTTL         Duration `toml:"stage_ttl"`
+	ReceiveTTL       Duration `toml:"receive_ttl"`
+	DrainTimeout     Duration `toml:"drain_timeout"`
+	LogLevel         string   `toml:"log_level"`
+	LogFormat        string   `toml:"log_format"`
 }
 
 // option is one setting: its key, its help text, and its field in a
@@ -79,7 +82,14 @@ var options = []option{
 	{"max_body_bytes", "bound on a JSON request body (`size`; uploads are bounded by the arena)", func(s *Settings) value { return &s.MaxBodyBytes }},
 	{"listen", "peer port `host:port` other daemons dial", func(s *Settings) value { return (*text)(&s.Listen) }},
 	{"advertise", "`host:port` receive slots name as their session (default: the listen address, or this host's first IPv4 address when listening on all)", func(s *Settings) value { return (*text)(&s.Advertise) }},
-	{"transport", "`transport` of the data plane: tcp", func(s *Settings) value { return (*text)(&s.Transport) }},
+	{"transport", "`transport` of the data plane: auto (RDMA when an active RDMA port exists, else TCP, logged with why), rdma (fail at start without a usable port) or tcp", func(s *Settings) value {
+		return choice{&s.Transport, []string{"auto", "rdma", "tcp"}}
+	}},
+	{"rdma_device", "RDMA `device` to use, e.g. mlx5_0 (empty: the one whose GID carries the advertised address)", func(s *Settings) value { return (*text)(&s.RDMADevice) }},
+	{"rdma_gid_index", "GID table `index` to use (-1: the RoCE v2 GID of the advertised address)", func(s *Settings) value { return (*number)(&s.RDMAGIDIndex) }},
+	{"rdma_registration", "`mode`: shared (register the arena once) or per-send (debugging: each send registers its range)", func(s *Settings) value {
+		return choice{&s.RDMARegistration, []string{"shared", "per-send"}}
+	}},
 	{"io_timeout", "`deadline` on each network read and write; a stalled peer fails within it", func(s *Settings) value { return &s.IOTimeout }},
 	{"max_conns", "`connections` per peer session (concurrent writes to one peer)", func(s *Settings) value { return (*number)(&s.MaxConns) }},
 	{"metrics_listen", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)", func(s *Settings) value { return (*text)(&s.MetricsListen) }},
@@ -115,27 +125,29 @@ func EnvName(key string) string  { return "FERRY_" + strings.ToUpper(key) }
 // Defaults are the settings with nothing given.
 func Defaults() Settings {
 	return Settings{
-		Socket:         api.DefaultSocket,
-		AllowUIDs:      []uint32{},
-		AllowGIDs:      []uint32{},
-		RequestTimeout: durationOf(daemon.DefaultRequestTimeout),
-		MaxHeaderBytes: Size(size.Format(daemon.DefaultMaxHeaderBytes)),
-		MaxBodyBytes:   Size(size.Format(daemon.DefaultMaxBodyBytes)),
-		Listen:         fmt.Sprintf(":%d", api.DefaultPeerPort),
-		Transport:      "tcp",
-		IOTimeout:      durationOf(daemon.DefaultIOTimeout),
-		MaxConns:       daemon.DefaultMaxConns,
-		Device:         "auto",
-		ArenaSize:      Size(size.Format(daemon.DefaultArenaSize)),
-		BounceSize:     Size(size.Format(daemon.DefaultBounceSize)),
-		SlowThreshold:  durationOf(daemon.DefaultSlowThreshold),
-		SendRetries:    1,
-		SendTimeout:    durationOf(daemon.DefaultSendTimeout),
-		StageTTL:       durationOf(daemon.DefaultTTL),
-		ReceiveTTL:     durationOf(daemon.DefaultTTL),
-		DrainTimeout:   "30s",
-		LogLevel:       "info",
-		LogFormat:      "json",
+		Socket:           api.DefaultSocket,
+		AllowUIDs:        []uint32{},
+		AllowGIDs:        []uint32{},
+		RequestTimeout:   durationOf(daemon.DefaultRequestTimeout),
+		MaxHeaderBytes:   Size(size.Format(daemon.DefaultMaxHeaderBytes)),
+		MaxBodyBytes:     Size(size.Format(daemon.DefaultMaxBodyBytes)),
+		Listen:           fmt.Sprintf(":%d", api.DefaultPeerPort),
+		Transport:        "auto",
+		RDMAGIDIndex:     -1,
+		RDMARegistration: "shared",
+		IOTimeout:        durationOf(daemon.DefaultIOTimeout),
+		MaxConns:         daemon.DefaultMaxConns,
+		Device:           "auto",
+		ArenaSize:        Size(size.Format(daemon.DefaultArenaSize)),
+		BounceSize:       Size(size.Format(daemon.DefaultBounceSize)),
+		SlowThreshold:    durationOf(daemon.DefaultSlowThreshold),
+		SendRetries:      1,
+		SendTimeout:      durationOf(daemon.DefaultSendTimeout),
+		StageTTL:         durationOf(daemon.DefaultTTL),
+		ReceiveTTL:       durationOf(daemon.DefaultTTL),
+		DrainTimeout:     "30s",
+		LogLevel:         "info",
+		LogFormat:        "json",
 	}
 }
 
@@ -372,10 +384,19 @@ func (s Settings) Daemon(log zerolog.Logger) daemon.Config {
 		SlowThreshold: s.SlowThreshold.D(), SendRetries: s.SendRetries, SendTimeout: s.SendTimeout.D(),
 		StageTTL: s.StageTTL.D(), ReceiveTTL: s.ReceiveTTL.D(),
 		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, MetricsListen: s.MetricsListen, Log: log,
+		RDMADevice: s.RDMADevice, RDMAGIDIndex: gidIndex(s.RDMAGIDIndex), RDMARegistration: s.RDMARegistration,
 		SocketGroup: s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
 		RequestTimeout: s.RequestTimeout.D(),
 		MaxHeaderBytes: int(s.MaxHeaderBytes.Bytes()), MaxBodyBytes: s.MaxBodyBytes.Bytes(),
 	}
+}
+
+// gidIndex is nil (choose) for a negative index.
+func gidIndex(i int) *int {
+	if i < 0 {
+		return nil
+	}
+	return &i
 }
 
 // Changed lists the keys whose values differ between a and b.

@@ -20,7 +20,6 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // Version is ferryd's version, set at link time.
@@ -33,7 +32,7 @@ type Config struct {
 	Listen        string        // peer port, host:port
 	Advertise     string        // what receive slots name as session; default from Listen
 	Device        string        // "auto", "cpu" or "cuda:N"
-	Transport     string        // "tcp" (RDMA comes later)
+	Transport     string        // "auto", "rdma" or "tcp"
 	ArenaSize     int64         // bytes
 	ArenaFile     string        // backing file clients map; default Socket+".arena"
 	BounceSize    int64         // pinned host memory copies to and from a GPU arena are staged in
@@ -44,8 +43,13 @@ type Config struct {
 	ReceiveTTL    time.Duration // receive slots older than this are swept
 	IOTimeout     time.Duration // deadline on each network read/write
 	MaxConns      int           // connections per peer session
-	MetricsListen string        // optional TCP host:port serving GET /metrics; "" for none
-	Log           zerolog.Logger
+	RDMADevice    string        // RDMA device to use; "" chooses
+	RDMAGIDIndex  *int          // GID table index; nil chooses by the advertised address
+	// RDMARegistration is "shared" (the arena registered once) or
+	// "per-send" (a debugging switch: each send registers its range).
+	RDMARegistration string
+	MetricsListen    string // optional TCP host:port serving GET /metrics; "" for none
+	Log              zerolog.Logger
 
 	// The control socket's access and limits.
 	SocketGroup    string        // group (name or gid) owning the control socket and arena file; "" keeps ferryd's own
@@ -86,7 +90,10 @@ func (c *Config) applyDefaults() {
 		c.Device = "auto"
 	}
 	if c.Transport == "" {
-		c.Transport = "tcp"
+		c.Transport = "auto"
+	}
+	if c.RDMARegistration == "" {
+		c.RDMARegistration = "shared"
 	}
 	if c.ArenaSize == 0 {
 		c.ArenaSize = DefaultArenaSize
@@ -133,8 +140,16 @@ func (c *Config) Check() error {
 	if _, err := parseDevice(c.Device); err != nil {
 		errs = append(errs, err)
 	}
-	if c.Transport != "tcp" {
-		errs = append(errs, fmt.Errorf("--transport %q is not available in this build: only \"tcp\" is supported so far", c.Transport))
+	switch c.Transport {
+	case "auto", "rdma", "tcp":
+	default:
+		errs = append(errs, fmt.Errorf("--transport %q: use auto (RDMA when a usable RDMA port exists, else TCP), rdma or tcp", c.Transport))
+	}
+	if c.RDMARegistration != "shared" && c.RDMARegistration != "per-send" {
+		errs = append(errs, fmt.Errorf("--rdma-registration %q: use shared or per-send", c.RDMARegistration))
+	}
+	if c.RDMAGIDIndex != nil && *c.RDMAGIDIndex < 0 {
+		errs = append(errs, fmt.Errorf("--rdma-gid-index %d is negative: give a GID table index (see /sys/class/infiniband/*/ports/*/gids) or leave it out to choose by the advertised address", *c.RDMAGIDIndex))
 	}
 	if c.ArenaSize < arenaAlign {
 		errs = append(errs, fmt.Errorf("--arena-size %d is too small: give at least %d bytes, e.g. 64MiB", c.ArenaSize, arenaAlign))
@@ -187,9 +202,9 @@ type Daemon struct {
 	mem       *memory
 	reg       *registry
 	tr        transport.Transport
+	dp        *dataPlane
 	sessions  *sessions
 	metrics   *metrics
-	regs      *memRegs
 	control   net.Listener
 	http      *http.Server
 	metricsLn net.Listener // --metrics-listen, or nil
@@ -258,17 +273,11 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d.reg = newRegistry(d.arena)
-	d.tr, err = tcp.Listen(tcp.Config{
-		Addr: cfg.Listen, Sink: d.reg, Instance: d.instance,
-		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout,
-		MaxWrite: uint64(cfg.ArenaSize),
-		Logf: func(format string, args ...any) {
-			d.log.Warn().Str("component", "tcp").Msgf(format, args...)
-		},
-	})
+	d.dp, err = openTransport(cfg, d.reg, d.instance, d.mem.Host(), d.log)
 	if err != nil {
-		return nil, fmt.Errorf("peer port %s: %w", cfg.Listen, err)
+		return nil, err
 	}
+	d.tr = d.dp.tr
 	d.advertise = cfg.Advertise
 	if d.advertise == "" {
 		d.advertise = advertiseFor(d.tr.Addr(), d.log)
@@ -282,7 +291,7 @@ func New(cfg Config) (*Daemon, error) {
 		counts:   d.reg.counts,
 		sessions: d.sessions.states,
 	})
-	d.regs = newMemRegs(d.tr, d.mem.Base(), d.mem.Size(), d.metrics, d.log)
+	d.metrics.reg.MustRegister(d.dp.collectors()...)
 	if cfg.MetricsListen != "" {
 		// Only /metrics here: the control API stays on the socket, whose
 		// file mode is its access control.
@@ -329,15 +338,25 @@ func advertiseFor(addr net.Addr, log zerolog.Logger) string {
 		return ta.String()
 	}
 	port := ta.Port
-	if addrs, err := net.InterfaceAddrs(); err == nil {
-		for _, a := range addrs {
-			if ipn, ok := a.(*net.IPNet); ok && !ipn.IP.IsLoopback() && ipn.IP.To4() != nil {
-				return net.JoinHostPort(ipn.IP.String(), fmt.Sprint(port))
-			}
-		}
+	if ip := firstIPv4(); ip != nil {
+		return net.JoinHostPort(ip.String(), fmt.Sprint(port))
 	}
 	log.Warn().Int("port", port).Msg("no non-loopback IPv4 address to advertise; receive slots name 127.0.0.1: set --advertise HOST:PORT for peers on other hosts")
 	return net.JoinHostPort("127.0.0.1", fmt.Sprint(port))
+}
+
+// firstIPv4 is the host's first non-loopback IPv4 address, or nil.
+func firstIPv4() net.IP {
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return nil
+	}
+	for _, a := range addrs {
+		if ipn, ok := a.(*net.IPNet); ok && !ipn.IP.IsLoopback() && ipn.IP.To4() != nil {
+			return ipn.IP
+		}
+	}
+	return nil
 }
 
 // Advertise is the session name this daemon's receive slots carry.
@@ -367,7 +386,7 @@ func (d *Daemon) Serve(ctx context.Context, drain time.Duration) error {
 	ev := d.log.Info().
 		Str("socket", d.cfg.Socket).Str("listen", d.tr.Addr().String()).Str("advertise", d.advertise).
 		Str("transport", d.tr.Name()).Str("device", d.mem.device).Int64("arena_size", d.mem.Size()).
-		Str("arena_file", d.mem.Path()).Str("registration", d.regs.mode())
+		Str("arena_file", d.mem.Path()).Str("registration", d.dp.registration().Mode)
 	if d.metricsLn != nil {
 		ev = ev.Str("metrics", d.metricsLn.Addr().String())
 	}
@@ -407,11 +426,6 @@ func (d *Daemon) closeAll() {
 	}
 	if d.sessions != nil {
 		d.sessions.closeAll()
-	}
-	if d.regs != nil {
-		if err := d.regs.close(); err != nil {
-			d.log.Warn().Err(err).Msg("deregistering the arena")
-		}
 	}
 	if d.tr != nil {
 		_ = d.tr.Close()

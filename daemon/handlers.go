@@ -205,7 +205,7 @@ func (d *Daemon) Status() api.Status {
 		Registration: d.registration(),
 		Transport: api.TransportStatus{
 			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
-			Reason: "tcp is the only transport in this build",
+			Reason: d.dp.reason, RDMA: d.dp.rdmaStatus(),
 		},
 		Staged: staged, Receives: receives, Sessions: d.sessions.list(),
 		Settings: api.Settings{

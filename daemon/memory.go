@@ -182,8 +182,8 @@ func (m *memory) close() error {
 // transport registers nothing: it reads and writes host memory directly, and
 // stages a GPU arena's bytes in the pinned bounce area.
 func (d *Daemon) registration() api.Registration {
-	reg := api.Registration{Mode: d.regs.mode(), Reason: d.regs.reason}
-	if reg.Mode == regNone && d.mem.gpu != nil {
+	reg := d.dp.registration()
+	if reg.Mode == "none" && d.mem.gpu != nil {
 		reg.Reason = "the tcp transport copies GPU memory through the pinned host bounce area (cuMemcpyHtoD/DtoH); there is nothing to register with a NIC"
 	}
 	return reg

@@ -22,8 +22,6 @@ type metrics struct {
 	retries          prometheus.Counter
 	slowTransfers    *prometheus.CounterVec
 	sessionFailures  *prometheus.CounterVec
-	registrations    *prometheus.CounterVec
-	registerSeconds  *prometheus.HistogramVec
 	staged           *prometheus.CounterVec
 	swept            *prometheus.CounterVec
 }
@@ -68,15 +66,6 @@ func newMetrics(g gauges) *metrics {
 			Name: "ferry_session_failures_total",
 			Help: "Failed write attempts per peer session (each leads to a teardown).",
 		}, []string{"session"}),
-		registrations: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "ferry_registrations_total",
-			Help: "Memory registrations with the NIC by mode: shared (the whole arena, once) or per_send; none on tcp.",
-		}, []string{"mode"}),
-		registerSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
-			Name:    "ferry_registration_duration_seconds",
-			Help:    "Time to register memory with the NIC, by mode.",
-			Buckets: prometheus.ExponentialBuckets(10e-6, 4, 12), // 10µs .. ~42s
-		}, []string{"mode"}),
 		staged: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_staged_total",
 			Help: "Embeddings staged, by method (upload, zero_copy).",
@@ -87,7 +76,7 @@ func newMetrics(g gauges) *metrics {
 		}, []string{"kind"}),
 	}
 	reg.MustRegister(m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
-		m.slowTransfers, m.sessionFailures, m.registrations, m.registerSeconds, m.staged, m.swept,
+		m.slowTransfers, m.sessionFailures, m.staged, m.swept,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ferry_staged_embeddings", Help: "Entries staged or reserved on the sending side.",

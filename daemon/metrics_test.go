@@ -221,7 +221,7 @@ func TestMetricsMoveWithTransfers(t *testing.T) {
 			}
 		}
 	}
-	if st, err := sc.Status(ctx); err != nil || st.Registration.Mode != regNone {
+	if st, err := sc.Status(ctx); err != nil || st.Registration.Mode != "none" {
 		t.Errorf("status registration on tcp: want mode none, got %+v (%v)", st.Registration, err)
 	}
 }

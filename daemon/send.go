@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -39,7 +40,7 @@ func checkSession(s string) error {
 // SendRetries times. The entry is freed only after a completed write; on
 // any failure it stays staged for the client to retry or delete.
 func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (api.SendResult, error) {
-	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name(), SharedMR: true}
+	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name()}
 	if err := checkSession(req.Session); err != nil {
 		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
 	}
@@ -66,20 +67,6 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	sent := false
 	defer func() { d.reg.finishSend(e, sent) }()
 
-	release, shared, err := d.regs.forSend(d.arena.Addr(e.slice), e.nbytes)
-	if err != nil {
-		d.failed("register", "failed", 0)
-		return res, apiErr(http.StatusBadGateway, api.CodeTransferFailed,
-			"transfer of %s failed (session=%s, nbytes=%d, ret=register): registering its %d bytes with the NIC failed: %v; the staged embedding is kept",
-			reqID, req.Session, e.nbytes, e.nbytes, err)
-	}
-	res.SharedMR = shared
-	defer func() {
-		if err := release(); err != nil {
-			d.log.Warn().Str("req_id", reqID).Err(err).Msg("deregistering a per-send registration")
-		}
-	}()
-
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout)
 	defer cancel()
 	// A GPU arena's bytes are copied out to a host bounce buffer first.
@@ -90,6 +77,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	}
 	defer releaseSrc()
 	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key}
+	res.SharedMR = d.dp.sharedMR(w.Src)
 	start := time.Now()
 	var lastErr error
 	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
@@ -101,6 +89,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			Int("attempt", attempt).Msg("send attempt")
 		sess, p, err := d.sessions.get(ctx, req.Session)
 		if err == nil {
+			res.Transport = sess.Transport()
 			err = sess.Write(ctx, w)
 			p.outcome(err)
 		}
@@ -167,7 +156,8 @@ func (d *Daemon) failed(reason, outcome string, took time.Duration) {
 	}
 }
 
-// retCode names the failure the way an operator greps for it: the errno
+// retCode names the failure the way an operator greps for it: the verbs
+// completion status (RETRY_EXC_ERR, REM_ACCESS_ERR), the errno
 // (ECONNREFUSED, ECONNRESET, EPIPE), "timeout", "eof" or "error".
 func retCode(err error) string {
 	var errno syscall.Errno
@@ -175,6 +165,8 @@ func retCode(err error) string {
 	switch {
 	case err == nil:
 		return "0"
+	case rdma.StatusName(err) != "":
+		return rdma.StatusName(err)
 	case errors.As(err, &errno):
 		if name := unix.ErrnoName(errno); name != "" {
 			return name

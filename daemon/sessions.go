@@ -108,6 +108,7 @@ func (p *peer) describe(transportName string) api.Session {
 		Sends: p.sends, Failures: p.failures, LastError: p.lastErr,
 	}
 	if p.sess != nil {
+		d.Transport = p.sess.Transport() // tcp when an rdma daemon's peer has no RDMA
 		d.State = "connected"
 		d.DialedAt = p.dialedAt
 		d.PeerInstance = fmt.Sprintf("%016x", p.sess.PeerInstance())

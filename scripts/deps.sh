@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Installs the system packages ferry's build, demo and tests need on a
 # Debian machine. A no-op when everything is present.
+#   scripts/deps.sh      what build, demo, unit and e2e tests need
+#   scripts/deps.sh vm   and what the soft-RoCE VM of make test-rdma needs
 set -euo pipefail
 export PATH="$PATH:/usr/local/go/bin"
 
@@ -11,9 +13,21 @@ fi
 
 need=()
 command -v gcc >/dev/null || need+=(gcc libc6-dev)   # cgo and the race detector
-command -v ip >/dev/null || need+=(iproute2)         # network-namespace tests
+command -v ip >/dev/null || need+=(iproute2)         # network-namespace tests; rdma(8) for the VM
 command -v cmp >/dev/null || need+=(diffutils)       # the demo's byte check
 command -v systemd-analyze >/dev/null || need+=(systemd)  # verifying the unit files
+# rdma/ is cgo over libibverbs; the library loads no provider and finds
+# no device on a host without RDMA, and ferryd then runs TCP.
+[[ -e /usr/include/infiniband/verbs.h ]] || need+=(libibverbs-dev)
+if [[ ${1:-} == vm ]]; then
+  # test/rxevm: QEMU, a busybox initramfs, the soft-RoCE provider and
+  # tools, perftest for ib_write_bw, kmod/cpio/xz/zstd to build the image.
+  for c in qemu-system-x86_64:qemu-system-x86 busybox:busybox-static ib_write_bw:perftest \
+    ibv_devices:ibverbs-utils modprobe:kmod cpio:cpio xz:xz-utils zstd:zstd; do
+    command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
+  done
+  [[ -e /etc/libibverbs.d/rxe.driver ]] || need+=(ibverbs-providers)
+fi
 if ((${#need[@]})); then
   if [[ $(id -u) -ne 0 ]]; then
     echo "deps: missing packages ${need[*]}: run 'sudo make deps' or apt-get install -y ${need[*]}" >&2

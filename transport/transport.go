@@ -53,6 +53,9 @@ type Transport interface {
 // Session is an open path to one peer. It is safe for concurrent use:
 // concurrent writes do not wait behind one another's bytes.
 type Session interface {
+	// Transport names the data plane the session runs on: an rdma
+	// transport's session to a peer without RDMA is a "tcp" one.
+	Transport() string
 	Peer() string
 	// PeerInstance identifies the peer daemon's process; it changes when
 	// the peer restarts.

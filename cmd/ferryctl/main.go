@@ -190,7 +190,23 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 					g.Name, g.UUID, g.PCIBusID, g.DriverVersion, g.GPUDirectRDMA, g.DMABuf, g.VMM, g.DMABufExported, size.Format(g.BounceSize))
 			}
 			fmt.Fprintf(w, "transport  %s, listening on %s, advertised as %s\n", st.Transport.Name, st.Transport.Listen, st.Transport.Advertise)
-			fmt.Fprintf(w, "register   %s (%s)\n", st.Registration.Mode, st.Registration.Reason)
+			fmt.Fprintf(w, "           %s\n", st.Transport.Reason)
+			if r := st.Transport.RDMA; r != nil {
+				var nics []string
+				for _, n := range r.NICs {
+					nics = append(nics, n.Name)
+				}
+				if len(nics) == 0 {
+					nics = append(nics, "none: "+r.Why)
+				}
+				fmt.Fprintf(w, "nics       %s\n", strings.Join(nics, ", "))
+			}
+			reg := st.Registration
+			fmt.Fprintf(w, "register   %s (%s)", reg.Mode, reg.Reason)
+			if reg.Millis > 0 {
+				fmt.Fprintf(w, ", %s in %.1f ms", size.Format(reg.Bytes), reg.Millis)
+			}
+			fmt.Fprintf(w, ", %d per-send registrations\n", reg.PerSend)
 			fmt.Fprintf(w, "staged     %d embeddings, %d receive slots, %d sessions\n", st.Staged, st.Receives, len(st.Sessions))
 		})
 	}

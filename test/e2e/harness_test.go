@@ -28,7 +28,7 @@ var bin string
 
 func TestMain(m *testing.M) {
 	// FERRY_BIN names binaries built beforehand, for hosts without Go (the
-	// GPU bundle of make gpu-bundle).
+	// GPU bundle of make gpu-bundle, the soft-RoCE VM).
 	if bin = os.Getenv("FERRY_BIN"); bin != "" {
 		os.Exit(m.Run())
 	}
@@ -178,8 +178,11 @@ func startDaemonWith(t *testing.T, l launch, dir, name string, extra ...string) 
 	sock := filepath.Join(dir, name+".sock")
 	args := []string{"--socket", sock}
 	if !l.bare {
-		// Host memory unless a test asks for a device (a later --device wins).
-		args = append(args, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug", "--device", "cpu")
+		// Host memory and TCP unless a test asks otherwise (a later flag
+		// wins), so the tests mean the same on a host with a GPU or an
+		// RDMA NIC.
+		args = append(args, "--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--log-level", "debug",
+			"--device", "cpu", "--transport", "tcp")
 	}
 	args = append(args, extra...)
 	argv := append(append(append([]string{}, l.prefix...), filepath.Join(bin, "ferryd")), args...)

@@ -7,10 +7,10 @@ import (
 	"io"
 	"net"
 	"os"
-	"sync"
 	"syscall"
 	"time"
 
+	"github.com/ferry-project/ferry/internal/pool"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -24,26 +24,17 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	if t.isClosed() {
 		return nil, fmt.Errorf("tcp dial %s: %w", addr, transport.ErrClosed)
 	}
-	c, instance, err := t.dial(ctx, addr)
+	c, instance, err := t.dial(ctx, addr, kindData)
 	if err != nil {
 		return nil, fmt.Errorf("tcp dial %s: %w", addr, err)
 	}
-	n := t.cfg.MaxConnsPerPeer
-	s := &session{
-		t:        t,
-		peer:     addr,
-		instance: instance,
-		idle:     make(chan *conn, n),
-		tokens:   make(chan struct{}, n),
-		done:     make(chan struct{}),
-		conns:    map[*conn]struct{}{c: {}},
-	}
-	s.tokens <- struct{}{}
-	s.idle <- c
+	s := &session{t: t, peer: addr, instance: instance}
+	s.pool = pool.New(t.cfg.MaxConnsPerPeer, s.open, func(c *conn) { c.nc.Close() })
+	s.pool.Add(c)
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()
-		c.nc.Close()
+		s.pool.Close()
 		return nil, fmt.Errorf("tcp dial %s: %w", addr, transport.ErrClosed)
 	}
 	t.sessions[s] = struct{}{}
@@ -51,9 +42,28 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	return s, nil
 }
 
-// dial opens one connection to addr and runs the client side of the
-// handshake, returning the peer's instance.
-func (t *Transport) dial(ctx context.Context, addr string) (*conn, uint64, error) {
+// ErrNoRDMA is DialRDMA's answer from a peer that serves no RDMA (it runs
+// the tcp transport, or found no usable NIC): use data connections.
+var ErrNoRDMA = errors.New("the peer serves no RDMA")
+
+// DialRDMA opens the control connection of an RDMA session to the peer at
+// addr: the handshake of the peer port, asking for kind rdma. The rdma
+// transport continues the exchange on the returned connection. A peer
+// without RDMA answers with ErrNoRDMA.
+func (t *Transport) DialRDMA(ctx context.Context, addr string) (*net.TCPConn, uint64, error) {
+	if t.isClosed() {
+		return nil, 0, transport.ErrClosed
+	}
+	c, instance, err := t.dial(ctx, addr, kindRDMA)
+	if err != nil {
+		return nil, 0, err
+	}
+	return c.nc, instance, nil
+}
+
+// dial opens one connection of the given kind to addr and runs the client
+// side of the handshake, returning the peer's instance.
+func (t *Transport) dial(ctx context.Context, addr string, kind uint32) (*conn, uint64, error) {
 	hctx, cancel := context.WithTimeout(ctx, t.cfg.HandshakeTimeout)
 	defer cancel()
 	d := net.Dialer{KeepAliveConfig: keepAlive}
@@ -70,7 +80,11 @@ func (t *Transport) dial(ctx context.Context, addr string) (*conn, uint64, error
 	}
 	c := &conn{nc: nc.(*net.TCPConn)}
 	tune(c.nc)
-	instance, err := c.greet(hctx, t.cfg.Instance)
+	instance, err := c.greet(hctx, t.cfg.Instance, kind)
+	if err == ErrNoRDMA {
+		c.nc.Close()
+		return nil, 0, err
+	}
 	if err != nil {
 		c.nc.Close()
 		return nil, 0, t.dialErr(ctx, hctx, "handshake", err)
@@ -107,19 +121,19 @@ func ctxErr(ctx context.Context) error {
 // a write allocates no buffers of its own.
 type conn struct {
 	nc   *net.TCPConn
-	hdr  [headerSize]byte
-	rep  [replySize]byte
+	hdr  [HeaderSize]byte
+	rep  [ReplySize]byte
 	bufs [2][]byte
 	vec  net.Buffers
 }
 
-func (c *conn) greet(ctx context.Context, instance uint64) (uint64, error) {
+func (c *conn) greet(ctx context.Context, instance uint64, kind uint32) (uint64, error) {
 	stop := context.AfterFunc(ctx, func() { c.nc.Close() })
 	defer stop()
 	deadline, _ := ctx.Deadline()
 	c.nc.SetDeadline(deadline)
 	var hb [helloSize]byte
-	h := ours(instance)
+	h := ours(instance, kind)
 	h.encode(&hb)
 	if _, err := c.nc.Write(hb[:]); err != nil {
 		return 0, fmt.Errorf("sending the hello: %w", err)
@@ -135,6 +149,9 @@ func (c *conn) greet(ctx context.Context, instance uint64) (uint64, error) {
 	w.decode(&wb)
 	if _, err := w.check(); err != nil {
 		return 0, err
+	}
+	if w.status == statusNoRDMA {
+		return 0, ErrNoRDMA
 	}
 	if w.status != statusOK {
 		return 0, fmt.Errorf("peer refused the handshake with status %d", w.status)
@@ -153,14 +170,10 @@ type session struct {
 	t        *Transport
 	peer     string
 	instance uint64
-	idle     chan *conn    // connections between writes
-	tokens   chan struct{} // one per open (or opening) connection
-	done     chan struct{} // closed by Close
-
-	mu     sync.Mutex
-	closed bool
-	conns  map[*conn]struct{} // every open connection, for Close
+	pool     *pool.Pool[*conn]
 }
+
+func (s *session) Transport() string { return "tcp" }
 
 func (s *session) Peer() string { return s.peer }
 
@@ -168,31 +181,14 @@ func (s *session) PeerInstance() uint64 { return s.instance }
 
 // Close closes every connection of the session; writes in flight fail.
 func (s *session) Close() error {
-	s.mu.Lock()
-	if s.closed {
-		s.mu.Unlock()
-		return nil
-	}
-	s.closed = true
-	close(s.done)
-	for c := range s.conns {
-		c.nc.Close()
-	}
-	s.mu.Unlock()
+	s.pool.Close()
 	s.t.mu.Lock()
 	delete(s.t.sessions, s)
 	s.t.mu.Unlock()
 	return nil
 }
 
-func (s *session) isClosed() bool {
-	select {
-	case <-s.done:
-		return true
-	default:
-		return false
-	}
-}
+func (s *session) isClosed() bool { return s.pool.Closed() }
 
 func (s *session) Write(ctx context.Context, w transport.Write) error {
 	if s.isClosed() {
@@ -207,9 +203,9 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 	}
 	reuse, err := s.send(ctx, c, &w)
 	if reuse {
-		s.put(c)
+		s.pool.Put(c)
 	} else {
-		s.drop(c)
+		s.pool.Drop(c)
 	}
 	return err
 }
@@ -217,59 +213,29 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 // get takes an idle connection, or opens one while the session is under
 // its limit, or waits for one to come back.
 func (s *session) get(ctx context.Context) (*conn, error) {
-	select {
-	case c := <-s.idle:
+	c, err := s.pool.Get(ctx)
+	switch {
+	case err == nil:
 		return c, nil
-	default:
-	}
-	select {
-	case c := <-s.idle:
-		return c, nil
-	case s.tokens <- struct{}{}:
-	case <-s.done:
+	case err == pool.ErrClosed:
 		return nil, fmt.Errorf("tcp write to %s: %w", s.peer, transport.ErrClosed)
-	case <-ctx.Done():
-		return nil, fmt.Errorf("tcp write to %s: waiting for a connection: %w", s.peer, ctx.Err())
+	case errors.Is(err, pool.ErrClosed): // closed while opening one
+		return nil, fmt.Errorf("tcp write to %s: opening a connection: %w: %w", s.peer, transport.ErrClosed, err)
+	case err == ctx.Err():
+		return nil, fmt.Errorf("tcp write to %s: waiting for a connection: %w", s.peer, err)
 	}
-	c, instance, err := s.t.dial(ctx, s.peer)
+	return nil, fmt.Errorf("tcp write to %s: opening a connection: %w", s.peer, err)
+}
+
+// open opens one more connection of the session, to the same peer
+// process it was dialed to.
+func (s *session) open(ctx context.Context) (*conn, error) {
+	c, instance, err := s.t.dial(ctx, s.peer, kindData)
 	if err == nil && instance != s.instance {
 		c.nc.Close()
 		err = fmt.Errorf("peer restarted (instance %#x, session opened with %#x); open a new session", instance, s.instance)
 	}
-	if err != nil {
-		<-s.tokens
-		if s.isClosed() {
-			err = fmt.Errorf("%w: %w", transport.ErrClosed, err)
-		}
-		return nil, fmt.Errorf("tcp write to %s: opening a connection: %w", s.peer, err)
-	}
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		c.nc.Close()
-		<-s.tokens
-		return nil, fmt.Errorf("tcp write to %s: %w", s.peer, transport.ErrClosed)
-	}
-	s.conns[c] = struct{}{}
-	return c, nil
-}
-
-func (s *session) put(c *conn) {
-	s.mu.Lock()
-	defer s.mu.Unlock()
-	if s.closed {
-		c.nc.Close()
-		return
-	}
-	s.idle <- c // never blocks: idle holds at most one per token
-}
-
-func (s *session) drop(c *conn) {
-	c.nc.Close()
-	s.mu.Lock()
-	delete(s.conns, c)
-	s.mu.Unlock()
-	<-s.tokens
+	return c, err
 }
 
 // send runs one write on c: header and body out, reply in. reuse reports
@@ -284,8 +250,8 @@ func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse 
 		}()
 	}
 	body := w.Src
-	h := header{addr: w.Remote, len: uint64(len(body)), key: w.Key, tag: w.Tag}
-	h.encode(&c.hdr)
+	h := Header{Addr: w.Remote, Len: uint64(len(body)), Key: w.Key, Tag: w.Tag}
+	h.Encode(&c.hdr)
 
 	// The header and the first chunk go in one writev; the rest of the
 	// body follows in chunks, each with a fresh deadline.
@@ -293,7 +259,7 @@ func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse 
 	c.vec = c.bufs[:]
 	c.nc.SetWriteDeadline(s.deadline(ctx))
 	n, err := c.vec.WriteTo(c.nc)
-	sent := max(int(n)-headerSize, 0)
+	sent := max(int(n)-HeaderSize, 0)
 	for err == nil && sent < len(body) {
 		c.nc.SetWriteDeadline(s.deadline(ctx))
 		var m int
@@ -317,7 +283,7 @@ func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse 
 	if err != nil {
 		return false, s.fail(ctx, err, fmt.Sprintf("waiting for the completion of %d bytes", len(body)))
 	}
-	reuse = flags&flagClose == 0
+	reuse = flags&FlagClose == 0
 	if code != transport.OK {
 		return reuse, &transport.Refusal{Code: code, Message: msg}
 	}
@@ -357,7 +323,7 @@ func (c *conn) readReply() (code transport.Code, flags uint16, msg string, err e
 	if _, err := io.ReadFull(c.nc, c.rep[:]); err != nil {
 		return 0, 0, "", err
 	}
-	code, flags, n, err := decodeReply(&c.rep)
+	code, flags, n, err := DecodeReply(&c.rep)
 	if err != nil || n == 0 {
 		return code, flags, "", err
 	}

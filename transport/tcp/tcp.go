@@ -41,6 +41,11 @@ type Config struct {
 	// Logf, if set, hears about connections that failed on the listening
 	// side, where no caller is there to return an error to.
 	Logf func(format string, args ...any)
+	// RDMA, if set, serves the control connections of RDMA sessions
+	// (hellos of kind rdma): it owns c until it returns, and Close closes
+	// c and waits for it. Without it such a hello is answered "no RDMA
+	// here", and the dialer falls back to data connections.
+	RDMA func(c *net.TCPConn, peerInstance uint64)
 }
 
 // ioChunk is how much of a body moves under one deadline, so a long
@@ -112,6 +117,9 @@ func (t *Transport) Addr() net.Addr { return t.ln.Addr() }
 
 // Instance is the identity this daemon announces to its peers.
 func (t *Transport) Instance() uint64 { return t.cfg.Instance }
+
+// Config is the configuration in force, defaults filled in.
+func (t *Transport) Config() Config { return t.cfg }
 
 // Close stops the listener, closes every accepted and dialed connection so
 // writes in flight fail on both sides, and waits for the connections'
@@ -203,11 +211,18 @@ func (t *Transport) serve(c *net.TCPConn) {
 		t.mu.Unlock()
 	}()
 	tune(c)
-	if err := t.welcome(c); err != nil {
-		// A bare connect and close is a port probe, not worth a line.
-		if err != io.EOF && !t.isClosed() {
+	h, err := t.welcome(c)
+	if err != nil {
+		// A bare connect and close is a port probe, and a dialer that
+		// finds no RDMA here falls back and says so: neither is worth a
+		// line.
+		if err != io.EOF && err != errNoRDMAHere && !t.isClosed() {
 			t.logf("tcp: handshake from %s: %v", c.RemoteAddr(), err)
 		}
+		return
+	}
+	if h.kind == kindRDMA {
+		t.cfg.RDMA(c, h.instance)
 		return
 	}
 	r := receiver{t: t, c: c}
@@ -216,34 +231,41 @@ func (t *Transport) serve(c *net.TCPConn) {
 	}
 }
 
-// welcome runs the server side of the handshake.
-func (t *Transport) welcome(c *net.TCPConn) error {
+var errNoRDMAHere = errors.New("asked for RDMA, which this transport does not serve")
+
+// welcome runs the server side of the handshake and returns the
+// client's hello.
+func (t *Transport) welcome(c *net.TCPConn) (hello, error) {
 	c.SetDeadline(time.Now().Add(t.cfg.HandshakeTimeout))
 	var b [helloSize]byte
+	var h hello
 	if n, err := io.ReadFull(c, b[:]); err != nil {
 		if n == 0 && err == io.EOF {
-			return err
+			return h, err
 		}
-		return fmt.Errorf("read %d of the %d-byte hello: %w", n, helloSize, err)
+		return h, fmt.Errorf("read %d of the %d-byte hello: %w", n, helloSize, err)
 	}
-	var h hello
 	h.decode(&b)
 	status, herr := h.check()
-	w := welcome{hello: ours(t.cfg.Instance), status: status}
+	if herr == nil && h.kind == kindRDMA && t.cfg.RDMA == nil {
+		status, herr = statusNoRDMA, errNoRDMAHere
+	}
+	w := welcome{hello: ours(t.cfg.Instance, h.kind), status: status}
 	var wb [welcomeSize]byte
 	w.encode(&wb)
 	if _, err := c.Write(wb[:]); err != nil && herr == nil {
-		return fmt.Errorf("sending the welcome: %w", err)
+		return h, fmt.Errorf("sending the welcome: %w", err)
 	}
-	return herr
+	c.SetDeadline(time.Time{})
+	return h, herr
 }
 
 // receiver serves the writes arriving on one accepted connection.
 type receiver struct {
 	t   *Transport
 	c   *net.TCPConn
-	hdr [headerSize]byte
-	rep [replySize + maxMessage]byte
+	hdr [HeaderSize]byte
+	rep [ReplySize + MaxMessage]byte
 	bin []byte // for bodies that are refused; allocated on first use
 }
 
@@ -251,7 +273,7 @@ type receiver struct {
 // writes returns nil.
 func (r *receiver) run() error {
 	for {
-		var h header
+		var h Header
 		if err := r.readHeader(&h); err != nil {
 			if err == io.EOF {
 				return nil
@@ -264,7 +286,7 @@ func (r *receiver) run() error {
 	}
 }
 
-func (r *receiver) readHeader(h *header) error {
+func (r *receiver) readHeader(h *Header) error {
 	// A pooled connection may sit idle between writes for as long as its
 	// sender likes; only a header that has begun must finish in time.
 	r.c.SetReadDeadline(time.Time{})
@@ -272,33 +294,33 @@ func (r *receiver) readHeader(h *header) error {
 	if err != nil {
 		return err
 	}
-	if n < headerSize {
+	if n < HeaderSize {
 		r.c.SetReadDeadline(time.Now().Add(r.t.cfg.IOTimeout))
 		if m, err := io.ReadFull(r.c, r.hdr[n:]); err != nil {
-			return fmt.Errorf("read %d of a %d-byte write header: %w", n+m, headerSize, err)
+			return fmt.Errorf("read %d of a %d-byte write header: %w", n+m, HeaderSize, err)
 		}
 	}
-	h.decode(&r.hdr)
+	h.Decode(&r.hdr)
 	return nil
 }
 
-func (r *receiver) serveWrite(h *header) error {
-	if h.len > r.t.cfg.MaxWrite {
-		r.reply(transport.OutOfBounds, flagClose, fmt.Sprintf("write of %d bytes exceeds this receiver's limit of %d bytes", h.len, r.t.cfg.MaxWrite))
+func (r *receiver) serveWrite(h *Header) error {
+	if h.Len > r.t.cfg.MaxWrite {
+		r.reply(transport.OutOfBounds, FlagClose, fmt.Sprintf("write of %d bytes exceeds this receiver's limit of %d bytes", h.Len, r.t.cfg.MaxWrite))
 		r.linger()
-		return fmt.Errorf("refused a write of %d bytes (limit %d) and closed the connection", h.len, r.t.cfg.MaxWrite)
+		return fmt.Errorf("refused a write of %d bytes (limit %d) and closed the connection", h.Len, r.t.cfg.MaxWrite)
 	}
-	dst, done, err := r.t.cfg.Sink.Accept(h.addr, h.len, h.key, h.tag)
-	if err == nil && uint64(len(dst)) != h.len {
-		err = fmt.Errorf("sink gave %d bytes of memory for a %d-byte write", len(dst), h.len)
+	dst, done, err := r.t.cfg.Sink.Accept(h.Addr, h.Len, h.Key, h.Tag)
+	if err == nil && uint64(len(dst)) != h.Len {
+		err = fmt.Errorf("sink gave %d bytes of memory for a %d-byte write", len(dst), h.Len)
 		done(err)
 	}
 	if err != nil {
-		code, msg := refusal(err)
+		code, msg := Refusal(err)
 		if err := r.reply(code, 0, msg); err != nil {
 			return err
 		}
-		return r.skip(h.len)
+		return r.skip(h.Len)
 	}
 	if err := r.readBody(dst); err != nil {
 		done(err)
@@ -306,15 +328,6 @@ func (r *receiver) serveWrite(h *header) error {
 	}
 	done(nil)
 	return r.reply(transport.OK, 0, "")
-}
-
-// refusal turns a Sink's error into a reply that is never OK.
-func refusal(err error) (transport.Code, string) {
-	var rf *transport.Refusal
-	if errors.As(err, &rf) && rf.Code != transport.OK {
-		return rf.Code, rf.Message
-	}
-	return transport.Internal, err.Error()
 }
 
 func (r *receiver) readBody(dst []byte) error {
@@ -370,7 +383,7 @@ func (r *receiver) scratch() []byte {
 }
 
 func (r *receiver) reply(code transport.Code, flags uint16, msg string) error {
-	b := encodeReply(&r.rep, code, flags, msg)
+	b := EncodeReply(&r.rep, code, flags, msg)
 	r.c.SetWriteDeadline(time.Now().Add(r.t.cfg.IOTimeout))
 	if _, err := r.c.Write(b); err != nil {
 		return fmt.Errorf("sending a %s reply: %w", code, err)

@@ -104,7 +104,7 @@ func served(t *testing.T, tr *Transport) {
 // helloBytes is a hello in protocol version v.
 func helloBytes(v uint32) []byte {
 	var b [helloSize]byte
-	h := ours(42)
+	h := ours(42, kindData)
 	h.version = v
 	h.encode(&b)
 	return b[:]
@@ -138,10 +138,10 @@ func TestHostileHandshake(t *testing.T) {
 		status uint32   // of the welcome
 		log    []string // words of the expected log line; nil: no line
 	}{
-		{"WrongMagic", []byte("GET / HTTP/1.1\r\n"), statusBadMagic, []string{"bad magic", `"GET "`}},
-		{"WrongVersion", helloBytes(99), statusBadVersion, []string{"version 99", "version 1"}},
-		{"Truncated", helloBytes(version)[:5], noWelcome, []string{"read 5 of the 16-byte hello", "EOF"}},
-		{"Silent", nil, noWelcome, []string{"read 0 of the 16-byte hello", "timeout"}},
+		{"WrongMagic", []byte("GET / HTTP/1.1\r\nHost:x\r\n"), statusBadMagic, []string{"bad magic", `"GET "`}},
+		{"WrongVersion", helloBytes(99), statusBadVersion, []string{"version 99", "version 2"}},
+		{"Truncated", helloBytes(version)[:5], noWelcome, []string{"read 5 of the 24-byte hello", "EOF"}},
+		{"Silent", nil, noWelcome, []string{"read 0 of the 24-byte hello", "timeout"}},
 		{"ConnectAndClose", []byte{}, noWelcome, nil},
 	} {
 		t.Run(c.name, func(t *testing.T) {
@@ -227,7 +227,7 @@ func welcomeAs(v, status uint32) func(c net.Conn) {
 			return
 		}
 		var b [welcomeSize]byte
-		w := welcome{hello: ours(7), status: status}
+		w := welcome{hello: ours(7, kindData), status: status}
 		w.version = v
 		w.encode(&b)
 		c.Write(b[:])
@@ -241,7 +241,7 @@ func TestDialHostilePeer(t *testing.T) {
 		answer func(c net.Conn)
 		want   []string
 	}{
-		{"WrongVersion", welcomeAs(2, statusBadVersion), []string{"version 2", "version 1"}},
+		{"WrongVersion", welcomeAs(3, statusBadVersion), []string{"version 3", "version 2"}},
 		{"NotFerry", func(c net.Conn) { io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n") }, []string{"bad magic", "HTTP"}},
 		{"Refused", welcomeAs(version, 77), []string{"status 77"}},
 		{"ClosesEarly", func(c net.Conn) { c.Read(make([]byte, 1)) }, []string{"peer closed the connection"}},
@@ -286,18 +286,18 @@ func TestOversizedWrite(t *testing.T) {
 	t.Run("Raw", func(t *testing.T) {
 		other := handshake(t, rx)
 		nc := handshake(t, rx)
-		var hb [headerSize]byte
-		h := header{addr: 0, len: 1 << 62, key: 1, tag: 2}
-		h.encode(&hb)
+		var hb [HeaderSize]byte
+		h := Header{Addr: 0, Len: 1 << 62, Key: 1, Tag: 2}
+		h.Encode(&hb)
 		nc.Write(hb[:])
-		var rb [replySize]byte
+		var rb [ReplySize]byte
 		if _, err := io.ReadFull(nc, rb[:]); err != nil {
 			t.Fatal(err)
 		}
-		code, flags, n, err := decodeReply(&rb)
+		code, flags, n, err := DecodeReply(&rb)
 		msg := make([]byte, n)
 		io.ReadFull(nc, msg)
-		if err != nil || code != transport.OutOfBounds || flags&flagClose == 0 || !strings.Contains(string(msg), "limit") {
+		if err != nil || code != transport.OutOfBounds || flags&FlagClose == 0 || !strings.Contains(string(msg), "limit") {
 			t.Errorf("got reply %s flags %#x %q, %v; want out_of_bounds, closing, naming the limit", code, flags, msg, err)
 		}
 		if n, err := nc.Read(rb[:]); err != io.EOF {
@@ -305,13 +305,13 @@ func TestOversizedWrite(t *testing.T) {
 		}
 		// The other connection is untouched: a refused write on it still
 		// gets its answer.
-		h = header{addr: 1 << 30, len: 3, tag: 3}
-		h.encode(&hb)
+		h = Header{Addr: 1 << 30, Len: 3, Tag: 3}
+		h.Encode(&hb)
 		other.Write(append(hb[:], 1, 2, 3))
 		if _, err := io.ReadFull(other, rb[:]); err != nil {
 			t.Fatalf("other connection: %v", err)
 		}
-		if code, _, _, _ := decodeReply(&rb); code != transport.NoSlot {
+		if code, _, _, _ := DecodeReply(&rb); code != transport.NoSlot {
 			t.Errorf("other connection: got %s, want no_slot", code)
 		}
 	})
@@ -344,9 +344,9 @@ func TestBodyCutShort(t *testing.T) {
 	key := slots.Add(0, 4096)
 	rx := listen(t, Config{Sink: slots})
 	nc := handshake(t, rx)
-	var hb [headerSize]byte
-	h := header{addr: 0, len: 4096, key: key, tag: 1}
-	h.encode(&hb)
+	var hb [HeaderSize]byte
+	h := Header{Addr: 0, Len: 4096, Key: key, Tag: 1}
+	h.Encode(&hb)
 	nc.Write(append(hb[:], make([]byte, 100)...))
 	nc.Close()
 	served(t, rx)
@@ -376,7 +376,7 @@ func TestHostileReply(t *testing.T) {
 			answer := welcomeAs(version, statusOK)
 			addr := fakePeer(t, func(nc net.Conn) {
 				answer(nc)
-				io.ReadFull(nc, make([]byte, headerSize+10))
+				io.ReadFull(nc, make([]byte, HeaderSize+10))
 				nc.Write(c.reply)
 			})
 			s, err := tx.Dial(ctxFor(t, 10*time.Second), addr)
@@ -429,7 +429,7 @@ func TestPeerGoneMidBody(t *testing.T) {
 	answer := welcomeAs(version, statusOK)
 	addr := fakePeer(t, func(c net.Conn) {
 		answer(c)
-		io.ReadFull(c, make([]byte, headerSize+1<<20))
+		io.ReadFull(c, make([]byte, HeaderSize+1<<20))
 	})
 	tx := listen(t, Config{Sink: transporttest.NewSlots(0)})
 	s, err := tx.Dial(ctxFor(t, 10*time.Second), addr)
@@ -499,4 +499,55 @@ func benchSession(b *testing.B, size, n int) (transport.Session, []transport.Wri
 	}
 	b.SetBytes(int64(size))
 	return s, ws
+}
+
+func TestDialRDMA(t *testing.T) {
+	tx := listen(t, Config{Sink: transporttest.NewSlots(0)})
+
+	t.Run("NotServed", func(t *testing.T) {
+		var l logs
+		slots := transporttest.NewSlots(8192)
+		rx := listen(t, Config{Sink: slots, Logf: l.logf})
+		if _, _, err := tx.DialRDMA(ctxFor(t, 10*time.Second), rx.Addr().String()); err != ErrNoRDMA {
+			t.Fatalf("DialRDMA to a transport without RDMA: got %v, want ErrNoRDMA", err)
+		}
+		served(t, rx)
+		l.none(t, "")
+		// The same peer still takes data connections.
+		stillServes(t, rx, slots)
+	})
+
+	t.Run("Served", func(t *testing.T) {
+		type call struct {
+			instance uint64
+			line     string
+		}
+		calls := make(chan call, 1)
+		rx := listen(t, Config{Sink: transporttest.NewSlots(0), RDMA: func(c *net.TCPConn, instance uint64) {
+			line, _ := io.ReadAll(io.LimitReader(c, 5))
+			calls <- call{instance, string(line)}
+			c.Write([]byte("bye"))
+		}})
+		c, instance, err := tx.DialRDMA(ctxFor(t, 10*time.Second), rx.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		if instance != rx.Instance() {
+			t.Errorf("DialRDMA saw instance %#x, want %#x", instance, rx.Instance())
+		}
+		c.Write([]byte("hello"))
+		select {
+		case got := <-calls:
+			if got.instance != tx.Instance() || got.line != "hello" {
+				t.Errorf("handler got instance %#x and %q, want %#x and \"hello\"", got.instance, got.line, tx.Instance())
+			}
+		case <-time.After(10 * time.Second):
+			t.Fatal("the RDMA handler never ran")
+		}
+		c.SetReadDeadline(time.Now().Add(10 * time.Second))
+		if b, err := io.ReadAll(c); string(b) != "bye" || err != nil {
+			t.Errorf("after the handler: read %q, %v; want \"bye\" and a close", b, err)
+		}
+	})
 }

@@ -1,25 +1,32 @@
 package tcp
 
-// Wire protocol, version 1. Every integer is little-endian; every record
-// has a fixed size except the message that may follow a reply.
+// Wire protocol of the peer port, version 2. Every integer is
+// little-endian; every record has a fixed size except the message that
+// may follow a reply. The rdma transport speaks the same handshake on the
+// same port (one port, one protocol), which is why Header and the reply
+// codec are exported.
 //
 // Handshake, once when a connection opens:
 //
-//	client → server  hello, 16 bytes
+//	client → server  hello, 24 bytes
 //	  0  magic     [4]byte "FERY"
 //	  4  version   u32     the client's protocol version
 //	  8  instance  u64     the client daemon's process identity
+//	 16  kind      u32     what the connection is for: 0 a TCP data
+//	                       connection (below); 1 the control connection
+//	                       of an RDMA session (rdma/wire.go goes on)
+//	 20  reserved  u32     0
 //
-//	server → client  welcome, 20 bytes
-//	  0  magic     [4]byte "FERY"
-//	  4  version   u32     the server's protocol version
-//	  8  instance  u64     the server daemon's process identity
-//	 16  status    u32     0 ok, 1 version mismatch, 2 bad magic
+//	server → client  welcome, 28 bytes
+//	  0  hello     24 bytes, the server's (kind echoes the client's)
+//	 24  status    u32     0 ok, 1 version mismatch, 2 bad magic,
+//	                       3 no RDMA here (the client falls back to
+//	                       kind 0), 4 unknown kind
 //
 // A server answers a bad hello with a non-zero status and closes the
 // connection, so the client can name the reason.
 //
-// Then any number of writes, one at a time per connection:
+// Then, on a data connection, any number of writes, one at a time:
 //
 //	client → server  header, 24 bytes, then len bytes of body
 //	  0  addr      u64     destination address in the server's arena
@@ -31,7 +38,7 @@ package tcp
 //	  0  code      u32     transport.Code; 0 (OK) once every byte is placed
 //	  4  flags     u16     bit 0: the server closes the connection after
 //	                       this reply (the client must not reuse it)
-//	  6  msglen    u16     at most maxMessage; 0 for OK
+//	  6  msglen    u16     at most MaxMessage; 0 for OK
 //
 // A server refuses a write either before reading its body (and then reads
 // and discards the body so the stream stays in step) or, when len exceeds
@@ -40,6 +47,7 @@ package tcp
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 
 	"github.com/ferry-project/ferry/transport"
@@ -47,15 +55,24 @@ import (
 
 const (
 	magic   = "FERY"
-	version = 1
+	version = 2
 
-	helloSize   = 16
-	welcomeSize = 20
-	headerSize  = 24
-	replySize   = 8
+	helloSize   = 24
+	welcomeSize = 28
 
-	// maxMessage bounds a refusal message, on both sides.
-	maxMessage = 1024
+	// HeaderSize and ReplySize are the sizes of a write's header and of
+	// the fixed part of its reply.
+	HeaderSize = 24
+	ReplySize  = 8
+
+	// MaxMessage bounds a refusal message, on both sides.
+	MaxMessage = 1024
+)
+
+// Connection kinds a hello asks for.
+const (
+	kindData = 0
+	kindRDMA = 1
 )
 
 // Handshake statuses.
@@ -63,31 +80,38 @@ const (
 	statusOK         = 0
 	statusBadVersion = 1
 	statusBadMagic   = 2
+	statusNoRDMA     = 3
+	statusBadKind    = 4
 )
 
-const flagClose = 1
+// FlagClose in a reply's flags: the server closes the connection after it.
+const FlagClose = 1
 
 type hello struct {
 	magic    [4]byte
 	version  uint32
 	instance uint64
+	kind     uint32
 }
 
 // ours is the hello this daemon sends, and the start of its welcome.
-func ours(instance uint64) hello {
-	return hello{magic: [4]byte{magic[0], magic[1], magic[2], magic[3]}, version: version, instance: instance}
+func ours(instance uint64, kind uint32) hello {
+	return hello{magic: [4]byte{magic[0], magic[1], magic[2], magic[3]}, version: version, instance: instance, kind: kind}
 }
 
 func (h *hello) encode(b *[helloSize]byte) {
 	copy(b[0:4], h.magic[:])
 	binary.LittleEndian.PutUint32(b[4:], h.version)
 	binary.LittleEndian.PutUint64(b[8:], h.instance)
+	binary.LittleEndian.PutUint32(b[16:], h.kind)
+	binary.LittleEndian.PutUint32(b[20:], 0)
 }
 
 func (h *hello) decode(b *[helloSize]byte) {
 	copy(h.magic[:], b[0:4])
 	h.version = binary.LittleEndian.Uint32(b[4:])
 	h.instance = binary.LittleEndian.Uint64(b[8:])
+	h.kind = binary.LittleEndian.Uint32(b[16:])
 }
 
 type welcome struct {
@@ -97,58 +121,71 @@ type welcome struct {
 
 func (w *welcome) encode(b *[welcomeSize]byte) {
 	w.hello.encode((*[helloSize]byte)(b[:helloSize]))
-	binary.LittleEndian.PutUint32(b[16:], w.status)
+	binary.LittleEndian.PutUint32(b[helloSize:], w.status)
 }
 
 func (w *welcome) decode(b *[welcomeSize]byte) {
 	w.hello.decode((*[helloSize]byte)(b[:helloSize]))
-	w.status = binary.LittleEndian.Uint32(b[16:])
+	w.status = binary.LittleEndian.Uint32(b[helloSize:])
 }
 
-type header struct {
-	addr, len uint64
-	key, tag  uint32
+// Header announces one write: on a data connection its body follows; on
+// an RDMA control connection the body moves by RDMA once the receiver
+// has answered.
+type Header struct {
+	Addr, Len uint64
+	Key, Tag  uint32
 }
 
-func (h *header) encode(b *[headerSize]byte) {
-	binary.LittleEndian.PutUint64(b[0:], h.addr)
-	binary.LittleEndian.PutUint64(b[8:], h.len)
-	binary.LittleEndian.PutUint32(b[16:], h.key)
-	binary.LittleEndian.PutUint32(b[20:], h.tag)
+func (h *Header) Encode(b *[HeaderSize]byte) {
+	binary.LittleEndian.PutUint64(b[0:], h.Addr)
+	binary.LittleEndian.PutUint64(b[8:], h.Len)
+	binary.LittleEndian.PutUint32(b[16:], h.Key)
+	binary.LittleEndian.PutUint32(b[20:], h.Tag)
 }
 
-func (h *header) decode(b *[headerSize]byte) {
-	h.addr = binary.LittleEndian.Uint64(b[0:])
-	h.len = binary.LittleEndian.Uint64(b[8:])
-	h.key = binary.LittleEndian.Uint32(b[16:])
-	h.tag = binary.LittleEndian.Uint32(b[20:])
+func (h *Header) Decode(b *[HeaderSize]byte) {
+	h.Addr = binary.LittleEndian.Uint64(b[0:])
+	h.Len = binary.LittleEndian.Uint64(b[8:])
+	h.Key = binary.LittleEndian.Uint32(b[16:])
+	h.Tag = binary.LittleEndian.Uint32(b[20:])
 }
 
-// encodeReply writes a reply and its message into b and returns the bytes
-// to send. A message longer than maxMessage is cut.
-func encodeReply(b *[replySize + maxMessage]byte, code transport.Code, flags uint16, msg string) []byte {
-	if len(msg) > maxMessage {
-		msg = msg[:maxMessage]
+// EncodeReply writes a reply and its message into b and returns the bytes
+// to send. A message longer than MaxMessage is cut.
+func EncodeReply(b *[ReplySize + MaxMessage]byte, code transport.Code, flags uint16, msg string) []byte {
+	if len(msg) > MaxMessage {
+		msg = msg[:MaxMessage]
 	}
 	binary.LittleEndian.PutUint32(b[0:], uint32(code))
 	binary.LittleEndian.PutUint16(b[4:], flags)
 	binary.LittleEndian.PutUint16(b[6:], uint16(len(msg)))
-	n := copy(b[replySize:], msg)
-	return b[:replySize+n]
+	n := copy(b[ReplySize:], msg)
+	return b[:ReplySize+n]
 }
 
-// decodeReply parses a reply header and returns the message length.
-func decodeReply(b *[replySize]byte) (code transport.Code, flags uint16, msglen int, err error) {
+// DecodeReply parses a reply's fixed part and returns the message length.
+func DecodeReply(b *[ReplySize]byte) (code transport.Code, flags uint16, msglen int, err error) {
 	code = transport.Code(binary.LittleEndian.Uint32(b[0:]))
 	flags = binary.LittleEndian.Uint16(b[4:])
 	msglen = int(binary.LittleEndian.Uint16(b[6:]))
-	if msglen > maxMessage {
-		return 0, 0, 0, fmt.Errorf("reply message of %d bytes exceeds the %d-byte limit", msglen, maxMessage)
+	if msglen > MaxMessage {
+		return 0, 0, 0, fmt.Errorf("reply message of %d bytes exceeds the %d-byte limit", msglen, MaxMessage)
 	}
 	if code == transport.OK && msglen != 0 {
 		return 0, 0, 0, fmt.Errorf("ok reply carries a %d-byte message", msglen)
 	}
 	return code, flags, msglen, nil
+}
+
+// Refusal turns a Sink's error into the code and message of a reply that
+// is never OK.
+func Refusal(err error) (transport.Code, string) {
+	var rf *transport.Refusal
+	if errors.As(err, &rf) && rf.Code != transport.OK {
+		return rf.Code, rf.Message
+	}
+	return transport.Internal, err.Error()
 }
 
 func (h *hello) check() (status uint32, err error) {
@@ -157,6 +194,9 @@ func (h *hello) check() (status uint32, err error) {
 	}
 	if h.version != version {
 		return statusBadVersion, fmt.Errorf("protocol version mismatch: peer speaks version %d, this daemon speaks version %d", h.version, version)
+	}
+	if h.kind != kindData && h.kind != kindRDMA {
+		return statusBadKind, fmt.Errorf("peer asks for connection kind %d, which this daemon does not know", h.kind)
 	}
 	return statusOK, nil
 }

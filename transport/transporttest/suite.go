@@ -415,6 +415,9 @@ func testPeerInstance(t *testing.T, f Factory) {
 	if a1.Peer() != a.Addr().String() {
 		t.Errorf("Peer() = %q, want %q", a1.Peer(), a.Addr())
 	}
+	if a1.Transport() != tx.Name() {
+		t.Errorf("a session between two %s transports runs on %q", tx.Name(), a1.Transport())
+	}
 }
 
 func testSessionClosed(t *testing.T, f Factory) {

@@ -1,0 +1,185 @@
+package daemon
+
+import (
+	"fmt"
+	"net"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/rs/zerolog"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/rdma"
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/tcp"
+)
+
+// dataPlane is the transport the daemon runs, why, and what status and
+// metrics say about it.
+type dataPlane struct {
+	tr     transport.Transport
+	rdma   *rdma.Transport // nil on TCP
+	reason string
+	nics   *api.RDMAStatus // nil with --transport tcp
+	reg    rdma.Registration
+}
+
+// openTransport starts the data plane on cfg.Listen: RDMA when asked for
+// (--transport rdma, failing with what is missing) or when auto finds a
+// usable port, else TCP; mem is the arena, registered once with the NIC.
+func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte, log zerolog.Logger) (*dataPlane, error) {
+	tc := tcp.Config{
+		Addr: cfg.Listen, Sink: sink, Instance: instance,
+		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout, MaxWrite: uint64(cfg.ArenaSize),
+		Logf: func(format string, args ...any) {
+			log.Warn().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
+		},
+	}
+	dp := &dataPlane{reason: "--transport tcp"}
+	if cfg.Transport != "tcp" {
+		err := dp.openRDMA(cfg, tc, mem)
+		if err != nil && cfg.Transport == "rdma" {
+			return nil, fmt.Errorf("--transport rdma: %w; run with --transport auto or tcp to go without RDMA", err)
+		}
+		if err != nil {
+			dp.reason = fmt.Sprintf("--transport auto: %v; using tcp", err)
+		}
+	}
+	if dp.tr == nil {
+		tr, err := tcp.Listen(tc)
+		if err != nil {
+			return nil, fmt.Errorf("peer port %s: %w", cfg.Listen, err)
+		}
+		dp.tr = tr
+	}
+	log.Info().Str("transport", dp.tr.Name()).Str("why", dp.reason).Msg("transport chosen")
+	dp.logRegistration(log)
+	return dp, nil
+}
+
+// openRDMA discovers the NICs, chooses a port and GID, and starts the
+// RDMA transport over them.
+func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte) error {
+	inv, err := rdma.Discover()
+	dp.nics = &api.RDMAStatus{NICs: append([]api.NIC{}, inv.NICs...), Why: inv.Why}
+	if err != nil {
+		return fmt.Errorf("RDMA discovery failed: %w", err)
+	}
+	gid := -1
+	if cfg.RDMAGIDIndex != nil {
+		gid = *cfg.RDMAGIDIndex
+	}
+	choice, err := rdma.Choose(inv, rdma.Want{Device: cfg.RDMADevice, GIDIndex: gid, Addr: advertisedIP(cfg)})
+	if err != nil {
+		return err
+	}
+	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == "per-send"}, choice)
+	if err != nil {
+		return err
+	}
+	dp.tr, dp.rdma, dp.reg = rt, rt, rt.Registration()
+	dp.nics.Chosen = &choice
+	dp.reason = fmt.Sprintf("--transport %s: %s port %d (%s), GID %d %s: %s", cfg.Transport, choice.Device, choice.Port,
+		choice.LinkLayer, choice.GIDIndex, choice.GID, choice.Why)
+	return nil
+}
+
+// advertisedIP is the address peers reach this daemon on, which picks
+// the RoCE GID: the --advertise or --listen host, or for a wildcard the
+// host's first IPv4 address (what the receive slots will name).
+func advertisedIP(cfg Config) net.IP {
+	hostport := cfg.Advertise
+	if hostport == "" {
+		hostport = cfg.Listen
+	}
+	host, _, _ := net.SplitHostPort(hostport)
+	ip := net.ParseIP(host)
+	if ip == nil || ip.IsUnspecified() {
+		return firstIPv4()
+	}
+	return ip
+}
+
+func (dp *dataPlane) logRegistration(log zerolog.Logger) {
+	if dp.rdma == nil {
+		return
+	}
+	r := dp.reg
+	switch {
+	case r.Mode == "shared":
+		log.Info().Str("mode", r.Mode).Int64("bytes", r.Bytes).Dur("took", r.Took).Msg("arena registered with the NIC once")
+	case r.Err != nil:
+		log.Warn().Str("mode", r.Mode).Int64("bytes", r.Bytes).Err(r.Err).Msg("arena registration failed; running in per-send mode")
+	default:
+		log.Info().Str("mode", r.Mode).Msg("shared registration skipped (--rdma-registration per-send): each send registers its range")
+	}
+}
+
+// rdmaStatus is status's account of the NICs, with fresh port counters.
+func (dp *dataPlane) rdmaStatus() *api.RDMAStatus {
+	if dp.nics == nil {
+		return nil
+	}
+	st := *dp.nics
+	st.NICs = rdma.WithCounters(st.NICs)
+	return &st
+}
+
+// registration is status's account of the arena's registration.
+func (dp *dataPlane) registration() api.Registration {
+	if dp.rdma == nil {
+		return api.Registration{Mode: "none", Reason: "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"}
+	}
+	r := dp.reg
+	st := dp.rdma.Stats()
+	out := api.Registration{Mode: r.Mode, Bytes: r.Bytes, Millis: float64(r.Took.Microseconds()) / 1000, PerSend: st.PerSend + st.PerReceive}
+	switch {
+	case r.Mode == "shared":
+		out.Reason = "the arena was registered once at start"
+	case r.Err != nil:
+		out.Reason = r.Err.Error()
+	default:
+		out.Reason = "--rdma-registration per-send: each send registers its range and deregisters it after"
+	}
+	return out
+}
+
+// collectors are the data plane's metrics.
+func (dp *dataPlane) collectors() []prometheus.Collector {
+	mode := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "ferry_registration_mode",
+		Help: "1 for the arena's registration mode: shared, per-send or none.",
+	}, []string{"mode"})
+	mode.WithLabelValues(dp.registration().Mode).Set(1)
+	took := dp.reg.Took.Seconds()
+	cs := []prometheus.Collector{mode}
+	if dp.rdma != nil {
+		shared := 0.0
+		if dp.reg.Mode == "shared" {
+			shared = 1
+		}
+		cs = append(cs,
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": "shared"},
+				Help: "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per_send.",
+			}, func() float64 { return shared }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": "per_send"},
+				Help: "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per_send.",
+			}, func() float64 { st := dp.rdma.Stats(); return float64(st.PerSend + st.PerReceive) }),
+			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+				Name: "ferry_registration_duration_seconds",
+				Help: "Time the arena's shared registration took at start.",
+			}, func() float64 { return took }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "ferry_rejected_completions_total",
+				Help: "RDMA receive completions that did not match their grant; never delivered.",
+			}, func() float64 { return float64(dp.rdma.Stats().Rejected) }))
+	}
+	return cs
+}
+
+// sharedMR reports whether a write from src needs no registration of its
+// own: true on transports that register nothing.
+func (dp *dataPlane) sharedMR(src []byte) bool {
+	return dp.rdma == nil || dp.rdma.SharedMR(src)
+}

@@ -1,0 +1,195 @@
+package rdma
+
+import (
+	"bytes"
+	"context"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/tcp"
+)
+
+// Benchmarks of the real verbs path. test/rxevm runs them in the
+// soft-RoCE VM beside ib_write_bw and prints the ratios; on a fake NIC
+// they would measure memcpy, so they skip there.
+
+func benchDevice(b *testing.B) {
+	b.Helper()
+	if !onDevice(b) {
+		b.Skip("no RDMA port: these benchmarks measure the real verbs path")
+	}
+}
+
+// writers is how many writes a benchmark keeps in flight, each on its own
+// lane: ib_write_bw keeps up to 128 work requests outstanding on its QP,
+// and a lane carries one write at a time.
+const writers = 8
+
+// rig is a sender and a receiver over mapped memory, the way ferryd runs
+// them (Memory is the arena), with a region of the receiver's memory per
+// writer.
+type rig struct {
+	src  []byte
+	sink *benchSink
+	sess transport.Session
+}
+
+// benchSink takes every write into its memory at the address it names
+// and counts the deliveries, as a receiver that checks nothing would:
+// the benchmark measures the data path, and each writer rewrites its own
+// region without waiting for the receiver's bookkeeping.
+type benchSink struct {
+	mem       []byte
+	want      int64 // deliveries to wait for; set before the writes
+	delivered atomic.Int64
+	all       chan struct{} // closed at the want-th delivery
+}
+
+func (s *benchSink) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+	return s.mem[addr : addr+n], func(err error) {
+		if err == nil && s.delivered.Add(1) == s.want {
+			close(s.all)
+		}
+	}, nil
+}
+
+func newRig(b *testing.B, size int, perSend bool) *rig {
+	b.Helper()
+	src := mapT(b, size)
+	for i := range src {
+		src[i] = byte(i * 7)
+	}
+	sink := &benchSink{mem: mapT(b, writers*size)}
+	tx := listenT(b, nil, Config{Memory: src, PerSend: perSend})
+	rx := listenT(b, nil, Config{TCP: tcp.Config{Sink: sink}, Memory: sink.mem, PerSend: perSend})
+	s, err := tx.Dial(context.Background(), rx.Addr().String())
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { s.Close() })
+	return &rig{src: src, sink: sink, sess: s}
+}
+
+// run writes b.N times from writers goroutines.
+func (r *rig) run(b *testing.B, size int) {
+	b.SetBytes(int64(size))
+	r.sink.want, r.sink.all = int64(b.N), make(chan struct{})
+	r.sink.delivered.Store(0)
+	var next sync.Mutex
+	n := 0
+	var wg sync.WaitGroup
+	errs := make(chan error, writers)
+	var wrote [writers]bool
+	b.ResetTimer()
+	for i := range writers {
+		wg.Go(func() {
+			for {
+				next.Lock()
+				mine := n < b.N
+				n++
+				next.Unlock()
+				if !mine {
+					return
+				}
+				w := transport.Write{Src: r.src, Remote: uint64(i * size), Tag: uint32(i)}
+				if err := r.sess.Write(context.Background(), w); err != nil {
+					errs <- err
+					return
+				}
+				wrote[i] = true
+			}
+		})
+	}
+	wg.Wait()
+	b.StopTimer()
+	close(errs)
+	for err := range errs {
+		b.Fatal(err)
+	}
+	// Every write was delivered: the receiver's completion of the last
+	// one on each lane may trail the sender's by a moment.
+	select {
+	case <-r.sink.all:
+	case <-time.After(time.Minute):
+		b.Fatalf("%d of %d writes delivered", r.sink.delivered.Load(), b.N)
+	}
+	for i, w := range wrote {
+		if w && !bytes.Equal(r.sink.mem[i*size:][:size], r.src) {
+			b.Fatalf("writer %d's bytes differ from the source", i)
+		}
+	}
+}
+
+func BenchmarkWrite(b *testing.B) {
+	benchDevice(b)
+	for _, size := range []int{64 << 10, 1 << 20, 4 << 20} {
+		b.Run(sizeName(size), func(b *testing.B) {
+			newRig(b, size, false).run(b, size)
+		})
+	}
+}
+
+// BenchmarkWriteMode compares 1 MiB writes from the shared registration
+// with writes that register their source (and the receiver its
+// destination) for each write.
+func BenchmarkWriteMode(b *testing.B) {
+	benchDevice(b)
+	for _, mode := range []string{"shared", "per-send"} {
+		b.Run(mode+"-1MiB", func(b *testing.B) {
+			newRig(b, 1<<20, mode == "per-send").run(b, 1<<20)
+		})
+	}
+}
+
+// BenchmarkRegister times registering and deregistering: an arena-sized
+// region (reported per GiB) and per-send sizes.
+func BenchmarkRegister(b *testing.B) {
+	benchDevice(b)
+	n := testNIC(b, nil, 0)
+	b.Cleanup(func() { n.Close() })
+	for _, size := range []int{256 << 20, 64 << 10, 1 << 20, 16 << 20} {
+		b.Run(sizeName(size), func(b *testing.B) {
+			mem := mapT(b, size)
+			for i := 0; i < len(mem); i += 4096 {
+				mem[i] = 1 // fault the pages in, as a used arena has them
+			}
+			b.ResetTimer()
+			for range b.N {
+				reg, err := n.Register(mem)
+				if err != nil {
+					b.Fatal(err)
+				}
+				if err := reg.Close(); err != nil {
+					b.Fatal(err)
+				}
+			}
+			perOp := float64(b.Elapsed().Nanoseconds()) / float64(b.N)
+			b.ReportMetric(perOp/1e6*float64(1<<30)/float64(size), "ms/GiB")
+		})
+	}
+}
+
+func sizeName(n int) string {
+	switch {
+	case n >= 1<<20:
+		return fmt.Sprintf("%dMiB", n>>20)
+	case n >= 1<<10:
+		return fmt.Sprintf("%dKiB", n>>10)
+	}
+	return fmt.Sprintf("%dB", n)
+}
+
+// mapT maps n bytes of NIC-safe memory until tb ends.
+func mapT(tb testing.TB, n int) []byte {
+	tb.Helper()
+	b, err := mapAnon(n)
+	if err != nil {
+		tb.Fatal(err)
+	}
+	tb.Cleanup(func() { unmap(b) })
+	return b
+}

@@ -1,0 +1,367 @@
+package rdma
+
+import (
+	"errors"
+	"fmt"
+	"sync"
+	"syscall"
+)
+
+// A fake NIC beneath the nic seam, so the transport's logic runs on hosts
+// without RDMA (make unit). It does what an RC NIC does that the
+// transport relies on: it checks lkeys and rkeys against registrations
+// and their bounds, moves bytes in order per QP, consumes a posted
+// receive per WRITE WITH IMM (waiting while none is posted, as RNR
+// retries do), reports RETRY_EXC_ERR when the peer QP is gone, and
+// flushes posted work when a QP breaks. The real verbs path runs the same
+// tests inside the soft-RoCE VM (test/rxevm).
+
+// fabric joins the fake NICs of one test: QPs by number, registrations by
+// key.
+type fabric struct {
+	mu   sync.Mutex
+	qps  map[uint32]*fakeQP
+	mrs  map[uint32]*fakeMR
+	next uint32
+	// failRegister, if set, fails registrations of at least that many
+	// bytes, as a low RLIMIT_MEMLOCK does.
+	failRegister int
+	// hold, if set, keeps every work request from executing until it is
+	// closed: a write stays in flight for as long as a test needs.
+	hold chan struct{}
+}
+
+func newFabric() *fabric {
+	return &fabric{qps: make(map[uint32]*fakeQP), mrs: make(map[uint32]*fakeMR), next: 0x100}
+}
+
+func (f *fabric) id() uint32 {
+	f.next++
+	return f.next
+}
+
+type fakeNIC struct {
+	f    *fabric
+	gid  [16]byte
+	mu   sync.Mutex
+	open int // registrations and QPs not yet closed
+}
+
+func (f *fabric) nic(n byte) *fakeNIC {
+	return &fakeNIC{f: f, gid: [16]byte{10: 0xff, 11: 0xff, 12: 10, 15: n}}
+}
+
+func (n *fakeNIC) hold(d int) {
+	n.mu.Lock()
+	n.open += d
+	n.mu.Unlock()
+}
+
+func (n *fakeNIC) Endpoint() endpoint { return endpoint{GID: n.gid, MTU: 3} }
+
+func (n *fakeNIC) Register(mem []byte) (region, error) {
+	n.f.mu.Lock()
+	defer n.f.mu.Unlock()
+	if n.f.failRegister > 0 && len(mem) >= n.f.failRegister {
+		return nil, fmt.Errorf("ibv_reg_mr of %d bytes: %w", len(mem), syscall.ENOMEM)
+	}
+	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: addrOf(mem)}
+	n.f.mrs[m.key] = m
+	n.hold(1)
+	return m, nil
+}
+
+// Close fails like ibv_dealloc_pd when something made from the NIC is
+// still open.
+func (n *fakeNIC) Close() error {
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	if n.open != 0 {
+		return fmt.Errorf("ibv_dealloc_pd: %d registrations or queue pairs still open: %w", n.open, syscall.EBUSY)
+	}
+	return nil
+}
+
+type fakeMR struct {
+	n      *fakeNIC
+	key    uint32
+	mem    []byte
+	addr   uint64
+	closed bool
+}
+
+func (m *fakeMR) LKey() uint32 { return m.key }
+func (m *fakeMR) RKey() uint32 { return m.key }
+
+func (m *fakeMR) Close() error {
+	m.n.f.mu.Lock()
+	defer m.n.f.mu.Unlock()
+	if m.closed {
+		return errors.New("ibv_dereg_mr: already deregistered")
+	}
+	m.closed = true
+	delete(m.n.f.mrs, m.key)
+	m.n.hold(-1)
+	return nil
+}
+
+// bytes returns [addr, addr+n) of the registration key names, or false
+// when the key is unknown or the range runs outside it; f.mu is held.
+func (f *fabric) bytes(key uint32, addr uint64, n uint32) ([]byte, bool) {
+	if n == 0 {
+		return nil, true // zero-length accesses check no key, as on a NIC
+	}
+	m := f.mrs[key]
+	if m == nil || addr < m.addr || addr-m.addr > uint64(len(m.mem)) || uint64(n) > uint64(len(m.mem))-(addr-m.addr) {
+		return nil, false
+	}
+	off := addr - m.addr
+	return m.mem[off : off+uint64(n)], true
+}
+
+type qpState int
+
+const (
+	qpInit qpState = iota
+	qpRTS
+	qpErr
+	qpGone
+)
+
+type fakeQP struct {
+	n   *fakeNIC
+	num uint32
+
+	mu      sync.Mutex
+	work    sync.Cond // signaled when ops or recvs arrive, or the state changes
+	state   qpState
+	peer    uint32
+	ops     []op
+	recvs   int
+	cq      []completion
+	armed   bool
+	events  chan struct{}
+	stopped chan struct{}
+	stop    sync.Once
+	worker  sync.WaitGroup
+}
+
+func (n *fakeNIC) NewQP(sendDepth, recvDepth int) (queuePair, error) {
+	q := &fakeQP{n: n, events: make(chan struct{}, 1), stopped: make(chan struct{})}
+	q.work.L = &q.mu
+	n.f.mu.Lock()
+	q.num = n.f.id()
+	n.f.qps[q.num] = q
+	n.f.mu.Unlock()
+	n.hold(1)
+	q.worker.Add(1)
+	go q.run()
+	return q, nil
+}
+
+func (q *fakeQP) QPN() uint32 { return q.num }
+
+func (q *fakeQP) Connect(psn uint32, remote endpoint) error {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state != qpInit {
+		return fmt.Errorf("ibv_modify_qp to RTR: %w", syscall.EINVAL)
+	}
+	q.peer, q.state = remote.QPN, qpRTS
+	return nil
+}
+
+func (q *fakeQP) Post(ops []op) error {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state != qpRTS && q.state != qpErr {
+		return fmt.Errorf("ibv_post_send: %w", syscall.EINVAL)
+	}
+	if q.state == qpErr {
+		for _, o := range ops {
+			q.complete(completion{WRID: o.WRID, Status: wcWRFlushErr})
+		}
+		return nil
+	}
+	q.ops = append(q.ops, ops...)
+	q.work.Broadcast()
+	return nil
+}
+
+func (q *fakeQP) PostRecvs(n int) error {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state == qpErr {
+		for range n {
+			q.complete(completion{Status: wcWRFlushErr, Opcode: opcodeRecvRDMAWithImm})
+		}
+		return nil
+	}
+	q.recvs += n
+	q.work.Broadcast()
+	return nil
+}
+
+// complete adds c to the CQ and raises an event if armed; q.mu is held.
+func (q *fakeQP) complete(c completion) {
+	q.cq = append(q.cq, c)
+	if q.armed {
+		q.armed = false
+		select {
+		case q.events <- struct{}{}:
+		default:
+		}
+	}
+}
+
+func (q *fakeQP) Poll(into []completion) (int, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := copy(into, q.cq)
+	q.cq = q.cq[n:]
+	return n, nil
+}
+
+func (q *fakeQP) Arm() error {
+	q.mu.Lock()
+	q.armed = true
+	q.mu.Unlock()
+	return nil
+}
+
+func (q *fakeQP) Wait() error {
+	select {
+	case <-q.events:
+		return nil
+	case <-q.stopped:
+		return errStopped
+	}
+}
+
+func (q *fakeQP) Stop() { q.stop.Do(func() { close(q.stopped) }) }
+
+// Break flushes posted receives and unexecuted work requests.
+func (q *fakeQP) Break() error {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	q.fail()
+	return nil
+}
+
+// fail moves q to the error state and flushes its work; q.mu is held.
+func (q *fakeQP) fail() {
+	if q.state == qpErr || q.state == qpGone {
+		return
+	}
+	q.state = qpErr
+	for _, o := range q.ops {
+		q.complete(completion{WRID: o.WRID, Status: wcWRFlushErr})
+	}
+	q.ops = nil
+	for range q.recvs {
+		q.complete(completion{Status: wcWRFlushErr, Opcode: opcodeRecvRDMAWithImm})
+	}
+	q.recvs = 0
+	q.work.Broadcast()
+}
+
+func (q *fakeQP) Close() error {
+	q.Stop()
+	q.n.f.mu.Lock()
+	delete(q.n.f.qps, q.num)
+	q.n.f.mu.Unlock()
+	q.mu.Lock()
+	q.state = qpGone
+	q.work.Broadcast()
+	q.mu.Unlock()
+	q.worker.Wait()
+	q.n.hold(-1)
+	return nil
+}
+
+// run executes posted work requests in order, as the NIC's send engine.
+func (q *fakeQP) run() {
+	defer q.worker.Done()
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	for {
+		for len(q.ops) == 0 && q.state != qpGone {
+			q.work.Wait()
+		}
+		if q.state == qpGone {
+			return
+		}
+		o := q.ops[0]
+		q.ops = q.ops[1:]
+		q.mu.Unlock()
+		status, opcode := q.execute(o)
+		q.mu.Lock()
+		if q.state == qpGone {
+			return
+		}
+		if status != wcSuccess {
+			q.complete(completion{WRID: o.WRID, Status: status})
+			q.fail()
+			continue
+		}
+		if o.Signaled {
+			q.complete(completion{WRID: o.WRID, Status: wcSuccess, Opcode: opcode, ByteLen: o.Len})
+		}
+	}
+}
+
+// execute carries out one work request against the peer QP.
+func (q *fakeQP) execute(o op) (wcStatus, uint32) {
+	f := q.n.f
+	if f.hold != nil {
+		<-f.hold
+	}
+	q.mu.Lock()
+	peerNum := q.peer
+	q.mu.Unlock()
+	f.mu.Lock()
+	peer := f.qps[peerNum]
+	f.mu.Unlock()
+	if peer == nil {
+		return wcRetryExcErr, 0
+	}
+	// A responder in the error state drops the packets: the requester
+	// retries until it gives up.
+	peer.mu.Lock()
+	defer peer.mu.Unlock()
+	if peer.state != qpRTS {
+		return wcRetryExcErr, 0
+	}
+	f.mu.Lock()
+	local, ok := f.bytes(o.LKey, o.Local, o.Len)
+	if !ok {
+		f.mu.Unlock()
+		return wcLocProtErr, 0
+	}
+	remote, ok := f.bytes(o.RKey, o.Remote, o.Len)
+	if !ok {
+		f.mu.Unlock()
+		return wcRemAccessErr, 0
+	}
+	if o.Read {
+		copy(local, remote)
+		f.mu.Unlock()
+		return wcSuccess, opcodeRDMARead
+	}
+	copy(remote, local)
+	f.mu.Unlock()
+	if !o.WithImm {
+		return wcSuccess, opcodeRDMAWrite
+	}
+	// The immediate needs a posted receive; without one the sender
+	// retries (RNR) until there is one or the peer QP fails.
+	for peer.recvs == 0 && peer.state == qpRTS {
+		peer.work.Wait()
+	}
+	if peer.state != qpRTS {
+		return wcRetryExcErr, 0
+	}
+	peer.recvs--
+	peer.complete(completion{Status: wcSuccess, Opcode: opcodeRecvRDMAWithImm, ByteLen: o.Len, Imm: o.Imm, HasImm: true})
+	return wcSuccess, opcodeRDMAWrite
+}

@@ -1,0 +1,162 @@
+package rdma
+
+import (
+	"fmt"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+)
+
+// Memory the NIC touches is never Go heap memory (the collector owns it
+// and C must not keep its address): the shared registration covers the
+// memory the daemon declares (its mmap'd arena), per-send registrations
+// cover ranges of that same memory, and anything else is copied through
+// buffers this package maps itself.
+
+// Bounce buffers: a source outside the declared memory (Go memory, say)
+// goes through a ring of bounceSlots chunks per lane, each chunk's write
+// signaled so its slot can be refilled.
+const bounceSlots = 4
+
+// mapAnon maps n bytes of anonymous memory: NIC-safe and page-aligned.
+func mapAnon(n int) ([]byte, error) {
+	b, err := unix.Mmap(-1, 0, n, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	if err != nil {
+		return nil, fmt.Errorf("mapping %d bytes for the NIC: %w", n, err)
+	}
+	return b, nil
+}
+
+func unmap(b []byte) {
+	if b != nil {
+		unix.Munmap(b)
+	}
+}
+
+func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(b)))) }
+
+// within reports whether inner lies inside outer's memory.
+func within(outer, inner []byte) bool {
+	if len(outer) == 0 || len(inner) == 0 {
+		return false
+	}
+	o, i := addrOf(outer), addrOf(inner)
+	return i >= o && i-o <= uint64(len(outer))-uint64(len(inner))
+}
+
+// How a write's source reaches the NIC.
+type sourceKind int
+
+const (
+	fromShared  sourceKind = iota // inside the shared registration
+	fromPerSend                   // registered for this write, deregistered after
+	fromBounce                    // copied through the lane's bounce buffer
+)
+
+// source is a write's local side.
+type source struct {
+	kind sourceKind
+	lkey uint32
+	reg  region // fromPerSend: the registration to drop after the write
+}
+
+// source finds how src reaches the NIC, registering it when it lies in
+// the declared memory without a shared registration.
+func (t *Transport) source(src []byte) (source, error) {
+	switch {
+	case len(src) == 0:
+		return source{kind: fromShared}, nil
+	case t.shared != nil && within(t.cfg.Memory, src):
+		return source{kind: fromShared, lkey: t.shared.LKey()}, nil
+	case within(t.cfg.Memory, src):
+		reg, err := t.nic.Register(src)
+		if err != nil {
+			return source{}, fmt.Errorf("per-send registration of %d bytes: %w", len(src), err)
+		}
+		t.stats.perSend.Add(1)
+		return source{kind: fromPerSend, lkey: reg.LKey(), reg: reg}, nil
+	}
+	t.stats.bounced.Add(1)
+	return source{kind: fromBounce}, nil
+}
+
+func (s source) release() {
+	if s.reg != nil {
+		s.reg.Close()
+	}
+}
+
+// bounceBuffer maps and registers the lane's bounce ring on first use.
+func (l *lane) bounceBuffer(n nic) ([]byte, uint32, error) {
+	if l.bounceReg == nil {
+		b, err := mapAnon(bounceSlots * chunk)
+		if err != nil {
+			return nil, 0, err
+		}
+		reg, err := n.Register(b)
+		if err != nil {
+			unmap(b)
+			return nil, 0, fmt.Errorf("registering a bounce buffer: %w", err)
+		}
+		l.bounce, l.bounceReg = b, reg
+	}
+	return l.bounce, l.bounceReg.LKey(), nil
+}
+
+// target is where a granted write lands on the receiver, and what to do
+// once it has.
+type target struct {
+	addr  uint64
+	rkey  uint32
+	reg   region // a registration made for this write
+	stage []byte // mapped for this write when dst is not NIC-safe memory
+	dst   []byte
+}
+
+// target finds where the NIC is to put a write meant for dst: dst itself
+// when it lies in the declared memory (under the shared registration, or
+// registered for this write), else a buffer mapped and registered for
+// this write and copied into dst once the write is complete.
+func (t *Transport) target(dst []byte) (*target, error) {
+	tg := &target{dst: dst}
+	switch {
+	case len(dst) == 0:
+		return tg, nil
+	case t.shared != nil && within(t.cfg.Memory, dst):
+		tg.addr, tg.rkey = addrOf(dst), t.shared.RKey()
+		return tg, nil
+	case within(t.cfg.Memory, dst):
+		reg, err := t.nic.Register(dst)
+		if err != nil {
+			return nil, fmt.Errorf("per-receive registration of %d bytes: %w", len(dst), err)
+		}
+		t.stats.perReceive.Add(1)
+		tg.addr, tg.rkey, tg.reg = addrOf(dst), reg.RKey(), reg
+		return tg, nil
+	}
+	stage, err := mapAnon(len(dst))
+	if err != nil {
+		return nil, err
+	}
+	reg, err := t.nic.Register(stage)
+	if err != nil {
+		unmap(stage)
+		return nil, fmt.Errorf("registering a %d-byte staging buffer: %w", len(dst), err)
+	}
+	t.stats.staged.Add(1)
+	tg.addr, tg.rkey, tg.reg, tg.stage = addrOf(stage), reg.RKey(), reg, stage
+	return tg, nil
+}
+
+// finish copies a staged write into place when it arrived (ok) and drops
+// what was made for it. The NIC must be done with the target: the write
+// completed, or the lane's QP is in the error state.
+func (tg *target) finish(ok bool) {
+	if ok && tg.stage != nil {
+		copy(tg.dst, tg.stage)
+	}
+	if tg.reg != nil {
+		tg.reg.Close()
+	}
+	unmap(tg.stage)
+}

@@ -1,0 +1,89 @@
+package rdma
+
+import "errors"
+
+// The seam between the transport's logic and libibverbs. verbs.go
+// implements it over a real device; tests on hosts without RDMA put a fake
+// NIC beneath it, and the soft-RoCE VM runs the same tests on the real one.
+
+// nic is one opened port of an RDMA device with its protection domain.
+type nic interface {
+	// Endpoint is the port's address (GID, LID, active MTU); QPN and PSN
+	// are filled per queue pair.
+	Endpoint() endpoint
+	// Register makes mem reachable by the NIC. mem must not be Go heap
+	// memory (the NIC keeps its address): mmap'd or C memory only.
+	Register(mem []byte) (region, error)
+	// NewQP makes an RC queue pair with its own completion queue and
+	// completion channel.
+	NewQP(sendDepth, recvDepth int) (queuePair, error)
+	Close() error
+}
+
+// region is a memory registration.
+type region interface {
+	LKey() uint32
+	RKey() uint32
+	Close() error
+}
+
+// queuePair is an RC QP and the completion queue it reports to. Post,
+// PostRecvs, Poll, Arm and Break may run concurrently with each other;
+// Close runs alone, after Stop and after the last Wait has returned.
+type queuePair interface {
+	QPN() uint32
+	// Connect takes the QP through INIT, RTR and RTS towards remote; psn
+	// is the first PSN this side sends (its endpoint's PSN).
+	Connect(psn uint32, remote endpoint) error
+	Post(ops []op) error
+	// PostRecvs posts n receives without buffers, one for each WRITE
+	// WITH IMM that may arrive.
+	PostRecvs(n int) error
+	// Poll takes up to len(into) completions, without blocking.
+	Poll(into []completion) (int, error)
+	// Arm asks for an event at the next completion; Wait blocks for it.
+	Arm() error
+	// Wait returns errStopped once Stop has run.
+	Wait() error
+	Stop()
+	// Break moves the QP to the error state: the NIC stops working on it
+	// and completes whatever is posted with WR_FLUSH_ERR.
+	Break() error
+	Close() error
+}
+
+var errStopped = errors.New("queue pair stopped")
+
+// endpoint is one end of an RC connection, as the other end needs it.
+type endpoint struct {
+	GID [16]byte
+	LID uint16
+	MTU mtu // the port's active MTU; both ends use the smaller
+	QPN uint32
+	PSN uint32
+}
+
+// op is one work request: an RDMA WRITE (with an immediate when WithImm),
+// or an RDMA READ.
+type op struct {
+	WRID       uint64
+	Local      uint64 // address of the local bytes, inside the region of LKey
+	Remote     uint64
+	Len        uint32
+	LKey, RKey uint32
+	Imm        uint32
+	Signaled   bool
+	WithImm    bool
+	Read       bool
+}
+
+// completion is one work completion.
+type completion struct {
+	WRID      uint64
+	Status    wcStatus
+	Opcode    uint32
+	ByteLen   uint32
+	Imm       uint32
+	HasImm    bool
+	VendorErr uint32
+}

@@ -1,0 +1,255 @@
+package rdma
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/tcp"
+)
+
+// serveLane is the peer port's hook for RDMA control connections: it
+// connects a QP to the dialer's and serves the lane's writes until the
+// control connection ends or the transport closes.
+func (t *Transport) serveLane(c *net.TCPConn, _ uint64) {
+	peer := c.RemoteAddr().String()
+	l, err := t.acceptLane(c)
+	if err != nil {
+		if !t.isClosing() {
+			t.logf("rdma: lane from %s: %v", peer, err)
+		}
+		return
+	}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		l.close()
+		return
+	}
+	t.accepted[l] = struct{}{}
+	t.mu.Unlock()
+	defer func() {
+		t.mu.Lock()
+		delete(t.accepted, l)
+		t.mu.Unlock()
+		l.close()
+	}()
+	r := receiver{t: t, l: l, peer: peer, hdrs: make(chan tcp.Header, 1), gone: make(chan struct{})}
+	if err := r.run(); err != nil && !t.isClosing() {
+		t.logf("rdma: lane from %s: %v", peer, err)
+	}
+}
+
+// acceptLane answers a dialer's connect: a new QP, receives posted,
+// connected to the dialer's QP, and described back.
+func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
+	c.SetDeadline(time.Now().Add(t.cfg.TCP.HandshakeTimeout))
+	var b [endpointSize]byte
+	if n, err := io.ReadFull(c, b[:]); err != nil {
+		return nil, fmt.Errorf("read %d of the %d-byte connect: %w", n, endpointSize, err)
+	}
+	var remote endpoint
+	remote.decode(b[:])
+	refuse := func(code transport.Code, err error) error {
+		writeReply(c, code, 0, err.Error(), nil)
+		return err
+	}
+	if t.isClosing() {
+		return nil, refuse(transport.ShuttingDown, errors.New("the receiver is shutting down"))
+	}
+	qp, err := t.nic.NewQP(1, recvDepth)
+	if err != nil {
+		return nil, refuse(transport.Internal, fmt.Errorf("creating a queue pair: %w", err))
+	}
+	defer func() {
+		if err != nil {
+			qp.Close()
+		}
+	}()
+	if err := qp.PostRecvs(recvDepth); err != nil {
+		return nil, refuse(transport.Internal, fmt.Errorf("posting receives: %w", err))
+	}
+	psn := rand.Uint32() & 0xffffff
+	if err := qp.Connect(psn, remote); err != nil {
+		return nil, refuse(transport.Internal, fmt.Errorf("connecting to queue pair %#x: %w", remote.QPN, err))
+	}
+	a := accept{endpoint: t.nic.Endpoint(), peerRegion: t.region()}
+	a.QPN, a.PSN = qp.QPN(), psn
+	var ab [acceptSize]byte
+	a.encode(&ab)
+	if err := writeReply(c, transport.OK, 0, "", ab[:]); err != nil {
+		return nil, err
+	}
+	c.SetDeadline(time.Time{})
+	return newLane(qp, c, 1+recvDepth), nil
+}
+
+// region describes the shared registration to dialers.
+func (t *Transport) region() peerRegion {
+	switch {
+	case t.shared != nil:
+		return peerRegion{Base: addrOf(t.cfg.Memory), Size: uint64(len(t.cfg.Memory)), RKey: t.shared.RKey(), Mode: modeShared}
+	case len(t.cfg.Memory) > 0:
+		return peerRegion{Base: addrOf(t.cfg.Memory), Size: uint64(len(t.cfg.Memory)), Mode: modePerSend}
+	}
+	return peerRegion{Mode: modeNone}
+}
+
+// receiver serves the writes of one accepted lane, one at a time.
+type receiver struct {
+	t       *Transport
+	l       *lane
+	peer    string
+	hdrs    chan tcp.Header // from read
+	gone    chan struct{}   // closed by read when the control connection ends
+	readErr error           // why, set before gone closes; nil for a clean close
+}
+
+func (r *receiver) run() error {
+	r.l.use.Lock()
+	defer r.l.use.Unlock()
+	go r.read()
+	for {
+		select {
+		case <-r.gone:
+			return r.readErr
+		case <-r.l.polled:
+			return r.l.failure()
+		case h := <-r.hdrs:
+			if err := r.serve(h); err == errLaneClosed {
+				<-r.gone
+				return r.readErr
+			} else if err != nil {
+				return err
+			}
+		}
+	}
+}
+
+// read takes headers off the control connection. A sender sends the next
+// header as soon as its write completes, which may be before the
+// receiver has seen that write's completion, so headers queue here.
+func (r *receiver) read() {
+	defer close(r.gone)
+	var b [tcp.HeaderSize]byte
+	for {
+		if n, err := io.ReadFull(r.l.ctrl, b[:]); err != nil {
+			if n > 0 || err != io.EOF {
+				r.readErr = fmt.Errorf("read %d of a %d-byte write header: %w", n, tcp.HeaderSize, err)
+			}
+			return
+		}
+		var h tcp.Header
+		h.Decode(&b)
+		select {
+		case r.hdrs <- h:
+		case <-r.l.quit:
+			return
+		}
+	}
+}
+
+func (r *receiver) reply(code transport.Code, flags uint16, msg string, body []byte) error {
+	r.l.ctrl.SetWriteDeadline(time.Now().Add(r.t.cfg.TCP.IOTimeout))
+	return writeReply(r.l.ctrl, code, flags, msg, body)
+}
+
+// serve answers one header: a refusal, or a grant and then the wait for
+// the write's completion.
+func (r *receiver) serve(h tcp.Header) error {
+	t := r.t
+	if h.Len > t.cfg.TCP.MaxWrite {
+		r.reply(transport.OutOfBounds, tcp.FlagClose, fmt.Sprintf("write of %d bytes exceeds this receiver's limit of %d bytes", h.Len, t.cfg.TCP.MaxWrite), nil)
+		return fmt.Errorf("refused a write of %d bytes (limit %d) and closed the lane", h.Len, t.cfg.TCP.MaxWrite)
+	}
+	dst, done, err := t.cfg.TCP.Sink.Accept(h.Addr, h.Len, h.Key, h.Tag)
+	if err == nil && uint64(len(dst)) != h.Len {
+		err = fmt.Errorf("sink gave %d bytes of memory for a %d-byte write", len(dst), h.Len)
+		done(err)
+	}
+	if err != nil {
+		code, msg := tcp.Refusal(err)
+		return r.reply(code, 0, msg, nil)
+	}
+	tg, err := t.target(dst)
+	if err != nil {
+		done(err)
+		return r.reply(transport.Internal, 0, fmt.Sprintf("the receiver could not make its memory reachable: %v", err), nil)
+	}
+	var gb [grantSize]byte
+	g := grant{Addr: tg.addr, RKey: tg.rkey}
+	g.encode(&gb)
+	if err := r.reply(transport.OK, 0, "", gb[:]); err != nil {
+		// Part of the grant may have gone out: stop the QP before
+		// letting go of the memory.
+		r.l.qp.Break()
+		tg.finish(false)
+		done(err)
+		return err
+	}
+	return r.await(h, tg, done)
+}
+
+// await waits for the completion of a granted write and delivers it when
+// it matches the grant. When the control connection ends or the
+// transport closes first, the QP is broken and its completions drained:
+// a write that completed before is still delivered, anything later is
+// flushed.
+func (r *receiver) await(h tcp.Header, tg *target, done func(error)) error {
+	l, t := r.l, r.t
+	gone, closing := r.gone, t.closing
+	var drained <-chan time.Time
+	fail := func(err error) error {
+		tg.finish(false)
+		done(err)
+		// Tell the sender, which is waiting for its completion, why the
+		// write failed here; the lane then closes.
+		code := transport.Internal
+		if t.isClosing() {
+			code = transport.ShuttingDown
+		}
+		r.reply(code, tcp.FlagClose|flagFailed, err.Error(), nil)
+		return err
+	}
+	for {
+		select {
+		case c := <-l.wcs:
+			if c.Status != wcSuccess {
+				return fail(fmt.Errorf("waiting for the %d-byte write tagged %d: %w", h.Len, h.Tag,
+					&CompletionError{Status: c.Status, VendorErr: c.VendorErr, Op: "receive"}))
+			}
+			if c.Opcode != opcodeRecvRDMAWithImm || !c.HasImm || c.Imm != h.Tag || uint64(c.ByteLen) != lastChunk(h.Len) {
+				t.stats.rejected.Add(1)
+				l.qp.Break()
+				return fail(fmt.Errorf("rejected a completion that does not match its grant (opcode %d, immediate %#x, last message of %d bytes; granted tag %#x, %d bytes at %#x, whose last message is %d bytes): nothing was delivered",
+					c.Opcode, c.Imm, c.ByteLen, h.Tag, h.Len, h.Addr, lastChunk(h.Len)))
+			}
+			tg.finish(true)
+			done(nil)
+			if drained != nil {
+				return errLaneClosed // delivered, but the lane is broken
+			}
+			if err := l.qp.PostRecvs(1); err != nil {
+				return fmt.Errorf("replenishing receives: %w", err)
+			}
+			return nil
+		case <-gone:
+			gone, closing = nil, nil
+			l.qp.Break()
+			drained = time.After(drainWait)
+		case <-closing:
+			gone, closing = nil, nil
+			l.qp.Break()
+			drained = time.After(drainWait)
+		case <-drained:
+			return fail(fmt.Errorf("the %d-byte write tagged %d did not complete before its lane closed", h.Len, h.Tag))
+		case <-l.polled:
+			l.qp.Break()
+			return fail(l.failure())
+		}
+	}
+}

@@ -1,0 +1,258 @@
+// Package rdma is ferry's RDMA data plane over libibverbs (cgo): NIC
+// discovery and GID choice, one shared registration of the daemon's
+// arena (per-send registration when that fails), and a transport.Transport
+// whose sessions are pools of RC queue pairs carrying RDMA WRITE WITH IMM,
+// the immediate being the write's tag.
+//
+// The transport shares the peer port and its handshake with transport/tcp:
+// an RDMA lane is a TCP control connection (hello of kind rdma) plus an RC
+// QP set up over it (wire.go). A peer without RDMA answers the hello with
+// "no RDMA here", and the session falls back to TCP data connections.
+package rdma
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/tcp"
+)
+
+// Config configures a Transport.
+type Config struct {
+	// TCP is the peer port: address, Sink, instance, timeouts, and
+	// MaxConnsPerPeer, which bounds each session's lanes. Its RDMA hook is
+	// the transport's own.
+	TCP tcp.Config
+	// Memory is the daemon's NIC-safe memory (its mmap'd arena, never Go
+	// heap), registered once at start as the shared registration. Writes
+	// from and into it go straight through the NIC; anything else is
+	// copied through buffers the transport maps.
+	Memory []byte
+	// PerSend skips the shared registration, so that every write from
+	// Memory registers its range for that write (a debugging and
+	// benchmarking switch; the daemon's --rdma-registration per-send).
+	PerSend bool
+}
+
+// Queue depths. A write is at most sendDepth work requests in flight; a
+// receiving lane keeps recvDepth receives posted for immediates (one
+// write at a time per lane needs one; the rest absorb a replenish lag).
+const (
+	sendDepth = 64
+	recvDepth = 16
+	// chunk is the size of a write's messages (the last one shorter),
+	// part of the protocol: the receiver checks the length of the last.
+	// signalEvery is how many go between signaled ones from registered
+	// memory: enough completions to see progress, few enough to cost
+	// nothing.
+	chunk       = 1 << 20
+	signalEvery = 8
+	// drainWait bounds the wait for the flush completion after a lane is
+	// broken mid-write.
+	drainWait = 2 * time.Second
+)
+
+var (
+	errLaneClosed = errors.New("lane closed")
+	errCanceled   = errors.New("canceled")
+	errNoProgress = errors.New("no progress")
+)
+
+// Registration says how Memory is registered with the NIC.
+type Registration struct {
+	// Mode is "shared" (registered once), "per-send" (each write
+	// registers its range) or "none" (no Memory: every write is copied).
+	Mode  string        `json:"mode"`
+	Bytes int64         `json:"bytes"`
+	Took  time.Duration `json:"took"` // the shared registration's time
+	// Err is why the shared registration failed, with the fix.
+	Err error `json:"-"`
+}
+
+// Stats counts how writes met the NIC.
+type Stats struct {
+	PerSend    uint64 `json:"per_send_registrations"`    // sources registered for one write
+	PerReceive uint64 `json:"per_receive_registrations"` // destinations registered for one write
+	Bounced    uint64 `json:"bounced_sends"`             // sources copied through a bounce buffer
+	Staged     uint64 `json:"staged_receives"`           // destinations written through a staging buffer
+	Rejected   uint64 `json:"rejected_completions"`      // receive completions that did not match their grant
+}
+
+type counters struct {
+	perSend, perReceive, bounced, staged, rejected atomic.Uint64
+}
+
+// Transport is the RDMA data plane. It implements transport.Transport.
+type Transport struct {
+	cfg    Config
+	tcp    *tcp.Transport
+	nic    nic
+	shared region
+	reg    Registration
+	stats  counters
+
+	closing   chan struct{} // closed when Close starts
+	mu        sync.Mutex
+	closed    bool
+	sessions  map[*session]struct{}
+	accepted  map[*lane]struct{} // served by serveLane
+	closeOnce sync.Once
+	closeErr  error
+}
+
+var _ transport.Transport = (*Transport)(nil)
+
+// Listen opens the port and GID of choice (see Discover and Choose),
+// registers cfg.Memory, and listens on the peer port.
+func Listen(cfg Config, choice Choice) (*Transport, error) {
+	n, err := openNIC(choice)
+	if err != nil {
+		return nil, fmt.Errorf("rdma: opening %s port %d: %w", choice.Device, choice.Port, err)
+	}
+	t, err := listen(cfg, n)
+	if err != nil {
+		n.Close()
+		return nil, err
+	}
+	return t, nil
+}
+
+// listen runs a Transport over n, which it owns from here on.
+func listen(cfg Config, n nic) (*Transport, error) {
+	t := &Transport{
+		cfg: cfg, nic: n,
+		closing:  make(chan struct{}),
+		sessions: make(map[*session]struct{}),
+		accepted: make(map[*lane]struct{}),
+	}
+	t.registerShared()
+	tc := cfg.TCP
+	tc.RDMA = t.serveLane
+	var err error
+	if t.tcp, err = tcp.Listen(tc); err != nil {
+		if t.shared != nil {
+			t.shared.Close()
+		}
+		return nil, fmt.Errorf("rdma: %w", err)
+	}
+	t.cfg.TCP = t.tcp.Config()
+	return t, nil
+}
+
+// registerShared registers Memory once, timing it. A failure leaves the
+// transport in per-send mode with the reason and the fix.
+func (t *Transport) registerShared() {
+	mem := t.cfg.Memory
+	t.reg = Registration{Mode: "none", Bytes: int64(len(mem))}
+	if len(mem) == 0 {
+		return
+	}
+	t.reg.Mode = "per-send"
+	if t.cfg.PerSend {
+		return
+	}
+	start := time.Now()
+	reg, err := t.nic.Register(mem)
+	t.reg.Took = time.Since(start)
+	if err != nil {
+		t.reg.Err = memlockAdvice(err, len(mem))
+		return
+	}
+	t.shared, t.reg.Mode = reg, "shared"
+}
+
+// memlockAdvice explains a failed shared registration: nearly always the
+// locked-memory limit, which the NIC's page pinning counts against.
+func memlockAdvice(err error, n int) error {
+	var lim unix.Rlimit
+	limit := "unknown"
+	if unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) == nil {
+		limit = fmt.Sprintf("%d bytes", lim.Cur)
+		if lim.Cur == unix.RLIM_INFINITY {
+			limit = "unlimited"
+		}
+	}
+	name := "error"
+	var errno unix.Errno
+	if errors.As(err, &errno) {
+		name = unix.ErrnoName(errno)
+	}
+	return fmt.Errorf("the shared registration of %d bytes failed with %s (%w); the locked-memory limit (RLIMIT_MEMLOCK) is %s: set LimitMEMLOCK=infinity in ferryd's systemd unit (or ulimit -l unlimited) so the arena registers once; until then each send registers its range and deregisters it after (per-send mode)", n, name, err, limit)
+}
+
+func (t *Transport) Name() string { return "rdma" }
+
+func (t *Transport) Addr() net.Addr { return t.tcp.Addr() }
+
+// Registration says how Memory is registered.
+func (t *Transport) Registration() Registration { return t.reg }
+
+// SharedMR reports whether src lies inside the shared registration, so
+// writing it needs no registration of its own.
+func (t *Transport) SharedMR(src []byte) bool {
+	return t.shared != nil && within(t.cfg.Memory, src)
+}
+
+// Stats returns the transport's counters.
+func (t *Transport) Stats() Stats {
+	return Stats{
+		PerSend: t.stats.perSend.Load(), PerReceive: t.stats.perReceive.Load(),
+		Bounced: t.stats.bounced.Load(), Staged: t.stats.staged.Load(), Rejected: t.stats.rejected.Load(),
+	}
+}
+
+func (t *Transport) logf(format string, args ...any) {
+	if t.cfg.TCP.Logf != nil {
+		t.cfg.TCP.Logf(format, args...)
+	}
+}
+
+func (t *Transport) isClosing() bool {
+	select {
+	case <-t.closing:
+		return true
+	default:
+		return false
+	}
+}
+
+// Close ends every session and every accepted lane (writes in flight
+// fail on both sides), stops the listener, then drops the shared
+// registration and the NIC, in that order.
+func (t *Transport) Close() error {
+	t.closeOnce.Do(func() {
+		t.mu.Lock()
+		t.closed = true
+		close(t.closing)
+		sessions := make([]*session, 0, len(t.sessions))
+		for s := range t.sessions {
+			sessions = append(sessions, s)
+		}
+		// Accepted lanes stop at once (their receives flush); their
+		// goroutines end with their control connections, which the TCP
+		// side closes and waits out.
+		for l := range t.accepted {
+			l.abort()
+		}
+		t.mu.Unlock()
+		for _, s := range sessions {
+			s.Close()
+		}
+		errs := []error{t.tcp.Close()}
+		if t.shared != nil {
+			errs = append(errs, t.shared.Close())
+		}
+		errs = append(errs, t.nic.Close())
+		if err := errors.Join(errs...); err != nil {
+			t.closeErr = fmt.Errorf("rdma close: %w", err)
+		}
+	})
+	return t.closeErr
+}

@@ -1,0 +1,212 @@
+package rdma
+
+// The control connection of an RDMA lane. It opens with the peer port's
+// handshake (transport/tcp/wire.go, a hello of kind rdma), then goes on
+// here. Integers are little-endian.
+//
+// Connect, once:
+//
+//	client → server  connect, 32 bytes: the client QP's endpoint
+//	  0  gid       [16]byte
+//	 16  qpn       u32
+//	 20  psn       u32     the first PSN the client sends
+//	 24  lid       u16     0 on RoCE
+//	 26  mtu       u8      the port's active MTU (enum ibv_mtu)
+//	 27  reserved  [5]byte
+//
+//	server → client  a reply (tcp.EncodeReply): code 0, or a code and a
+//	                 message saying why no lane (no QP, shutting down);
+//	                 after code 0, 56 bytes:
+//	  0  endpoint  32 bytes, the server QP's, as above
+//	 32  base      u64     the server's shared registration: its address,
+//	 40  size      u64     size and rkey (0, 0, 0 when it has none), and
+//	 48  rkey      u32
+//	 52  mode      u32     1 shared, 2 per-send, 0 none
+//
+// Both sides then move their QP to RTS; the path MTU is the smaller of
+// the two. The dialer holds grants to the receiver's registration: one
+// that names the shared rkey must lie inside base and size.
+//
+// Then any number of writes, one at a time per lane:
+//
+//	client → server  tcp.Header, 24 bytes (addr, len, key, tag)
+//	server → client  a reply: a refusal (transport.Code and message, as on
+//	                 a TCP data connection), or code 0 and a grant, 16
+//	                 bytes:
+//	  0  addr      u64     where the NIC is to place the bytes
+//	  8  rkey      u32     the registration covering [addr, addr+len)
+//	 12  reserved  u32
+//
+// A receiver that fails a granted write (its receive completed in error,
+// the completion did not match the grant, it is stopping) sends a reply
+// with flags bit 1 (flagFailed) and the reason, and closes the lane.
+//
+// After a grant the client posts the body to the granted range as RDMA
+// WRITEs of 1 MiB each (the last one shorter), the last one WITH IMM
+// carrying the tag. Its completion is the sender's completion: RC
+// acknowledges it once the peer's NIC has placed the bytes, and RC's
+// ordering means every earlier message of the lane was placed before
+// it. The receiver takes the write as delivered when its own receive
+// completion shows the tag and the length of the last message the grant
+// implies; anything else is rejected, counted and logged, and never
+// delivered.
+//
+// What the NIC enforces: a write needs an rkey of the receiver's
+// protection domain with remote write access, must stay inside that
+// registration, and must come from the QP this lane connected. What
+// ferry checks: the receiver grants only after its Sink accepted the
+// header (a live slot, its key, the bounds), and it delivers only a
+// completion that matches the grant. A peer that writes without asking
+// (holding an rkey from an earlier grant) is stopped by the NIC only at
+// the registration's bounds: with the shared registration that is the
+// whole arena. Memory windows bound per grant would close that gap.
+
+import (
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/tcp"
+)
+
+const (
+	endpointSize = 32
+	acceptSize   = endpointSize + 24
+	grantSize    = 16
+)
+
+// flagFailed in a reply's flags: the reply reports the failure of the
+// write in flight, and the lane closes (FlagClose is set too).
+const flagFailed = 2
+
+// Registration modes as the connect reply carries them.
+const (
+	modeNone    = 0
+	modeShared  = 1
+	modePerSend = 2
+)
+
+func (e *endpoint) encode(b []byte) {
+	copy(b[0:16], e.GID[:])
+	binary.LittleEndian.PutUint32(b[16:], e.QPN)
+	binary.LittleEndian.PutUint32(b[20:], e.PSN)
+	binary.LittleEndian.PutUint16(b[24:], e.LID)
+	b[26] = byte(e.MTU)
+	clear(b[27:endpointSize])
+}
+
+func (e *endpoint) decode(b []byte) {
+	copy(e.GID[:], b[0:16])
+	e.QPN = binary.LittleEndian.Uint32(b[16:])
+	e.PSN = binary.LittleEndian.Uint32(b[20:])
+	e.LID = binary.LittleEndian.Uint16(b[24:])
+	e.MTU = mtu(b[26])
+}
+
+// peerRegion is what a connect reply says about the server's memory.
+type peerRegion struct {
+	Base, Size uint64
+	RKey       uint32
+	Mode       uint32
+}
+
+// check refuses a grant that names the shared registration's rkey for a
+// range outside it: the NIC would fail the write with REM_ACCESS_ERR;
+// this says which side is wrong before posting anything.
+func (r peerRegion) check(g grant, n uint64) error {
+	if r.Mode != modeShared || g.RKey != r.RKey || n == 0 {
+		return nil
+	}
+	if g.Addr < r.Base || g.Addr-r.Base > r.Size || n > r.Size-(g.Addr-r.Base) {
+		return fmt.Errorf("the receiver granted [%#x, +%d) under the rkey of its registration [%#x, +%d), which does not hold it", g.Addr, n, r.Base, r.Size)
+	}
+	return nil
+}
+
+// accept is the server's part of the connect exchange.
+type accept struct {
+	endpoint
+	peerRegion
+}
+
+func (a *accept) encode(b *[acceptSize]byte) {
+	a.endpoint.encode(b[:endpointSize])
+	binary.LittleEndian.PutUint64(b[32:], a.Base)
+	binary.LittleEndian.PutUint64(b[40:], a.Size)
+	binary.LittleEndian.PutUint32(b[48:], a.RKey)
+	binary.LittleEndian.PutUint32(b[52:], a.Mode)
+}
+
+func (a *accept) decode(b *[acceptSize]byte) {
+	a.endpoint.decode(b[:endpointSize])
+	a.Base = binary.LittleEndian.Uint64(b[32:])
+	a.Size = binary.LittleEndian.Uint64(b[40:])
+	a.RKey = binary.LittleEndian.Uint32(b[48:])
+	a.Mode = binary.LittleEndian.Uint32(b[52:])
+}
+
+// grant is where a receiver lets one write land.
+type grant struct {
+	Addr uint64
+	RKey uint32
+}
+
+func (g *grant) encode(b *[grantSize]byte) {
+	binary.LittleEndian.PutUint64(b[0:], g.Addr)
+	binary.LittleEndian.PutUint32(b[8:], g.RKey)
+	binary.LittleEndian.PutUint32(b[12:], 0)
+}
+
+func (g *grant) decode(b *[grantSize]byte) {
+	g.Addr = binary.LittleEndian.Uint64(b[0:])
+	g.RKey = binary.LittleEndian.Uint32(b[8:])
+}
+
+// reply is a reply's code and message, and the fixed record that follows
+// an OK one.
+type reply struct {
+	code  transport.Code
+	flags uint16
+	msg   string
+}
+
+// writeReply sends a reply, followed by body when the code is OK.
+func writeReply(c net.Conn, code transport.Code, flags uint16, msg string, body []byte) error {
+	var b [tcp.ReplySize + tcp.MaxMessage + acceptSize]byte
+	n := len(tcp.EncodeReply((*[tcp.ReplySize + tcp.MaxMessage]byte)(b[:tcp.ReplySize+tcp.MaxMessage]), code, flags, msg))
+	if code == transport.OK {
+		n += copy(b[n:], body)
+	}
+	if _, err := c.Write(b[:n]); err != nil {
+		return fmt.Errorf("sending a %s reply: %w", code, err)
+	}
+	return nil
+}
+
+// readReply reads a reply; after an OK one it fills body.
+func readReply(c net.Conn, body []byte) (reply, error) {
+	var b [tcp.ReplySize]byte
+	if _, err := io.ReadFull(c, b[:]); err != nil {
+		return reply{}, err
+	}
+	code, flags, n, err := tcp.DecodeReply(&b)
+	if err != nil {
+		return reply{}, err
+	}
+	r := reply{code: code, flags: flags}
+	if n > 0 {
+		msg := make([]byte, n)
+		if _, err := io.ReadFull(c, msg); err != nil {
+			return reply{}, err
+		}
+		r.msg = string(msg)
+	}
+	if code == transport.OK {
+		if _, err := io.ReadFull(c, body); err != nil {
+			return reply{}, err
+		}
+	}
+	return r, nil
+}

@@ -1,0 +1,252 @@
+package e2e
+
+import (
+	"bytes"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/rdma"
+)
+
+// The RDMA tests need a usable RDMA port: the soft-RoCE VM (make
+// test-rdma) has one and sets FERRY_RDMA_REQUIRED=1, so that there they
+// fail rather than skip without it.
+
+var rdmaPort = sync.OnceValue(func() error {
+	inv, err := rdma.Discover()
+	if err == nil {
+		_, err = rdma.Choose(inv, rdma.Want{GIDIndex: -1})
+	}
+	return err
+})
+
+func requireRDMA(t *testing.T) {
+	t.Helper()
+	if err := rdmaPort(); err != nil {
+		if os.Getenv("FERRY_RDMA_REQUIRED") == "1" {
+			t.Fatalf("FERRY_RDMA_REQUIRED=1 but: %v", err)
+		}
+		t.Skipf("%v: make test-rdma runs this in the soft-RoCE VM", err)
+	}
+}
+
+// TestRDMATransportChoice: --transport auto takes RDMA when there is a
+// usable port and says why not otherwise; --transport rdma without one
+// refuses to start, naming what is missing.
+func TestRDMATransportChoice(t *testing.T) {
+	dir := t.TempDir()
+	d := startDaemon(t, dir, "auto", "--transport", "auto")
+	st, err := d.c.Status(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	chosen := d.log.wait(t, 5*time.Second, `"transport chosen"`, msg("transport chosen"))
+	if st.Transport.RDMA == nil {
+		t.Fatalf("status has no RDMA inventory under --transport auto: %+v", st.Transport)
+	}
+	if rdmaPort() != nil {
+		if os.Getenv("FERRY_RDMA_REQUIRED") == "1" {
+			t.Fatalf("FERRY_RDMA_REQUIRED=1 but: %v", rdmaPort())
+		}
+		if st.Transport.Name != "tcp" || !strings.Contains(st.Transport.Reason, "no usable RDMA port") ||
+			st.Registration.Mode != "none" || chosen["transport"] != "tcp" {
+			t.Errorf("auto without RDMA: status %+v, registration %+v, log %v", st.Transport, st.Registration, chosen)
+		}
+		cmd := exec.Command(filepath.Join(bin, "ferryd"), "--socket", filepath.Join(dir, "rdma.sock"),
+			"--listen", "127.0.0.1:0", "--arena-size", "64MiB", "--transport", "rdma")
+		out, err := cmd.CombinedOutput()
+		if err == nil || !strings.Contains(string(out), "--transport rdma: no usable RDMA port") {
+			t.Errorf("ferryd --transport rdma without RDMA: %v, %q; want a refusal to start naming what is missing", err, out)
+		}
+		return
+	}
+	c := st.Transport.RDMA.Chosen
+	if st.Transport.Name != "rdma" || c == nil || c.Device == "" || c.Why == "" || chosen["transport"] != "rdma" {
+		t.Fatalf("auto with RDMA: status %+v, log %v", st.Transport, chosen)
+	}
+	t.Logf("chose %s port %d GID %d (%s): %s", c.Device, c.Port, c.GIDIndex, c.GID, c.Why)
+	if st.Registration.Mode != "shared" || st.Registration.Bytes != 64<<20 || st.Registration.Millis <= 0 {
+		t.Errorf("registration %+v, want the 64 MiB arena registered once, with its time", st.Registration)
+	}
+	d.log.wait(t, 5*time.Second, "the registration line", msg("arena registered with the NIC once"))
+}
+
+// TestRDMASendUploadAndZeroCopy: two daemons send an embedding over RDMA
+// from the shared registration, staged by upload and zero-copy.
+func TestRDMASendUploadAndZeroCopy(t *testing.T) {
+	requireRDMA(t)
+	snd, rcv := pair(t, "--transport", "rdma", "--slow-threshold", "1ns")
+	ctx := ctxT(t)
+	data := randomBytes(embBytes, 11)
+	if _, err := snd.c.Stage(ctx, "rd-up", embShape, "bf16", bytes.NewReader(data), int64(len(data))); err != nil {
+		t.Fatal(err)
+	}
+	res, err := snd.c.Send(ctx, "rd-up", slotFor(t, rcv, "rd-up", embBytes))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Transport != "rdma" || !res.SharedMR || res.Attempts != 1 {
+		t.Errorf("send result %+v, want rdma from the shared registration in one attempt", res)
+	}
+	got, err := rcv.c.Wait(ctx, "rd-up", 10*time.Second)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("upload-staged embedding over RDMA: %v (equal %v)", err, bytes.Equal(got, data))
+	}
+	line := snd.log.wait(t, 5*time.Second, "slow transfer", msg("slow transfer"))
+	if line["transport"] != "rdma" || line["shared_mr"] != true {
+		t.Errorf("slow-transfer line %v, want transport rdma and shared_mr true", line)
+	}
+
+	// Zero-copy: the client writes into the arena through its mapping.
+	data = randomBytes(embBytes, 12)
+	sl, err := snd.c.Slice(ctx, "rd-zc", api.SliceRequest{Shape: embShape, DType: "bf16"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m, err := client.MapArena(sl.ArenaFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	dst, err := m.Slice(sl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(dst, data)
+	if _, err := snd.c.Commit(ctx, "rd-zc", embShape, "bf16"); err != nil {
+		t.Fatal(err)
+	}
+	if res, err = snd.c.Send(ctx, "rd-zc", slotFor(t, rcv, "rd-zc", embBytes)); err != nil || !res.SharedMR {
+		t.Fatalf("zero-copy send over RDMA: %+v, %v", res, err)
+	}
+	info, err := rcv.c.WaitInfo(ctx, "rd-zc", 10*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	rm, err := client.MapArena(info.ArenaFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer rm.Close()
+	if in, err := rm.Bytes(info.Offset, info.Received); err != nil || !bytes.Equal(in, data) {
+		t.Fatalf("zero-copy embedding read in place: %v", err)
+	}
+	sessions, err := snd.c.Sessions(ctx)
+	if err != nil || len(sessions) != 1 || sessions[0].Transport != "rdma" {
+		t.Errorf("sessions %+v, %v; want one rdma session", sessions, err)
+	}
+	for _, d := range []*daemon{snd, rcv} {
+		if st, err := d.c.Status(ctx); err != nil || st.Registration.PerSend != 0 {
+			t.Errorf("status %+v, %v; want no per-send registration", st.Registration, err)
+		}
+	}
+}
+
+// TestRDMAPerSendRegistration: with the shared registration off, each
+// send registers its range, says so in its result and in an INFO line
+// (shared_mr=false, as the seeds' log did), and still delivers.
+func TestRDMAPerSendRegistration(t *testing.T) {
+	requireRDMA(t)
+	snd, rcv := pair(t, "--transport", "rdma", "--rdma-registration", "per-send")
+	ctx := ctxT(t)
+	st, err := snd.c.Status(ctx)
+	if err != nil || st.Registration.Mode != "per-send" || !strings.Contains(st.Registration.Reason, "per-send") {
+		t.Fatalf("status registration %+v, %v; want per-send with its reason", st.Registration, err)
+	}
+	data := randomBytes(embBytes, 13)
+	if _, err := snd.c.Stage(ctx, "rd-ps", embShape, "bf16", bytes.NewReader(data), int64(len(data))); err != nil {
+		t.Fatal(err)
+	}
+	res, err := snd.c.Send(ctx, "rd-ps", slotFor(t, rcv, "rd-ps", embBytes))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.SharedMR || res.Transport != "rdma" {
+		t.Errorf("send result %+v, want rdma with shared_mr false", res)
+	}
+	line := snd.log.wait(t, 5*time.Second, "a per-send INFO line", msg("slow transfer"))
+	if line["level"] != "info" || line["shared_mr"] != false || line["req_id"] != "rd-ps" {
+		t.Errorf("per-send line %v, want INFO with shared_mr false", line)
+	}
+	got, err := rcv.c.Wait(ctx, "rd-ps", 10*time.Second)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("per-send embedding: %v", err)
+	}
+	for _, d := range []*daemon{snd, rcv} {
+		if st, err := d.c.Status(ctx); err != nil || st.Registration.PerSend != 1 {
+			t.Errorf("status %+v, %v; want one per-send registration on each side", st.Registration, err)
+		}
+	}
+}
+
+// TestRDMAFallbackToTCPPeer: an RDMA daemon sending to a TCP-only one
+// falls back to TCP for that session, and logs it.
+func TestRDMAFallbackToTCPPeer(t *testing.T) {
+	requireRDMA(t)
+	dir := t.TempDir()
+	snd := startDaemon(t, dir, "snd", "--transport", "rdma")
+	rcv := startDaemon(t, dir, "rcv", "--transport", "tcp")
+	ctx := ctxT(t)
+	data := randomBytes(embBytes, 14)
+	if _, err := snd.c.Stage(ctx, "rd-fb", embShape, "bf16", bytes.NewReader(data), int64(len(data))); err != nil {
+		t.Fatal(err)
+	}
+	res, err := snd.c.Send(ctx, "rd-fb", slotFor(t, rcv, "rd-fb", embBytes))
+	if err != nil || res.Transport != "tcp" {
+		t.Fatalf("send to a TCP-only peer: %+v, %v; want it over tcp", res, err)
+	}
+	snd.log.wait(t, 5*time.Second, "the fallback line", func(m map[string]any) bool {
+		s, _ := m["message"].(string)
+		return strings.Contains(s, "serves no RDMA") && strings.Contains(s, "falls back to TCP")
+	})
+	if got, err := rcv.c.Wait(ctx, "rd-fb", 10*time.Second); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("embedding over the fallback: %v", err)
+	}
+}
+
+// TestRDMAPeerDownRetry: over RDMA as over TCP, a send to a peer that
+// died tears the session down, re-dials, retries, and fails with
+// transfer_failed naming what broke, keeping the staged data; the resend
+// to the restarted peer delivers.
+func TestRDMAPeerDownRetry(t *testing.T) {
+	requireRDMA(t)
+	dir := t.TempDir()
+	snd := startDaemon(t, dir, "snd", "--transport", "rdma", "--io-timeout", "3s", "--send-timeout", "20s")
+	rcv := startDaemon(t, dir, "rcv", "--transport", "rdma")
+	ctx := ctxT(t)
+	data := randomBytes(embBytes, 15)
+	if _, err := snd.c.Stage(ctx, "rd-down", embShape, "bf16", bytes.NewReader(data), int64(len(data))); err != nil {
+		t.Fatal(err)
+	}
+	warm := randomBytes(256, 16)
+	if _, err := snd.c.Stage(ctx, "rd-warm", []int64{256}, "u8", bytes.NewReader(warm), 256); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := snd.c.Send(ctx, "rd-warm", slotFor(t, rcv, "rd-warm", 256)); err != nil {
+		t.Fatal(err)
+	}
+	req := slotFor(t, rcv, "rd-down", embBytes)
+	port := rcv.listen[strings.LastIndex(rcv.listen, ":")+1:]
+	rcv.kill()
+
+	_, err := snd.c.Send(ctx, "rd-down", req)
+	wantErr(t, err, 502, api.CodeTransferFailed, "rd-down", req.Session, "nbytes=131072", "ret=", "kept")
+	snd.log.wait(t, 5*time.Second, "a retry warning", func(m map[string]any) bool {
+		return m["level"] == "warn" && m["req_id"] == "rd-down" && strings.Contains(m["message"].(string), "retrying")
+	})
+	rcv2 := startDaemon(t, dir, "rcv", "--transport", "rdma", "--listen", "127.0.0.1:"+port)
+	res, err := snd.c.Send(ctx, "rd-down", slotFor(t, rcv2, "rd-down", embBytes))
+	if err != nil || res.Transport != "rdma" {
+		t.Fatalf("resend to the restarted peer: %+v, %v", res, err)
+	}
+	if got, err := rcv2.c.Wait(ctx, "rd-down", 10*time.Second); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("resend did not deliver byte-exact: %v", err)
+	}
+}

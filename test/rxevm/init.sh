@@ -1,0 +1,120 @@
+#!/bin/busybox sh
+# PID 1 of the soft-RoCE VM (run.sh builds the initramfs around it): load
+# rdma_rxe, add rxe0 on dummy0, run ferry's tests with a real verbs device
+# required, benchmark ferry's RDMA writes beside ib_write_bw, power off.
+# Lines starting "== " are what run.sh reads.
+/bin/busybox --install -s
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+mount -t tmpfs tmp /tmp
+. /etc/rxevm.env
+export PATH=/usr/bin:/usr/sbin HOME=/tmp TMPDIR=/tmp
+up() { cut -d' ' -f1 /proc/uptime; }
+echo "== booted at $(up)s"
+FAIL=0
+
+# check NAME SECONDS CMD...: run CMD, killed after SECONDS, and report it.
+check() {
+  name=$1 limit=$2
+  shift 2
+  s=$(up)
+  if timeout -s KILL "$limit" "$@"; then
+    echo "== PASS $name ($(echo "$(up) $s" | awk '{printf "%.1f", $1 - $2}')s)"
+  else
+    echo "== FAIL $name (exit $?)"
+    FAIL=1
+  fi
+}
+
+for m in $(cat /opt/mod/order); do
+  insmod /opt/mod/$m || { echo "== FAIL insmod $m"; FAIL=1; }
+done
+ip link set lo up
+ip link show dummy0 >/dev/null 2>&1 || ip link add dummy0 type dummy
+ip addr add 10.11.12.1/24 dev dummy0
+ip link set dummy0 up
+check "rdma link add rxe0" 10 rdma link add rxe0 type rxe netdev dummy0
+# The GID table fills a moment after the link is added: wait (5 s at
+# most) for the RoCE v2 GID of 10.11.12.1.
+GIDX=
+for i in $(seq 1 50); do
+  for g in /sys/class/infiniband/rxe0/ports/1/gids/*; do
+    case $(cat "$g" 2>/dev/null) in *ffff:0a0b:0c01)
+      t=$(cat /sys/class/infiniband/rxe0/ports/1/gid_attrs/types/$(basename "$g") 2>/dev/null)
+      [ "$t" = "RoCE v2" ] && GIDX=$(basename "$g") && break 2 ;;
+    esac
+  done
+  sleep 0.1
+done
+echo "== rxe0 RoCE v2 GID index ${GIDX:-none}"
+[ -n "$GIDX" ] || FAIL=1
+ibv_devinfo -d rxe0 | grep -E 'state|active_mtu|link_layer'
+
+export FERRY_RDMA_REQUIRED=1
+check "rdma package tests" 600 /opt/rdma.test -test.v -test.count=1 -test.timeout=590s -test.run "$RUN"
+cd /opt && FERRY_BIN=/opt/bin check "e2e tests over rdma" 300 /opt/e2e.test -test.v -test.count=1 -test.timeout=290s -test.run 'RDMA'
+cd /
+
+# ---- benchmarks: ferry's write beside ib_write_bw, alternately ------------
+# Both keep the same number of RC QPs busy on rxe0: ferry 8 writes in
+# flight, one per lane (BenchmarkWrite's writers), ib_write_bw -q 8.
+QPS=8
+# ibbw SIZE ITERS: one ib_write_bw run of about ITERS messages in all;
+# prints MB/s (1e6 bytes/s, from its Gb/s average). The bench functions
+# run in $(...) subshells, so a failure is marked in a file.
+ibbw() {
+  n=$(($2 / QPS)); [ $n -lt 5 ] && n=5
+  # perftest times itself with the TSC, which TCG emulates: a run now and
+  # then reports 0.00; such a run is taken again, once.
+  for try in 1 2; do
+    ib_write_bw -d rxe0 -x "$GIDX" -q $QPS -s "$1" -n $n -F --report_gbits >/tmp/ibsrv.log 2>&1 &
+    srv=$!
+    # The server listens on TCP 18515 for the client's exchange; wait for it.
+    for i in $(seq 1 100); do netstat -ltn 2>/dev/null | grep -q ':18515 ' && break; sleep 0.05; done
+    ib_write_bw -d rxe0 -x "$GIDX" -q $QPS -s "$1" -n $n -F --report_gbits 127.0.0.1 >/tmp/ibcli.log 2>&1
+    wait $srv
+    awk -v s="$1" '$1 == s && NF >= 4 && $4 > 0 {printf "%.2f", $4 * 125; found=1} END {exit !found}' /tmp/ibcli.log && return
+  done
+  cat /tmp/ibcli.log /tmp/ibsrv.log >&2
+  echo 0
+  touch /tmp/benchfail
+}
+# ferrybw NAME ITERS: one run of the rdma package's BenchmarkWrite/NAME;
+# prints its MB/s.
+ferrybw() {
+  /opt/rdma.bench -test.run '^$' -test.bench "^BenchmarkWrite\$/^$1\$" -test.benchtime "$2x" >/tmp/fb.log 2>&1
+  if ! awk '/MB\/s/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") {printf "%.2f", $i; found=1}} END {exit !found}' /tmp/fb.log; then
+    cat /tmp/fb.log >&2
+    echo 0
+    touch /tmp/benchfail
+  fi
+}
+if [ "$BENCH" = 1 ]; then
+  echo "== bench: ferry = $QPS writes in flight from the shared registration, one per lane (RC QP); ib_write_bw -q $QPS; both on rxe0, run A B A B A B"
+  for spec in 65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40; do
+    size=${spec%%:*} rest=${spec#*:}
+    name=${rest%%:*} iters=${rest#*:}
+    runs=
+    for round in 1 2 3; do runs="$runs $(ibbw $size $iters) $(ferrybw $name $iters)"; done
+    # The median of three runs each: this machine's noise comes in bursts.
+    echo "$name $runs" | awk 'function med(a, b, c) { return a + b + c - (a < b ? (a < c ? a : c) : (b < c ? b : c)) - (a > b ? (a > c ? a : c) : (b > c ? b : c)) }
+      {ib = med($2, $4, $6); f = med($3, $5, $7);
+      printf "== BENCH write size=%s ib_write_bw_MBps=%.2f ferry_MBps=%.2f ratio=%.2f (medians of runs: ib %s %s %s, ferry %s %s %s)\n",
+        $1, ib, f, (ib > 0 ? f / ib : 0), $2, $4, $6, $3, $5, $7}'
+  done
+  /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkRegister' -test.benchtime 5x >/tmp/reg.log 2>&1 || { cat /tmp/reg.log; FAIL=1; }
+  grep '^BenchmarkRegister' /tmp/reg.log | sed 's/^/== BENCH /'
+  for round in 1 2; do
+    /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x >/tmp/mode.log 2>&1 || { cat /tmp/mode.log >&2; FAIL=1; }
+    awk '/^BenchmarkWriteMode/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") print $1, $i}' /tmp/mode.log
+  done >/tmp/modes
+  awk '/shared/ {s += $2; ns++} /per-send/ {p += $2; np++}
+    END {s /= (ns ? ns : 1); p /= (np ? np : 1);
+    printf "== BENCH registration 1MiB writes shared_MBps=%.2f per_send_MBps=%.2f ratio=%.2f (per-send/shared)\n", s, p, (s > 0 ? p / s : 0)}' /tmp/modes
+  # A benchmark that errs (not one that is slow) fails the run.
+  [ -e /tmp/benchfail ] && { echo "== FAIL a benchmark run failed (its output is above)"; FAIL=1; }
+fi
+
+[ $FAIL = 0 ] && echo "== RESULT: PASS at $(up)s" || echo "== RESULT: FAIL at $(up)s"
+poweroff -f

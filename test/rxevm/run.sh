@@ -1,0 +1,143 @@
+#!/usr/bin/env bash
+# Runs ferry's verbs path for real: builds the rdma and end-to-end test
+# binaries and ferryd here, boots Debian's stock kernel under QEMU (TCG)
+# with a busybox initramfs that carries them, the rdma_rxe (soft-RoCE)
+# module and rdma-core's rxe provider, adds a soft-RoCE device on a dummy
+# netdev, runs the tests inside (init.sh) with FERRY_RDMA_REQUIRED=1, and
+# benchmarks ferry's RDMA writes beside ib_write_bw on the same device.
+#
+# Exit status 0 only when the VM reached its checks and every one passed.
+#
+# Environment:
+#   RXEVM_CACHE  kernel cache (default .cache/rxevm in the repository)
+#   RXEVM_BENCH  0 skips the benchmarks (default 1)
+#   RXEVM_RUN    -test.run pattern for the rdma package tests (default all)
+#   RXEVM_RACE   0 builds the test binaries without the race detector
+#   RXEVM_TIMEOUT  seconds the VM may run (default 900)
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+ROOT=$PWD
+export PATH="$PATH:/usr/local/go/bin"
+T0=$(date +%s)
+say() { printf 'rxevm [%3ds] %s\n' $(($(date +%s) - T0)) "$*"; }
+
+CACHE=${RXEVM_CACHE:-$ROOT/.cache/rxevm}
+BENCH=${RXEVM_BENCH:-1}
+RUN=${RXEVM_RUN:-.}
+VM_TIMEOUT=${RXEVM_TIMEOUT:-900}
+
+scripts/deps.sh vm
+
+# ---- kernel: Debian's stock image, downloaded once into the cache -------
+kpkg() { apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/{print $2; exit}'; }
+KPKG=${RXEVM_KPKG:-$(kpkg)}
+if [[ -z $KPKG ]]; then # a fresh machine may have no package lists yet
+  apt-get update -qq
+  KPKG=$(kpkg)
+fi
+[[ -n $KPKG ]] || { echo "rxevm: apt knows no linux-image-amd64: check /etc/apt/sources.list" >&2; exit 1; }
+K=$CACHE/$KPKG
+if [[ ! -e $K/vmlinux ]]; then
+  say "downloading $KPKG"
+  rm -rf "$K" && mkdir -p "$K"
+  (cd "$K" && apt-get download "$KPKG" 2>&1 | grep -v 'Download is performed unsandboxed' || true)
+  deb=$(ls "$K"/*.deb)
+  dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$K" --wildcards './boot/vmlinuz-*' './lib/modules/*' './usr/lib/modules/*' 2>/dev/null || true
+  [[ -d $K/lib/modules ]] || { mkdir -p "$K/lib"; ln -s ../usr/lib/modules "$K/lib/modules"; }
+  kver=$(ls "$K/lib/modules")
+  depmod -b "$K" "$kver"
+  # QEMU boots the uncompressed ELF directly (PVH entry point, which
+  # Debian kernels have): no real-mode setup, no decompression in the
+  # guest, both slow under TCG.
+  vmlinuz=$K/boot/vmlinuz-$kver
+  for m in 'xz:\xfd7zXZ\x00' 'zstd:\x28\xb5\x2f\xfd' 'gzip:\x1f\x8b\x08'; do
+    for off in $(LC_ALL=C grep -aobUP "${m#*:}" "$vmlinuz" | cut -d: -f1); do
+      tail -c +$((off + 1)) "$vmlinuz" | ${m%%:*} -dc >"$K/vmlinux.part" 2>/dev/null || true
+      if [[ $(head -c4 "$K/vmlinux.part" | tail -c3) == ELF ]]; then break 2; fi
+    done
+  done
+  [[ $(head -c4 "$K/vmlinux.part" | tail -c3) == ELF ]] || { echo "rxevm: no ELF kernel inside $vmlinuz" >&2; exit 1; }
+  mv "$K/vmlinux.part" "$K/vmlinux"
+  rm -f "$deb"
+fi
+KVER=$(ls "$K/lib/modules")
+say "kernel $KVER"
+
+# ---- binaries, built here ------------------------------------------------
+W=$(mktemp -d "${TMPDIR:-/tmp}/rxevm.XXXXXX")
+trap 'rm -rf "$W"' EXIT
+R=$W/root
+mkdir -p "$R"/{usr/bin,usr/sbin,usr/lib64,usr/lib/x86_64-linux-gnu,etc,proc,sys,dev,tmp,run,opt/bin,opt/mod}
+ln -s usr/bin "$R/bin"
+ln -s usr/sbin "$R/sbin"
+ln -s usr/lib "$R/lib"
+ln -s usr/lib64 "$R/lib64"
+# The tests run race-built, as make unit and make e2e do; the benchmarks
+# from a plain build, which measures what ferryd ships.
+race=()
+[[ ${RXEVM_RACE:-1} == 1 ]] && race=(-race)
+go build "${race[@]}" -o "$R/opt/bin/" ./cmd/ferryd ./cmd/ferryctl
+go test "${race[@]}" -c -o "$R/opt/rdma.test" ./rdma
+go test "${race[@]}" -c -o "$R/opt/e2e.test" ./test/e2e
+[[ $BENCH == 1 ]] && go test -c -o "$R/opt/rdma.bench" ./rdma
+say "binaries built${race:+ (tests with -race)}"
+
+# ---- initramfs -------------------------------------------------------------
+cp "$(command -v busybox)" "$R/usr/bin/busybox"
+# copy FILE...: each file and the shared libraries ldd says it needs.
+copy() {
+  local f l
+  for f in "$@"; do
+    [[ -e $R$f ]] || { mkdir -p "$R$(dirname "$f")"; cp -L "$f" "$R$f"; }
+    while read -r l; do
+      [[ -e $R$l ]] || { mkdir -p "$R$(dirname "$l")"; cp -L "$l" "$R$l"; }
+    done < <(ldd "$f" 2>/dev/null | awk '/=>/ && $3 ~ /^\// {print $3} /^\t\/lib64/ {print $1}')
+  done
+}
+copy /usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ib_write_bw \
+  /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so /lib/x86_64-linux-gnu/libgcc_s.so.1
+for b in "$R"/opt/*.test "$R"/opt/bin/*; do
+  while read -r l; do
+    [[ -e $R$l ]] || { mkdir -p "$R$(dirname "$l")"; cp -L "$l" "$R$l"; }
+  done < <(ldd "$b" | awk '/=>/ && $3 ~ /^\// {print $3} /^\t\/lib64/ {print $1}')
+done
+mkdir -p "$R/etc/libibverbs.d"
+cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
+# Modules in load order. rdma_rxe asks the crypto API for "crc32" at run
+# time, which no modules.dep entry names: crc32_generic goes first.
+: >"$R/opt/mod/order"
+for m in crc32_generic dummy rdma_rxe; do
+  modprobe -d "$K" -S "$KVER" --show-depends "$m" | awk '$1 == "insmod" {print $2}' | while read -r ko; do
+    b=$(basename "$ko")
+    grep -qx "$b" "$R/opt/mod/order" || { cp "$ko" "$R/opt/mod/"; echo "$b" >>"$R/opt/mod/order"; }
+  done
+done
+cp test/rxevm/init.sh "$R/init"
+cat >"$R/etc/rxevm.env" <<EOF
+BENCH=$BENCH
+RUN='$RUN'
+EOF
+(cd "$R" && find . | cpio -o -H newc --quiet | gzip -1) >"$W/initramfs.gz"
+say "initramfs $(du -h "$W/initramfs.gz" | cut -f1)"
+
+# ---- boot (TCG: these machines have no usable KVM) --------------------------
+LOG=$CACHE/vm.log
+say "booting; the VM's log goes to $LOG"
+set +e
+timeout "$VM_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 -m 2G \
+  -nographic -no-reboot -nodefaults -serial stdio -monitor none \
+  -kernel "$K/vmlinux" -initrd "$W/initramfs.gz" \
+  -append "console=ttyS0 quiet panic=-1 ${RXEVM_APPEND:-}" >"$LOG" 2>&1
+qemu=$?
+set -e
+tr -d '\r' <"$LOG" | grep -a -E '^(== | *--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark| +[a-z_]+\.go:[0-9]+:)' || true
+count() { tr -d '\r' <"$LOG" | grep -ac -E "^ *--- $1: " || true; }
+say "VM done: $(count PASS) passed, $(count FAIL) failed, $(count SKIP) skipped; the VM's log is $LOG"
+if ((qemu == 124)); then
+  echo "rxevm: the VM ran past ${VM_TIMEOUT}s and was stopped" >&2
+  exit 1
+fi
+if ! tr -d '\r' <"$LOG" | grep -aq '^== RESULT: PASS'; then
+  tr -d '\r' <"$LOG" | grep -aq '^== RESULT' || echo "rxevm: the VM never reached its checks (qemu exit $qemu); see $LOG" >&2
+  exit 1
+fi
