@@ -140,7 +140,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			what = "transfer with a per-send registration"
 		}
 		d.log.Info().Str("req_id", reqID).Str("session", req.Session).Int64("nbytes", e.nbytes).
-			Float64("ms", res.Millis).Str("transport", d.tr.Name()).Bool("shared_mr", res.SharedMR).
+			Float64("ms", res.Millis).Str("transport", res.Transport).Bool("shared_mr", res.SharedMR).
 			Int("attempts", res.Attempts).Msg(what)
 	}
 	return res, nil

@@ -171,7 +171,9 @@ func TestRDMAPerSendRegistration(t *testing.T) {
 	if res.SharedMR || res.Transport != "rdma" {
 		t.Errorf("send result %+v, want rdma with shared_mr false", res)
 	}
-	line := snd.log.wait(t, 5*time.Second, "a per-send INFO line", msg("slow transfer"))
+	line := snd.log.wait(t, 5*time.Second, "a per-send INFO line", func(m map[string]any) bool {
+		return m["req_id"] == "rd-ps" && (m["message"] == "transfer with a per-send registration" || m["message"] == "slow transfer")
+	})
 	if line["level"] != "info" || line["shared_mr"] != false || line["req_id"] != "rd-ps" {
 		t.Errorf("per-send line %v, want INFO with shared_mr false", line)
 	}
