@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e bench-tcp install clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e fuzz fuzz-smoke soak bench-tcp install clean gpu-bundle test-gpu
 
 all: build
 
@@ -34,7 +34,17 @@ unit: deps
 e2e: deps
 	FERRY_E2E_RACE=1 $(GOTEST) -v ./test/... 2>&1 | scripts/gotest-summary.sh
 
-test: vet unit e2e
+# Every fuzz target for FUZZTIME each; a failing input lands in the
+# package's testdata/fuzz/<Target>/ (commit it with its fix).
+FUZZTIME ?= 60s
+fuzz: deps
+	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
+
+# A few seconds per target, so that CI keeps every target running.
+fuzz-smoke: deps
+	FUZZTIME=3s scripts/fuzz.sh
+
+test: vet unit fuzz-smoke e2e
 
 # Binaries, systemd units, sysusers.d/tmpfiles.d entries and the example
 # configuration. PREFIX=/usr for a package; DESTDIR stages into a tree. The
