@@ -251,6 +251,10 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d.reg = newRegistry(d.arena)
+	d.reg.discarded = func(reqID string, n uint64) {
+		d.log.Warn().Str("req_id", reqID).Uint64("nbytes", n).
+			Msg("a write finished landing in a receive slot freed meanwhile: its bytes were discarded, though its sender was told it completed")
+	}
 	d.tr, err = tcp.Listen(tcp.Config{
 		Addr: cfg.Listen, Sink: d.reg, Instance: d.instance,
 		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout,

@@ -14,6 +14,7 @@ command -v gcc >/dev/null || need+=(gcc libc6-dev)   # cgo and the race detector
 command -v ip >/dev/null || need+=(iproute2)         # network-namespace tests
 command -v cmp >/dev/null || need+=(diffutils)       # the demo's byte check
 command -v systemd-analyze >/dev/null || need+=(systemd)  # verifying the unit files
+command -v nft >/dev/null || need+=(nftables)          # packet loss in the fault tests where the kernel lacks netem
 if ((${#need[@]})); then
   if [[ $(id -u) -ne 0 ]]; then
     echo "deps: missing packages ${need[*]}: run 'sudo make deps' or apt-get install -y ${need[*]}" >&2
