@@ -2,6 +2,8 @@ package e2e
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"fmt"
 	"os/exec"
 	"strings"
@@ -15,7 +17,8 @@ import (
 
 // Faults on the link between two hosts in network namespaces: tc qdiscs
 // (netem for loss, delay and reordering; tbf for a slow link), nftables
-// for loss where the kernel lacks netem, and the link itself going down.
+// rules (loss where the kernel lacks netem, and dropping one kind of
+// packet), the link itself going down, and the receiving daemon dying.
 
 // qdisc puts a root qdisc of kind on dev in ns for the rest of the test,
 // skipping the test when this kernel or host lacks it.
@@ -48,8 +51,7 @@ func netemAvailable(t *testing.T, h *hosts) (bool, string) {
 
 // loss drops pct percent of the packets arriving at each end of the link,
 // so data and acknowledgements are both lost. It uses netem where the
-// kernel has it, else an nftables rule on each end's ingress, and returns
-// which.
+// kernel has it, else nftables, and returns which.
 func loss(t *testing.T, h *hosts, pct int) string {
 	t.Helper()
 	// One TCP segment per packet, as on a NIC: a veth otherwise passes
@@ -65,29 +67,35 @@ func loss(t *testing.T, h *hosts, pct int) string {
 		qdisc(t, h.nsB, h.devB, "netem", "loss", fmt.Sprintf("%d%%", pct))
 		return "netem"
 	}
-	if _, err := exec.LookPath("nft"); err != nil {
-		t.Skip("skipping: this kernel has no netem qdisc and the nft command (nftables) is not installed; make deps installs it")
-	}
 	for _, end := range [][2]string{{h.nsA, h.devA}, {h.nsB, h.devB}} {
-		rules := fmt.Sprintf("table netdev ferryloss {\n chain in {\n  type filter hook ingress device %q priority 0;\n  numgen random mod 100 < %d counter drop\n }\n}\n", end[1], pct)
-		cmd := exec.Command("ip", "netns", "exec", end[0], "nft", "-f", "-")
-		cmd.Stdin = strings.NewReader(rules)
-		if out, err := cmd.CombinedOutput(); err != nil {
-			t.Skipf("skipping: neither netem nor an nftables drop rule works here: %v: %s", err, out)
-		}
-		ns := end[0]
-		t.Cleanup(func() {
-			// How many packets the rule dropped: the loss was real.
-			out, _ := exec.Command("ip", "netns", "exec", ns, "nft", "list", "table", "netdev", "ferryloss").Output()
-			for _, line := range strings.Split(string(out), "\n") {
-				if strings.Contains(line, "drop") {
-					t.Logf("%s ingress: %s", ns, strings.TrimSpace(line))
-				}
-			}
-			_ = run("ip", "netns", "exec", ns, "nft", "delete", "table", "netdev", "ferryloss")
-		})
+		nftDrop(t, end[0], end[1], fmt.Sprintf("numgen random mod 100 < %d", pct))
 	}
 	return "nftables"
+}
+
+// nftDrop drops the packets arriving on dev in ns that match (an nft
+// expression), for the rest of the test; at its end it logs how many it
+// dropped.
+func nftDrop(t *testing.T, ns, dev, match string) {
+	t.Helper()
+	if _, err := exec.LookPath("nft"); err != nil {
+		t.Skip("skipping: the nft command (nftables) is not installed; make deps installs it")
+	}
+	rules := fmt.Sprintf("table netdev ferryfault {\n chain in {\n  type filter hook ingress device %q priority 0;\n  %s counter drop\n }\n}\n", dev, match)
+	cmd := exec.Command("ip", "netns", "exec", ns, "nft", "-f", "-")
+	cmd.Stdin = strings.NewReader(rules)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Skipf("skipping: this kernel takes no nftables drop rule: %v: %s", err, out)
+	}
+	t.Cleanup(func() {
+		out, _ := exec.Command("ip", "netns", "exec", ns, "nft", "list", "table", "netdev", "ferryfault").Output()
+		for _, line := range strings.Split(string(out), "\n") {
+			if strings.Contains(line, "drop") {
+				t.Logf("%s ingress: %s", ns, strings.TrimSpace(line))
+			}
+		}
+		_ = run("ip", "netns", "exec", ns, "nft", "delete", "table", "netdev", "ferryfault")
+	})
 }
 
 // slowLink limits what host A sends to rate, so that a transfer of a few
@@ -434,4 +442,69 @@ func TestSlotFreedWhileWriteLands(t *testing.T) {
 		received(t, rcv, s.ReqID, data)
 	}
 	t.Logf("old slot %#x, newer %#x, third %#x; late write: %v", old.BufferAddress, newer.BufferAddress, third.BufferAddress, r.err)
+}
+
+// TestCompletionLostAfterBytesLanded drops every OK reply from the
+// receiver, so a write's bytes all land while its completion never comes
+// back: the sender's attempt times out, and its retry meets a slot that
+// already holds the data. The send answers refused, saying so; the data is
+// at the receiver, and the client deletes its staged copy.
+func TestCompletionLostAfterBytesLanded(t *testing.T) {
+	h := netnsHosts(t)
+	snd, rcv := nsPair(t, h, "--io-timeout", "2s", "--send-timeout", "20s")
+	// An OK reply is 8 bytes of TCP payload: 20 (IP) + 32 (TCP with
+	// timestamps) + 8 = 60, as a SYN-ACK is (without the payload): that is
+	// let through. Welcomes and refusals are longer; acks shorter.
+	nftDrop(t, h.nsA, h.devA, fmt.Sprintf("ip saddr %s tcp sport 17100 tcp flags & syn == 0 ip length 60", h.ipB))
+	ctx := ctxT(t)
+	data := stageOn(t, snd, "lost-1", 1<<20, 8)
+	req := slotFor(t, rcv, "lost-1", 1<<20)
+	_, err := snd.c.Send(ctx, "lost-1", req)
+	wantErr(t, err, 400, api.CodeRefused, "lost-1", "already holds its data", "completion was lost", "DELETE")
+	t.Logf("the retry after the lost completion: %v", err)
+	snd.log.wait(t, time.Second, "the attempt that timed out", func(m map[string]any) bool {
+		return m["level"] == "warn" && m["req_id"] == "lost-1" && m["ret"] == "timeout"
+	})
+	// The data is at the receiver; the sender still holds its copy.
+	received(t, rcv, "lost-1", data)
+	if err := snd.c.Delete(ctx, "lost-1"); err != nil {
+		t.Fatalf("the staged copy should still be there to delete: %v", err)
+	}
+}
+
+// TestAbandonedSendLeavesOthersAlone has a client give up on its send
+// while another send to the same peer is under way: the daemon cancels the
+// abandoned one only. The other completes in its first attempt, and the
+// session stays up.
+func TestAbandonedSendLeavesOthersAlone(t *testing.T) {
+	h := netnsHosts(t)
+	slowLink(t, h, "32mbit") // 8 MiB take two seconds
+	snd, rcv := nsPair(t, h)
+	ctx := ctxT(t)
+	stageOn(t, snd, "warm", 4096, 9)
+	if _, err := snd.c.Send(ctx, "warm", slotFor(t, rcv, "warm", 4096)); err != nil {
+		t.Fatal(err)
+	}
+
+	kept := stageOn(t, snd, "kept", 8<<20, 10)
+	sent := sendAsync(t, snd, "kept", slotFor(t, rcv, "kept", 8<<20))
+	snd.log.wait(t, 10*time.Second, "the first send's attempt", func(m map[string]any) bool {
+		return m["message"] == "send attempt" && m["req_id"] == "kept"
+	})
+	stageOn(t, snd, "abandoned", 8<<20, 11)
+	actx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)
+	_, err := snd.c.Send(actx, "abandoned", slotFor(t, rcv, "abandoned", 8<<20))
+	cancel()
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("the abandoned send answered before its client gave up: %v", err)
+	}
+
+	r := <-sent
+	if r.err != nil || r.res.Attempts != 1 {
+		t.Fatalf("the other send should complete in one attempt: %+v %v", r.res, r.err)
+	}
+	received(t, rcv, "kept", kept)
+	if s := sessionTo(t, snd, rcv.advertise); s.State != "connected" || s.Failures != 0 {
+		t.Fatalf("an abandoned send should not count against the session or tear it down: %+v", s)
+	}
 }
