@@ -46,6 +46,14 @@ fuzz-smoke: deps
 
 test: vet unit fuzz-smoke e2e
 
+# 64 clients staging, sending and receiving across two ferryd for
+# SOAK_DURATION, then the accounting and leak checks (make test runs it for
+# 10 s). Raise SOAK_TIMEOUT with a SOAK_DURATION near or beyond it.
+SOAK_DURATION ?= 3m
+SOAK_TIMEOUT ?= 1h
+soak: deps
+	FERRY_SOAK_DURATION=$(SOAK_DURATION) $(GO) test -count=1 -timeout $(SOAK_TIMEOUT) -v -run '^TestSoak$$' ./test/e2e 2>&1 | scripts/gotest-summary.sh
+
 # Binaries, systemd units, sysusers.d/tmpfiles.d entries and the example
 # configuration. PREFIX=/usr for a package; DESTDIR stages into a tree. The
 # unit's paths follow PREFIX and SYSCONFDIR. An existing ferryd.toml is kept.

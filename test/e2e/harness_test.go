@@ -334,8 +334,8 @@ func (d *daemon) idleResources(t *testing.T) (goroutines, fds int) {
 }
 
 // noLeaks waits up to 10 s for the daemon's goroutines and open files to
-// come back to at most a baseline from idleResources.
-func (d *daemon) noLeaks(t *testing.T, goroutines, fds int) {
+// come back to at most a baseline from idleResources, and returns them.
+func (d *daemon) noLeaks(t *testing.T, goroutines, fds int) (int, int) {
 	t.Helper()
 	d.c.CloseIdleConnections()
 	deadline := time.Now().Add(10 * time.Second)
@@ -344,10 +344,26 @@ func (d *daemon) noLeaks(t *testing.T, goroutines, fds int) {
 	for ; ; <-tick.C {
 		g, f := d.resources(t)
 		if g <= goroutines && f <= fds {
-			return
+			return g, f
 		}
 		if time.Now().After(deadline) {
-			t.Fatalf("ferryd pid %d holds %d goroutines and %d open files, against %d and %d before: a leak", d.cmd.Process.Pid, g, f, goroutines, fds)
+			t.Fatalf("ferryd pid %d holds %d goroutines and %d open files, against %d and %d before: a leak; its files: %s",
+				d.cmd.Process.Pid, g, f, goroutines, fds, openFiles(d.cmd.Process.Pid))
 		}
 	}
+}
+
+// openFiles lists what a process's file descriptors point at.
+func openFiles(pid int) string {
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, e := range ents {
+		target, _ := os.Readlink(filepath.Join(dir, e.Name()))
+		out = append(out, e.Name()+"->"+target)
+	}
+	return strings.Join(out, " ")
 }
