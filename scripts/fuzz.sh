@@ -23,7 +23,7 @@ for t in "${targets[@]}"; do
     result=FAIL failed=1
     cat "$log"
   fi
-  execs=$(grep -o 'execs: [0-9]*' "$log" | tail -1 | cut -d' ' -f2)
+  execs=$(grep -o 'execs: [0-9]*' "$log" | tail -1 | cut -d' ' -f2 || true)
   summary+=("$(printf '%-4s %-14s %-20s %10s execs' "$result" "$dir" "$name" "${execs:-0}")")
 done
 echo "== fuzz summary (FUZZTIME=$FUZZTIME)"
