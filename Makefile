@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e test-rdma bench install clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install clean gpu-bundle test-gpu
 
 all: build
 
@@ -42,7 +42,26 @@ e2e: deps
 test-rdma: deps
 	test/rxevm/run.sh
 
-test: vet unit e2e test-rdma
+
+# Every fuzz target for FUZZTIME each; a failing input lands in the
+# package's testdata/fuzz/<Target>/ (commit it with its fix).
+FUZZTIME ?= 60s
+fuzz: deps
+	FUZZTIME=$(FUZZTIME) scripts/fuzz.sh
+
+# A few seconds per target, so that CI keeps every target running.
+fuzz-smoke: deps
+	FUZZTIME=3s scripts/fuzz.sh
+
+test: vet unit fuzz-smoke e2e test-rdma
+
+# 64 clients staging, sending and receiving across two ferryd for
+# SOAK_DURATION, then the accounting and leak checks (make test runs it for
+# 10 s). Raise SOAK_TIMEOUT with a SOAK_DURATION near or beyond it.
+SOAK_DURATION ?= 3m
+SOAK_TIMEOUT ?= 1h
+soak: deps
+	FERRY_SOAK_DURATION=$(SOAK_DURATION) $(GO) test -count=1 -timeout $(SOAK_TIMEOUT) -v -run '^TestSoak$$' ./test/e2e 2>&1 | scripts/gotest-summary.sh
 
 # Binaries, systemd units, sysusers.d/tmpfiles.d entries and the example
 # configuration. PREFIX=/usr for a package; DESTDIR stages into a tree. The

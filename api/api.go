@@ -254,12 +254,16 @@ type ReceiveSlot struct {
 // Receive describes a slot: GET /v1/receives/{req_id}?format=json.
 type Receive struct {
 	ReceiveSlot
-	Arrived   bool      `json:"arrived"`
-	Received  int64     `json:"received"` // bytes that arrived
-	Tag       uint32    `json:"tag"`      // the tag the write carried
-	Offset    int64     `json:"offset"`
-	ArenaFile string    `json:"arena_file"`
-	Since     time.Time `json:"since"`
+	Arrived  bool   `json:"arrived"`
+	Received int64  `json:"received"` // bytes that arrived
+	Tag      uint32 `json:"tag"`      // the tag the write carried
+	// WritesInFlight counts writes landing in the slot now. A slot freed
+	// meanwhile keeps its memory until they end, so a newer slot never
+	// receives their bytes.
+	WritesInFlight int       `json:"writes_in_flight"`
+	Offset         int64     `json:"offset"`
+	ArenaFile      string    `json:"arena_file"`
+	Since          time.Time `json:"since"`
 	*CUDAIPC
 }
 

@@ -86,6 +86,9 @@ func (c *Client) http() *http.Client {
 	return c.hc
 }
 
+// CloseIdleConnections closes the connections kept open between calls.
+func (c *Client) CloseIdleConnections() { c.http().CloseIdleConnections() }
+
 // do sends one request and decodes a JSON answer into out (when non-nil),
 // or turns the error envelope into *Error.
 func (c *Client) do(ctx context.Context, method, path string, body io.Reader, contentLength int64, out any) (*http.Response, error) {

@@ -15,8 +15,10 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"regexp"
+	"slices"
 	"strings"
 
 	"github.com/pelletier/go-toml/v2"
@@ -276,6 +278,13 @@ func (l *Loaded) readFile(explicit bool) error {
 	var present map[string]any
 	_ = toml.Unmarshal(data, &present) // it decoded above
 	var errs []error
+	// go-toml matches keys to fields ignoring case; ferryd's keys are
+	// exact, and a key spelt otherwise would skip the checks below.
+	for _, key := range slices.Sorted(maps.Keys(present)) {
+		if _, ok := lookup(key); !ok {
+			errs = append(errs, fmt.Errorf("%s: unknown key %q%s", l.where(lineOf(data, key), 0), key, suggest(key)))
+		}
+	}
 	for _, o := range options {
 		if _, ok := present[o.key]; !ok {
 			continue
@@ -345,6 +354,9 @@ func lineOf(data []byte, key string) int {
 func suggest(key string) string {
 	best, dist := "", 4
 	for _, o := range options {
+		if strings.EqualFold(key, o.key) {
+			return fmt.Sprintf(": keys are lower case: write %q", o.key)
+		}
 		if d := editDistance(key, o.key); d < dist {
 			best, dist = o.key, d
 		}

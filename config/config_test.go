@@ -112,6 +112,8 @@ func TestFileErrorsNameKeyAndLine(t *testing.T) {
 		{"unknown key", "socket = \"/x\"\nslow_treshold = \"1s\"\n", []string{"line 2, column 1", `unknown key "slow_treshold"`, `did you mean "slow_threshold"`}},
 		{"far from any key", "frobnicate = 1\n", []string{"line 1", `"frobnicate"`, "--print-config lists every key"}},
 		{"table", "[arena]\nsize = \"1GiB\"\n", []string{"line 1", `unknown key "arena"`}},
+		// go-toml matches keys ignoring case; ferryd does not (found by FuzzConfigFile).
+		{"key in mixed case", "\nLog_Level = \"verbose\"\n", []string{"line 2", `unknown key "Log_Level"`, `keys are lower case: write "log_level"`}},
 		{"string for int", "max_conns = \"eight\"\n", []string{"line 1, column 13", "max_conns", "a TOML string is the wrong type", "want an integer"}},
 		{"int for duration", "\n\nsend_timeout = 60\n", []string{"line 3", "send_timeout", "a TOML integer is the wrong type", `"30s"`}},
 		{"int for size", "arena_size = 1073741824\n", []string{"line 1", "arena_size", `e.g. "64MiB"`}},

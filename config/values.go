@@ -6,6 +6,7 @@ import (
 	"strconv"
 	"strings"
 	"time"
+	"unicode/utf8"
 
 	"github.com/ferry-project/ferry/internal/size"
 )
@@ -19,12 +20,19 @@ type value interface {
 	want() string
 }
 
-// text is a string setting.
+// text is a string setting. It must be valid UTF-8, as a TOML file's
+// strings are: otherwise --print-config would write a different value.
 type text string
 
-func (t *text) Set(s string) error { *t = text(s); return nil }
-func (t *text) String() string     { return string(*t) }
-func (t *text) want() string       { return `a string in quotes` }
+func (t *text) Set(s string) error {
+	if !utf8.ValidString(s) {
+		return fmt.Errorf("%q is not valid UTF-8: give a value a configuration file can hold", s)
+	}
+	*t = text(s)
+	return nil
+}
+func (t *text) String() string { return string(*t) }
+func (t *text) want() string   { return `a string in quotes` }
 
 // choice is a string setting with a fixed set of values.
 type choice struct {

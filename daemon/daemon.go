@@ -273,6 +273,10 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d.reg = newRegistry(d.arena)
+	d.reg.discarded = func(reqID string, n uint64) {
+		d.log.Warn().Str("req_id", reqID).Uint64("nbytes", n).
+			Msg("a write finished landing in a receive slot freed meanwhile: its bytes were discarded, though its sender was told it completed")
+	}
 	d.dp, err = openTransport(cfg, d.reg, d.instance, d.mem.Host(), d.log)
 	if err != nil {
 		return nil, err

@@ -9,6 +9,7 @@ import (
 	"log"
 	"net/http"
 	"os"
+	"path"
 	"strconv"
 	"strings"
 	"time"
@@ -69,7 +70,30 @@ func (d *Daemon) routes() http.Handler {
 	mux.Handle("/", d.wrap(func(w http.ResponseWriter, r *http.Request) error {
 		return noRoute(mux, r)
 	}))
-	return mux
+	// The mux would answer a path with empty, . or .. segments with a
+	// redirect of its own (plain text, before any admission check, and one
+	// a client follows to another route): it gets the envelope instead.
+	unclean := d.wrap(func(w http.ResponseWriter, r *http.Request) error {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest,
+			"path %q has empty, . or .. segments: ask for %s itself", r.URL.EscapedPath(), canonicalPath(r.URL.EscapedPath()))
+	})
+	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if p := r.URL.EscapedPath(); r.Method != http.MethodConnect && canonicalPath(p) != p {
+			unclean.ServeHTTP(w, r)
+			return
+		}
+		mux.ServeHTTP(w, r)
+	})
+}
+
+// canonicalPath is p as http.ServeMux routes it: rooted, without empty, .
+// or .. segments, keeping a trailing slash.
+func canonicalPath(p string) string {
+	c := path.Clean("/" + p)
+	if strings.HasSuffix(p, "/") && c != "/" {
+		c += "/"
+	}
+	return c
 }
 
 // noRoute tells a wrong method (405, with Allow) from an unknown path (404).

@@ -52,7 +52,8 @@ type slot struct {
 	key      uint32
 	nbytes   int64
 	since    time.Time
-	pins     int
+	pins     int // writes landing and reads in progress
+	writes   int // writes landing
 	arrived  bool
 	received int64
 	tag      uint32
@@ -71,6 +72,10 @@ type registry struct {
 	byKey    map[uint32]*slot
 	changed  chan struct{} // closed and replaced on every change
 	stopping bool
+
+	// discarded, if set, hears of a write that finished landing in a slot
+	// freed meanwhile: its sender was told it completed. Called with mu held.
+	discarded func(reqID string, nbytes uint64)
 }
 
 func newRegistry(a *arena.Arena) *registry {
@@ -351,16 +356,21 @@ func (r *registry) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error),
 		return nil, nil, err
 	}
 	s.pins++
+	s.writes++
 	done := func(err error) {
 		cerr := commit(err == nil)
 		r.mu.Lock()
 		defer r.mu.Unlock()
-		if err == nil && !s.freed {
+		s.writes--
+		switch {
+		case err == nil && !s.freed:
 			s.copyErr = cerr
 			if cerr == nil {
 				s.arrived, s.received, s.tag = true, int64(off+n), tag
 			}
 			r.notify()
+		case err == nil && r.discarded != nil:
+			r.discarded(s.reqID, n)
 		}
 		r.unpin(s)
 	}
@@ -380,6 +390,7 @@ func (r *registry) describeSlot(s *slot) api.Receive {
 	return api.Receive{
 		ReceiveSlot: api.ReceiveSlot{ReqID: s.reqID, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes},
 		Arrived:     s.arrived, Received: s.received, Tag: s.tag, Offset: s.slice.Offset, Since: s.since,
+		WritesInFlight: s.writes,
 	}
 }
 

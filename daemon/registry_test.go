@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -46,9 +47,14 @@ func TestFreedSlotKeepsMemoryUntilWriteEnds(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	var discarded []string
+	r.discarded = func(id string, n uint64) { discarded = append(discarded, fmt.Sprintf("%s/%d", id, n)) }
 	dst, done, err := r.Accept(a.addr, 1024, a.key, a.key)
 	if err != nil {
 		t.Fatal(err)
+	}
+	if got := r.receives()[0].WritesInFlight; got != 1 {
+		t.Fatalf("slot a shows %d writes in flight, want 1", got)
 	}
 	if err := r.deleteSlot("a"); err != nil {
 		t.Fatal(err)
@@ -83,6 +89,9 @@ func TestFreedSlotKeepsMemoryUntilWriteEnds(t *testing.T) {
 		if s.arrived {
 			t.Fatalf("a late write marked %s arrived", s.reqID)
 		}
+	}
+	if len(discarded) != 1 || discarded[0] != "a/1024" {
+		t.Fatalf("the discarded write was reported as %q, want [a/1024]", discarded)
 	}
 	// Now a's memory is back.
 	if _, err := r.newSlot("c", 1024); err != nil {

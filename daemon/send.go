@@ -91,7 +91,9 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		if err == nil {
 			res.Transport = sess.Transport()
 			err = sess.Write(ctx, w)
-			p.outcome(err)
+			if ctx.Err() == nil { // a send its own deadline or client ended says nothing of the session
+				p.outcome(err)
+			}
 		}
 		if err == nil {
 			sent = true
@@ -102,14 +104,17 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		if errors.As(err, &rf) {
 			d.failed(rf.Code.String(), "refused", time.Since(start))
 			return res, apiErr(http.StatusBadRequest, api.CodeRefused,
-				"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept",
-				reqID, req.Session, e.nbytes, req.BufferAddress, err)
+				"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept%s",
+				reqID, req.Session, e.nbytes, req.BufferAddress, err, lostCompletion(err, attempt))
+		}
+		if ctx.Err() != nil {
+			// This send's own deadline, or its client gone: the session is
+			// not to blame, and tearing it down would break every other
+			// write on it.
+			break
 		}
 		d.metrics.sessionFailures.WithLabelValues(req.Session).Inc()
 		p.teardown(sess)
-		if ctx.Err() != nil {
-			break
-		}
 		if attempt <= d.cfg.SendRetries {
 			d.log.Warn().Str("req_id", reqID).Str("session", req.Session).Int("attempt", attempt).
 				Str("ret", retCode(err)).Err(err).Msg("write failed; session torn down, re-dialing and retrying")
@@ -154,6 +159,18 @@ func (d *Daemon) failed(reason, outcome string, took time.Duration) {
 	if took > 0 {
 		d.metrics.transferSeconds.WithLabelValues(d.tr.Name(), outcome).Observe(took.Seconds())
 	}
+}
+
+// lostCompletion explains a retry refused because the slot is full: the
+// attempt before it broke after its bytes may all have landed, only the
+// completion being lost on the way back.
+func lostCompletion(err error, attempt int) string {
+	var rf *transport.Refusal
+	if attempt == 1 || !errors.As(err, &rf) || rf.Code != transport.SlotBusy {
+		return ""
+	}
+	return fmt.Sprintf(". Attempt %d broke, yet the slot now holds data: most likely that attempt's bytes all landed and only its completion was lost on the way back; "+
+		"unless another sender was given this slot, the data was delivered (the receiver's wait returns it): then DELETE the staged embedding", attempt-1)
 }
 
 // retCode names the failure the way an operator greps for it: the verbs

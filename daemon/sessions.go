@@ -17,6 +17,7 @@ type peer struct {
 	addr string
 
 	dialMu sync.Mutex // one dial at a time per peer
+	gone   bool       // under dialMu: taken out of the table
 
 	mu       sync.Mutex
 	sess     transport.Session
@@ -43,37 +44,58 @@ func newSessions(tr transport.Transport) *sessions {
 // was never reached is forgotten again, so mistyped addresses leave nothing
 // behind.
 func (s *sessions) get(ctx context.Context, addr string) (transport.Session, *peer, error) {
-	s.mu.Lock()
-	p := s.peers[addr]
-	if p == nil {
-		p = &peer{addr: addr}
-		s.peers[addr] = p
-	}
-	s.mu.Unlock()
+	for {
+		s.mu.Lock()
+		p := s.peers[addr]
+		if p == nil {
+			p = &peer{addr: addr}
+			s.peers[addr] = p
+		}
+		s.mu.Unlock()
 
-	p.dialMu.Lock()
-	defer p.dialMu.Unlock()
+		p.dialMu.Lock()
+		if p.gone {
+			// Taken out of the table while this caller waited: a session
+			// dialed on it now would be out of reach, never torn down.
+			p.dialMu.Unlock()
+			continue
+		}
+		sess, err := s.dial(ctx, p)
+		p.dialMu.Unlock()
+		return sess, p, err
+	}
+}
+
+// dial returns p's session, dialing one if there is none; callers hold
+// p.dialMu.
+func (s *sessions) dial(ctx context.Context, p *peer) (transport.Session, error) {
 	p.mu.Lock()
 	sess, reached := p.sess, !p.dialedAt.IsZero()
 	p.mu.Unlock()
 	if sess != nil {
-		return sess, p, nil
+		return sess, nil
 	}
-	sess, err := s.tr.Dial(ctx, addr)
+	sess, err := s.tr.Dial(ctx, p.addr)
 	if err != nil {
 		if !reached {
-			s.mu.Lock()
-			if s.peers[addr] == p {
-				delete(s.peers, addr)
-			}
-			s.mu.Unlock()
+			s.forget(p)
 		}
-		return nil, p, err
+		return nil, err
 	}
 	p.mu.Lock()
 	p.sess, p.dialedAt = sess, time.Now()
 	p.mu.Unlock()
-	return sess, p, nil
+	return sess, nil
+}
+
+// forget takes p out of the table; callers hold p.dialMu.
+func (s *sessions) forget(p *peer) {
+	p.gone = true
+	s.mu.Lock()
+	if s.peers[p.addr] == p {
+		delete(s.peers, p.addr)
+	}
+	s.mu.Unlock()
 }
 
 // outcome records a send's result against p.
@@ -147,19 +169,23 @@ func (s *sessions) states() (connected, down int) {
 	return connected, down
 }
 
-// remove tears down and forgets the peer with this id.
+// remove tears down and forgets the peer with this id. A dial to it in
+// progress finishes first, so that its session is torn down too.
 func (s *sessions) remove(id string) bool {
 	s.mu.Lock()
 	p, ok := s.peers[id]
-	delete(s.peers, id)
 	s.mu.Unlock()
-	if ok {
-		p.mu.Lock()
-		sess := p.sess
-		p.mu.Unlock()
-		p.teardown(sess)
+	if !ok {
+		return false
 	}
-	return ok
+	p.dialMu.Lock()
+	s.forget(p)
+	p.mu.Lock()
+	sess := p.sess
+	p.mu.Unlock()
+	p.dialMu.Unlock()
+	p.teardown(sess)
+	return true
 }
 
 // closeAll tears every session down (shutdown).

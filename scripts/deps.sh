@@ -16,6 +16,7 @@ command -v gcc >/dev/null || need+=(gcc libc6-dev)   # cgo and the race detector
 command -v ip >/dev/null || need+=(iproute2)         # network-namespace tests; rdma(8) for the VM
 command -v cmp >/dev/null || need+=(diffutils)       # the demo's byte check
 command -v systemd-analyze >/dev/null || need+=(systemd)  # verifying the unit files
+command -v nft >/dev/null || need+=(nftables)          # packet loss in the fault tests where the kernel lacks netem
 # rdma/ is cgo over libibverbs; the library loads no provider and finds
 # no device on a host without RDMA, and ferryd then runs TCP.
 [[ -e /usr/include/infiniband/verbs.h ]] || need+=(libibverbs-dev)

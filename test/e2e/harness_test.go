@@ -9,9 +9,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
@@ -292,4 +294,88 @@ func (d *daemon) alive(t *testing.T) {
 	if _, err := d.c.Status(ctxT(t)); err != nil {
 		t.Fatalf("ferryd stopped answering status: %v\nlog:\n%s", err, d.log.dump())
 	}
+}
+
+// resources reads the daemon's goroutine and open-file counts from its
+// /metrics (the Go and process collectors), over a connection of its own
+// that is closed after the answer.
+func (d *daemon) resources(t *testing.T) (goroutines, fds int) {
+	t.Helper()
+	hc := &http.Client{Transport: &http.Transport{DialContext: client.UnixDialer(d.socket), DisableKeepAlives: true}}
+	resp, err := hc.Get("http://ferryd/metrics")
+	if err != nil {
+		t.Fatalf("reading ferryd's metrics: %v", err)
+	}
+	defer resp.Body.Close()
+	got := map[string]int{}
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		name, value, ok := strings.Cut(sc.Text(), " ")
+		if ok && (name == "go_goroutines" || name == "process_open_fds") {
+			f, _ := strconv.ParseFloat(value, 64)
+			got[name] = int(f)
+		}
+	}
+	if len(got) != 2 {
+		t.Fatalf("ferryd's metrics lack go_goroutines or process_open_fds: %v", got)
+	}
+	return got["go_goroutines"], got["process_open_fds"]
+}
+
+// idleResources is the daemon's goroutine and open-file counts once the
+// test's client connections are closed and their goroutines have ended:
+// the readings have stopped falling.
+func (d *daemon) idleResources(t *testing.T) (goroutines, fds int) {
+	t.Helper()
+	d.c.CloseIdleConnections()
+	deadline := time.Now().Add(10 * time.Second)
+	tick := time.NewTicker(10 * time.Millisecond) // a poll: there is no event to wait on
+	defer tick.Stop()
+	g, f := d.resources(t)
+	for same := 0; same < 3 && time.Now().Before(deadline); {
+		<-tick.C
+		g2, f2 := d.resources(t)
+		if g2 < g || f2 < f {
+			same = 0
+		} else {
+			same++
+		}
+		g, f = min(g, g2), min(f, f2)
+	}
+	return g, f
+}
+
+// noLeaks waits up to 10 s for the daemon's goroutines and open files to
+// come back to at most a baseline from idleResources, and returns them.
+func (d *daemon) noLeaks(t *testing.T, goroutines, fds int) (int, int) {
+	t.Helper()
+	d.c.CloseIdleConnections()
+	deadline := time.Now().Add(10 * time.Second)
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+	for ; ; <-tick.C {
+		g, f := d.resources(t)
+		if g <= goroutines && f <= fds {
+			return g, f
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("ferryd pid %d holds %d goroutines and %d open files, against %d and %d before: a leak; its files: %s",
+				d.cmd.Process.Pid, g, f, goroutines, fds, openFiles(d.cmd.Process.Pid))
+		}
+	}
+}
+
+// openFiles lists what a process's file descriptors point at.
+func openFiles(pid int) string {
+	dir := fmt.Sprintf("/proc/%d/fd", pid)
+	ents, err := os.ReadDir(dir)
+	if err != nil {
+		return err.Error()
+	}
+	var out []string
+	for _, e := range ents {
+		target, _ := os.Readlink(filepath.Join(dir, e.Name()))
+		out = append(out, e.Name()+"->"+target)
+	}
+	return strings.Join(out, " ")
 }

@@ -10,10 +10,18 @@ import (
 	"time"
 )
 
+// hosts is two network namespaces joined by a veth pair: host A (ns, ip
+// and dev end with A) and host B.
+type hosts struct {
+	nsA, nsB   string
+	ipA, ipB   string
+	devA, devB string // the veth's two ends
+}
+
 // netnsHosts makes two network namespaces joined by a veth pair, with
 // link-local addresses (never routed off the link), and removes them when
 // the test ends. It skips, saying why, where that is not possible.
-func netnsHosts(t *testing.T) (nsA, nsB, ipA, ipB string) {
+func netnsHosts(t *testing.T) *hosts {
 	t.Helper()
 	if os.Geteuid() != 0 {
 		t.Skip("skipping: network namespaces need root (run make test as root)")
@@ -22,47 +30,51 @@ func netnsHosts(t *testing.T) (nsA, nsB, ipA, ipB string) {
 		t.Skip("skipping: the ip command (iproute2) is not installed; make deps installs it")
 	}
 	tag := fmt.Sprintf("ferry%d", os.Getpid()%100000)
-	nsA, nsB = tag+"a", tag+"b"
-	ipA, ipB = "169.254.77.1", "169.254.77.2"
-	run := func(args ...string) error {
-		out, err := exec.Command("ip", args...).CombinedOutput()
-		if err != nil {
-			return fmt.Errorf("ip %s: %v: %s", strings.Join(args, " "), err, out)
-		}
-		return nil
-	}
-	if err := run("netns", "add", nsA); err != nil {
+	h := &hosts{nsA: tag + "a", nsB: tag + "b", ipA: "169.254.77.1", ipB: "169.254.77.2", devA: tag + "va", devB: tag + "vb"}
+	if err := run("ip", "netns", "add", h.nsA); err != nil {
 		t.Skipf("skipping: cannot create network namespaces here: %v", err)
 	}
-	t.Cleanup(func() { _ = run("netns", "del", nsA) })
+	t.Cleanup(func() { _ = run("ip", "netns", "del", h.nsA) })
 	steps := [][]string{
-		{"netns", "add", nsB},
-		{"link", "add", tag + "va", "netns", nsA, "type", "veth", "peer", "name", tag + "vb", "netns", nsB},
-		{"-n", nsA, "addr", "add", ipA + "/30", "dev", tag + "va"},
-		{"-n", nsB, "addr", "add", ipB + "/30", "dev", tag + "vb"},
-		{"-n", nsA, "link", "set", "lo", "up"},
-		{"-n", nsB, "link", "set", "lo", "up"},
-		{"-n", nsA, "link", "set", tag + "va", "up"},
-		{"-n", nsB, "link", "set", tag + "vb", "up"},
+		{"netns", "add", h.nsB},
+		{"link", "add", h.devA, "netns", h.nsA, "type", "veth", "peer", "name", h.devB, "netns", h.nsB},
+		{"-n", h.nsA, "addr", "add", h.ipA + "/30", "dev", h.devA},
+		{"-n", h.nsB, "addr", "add", h.ipB + "/30", "dev", h.devB},
+		{"-n", h.nsA, "link", "set", "lo", "up"},
+		{"-n", h.nsB, "link", "set", "lo", "up"},
+		{"-n", h.nsA, "link", "set", h.devA, "up"},
+		{"-n", h.nsB, "link", "set", h.devB, "up"},
 	}
 	for i, s := range steps {
-		if err := run(s...); err != nil {
+		if err := run("ip", s...); err != nil {
 			t.Fatal(err)
 		}
 		if i == 0 {
-			t.Cleanup(func() { _ = run("netns", "del", nsB) })
+			t.Cleanup(func() { _ = run("ip", "netns", "del", h.nsB) })
 		}
 	}
-	return nsA, nsB, ipA, ipB
+	return h
 }
 
+// run runs a command, returning its output in the error when it fails.
+func run(name string, args ...string) error {
+	out, err := exec.Command(name, args...).CombinedOutput()
+	if err != nil {
+		return fmt.Errorf("%s %s: %v: %s", name, strings.Join(args, " "), err, bytes.TrimSpace(out))
+	}
+	return nil
+}
+
+// netnsExec is the command prefix that runs a program in namespace ns.
+func netnsExec(ns string) []string { return []string{"ip", "netns", "exec", ns} }
+
 func TestPairAcrossNetworkNamespaces(t *testing.T) {
-	nsA, nsB, ipA, ipB := netnsHosts(t)
+	h := netnsHosts(t)
 	dir := t.TempDir()
-	snd := startDaemonIn(t, []string{"ip", "netns", "exec", nsA}, dir, "snd", "--listen", ipA+":17100")
-	rcv := startDaemonIn(t, []string{"ip", "netns", "exec", nsB}, dir, "rcv", "--listen", ipB+":17100")
-	if rcv.advertise != ipB+":17100" {
-		t.Fatalf("receiver advertises %q, want %s:17100", rcv.advertise, ipB)
+	snd := startDaemonIn(t, netnsExec(h.nsA), dir, "snd", "--listen", h.ipA+":17100")
+	rcv := startDaemonIn(t, netnsExec(h.nsB), dir, "rcv", "--listen", h.ipB+":17100")
+	if rcv.advertise != h.ipB+":17100" {
+		t.Fatalf("receiver advertises %q, want %s:17100", rcv.advertise, h.ipB)
 	}
 	ctx := ctxT(t)
 	for i, n := range []int{embBytes, 8 << 20} {
@@ -80,7 +92,7 @@ func TestPairAcrossNetworkNamespaces(t *testing.T) {
 		}
 	}
 	ss, err := snd.c.Sessions(ctx)
-	if err != nil || len(ss) != 1 || ss[0].Peer != ipB+":17100" || ss[0].State != "connected" {
+	if err != nil || len(ss) != 1 || ss[0].Peer != h.ipB+":17100" || ss[0].State != "connected" {
 		t.Fatalf("sender's sessions: %+v %v", ss, err)
 	}
 }

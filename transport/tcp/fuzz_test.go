@@ -1,0 +1,238 @@
+package tcp
+
+import (
+	"bytes"
+	"encoding/binary"
+	"io"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/transporttest"
+)
+
+// FuzzWireRecords decodes the same bytes as every record of the wire
+// protocol. Fixed-size records must encode back to the bytes they were
+// decoded from, the hello check must agree with the magic and version,
+// and a reply is accepted exactly when its message fits and an OK carries
+// none. Seeds: testdata/fuzz/FuzzWireRecords.
+func FuzzWireRecords(f *testing.F) {
+	f.Fuzz(func(t *testing.T, data []byte) {
+		var raw [ReplySize + MaxMessage]byte
+		copy(raw[:], data)
+		// Bytes 20..23 of a hello (and so of a welcome) are padding: sent
+		// as zero, ignored when read.
+		clear(raw[20:24])
+
+		var h hello
+		h.decode((*[helloSize]byte)(raw[:helloSize]))
+		var hb [helloSize]byte
+		h.encode(&hb)
+		if !bytes.Equal(hb[:], raw[:helloSize]) {
+			t.Fatalf("hello %x re-encodes as %x", raw[:helloSize], hb)
+		}
+		status, err := h.check()
+		kind := binary.LittleEndian.Uint32(raw[16:])
+		good := string(raw[:4]) == magic && binary.LittleEndian.Uint32(raw[4:]) == version && (kind == kindData || kind == kindRDMA)
+		if good != (err == nil) || good != (status == statusOK) {
+			t.Fatalf("hello %x: check() = %d, %v", raw[:helloSize], status, err)
+		}
+
+		var w welcome
+		w.decode((*[welcomeSize]byte)(raw[:welcomeSize]))
+		var wb [welcomeSize]byte
+		w.encode(&wb)
+		if !bytes.Equal(wb[:], raw[:welcomeSize]) {
+			t.Fatalf("welcome %x re-encodes as %x", raw[:welcomeSize], wb)
+		}
+
+		var hd Header
+		hd.Decode((*[HeaderSize]byte)(raw[:HeaderSize]))
+		var hdb [HeaderSize]byte
+		hd.Encode(&hdb)
+		if !bytes.Equal(hdb[:], raw[:HeaderSize]) {
+			t.Fatalf("header %x re-encodes as %x", raw[:HeaderSize], hdb)
+		}
+
+		code, flags, n, err := DecodeReply((*[ReplySize]byte)(raw[:ReplySize]))
+		wantCode := transport.Code(binary.LittleEndian.Uint32(raw[0:]))
+		wantLen := int(binary.LittleEndian.Uint16(raw[6:]))
+		valid := wantLen <= MaxMessage && (wantCode != transport.OK || wantLen == 0)
+		if valid != (err == nil) {
+			t.Fatalf("reply %x: DecodeReply error %v, want valid=%v", raw[:ReplySize], err, valid)
+		}
+		if err != nil {
+			return
+		}
+		if code != wantCode || n != wantLen || flags != binary.LittleEndian.Uint16(raw[4:]) {
+			t.Fatalf("reply %x decodes as %d %d %d", raw[:ReplySize], code, flags, n)
+		}
+		// What a receiver sends, a sender reads back unchanged.
+		var out [ReplySize + MaxMessage]byte
+		msg := string(raw[ReplySize : ReplySize+n])
+		b := EncodeReply(&out, code, flags, msg)
+		c2, f2, n2, err := DecodeReply((*[ReplySize]byte)(b[:ReplySize]))
+		if err != nil || c2 != code || f2 != flags || string(b[ReplySize:ReplySize+n2]) != msg {
+			t.Fatalf("reply %d %d %q round-trips as %d %d %q, %v", code, flags, msg, c2, f2, b[ReplySize:], err)
+		}
+	})
+}
+
+// The receive slots FuzzAcceptedConn writes into: two slots with gaps
+// around them, so a byte landing outside a slot shows.
+const (
+	fuzzMem              = 64 << 10
+	fuzzSlot1, fuzzSize1 = 0, 4096
+	fuzzSlot2, fuzzSize2 = 8192, 8192
+	fuzzMaxWrite         = 1 << 20
+)
+
+// Placeholders a seed writes where a slot's key goes: the keys are random.
+var fuzzKeyMarks = [2][]byte{[]byte("KEY1"), []byte("KEY2")}
+
+// FuzzAcceptedConn sends arbitrary bytes to a real listening Transport,
+// after a valid hello when withHello is set, then half-closes. The
+// receiver must answer with well-formed records only, close the
+// connection and end its goroutine, finish every write it accepted, and
+// never touch memory outside the slots. Seeds:
+// testdata/fuzz/FuzzAcceptedConn; KEY1 and KEY2 in them stand for the
+// slots' keys.
+func FuzzAcceptedConn(f *testing.F) {
+	slots := transporttest.NewSlots(fuzzMem)
+	keys := [2]uint32{slots.Add(fuzzSlot1, fuzzSize1), slots.Add(fuzzSlot2, fuzzSize2)}
+	rx := listen(f, Config{Sink: slots, IOTimeout: 2 * time.Second, HandshakeTimeout: 2 * time.Second, MaxWrite: fuzzMaxWrite})
+	f.Fuzz(func(t *testing.T, withHello bool, data []byte) {
+		for i, mark := range fuzzKeyMarks {
+			var k [4]byte
+			binary.LittleEndian.PutUint32(k[:], keys[i])
+			data = bytes.ReplaceAll(data, mark, k[:])
+		}
+		if withHello {
+			data = append(helloBytes(version), data...)
+		}
+		nc, err := net.Dial("tcp", rx.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer nc.Close()
+		// The receiver must close within its timeouts once the sender
+		// has nothing more to say; 10 s is far beyond them.
+		nc.SetDeadline(time.Now().Add(10 * time.Second))
+		go func() {
+			nc.Write(data) // the receiver may close before taking it all
+			nc.(*net.TCPConn).CloseWrite()
+		}()
+		out, err := io.ReadAll(nc)
+		if err != nil && !isPeerGone(err) {
+			t.Fatalf("reading the receiver's answers: %v (it did not close the connection)", err)
+		}
+		served(t, rx)
+		// A receiver that closes with unread bytes resets the connection,
+		// which can cut what it sent short: then only whole records count.
+		checkAnswers(t, out, len(data) >= helloSize, err == nil)
+		if err := slots.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if n := slots.Pending(); n != 0 {
+			t.Fatalf("%d accepted writes were never finished", n)
+		}
+		for _, gap := range [][2]int{{fuzzSlot1 + fuzzSize1, fuzzSlot2}, {fuzzSlot2 + fuzzSize2, fuzzMem}} {
+			if i := bytes.IndexFunc(slots.Mem[gap[0]:gap[1]], func(r rune) bool { return r != 0 }); i >= 0 {
+				t.Fatalf("byte %#x outside every slot was written", gap[0]+i)
+			}
+		}
+	})
+}
+
+// checkAnswers parses what a receiver sent: a welcome (owed for a whole
+// hello), and after an OK one any number of well-formed replies. Unless
+// complete, the last record may be cut short.
+func checkAnswers(t *testing.T, out []byte, owed, complete bool) {
+	t.Helper()
+	if len(out) < welcomeSize && !complete {
+		return
+	}
+	if len(out) == 0 && !owed {
+		return // a hello cut short gets no welcome
+	}
+	if len(out) < welcomeSize {
+		t.Fatalf("receiver sent %d bytes, less than a welcome: %x", len(out), out)
+	}
+	var w welcome
+	w.decode((*[welcomeSize]byte)(out[:welcomeSize]))
+	// A refused hello's welcome echoes the kind asked for, known or not:
+	// only magic and version must be the receiver's own.
+	if string(w.magic[:]) != magic || w.version != version {
+		t.Fatalf("receiver's welcome is malformed: magic %q, version %d", w.magic[:], w.version)
+	}
+	out = out[welcomeSize:]
+	if w.status != statusOK && len(out) > 0 {
+		t.Fatalf("receiver refused the handshake (status %d) yet sent %d more bytes", w.status, len(out))
+	}
+	for len(out) > 0 {
+		if !complete && (len(out) < ReplySize || len(out) < ReplySize+int(binary.LittleEndian.Uint16(out[6:]))) {
+			return
+		}
+		if len(out) < ReplySize {
+			t.Fatalf("receiver sent a %d-byte fragment of a reply: %x", len(out), out)
+		}
+		code, flags, n, err := DecodeReply((*[ReplySize]byte)(out[:ReplySize]))
+		if err != nil || len(out) < ReplySize+n {
+			t.Fatalf("receiver sent a malformed reply %x: %v", out, err)
+		}
+		msg := string(out[ReplySize : ReplySize+n])
+		if code != transport.OK && (msg == "" || !strings.ContainsFunc(msg, func(r rune) bool { return r != ' ' })) {
+			t.Fatalf("refusal %s carries no message", code)
+		}
+		out = out[ReplySize+n:]
+		if flags&FlagClose != 0 && len(out) > 0 {
+			t.Fatalf("receiver sent %d bytes after a reply that closes the connection", len(out))
+		}
+	}
+}
+
+// FuzzDialedConn is the other direction: a peer answers a dial with
+// arbitrary bytes, as its welcome and then as the reply to one write. The
+// dialer must neither hang nor panic, and report success only when those
+// bytes hold an OK welcome of this version and an OK reply. Seeds:
+// testdata/fuzz/FuzzDialedConn.
+func FuzzDialedConn(f *testing.F) {
+	tx := listen(f, Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 2 * time.Second, IOTimeout: 2 * time.Second})
+	f.Fuzz(func(t *testing.T, answer []byte) {
+		addr := fakePeer(t, func(c net.Conn) {
+			c.SetDeadline(time.Now().Add(10 * time.Second))
+			var hb [helloSize]byte
+			if _, err := io.ReadFull(c, hb[:]); err != nil {
+				return
+			}
+			c.Write(answer)
+			// Nothing more to say: the dialer sees the end at once rather
+			// than after a timeout. Then take what it sends until it closes.
+			c.(*net.TCPConn).CloseWrite()
+			io.Copy(io.Discard, c)
+		})
+		ctx := ctxFor(t, 10*time.Second)
+		s, err := tx.Dial(ctx, addr)
+		if err != nil {
+			if !strings.Contains(err.Error(), "tcp dial "+addr) {
+				t.Fatalf("dial error does not name the peer: %v", err)
+			}
+			return
+		}
+		defer s.Close()
+		if len(answer) < welcomeSize || answer[16] != 0 || answer[17] != 0 || answer[18] != 0 || answer[19] != 0 {
+			t.Fatalf("dial succeeded on the welcome %x", answer)
+		}
+		err = s.Write(ctx, transport.Write{Src: make([]byte, 16), Remote: 0, Key: 1, Tag: 1})
+		reply := answer[welcomeSize:]
+		okReply := len(reply) >= ReplySize && binary.LittleEndian.Uint32(reply) == uint32(transport.OK) && binary.LittleEndian.Uint16(reply[6:]) == 0
+		if err == nil && !okReply {
+			t.Fatalf("write succeeded on the reply %x", reply)
+		}
+		if err != nil && !strings.Contains(err.Error(), addr) && !transport.IsRefusal(err) {
+			t.Fatalf("write error does not name the peer: %v", err)
+		}
+	})
+}
