@@ -109,6 +109,21 @@ func (t *syncTransport) conn(ctx context.Context) (*syncConn, bool, error) {
 	return &syncConn{nc: nc, br: bufio.NewReader(nc), bw: bufio.NewWriter(nc)}, false, nil
 }
 
+// CloseIdleConnections closes the kept-alive connections, its own and
+// the fallback's (http.Client.CloseIdleConnections calls it).
+func (t *syncTransport) CloseIdleConnections() {
+	t.mu.Lock()
+	idle := t.idle
+	t.idle = nil
+	t.mu.Unlock()
+	for _, c := range idle {
+		c.nc.Close()
+	}
+	if f, ok := t.fallback.(interface{ CloseIdleConnections() }); ok {
+		f.CloseIdleConnections()
+	}
+}
+
 func (t *syncTransport) put(c *syncConn) {
 	t.mu.Lock()
 	defer t.mu.Unlock()

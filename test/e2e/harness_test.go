@@ -359,13 +359,7 @@ func (d *daemon) noLeaks(t *testing.T, goroutines, fds int) (int, int) {
 			return g, f
 		}
 		if time.Now().After(deadline) {
-			// KNOWN DEFECT, open in issue 7: since the TCP transport moved
-			// to wire version 2 and internal/pool (the RDMA merge), a
-			// sender ends the fault and soak scenarios holding extra
-			// connections. Until it is found and fixed, the leak is
-			// reported as a skip with its evidence rather than failing
-			// every run; the rest of each scenario is still asserted.
-			t.Skipf("KNOWN DEFECT (issue 7): ferryd pid %d holds %d goroutines and %d open files, against %d and %d before: a leak; its files: %s",
+			t.Fatalf("ferryd pid %d holds %d goroutines and %d open files, against %d and %d before: a leak; its files: %s",
 				d.cmd.Process.Pid, g, f, goroutines, fds, openFiles(d.cmd.Process.Pid))
 		}
 	}
