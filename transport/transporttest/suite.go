@@ -49,6 +49,14 @@ var data = sync.OnceValue(func() []byte {
 	return b
 })
 
+// bulk bounds a step that moves n bytes: patience plus n at a floor rate
+// far below any real transport, and below soft-RoCE under QEMU's TCG with
+// the race detector on a loaded machine (a few MB/s at worst).
+func bulk(n int) time.Duration {
+	const floor = 1 << 20 // bytes per second
+	return patience + time.Duration(n/floor)*time.Second
+}
+
 func timeout(t *testing.T, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(t.Context(), d)
 	t.Cleanup(cancel)
@@ -122,7 +130,7 @@ func testSizes(t *testing.T, f Factory) {
 		src := data()[i*4099:][:n]
 		key := slots.Add(addr, uint64(n))
 		tag := uint32(100 + i)
-		if err := s.Write(timeout(t, patience), transport.Write{Src: src, Remote: addr, Key: key, Tag: tag}); err != nil {
+		if err := s.Write(timeout(t, bulk(n)), transport.Write{Src: src, Remote: addr, Key: key, Tag: tag}); err != nil {
 			t.Fatalf("%d-byte write: %v", n, err)
 		}
 		landed(t, slots, tag, addr, src)
@@ -185,7 +193,7 @@ func testConcurrent(t *testing.T, f Factory) {
 			Tag:    uint32(1000 + i),
 		}
 	}
-	ctx := timeout(t, patience)
+	ctx := timeout(t, bulk(n*stride))
 	errs := make(chan error, n)
 	for _, w := range writes {
 		go func() { errs <- s.Write(ctx, w) }()
@@ -252,7 +260,7 @@ func testNoHeadOfLineBlocking(t *testing.T, f Factory) {
 		{Src: data()[mib:][:64*mib], Remote: 64 * mib, Key: slots.Add(64*mib, 64*mib), Tag: 2},
 	}
 	small := transport.Write{Src: data()[3:][:4096], Remote: 128 * mib, Key: slots.Add(128*mib, 4096), Tag: 3}
-	ctx := timeout(t, patience)
+	ctx := timeout(t, bulk(128*mib))
 	bigErrs := make(chan error, len(big))
 	for _, w := range big {
 		go func() { bigErrs <- s.Write(ctx, w) }()
