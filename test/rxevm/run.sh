@@ -12,7 +12,7 @@
 #   RXEVM_CACHE  kernel cache (default .cache/rxevm in the repository)
 #   RXEVM_BENCH  0 skips the benchmarks (default 1)
 #   RXEVM_RUN    -test.run pattern for the rdma package tests (default all)
-#   RXEVM_RACE   0 builds the test binaries without the race detector
+#   RXEVM_RACE   1 builds the test binaries with the race detector
 #   RXEVM_TIMEOUT  seconds the VM may run (default 900)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
 #   RXEVM_QPS    writes in flight for ferry and QPs for ib_write_bw (default 8)
@@ -74,14 +74,18 @@ ln -s usr/bin "$R/bin"
 ln -s usr/sbin "$R/sbin"
 ln -s usr/lib "$R/lib"
 ln -s usr/lib64 "$R/lib64"
-# The tests run race-built, as make unit and make e2e do; the benchmarks
-# from a plain build, which measures what ferryd ships.
+# The tests run from a plain build: under TCG on a loaded machine the
+# race detector's cost on the conformance suite's 64 MiB copies can push
+# a write past the suite's 30 s patience. make unit runs the same logic
+# race-built on the host (fake NIC); RXEVM_RACE=1 builds them so here.
 race=()
-[[ ${RXEVM_RACE:-1} == 1 ]] && race=(-race)
+[[ ${RXEVM_RACE:-0} == 1 ]] && race=(-race)
 go build "${race[@]}" -o "$R/opt/bin/" ./cmd/ferryd ./cmd/ferryctl
 go test "${race[@]}" -c -o "$R/opt/rdma.test" ./rdma
 go test "${race[@]}" -c -o "$R/opt/e2e.test" ./test/e2e
-[[ $BENCH == 1 || ${RXEVM_PROFILE:-0} == 1 ]] && go test -c -o "$R/opt/rdma.bench" ./rdma
+if [[ $BENCH == 1 || ${RXEVM_PROFILE:-0} == 1 ]]; then
+  if ((${#race[@]})); then go test -c -o "$R/opt/rdma.bench" ./rdma; else cp "$R/opt/rdma.test" "$R/opt/rdma.bench"; fi
+fi
 [[ ${RXEVM_PROFILE:-0} == 1 ]] && cp "$R/opt/rdma.bench" "$CACHE/"
 say "binaries built${race:+ (tests with -race)}"
 
