@@ -3,6 +3,7 @@ package rdma
 import (
 	"bytes"
 	"context"
+	"flag"
 	"fmt"
 	"sync"
 	"sync/atomic"
@@ -25,9 +26,9 @@ func benchDevice(b *testing.B) {
 }
 
 // writers is how many writes a benchmark keeps in flight, each on its own
-// lane: ib_write_bw keeps up to 128 work requests outstanding on its QP,
-// and a lane carries one write at a time.
-const writers = 8
+// lane (a lane carries one write at a time): by default ferryd's lanes
+// per peer (--max-conns). test/rxevm runs ib_write_bw with as many QPs.
+var writers = flag.Int("writers", 8, "writes in flight in BenchmarkWrite and BenchmarkWriteMode")
 
 // rig is a sender and a receiver over mapped memory, the way ferryd runs
 // them (Memory is the arena), with a region of the receiver's memory per
@@ -63,7 +64,7 @@ func newRig(b *testing.B, size int, perSend bool) *rig {
 	for i := range src {
 		src[i] = byte(i * 7)
 	}
-	sink := &benchSink{mem: mapT(b, writers*size)}
+	sink := &benchSink{mem: mapT(b, *writers*size)}
 	tx := listenT(b, nil, Config{Memory: src, PerSend: perSend})
 	rx := listenT(b, nil, Config{TCP: tcp.Config{Sink: sink}, Memory: sink.mem, PerSend: perSend})
 	s, err := tx.Dial(context.Background(), rx.Addr().String())
@@ -82,10 +83,10 @@ func (r *rig) run(b *testing.B, size int) {
 	var next sync.Mutex
 	n := 0
 	var wg sync.WaitGroup
-	errs := make(chan error, writers)
-	var wrote [writers]bool
+	errs := make(chan error, *writers)
+	wrote := make([]bool, *writers)
 	b.ResetTimer()
-	for i := range writers {
+	for i := range *writers {
 		wg.Go(func() {
 			for {
 				next.Lock()

@@ -59,7 +59,7 @@ cd /
 # ---- benchmarks: ferry's write beside ib_write_bw, alternately ------------
 # Both keep the same number of RC QPs busy on rxe0: ferry 8 writes in
 # flight, one per lane (BenchmarkWrite's writers), ib_write_bw -q 8.
-QPS=8
+QPS=${QPS:-8}
 # ibbw SIZE ITERS: one ib_write_bw run of about ITERS messages in all;
 # prints MB/s (1e6 bytes/s, from its Gb/s average). The bench functions
 # run in $(...) subshells, so a failure is marked in a file.
@@ -83,7 +83,7 @@ ibbw() {
 # ferrybw NAME ITERS: one run of the rdma package's BenchmarkWrite/NAME;
 # prints its MB/s.
 ferrybw() {
-  /opt/rdma.bench -test.run '^$' -test.bench "^BenchmarkWrite\$/^$1\$" -test.benchtime "$2x" >/tmp/fb.log 2>&1
+  /opt/rdma.bench -test.run '^$' -test.bench "^BenchmarkWrite\$/^$1\$" -test.benchtime "$2x" -writers $QPS >/tmp/fb.log 2>&1
   if ! awk '/MB\/s/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") {printf "%.2f", $i; found=1}} END {exit !found}' /tmp/fb.log; then
     cat /tmp/fb.log >&2
     echo 0
@@ -106,7 +106,7 @@ if [ "$BENCH" = 1 ]; then
   /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkRegister' -test.benchtime 5x >/tmp/reg.log 2>&1 || { cat /tmp/reg.log; FAIL=1; }
   grep '^BenchmarkRegister' /tmp/reg.log | sed 's/^/== BENCH /'
   for round in 1 2; do
-    /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x >/tmp/mode.log 2>&1 || { cat /tmp/mode.log >&2; FAIL=1; }
+    /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x -writers $QPS >/tmp/mode.log 2>&1 || { cat /tmp/mode.log >&2; FAIL=1; }
     awk '/^BenchmarkWriteMode/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") print $1, $i}' /tmp/mode.log
   done >/tmp/modes
   awk '/shared/ {s += $2; ns++} /per-send/ {p += $2; np++}
@@ -114,6 +114,12 @@ if [ "$BENCH" = 1 ]; then
     printf "== BENCH registration 1MiB writes shared_MBps=%.2f per_send_MBps=%.2f ratio=%.2f (per-send/shared)\n", s, p, (s > 0 ? p / s : 0)}' /tmp/modes
   # A benchmark that errs (not one that is slow) fails the run.
   [ -e /tmp/benchfail ] && { echo "== FAIL a benchmark run failed (its output is above)"; FAIL=1; }
+fi
+
+if [ "$PROFILE" = 1 ]; then
+  /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWrite$/^64KiB$' -test.benchtime 400x -test.cpuprofile /tmp/cpu.prof >/tmp/prof.log 2>&1
+  grep MB/s /tmp/prof.log
+  echo "== PROFILE BEGIN"; base64 /tmp/cpu.prof; echo "== PROFILE END"
 fi
 
 [ $FAIL = 0 ] && echo "== RESULT: PASS at $(up)s" || echo "== RESULT: FAIL at $(up)s"

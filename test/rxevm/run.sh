@@ -12,8 +12,10 @@
 #   RXEVM_CACHE  kernel cache (default .cache/rxevm in the repository)
 #   RXEVM_BENCH  0 skips the benchmarks (default 1)
 #   RXEVM_RUN    -test.run pattern for the rdma package tests (default all)
-#   RXEVM_RACE   0 builds the test binaries without the race detector
+#   RXEVM_RACE   1 builds the test binaries with the race detector
 #   RXEVM_TIMEOUT  seconds the VM may run (default 900)
+#   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
+#   RXEVM_QPS    writes in flight for ferry and QPs for ib_write_bw (default 8)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -72,14 +74,19 @@ ln -s usr/bin "$R/bin"
 ln -s usr/sbin "$R/sbin"
 ln -s usr/lib "$R/lib"
 ln -s usr/lib64 "$R/lib64"
-# The tests run race-built, as make unit and make e2e do; the benchmarks
-# from a plain build, which measures what ferryd ships.
+# The tests run from a plain build: under TCG on a loaded machine the
+# race detector's cost on the conformance suite's 64 MiB copies can push
+# a write past the suite's 30 s patience. make unit runs the same logic
+# race-built on the host (fake NIC); RXEVM_RACE=1 builds them so here.
 race=()
-[[ ${RXEVM_RACE:-1} == 1 ]] && race=(-race)
+[[ ${RXEVM_RACE:-0} == 1 ]] && race=(-race)
 go build "${race[@]}" -o "$R/opt/bin/" ./cmd/ferryd ./cmd/ferryctl
 go test "${race[@]}" -c -o "$R/opt/rdma.test" ./rdma
 go test "${race[@]}" -c -o "$R/opt/e2e.test" ./test/e2e
-[[ $BENCH == 1 ]] && go test -c -o "$R/opt/rdma.bench" ./rdma
+if [[ $BENCH == 1 || ${RXEVM_PROFILE:-0} == 1 ]]; then
+  if ((${#race[@]})); then go test -c -o "$R/opt/rdma.bench" ./rdma; else cp "$R/opt/rdma.test" "$R/opt/rdma.bench"; fi
+fi
+[[ ${RXEVM_PROFILE:-0} == 1 ]] && cp "$R/opt/rdma.bench" "$CACHE/"
 say "binaries built${race:+ (tests with -race)}"
 
 # ---- initramfs -------------------------------------------------------------
@@ -116,6 +123,8 @@ cp test/rxevm/init.sh "$R/init"
 cat >"$R/etc/rxevm.env" <<EOF
 BENCH=$BENCH
 RUN='$RUN'
+PROFILE=${RXEVM_PROFILE:-0}
+QPS=${RXEVM_QPS:-8}
 EOF
 (cd "$R" && find . | cpio -o -H newc --quiet | gzip -1) >"$W/initramfs.gz"
 say "initramfs $(du -h "$W/initramfs.gz" | cut -f1)"
@@ -132,6 +141,10 @@ qemu=$?
 set -e
 tr -d '\r' <"$LOG" | grep -a -E '^(== | *--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark| +[a-z_]+\.go:[0-9]+:)' || true
 count() { tr -d '\r' <"$LOG" | grep -ac -E "^ *--- $1: " || true; }
+if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
+  tr -d '\r' <"$LOG" | sed -n '/^== PROFILE BEGIN/,/^== PROFILE END/p' | grep -v '^==' | base64 -d >"$CACHE/cpu.prof"
+  say "CPU profile of the 64 KiB write benchmark: go tool pprof -top $CACHE/rdma.bench $CACHE/cpu.prof"
+fi
 say "VM done: $(count PASS) passed, $(count FAIL) failed, $(count SKIP) skipped; the VM's log is $LOG"
 if ((qemu == 124)); then
   echo "rxevm: the VM ran past ${VM_TIMEOUT}s and was stopped" >&2
