@@ -219,36 +219,5 @@ func TestRDMAFallbackToTCPPeer(t *testing.T) {
 // to the restarted peer delivers.
 func TestRDMAPeerDownRetry(t *testing.T) {
 	requireRDMA(t)
-	dir := t.TempDir()
-	snd := startDaemon(t, dir, "snd", "--transport", "rdma", "--io-timeout", "3s", "--send-timeout", "20s")
-	rcv := startDaemon(t, dir, "rcv", "--transport", "rdma")
-	ctx := ctxT(t)
-	data := randomBytes(embBytes, 15)
-	if _, err := snd.c.Stage(ctx, "rd-down", embShape, "bf16", bytes.NewReader(data), int64(len(data))); err != nil {
-		t.Fatal(err)
-	}
-	warm := randomBytes(256, 16)
-	if _, err := snd.c.Stage(ctx, "rd-warm", []int64{256}, "u8", bytes.NewReader(warm), 256); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := snd.c.Send(ctx, "rd-warm", slotFor(t, rcv, "rd-warm", 256)); err != nil {
-		t.Fatal(err)
-	}
-	req := slotFor(t, rcv, "rd-down", embBytes)
-	port := rcv.listen[strings.LastIndex(rcv.listen, ":")+1:]
-	rcv.kill()
-
-	_, err := snd.c.Send(ctx, "rd-down", req)
-	wantErr(t, err, 502, api.CodeTransferFailed, "rd-down", req.Session, "nbytes=131072", "ret=", "kept")
-	snd.log.wait(t, 5*time.Second, "a retry warning", func(m map[string]any) bool {
-		return m["level"] == "warn" && m["req_id"] == "rd-down" && strings.Contains(m["message"].(string), "retrying")
-	})
-	rcv2 := startDaemon(t, dir, "rcv", "--transport", "rdma", "--listen", "127.0.0.1:"+port)
-	res, err := snd.c.Send(ctx, "rd-down", slotFor(t, rcv2, "rd-down", embBytes))
-	if err != nil || res.Transport != "rdma" {
-		t.Fatalf("resend to the restarted peer: %+v, %v", res, err)
-	}
-	if got, err := rcv2.c.Wait(ctx, "rd-down", 10*time.Second); err != nil || !bytes.Equal(got, data) {
-		t.Fatalf("resend did not deliver byte-exact: %v", err)
-	}
+	peerDownScenario(t, "rd-down", "rdma")
 }
