@@ -126,16 +126,7 @@ func TestZeroCopyStagingArrivesByteExact(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := client.MapArena(sl.ArenaFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	dst, err := m.Slice(sl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	copy(dst, data)
+	writeInPlace(t, sl, data)
 	// Not committed yet: a send does not take it.
 	if _, err := snd.c.Send(ctx, "zc-1", slotFor(t, rcv, "zc-0", embBytes)); err == nil {
 		t.Fatal("send of an uncommitted slice succeeded")
@@ -156,15 +147,7 @@ func TestZeroCopyStagingArrivesByteExact(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rm, err := client.MapArena(info.ArenaFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rm.Close()
-	got, err := rm.Bytes(info.Offset, info.Received)
-	if err != nil {
-		t.Fatal(err)
-	}
+	got := readInPlace(t, info)
 	if !info.Arrived || !bytes.Equal(got, data) {
 		t.Fatalf("in-place bytes differ (arrived=%v, received=%d)", info.Arrived, info.Received)
 	}

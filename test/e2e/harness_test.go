@@ -4,6 +4,7 @@ package e2e
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
@@ -22,6 +23,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
 )
 
@@ -378,4 +380,36 @@ func openFiles(pid int) string {
 		out = append(out, e.Name()+"->"+target)
 	}
 	return strings.Join(out, " ")
+}
+
+// writeInPlace is a client's zero-copy staging: it writes data into a
+// reserved slice through its own mapping of the arena file.
+func writeInPlace(t *testing.T, sl api.Slice, data []byte) {
+	t.Helper()
+	m, err := client.MapArena(sl.ArenaFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	dst, err := m.Slice(sl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(dst, data)
+}
+
+// readInPlace is a receiving client reading an arrived slot through its
+// own mapping of the arena file.
+func readInPlace(t *testing.T, info api.Receive) []byte {
+	t.Helper()
+	m, err := client.MapArena(info.ArenaFile)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer m.Close()
+	got, err := m.Bytes(info.Offset, info.Received)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return bytes.Clone(got)
 }

@@ -11,7 +11,6 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/api"
-	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/rdma"
 )
 
@@ -110,16 +109,7 @@ func TestRDMASendUploadAndZeroCopy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	m, err := client.MapArena(sl.ArenaFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	dst, err := m.Slice(sl)
-	if err != nil {
-		t.Fatal(err)
-	}
-	copy(dst, data)
+	writeInPlace(t, sl, data)
 	if _, err := snd.c.Commit(ctx, "rd-zc", embShape, "bf16"); err != nil {
 		t.Fatal(err)
 	}
@@ -130,13 +120,8 @@ func TestRDMASendUploadAndZeroCopy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	rm, err := client.MapArena(info.ArenaFile)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer rm.Close()
-	if in, err := rm.Bytes(info.Offset, info.Received); err != nil || !bytes.Equal(in, data) {
-		t.Fatalf("zero-copy embedding read in place: %v", err)
+	if in := readInPlace(t, info); !bytes.Equal(in, data) {
+		t.Fatal("zero-copy embedding read in place differs from what was staged")
 	}
 	sessions, err := snd.c.Sessions(ctx)
 	if err != nil || len(sessions) != 1 || sessions[0].Transport != "rdma" {
