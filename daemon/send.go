@@ -113,6 +113,9 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			// write on it.
 			break
 		}
+		if errors.Is(err, transport.ErrAuth) {
+			break // the peers' secrets differ: no re-dial can change that
+		}
 		d.metrics.sessionFailures.WithLabelValues(req.Session).Inc()
 		p.teardown(sess)
 		if attempt <= d.cfg.SendRetries {
@@ -196,6 +199,8 @@ func retCode(err error) string {
 		return "eof"
 	case errors.Is(err, transport.ErrClosed):
 		return "closed"
+	case errors.Is(err, transport.ErrAuth):
+		return "auth"
 	}
 	return "error"
 }
