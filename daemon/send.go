@@ -127,9 +127,13 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	res.Millis = float64(elapsed.Microseconds()) / 1000
 	if !sent {
 		d.failed(retCode(lastErr), "failed", elapsed)
+		when := "when the peer is back"
+		if errors.Is(lastErr, transport.ErrAuth) {
+			when = "once both daemons hold the same peer secret"
+		}
 		return res, apiErr(http.StatusBadGateway, api.CodeTransferFailed,
-			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend when the peer is back, or DELETE /v1/embeddings/%s",
-			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, reqID)
+			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend %s, or DELETE /v1/embeddings/%s",
+			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, when, reqID)
 	}
 	if elapsed > 0 {
 		res.GBps = float64(e.nbytes) / elapsed.Seconds() / 1e9
