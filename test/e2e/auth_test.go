@@ -121,3 +121,27 @@ func TestBadPeerSecretFileStopsFerryd(t *testing.T) {
 		}
 	}
 }
+
+// TestRDMAPeersProveTheSecret: an RDMA lane's control connection opens
+// with the same handshake, so the secret guards it as it guards TCP.
+func TestRDMAPeersProveTheSecret(t *testing.T) {
+	requireRDMA(t)
+	dir := t.TempDir()
+	secret := secretFile(t, dir, "peer.secret", "cluster-secret-0123456789abcdef")
+	snd := startDaemon(t, dir, "snd", "--transport", "rdma", "--peer-secret-file", secret)
+	rcv := startDaemon(t, dir, "rcv", "--transport", "rdma", "--peer-secret-file", secret)
+	data := stageOn(t, snd, "rd-auth", 3<<20, 73)
+	res, err := snd.c.Send(ctxT(t), "rd-auth", slotFor(t, rcv, "rd-auth", int64(len(data))))
+	if err != nil || res.Transport != "rdma" {
+		t.Fatalf("send between RDMA peers with the same secret: %+v, %v; want it over rdma", res, err)
+	}
+	received(t, rcv, "rd-auth", data)
+
+	other := startDaemon(t, dir, "other", "--transport", "rdma", "--send-retries", "3",
+		"--peer-secret-file", secretFile(t, dir, "other.secret", "another-secret-altogether-98765"))
+	stageOn(t, other, "rd-auth-no", 4096, 74)
+	_, err = other.c.Send(ctxT(t), "rd-auth-no", slotFor(t, rcv, "rd-auth-no", 4096))
+	wantErr(t, err, http.StatusBadGateway, api.CodeTransferFailed, "peer authentication failed", "ret=auth", "after 1 attempt(s)")
+	rcv.log.wait(t, 5*time.Second, "the receiver's refusal", refusedFor("proof mismatch"))
+	rcv.alive(t)
+}
