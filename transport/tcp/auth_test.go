@@ -86,7 +86,8 @@ func TestAuthRefused(t *testing.T) {
 }
 
 // rawAuth dials tr and sends an authenticating hello; it returns the
-// connection and both parties, after the welcome and the server's nonce.
+// connection and both parties (the client's nonce not sent yet), after
+// the welcome and the server's nonce.
 func rawAuth(t *testing.T, tr *Transport) (net.Conn, party, party) {
 	t.Helper()
 	nc, err := net.Dial("tcp", tr.Addr().String())
@@ -99,7 +100,7 @@ func rawAuth(t *testing.T, tr *Transport) (net.Conn, party, party) {
 	var hb [helloSize]byte
 	h := ours(client.instance, kindData, secretA)
 	h.encode(&hb)
-	nc.Write(append(hb[:], client.nonce[:]...))
+	nc.Write(hb[:])
 	var wb [welcomeSize + nonceSize]byte
 	if _, err := io.ReadFull(nc, wb[:]); err != nil {
 		t.Fatalf("reading the welcome and nonce: %v", err)
@@ -122,7 +123,7 @@ func TestAuthReflectedProof(t *testing.T) {
 		// it off as its own.
 		nc, client, server := rawAuth(t, rx)
 		p := proof(secretA, roleServer, kindData, client, server)
-		nc.Write(p[:])
+		nc.Write(append(client.nonce[:], p[:]...))
 		var vb [verdictSize]byte
 		if _, err := io.ReadFull(nc, vb[:]); err != nil {
 			t.Fatalf("reading the verdict: %v", err)
@@ -141,21 +142,22 @@ func TestAuthReflectedProof(t *testing.T) {
 	t.Run("ToDialer", func(t *testing.T) {
 		// A server without the secret echoes the client's own proof.
 		addr := fakePeer(t, func(c net.Conn) {
-			var hb [helloSize + nonceSize]byte
+			var hb [helloSize]byte
 			if _, err := io.ReadFull(c, hb[:]); err != nil {
 				return
 			}
 			var h hello
-			h.decode((*[helloSize]byte)(hb[:helloSize]))
+			h.decode(&hb)
 			var wb [welcomeSize]byte
 			w := welcome{hello: ours(7, h.kind, secretB)}
 			w.encode(&wb)
 			nonce := newNonce()
 			c.Write(append(wb[:], nonce[:]...))
-			var v verdict
-			if _, err := io.ReadFull(c, v.proof[:]); err != nil {
+			var b [nonceSize + proofSize]byte
+			if _, err := io.ReadFull(c, b[:]); err != nil {
 				return
 			}
+			v := verdict{proof: [proofSize]byte(b[nonceSize:])}
 			var vb [verdictSize]byte
 			v.encode(&vb)
 			c.Write(vb[:])
@@ -173,6 +175,20 @@ func TestShortSecret(t *testing.T) {
 		_, err := Listen(Config{Addr: "127.0.0.1:0", Sink: transporttest.NewSlots(0), Secret: secret})
 		if err == nil || !strings.Contains(err.Error(), "at least 16") {
 			t.Errorf("secret of %d bytes: Listen error %v, want one naming the minimum", len(secret), err)
+		}
+	}
+}
+
+// TestAuthDialOlderPeer: a dialer with a secret sends nothing past its
+// hello before the welcome, so a daemon of the previous version reads it
+// whole and its version mismatch reaches the dialer intact.
+func TestAuthDialOlderPeer(t *testing.T) {
+	tx := listen(t, Config{Sink: transporttest.NewSlots(0), Secret: secretA})
+	addr := fakePeer(t, welcomeAs(2, statusBadVersion))
+	_, err := tx.Dial(ctxFor(t, 10*time.Second), addr)
+	for _, w := range []string{"peer speaks version 2", "this daemon speaks version 3", "upgrade the older daemon"} {
+		if err == nil || !strings.Contains(err.Error(), w) {
+			t.Errorf("dial error %v does not mention %q", err, w)
 		}
 	}
 }

@@ -165,7 +165,7 @@ func FuzzAcceptedConn(f *testing.F) {
 		// A receiver that closes with unread bytes resets the connection,
 		// which can cut what it sent short: then only whole records count.
 		if mode != fuzzAfterAuth {
-			out = checkHandshake(t, out, welcomeOwed(data), err == nil)
+			out = checkHandshake(t, out, len(data) >= helloSize, err == nil)
 		}
 		checkReplies(t, out, err == nil)
 		if err := slots.Err(); err != nil {
@@ -180,18 +180,6 @@ func FuzzAcceptedConn(f *testing.F) {
 			}
 		}
 	})
-}
-
-// welcomeOwed says whether a client that sent data owes a receiver's
-// welcome: a whole hello, and its nonce when it announces one.
-func welcomeOwed(data []byte) bool {
-	if len(data) < helloSize {
-		return false
-	}
-	var h hello
-	h.decode((*[helloSize]byte)(data[:helloSize]))
-	_, err := h.check()
-	return err != nil || !h.auth() || len(data) >= helloSize+nonceSize
 }
 
 // checkHandshake parses a receiver's side of the handshake at the start
@@ -235,7 +223,7 @@ func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 	if !w.auth() {
 		return out
 	}
-	// A client that sent no whole proof gets no verdict.
+	// A client that sent no whole nonce and proof gets no verdict.
 	if len(out) < verdictSize {
 		if complete && len(out) > 0 {
 			t.Fatalf("receiver sent %d bytes of its %d-byte verdict", len(out), verdictSize)
@@ -304,26 +292,32 @@ func FuzzDialedConn(f *testing.F) {
 		sent := make(chan answered, 1)
 		addr := fakePeer(t, func(c net.Conn) {
 			c.SetDeadline(time.Now().Add(10 * time.Second))
-			var hb [helloSize + nonceSize]byte
-			if _, err := io.ReadFull(c, hb[:helloSize]); err != nil {
+			var hb [helloSize]byte
+			if _, err := io.ReadFull(c, hb[:]); err != nil {
 				return
 			}
 			var h hello
-			h.decode((*[helloSize]byte)(hb[:helloSize]))
-			if h.auth() {
-				if _, err := io.ReadFull(c, hb[helloSize:]); err != nil {
+			h.decode(&hb)
+			a := answered{bytes: answer}
+			if h.auth() && len(answer) >= welcomeSize+nonceSize {
+				// The welcome and nonce first, then, once the dialer's
+				// nonce is in, the rest with the proof that nonce asks.
+				c.Write(answer[:welcomeSize+nonceSize])
+				var nb [nonceSize + proofSize]byte
+				if _, err := io.ReadFull(c, nb[:]); err != nil {
+					sent <- a
 					return
 				}
-			}
-			a := answered{bytes: answer}
-			if len(answer) >= welcomeSize+nonceSize {
-				client := party{instance: h.instance, nonce: [nonceSize]byte(hb[helloSize:])}
+				client := party{instance: h.instance, nonce: [nonceSize]byte(nb[:nonceSize])}
 				server := party{instance: binary.LittleEndian.Uint64(answer[8:]), nonce: [nonceSize]byte(answer[welcomeSize:])}
 				a.proof = proof(fuzzSecret, roleServer, h.kind, client, server)
-				a.bytes = bytes.Replace(answer, fuzzProofMark, a.proof[:], 1)
+				head := answer[: welcomeSize+nonceSize : welcomeSize+nonceSize]
+				a.bytes = append(head, bytes.Replace(answer[len(head):], fuzzProofMark, a.proof[:], 1)...)
+				c.Write(a.bytes[welcomeSize+nonceSize:])
+			} else {
+				c.Write(answer)
 			}
 			sent <- a
-			c.Write(a.bytes)
 			// Nothing more to say: the dialer sees the end at once rather
 			// than after a timeout. Then take what it sends until it closes.
 			c.(*net.TCPConn).CloseWrite()

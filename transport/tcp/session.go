@@ -132,15 +132,10 @@ func (c *conn) greet(ctx context.Context, instance uint64, kind uint32, secret [
 	defer stop()
 	deadline, _ := ctx.Deadline()
 	c.nc.SetDeadline(deadline)
-	var hb [helloSize + nonceSize]byte
+	var hb [helloSize]byte
 	h := ours(instance, kind, secret)
-	h.encode((*[helloSize]byte)(hb[:helloSize]))
-	client := party{instance: instance, nonce: newNonce()}
-	out := hb[:helloSize]
-	if h.auth() {
-		out = append(out, client.nonce[:]...)
-	}
-	if _, err := c.nc.Write(out); err != nil {
+	h.encode(&hb)
+	if _, err := c.nc.Write(hb[:]); err != nil {
 		return 0, fmt.Errorf("sending the hello: %w", err)
 	}
 	var wb [welcomeSize]byte
@@ -172,7 +167,7 @@ func (c *conn) greet(ctx context.Context, instance uint64, kind uint32, secret [
 		return 0, authErr("the peer accepted the handshake without the challenge both sides owe (peer flags %#x, ours %#x)", w.flags, h.flags)
 	}
 	if h.auth() {
-		if err := c.prove(secret, kind, client, w.instance); err != nil {
+		if err := c.prove(secret, kind, instance, w.instance); err != nil {
 			return 0, err
 		}
 	}
@@ -183,15 +178,17 @@ func (c *conn) greet(ctx context.Context, instance uint64, kind uint32, secret [
 	return w.instance, nil
 }
 
-// prove answers the server's challenge and checks its proof in turn.
-func (c *conn) prove(secret []byte, kind uint32, client party, serverInstance uint64) error {
+// prove answers the server's challenge with a challenge of its own and
+// checks the server's proof in turn.
+func (c *conn) prove(secret []byte, kind uint32, clientInstance, serverInstance uint64) error {
 	server := party{instance: serverInstance}
 	if err := c.read(server.nonce[:], "nonce"); err != nil {
 		return err
 	}
+	client := party{instance: clientInstance, nonce: newNonce()}
 	p := proof(secret, roleClient, kind, client, server)
-	if _, err := c.nc.Write(p[:]); err != nil {
-		return fmt.Errorf("sending the proof: %w", err)
+	if _, err := c.nc.Write(append(client.nonce[:], p[:]...)); err != nil {
+		return fmt.Errorf("sending the nonce and proof: %w", err)
 	}
 	var vb [verdictSize]byte
 	if err := c.read(vb[:], "verdict"); err != nil {

@@ -246,23 +246,16 @@ var errNoRDMAHere = errors.New("asked for RDMA, which this transport does not se
 // client's hello.
 func (t *Transport) welcome(c *net.TCPConn) (hello, error) {
 	c.SetDeadline(time.Now().Add(t.cfg.HandshakeTimeout))
-	var b [helloSize + nonceSize]byte
+	var b [helloSize]byte
 	var h hello
-	if n, err := io.ReadFull(c, b[:helloSize]); err != nil {
+	if n, err := io.ReadFull(c, b[:]); err != nil {
 		if n == 0 && err == io.EOF {
 			return h, err
 		}
 		return h, fmt.Errorf("read %d of the %d-byte hello: %w", n, helloSize, err)
 	}
-	h.decode((*[helloSize]byte)(b[:helloSize]))
+	h.decode(&b)
 	status, herr := h.check()
-	var client party
-	if herr == nil && h.auth() {
-		if n, err := io.ReadFull(c, b[helloSize:]); err != nil {
-			return h, fmt.Errorf("read %d of the %d-byte nonce after the hello: %w", n, nonceSize, err)
-		}
-		client = party{instance: h.instance, nonce: [nonceSize]byte(b[helloSize:])}
-	}
 	secret := t.cfg.Secret
 	switch {
 	case herr != nil:
@@ -288,7 +281,7 @@ func (t *Transport) welcome(c *net.TCPConn) (hello, error) {
 		return h, herr
 	}
 	if secret != nil {
-		if err := t.verify(c, h.kind, client, server); err != nil {
+		if err := t.verify(c, h, server); err != nil {
 			return h, err
 		}
 	}
@@ -296,16 +289,17 @@ func (t *Transport) welcome(c *net.TCPConn) (hello, error) {
 	return h, nil
 }
 
-// verify takes the client's proof and answers with a verdict: the
-// server's own proof, or a refusal.
-func (t *Transport) verify(c *net.TCPConn, kind uint32, client, server party) error {
-	var got [proofSize]byte
-	if n, err := io.ReadFull(c, got[:]); err != nil {
-		return authErr("read %d of the peer's %d-byte proof: %v", n, proofSize, err)
+// verify takes the client's nonce and proof and answers with a verdict:
+// the server's own proof, or a refusal.
+func (t *Transport) verify(c *net.TCPConn, h hello, server party) error {
+	var b [nonceSize + proofSize]byte
+	if n, err := io.ReadFull(c, b[:]); err != nil {
+		return authErr("read %d of the peer's %d-byte nonce and proof: %v", n, len(b), err)
 	}
-	v := verdict{proof: proof(t.cfg.Secret, roleServer, kind, client, server)}
+	client := party{instance: h.instance, nonce: [nonceSize]byte(b[:nonceSize])}
+	v := verdict{proof: proof(t.cfg.Secret, roleServer, h.kind, client, server)}
 	var verr error
-	if !validProof(got, t.cfg.Secret, roleClient, kind, client, server) {
+	if !validProof([proofSize]byte(b[nonceSize:]), t.cfg.Secret, roleClient, h.kind, client, server) {
 		v, verr = verdict{status: statusBadProof}, authErr("proof mismatch: the peer's secret differs from this daemon's --peer-secret-file")
 	}
 	var vb [verdictSize]byte

@@ -16,12 +16,12 @@ package tcp
 //	                       connection (below); 1 the control connection
 //	                       of an RDMA session (rdma/wire.go goes on)
 //	 20  flags     u32     bit 0 (flagAuth): the sender holds a peer
-//	                       secret, and a 32-byte nonce follows the hello;
-//	                       other bits 0
+//	                       secret; other bits 0
 //
-//	server → client  welcome, 28 bytes
+//	server → client  welcome, 28 bytes, then, when its flags carry
+//	                 flagAuth, the server's nonce, 32 bytes
 //	  0  hello     24 bytes, the server's (kind echoes the client's;
-//	               flagAuth, and then its nonce, when it holds a secret)
+//	               flagAuth when it holds a secret)
 //	 24  status    u32     0 ok, 1 version mismatch, 2 bad magic,
 //	                       3 no RDMA here (the client falls back to
 //	                       kind 0), 4 unknown kind, 5 secret required
@@ -30,14 +30,16 @@ package tcp
 //	                       round)
 //
 // A server answers a bad hello with a non-zero status and closes the
-// connection, so the client can name the reason. A server reads nothing
-// past a hello of another version: only the version says what follows.
+// connection, so the client can name the reason. The hello is all a
+// client sends before the welcome, so a server of any version reads it
+// whole and can answer with its own version.
 //
 // When both sides hold a secret (the hello and the welcome both carry
 // flagAuth and the status is 0), a mutual challenge-response follows
 // before anything else:
 //
-//	client → server  proof, 32 bytes: proof("client")
+//	client → server  the client's nonce, 32 bytes, then proof("client"),
+//	                 32 bytes
 //	server → client  verdict, 36 bytes
 //	  0  status    u32     0 ok, 7 proof mismatch (the server closes)
 //	  4  proof     [32]byte proof("server"); zero unless status is 0
