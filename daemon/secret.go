@@ -31,7 +31,7 @@ func readPeerSecret(path string) ([]byte, error) {
 		return nil, fmt.Errorf("--peer-secret-file %s is not a regular file", path)
 	}
 	if perm := fi.Mode().Perm(); perm&0o077 != 0 {
-		return nil, fmt.Errorf("--peer-secret-file %s has mode %04o: others than its owner may read or write it; run chmod 600 %s", path, perm, path)
+		return nil, fmt.Errorf("--peer-secret-file %s has mode %04o: users other than its owner may read or write it; run chmod 600 %s", path, perm, path)
 	}
 	b, err := io.ReadAll(io.LimitReader(f, maxSecretFile+1))
 	if err != nil {
