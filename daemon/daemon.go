@@ -49,6 +49,7 @@ type Config struct {
 	// "per-send" (a debugging switch: each send registers its range).
 	RDMARegistration string
 	MetricsListen    string // optional TCP host:port serving GET /metrics; "" for none
+	PeerSecretFile   string // file holding the secret peers must share; "" for none
 	Log              zerolog.Logger
 
 	// The control socket's access and limits.
@@ -187,6 +188,11 @@ func (c *Config) Check() error {
 	}
 	if _, err := lookupGroup(c.SocketGroup); err != nil {
 		errs = append(errs, err)
+	}
+	if c.PeerSecretFile != "" {
+		if _, err := readPeerSecret(c.PeerSecretFile); err != nil {
+			errs = append(errs, err)
+		}
 	}
 	return errors.Join(errs...)
 }

@@ -113,6 +113,9 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			// write on it.
 			break
 		}
+		if errors.Is(err, transport.ErrAuth) {
+			break // the peers' secrets differ: no re-dial can change that
+		}
 		d.metrics.sessionFailures.WithLabelValues(req.Session).Inc()
 		p.teardown(sess)
 		if attempt <= d.cfg.SendRetries {
@@ -124,9 +127,13 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	res.Millis = float64(elapsed.Microseconds()) / 1000
 	if !sent {
 		d.failed(retCode(lastErr), "failed", elapsed)
+		when := "when the peer is back"
+		if errors.Is(lastErr, transport.ErrAuth) {
+			when = "once both daemons hold the same peer secret"
+		}
 		return res, apiErr(http.StatusBadGateway, api.CodeTransferFailed,
-			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend when the peer is back, or DELETE /v1/embeddings/%s",
-			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, reqID)
+			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend %s, or DELETE /v1/embeddings/%s",
+			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, when, reqID)
 	}
 	if elapsed > 0 {
 		res.GBps = float64(e.nbytes) / elapsed.Seconds() / 1e9
@@ -196,6 +203,8 @@ func retCode(err error) string {
 		return "eof"
 	case errors.Is(err, transport.ErrClosed):
 		return "closed"
+	case errors.Is(err, transport.ErrAuth):
+		return "auth"
 	}
 	return "error"
 }

@@ -34,6 +34,14 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 			log.Warn().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 		},
 	}
+	if cfg.PeerSecretFile != "" {
+		secret, err := readPeerSecret(cfg.PeerSecretFile)
+		if err != nil {
+			return nil, err
+		}
+		tc.Secret = secret
+		log.Info().Str("peer_secret_file", cfg.PeerSecretFile).Msg("peer authentication on: peers must prove they hold the same secret")
+	}
 	dp := &dataPlane{reason: "--transport tcp"}
 	if cfg.Transport != "tcp" {
 		err := dp.openRDMA(cfg, tc, mem)

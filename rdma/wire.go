@@ -1,8 +1,9 @@
 package rdma
 
 // The control connection of an RDMA lane. It opens with the peer port's
-// handshake (transport/tcp/wire.go, a hello of kind rdma), then goes on
-// here. Integers are little-endian.
+// handshake (transport/tcp/wire.go, a hello of kind rdma, and with a peer
+// secret its challenge-response), then goes on here. Integers are
+// little-endian.
 //
 // Connect, once:
 //

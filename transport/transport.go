@@ -134,6 +134,11 @@ func (r *Refusal) Error() string {
 // ErrClosed is returned for work on a closed transport or session.
 var ErrClosed = errors.New("transport closed")
 
+// ErrAuth is wrapped by a dial the peer handshake refused for want of a
+// shared secret (one side has none, or they differ). Unlike a broken
+// path, re-dialing cannot fix it: the daemons' configuration must change.
+var ErrAuth = errors.New("peer authentication failed")
+
 // IsRefusal reports whether err is a receiver's refusal, as opposed to a
 // broken path (which a retry on a fresh session may fix).
 func IsRefusal(err error) bool {

@@ -22,9 +22,6 @@ func FuzzWireRecords(f *testing.F) {
 	f.Fuzz(func(t *testing.T, data []byte) {
 		var raw [ReplySize + MaxMessage]byte
 		copy(raw[:], data)
-		// Bytes 20..23 of a hello (and so of a welcome) are padding: sent
-		// as zero, ignored when read.
-		clear(raw[20:24])
 
 		var h hello
 		h.decode((*[helloSize]byte)(raw[:helloSize]))
@@ -46,6 +43,14 @@ func FuzzWireRecords(f *testing.F) {
 		w.encode(&wb)
 		if !bytes.Equal(wb[:], raw[:welcomeSize]) {
 			t.Fatalf("welcome %x re-encodes as %x", raw[:welcomeSize], wb)
+		}
+
+		var v verdict
+		v.decode((*[verdictSize]byte)(raw[:verdictSize]))
+		var vb [verdictSize]byte
+		v.encode(&vb)
+		if !bytes.Equal(vb[:], raw[:verdictSize]) {
+			t.Fatalf("verdict %x re-encodes as %x", raw[:verdictSize], vb)
 		}
 
 		var hd Header
@@ -92,24 +97,45 @@ const (
 // Placeholders a seed writes where a slot's key goes: the keys are random.
 var fuzzKeyMarks = [2][]byte{[]byte("KEY1"), []byte("KEY2")}
 
-// FuzzAcceptedConn sends arbitrary bytes to a real listening Transport,
-// after a valid hello when withHello is set, then half-closes. The
-// receiver must answer with well-formed records only, close the
-// connection and end its goroutine, finish every write it accepted, and
-// never touch memory outside the slots. Seeds:
+// fuzzSecret is the peer secret of the fuzzed receivers and dialers that
+// authenticate.
+var fuzzSecret = []byte("fuzzing-peer-secret-0123456789")
+
+// How FuzzAcceptedConn's bytes reach a receiver.
+const (
+	fuzzRaw        = iota // as they are, to a receiver without a secret
+	fuzzAfterHello        // after a valid hello, to a receiver without a secret
+	fuzzRawAuth           // as they are, to a receiver with a secret
+	fuzzAfterAuth         // after a real authenticated handshake, to a receiver with a secret
+	fuzzModes
+)
+
+// FuzzAcceptedConn sends arbitrary bytes to a real listening Transport
+// (one without a secret and one with, mode picks how, see fuzzRaw...),
+// then half-closes. The receiver must answer with well-formed records
+// only, close the connection and end its goroutine, finish every write it
+// accepted, and never touch memory outside the slots. Seeds:
 // testdata/fuzz/FuzzAcceptedConn; KEY1 and KEY2 in them stand for the
 // slots' keys.
 func FuzzAcceptedConn(f *testing.F) {
 	slots := transporttest.NewSlots(fuzzMem)
 	keys := [2]uint32{slots.Add(fuzzSlot1, fuzzSize1), slots.Add(fuzzSlot2, fuzzSize2)}
-	rx := listen(f, Config{Sink: slots, IOTimeout: 2 * time.Second, HandshakeTimeout: 2 * time.Second, MaxWrite: fuzzMaxWrite})
-	f.Fuzz(func(t *testing.T, withHello bool, data []byte) {
+	cfg := Config{Sink: slots, IOTimeout: 2 * time.Second, HandshakeTimeout: 2 * time.Second, MaxWrite: fuzzMaxWrite}
+	open := listen(f, cfg)
+	cfg.Secret = fuzzSecret
+	locked := listen(f, cfg)
+	f.Fuzz(func(t *testing.T, mode uint8, data []byte) {
 		for i, mark := range fuzzKeyMarks {
 			var k [4]byte
 			binary.LittleEndian.PutUint32(k[:], keys[i])
 			data = bytes.ReplaceAll(data, mark, k[:])
 		}
-		if withHello {
+		mode %= fuzzModes
+		rx := open
+		if mode == fuzzRawAuth || mode == fuzzAfterAuth {
+			rx = locked
+		}
+		if mode == fuzzAfterHello {
 			data = append(helloBytes(version), data...)
 		}
 		nc, err := net.Dial("tcp", rx.Addr().String())
@@ -120,6 +146,13 @@ func FuzzAcceptedConn(f *testing.F) {
 		// The receiver must close within its timeouts once the sender
 		// has nothing more to say; 10 s is far beyond them.
 		nc.SetDeadline(time.Now().Add(10 * time.Second))
+		if mode == fuzzAfterAuth {
+			c := &conn{nc: nc.(*net.TCPConn)}
+			if _, err := c.greet(ctxFor(t, 10*time.Second), 42, kindData, fuzzSecret); err != nil {
+				t.Fatalf("authenticated handshake: %v", err)
+			}
+			nc.SetDeadline(time.Now().Add(10 * time.Second))
+		}
 		go func() {
 			nc.Write(data) // the receiver may close before taking it all
 			nc.(*net.TCPConn).CloseWrite()
@@ -131,7 +164,10 @@ func FuzzAcceptedConn(f *testing.F) {
 		served(t, rx)
 		// A receiver that closes with unread bytes resets the connection,
 		// which can cut what it sent short: then only whole records count.
-		checkAnswers(t, out, len(data) >= helloSize, err == nil)
+		if mode != fuzzAfterAuth {
+			out = checkHandshake(t, out, len(data) >= helloSize, err == nil)
+		}
+		checkReplies(t, out, err == nil)
 		if err := slots.Err(); err != nil {
 			t.Fatal(err)
 		}
@@ -146,16 +182,17 @@ func FuzzAcceptedConn(f *testing.F) {
 	})
 }
 
-// checkAnswers parses what a receiver sent: a welcome (owed for a whole
-// hello), and after an OK one any number of well-formed replies. Unless
-// complete, the last record may be cut short.
-func checkAnswers(t *testing.T, out []byte, owed, complete bool) {
+// checkHandshake parses a receiver's side of the handshake at the start
+// of out (a welcome, owed for a whole hello; a nonce when it holds a
+// secret; a verdict when the client announced one too) and returns what
+// follows. Unless complete, the last record may be cut short.
+func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 	t.Helper()
 	if len(out) < welcomeSize && !complete {
-		return
+		return nil
 	}
 	if len(out) == 0 && !owed {
-		return // a hello cut short gets no welcome
+		return nil // a hello cut short gets no welcome
 	}
 	if len(out) < welcomeSize {
 		t.Fatalf("receiver sent %d bytes, less than a welcome: %x", len(out), out)
@@ -168,9 +205,44 @@ func checkAnswers(t *testing.T, out []byte, owed, complete bool) {
 		t.Fatalf("receiver's welcome is malformed: magic %q, version %d", w.magic[:], w.version)
 	}
 	out = out[welcomeSize:]
-	if w.status != statusOK && len(out) > 0 {
-		t.Fatalf("receiver refused the handshake (status %d) yet sent %d more bytes", w.status, len(out))
+	if w.auth() {
+		if len(out) < nonceSize {
+			if complete {
+				t.Fatalf("receiver sent %d bytes of its %d-byte nonce", len(out), nonceSize)
+			}
+			return nil
+		}
+		out = out[nonceSize:]
 	}
+	if w.status != statusOK {
+		if len(out) > 0 {
+			t.Fatalf("receiver refused the handshake (status %d) yet sent %d more bytes", w.status, len(out))
+		}
+		return nil
+	}
+	if !w.auth() {
+		return out
+	}
+	// A client that sent no whole nonce and proof gets no verdict.
+	if len(out) < verdictSize {
+		if complete && len(out) > 0 {
+			t.Fatalf("receiver sent %d bytes of its %d-byte verdict", len(out), verdictSize)
+		}
+		return nil
+	}
+	var v verdict
+	v.decode((*[verdictSize]byte)(out[:verdictSize]))
+	out = out[verdictSize:]
+	if v.status != statusOK && (v.status != statusBadProof || v.proof != [proofSize]byte{} || len(out) > 0) {
+		t.Fatalf("receiver's refusal is malformed: verdict %+v and %d more bytes", v, len(out))
+	}
+	return out
+}
+
+// checkReplies parses any number of well-formed replies. Unless
+// complete, the last one may be cut short.
+func checkReplies(t *testing.T, out []byte, complete bool) {
+	t.Helper()
 	for len(out) > 0 {
 		if !complete && (len(out) < ReplySize || len(out) < ReplySize+int(binary.LittleEndian.Uint16(out[6:]))) {
 			return
@@ -193,21 +265,59 @@ func checkAnswers(t *testing.T, out []byte, owed, complete bool) {
 	}
 }
 
+// fuzzProofMark in a FuzzDialedConn seed stands for the proof a server
+// holding fuzzSecret owes the dialer, over the nonces of the connection.
+var fuzzProofMark = []byte("PROOF")
+
 // FuzzDialedConn is the other direction: a peer answers a dial with
-// arbitrary bytes, as its welcome and then as the reply to one write. The
-// dialer must neither hang nor panic, and report success only when those
-// bytes hold an OK welcome of this version and an OK reply. Seeds:
+// arbitrary bytes, as its welcome (and, when the dialer holds a secret,
+// its nonce and verdict) and then as the reply to one write. The dialer
+// must neither hang nor panic, and report success only when those bytes
+// hold an OK welcome of this version for the kind asked, the server's
+// valid proof when they authenticate, and an OK reply. Seeds:
 // testdata/fuzz/FuzzDialedConn.
 func FuzzDialedConn(f *testing.F) {
-	tx := listen(f, Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 2 * time.Second, IOTimeout: 2 * time.Second})
-	f.Fuzz(func(t *testing.T, answer []byte) {
+	plain := listen(f, Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 2 * time.Second, IOTimeout: 2 * time.Second})
+	authed := listen(f, Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 2 * time.Second, IOTimeout: 2 * time.Second, Secret: fuzzSecret})
+	f.Fuzz(func(t *testing.T, withSecret bool, answer []byte) {
+		tx := plain
+		if withSecret {
+			tx = authed
+		}
+		// What the fake peer sent, and the proof it owed.
+		type answered struct {
+			bytes []byte
+			proof [proofSize]byte
+		}
+		sent := make(chan answered, 1)
 		addr := fakePeer(t, func(c net.Conn) {
 			c.SetDeadline(time.Now().Add(10 * time.Second))
 			var hb [helloSize]byte
 			if _, err := io.ReadFull(c, hb[:]); err != nil {
 				return
 			}
-			c.Write(answer)
+			var h hello
+			h.decode(&hb)
+			a := answered{bytes: answer}
+			if h.auth() && len(answer) >= welcomeSize+nonceSize {
+				// The welcome and nonce first, then, once the dialer's
+				// nonce is in, the rest with the proof that nonce asks.
+				c.Write(answer[:welcomeSize+nonceSize])
+				var nb [nonceSize + proofSize]byte
+				if _, err := io.ReadFull(c, nb[:]); err != nil {
+					sent <- a
+					return
+				}
+				client := party{instance: h.instance, nonce: [nonceSize]byte(nb[:nonceSize])}
+				server := party{instance: binary.LittleEndian.Uint64(answer[8:]), nonce: [nonceSize]byte(answer[welcomeSize:])}
+				a.proof = proof(fuzzSecret, roleServer, h.kind, client, server)
+				head := answer[: welcomeSize+nonceSize : welcomeSize+nonceSize]
+				a.bytes = append(head, bytes.Replace(answer[len(head):], fuzzProofMark, a.proof[:], 1)...)
+				c.Write(a.bytes[welcomeSize+nonceSize:])
+			} else {
+				c.Write(answer)
+			}
+			sent <- a
 			// Nothing more to say: the dialer sees the end at once rather
 			// than after a timeout. Then take what it sends until it closes.
 			c.(*net.TCPConn).CloseWrite()
@@ -222,11 +332,12 @@ func FuzzDialedConn(f *testing.F) {
 			return
 		}
 		defer s.Close()
-		if len(answer) < welcomeSize || answer[16] != 0 || answer[17] != 0 || answer[18] != 0 || answer[19] != 0 {
-			t.Fatalf("dial succeeded on the welcome %x", answer)
+		a := <-sent
+		reply, ok := acceptedWelcome(a.bytes, withSecret, a.proof)
+		if !ok {
+			t.Fatalf("dial (secret %v) succeeded on the answer %x", withSecret, a.bytes)
 		}
 		err = s.Write(ctx, transport.Write{Src: make([]byte, 16), Remote: 0, Key: 1, Tag: 1})
-		reply := answer[welcomeSize:]
 		okReply := len(reply) >= ReplySize && binary.LittleEndian.Uint32(reply) == uint32(transport.OK) && binary.LittleEndian.Uint16(reply[6:]) == 0
 		if err == nil && !okReply {
 			t.Fatalf("write succeeded on the reply %x", reply)
@@ -235,4 +346,32 @@ func FuzzDialedConn(f *testing.F) {
 			t.Fatalf("write error does not name the peer: %v", err)
 		}
 	})
+}
+
+// acceptedWelcome says whether a dialer may take answer as a server's
+// handshake (an OK welcome for a data connection, flagAuth exactly when
+// the dialer holds a secret, and then an OK verdict with the proof owed),
+// and returns what follows it.
+func acceptedWelcome(a []byte, withSecret bool, owed [proofSize]byte) ([]byte, bool) {
+	if len(a) < welcomeSize {
+		return nil, false
+	}
+	var w welcome
+	w.decode((*[welcomeSize]byte)(a[:welcomeSize]))
+	if _, err := w.check(); err != nil || w.status != statusOK || w.kind != kindData || w.auth() != withSecret {
+		return nil, false
+	}
+	a = a[welcomeSize:]
+	if !withSecret {
+		return a, true
+	}
+	if len(a) < nonceSize+verdictSize {
+		return nil, false
+	}
+	var v verdict
+	v.decode((*[verdictSize]byte)(a[nonceSize:]))
+	if v.status != statusOK || v.proof != owed {
+		return nil, false
+	}
+	return a[nonceSize+verdictSize:], true
 }

@@ -80,7 +80,7 @@ func (t *Transport) dial(ctx context.Context, addr string, kind uint32) (*conn, 
 	}
 	c := &conn{nc: nc.(*net.TCPConn)}
 	tune(c.nc)
-	instance, err := c.greet(hctx, t.cfg.Instance, kind)
+	instance, err := c.greet(hctx, t.cfg.Instance, kind, t.cfg.Secret)
 	if err == ErrNoRDMA {
 		c.nc.Close()
 		return nil, 0, err
@@ -127,40 +127,95 @@ type conn struct {
 	vec  net.Buffers
 }
 
-func (c *conn) greet(ctx context.Context, instance uint64, kind uint32) (uint64, error) {
+func (c *conn) greet(ctx context.Context, instance uint64, kind uint32, secret []byte) (uint64, error) {
 	stop := context.AfterFunc(ctx, func() { c.nc.Close() })
 	defer stop()
 	deadline, _ := ctx.Deadline()
 	c.nc.SetDeadline(deadline)
 	var hb [helloSize]byte
-	h := ours(instance, kind)
+	h := ours(instance, kind, secret)
 	h.encode(&hb)
 	if _, err := c.nc.Write(hb[:]); err != nil {
 		return 0, fmt.Errorf("sending the hello: %w", err)
 	}
 	var wb [welcomeSize]byte
-	if n, err := io.ReadFull(c.nc, wb[:]); err != nil {
-		if isPeerGone(err) {
-			return 0, fmt.Errorf("peer closed the connection after %d of the %d-byte welcome: %w", n, welcomeSize, err)
-		}
-		return 0, fmt.Errorf("read %d of the %d-byte welcome: %w", n, welcomeSize, err)
+	if err := c.read(wb[:], "welcome"); err != nil {
+		return 0, err
 	}
 	var w welcome
 	w.decode(&wb)
 	if _, err := w.check(); err != nil {
 		return 0, err
 	}
-	if w.status == statusNoRDMA {
+	switch w.status {
+	case statusOK:
+	case statusNoRDMA:
 		return 0, ErrNoRDMA
-	}
-	if w.status != statusOK {
+	case statusNeedSecret:
+		return 0, authErr("the peer requires a peer secret, and this daemon has none: give both daemons the same --peer-secret-file")
+	case statusNoSecret:
+		return 0, authErr("the peer has no peer secret, and this daemon requires one: give both daemons the same --peer-secret-file")
+	default:
 		return 0, fmt.Errorf("peer refused the handshake with status %d", w.status)
+	}
+	if w.kind != kind {
+		return 0, fmt.Errorf("peer welcomed connection kind %d, this daemon asked for kind %d", w.kind, kind)
+	}
+	if w.auth() != h.auth() {
+		// A server that skips the secret it should have checked is no
+		// ferryd of this version, or an impostor.
+		return 0, authErr("the peer accepted the handshake without the challenge both sides owe (peer flags %#x, ours %#x)", w.flags, h.flags)
+	}
+	if h.auth() {
+		if err := c.prove(secret, kind, instance, w.instance); err != nil {
+			return 0, err
+		}
 	}
 	if !stop() {
 		return 0, ctx.Err() // ctx ended just now, and closed the connection
 	}
 	c.nc.SetDeadline(time.Time{})
 	return w.instance, nil
+}
+
+// prove answers the server's challenge with a challenge of its own and
+// checks the server's proof in turn.
+func (c *conn) prove(secret []byte, kind uint32, clientInstance, serverInstance uint64) error {
+	server := party{instance: serverInstance}
+	if err := c.read(server.nonce[:], "nonce"); err != nil {
+		return err
+	}
+	client := party{instance: clientInstance, nonce: newNonce()}
+	p := proof(secret, roleClient, kind, client, server)
+	if _, err := c.nc.Write(append(client.nonce[:], p[:]...)); err != nil {
+		return fmt.Errorf("sending the nonce and proof: %w", err)
+	}
+	var vb [verdictSize]byte
+	if err := c.read(vb[:], "verdict"); err != nil {
+		return err
+	}
+	var v verdict
+	v.decode(&vb)
+	switch {
+	case v.status == statusBadProof:
+		return authErr("the peer refused this daemon's proof: the two daemons' --peer-secret-file differ")
+	case v.status != statusOK:
+		return fmt.Errorf("peer refused the proof with status %d", v.status)
+	case !validProof(v.proof, secret, roleServer, kind, client, server):
+		return authErr("proof mismatch: the peer does not hold this daemon's secret")
+	}
+	return nil
+}
+
+// read reads one handshake record, naming it when the peer cuts it short.
+func (c *conn) read(b []byte, what string) error {
+	if n, err := io.ReadFull(c.nc, b); err != nil {
+		if isPeerGone(err) {
+			return fmt.Errorf("peer closed the connection after %d of the %d-byte %s: %w", n, len(b), what, err)
+		}
+		return fmt.Errorf("read %d of the %d-byte %s: %w", n, len(b), what, err)
+	}
+	return nil
 }
 
 // session is a pool of connections to one peer. A write holds a

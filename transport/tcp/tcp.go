@@ -46,6 +46,10 @@ type Config struct {
 	// c and waits for it. Without it such a hello is answered "no RDMA
 	// here", and the dialer falls back to data connections.
 	RDMA func(c *net.TCPConn, peerInstance uint64)
+	// Secret, if set, is the peer secret (at least MinSecret bytes): every
+	// connection, both ways, then proves that both ends hold it, and a
+	// peer that cannot is refused (wire.go's handshake).
+	Secret []byte
 }
 
 // ioChunk is how much of a body moves under one deadline, so a long
@@ -78,6 +82,11 @@ var _ transport.Transport = (*Transport)(nil)
 func Listen(cfg Config) (*Transport, error) {
 	if cfg.Sink == nil {
 		return nil, errors.New("tcp listen: Config.Sink is required")
+	}
+	if cfg.Secret != nil {
+		if err := CheckSecret(cfg.Secret); err != nil {
+			return nil, fmt.Errorf("tcp listen: %w", err)
+		}
 	}
 	for cfg.Instance == 0 {
 		cfg.Instance = rand.Uint64()
@@ -247,17 +256,58 @@ func (t *Transport) welcome(c *net.TCPConn) (hello, error) {
 	}
 	h.decode(&b)
 	status, herr := h.check()
-	if herr == nil && h.kind == kindRDMA && t.cfg.RDMA == nil {
+	secret := t.cfg.Secret
+	switch {
+	case herr != nil:
+	case secret != nil && !h.auth():
+		status, herr = statusNeedSecret, authErr("peer has no secret, and this daemon requires one: give both daemons the same --peer-secret-file")
+	case secret == nil && h.auth():
+		status, herr = statusNoSecret, authErr("peer has a secret, and this daemon has none: give both daemons the same --peer-secret-file")
+	case h.kind == kindRDMA && t.cfg.RDMA == nil:
 		status, herr = statusNoRDMA, errNoRDMAHere
 	}
-	w := welcome{hello: ours(t.cfg.Instance, h.kind), status: status}
-	var wb [welcomeSize]byte
-	w.encode(&wb)
-	if _, err := c.Write(wb[:]); err != nil && herr == nil {
+	server := party{instance: t.cfg.Instance, nonce: newNonce()}
+	w := welcome{hello: ours(t.cfg.Instance, h.kind, secret), status: status}
+	var wb [welcomeSize + nonceSize]byte
+	w.encode((*[welcomeSize]byte)(wb[:welcomeSize]))
+	out := wb[:welcomeSize]
+	if w.auth() {
+		out = append(out, server.nonce[:]...)
+	}
+	if _, err := c.Write(out); err != nil && herr == nil {
 		return h, fmt.Errorf("sending the welcome: %w", err)
 	}
+	if herr != nil {
+		return h, herr
+	}
+	if secret != nil {
+		if err := t.verify(c, h, server); err != nil {
+			return h, err
+		}
+	}
 	c.SetDeadline(time.Time{})
-	return h, herr
+	return h, nil
+}
+
+// verify takes the client's nonce and proof and answers with a verdict:
+// the server's own proof, or a refusal.
+func (t *Transport) verify(c *net.TCPConn, h hello, server party) error {
+	var b [nonceSize + proofSize]byte
+	if n, err := io.ReadFull(c, b[:]); err != nil {
+		return authErr("read %d of the peer's %d-byte nonce and proof: %v", n, len(b), err)
+	}
+	client := party{instance: h.instance, nonce: [nonceSize]byte(b[:nonceSize])}
+	v := verdict{proof: proof(t.cfg.Secret, roleServer, h.kind, client, server)}
+	var verr error
+	if !validProof([proofSize]byte(b[nonceSize:]), t.cfg.Secret, roleClient, h.kind, client, server) {
+		v, verr = verdict{status: statusBadProof}, authErr("proof mismatch: the peer's secret differs from this daemon's --peer-secret-file")
+	}
+	var vb [verdictSize]byte
+	v.encode(&vb)
+	if _, err := c.Write(vb[:]); err != nil && verr == nil {
+		return fmt.Errorf("sending the verdict: %w", err)
+	}
+	return verr
 }
 
 // receiver serves the writes arriving on one accepted connection.

@@ -104,7 +104,7 @@ func served(t *testing.T, tr *Transport) {
 // helloBytes is a hello in protocol version v.
 func helloBytes(v uint32) []byte {
 	var b [helloSize]byte
-	h := ours(42, kindData)
+	h := ours(42, kindData, nil)
 	h.version = v
 	h.encode(&b)
 	return b[:]
@@ -139,7 +139,8 @@ func TestHostileHandshake(t *testing.T) {
 		log    []string // words of the expected log line; nil: no line
 	}{
 		{"WrongMagic", []byte("GET / HTTP/1.1\r\nHost:x\r\n"), statusBadMagic, []string{"bad magic", `"GET "`}},
-		{"WrongVersion", helloBytes(99), statusBadVersion, []string{"version 99", "version 2"}},
+		{"WrongVersion", helloBytes(99), statusBadVersion, []string{"version 99", "version 3", "upgrade the older daemon"}},
+		{"OldVersion", helloBytes(2), statusBadVersion, []string{"peer speaks version 2", "version 3", "upgrade the older daemon"}},
 		{"Truncated", helloBytes(version)[:5], noWelcome, []string{"read 5 of the 24-byte hello", "EOF"}},
 		{"Silent", nil, noWelcome, []string{"read 0 of the 24-byte hello", "timeout"}},
 		{"ConnectAndClose", []byte{}, noWelcome, nil},
@@ -227,7 +228,7 @@ func welcomeAs(v, status uint32) func(c net.Conn) {
 			return
 		}
 		var b [welcomeSize]byte
-		w := welcome{hello: ours(7, kindData), status: status}
+		w := welcome{hello: ours(7, kindData, nil), status: status}
 		w.version = v
 		w.encode(&b)
 		c.Write(b[:])
@@ -241,7 +242,7 @@ func TestDialHostilePeer(t *testing.T) {
 		answer func(c net.Conn)
 		want   []string
 	}{
-		{"WrongVersion", welcomeAs(3, statusBadVersion), []string{"version 3", "version 2"}},
+		{"WrongVersion", welcomeAs(4, statusBadVersion), []string{"peer speaks version 4", "this daemon speaks version 3", "upgrade the older daemon"}},
 		{"NotFerry", func(c net.Conn) { io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n") }, []string{"bad magic", "HTTP"}},
 		{"Refused", welcomeAs(version, 77), []string{"status 77"}},
 		{"ClosesEarly", func(c net.Conn) { c.Read(make([]byte, 1)) }, []string{"peer closed the connection"}},

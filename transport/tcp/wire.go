@@ -1,6 +1,6 @@
 package tcp
 
-// Wire protocol of the peer port, version 2. Every integer is
+// Wire protocol of the peer port, version 3. Every integer is
 // little-endian; every record has a fixed size except the message that
 // may follow a reply. The rdma transport speaks the same handshake on the
 // same port (one port, one protocol), which is why Header and the reply
@@ -15,16 +15,42 @@ package tcp
 //	 16  kind      u32     what the connection is for: 0 a TCP data
 //	                       connection (below); 1 the control connection
 //	                       of an RDMA session (rdma/wire.go goes on)
-//	 20  reserved  u32     0
+//	 20  flags     u32     bit 0 (flagAuth): the sender holds a peer
+//	                       secret; other bits 0
 //
-//	server → client  welcome, 28 bytes
-//	  0  hello     24 bytes, the server's (kind echoes the client's)
+//	server → client  welcome, 28 bytes, then, when its flags carry
+//	                 flagAuth, the server's nonce, 32 bytes
+//	  0  hello     24 bytes, the server's (kind echoes the client's;
+//	               flagAuth when it holds a secret)
 //	 24  status    u32     0 ok, 1 version mismatch, 2 bad magic,
 //	                       3 no RDMA here (the client falls back to
-//	                       kind 0), 4 unknown kind
+//	                       kind 0), 4 unknown kind, 5 secret required
+//	                       (the server holds one, the client sent no
+//	                       flagAuth), 6 no secret here (the other way
+//	                       round)
 //
 // A server answers a bad hello with a non-zero status and closes the
-// connection, so the client can name the reason.
+// connection, so the client can name the reason. The hello is all a
+// client sends before the welcome, so a server of any version reads it
+// whole and can answer with its own version.
+//
+// When both sides hold a secret (the hello and the welcome both carry
+// flagAuth and the status is 0), a mutual challenge-response follows
+// before anything else:
+//
+//	client → server  the client's nonce, 32 bytes, then proof("client"),
+//	                 32 bytes
+//	server → client  verdict, 36 bytes
+//	  0  status    u32     0 ok, 7 proof mismatch (the server closes)
+//	  4  proof     [32]byte proof("server"); zero unless status is 0
+//
+// proof(role) is HMAC-SHA256 keyed with the secret over the label
+// "ferry peer proof v3 " + role, then kind u32, the client's instance u64
+// and nonce, the server's instance u64 and nonce. Nonces are fresh from
+// crypto/rand on every connection, so a proof is never valid twice; the
+// role makes a proof reflected back to its sender fail. The client
+// proves first and takes the connection only once the server's proof
+// checks out.
 //
 // Then, on a data connection, any number of writes, one at a time:
 //
@@ -46,6 +72,7 @@ package tcp
 // connection without reading the body.
 
 import (
+	"crypto/sha256"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -55,10 +82,16 @@ import (
 
 const (
 	magic   = "FERY"
-	version = 2
+	version = 3
 
 	helloSize   = 24
 	welcomeSize = 28
+	nonceSize   = 32
+	proofSize   = sha256.Size
+	verdictSize = 4 + proofSize
+
+	// MinSecret is the shortest peer secret accepted: 128 bits.
+	MinSecret = 16
 
 	// HeaderSize and ReplySize are the sizes of a write's header and of
 	// the fixed part of its reply.
@@ -82,7 +115,14 @@ const (
 	statusBadMagic   = 2
 	statusNoRDMA     = 3
 	statusBadKind    = 4
+	statusNeedSecret = 5
+	statusNoSecret   = 6
+	statusBadProof   = 7
 )
+
+// flagAuth in a hello's flags: its sender holds a secret, and its nonce
+// follows.
+const flagAuth = 1
 
 // FlagClose in a reply's flags: the server closes the connection after it.
 const FlagClose = 1
@@ -92,19 +132,26 @@ type hello struct {
 	version  uint32
 	instance uint64
 	kind     uint32
+	flags    uint32
 }
 
 // ours is the hello this daemon sends, and the start of its welcome.
-func ours(instance uint64, kind uint32) hello {
-	return hello{magic: [4]byte{magic[0], magic[1], magic[2], magic[3]}, version: version, instance: instance, kind: kind}
+func ours(instance uint64, kind uint32, secret []byte) hello {
+	h := hello{magic: [4]byte{magic[0], magic[1], magic[2], magic[3]}, version: version, instance: instance, kind: kind}
+	if secret != nil {
+		h.flags = flagAuth
+	}
+	return h
 }
+
+func (h *hello) auth() bool { return h.flags&flagAuth != 0 }
 
 func (h *hello) encode(b *[helloSize]byte) {
 	copy(b[0:4], h.magic[:])
 	binary.LittleEndian.PutUint32(b[4:], h.version)
 	binary.LittleEndian.PutUint64(b[8:], h.instance)
 	binary.LittleEndian.PutUint32(b[16:], h.kind)
-	binary.LittleEndian.PutUint32(b[20:], 0)
+	binary.LittleEndian.PutUint32(b[20:], h.flags)
 }
 
 func (h *hello) decode(b *[helloSize]byte) {
@@ -112,6 +159,7 @@ func (h *hello) decode(b *[helloSize]byte) {
 	h.version = binary.LittleEndian.Uint32(b[4:])
 	h.instance = binary.LittleEndian.Uint64(b[8:])
 	h.kind = binary.LittleEndian.Uint32(b[16:])
+	h.flags = binary.LittleEndian.Uint32(b[20:])
 }
 
 type welcome struct {
@@ -193,10 +241,26 @@ func (h *hello) check() (status uint32, err error) {
 		return statusBadMagic, fmt.Errorf("not a ferry peer: bad magic %q", h.magic[:])
 	}
 	if h.version != version {
-		return statusBadVersion, fmt.Errorf("protocol version mismatch: peer speaks version %d, this daemon speaks version %d", h.version, version)
+		return statusBadVersion, fmt.Errorf("protocol version mismatch: the peer speaks version %d, this daemon speaks version %d: upgrade the older daemon so both run the same ferry release", h.version, version)
 	}
 	if h.kind != kindData && h.kind != kindRDMA {
 		return statusBadKind, fmt.Errorf("peer asks for connection kind %d, which this daemon does not know", h.kind)
 	}
 	return statusOK, nil
+}
+
+// verdict is the server's last word in an authenticated handshake.
+type verdict struct {
+	status uint32
+	proof  [proofSize]byte
+}
+
+func (v *verdict) encode(b *[verdictSize]byte) {
+	binary.LittleEndian.PutUint32(b[0:], v.status)
+	copy(b[4:], v.proof[:])
+}
+
+func (v *verdict) decode(b *[verdictSize]byte) {
+	v.status = binary.LittleEndian.Uint32(b[0:])
+	copy(v.proof[:], b[4:])
 }
