@@ -327,12 +327,31 @@ func TestLinkDownMidTransfer(t *testing.T) {
 }
 
 // TestReceiverKilledMidTransfer kills the receiving ferryd (SIGKILL) with
-// a transfer under way and starts it again: the sender fails that request
-// clearly, keeps its data, and sends it to a slot of the new receiver. The
-// sender ends with no more goroutines or open files than it began with.
+// a transfer under way and starts it again, across network namespaces.
 func TestReceiverKilledMidTransfer(t *testing.T) {
 	h := netnsHosts(t)
-	snd, rcv := nsPair(t, h, "--io-timeout", "5s", "--send-timeout", "20s")
+	dir := t.TempDir()
+	receiverKilledScenario(t, func(name string, extra ...string) *daemon {
+		ns, ip := h.nsB, h.ipB
+		if name == "snd" {
+			ns, ip = h.nsA, h.ipA
+		}
+		return startDaemonIn(t, netnsExec(ns), dir, name, append([]string{"--listen", ip + ":17100", "--arena-size", "256MiB"}, extra...)...)
+	}, nil)
+}
+
+// receiverKilledScenario kills the receiving ferryd (SIGKILL) with a 32
+// MiB transfer under way and starts it again where it listened: the
+// sender fails that request clearly, keeps its data, and sends it to a
+// slot of the new receiver. The sender ends with no more goroutines or
+// open files than it began with. start starts the daemon called name:
+// "snd", "rcv", then "rcv2" where rcv listened. midway, if set, runs with
+// the receiver stopped and the write on its way to it; what it returns
+// runs once the receiver is dead. The sender is returned for more checks.
+func receiverKilledScenario(t *testing.T, start func(name string, extra ...string) *daemon, midway func(t *testing.T, snd, rcv *daemon) (afterKill func())) *daemon {
+	t.Helper()
+	snd := start("snd", "--io-timeout", "5s", "--send-timeout", "20s")
+	rcv := start("rcv")
 	ctx := ctxT(t)
 	stageOn(t, snd, "pre", 4096, 3)
 	if _, err := snd.c.Send(ctx, "pre", slotFor(t, rcv, "pre", 4096)); err != nil {
@@ -342,7 +361,12 @@ func TestReceiverKilledMidTransfer(t *testing.T) {
 
 	// The receiver stops taking bytes with 32 MiB on their way, then dies.
 	data, req, sent := sendToStalledPeer(t, snd, rcv, "kill-1", 32<<20)
+	afterKill := func() {}
+	if midway != nil {
+		afterKill = midway(t, snd, rcv)
+	}
 	rcv.kill()
+	afterKill()
 	r := <-sent
 	wantErr(t, r.err, 502, api.CodeTransferFailed, "kill-1", req.Session, "nbytes=33554432", "ret=", "kept")
 	t.Logf("with the receiver killed: %v", r.err)
@@ -350,7 +374,7 @@ func TestReceiverKilledMidTransfer(t *testing.T) {
 		t.Fatalf("staged data not kept: %+v %v", emb, err)
 	}
 
-	rcv2 := startDaemonIn(t, netnsExec(h.nsB), t.TempDir(), "rcv2", "--listen", h.ipB+":17100", "--arena-size", "256MiB")
+	rcv2 := start("rcv2")
 	// The old slot died with its daemon: the new one refuses the write.
 	_, err := snd.c.Send(ctx, "kill-1", req)
 	wantErr(t, err, 400, api.CodeRefused, "kill-1", "new slot")
@@ -362,6 +386,7 @@ func TestReceiverKilledMidTransfer(t *testing.T) {
 		t.Fatalf("session after the restart: %+v", s)
 	}
 	snd.noLeaks(t, goroutines, fds)
+	return snd
 }
 
 // TestSlotFreedWhileWriteLands frees a receive slot while a write is
