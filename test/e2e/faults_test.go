@@ -390,38 +390,55 @@ func receiverKilledScenario(t *testing.T, start func(name string, extra ...strin
 }
 
 // TestSlotFreedWhileWriteLands frees a receive slot while a write is
-// landing in it. Its memory stays out of newer slots until the write
-// ends; the write is then discarded (or refused, had it not begun), never
-// marks another slot arrived, and newer slots get their own bytes intact.
+// landing in it over a slow link (slotFreedScenario).
 func TestSlotFreedWhileWriteLands(t *testing.T) {
 	h := netnsHosts(t)
 	slowLink(t, h, "32mbit") // 8 MiB take two seconds
 	snd, rcv := nsPair(t, h)
+	slotFreedScenario(t, snd, rcv, func(start func() <-chan sendResult) (<-chan sendResult, func()) {
+		sent := start()
+		// Wait for the write to begin landing: its header has reached the slot.
+		deadline := time.Now().Add(10 * time.Second)
+		tick := time.NewTicker(5 * time.Millisecond) // a poll: the slot's state is the event
+		defer tick.Stop()
+		for ; ; <-tick.C {
+			info, err := rcv.c.WaitInfo(ctxT(t), "old", 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info.WritesInFlight == 1 {
+				return sent, func() {}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the write never began landing in the slot: %+v", info)
+			}
+		}
+	})
+}
+
+// slotFreedScenario frees a receive slot while a write is landing in it.
+// Its memory stays out of newer slots until the write ends; the write is
+// then discarded (or refused, had it not begun), never marks another slot
+// arrived, and newer slots get their own bytes intact. landing starts the
+// send of "old" (start) and returns once the receiver has taken the write
+// for that slot; release lets the write go on.
+func slotFreedScenario(t *testing.T, snd, rcv *daemon, landing func(start func() <-chan sendResult) (sent <-chan sendResult, release func())) {
+	t.Helper()
 	ctx := ctxT(t)
 	const n = 8 << 20
+	stageOn(t, snd, "warm", 4096, 3)
+	if _, err := snd.c.Send(ctx, "warm", slotFor(t, rcv, "warm", 4096)); err != nil {
+		t.Fatal(err)
+	}
 
 	stageOn(t, snd, "old", n, 4)
 	old, err := rcv.c.Receive(ctx, "old", n)
 	if err != nil {
 		t.Fatal(err)
 	}
-	sent := sendAsync(t, snd, "old", api.SendRequest{Session: old.Session, BufferAddress: old.BufferAddress, Key: old.Key})
-	// Wait for the write to begin landing: its header has reached the slot.
-	deadline := time.Now().Add(10 * time.Second)
-	tick := time.NewTicker(5 * time.Millisecond) // a poll: the slot's state is the event
-	defer tick.Stop()
-	for ; ; <-tick.C {
-		info, err := rcv.c.WaitInfo(ctx, "old", 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if info.WritesInFlight == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the write never began landing in the slot: %+v", info)
-		}
-	}
+	sent, release := landing(func() <-chan sendResult {
+		return sendAsync(t, snd, "old", api.SendRequest{Session: old.Session, BufferAddress: old.BufferAddress, Key: old.Key})
+	})
 	if err := rcv.c.FreeReceive(ctx, "old"); err != nil {
 		t.Fatal(err)
 	}
@@ -438,6 +455,7 @@ func TestSlotFreedWhileWriteLands(t *testing.T) {
 		t.Fatalf("newer slot at %#x overlaps the freed slot at %#x while a write still lands there", newer.BufferAddress, old.BufferAddress)
 	}
 
+	release()
 	r := <-sent
 	switch {
 	case r.err == nil:

@@ -242,6 +242,27 @@ func TestRDMAReceiverKilledMidTransfer(t *testing.T) {
 	}
 }
 
+// TestRDMASlotFreedWhileWriteLands: the receiver grants a write into a
+// slot and frees the slot before the write lands (the sender held
+// stopped between the grant and its post, the only way to keep an RDMA
+// write in flight on a loopback device). slotFreedScenario checks that no
+// newer slot gets that memory meanwhile and that the late write is
+// discarded with a WARN line.
+func TestRDMASlotFreedWhileWriteLands(t *testing.T) {
+	requireRDMA(t)
+	// The sender waits through its own stop.
+	snd, rcv := pair(t, "--transport", "rdma", "--io-timeout", "30s", "--send-timeout", "45s")
+	slotFreedScenario(t, snd, rcv, func(start func() <-chan sendResult) (<-chan sendResult, func()) {
+		rcv.pause(t)
+		sent := start()
+		release := grantWhileSenderStopped(t, snd, rcv)
+		if info, err := rcv.c.WaitInfo(ctxT(t), "old", 0); err != nil || info.WritesInFlight != 1 {
+			t.Fatalf("the granted write is not in flight at the receiver: %+v %v", info, err)
+		}
+		return sent, release
+	})
+}
+
 // grantWhileSenderStopped, with the receiver stopped and a write's header
 // on its way to it, stops the sender and lets the receiver grant the
 // write; the sender goes on, and posts the write, when the function it
