@@ -245,6 +245,15 @@ func (p *faultPair) waitLanded(t *testing.T, addr uint64, want []byte) {
 	}
 }
 
+// each logs what the receiver logged so far.
+func (l *logLines) each(t *testing.T) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		t.Logf("receiver: %s", line)
+	}
+}
+
 // statusIn is the first ibv_wc_status name (other than SUCCESS) in msg.
 func statusIn(msg string) string {
 	for s, i := range wcStatusInfo {
@@ -318,7 +327,11 @@ func TestPeerQPFailsMidStream(t *testing.T) {
 			if c.logs {
 				p.logs.wait(t, "rdma: lane from", "tagged", "WR_FLUSH_ERR")
 			}
+			p.logs.each(t)
 			p.waitAccepted(t, 0)
+			if st := p.rx.Stats(); st.Failed != 1 {
+				t.Errorf("receiver stats %+v, want the failed write counted", st)
+			}
 
 			// The daemon's retry: a fresh session, the same slot.
 			p.dial(t)
@@ -376,9 +389,10 @@ func TestInvalidRKey(t *testing.T) {
 	}
 	p.logs.wait(t, "rdma: lane from", "receive completed with", "tagged")
 	p.waitAccepted(t, 0)
-	if st := p.rx.Stats(); st.Rejected != 0 {
-		t.Errorf("receiver stats %+v: nothing reached the completion check", st)
+	if st := p.rx.Stats(); st.Failed != 1 || st.Rejected != 0 {
+		t.Errorf("receiver stats %+v, want the failed write counted, and no completion rejected", st)
 	}
+	p.logs.each(t)
 
 	// Both sides go on, on new lanes of the same session.
 	if err := p.write(t, w); err != nil {
