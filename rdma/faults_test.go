@@ -103,15 +103,7 @@ func (q hookQP) Poll(into []completion) (int, error) {
 // listenHooked is listenT over a NIC whose queue pairs h steers.
 func listenHooked(t *testing.T, f *fabric, cfg Config, h *hook) *Transport {
 	t.Helper()
-	var n nic = f.nic(1)
-	if onDevice(t) {
-		c, _ := realPort()
-		vn, err := openNIC(c)
-		if err != nil {
-			t.Fatal(err)
-		}
-		n = vn
-	}
+	n := testNIC(t, f, 1)
 	tr, err := listen(testConfig(t, cfg), hookNIC{n, h})
 	if err != nil {
 		n.Close()
