@@ -181,7 +181,11 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
 				Name: "ferry_rejected_completions_total",
 				Help: "RDMA receive completions that did not match their grant; never delivered.",
-			}, func() float64 { return float64(dp.rdma.Stats().Rejected) }))
+			}, func() float64 { return float64(dp.rdma.Stats().Rejected) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{
+				Name: "ferry_failed_receives_total",
+				Help: "Granted RDMA writes the receiver gave up on (a receive completed in error, a rejected completion, the lane closing first), each closing its lane; never delivered.",
+			}, func() float64 { return float64(dp.rdma.Stats().Failed) }))
 	}
 	return cs
 }

@@ -12,8 +12,8 @@ import (
 // transport relies on: it checks lkeys and rkeys against registrations
 // and their bounds, moves bytes in order per QP, consumes a posted
 // receive per WRITE WITH IMM (waiting while none is posted, as RNR
-// retries do), reports RETRY_EXC_ERR when the peer QP is gone, and
-// flushes posted work when a QP breaks. The real verbs path runs the same
+// retries do), reports RETRY_EXC_ERR when the peer QP is gone, fails both
+// ends on a remote access error, and flushes posted work when a QP breaks. The real verbs path runs the same
 // tests inside the soft-RoCE VM (test/rxevm).
 
 // fabric joins the fake NICs of one test: QPs by number, registrations by
@@ -341,6 +341,8 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	remote, ok := f.bytes(o.RKey, o.Remote, o.Len)
 	if !ok {
 		f.mu.Unlock()
+		// An RC responder that NAKs an access goes to the error state.
+		peer.fail()
 		return wcRemAccessErr, 0
 	}
 	if o.Read {

@@ -67,6 +67,22 @@ func testNIC(t testing.TB, f *fabric, id byte) nic {
 // f, and closes it when t ends, failing t if Close reports a leak.
 func listenT(t testing.TB, f *fabric, cfg Config) *Transport {
 	t.Helper()
+	cfg = testConfig(t, cfg)
+	if !onDevice(t) {
+		return listenFake(t, f, cfg)
+	}
+	c, _ := realPort()
+	tr, err := Listen(cfg, c)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, tr)
+	return tr
+}
+
+// testConfig fills in what the tests leave out of cfg: a loopback port,
+// a Sink, the test's log, and timeouts long enough for the VM.
+func testConfig(t testing.TB, cfg Config) Config {
 	if cfg.TCP.Addr == "" {
 		cfg.TCP.Addr = "127.0.0.1:0"
 	}
@@ -84,16 +100,7 @@ func listenT(t testing.TB, f *fabric, cfg Config) *Transport {
 	if cfg.TCP.IOTimeout == 0 {
 		cfg.TCP.IOTimeout = 30 * time.Second
 	}
-	if !onDevice(t) {
-		return listenFake(t, f, cfg)
-	}
-	c, _ := realPort()
-	tr, err := Listen(cfg, c)
-	if err != nil {
-		t.Fatal(err)
-	}
-	closeAtEnd(t, tr)
-	return tr
+	return cfg
 }
 
 // listenFake is listenT on a fake NIC whatever the machine has.

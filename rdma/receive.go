@@ -204,6 +204,7 @@ func (r *receiver) await(h tcp.Header, tg *target, done func(error)) error {
 	gone, closing := r.gone, t.closing
 	var drained <-chan time.Time
 	fail := func(err error) error {
+		t.stats.failed.Add(1)
 		tg.finish(false)
 		done(err)
 		// Tell the sender, which is waiting for its completion, why the

@@ -83,10 +83,14 @@ type Stats struct {
 	Bounced    uint64 `json:"bounced_sends"`             // sources copied through a bounce buffer
 	Staged     uint64 `json:"staged_receives"`           // destinations written through a staging buffer
 	Rejected   uint64 `json:"rejected_completions"`      // receive completions that did not match their grant
+	// Failed is granted writes the receiver gave up on (a receive
+	// completed in error, a rejected completion, the lane or transport
+	// closing first): none delivered, each lane closed.
+	Failed uint64 `json:"failed_receives"`
 }
 
 type counters struct {
-	perSend, perReceive, bounced, staged, rejected atomic.Uint64
+	perSend, perReceive, bounced, staged, rejected, failed atomic.Uint64
 }
 
 // Transport is the RDMA data plane. It implements transport.Transport.
@@ -205,6 +209,7 @@ func (t *Transport) Stats() Stats {
 	return Stats{
 		PerSend: t.stats.perSend.Load(), PerReceive: t.stats.perReceive.Load(),
 		Bounced: t.stats.bounced.Load(), Staged: t.stats.staged.Load(), Rejected: t.stats.rejected.Load(),
+		Failed: t.stats.failed.Load(),
 	}
 }
 

@@ -327,12 +327,31 @@ func TestLinkDownMidTransfer(t *testing.T) {
 }
 
 // TestReceiverKilledMidTransfer kills the receiving ferryd (SIGKILL) with
-// a transfer under way and starts it again: the sender fails that request
-// clearly, keeps its data, and sends it to a slot of the new receiver. The
-// sender ends with no more goroutines or open files than it began with.
+// a transfer under way and starts it again, across network namespaces.
 func TestReceiverKilledMidTransfer(t *testing.T) {
 	h := netnsHosts(t)
-	snd, rcv := nsPair(t, h, "--io-timeout", "5s", "--send-timeout", "20s")
+	dir := t.TempDir()
+	receiverKilledScenario(t, func(name string, extra ...string) *daemon {
+		ns, ip := h.nsB, h.ipB
+		if name == "snd" {
+			ns, ip = h.nsA, h.ipA
+		}
+		return startDaemonIn(t, netnsExec(ns), dir, name, append([]string{"--listen", ip + ":17100", "--arena-size", "256MiB"}, extra...)...)
+	}, nil)
+}
+
+// receiverKilledScenario kills the receiving ferryd (SIGKILL) with a 32
+// MiB transfer under way and starts it again where it listened: the
+// sender fails that request clearly, keeps its data, and sends it to a
+// slot of the new receiver. The sender ends with no more goroutines or
+// open files than it began with. start starts the daemon called name:
+// "snd", "rcv", then "rcv2" where rcv listened. midway, if set, runs with
+// the receiver stopped and the write on its way to it; what it returns
+// runs once the receiver is dead. The sender is returned for more checks.
+func receiverKilledScenario(t *testing.T, start func(name string, extra ...string) *daemon, midway func(t *testing.T, snd, rcv *daemon) (afterKill func())) *daemon {
+	t.Helper()
+	snd := start("snd", "--io-timeout", "5s", "--send-timeout", "20s")
+	rcv := start("rcv")
 	ctx := ctxT(t)
 	stageOn(t, snd, "pre", 4096, 3)
 	if _, err := snd.c.Send(ctx, "pre", slotFor(t, rcv, "pre", 4096)); err != nil {
@@ -342,7 +361,12 @@ func TestReceiverKilledMidTransfer(t *testing.T) {
 
 	// The receiver stops taking bytes with 32 MiB on their way, then dies.
 	data, req, sent := sendToStalledPeer(t, snd, rcv, "kill-1", 32<<20)
+	afterKill := func() {}
+	if midway != nil {
+		afterKill = midway(t, snd, rcv)
+	}
 	rcv.kill()
+	afterKill()
 	r := <-sent
 	wantErr(t, r.err, 502, api.CodeTransferFailed, "kill-1", req.Session, "nbytes=33554432", "ret=", "kept")
 	t.Logf("with the receiver killed: %v", r.err)
@@ -350,7 +374,7 @@ func TestReceiverKilledMidTransfer(t *testing.T) {
 		t.Fatalf("staged data not kept: %+v %v", emb, err)
 	}
 
-	rcv2 := startDaemonIn(t, netnsExec(h.nsB), t.TempDir(), "rcv2", "--listen", h.ipB+":17100", "--arena-size", "256MiB")
+	rcv2 := start("rcv2")
 	// The old slot died with its daemon: the new one refuses the write.
 	_, err := snd.c.Send(ctx, "kill-1", req)
 	wantErr(t, err, 400, api.CodeRefused, "kill-1", "new slot")
@@ -362,41 +386,59 @@ func TestReceiverKilledMidTransfer(t *testing.T) {
 		t.Fatalf("session after the restart: %+v", s)
 	}
 	snd.noLeaks(t, goroutines, fds)
+	return snd
 }
 
 // TestSlotFreedWhileWriteLands frees a receive slot while a write is
-// landing in it. Its memory stays out of newer slots until the write
-// ends; the write is then discarded (or refused, had it not begun), never
-// marks another slot arrived, and newer slots get their own bytes intact.
+// landing in it over a slow link (slotFreedScenario).
 func TestSlotFreedWhileWriteLands(t *testing.T) {
 	h := netnsHosts(t)
 	slowLink(t, h, "32mbit") // 8 MiB take two seconds
 	snd, rcv := nsPair(t, h)
+	slotFreedScenario(t, snd, rcv, func(start func() <-chan sendResult) (<-chan sendResult, func()) {
+		sent := start()
+		// Wait for the write to begin landing: its header has reached the slot.
+		deadline := time.Now().Add(10 * time.Second)
+		tick := time.NewTicker(5 * time.Millisecond) // a poll: the slot's state is the event
+		defer tick.Stop()
+		for ; ; <-tick.C {
+			info, err := rcv.c.WaitInfo(ctxT(t), "old", 0)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if info.WritesInFlight == 1 {
+				return sent, func() {}
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("the write never began landing in the slot: %+v", info)
+			}
+		}
+	})
+}
+
+// slotFreedScenario frees a receive slot while a write is landing in it.
+// Its memory stays out of newer slots until the write ends; the write is
+// then discarded (or refused, had it not begun), never marks another slot
+// arrived, and newer slots get their own bytes intact. landing starts the
+// send of "old" (start) and returns once the receiver has taken the write
+// for that slot; release lets the write go on.
+func slotFreedScenario(t *testing.T, snd, rcv *daemon, landing func(start func() <-chan sendResult) (sent <-chan sendResult, release func())) {
+	t.Helper()
 	ctx := ctxT(t)
 	const n = 8 << 20
+	stageOn(t, snd, "warm", 4096, 3)
+	if _, err := snd.c.Send(ctx, "warm", slotFor(t, rcv, "warm", 4096)); err != nil {
+		t.Fatal(err)
+	}
 
 	stageOn(t, snd, "old", n, 4)
 	old, err := rcv.c.Receive(ctx, "old", n)
 	if err != nil {
 		t.Fatal(err)
 	}
-	sent := sendAsync(t, snd, "old", api.SendRequest{Session: old.Session, BufferAddress: old.BufferAddress, Key: old.Key})
-	// Wait for the write to begin landing: its header has reached the slot.
-	deadline := time.Now().Add(10 * time.Second)
-	tick := time.NewTicker(5 * time.Millisecond) // a poll: the slot's state is the event
-	defer tick.Stop()
-	for ; ; <-tick.C {
-		info, err := rcv.c.WaitInfo(ctx, "old", 0)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if info.WritesInFlight == 1 {
-			break
-		}
-		if time.Now().After(deadline) {
-			t.Fatalf("the write never began landing in the slot: %+v", info)
-		}
-	}
+	sent, release := landing(func() <-chan sendResult {
+		return sendAsync(t, snd, "old", api.SendRequest{Session: old.Session, BufferAddress: old.BufferAddress, Key: old.Key})
+	})
 	if err := rcv.c.FreeReceive(ctx, "old"); err != nil {
 		t.Fatal(err)
 	}
@@ -413,6 +455,7 @@ func TestSlotFreedWhileWriteLands(t *testing.T) {
 		t.Fatalf("newer slot at %#x overlaps the freed slot at %#x while a write still lands there", newer.BufferAddress, old.BufferAddress)
 	}
 
+	release()
 	r := <-sent
 	switch {
 	case r.err == nil:

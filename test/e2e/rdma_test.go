@@ -1,17 +1,22 @@
 package e2e
 
 import (
+	"bufio"
 	"bytes"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strconv"
 	"strings"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/rdma"
+	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // The RDMA tests need a usable RDMA port: the soft-RoCE VM (make
@@ -205,4 +210,120 @@ func TestRDMAFallbackToTCPPeer(t *testing.T) {
 func TestRDMAPeerDownRetry(t *testing.T) {
 	requireRDMA(t)
 	peerDownScenario(t, "rd-down", "rdma")
+}
+
+// TestRDMAReceiverKilledMidTransfer: the receiving ferryd is SIGKILLed
+// after it granted a 32 MiB write and before the sender posted it (the
+// sender held stopped in between), so the write's RDMA WRITEs go to a
+// queue pair the kernel destroyed with the process. The sender fails the
+// request clearly, keeps its data, resends it to the restarted receiver,
+// and leaks nothing (receiverKilledScenario).
+func TestRDMAReceiverKilledMidTransfer(t *testing.T) {
+	requireRDMA(t)
+	dir := t.TempDir()
+	var port string
+	snd := receiverKilledScenario(t, func(name string, extra ...string) *daemon {
+		// A later flag wins: the sender waits through its own stop.
+		args := append(append([]string{"--transport", "rdma"}, extra...), "--io-timeout", "30s", "--send-timeout", "45s")
+		if name == "rcv2" {
+			args = append(args, "--listen", "127.0.0.1:"+port)
+		}
+		d := startDaemon(t, dir, name, args...)
+		if name == "rcv" {
+			_, port, _ = net.SplitHostPort(d.listen)
+		}
+		return d
+	}, grantWhileSenderStopped)
+	line := snd.log.wait(t, time.Second, "the first attempt's warning", func(m map[string]any) bool {
+		return m["level"] == "warn" && m["req_id"] == "kill-1" && m["attempt"] == 1.0
+	})
+	if e, _ := line["error"].(string); !strings.Contains(e, "work requests in flight") {
+		t.Errorf("the first attempt failed before its RDMA WRITEs were posted: %v", line)
+	}
+}
+
+// TestRDMASlotFreedWhileWriteLands: the receiver grants a write into a
+// slot and frees the slot before the write lands (the sender held
+// stopped between the grant and its post, the only way to keep an RDMA
+// write in flight on a loopback device). slotFreedScenario checks that no
+// newer slot gets that memory meanwhile and that the late write is
+// discarded with a WARN line.
+func TestRDMASlotFreedWhileWriteLands(t *testing.T) {
+	requireRDMA(t)
+	// The sender waits through its own stop.
+	snd, rcv := pair(t, "--transport", "rdma", "--io-timeout", "30s", "--send-timeout", "45s")
+	slotFreedScenario(t, snd, rcv, func(start func() <-chan sendResult) (<-chan sendResult, func()) {
+		rcv.pause(t)
+		sent := start()
+		release := grantWhileSenderStopped(t, snd, rcv)
+		if info, err := rcv.c.WaitInfo(ctxT(t), "old", 0); err != nil || info.WritesInFlight != 1 {
+			t.Fatalf("the granted write is not in flight at the receiver: %+v %v", info, err)
+		}
+		return sent, release
+	})
+}
+
+// grantWhileSenderStopped, with the receiver stopped and a write's header
+// on its way to it, stops the sender and lets the receiver grant the
+// write; the sender goes on, and posts the write, when the function it
+// returns runs.
+func grantWhileSenderStopped(t *testing.T, snd, rcv *daemon) func() {
+	t.Helper()
+	_, port, _ := net.SplitHostPort(rcv.listen)
+	p, _ := strconv.ParseUint(port, 10, 16)
+	waitTCPQueue(t, "the write's header queued at the stopped receiver", func(local, remote uint16, queued int) bool {
+		return local == uint16(p) && queued >= tcp.HeaderSize
+	})
+	snd.pause(t)
+	rcv.signal(syscall.SIGCONT)
+	waitTCPQueue(t, "the grant queued at the stopped sender", func(local, remote uint16, queued int) bool {
+		return remote == uint16(p) && queued >= tcp.ReplySize+16
+	})
+	return func() { snd.signal(syscall.SIGCONT) }
+}
+
+// waitTCPQueue waits (20 s at most) for an established loopback TCP
+// connection whose local and remote ports and unread bytes match: the
+// kernel's tables (/proc/net/tcp) are the only witness of bytes a
+// stopped process has not read, so this polls them.
+func waitTCPQueue(t *testing.T, what string, match func(local, remote uint16, queued int) bool) {
+	t.Helper()
+	deadline := time.Now().Add(20 * time.Second)
+	tick := time.NewTicker(2 * time.Millisecond)
+	defer tick.Stop()
+	for ; ; <-tick.C {
+		for _, table := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+			f, err := os.Open(table)
+			if err != nil {
+				continue
+			}
+			sc := bufio.NewScanner(f)
+			for sc.Scan() {
+				// sl local_address rem_address st tx_queue:rx_queue ...
+				fs := strings.Fields(sc.Text())
+				if len(fs) < 5 || fs[3] != "01" { // ESTABLISHED
+					continue
+				}
+				local, lok := hexPort(fs[1])
+				remote, rok := hexPort(fs[2])
+				_, rx, _ := strings.Cut(fs[4], ":")
+				queued, err := strconv.ParseUint(rx, 16, 32)
+				if lok && rok && err == nil && match(local, remote, int(queued)) {
+					f.Close()
+					return
+				}
+			}
+			f.Close()
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no TCP connection shows %s within 20s", what)
+		}
+	}
+}
+
+// hexPort is the port of a /proc/net/tcp address (ADDR:PORT, in hex).
+func hexPort(a string) (uint16, bool) {
+	_, p, ok := strings.Cut(a, ":")
+	n, err := strconv.ParseUint(p, 16, 16)
+	return uint16(n), ok && err == nil
 }
