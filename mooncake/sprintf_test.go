@@ -1,0 +1,5 @@
+package mooncake_test
+
+import "fmt"
+
+var sprintf = fmt.Sprintf
