@@ -249,6 +249,10 @@ type ReceiveSlot struct {
 	BufferAddress uint64 `json:"buffer_address"`
 	Key           uint32 `json:"key"`
 	NBytes        int64  `json:"nbytes"`
+	// MooncakeSession is the receiver's Mooncake segment name
+	// ("ip:rpcport") when it serves as one (--mooncake-listen): a
+	// Mooncake sender writes nbytes to buffer_address in that segment.
+	MooncakeSession string `json:"mooncake_session,omitempty"`
 }
 
 // Receive describes a slot: GET /v1/receives/{req_id}?format=json.

@@ -48,6 +48,7 @@ type Settings struct {
 	IOTimeout        Duration `toml:"io_timeout"`
 	MaxConns         int      `toml:"max_conns"`
 	MetricsListen    string   `toml:"metrics_listen"`
+	MooncakeListen   string   `toml:"mooncake_listen"`
 	RDMADevice       string   `toml:"rdma_device"`
 	RDMAGIDIndex     int      `toml:"rdma_gid_index"`
 	RDMARegistration string   `toml:"rdma_registration"`
@@ -95,6 +96,7 @@ var options = []option{
 	{"io_timeout", "`deadline` on each network read and write; a stalled peer fails within it", func(s *Settings) value { return &s.IOTimeout }},
 	{"max_conns", "`connections` per peer session (concurrent writes to one peer)", func(s *Settings) value { return (*number)(&s.MaxConns) }},
 	{"metrics_listen", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)", func(s *Settings) value { return (*text)(&s.MetricsListen) }},
+	{"mooncake_listen", "also serve as a Mooncake Transfer Engine segment: its RPC (handshake) port on this `host:port`, a TCP data port beside it; Mooncake senders write into receive slots (empty: off)", func(s *Settings) value { return (*text)(&s.MooncakeListen) }},
 	{"device", "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N", func(s *Settings) value { return (*text)(&s.Device) }},
 	{"arena_size", "arena `size`, e.g. 64MiB or 8GiB", func(s *Settings) value { return &s.ArenaSize }},
 	{"bounce_size", "pinned host memory (`size`) that copies to and from a GPU arena are staged in", func(s *Settings) value { return &s.BounceSize }},
@@ -396,7 +398,8 @@ func (s Settings) Daemon(log zerolog.Logger) daemon.Config {
 		SlowThreshold: s.SlowThreshold.D(), SendRetries: s.SendRetries, SendTimeout: s.SendTimeout.D(),
 		StageTTL: s.StageTTL.D(), ReceiveTTL: s.ReceiveTTL.D(),
 		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, MetricsListen: s.MetricsListen, Log: log,
-		RDMADevice: s.RDMADevice, RDMAGIDIndex: gidIndex(s.RDMAGIDIndex), RDMARegistration: s.RDMARegistration,
+		MooncakeListen: s.MooncakeListen,
+		RDMADevice:     s.RDMADevice, RDMAGIDIndex: gidIndex(s.RDMAGIDIndex), RDMARegistration: s.RDMARegistration,
 		SocketGroup: s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
 		RequestTimeout: s.RequestTimeout.D(),
 		MaxHeaderBytes: int(s.MaxHeaderBytes.Bytes()), MaxBodyBytes: s.MaxBodyBytes.Bytes(),

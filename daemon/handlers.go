@@ -431,9 +431,11 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusCreated, api.ReceiveSlot{
-		ReqID: req.ReqID, Session: d.advertise, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes,
-	})
+	slot := api.ReceiveSlot{ReqID: req.ReqID, Session: d.advertise, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes}
+	if d.mooncake != nil {
+		slot.MooncakeSession = d.mooncake.name
+	}
+	writeJSON(w, http.StatusCreated, slot)
 	return nil
 }
 
