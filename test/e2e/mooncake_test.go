@@ -32,6 +32,19 @@ func startMooncakePeer(t *testing.T, cfg mooncaketest.Config) *mooncaketest.Peer
 	return p
 }
 
+// raceFree fails the test if the (race-built) daemon reported a data
+// race by the end of the test: its Mooncake paths are new.
+func raceFree(t *testing.T, d *daemon) *daemon {
+	t.Cleanup(func() {
+		d.stop()
+		<-d.log.done
+		if strings.Contains(d.log.dump(), "DATA RACE") {
+			t.Errorf("ferryd reported a data race:\n%s", d.log.dump())
+		}
+	})
+	return d
+}
+
 // logSays matches a log line at level whose message contains every part.
 func logSays(level string, parts ...string) func(map[string]any) bool {
 	return func(m map[string]any) bool {
@@ -48,7 +61,7 @@ func logSays(level string, parts ...string) func(map[string]any) bool {
 // ferry → Mooncake: a ferryd sends into a Mooncake segment over TCP v2
 // and v1, byte for byte; ferryctl send takes the segment too.
 func TestMooncakeSendIntoASegment(t *testing.T) {
-	snd := startDaemon(t, t.TempDir(), "snd", "--slow-threshold", "1ns")
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd", "--slow-threshold", "1ns"))
 	ctx := ctxT(t)
 	for _, v := range []int{2, 1} {
 		peer := startMooncakePeer(t, mooncaketest.Config{ProtoVersion: v, BufferSize: 4 << 20})
@@ -102,7 +115,7 @@ func TestMooncakeSendIntoASegment(t *testing.T) {
 // buffers; the peer's own rejection and a closed peer are transfer_failed
 // naming session, nbytes and what the peer said. Staged data is kept.
 func TestMooncakeSendFailuresAreClear(t *testing.T) {
-	snd := startDaemon(t, t.TempDir(), "snd", "--send-retries", "0")
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd", "--send-retries", "0"))
 	ctx := ctxT(t)
 	peer := startMooncakePeer(t, mooncaketest.Config{BufferSize: 1 << 20})
 	session := mooncake.Scheme + peer.Name()
@@ -139,7 +152,7 @@ func TestMooncakeSendFailuresAreClear(t *testing.T) {
 // A segment restarted on the same RPC port has a new data port and new
 // buffers: the sender fetches the descriptor again and delivers.
 func TestMooncakeSendFollowsAPeerRestart(t *testing.T) {
-	snd := startDaemon(t, t.TempDir(), "snd")
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd"))
 	ctx := ctxT(t)
 	peer := startMooncakePeer(t, mooncaketest.Config{BufferSize: 1 << 20})
 	name := peer.Name()
@@ -172,7 +185,7 @@ func TestMooncakeSendFollowsAPeerRestart(t *testing.T) {
 // returns it with its segment name, from its log.
 func startMooncakeSegment(t *testing.T, extra ...string) (*daemon, string) {
 	t.Helper()
-	rcv := startDaemon(t, t.TempDir(), "rcv", append([]string{"--mooncake-listen", "127.0.0.1:0"}, extra...)...)
+	rcv := raceFree(t, startDaemon(t, t.TempDir(), "rcv", append([]string{"--mooncake-listen", "127.0.0.1:0"}, extra...)...))
 	line := rcv.log.wait(t, 5*time.Second, "the Mooncake segment line", msg("serving as a Mooncake segment"))
 	name, _ := line["segment"].(string)
 	return rcv, name
