@@ -48,11 +48,19 @@ type Status struct {
 	Memory       MemoryStatus      `json:"memory"`
 	Registration Registration      `json:"registration"`
 	Transport    TransportStatus   `json:"transport"`
+	Mooncake     *MooncakeStatus   `json:"mooncake,omitempty"` // with --mooncake-listen
 	Staged       int               `json:"staged"`
 	Receives     int               `json:"receives"`
 	Sessions     []Session         `json:"sessions"`
 	Settings     Settings          `json:"settings"`
 	Counters     map[string]uint64 `json:"counters"`
+}
+
+// MooncakeStatus is ferryd serving as a Mooncake segment.
+type MooncakeStatus struct {
+	Segment  string `json:"segment"`   // "ip:rpcport", the name Mooncake senders use
+	RPC      string `json:"rpc"`       // the handshake listener
+	DataPort int    `json:"data_port"` // the TCP data port, as the descriptor names it
 }
 
 type MemoryStatus struct {

@@ -50,7 +50,7 @@ func openMooncake(cfg Config, reg *registry, base uint64, size int64, advertiseH
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
 	}}
 	m.data = mooncake.ServeData(dl, mooncakeMemory{reg}, mooncake.DataConfig{
-		IOTimeout: cfg.IOTimeout, MaxSize: uint64(size), Logf: logf,
+		IOTimeout: cfg.IOTimeout, MaxSize: uint64(size), MaxConns: 4 * cfg.MaxConns, Logf: logf,
 	})
 	m.hs = mooncake.Serve(rpc, mooncake.Handlers{
 		Segment: func() *mooncake.Segment { return &m.seg },

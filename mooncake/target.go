@@ -27,6 +27,7 @@ type DataConfig struct {
 	IOTimeout   time.Duration // per read or write of up to 1 MiB; default 10s
 	IdleTimeout time.Duration // between requests on one connection; default 60s
 	MaxSize     uint64        // largest request; default 1<<36
+	MaxConns    int           // connections served at once; default 256
 	// Logf hears about refused requests and broken connections.
 	Logf func(format string, args ...any)
 }
@@ -37,6 +38,7 @@ type DataServer struct {
 	ln   net.Listener
 	mem  Memory
 	cfg  DataConfig
+	sem  chan struct{}
 	wg   sync.WaitGroup
 	mu   sync.Mutex
 	live map[net.Conn]struct{}
@@ -58,7 +60,10 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	if cfg.MaxSize == 0 {
 		cfg.MaxSize = 1 << 36
 	}
-	s := &DataServer{ln: ln, mem: mem, cfg: cfg, live: map[net.Conn]struct{}{}}
+	if cfg.MaxConns <= 0 {
+		cfg.MaxConns = 256
+	}
+	s := &DataServer{ln: ln, mem: mem, cfg: cfg, sem: make(chan struct{}, cfg.MaxConns), live: map[net.Conn]struct{}{}}
 	s.wg.Add(1)
 	go s.accept()
 	return s
@@ -98,6 +103,7 @@ func (s *DataServer) accept() {
 			time.Sleep(10 * time.Millisecond) // out of descriptors: do not spin
 			continue
 		}
+		s.sem <- struct{}{} // at the limit, new connections wait in the backlog
 		s.mu.Lock()
 		if s.shut {
 			s.mu.Unlock()
@@ -113,6 +119,7 @@ func (s *DataServer) accept() {
 				s.mu.Lock()
 				delete(s.live, c)
 				s.mu.Unlock()
+				<-s.sem
 				s.wg.Done()
 			}()
 			if tc, ok := c.(*net.TCPConn); ok {

@@ -188,6 +188,13 @@ func startMooncakeSegment(t *testing.T, extra ...string) (*daemon, string) {
 	rcv := raceFree(t, startDaemon(t, t.TempDir(), "rcv", append([]string{"--mooncake-listen", "127.0.0.1:0"}, extra...)...))
 	line := rcv.log.wait(t, 5*time.Second, "the Mooncake segment line", msg("serving as a Mooncake segment"))
 	name, _ := line["segment"].(string)
+	st, err := rcv.c.Status(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Mooncake == nil || st.Mooncake.Segment != name || st.Mooncake.DataPort == 0 {
+		t.Fatalf("status says %+v; want segment %s and its data port", st.Mooncake, name)
+	}
 	return rcv, name
 }
 
