@@ -43,8 +43,11 @@ func Exchange(ctx context.Context, addr string, t MsgType, req, reply any) error
 		err = errors.New("the peer closed the connection without a reply (it refused the request or is not a Mooncake RPC port)")
 	}
 	if err != nil {
-		if ctx.Err() != nil {
+		switch {
+		case ctx.Err() != nil:
 			err = fmt.Errorf("no reply within %s: %w", HandshakeTimeout, err)
+		case errors.Is(err, ErrFrame):
+			err = fmt.Errorf("%w in the reply: is %s a Mooncake RPC port (not a ferry peer port)?", err, addr)
 		}
 		return fmt.Errorf("mooncake %s handshake with %s: %w", t, addr, err)
 	}

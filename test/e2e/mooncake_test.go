@@ -347,3 +347,32 @@ func TestMooncakeHandshakesMalformedAndWellFormed(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Two ferryd over Mooncake's wire: one sends to the other's Mooncake
+// segment, into a receive slot; a send to a ferry peer port named as a
+// Mooncake segment says what is wrong.
+func TestMooncakeFerryToFerryOverMooncakeWire(t *testing.T) {
+	rcv, seg := startMooncakeSegment(t)
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd"))
+	ctx := ctxT(t)
+	slot, err := rcv.c.Receive(ctx, "mc-ff", embBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := stageOn(t, snd, "mc-ff", embBytes, 21)
+	res, err := snd.c.Send(ctx, "mc-ff", api.SendRequest{Session: mooncake.Scheme + slot.MooncakeSession, BufferAddress: slot.BufferAddress})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Transport != mooncake.TransportName || slot.MooncakeSession != seg {
+		t.Fatalf("send %+v to slot %+v", res, slot)
+	}
+	got, err := rcv.c.Wait(ctx, "mc-ff", 10*time.Second)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("slot: %v, equal=%t", err, bytes.Equal(got, data))
+	}
+
+	stageOn(t, snd, "mc-wrong", 64, 22)
+	_, err = snd.c.Send(ctx, "mc-wrong", api.SendRequest{Session: mooncake.Scheme + rcv.advertise, BufferAddress: slot.BufferAddress})
+	wantErr(t, err, 502, api.CodeTransferFailed, "mc-wrong", "is "+rcv.advertise+" a Mooncake RPC port")
+}
