@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"sync"
 	"time"
 )
 
@@ -32,14 +31,9 @@ type ServerConfig struct {
 
 // Server is a segment's handshake (RPC) port.
 type Server struct {
-	ln   net.Listener
-	h    Handlers
-	cfg  ServerConfig
-	sem  chan struct{}
-	wg   sync.WaitGroup
-	mu   sync.Mutex
-	live map[net.Conn]struct{}
-	shut bool
+	listener
+	h   Handlers
+	cfg ServerConfig
 }
 
 // NoRDMA is the reply_msg of a connection request to a segment that
@@ -56,69 +50,18 @@ func Serve(ln net.Listener, h Handlers, cfg ServerConfig) *Server {
 	if cfg.MaxConns <= 0 {
 		cfg.MaxConns = 64
 	}
-	s := &Server{ln: ln, h: h, cfg: cfg, sem: make(chan struct{}, cfg.MaxConns), live: map[net.Conn]struct{}{}}
-	s.wg.Add(1)
-	go s.accept()
+	if cfg.Logf == nil {
+		cfg.Logf = func(string, ...any) {}
+	}
+	s := &Server{h: h, cfg: cfg}
+	s.listener = listener{ln: ln, logf: cfg.Logf, serve: func(c net.Conn) error {
+		if err := s.serve(c); err != nil {
+			return fmt.Errorf("mooncake handshake from %s: %w", c.RemoteAddr(), err)
+		}
+		return nil
+	}}
+	s.start(cfg.MaxConns)
 	return s
-}
-
-func (s *Server) Addr() net.Addr { return s.ln.Addr() }
-
-// Close stops accepting, ends the connections being served, and waits.
-func (s *Server) Close() error {
-	s.mu.Lock()
-	s.shut = true
-	err := s.ln.Close()
-	for c := range s.live {
-		c.Close()
-	}
-	s.mu.Unlock()
-	s.wg.Wait()
-	return err
-}
-
-func (s *Server) logf(format string, args ...any) {
-	if s.cfg.Logf != nil {
-		s.cfg.Logf(format, args...)
-	}
-}
-
-func (s *Server) accept() {
-	defer s.wg.Done()
-	for {
-		c, err := s.ln.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			s.logf("mooncake handshake: accept on %s: %v", s.ln.Addr(), err)
-			time.Sleep(10 * time.Millisecond) // out of descriptors: do not spin
-			continue
-		}
-		s.sem <- struct{}{}
-		s.mu.Lock()
-		if s.shut {
-			s.mu.Unlock()
-			c.Close()
-			return
-		}
-		s.live[c] = struct{}{}
-		s.wg.Add(1)
-		s.mu.Unlock()
-		go func() {
-			defer func() {
-				c.Close()
-				s.mu.Lock()
-				delete(s.live, c)
-				s.mu.Unlock()
-				<-s.sem
-				s.wg.Done()
-			}()
-			if err := s.serve(c); err != nil {
-				s.logf("mooncake handshake from %s: %v", c.RemoteAddr(), err)
-			}
-		}()
-	}
 }
 
 func (s *Server) serve(c net.Conn) error {
@@ -180,7 +123,7 @@ func (s *Server) answer(t MsgType, body []byte) (any, error) {
 			return nil, fmt.Errorf("not a connection handshake (local_nic_path, qp_num, ...): %w", err)
 		}
 		if s.h.Connect == nil {
-			s.logf("mooncake handshake: refused an RDMA connection request from %s: no RDMA is served here", d.LocalNICPath)
+			s.cfg.Logf("mooncake handshake: refused an RDMA connection request from %s: no RDMA is served here", d.LocalNICPath)
 			return HandshakeDesc{PeerNICPath: d.LocalNICPath, LocalNICPath: d.PeerNICPath, ReplyMsg: NoRDMA}, nil
 		}
 		return s.h.Connect(d), nil

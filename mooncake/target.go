@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"sync"
 	"time"
 )
 
@@ -35,14 +34,9 @@ type DataConfig struct {
 // DataServer is a segment's TCP data port, speaking v1 and v2 (each
 // request says which by its opcode's v2 bit).
 type DataServer struct {
-	ln   net.Listener
-	mem  Memory
-	cfg  DataConfig
-	sem  chan struct{}
-	wg   sync.WaitGroup
-	mu   sync.Mutex
-	live map[net.Conn]struct{}
-	shut bool
+	listener
+	mem Memory
+	cfg DataConfig
 }
 
 // ioChunk is how much moves under one deadline, so a long transfer that
@@ -63,78 +57,21 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	if cfg.MaxConns <= 0 {
 		cfg.MaxConns = 256
 	}
-	s := &DataServer{ln: ln, mem: mem, cfg: cfg, sem: make(chan struct{}, cfg.MaxConns), live: map[net.Conn]struct{}{}}
-	s.wg.Add(1)
-	go s.accept()
+	if cfg.Logf == nil {
+		cfg.Logf = func(string, ...any) {}
+	}
+	s := &DataServer{mem: mem, cfg: cfg}
+	s.listener = listener{ln: ln, logf: cfg.Logf, serve: func(c net.Conn) error {
+		if tc, ok := c.(*net.TCPConn); ok {
+			tc.SetNoDelay(true)
+		}
+		if err := s.serve(c); err != nil {
+			return fmt.Errorf("mooncake data connection from %s: %w", c.RemoteAddr(), err)
+		}
+		return nil
+	}}
+	s.start(cfg.MaxConns)
 	return s
-}
-
-func (s *DataServer) Addr() net.Addr { return s.ln.Addr() }
-
-// Close stops accepting, ends every connection (requests in flight
-// fail) and waits for them.
-func (s *DataServer) Close() error {
-	s.mu.Lock()
-	s.shut = true
-	err := s.ln.Close()
-	for c := range s.live {
-		c.Close()
-	}
-	s.mu.Unlock()
-	s.wg.Wait()
-	return err
-}
-
-func (s *DataServer) logf(format string, args ...any) {
-	if s.cfg.Logf != nil {
-		s.cfg.Logf(format, args...)
-	}
-}
-
-func (s *DataServer) accept() {
-	defer s.wg.Done()
-	for {
-		c, err := s.ln.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			s.logf("mooncake data port: accept on %s: %v", s.ln.Addr(), err)
-			time.Sleep(10 * time.Millisecond) // out of descriptors: do not spin
-			continue
-		}
-		s.sem <- struct{}{} // at the limit, new connections wait in the backlog
-		s.mu.Lock()
-		if s.shut {
-			s.mu.Unlock()
-			c.Close()
-			return
-		}
-		s.live[c] = struct{}{}
-		s.wg.Add(1)
-		s.mu.Unlock()
-		go func() {
-			defer func() {
-				c.Close()
-				s.mu.Lock()
-				delete(s.live, c)
-				s.mu.Unlock()
-				<-s.sem
-				s.wg.Done()
-			}()
-			if tc, ok := c.(*net.TCPConn); ok {
-				tc.SetNoDelay(true)
-			}
-			if err := s.serve(c); err != nil {
-				s.mu.Lock()
-				shut := s.shut
-				s.mu.Unlock()
-				if !shut {
-					s.logf("mooncake data connection from %s: %v", c.RemoteAddr(), err)
-				}
-			}
-		}()
-	}
 }
 
 // serve runs requests until the client closes (nil) or one fails.
