@@ -208,12 +208,12 @@ type Daemon struct {
 	reg       *registry
 	tr        transport.Transport
 	dp        *dataPlane
+	mooncake  *mooncakeSegment // --mooncake-listen, or nil
 	sessions  *sessions
 	metrics   *metrics
 	control   net.Listener
 	http      *http.Server
-	metricsLn net.Listener     // --metrics-listen, or nil
-	mooncake  *mooncakeSegment // --mooncake-listen, or nil
+	metricsLn net.Listener // --metrics-listen, or nil
 	metricsHS *http.Server
 	advertise string
 	slowNanos atomic.Int64
