@@ -203,6 +203,9 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 				}
 				fmt.Fprintf(w, "nics       %s\n", strings.Join(nics, ", "))
 			}
+			if mc := st.Mooncake; mc != nil {
+				fmt.Fprintf(w, "mooncake   segment %s (handshake on %s, tcp data port %d)\n", mc.Segment, mc.RPC, mc.DataPort)
+			}
 			reg := st.Registration
 			fmt.Fprintf(w, "register   %s (%s)", reg.Mode, reg.Reason)
 			if reg.Millis > 0 {

@@ -195,6 +195,10 @@ func startMooncakeSegment(t *testing.T, extra ...string) (*daemon, string) {
 	if st.Mooncake == nil || st.Mooncake.Segment != name || st.Mooncake.DataPort == 0 {
 		t.Fatalf("status says %+v; want segment %s and its data port", st.Mooncake, name)
 	}
+	out, err := exec.Command(filepath.Join(bin, "ferryctl"), "--socket", rcv.socket, "status").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "mooncake   segment "+name) {
+		t.Fatalf("ferryctl status does not name the segment %s: %v\n%s", name, err, out)
+	}
 	return rcv, name
 }
 
