@@ -22,6 +22,10 @@ type Config struct {
 	Addr         string // handshake (RPC) port; default 127.0.0.1:0
 	ProtoVersion int    // TCP protocol version advertised and spoken: 1 or 2 (default)
 	BufferSize   int    // bytes of the one registered buffer; default 16 MiB
+	// Base is the address the buffer is advertised at; 0: its real
+	// address in this process, as Mooncake advertises. A restarted peer
+	// given the same Base has the same buffer range and a new data port.
+	Base uint64
 }
 
 // Peer is a Mooncake segment: one registered buffer in its memory.
@@ -62,10 +66,12 @@ func Start(cfg Config) (*Peer, error) {
 		return nil, fmt.Errorf("mooncake test peer: data port: %w", err)
 	}
 	buf := make([]byte, cfg.BufferSize)
+	base := cfg.Base
+	if base == 0 {
+		base = uint64(uintptr(unsafe.Pointer(&buf[0])))
+	}
 	p := &Peer{
-		cfg: cfg, name: rpc.Addr().String(), buf: buf,
-		// An absolute address in this process, as Mooncake advertises.
-		base:       uint64(uintptr(unsafe.Pointer(&buf[0]))),
+		cfg: cfg, name: rpc.Addr().String(), buf: buf, base: base,
 		ts:         time.Now().Format("2006-01-02 15:04:05.000000"),
 		registered: true,
 	}

@@ -181,6 +181,38 @@ func TestMooncakeSendFollowsAPeerRestart(t *testing.T) {
 	}
 }
 
+// A segment restarted with the same buffer range but a new data port:
+// the cached descriptor passes the range check, the write meets a closed
+// port, the session is torn down and the retry fetches the new
+// descriptor and delivers.
+func TestMooncakeSendRetriesWithAFreshDescriptor(t *testing.T) {
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd"))
+	ctx := ctxT(t)
+	const base = 0x7f0000000000
+	peer := startMooncakePeer(t, mooncaketest.Config{BufferSize: 1 << 20, Base: base})
+	name, session := peer.Name(), mooncake.Scheme+peer.Name()
+	stageOn(t, snd, "mc-f1", embBytes, 31)
+	if _, err := snd.c.Send(ctx, "mc-f1", api.SendRequest{Session: session, BufferAddress: base}); err != nil {
+		t.Fatal(err)
+	}
+	peer.Close()
+	peer2 := startMooncakePeer(t, mooncaketest.Config{Addr: name, BufferSize: 1 << 20, Base: base})
+	data := stageOn(t, snd, "mc-f2", embBytes, 32)
+	res, err := snd.c.Send(ctx, "mc-f2", api.SendRequest{Session: session, BufferAddress: base + 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Attempts != 2 {
+		t.Fatalf("send took %d attempt(s); want 2: a failed write on the stale data port, then the retry", res.Attempts)
+	}
+	if !bytes.Equal(peer2.Bytes(base+4096, embBytes), data) {
+		t.Fatal("bytes differ after the retry")
+	}
+	snd.log.wait(t, 5*time.Second, "the teardown line", func(m map[string]any) bool {
+		return m["message"] == "write failed; session torn down, re-dialing and retrying" && m["req_id"] == "mc-f2" && m["ret"] == "ECONNREFUSED"
+	})
+}
+
 // startMooncakeSegment runs a ferryd serving as a Mooncake segment and
 // returns it with its segment name, from its log.
 func startMooncakeSegment(t *testing.T, extra ...string) (*daemon, string) {
