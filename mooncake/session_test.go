@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
@@ -184,7 +185,7 @@ func TestServerRefusesMalformedHandshakes(t *testing.T) {
 		Logf: func(f string, a ...any) {
 			mu.Lock()
 			defer mu.Unlock()
-			logged = append(logged, sprintf(f, a...))
+			logged = append(logged, fmt.Sprintf(f, a...))
 		},
 	})
 	defer srv.Close()

@@ -1,5 +1,0 @@
-package mooncake_test
-
-import "fmt"
-
-var sprintf = fmt.Sprintf
