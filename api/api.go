@@ -48,11 +48,19 @@ type Status struct {
 	Memory       MemoryStatus      `json:"memory"`
 	Registration Registration      `json:"registration"`
 	Transport    TransportStatus   `json:"transport"`
+	Mooncake     *MooncakeStatus   `json:"mooncake,omitempty"` // with --mooncake-listen
 	Staged       int               `json:"staged"`
 	Receives     int               `json:"receives"`
 	Sessions     []Session         `json:"sessions"`
 	Settings     Settings          `json:"settings"`
 	Counters     map[string]uint64 `json:"counters"`
+}
+
+// MooncakeStatus is ferryd serving as a Mooncake segment.
+type MooncakeStatus struct {
+	Segment  string `json:"segment"`   // "ip:rpcport", the name Mooncake senders use
+	RPC      string `json:"rpc"`       // the handshake listener
+	DataPort int    `json:"data_port"` // the TCP data port, as the descriptor names it
 }
 
 type MemoryStatus struct {
@@ -249,6 +257,10 @@ type ReceiveSlot struct {
 	BufferAddress uint64 `json:"buffer_address"`
 	Key           uint32 `json:"key"`
 	NBytes        int64  `json:"nbytes"`
+	// MooncakeSession is the receiver's Mooncake segment name
+	// ("ip:rpcport") when it serves as one (--mooncake-listen): a
+	// Mooncake sender writes nbytes to buffer_address in that segment.
+	MooncakeSession string `json:"mooncake_session,omitempty"`
 }
 
 // Receive describes a slot: GET /v1/receives/{req_id}?format=json.

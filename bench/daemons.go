@@ -215,3 +215,39 @@ func StartRawSink(ctx context.Context, self, arenaDir string, n int64) (*RawSink
 
 // RawSinkReady starts the line a raw sink prints once it listens.
 const RawSinkReady = "ready "
+
+// MooncakePeerProc is a Mooncake test segment running in a child process
+// (ferrybench mooncake-peer), so writes into it cross processes as they
+// do into a receiving ferryd.
+type MooncakePeerProc struct {
+	*proc
+	Target MooncakeTarget
+}
+
+// MooncakePeerReady starts the line a mooncake-peer prints once it
+// serves: "ready SEGMENT BASE LENGTH".
+const MooncakePeerReady = "mooncake-peer ready "
+
+// StartMooncakePeer runs self (this ferrybench) as a Mooncake segment
+// with a buffer of n bytes.
+func StartMooncakePeer(ctx context.Context, self string, n int64) (*MooncakePeerProc, error) {
+	cmd := exec.Command(self, "mooncake-peer", "--bytes", strconv.FormatInt(n, 10))
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	cmd.Stderr = cmd.Stdout
+	p, line, err := startProc(ctx, "ferrybench mooncake-peer", cmd, stdout, func(line string) (string, bool) {
+		rest, ok := strings.CutPrefix(line, MooncakePeerReady)
+		return rest, ok
+	})
+	if err != nil {
+		return nil, err
+	}
+	m := &MooncakePeerProc{proc: p}
+	if _, err := fmt.Sscanf(line, "%s %d %d", &m.Target.Segment, &m.Target.Base, &m.Target.Length); err != nil {
+		p.Stop()
+		return nil, fmt.Errorf("ferrybench mooncake-peer said %q: %w", line, err)
+	}
+	return m, nil
+}

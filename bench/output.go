@@ -185,3 +185,31 @@ func columnsFor(command string) []column {
 	}
 	return transferColumns
 }
+
+// WriteRatios prints, for each size and concurrency measured as both ops,
+// the ratio of their throughputs (a over b), with both in MiB/s.
+func WriteRatios(w io.Writer, rows []Row, a, b string) {
+	type point struct {
+		size int64
+		c    int
+	}
+	of := map[string]map[point]Row{a: {}, b: {}}
+	var order []point
+	for _, r := range rows {
+		if m, ok := of[r.Op]; ok {
+			p := point{r.Size, r.Concurrency}
+			if _, seen := of[a][p]; !seen && r.Op == a {
+				order = append(order, p)
+			}
+			m[p] = r
+		}
+	}
+	for _, p := range order {
+		ra, rb := of[a][p], of[b][p]
+		if rb.GBps == 0 {
+			continue
+		}
+		fmt.Fprintf(w, "ratio %s/%s %s x%d = %.2f (%s %.0f MiB/s, %s %.0f MiB/s)\n", a, b, size.Format(p.size), p.c,
+			ra.GBps/rb.GBps, a, ra.GBps*1e9/(1<<20), b, rb.GBps*1e9/(1<<20))
+	}
+}

@@ -17,9 +17,12 @@ import (
 )
 
 // Peers are the two daemons of a run: From stages and sends into receive
-// slots on To.
+// slots on To. With Mooncake set, every point is also sent into that
+// Mooncake segment, alternating with To (A B A B), for a side-by-side
+// comparison in one run.
 type Peers struct {
 	From, To *client.Client
+	Mooncake *MooncakeTarget
 }
 
 // Staging methods.
@@ -71,16 +74,38 @@ func Transfer(ctx context.Context, p Peers, cfg TransferConfig) ([]Row, error) {
 		}
 		defer t.mapping.Close()
 	}
-	prog := newProgress(cfg.Progress, len(cfg.Sizes)*len(cfg.Concurrency))
+	tos := []receiver{ferryReceiver{p.To}}
+	if p.Mooncake != nil {
+		tos = append(tos, p.Mooncake)
+	}
+	// Compared receivers take turns, twice each (A B A B), each turn with
+	// half the limit: drift on a noisy machine falls on both.
+	turns := 1
+	if len(tos) > 1 {
+		turns = 2
+	}
+	lim := cfg.Limit
+	lim.Duration /= time.Duration(turns)
+	lim.Iterations = (lim.Iterations + turns - 1) / turns
+	prog := newProgress(cfg.Progress, len(cfg.Sizes)*len(cfg.Concurrency)*len(tos))
 	var rows []Row
 	for _, sz := range cfg.Sizes {
 		for _, c := range cfg.Concurrency {
-			row, err := t.point(ctx, sz, c)
-			if err != nil {
-				return rows, fmt.Errorf("size %s, concurrency %d: %w", size.Format(sz), c, err)
+			all := make([]roundResult, len(tos))
+			for turn := 0; turn < turns; turn++ {
+				for i, to := range tos {
+					r, err := t.point(ctx, to, sz, c, lim, turn == 0)
+					if err != nil {
+						return rows, fmt.Errorf("%s, size %s, concurrency %d: %w", to.op(), size.Format(sz), c, err)
+					}
+					all[i].add(r)
+				}
 			}
-			rows = append(rows, row)
-			prog.point(fmt.Sprintf("%s x%d: %.3f GB/s, p50 %.0fµs", size.Format(sz), c, row.GBps, row.Latency.P50))
+			for i, to := range tos {
+				row := t.row(to.op(), sz, c, all[i])
+				rows = append(rows, row)
+				prog.point(fmt.Sprintf("%s %s x%d: %.3f GB/s, p50 %.0fµs", to.op(), size.Format(sz), c, row.GBps, row.Latency.P50))
+			}
 		}
 	}
 	return rows, nil
@@ -103,18 +128,18 @@ type transferRun struct {
 }
 
 // batch is how many entries of sz one round stages: about roundBytes,
-// at least c, and what fits in the free arena of both daemons (with a
-// tenth spare).
-func (t *transferRun) batch(ctx context.Context, sz int64, c int) (int, error) {
+// at least c, and what fits in the free memory of the sender and the
+// receiver (with a tenth spare).
+func (t *transferRun) batch(ctx context.Context, to receiver, sz int64, c int) (int, error) {
 	fit := batchCap
-	for _, cl := range []*client.Client{t.p.From, t.p.To} {
-		st, err := cl.Status(ctx)
+	for _, r := range []receiver{ferryReceiver{t.p.From}, to} {
+		free, align, err := r.room(ctx)
 		if err != nil {
 			return 0, err
 		}
-		align := max(st.Memory.Alignment, 1)
+		align = max(align, 1)
 		per := (sz + align - 1) / align * align
-		fit = min(fit, int(st.Memory.Free*9/10/per))
+		fit = min(fit, int(free*9/10/per))
 	}
 	if fit < c {
 		return 0, fmt.Errorf("%d blocks of %s in flight need %s free in each arena, and only %d fit: raise the arena size (ferrybench --arena-size, or ferryd --arena-size) or lower --concurrency",
@@ -123,31 +148,38 @@ func (t *transferRun) batch(ctx context.Context, sz int64, c int) (int, error) {
 	return min(fit, max(int(roundBytes/sz), c)), nil
 }
 
-func (t *transferRun) point(ctx context.Context, sz int64, c int) (Row, error) {
-	batch, err := t.batch(ctx, sz, c)
+// point runs one turn of a point into to: a warm-up, then rounds until
+// lim is used up; verify checks the first round's first transfer.
+func (t *transferRun) point(ctx context.Context, to receiver, sz int64, c int, lim Limit, verify bool) (roundResult, error) {
+	batch, err := t.batch(ctx, to, sz, c)
 	if err != nil {
-		return Row{}, err
+		return roundResult{}, err
 	}
-	if _, err := t.round(ctx, sz, c, min(max(t.cfg.Warmup, c), batch), false); err != nil {
-		return Row{}, fmt.Errorf("warm-up: %w", err)
+	if _, err := t.round(ctx, to, sz, c, min(max(lim.Warmup, c), batch), false); err != nil {
+		return roundResult{}, fmt.Errorf("warm-up: %w", err)
 	}
 	var all roundResult
 	for first := true; ; first = false {
 		n := batch
-		if t.cfg.Iterations > 0 {
-			n = min(n, t.cfg.Iterations-all.sends())
+		if lim.Iterations > 0 {
+			n = min(n, lim.Iterations-all.sends())
 		}
-		r, err := t.round(ctx, sz, c, n, first)
+		r, err := t.round(ctx, to, sz, c, n, first && verify)
 		if err != nil {
-			return Row{}, err
+			return all, err
 		}
 		all.add(r)
-		if t.cfg.Iterations > 0 && all.sends() >= t.cfg.Iterations ||
-			t.cfg.Iterations == 0 && all.send.wall >= t.cfg.Duration {
+		if lim.Iterations > 0 && all.sends() >= lim.Iterations ||
+			lim.Iterations == 0 && all.send.wall >= lim.Duration {
 			break
 		}
 	}
-	row := Row{Op: "send", Size: sz, Concurrency: c, Errors: all.send.errs}
+	return all, nil
+}
+
+// row is a point's figures from all its turns.
+func (t *transferRun) row(op string, sz int64, c int, all roundResult) Row {
+	row := Row{Op: op, Size: sz, Concurrency: c, Errors: all.send.errs}
 	row.finish(all.send.lat, all.send.wall)
 	w := Summarize(all.writes)
 	row.DaemonWrite = &w
@@ -157,9 +189,9 @@ func (t *transferRun) point(ctx context.Context, sz int64, c int) (Row, error) {
 		row.Stage.GBps = float64(sz) * float64(stage.N) / all.stage.wall.Seconds() / 1e9
 	}
 	if all.send.firstErr != nil {
-		fmt.Fprintf(os.Stderr, "ferrybench: %s x%d: %d send(s) failed; the first: %v\n", size.Format(sz), c, all.send.errs, all.send.firstErr)
+		fmt.Fprintf(os.Stderr, "ferrybench: %s %s x%d: %d send(s) failed; the first: %v\n", op, size.Format(sz), c, all.send.errs, all.send.firstErr)
 	}
-	return row, nil
+	return row
 }
 
 // roundResult accumulates the timed phases of rounds.
@@ -185,7 +217,7 @@ func (r *roundResult) add(o roundResult) {
 // round stages n entries of sz, sends them with c in flight and cleans up.
 // Staging and slot failures end the run (every later figure would be
 // wrong); failed sends are counted.
-func (t *transferRun) round(ctx context.Context, sz int64, c, n int, verify bool) (roundResult, error) {
+func (t *transferRun) round(ctx context.Context, to receiver, sz int64, c, n int, verify bool) (roundResult, error) {
 	ids := make([]string, n)
 	for i := range ids {
 		ids[i] = fmt.Sprintf("%s%d", t.prefix, t.seq.Add(1))
@@ -201,7 +233,7 @@ func (t *transferRun) round(ctx context.Context, sz int64, c, n int, verify bool
 		defer cancel()
 		forEach(c, n, func(i int) {
 			if haveSlot[i] {
-				_ = t.p.To.FreeReceive(cctx, ids[i])
+				_ = to.free(cctx, ids[i])
 			}
 			if staged[i] && !freed[i] {
 				_ = t.p.From.Delete(cctx, ids[i])
@@ -219,8 +251,8 @@ func (t *transferRun) round(ctx context.Context, sz int64, c, n int, verify bool
 		return res, fmt.Errorf("staging %s: %w", size.Format(sz), res.stage.firstErr)
 	}
 	slotErrs := timedEach(c, n, func(i int) error {
-		s, err := t.p.To.Receive(ctx, ids[i], sz)
-		slots[i] = api.SendRequest{Session: s.Session, BufferAddress: s.BufferAddress, Key: s.Key}
+		var err error
+		slots[i], err = to.slot(ctx, ids[i], i, sz)
 		haveSlot[i] = err == nil
 		return err
 	})
@@ -245,7 +277,7 @@ func (t *transferRun) round(ctx context.Context, sz int64, c, n int, verify bool
 		return res, fmt.Errorf("every send failed; the first: %w", res.send.firstErr)
 	}
 	if verify {
-		if err := t.verify(ctx, ids, freed, sz); err != nil {
+		if err := t.verify(ctx, to, ids, slots, freed, sz); err != nil {
 			return res, err
 		}
 	}
@@ -296,12 +328,12 @@ func (t *transferRun) stage(ctx context.Context, id string, sz int64) error {
 }
 
 // verify checks the first delivered entry byte for byte at the receiver.
-func (t *transferRun) verify(ctx context.Context, ids []string, sent []bool, sz int64) error {
+func (t *transferRun) verify(ctx context.Context, to receiver, ids []string, slots []api.SendRequest, sent []bool, sz int64) error {
 	for i, ok := range sent {
 		if !ok {
 			continue
 		}
-		got, err := t.p.To.Wait(ctx, ids[i], 0)
+		got, err := to.read(ctx, ids[i], slots[i], sz)
 		if err != nil {
 			return fmt.Errorf("reading back %s at the receiver: %w", ids[i], err)
 		}

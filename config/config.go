@@ -49,6 +49,7 @@ type Settings struct {
 	MaxConns         int      `toml:"max_conns"`
 	MetricsListen    string   `toml:"metrics_listen"`
 	PeerSecretFile   string   `toml:"peer_secret_file"`
+	MooncakeListen   string   `toml:"mooncake_listen"`
 	RDMADevice       string   `toml:"rdma_device"`
 	RDMAGIDIndex     int      `toml:"rdma_gid_index"`
 	RDMARegistration string   `toml:"rdma_registration"`
@@ -97,6 +98,7 @@ var options = []option{
 	{"max_conns", "`connections` per peer session (concurrent writes to one peer)", func(s *Settings) value { return (*number)(&s.MaxConns) }},
 	{"metrics_listen", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)", func(s *Settings) value { return (*text)(&s.MetricsListen) }},
 	{"peer_secret_file", "`file` (mode 0600 or stricter) holding a secret of at least 16 bytes every peer daemon must share; peers prove it to each other on every connection (empty: off)", func(s *Settings) value { return (*text)(&s.PeerSecretFile) }},
+	{"mooncake_listen", "also serve as a Mooncake Transfer Engine segment: its RPC (handshake) port on this `host:port`, a TCP data port beside it; Mooncake senders write into receive slots (empty: off)", func(s *Settings) value { return (*text)(&s.MooncakeListen) }},
 	{"device", "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N", func(s *Settings) value { return (*text)(&s.Device) }},
 	{"arena_size", "arena `size`, e.g. 64MiB or 8GiB", func(s *Settings) value { return &s.ArenaSize }},
 	{"bounce_size", "pinned host memory (`size`) that copies to and from a GPU arena are staged in", func(s *Settings) value { return &s.BounceSize }},
@@ -399,7 +401,8 @@ func (s Settings) Daemon(log zerolog.Logger) daemon.Config {
 		StageTTL: s.StageTTL.D(), ReceiveTTL: s.ReceiveTTL.D(),
 		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, MetricsListen: s.MetricsListen, PeerSecretFile: s.PeerSecretFile, Log: log,
 		RDMADevice: s.RDMADevice, RDMAGIDIndex: gidIndex(s.RDMAGIDIndex), RDMARegistration: s.RDMARegistration,
-		SocketGroup: s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
+		MooncakeListen: s.MooncakeListen,
+		SocketGroup:    s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
 		RequestTimeout: s.RequestTimeout.D(),
 		MaxHeaderBytes: int(s.MaxHeaderBytes.Bytes()), MaxBodyBytes: s.MaxBodyBytes.Bytes(),
 	}

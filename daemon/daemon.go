@@ -19,6 +19,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -50,6 +51,7 @@ type Config struct {
 	RDMARegistration string
 	MetricsListen    string // optional TCP host:port serving GET /metrics; "" for none
 	PeerSecretFile   string // file holding the secret peers must share; "" for none
+	MooncakeListen   string // optional host:port serving as a Mooncake segment; "" for none
 	Log              zerolog.Logger
 
 	// The control socket's access and limits.
@@ -175,6 +177,9 @@ func (c *Config) Check() error {
 	if _, _, err := net.SplitHostPort(c.MetricsListen); c.MetricsListen != "" && err != nil {
 		errs = append(errs, fmt.Errorf("--metrics-listen %q is not host:port (e.g. 127.0.0.1:9464 or :9464)", c.MetricsListen))
 	}
+	if _, _, err := net.SplitHostPort(c.MooncakeListen); c.MooncakeListen != "" && err != nil {
+		errs = append(errs, fmt.Errorf("--mooncake-listen %q is not host:port (e.g. 0.0.0.0:15302): the Mooncake RPC port senders name as the segment", c.MooncakeListen))
+	}
 	if c.Advertise != "" {
 		if err := checkSession(c.Advertise); err != nil {
 			errs = append(errs, fmt.Errorf("--advertise: %v", err))
@@ -209,6 +214,7 @@ type Daemon struct {
 	reg       *registry
 	tr        transport.Transport
 	dp        *dataPlane
+	mooncake  *mooncakeSegment // --mooncake-listen, or nil
 	sessions  *sessions
 	metrics   *metrics
 	control   net.Listener
@@ -292,7 +298,17 @@ func New(cfg Config) (*Daemon, error) {
 	if d.advertise == "" {
 		d.advertise = advertiseFor(d.tr.Addr(), d.log)
 	}
-	d.sessions = newSessions(d.tr)
+	mc := &mooncake.Dialer{IOTimeout: cfg.IOTimeout, MaxConns: cfg.MaxConns,
+		Self: &mooncake.Segment{Name: d.advertise, Protocol: "tcp", Buffers: []mooncake.Buffer{}}}
+	if cfg.MooncakeListen != "" {
+		host, _, _ := net.SplitHostPort(d.advertise)
+		d.mooncake, err = openMooncake(cfg, d.reg, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.log)
+		if err != nil {
+			return nil, err
+		}
+		mc.Self = &d.mooncake.seg
+	}
+	d.sessions = newSessions(d.tr, mc)
 	d.metrics = newMetrics(gauges{
 		arena: func() (int64, int64, int64) {
 			st := d.arena.Stats()
@@ -436,6 +452,9 @@ func (d *Daemon) closeAll() {
 	}
 	if d.sessions != nil {
 		d.sessions.closeAll()
+	}
+	if d.mooncake != nil {
+		d.mooncake.close()
 	}
 	if d.tr != nil {
 		_ = d.tr.Close()

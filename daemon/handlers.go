@@ -219,6 +219,10 @@ func (d *Daemon) handleStatus(w http.ResponseWriter, r *http.Request) error {
 func (d *Daemon) Status() api.Status {
 	st := d.arena.Stats()
 	staged, receives := d.reg.counts()
+	var mc *api.MooncakeStatus
+	if d.mooncake != nil {
+		mc = &api.MooncakeStatus{Segment: d.mooncake.name, RPC: d.mooncake.hs.Addr().String(), DataPort: d.mooncake.seg.TCPDataPort}
+	}
 	return api.Status{
 		Version: Version, PID: os.Getpid(), Instance: fmt.Sprintf("%016x", d.instance), StartedAt: d.started,
 		Memory: api.MemoryStatus{
@@ -231,7 +235,8 @@ func (d *Daemon) Status() api.Status {
 			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
 			Reason: d.dp.reason, RDMA: d.dp.rdmaStatus(),
 		},
-		Staged: staged, Receives: receives, Sessions: d.sessions.list(),
+		Mooncake: mc,
+		Staged:   staged, Receives: receives, Sessions: d.sessions.list(),
 		Settings: api.Settings{
 			SlowThreshold: d.slowThreshold().String(), SendRetries: d.cfg.SendRetries,
 			SendTimeout: d.cfg.SendTimeout.String(), StageTTL: d.cfg.StageTTL.String(), ReceiveTTL: d.cfg.ReceiveTTL.String(),
@@ -431,9 +436,11 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusCreated, api.ReceiveSlot{
-		ReqID: req.ReqID, Session: d.advertise, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes,
-	})
+	slot := api.ReceiveSlot{ReqID: req.ReqID, Session: d.advertise, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes}
+	if d.mooncake != nil {
+		slot.MooncakeSession = d.mooncake.name
+	}
+	writeJSON(w, http.StatusCreated, slot)
 	return nil
 }
 

@@ -59,6 +59,7 @@ type slot struct {
 	tag      uint32
 	freed    bool
 	copyErr  error // the last write arrived but did not reach GPU memory
+	pieces   spans // ranges unkeyed writes filled so far
 }
 
 // registry holds the staged entries and receive slots over one arena. It is
@@ -326,19 +327,54 @@ func (r *registry) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error),
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
-		return nil, nil, &transport.Refusal{Code: transport.ShuttingDown, Message: "the receiving ferryd is shutting down"}
+		return nil, nil, errRefuseStopping
 	}
 	s := r.byKey[key]
 	if s == nil {
-		for _, o := range r.slots {
-			if addr >= o.addr && addr < o.addr+uint64(o.nbytes) {
-				return nil, nil, &transport.Refusal{Code: transport.BadKey,
-					Message: fmt.Sprintf("address %#x is in the receive slot of req_id %s, but key %d is not that slot's key", addr, o.reqID, key)}
-			}
+		if o := r.slotAt(addr); o != nil {
+			return nil, nil, &transport.Refusal{Code: transport.BadKey,
+				Message: fmt.Sprintf("address %#x is in the receive slot of req_id %s, but key %d is not that slot's key", addr, o.reqID, key)}
 		}
 		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
 			Message: fmt.Sprintf("no live receive slot with key %d at address %#x: it was freed, timed out, or the receiver restarted; ask the receiver for a new slot", key, addr)}
 	}
+	return r.land(s, addr, n, tag, false)
+}
+
+// AcceptUnkeyed takes a write that carries no key (a Mooncake peer's):
+// it must lie inside one live receive slot, found by its address. Such
+// writes may fill a slot piece by piece; the slot arrives when its last
+// byte has.
+func (r *registry) AcceptUnkeyed(addr, n uint64) ([]byte, func(error), error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return nil, nil, errRefuseStopping
+	}
+	s := r.slotAt(addr)
+	if s == nil {
+		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
+			Message: fmt.Sprintf("no live receive slot at address %#x: it was freed, timed out, or the receiver restarted; ask the receiver for a new slot", addr)}
+	}
+	return r.land(s, addr, n, s.key, true)
+}
+
+var errRefuseStopping = &transport.Refusal{Code: transport.ShuttingDown, Message: "the receiving ferryd is shutting down"}
+
+// slotAt is the live slot holding addr, or nil; callers hold mu.
+func (r *registry) slotAt(addr uint64) *slot {
+	for _, o := range r.slots {
+		if addr >= o.addr && addr < o.addr+uint64(o.nbytes) {
+			return o
+		}
+	}
+	return nil
+}
+
+// land checks a write of n bytes at addr against s and pins s for it;
+// callers hold mu. A keyed write delivers the slot whole; a piece
+// (unkeyed) adds its range and delivers the slot once all of it is in.
+func (r *registry) land(s *slot, addr, n uint64, tag uint32, piece bool) ([]byte, func(error), error) {
 	end := addr + n
 	if addr < s.addr || end < addr || end > s.addr+uint64(s.nbytes) {
 		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds,
@@ -365,8 +401,15 @@ func (r *registry) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error),
 		switch {
 		case err == nil && !s.freed:
 			s.copyErr = cerr
-			if cerr == nil {
-				s.arrived, s.received, s.tag = true, int64(off+n), tag
+			if cerr != nil {
+				break
+			}
+			if piece && s.pieces.add(off, n) < uint64(s.nbytes) {
+				break
+			}
+			s.arrived, s.received, s.tag = true, int64(off+n), tag
+			if piece {
+				s.received = s.nbytes
 			}
 			r.notify()
 		case err == nil && r.discarded != nil:

@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -41,7 +42,12 @@ func checkSession(s string) error {
 // any failure it stays staged for the client to retry or delete.
 func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (api.SendResult, error) {
 	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name()}
-	if err := checkSession(req.Session); err != nil {
+	if _, isMooncake, err := mooncake.RPCAddr(req.Session); isMooncake {
+		if err != nil {
+			return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
+		}
+		res.Transport = mooncake.TransportName
+	} else if err := checkSession(req.Session); err != nil {
 		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
 	}
 	if req.BufferAddress == 0 {
@@ -182,7 +188,8 @@ func lostCompletion(err error, attempt int) string {
 
 // retCode names the failure the way an operator greps for it: the verbs
 // completion status (RETRY_EXC_ERR, REM_ACCESS_ERR), the errno
-// (ECONNREFUSED, ECONNRESET, EPIPE), "timeout", "eof" or "error".
+// (ECONNREFUSED, ECONNRESET, EPIPE), a Mooncake peer's "rejected",
+// "timeout", "eof" or "error".
 func retCode(err error) string {
 	var errno syscall.Errno
 	var nerr net.Error
@@ -191,6 +198,8 @@ func retCode(err error) string {
 		return "0"
 	case rdma.StatusName(err) != "":
 		return rdma.StatusName(err)
+	case mooncake.IsRejected(err):
+		return "rejected"
 	case errors.As(err, &errno):
 		if name := unix.ErrnoName(errno); name != "" {
 			return name

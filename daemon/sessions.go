@@ -4,10 +4,12 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -27,16 +29,18 @@ type peer struct {
 	lastErr  string
 }
 
-// sessions is the table of peers, keyed by their "host:port".
+// sessions is the table of peers, keyed by their "host:port", or
+// "mooncake://host:port" for a Mooncake segment.
 type sessions struct {
-	tr transport.Transport
+	tr       transport.Transport
+	mooncake *mooncake.Dialer
 
 	mu    sync.Mutex
 	peers map[string]*peer
 }
 
-func newSessions(tr transport.Transport) *sessions {
-	return &sessions{tr: tr, peers: make(map[string]*peer)}
+func newSessions(tr transport.Transport, mc *mooncake.Dialer) *sessions {
+	return &sessions{tr: tr, mooncake: mc, peers: make(map[string]*peer)}
 }
 
 // get returns the live session to addr, dialing one if there is none.
@@ -75,7 +79,11 @@ func (s *sessions) dial(ctx context.Context, p *peer) (transport.Session, error)
 	if sess != nil {
 		return sess, nil
 	}
-	sess, err := s.tr.Dial(ctx, p.addr)
+	dial := s.tr.Dial
+	if strings.HasPrefix(p.addr, mooncake.Scheme) {
+		dial = s.mooncake.Dial // fetches the segment's descriptor afresh
+	}
+	sess, err := dial(ctx, p.addr)
 	if err != nil {
 		if !reached {
 			s.forget(p)
@@ -147,7 +155,11 @@ func (s *sessions) list() []api.Session {
 	s.mu.Unlock()
 	out := make([]api.Session, 0, len(peers))
 	for _, p := range peers {
-		out = append(out, p.describe(s.tr.Name()))
+		name := s.tr.Name()
+		if strings.HasPrefix(p.addr, mooncake.Scheme) {
+			name = mooncake.TransportName
+		}
+		out = append(out, p.describe(name))
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].ID < out[j].ID })
 	return out

@@ -79,7 +79,7 @@ func newTestSessions(t *testing.T) *sessions {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { tr.Close() })
-	return newSessions(tr)
+	return newSessions(tr, nil)
 }
 
 type got struct {

@@ -21,6 +21,7 @@ import (
 	"github.com/ferry-project/ferry/bench"
 	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/internal/size"
+	"github.com/ferry-project/ferry/mooncake/mooncaketest"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -30,7 +31,8 @@ Usage: ferrybench COMMAND [flags]
 
 Commands:
   transfer   sweep block sizes x concurrency through two daemons' send path
-             (--raw: the bare transport write, no daemon)
+             (--raw: the bare transport write, no daemon; --mooncake: also
+             into a Mooncake-protocol segment, side by side, with ratios)
   api        control-plane round trips: status, and stage+send of a tiny embedding
   register   cost of registering memory with the NIC, on transports that do
 
@@ -67,6 +69,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		"api":      cmdAPI,
 		"register": cmdRegister,
 		"raw-sink": cmdRawSink,
+
+		"mooncake-peer": cmdMooncakePeer,
 	}[args[0]]
 	if !ok {
 		return fmt.Errorf("unknown command %q: use transfer, api or register (ferrybench -h)", args[0])
@@ -309,6 +313,7 @@ func cmdTransfer(ctx context.Context, args []string, o *out) error {
 	concs := fs.String("concurrency", "1,4,16", "sends in flight, a `list`")
 	stage := fs.String("stage", bench.ZeroCopy, "how the data is staged before the timed sends: zero-copy or upload")
 	raw := fs.Bool("raw", false, "time bare tcp transport writes instead, from ferrybench into a second ferrybench process (no daemon, no control socket, no staging)")
+	mc := fs.Bool("mooncake", false, "also send every point into a Mooncake-protocol segment (Mooncake's TCP transport, a ferrybench mooncake-peer process), alternating with the ferry receiver, and print the ratio ferry/mooncake")
 	if err := parse(fs, args, o); err != nil {
 		return err
 	}
@@ -357,6 +362,16 @@ func cmdTransfer(ctx context.Context, args []string, o *out) error {
 			return perr
 		}
 		setup["stage"] = *stage
+		if *mc {
+			var peer *bench.MooncakePeerProc
+			if peer, err = startMooncakePeer(ctx, need); err != nil {
+				stop()
+				return err
+			}
+			defer peer.Stop()
+			p.Mooncake = &peer.Target
+			setup["mooncake_peer"] = fmt.Sprintf("pid %d segment %s tcp v2", peer.PID(), peer.Target.Segment)
+		}
 		rep.Rows, err = bench.Transfer(ctx, p, bench.TransferConfig{Sizes: sz, Concurrency: cs, Limit: lim, Stage: *stage, Progress: o.stderr})
 		stop()
 	}
@@ -366,7 +381,45 @@ func cmdTransfer(ctx context.Context, args []string, o *out) error {
 		}
 		return err
 	}
-	return o.report(rep)
+	if err := o.report(rep); err != nil {
+		return err
+	}
+	if *mc {
+		w := o.stdout
+		if o.json || o.csv {
+			w = o.stderr
+		}
+		bench.WriteRatios(w, rep.Rows, "send", "send_mooncake")
+	}
+	return nil
+}
+
+// startMooncakePeer runs this ferrybench as a Mooncake segment big enough
+// for a run that needs need bytes in flight.
+func startMooncakePeer(ctx context.Context, need int64) (*bench.MooncakePeerProc, error) {
+	self, err := os.Executable()
+	if err != nil {
+		return nil, err
+	}
+	return bench.StartMooncakePeer(ctx, self, max(2*need, 64<<20))
+}
+
+// cmdMooncakePeer serves as a Mooncake segment (Mooncake's TCP transport,
+// protocol v2) with one buffer, until stopped.
+func cmdMooncakePeer(ctx context.Context, args []string, o *out) error {
+	fs := newFlagSet("mooncake-peer", o.stderr)
+	n := fs.Int("bytes", 64<<20, "size of the registered buffer")
+	if err := parse(fs, args, nil); err != nil {
+		return err
+	}
+	p, err := mooncaketest.Start(mooncaketest.Config{BufferSize: *n})
+	if err != nil {
+		return err
+	}
+	defer p.Close()
+	fmt.Fprintf(o.stdout, "%s%s %d %d\n", bench.MooncakePeerReady, p.Name(), p.Base(), *n)
+	<-ctx.Done()
+	return nil
 }
 
 func cmdAPI(ctx context.Context, args []string, o *out) error {

@@ -23,7 +23,7 @@ var ferryd string
 func TestMain(m *testing.M) {
 	// transfer --raw runs its own executable as the receiving process;
 	// under test that executable is this test binary.
-	if len(os.Args) > 1 && os.Args[1] == "raw-sink" {
+	if len(os.Args) > 1 && (os.Args[1] == "raw-sink" || os.Args[1] == "mooncake-peer") {
 		main()
 		return
 	}
@@ -53,6 +53,18 @@ func runBench(t *testing.T, args ...string) (stdout, stderr string) {
 		t.Fatalf("ferrybench %s: %v\nstderr:\n%s", strings.Join(args, " "), err, e.String())
 	}
 	return o.String(), e.String()
+}
+
+// transfer --mooncake sends each point into a Mooncake-protocol segment
+// too, alternating with the ferry receiver, and prints the ratio.
+func TestTransferMooncakeSideBySide(t *testing.T) {
+	out, _ := runBench(t, "transfer", "--mooncake", "--ferryd", ferryd, "--arena-dir", t.TempDir(),
+		"--sizes", "64KiB", "--concurrency", "2", "--iterations", "20", "--warmup", "2")
+	for _, want := range []string{"\n           send  64KiB     2     20", "\n  send_mooncake  64KiB     2     20", "ratio send/send_mooncake 64KiB x2 = "} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
 }
 
 // The smoke test that keeps the tool alive: one tiny self-contained

@@ -29,6 +29,8 @@ Commands:
   stage REQ_ID --shape R,C --dtype D FILE|-
                                       stage an embedding (--zero-copy writes it in place)
   send REQ_ID --session HOST:PORT --addr ADDR --key KEY [--wait 2s]
+  send REQ_ID --session mooncake://HOST:PORT --addr ADDR
+                                      write into a Mooncake segment (its name and a buffer address)
   send REQ_ID --slot SLOT.json        send to a slot printed by 'ferryctl --json recv'
   recv REQ_ID --nbytes N | --shape R,C --dtype D
                                       allocate a receive slot; prints session, addr, key
@@ -201,6 +203,9 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 				}
 				fmt.Fprintf(w, "nics       %s\n", strings.Join(nics, ", "))
 			}
+			if mc := st.Mooncake; mc != nil {
+				fmt.Fprintf(w, "mooncake   segment %s (handshake on %s, tcp data port %d)\n", mc.Segment, mc.RPC, mc.DataPort)
+			}
 			reg := st.Registration
 			fmt.Fprintf(w, "register   %s (%s)", reg.Mode, reg.Reason)
 			if reg.Millis > 0 {
@@ -305,9 +310,9 @@ func parseUint(s, what string, bits int) (uint64, error) {
 }
 
 func cmdSend(fs *flag.FlagSet) func(context.Context, *env) error {
-	session := fs.String("session", "", "the receiver's session (host:port)")
+	session := fs.String("session", "", "the receiver's session (host:port), or mooncake://host:port of a Mooncake segment")
 	addr := fs.String("addr", "", "the receiver's buffer_address")
-	key := fs.String("key", "", "the receiver's key")
+	key := fs.String("key", "", "the receiver's key (none for a Mooncake segment)")
 	slotFile := fs.String("slot", "", "a JSON file with session, buffer_address and key (ferryctl --json recv output)")
 	wait := fs.Duration("wait", 0, "wait this long for the req_id to be staged")
 	return func(ctx context.Context, e *env) error {
@@ -330,11 +335,13 @@ func cmdSend(fs *flag.FlagSet) func(context.Context, *env) error {
 			if req.BufferAddress, err = parseUint(*addr, "--addr", 64); err != nil {
 				return err
 			}
-			k, err := parseUint(*key, "--key", 32)
-			if err != nil {
-				return err
+			if *key != "" || !strings.HasPrefix(req.Session, "mooncake://") {
+				k, err := parseUint(*key, "--key", 32)
+				if err != nil {
+					return err
+				}
+				req.Key = uint32(k)
 			}
-			req.Key = uint32(k)
 		}
 		res, err := e.c.Send(ctx, id, req)
 		if err != nil {

@@ -1,0 +1,135 @@
+// Package mooncake speaks the wire protocol of Mooncake's Transfer Engine
+// (kvcache-ai/Mooncake), so ferryd can write into Mooncake segments and
+// serve as one: the handshake on the RPC port (framing, segment
+// descriptor, metadata/probe/notify and the seam for the RDMA QP setup),
+// and the TCP transport's data plane (header, v2 status word). It is
+// written from the facts in the protocol notes, not from Mooncake's code.
+//
+// Handshake framing, one request and one reply per connection:
+//
+//	u64 length   little-endian; counts the type byte plus the JSON
+//	u8  type     0 connection (RDMA QP setup), 1 metadata, 2 notify, 3 probe
+//	JSON text    length-1 bytes
+//
+// A message is at most MaxMessage bytes, as Mooncake's
+// MC_HANDSHAKE_MAX_LENGTH default; a longer one is refused unread.
+package mooncake
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// MsgType is a handshake message's type byte.
+type MsgType uint8
+
+const (
+	Connect  MsgType = 0 // RDMA QP setup (HandshakeDesc)
+	Metadata MsgType = 1 // segment descriptor exchange (Segment)
+	Notify   MsgType = 2 // a notify message (NotifyDesc)
+	Probe    MsgType = 3 // liveness probe ({"status":"success"} back)
+)
+
+func (t MsgType) String() string {
+	switch t {
+	case Connect:
+		return "connection"
+	case Metadata:
+		return "metadata"
+	case Notify:
+		return "notify"
+	case Probe:
+		return "probe"
+	}
+	return fmt.Sprintf("type %d", uint8(t))
+}
+
+// MaxMessage bounds a handshake message: type byte plus JSON.
+const MaxMessage = 1 << 20
+
+// frameHeader is the length word before every message.
+const frameHeader = 8
+
+// ErrFrame marks a malformed handshake message (as opposed to a network
+// failure), so a server can say the peer sent garbage.
+var ErrFrame = errors.New("malformed Mooncake handshake")
+
+func frameErr(format string, args ...any) error {
+	return fmt.Errorf("%w: %s", ErrFrame, fmt.Sprintf(format, args...))
+}
+
+// AppendFrame appends one framed message to dst.
+func AppendFrame(dst []byte, t MsgType, body []byte) []byte {
+	dst = binary.LittleEndian.AppendUint64(dst, uint64(len(body))+1)
+	dst = append(dst, byte(t))
+	return append(dst, body...)
+}
+
+// WriteFrame sends one message; a body over the limit is not sent.
+func WriteFrame(w io.Writer, t MsgType, body []byte) error {
+	if len(body)+1 > MaxMessage {
+		return fmt.Errorf("%s message of %d bytes exceeds the %d-byte handshake limit", t, len(body)+1, MaxMessage)
+	}
+	_, err := w.Write(AppendFrame(make([]byte, 0, frameHeader+1+len(body)), t, body))
+	return err
+}
+
+// ReadFrame reads one message. It checks the length word before reading
+// anything it announces, and the type byte before the JSON. A connection
+// closed before the first byte returns io.EOF itself.
+func ReadFrame(r io.Reader) (MsgType, []byte, error) {
+	var hdr [frameHeader + 1]byte
+	if n, err := io.ReadFull(r, hdr[:frameHeader]); err != nil {
+		if n == 0 && err == io.EOF {
+			return 0, nil, io.EOF
+		}
+		if err == io.ErrUnexpectedEOF {
+			return 0, nil, frameErr("the connection ended after %d of the %d bytes of the length word", n, frameHeader)
+		}
+		return 0, nil, fmt.Errorf("reading the handshake length: %w", err)
+	}
+	length := binary.LittleEndian.Uint64(hdr[:frameHeader])
+	if err := checkLength(length); err != nil {
+		return 0, nil, err
+	}
+	if _, err := io.ReadFull(r, hdr[frameHeader:]); err != nil {
+		if err == io.EOF {
+			return 0, nil, frameErr("length word announces %d bytes but the connection ended before the type byte", length)
+		}
+		return 0, nil, fmt.Errorf("reading the handshake type: %w", err)
+	}
+	t, err := checkType(hdr[frameHeader])
+	if err != nil {
+		return 0, nil, err
+	}
+	body := make([]byte, length-1)
+	if n, err := io.ReadFull(r, body); err != nil {
+		if err == io.EOF || err == io.ErrUnexpectedEOF {
+			return t, nil, frameErr("length word announces %d bytes of %s message but the connection ended after %d", length, t, n+1)
+		}
+		return t, nil, fmt.Errorf("reading the %s message: %w", t, err)
+	}
+	return t, body, nil
+}
+
+func checkLength(length uint64) error {
+	switch {
+	case length == 0:
+		return frameErr("length word is 0: it must count the type byte and the JSON after it")
+	case length > MaxMessage:
+		return frameErr("message of %d bytes exceeds the %d-byte limit (Mooncake's MC_HANDSHAKE_MAX_LENGTH)", length, MaxMessage)
+	}
+	return nil
+}
+
+func checkType(b byte) (MsgType, error) {
+	switch {
+	case b <= byte(Probe):
+		return MsgType(b), nil
+	case b == '{':
+		return 0, frameErr("untyped message (JSON right after the length word: the format of Mooncake releases before typed handshakes), which ferry does not speak: upgrade the peer")
+	}
+	return 0, frameErr("unknown message type %d: want 0 (connection), 1 (metadata), 2 (notify) or 3 (probe)", b)
+}

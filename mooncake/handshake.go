@@ -1,0 +1,100 @@
+package mooncake
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"time"
+)
+
+// HandshakeTimeout bounds one handshake exchange when the caller's
+// context sets no earlier deadline; the server's receive timeout is the
+// same 5 s.
+const HandshakeTimeout = 5 * time.Second
+
+// Exchange sends one handshake request of type t to the RPC port at addr
+// and decodes the reply (of the same type) into reply. One request per
+// connection, as Mooncake's server expects.
+func Exchange(ctx context.Context, addr string, t MsgType, req, reply any) error {
+	body, err := json.Marshal(req)
+	if err != nil {
+		return fmt.Errorf("mooncake %s handshake with %s: encoding the request: %w", t, addr, err)
+	}
+	ctx, cancel := context.WithTimeout(ctx, HandshakeTimeout)
+	defer cancel()
+	var d net.Dialer
+	c, err := d.DialContext(ctx, "tcp", addr)
+	if err != nil {
+		return fmt.Errorf("mooncake %s handshake with %s: %w", t, addr, err)
+	}
+	defer c.Close()
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	deadline, _ := ctx.Deadline()
+	c.SetDeadline(deadline)
+	if err := WriteFrame(c, t, append(body, '\n')); err != nil {
+		return fmt.Errorf("mooncake %s handshake with %s: sending: %w", t, addr, err)
+	}
+	rt, rb, err := ReadFrame(c)
+	if err == io.EOF {
+		err = errors.New("the peer closed the connection without a reply (it refused the request or is not a Mooncake RPC port)")
+	}
+	if err != nil {
+		switch {
+		case ctx.Err() != nil:
+			err = fmt.Errorf("no reply within %s: %w", HandshakeTimeout, err)
+		case errors.Is(err, ErrFrame):
+			err = fmt.Errorf("%w in the reply: is %s a Mooncake RPC port (not a ferry peer port)?", err, addr)
+		}
+		return fmt.Errorf("mooncake %s handshake with %s: %w", t, addr, err)
+	}
+	if rt != t {
+		return fmt.Errorf("mooncake %s handshake with %s: the reply is a %s message", t, addr, rt)
+	}
+	if err := json.Unmarshal(rb, reply); err != nil {
+		return fmt.Errorf("mooncake %s handshake with %s: the reply is not the JSON expected: %w", t, addr, err)
+	}
+	return nil
+}
+
+// FetchSegment runs the metadata handshake: it sends self (which the
+// server ignores but Mooncake's client always sends) and returns the
+// server's descriptor.
+func FetchSegment(ctx context.Context, addr string, self *Segment) (*Segment, error) {
+	var raw json.RawMessage
+	if err := Exchange(ctx, addr, Metadata, self, &raw); err != nil {
+		return nil, err
+	}
+	s, err := DecodeSegment(raw)
+	if err != nil {
+		return nil, fmt.Errorf("mooncake metadata from %s: %w", addr, err)
+	}
+	return s, nil
+}
+
+// ProbeSegment checks that a Mooncake RPC port answers.
+func ProbeSegment(ctx context.Context, addr string) error {
+	var r ProbeReply
+	if err := Exchange(ctx, addr, Probe, struct{}{}, &r); err != nil {
+		return err
+	}
+	if r.Status != "success" {
+		return fmt.Errorf("mooncake probe of %s: status %q, want \"success\"", addr, r.Status)
+	}
+	return nil
+}
+
+// SendNotify delivers a notify message.
+func SendNotify(ctx context.Context, addr string, n NotifyDesc) error {
+	var r NotifyDesc
+	if err := Exchange(ctx, addr, Notify, n, &r); err != nil {
+		return err
+	}
+	if r.NotifyMsg != "success" {
+		return fmt.Errorf("mooncake notify to %s: reply %q, want \"success\"", addr, r.NotifyMsg)
+	}
+	return nil
+}

@@ -1,0 +1,168 @@
+package mooncake
+
+import (
+	"context"
+	"fmt"
+	"net"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+)
+
+// Scheme prefixes a send's session when its peer is a Mooncake segment:
+// "mooncake://ip:rpcport", the segment name sglang hands to senders.
+const Scheme = "mooncake://"
+
+// TransportName is what sessions to Mooncake segments report.
+const TransportName = "mooncake-tcp"
+
+// RPCAddr returns the handshake address of a "mooncake://host:port"
+// session, and whether session is one.
+func RPCAddr(session string) (string, bool, error) {
+	rest, ok := strings.CutPrefix(session, Scheme)
+	if !ok {
+		return "", false, nil
+	}
+	host, port, err := net.SplitHostPort(rest)
+	if err != nil || host == "" {
+		return "", true, fmt.Errorf("session %q is not %sHOST:PORT of a Mooncake segment's RPC port (its segment name, e.g. %s10.0.0.5:15302)", session, Scheme, Scheme)
+	}
+	if p, err := strconv.ParseUint(port, 10, 16); err != nil || p == 0 {
+		return "", true, fmt.Errorf("session %q: port %q is not a port number from 1 to 65535", session, port)
+	}
+	return rest, true, nil
+}
+
+// Dialer opens sessions to Mooncake segments; its Dial has the shape of
+// transport.Transport's.
+type Dialer struct {
+	// Self is the descriptor sent with each metadata request (Mooncake's
+	// client always sends its own; the server ignores it).
+	Self      *Segment
+	IOTimeout time.Duration // per data-plane chunk; default 10s
+	MaxConns  int           // data connections at once per session; default 8
+}
+
+// Dial fetches the segment's descriptor from its RPC port and returns a
+// session that writes into its buffers over the TCP data plane.
+func (d *Dialer) Dial(ctx context.Context, session string) (transport.Session, error) {
+	rpc, ok, err := RPCAddr(session)
+	if !ok && err == nil {
+		err = fmt.Errorf("session %q does not start with %s", session, Scheme)
+	}
+	if err != nil {
+		return nil, err
+	}
+	conns := d.MaxConns
+	if conns <= 0 {
+		conns = 8
+	}
+	s := &Session{d: d, peer: session, rpc: rpc, sem: make(chan struct{}, conns)}
+	s.ctx, s.cancel = context.WithCancel(context.Background())
+	if _, err := s.refresh(ctx); err != nil {
+		s.cancel()
+		return nil, err
+	}
+	return s, nil
+}
+
+// Session writes into one Mooncake segment. Its descriptor is cached and
+// fetched again when a write's range lies outside it (the peer may have
+// restarted with new buffers); a broken write makes the daemon tear the
+// session down, and the next Dial fetches it afresh.
+type Session struct {
+	d      *Dialer
+	peer   string
+	rpc    string
+	sem    chan struct{}
+	ctx    context.Context // ended by Close
+	cancel context.CancelFunc
+
+	mu  sync.Mutex
+	seg *Segment
+}
+
+var _ transport.Session = (*Session)(nil)
+
+func (s *Session) Transport() string { return TransportName }
+func (s *Session) Peer() string      { return s.peer }
+
+// PeerInstance is the descriptor's fingerprint: it changes when the peer
+// restarts.
+func (s *Session) PeerInstance() uint64 { return s.segment().Identity() }
+
+// Segment is the cached descriptor.
+func (s *Session) Segment() *Segment { return s.segment() }
+
+func (s *Session) segment() *Segment {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.seg
+}
+
+func (s *Session) Close() error {
+	s.cancel()
+	return nil
+}
+
+func (s *Session) refresh(ctx context.Context) (*Segment, error) {
+	seg, err := FetchSegment(ctx, s.rpc, s.d.Self)
+	if err != nil {
+		return nil, err
+	}
+	if seg.Protocol != "tcp" {
+		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol %q; ferry reaches Mooncake segments over tcp only so far: start its engine with the TCP transport", seg.Name, s.peer, seg.Protocol)
+	}
+	s.mu.Lock()
+	s.seg = seg
+	s.mu.Unlock()
+	return seg, nil
+}
+
+// Write writes w.Src to w.Remote in the segment (w.Key and w.Tag have no
+// place on Mooncake's wire). A range outside every buffer of the segment,
+// even after fetching its descriptor again, is a Refusal naming the
+// range and the buffers.
+func (s *Session) Write(ctx context.Context, w transport.Write) error {
+	if s.ctx.Err() != nil {
+		return fmt.Errorf("mooncake write to %s: %w", s.peer, transport.ErrClosed)
+	}
+	n := uint64(len(w.Src))
+	seg := s.segment()
+	if _, ok := seg.Buffer(w.Remote, n); !ok {
+		var err error
+		if seg, err = s.refresh(ctx); err != nil {
+			return fmt.Errorf("mooncake write to %s: the range is outside the cached descriptor, and fetching it again failed: %w", s.peer, err)
+		}
+		if _, ok := seg.Buffer(w.Remote, n); !ok {
+			return &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf(
+				"[%#x, %#x) (%d bytes) lies in none of the buffers of Mooncake segment %s: %s; use a buffer_address the receiver registered",
+				w.Remote, w.Remote+n, n, seg.Name, seg.DescribeBuffers())}
+		}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(s.ctx, cancel)
+	defer stop()
+	select {
+	case s.sem <- struct{}{}:
+	case <-ctx.Done():
+		return s.fail(ctx, fmt.Errorf("waiting for a data connection: %w", ctx.Err()))
+	}
+	defer func() { <-s.sem }()
+	err := Write(ctx, Request{Data: seg.DataAddr(s.rpc), Addr: w.Remote, Buf: w.Src, V2: seg.TCPProtoVersion >= 2, IOTimeout: s.d.IOTimeout})
+	if err != nil {
+		return s.fail(ctx, err)
+	}
+	return nil
+}
+
+func (s *Session) fail(ctx context.Context, err error) error {
+	if s.ctx.Err() != nil {
+		return fmt.Errorf("mooncake write to %s: %w: %w", s.peer, transport.ErrClosed, err)
+	}
+	return fmt.Errorf("mooncake write to %s: %w", s.peer, err)
+}

@@ -1,0 +1,232 @@
+package mooncake_test
+
+import (
+	"bytes"
+	"context"
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"strings"
+	"sync"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/mooncake/mooncaketest"
+	"github.com/ferry-project/ferry/transport"
+)
+
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	t.Cleanup(cancel)
+	return ctx
+}
+
+func startPeer(t *testing.T, cfg mooncaketest.Config) *mooncaketest.Peer {
+	t.Helper()
+	p, err := mooncaketest.Start(cfg)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(p.Close)
+	return p
+}
+
+func noise(n int, seed uint64) []byte {
+	b := make([]byte, n)
+	rand.NewChaCha8([32]byte{byte(seed)}).Read(b)
+	return b
+}
+
+func dial(t *testing.T, p *mooncaketest.Peer) *mooncake.Session {
+	t.Helper()
+	d := &mooncake.Dialer{Self: &mooncake.Segment{Name: "ferry-test", Protocol: "tcp"}}
+	s, err := d.Dial(ctxT(t), mooncake.Scheme+p.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s.(*mooncake.Session)
+}
+
+func TestSessionWritesByteExactV1AndV2(t *testing.T) {
+	for _, v := range []int{1, 2} {
+		p := startPeer(t, mooncaketest.Config{ProtoVersion: v, BufferSize: 8 << 20})
+		s := dial(t, p)
+		if got := s.Segment().TCPProtoVersion; got != v {
+			t.Fatalf("descriptor says version %d, want %d", got, v)
+		}
+		var wg sync.WaitGroup
+		errs := make([]error, 4)
+		for i := range errs {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				addr := p.Base() + uint64(i)*(2<<20)
+				errs[i] = s.Write(ctxT(t), transport.Write{Src: noise(2<<20-7, uint64(i)), Remote: addr})
+			}()
+		}
+		wg.Wait()
+		for i, err := range errs {
+			if err != nil {
+				t.Fatalf("v%d write %d: %v", v, i, err)
+			}
+			if !bytes.Equal(p.Bytes(p.Base()+uint64(i)*(2<<20), 2<<20-7), noise(2<<20-7, uint64(i))) {
+				t.Fatalf("v%d write %d: bytes differ", v, i)
+			}
+		}
+	}
+}
+
+func TestSessionRefusesARangeOutsideTheBuffersNamingThem(t *testing.T) {
+	p := startPeer(t, mooncaketest.Config{BufferSize: 1 << 20})
+	s := dial(t, p)
+	err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 16), Remote: p.Base() + 1<<20 - 8})
+	var rf *transport.Refusal
+	if !errors.As(err, &rf) || rf.Code != transport.OutOfBounds {
+		t.Fatalf("want an out_of_bounds refusal, got %v", err)
+	}
+	for _, want := range []string{"16 bytes", "lies in none of the buffers", p.Name()} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("refusal does not say %q: %v", want, err)
+		}
+	}
+	if p.Writes() != 0 {
+		t.Fatal("a refused write reached the peer")
+	}
+}
+
+func TestPeerRejectionIsReported(t *testing.T) {
+	for _, v := range []int{1, 2} {
+		p := startPeer(t, mooncaketest.Config{ProtoVersion: v, BufferSize: 1 << 20})
+		s := dial(t, p)
+		p.Unregister() // the cached descriptor still lists the buffer
+		err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 64<<10), Remote: p.Base()})
+		if !mooncake.IsRejected(err) || transport.IsRefusal(err) {
+			t.Fatalf("v%d: want the peer's rejection, got %v", v, err)
+		}
+		if v == 2 && !strings.Contains(err.Error(), `status "rejected"`) {
+			t.Fatalf("v2 rejection does not quote the status: %v", err)
+		}
+	}
+}
+
+// A restarted peer has a new data port and new buffer addresses; a write
+// into the new buffer fetches the descriptor again.
+func TestSessionFollowsARestartedPeer(t *testing.T) {
+	p := startPeer(t, mooncaketest.Config{BufferSize: 1 << 20})
+	s := dial(t, p)
+	before := s.PeerInstance()
+	name := p.Name()
+	p.Close()
+	p2 := startPeer(t, mooncaketest.Config{Addr: name, BufferSize: 2 << 20})
+	data := noise(4096, 9)
+	addr := p2.Base() + 1<<20 + 8
+	if _, ok := s.Segment().Buffer(addr, 4096); ok {
+		t.Skip("the new buffer overlaps the old one; the fetch-again path is not exercised")
+	}
+	if err := s.Write(ctxT(t), transport.Write{Src: data, Remote: addr}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p2.Bytes(addr, 4096), data) {
+		t.Fatal("bytes differ")
+	}
+	if s.PeerInstance() == before {
+		t.Fatal("the peer instance did not change with the new descriptor")
+	}
+}
+
+func TestClosedSessionFailsWithErrClosed(t *testing.T) {
+	p := startPeer(t, mooncaketest.Config{})
+	s := dial(t, p)
+	s.Close()
+	if err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 8), Remote: p.Base()}); !errors.Is(err, transport.ErrClosed) {
+		t.Fatalf("got %v", err)
+	}
+}
+
+func TestHandshakeProbeNotifyAndNoRDMA(t *testing.T) {
+	p := startPeer(t, mooncaketest.Config{})
+	ctx := ctxT(t)
+	if err := mooncake.ProbeSegment(ctx, p.Name()); err != nil {
+		t.Fatal(err)
+	}
+	if err := mooncake.SendNotify(ctx, p.Name(), mooncake.NotifyDesc{Name: "x", NotifyMsg: "done:7"}); err != nil {
+		t.Fatal(err)
+	}
+	if n := p.Notifies(); len(n) != 1 || n[0].NotifyMsg != "done:7" {
+		t.Fatalf("notifies %+v", n)
+	}
+	var reply mooncake.HandshakeDesc
+	req := mooncake.HandshakeDesc{LocalNICPath: "a:1@mlx5_0", PeerNICPath: p.Name() + "@mlx5_0", QPNum: []uint32{17}}
+	if err := mooncake.Exchange(ctx, p.Name(), mooncake.Connect, req, &reply); err != nil {
+		t.Fatal(err)
+	}
+	if reply.ReplyMsg != mooncake.NoRDMA {
+		t.Fatalf("connection request answered %+v", reply)
+	}
+}
+
+// Malformed requests close the connection without a reply; the server
+// says why and keeps serving.
+func TestServerRefusesMalformedHandshakes(t *testing.T) {
+	var mu sync.Mutex
+	var logged []string
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seg := &mooncake.Segment{Name: ln.Addr().String(), Protocol: "tcp", TCPDataPort: 1, TCPProtoVersion: 2}
+	srv := mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return seg }}, mooncake.ServerConfig{
+		Logf: func(f string, a ...any) {
+			mu.Lock()
+			defer mu.Unlock()
+			logged = append(logged, fmt.Sprintf(f, a...))
+		},
+	})
+	defer srv.Close()
+	for _, c := range []struct {
+		raw  []byte
+		want string
+	}{
+		{lenPrefix(0, nil), "length word is 0"},
+		{lenPrefix(mooncake.MaxMessage+10, []byte{1, '{'}), "exceeds the 1048576-byte limit"},
+		{lenPrefix(3, []byte{9, '{', '}'}), "unknown message type 9"},
+		{lenPrefix(50, []byte{1, '{', '}'}), "announces 50 bytes"},
+		{lenPrefix(3, []byte{1, '{', '"'}), "not valid JSON"},
+	} {
+		conn, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		conn.Write(c.raw)
+		conn.(*net.TCPConn).CloseWrite()
+		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		// A close, clean or a reset (the server left bytes unread).
+		if n, err := io.ReadAll(conn); err != nil && !errors.Is(err, syscall.ECONNRESET) || len(n) != 0 {
+			t.Errorf("%q: server answered %q, %v; want a close", c.want, n, err)
+		}
+		conn.Close()
+		mu.Lock()
+		last := ""
+		if len(logged) > 0 {
+			last = logged[len(logged)-1]
+		}
+		mu.Unlock()
+		if !strings.Contains(last, c.want) {
+			t.Errorf("want a log line containing %q, got %q", c.want, last)
+		}
+	}
+	got, err := mooncake.FetchSegment(ctxT(t), ln.Addr().String(), &mooncake.Segment{Name: "c"})
+	if err != nil || got.Name != seg.Name {
+		t.Fatalf("the server stopped answering: %v %v", got, err)
+	}
+}
+
+func lenPrefix(n uint64, rest []byte) []byte {
+	return append(binary.LittleEndian.AppendUint64(nil, n), rest...)
+}

@@ -1,0 +1,198 @@
+package mooncake
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"time"
+)
+
+// Memory is what a data port writes into and reads from: the target's
+// registered buffers.
+type Memory interface {
+	// Write checks a WRITE of n bytes at addr and returns the memory the
+	// bytes go to (len n). done must be called once: with nil when all n
+	// bytes are in dst, else with what stopped them. An error refuses the
+	// write (status rejected).
+	Write(addr, n uint64) (dst []byte, done func(error), err error)
+	// Read returns the n bytes at addr for a READ, and release for when
+	// they have been sent; an error refuses the read.
+	Read(addr, n uint64) (src []byte, release func(), err error)
+}
+
+// DataConfig bounds a data port. Zero fields take the defaults.
+type DataConfig struct {
+	IOTimeout   time.Duration // per read or write of up to 1 MiB; default 10s
+	IdleTimeout time.Duration // between requests on one connection; default 60s
+	MaxSize     uint64        // largest request; default 1<<36
+	MaxConns    int           // connections served at once; default 256
+	// Logf hears about refused requests and broken connections.
+	Logf func(format string, args ...any)
+}
+
+// DataServer is a segment's TCP data port, speaking v1 and v2 (each
+// request says which by its opcode's v2 bit).
+type DataServer struct {
+	listener
+	mem Memory
+	cfg DataConfig
+}
+
+// ioChunk is how much moves under one deadline, so a long transfer that
+// keeps making progress never times out.
+const ioChunk = 1 << 20
+
+// ServeData serves data requests on ln into mem until Close.
+func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
+	if cfg.IOTimeout <= 0 {
+		cfg.IOTimeout = 10 * time.Second
+	}
+	if cfg.IdleTimeout <= 0 {
+		cfg.IdleTimeout = 60 * time.Second
+	}
+	if cfg.MaxSize == 0 {
+		cfg.MaxSize = 1 << 36
+	}
+	if cfg.MaxConns <= 0 {
+		cfg.MaxConns = 256
+	}
+	if cfg.Logf == nil {
+		cfg.Logf = func(string, ...any) {}
+	}
+	s := &DataServer{mem: mem, cfg: cfg}
+	s.listener = listener{ln: ln, logf: cfg.Logf, serve: func(c net.Conn) error {
+		if tc, ok := c.(*net.TCPConn); ok {
+			tc.SetNoDelay(true)
+		}
+		if err := s.serve(c); err != nil {
+			return fmt.Errorf("mooncake data connection from %s: %w", c.RemoteAddr(), err)
+		}
+		return nil
+	}}
+	s.start(cfg.MaxConns)
+	return s
+}
+
+// serve runs requests until the client closes (nil) or one fails.
+func (s *DataServer) serve(c net.Conn) error {
+	var hb [HeaderSize]byte
+	for first := true; ; first = false {
+		// The first header is due at once; a pooled connection may idle
+		// between requests.
+		wait := s.cfg.IOTimeout
+		if !first {
+			wait = s.cfg.IdleTimeout
+		}
+		c.SetReadDeadline(time.Now().Add(wait))
+		n, err := io.ReadFull(c, hb[:])
+		if err != nil {
+			if n == 0 && (err == io.EOF || !first && isTimeout(err)) {
+				return nil
+			}
+			return fmt.Errorf("read %d of a %d-byte request header: %w", n, HeaderSize, err)
+		}
+		h, err := DecodeHeader(&hb)
+		if err != nil {
+			return err // nothing sensible to answer: close
+		}
+		if err := s.request(c, h); err != nil {
+			return err
+		}
+	}
+}
+
+func (s *DataServer) request(c net.Conn, h Header) error {
+	var (
+		mem     []byte
+		finish  func(error)
+		release func()
+		err     error
+	)
+	if h.Size > s.cfg.MaxSize {
+		err = fmt.Errorf("%d bytes exceeds this port's limit of %d", h.Size, s.cfg.MaxSize)
+	} else if h.Op == OpWrite {
+		mem, finish, err = s.mem.Write(h.Addr, h.Size)
+	} else {
+		mem, release, err = s.mem.Read(h.Addr, h.Size)
+	}
+	if err != nil {
+		s.reject(c, h)
+		return fmt.Errorf("rejected a %s of %d bytes at %#x (v2=%t): %v", h.Op, h.Size, h.Addr, h.V2, err)
+	}
+	if h.Op == OpRead {
+		defer release()
+		if h.V2 {
+			if err := s.status(c, StatusOK); err != nil {
+				return err
+			}
+		}
+		return s.move(c, mem, false)
+	}
+	if err := s.move(c, mem, true); err != nil {
+		finish(err)
+		return err
+	}
+	finish(nil)
+	if h.V2 {
+		return s.status(c, StatusOK)
+	}
+	return nil
+}
+
+// reject answers a refused request: v1 with a silent close (the client's
+// unread bytes make it a reset, which is how a v1 client tells a
+// rejection from a clean end); v2 with the rejected status, after which
+// the write side shuts and what the client already sent is drained for a
+// moment, so the status is not cut by a reset.
+func (s *DataServer) reject(c net.Conn, h Header) {
+	if !h.V2 {
+		return
+	}
+	_ = s.status(c, StatusRejected)
+	if tc, ok := c.(*net.TCPConn); ok {
+		tc.CloseWrite()
+	}
+	c.SetReadDeadline(time.Now().Add(min(s.cfg.IOTimeout, time.Second)))
+	_, _ = io.CopyN(io.Discard, c, int64(min(h.Size, 4<<20)))
+}
+
+func (s *DataServer) status(c net.Conn, st Status) error {
+	b := EncodeStatus(st)
+	c.SetWriteDeadline(time.Now().Add(s.cfg.IOTimeout))
+	if _, err := c.Write(b[:]); err != nil {
+		return fmt.Errorf("sending status %s: %w", st, err)
+	}
+	return nil
+}
+
+// move reads the request's bytes into buf (in) or sends buf (out), a
+// chunk per deadline.
+func (s *DataServer) move(c net.Conn, buf []byte, in bool) error {
+	for off := 0; off < len(buf); {
+		end := min(off+ioChunk, len(buf))
+		var n int
+		var err error
+		if in {
+			c.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
+			n, err = io.ReadFull(c, buf[off:end])
+		} else {
+			c.SetWriteDeadline(time.Now().Add(s.cfg.IOTimeout))
+			n, err = c.Write(buf[off:end])
+		}
+		off += n
+		if err != nil {
+			what := "received"
+			if !in {
+				what = "sent"
+			}
+			return fmt.Errorf("%s %d of %d bytes: %w", what, off, len(buf), err)
+		}
+	}
+	return nil
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
