@@ -64,6 +64,11 @@ func (s *Segment) check() error {
 	if s.Protocol == "tcp" && (s.TCPDataPort <= 0 || s.TCPDataPort > 65535) {
 		return fmt.Errorf("segment %s: tcp_data_port %d is not a port number", s.Name, s.TCPDataPort)
 	}
+	if s.Protocol == "rdma" {
+		if err := s.checkRDMA(); err != nil {
+			return err
+		}
+	}
 	for _, b := range s.Buffers {
 		if b.Addr+b.Length < b.Addr {
 			return fmt.Errorf("segment %s: buffer %q at %#x of %d bytes wraps around the address space", s.Name, b.Name, b.Addr, b.Length)

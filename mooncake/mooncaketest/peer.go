@@ -15,6 +15,7 @@ import (
 	"unsafe"
 
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/rdma"
 )
 
 // Config is a Peer's setup.
@@ -22,6 +23,9 @@ type Config struct {
 	Addr         string // handshake (RPC) port; default 127.0.0.1:0
 	ProtoVersion int    // TCP protocol version advertised and spoken: 1 or 2 (default)
 	BufferSize   int    // bytes of the one registered buffer; default 16 MiB
+	// RDMA makes the segment an RDMA one on the machine's RDMA device
+	// (rdma.go); the TCP data port stays up beside it.
+	RDMA bool
 }
 
 // Peer is a Mooncake segment: one registered buffer in its memory.
@@ -33,6 +37,7 @@ type Peer struct {
 	hs   *mooncake.Server
 	data *mooncake.DataServer
 	ts   string
+	rdma *rdma.Transport // Config.RDMA
 
 	mu         sync.Mutex
 	registered bool
@@ -61,16 +66,26 @@ func Start(cfg Config) (*Peer, error) {
 		rpc.Close()
 		return nil, fmt.Errorf("mooncake test peer: data port: %w", err)
 	}
-	buf := make([]byte, cfg.BufferSize)
 	p := &Peer{
-		cfg: cfg, name: rpc.Addr().String(), buf: buf,
-		// An absolute address in this process, as Mooncake advertises.
-		base:       uint64(uintptr(unsafe.Pointer(&buf[0]))),
+		cfg: cfg, name: rpc.Addr().String(),
 		ts:         time.Now().Format("2006-01-02 15:04:05.000000"),
 		registered: true,
 	}
+	h := mooncake.Handlers{Segment: p.Segment, Notify: p.notify}
+	if cfg.RDMA {
+		if err := p.startRDMA(); err != nil {
+			rpc.Close()
+			dl.Close()
+			return nil, fmt.Errorf("mooncake test peer: RDMA: %w", err)
+		}
+		h.Connect = p.connect
+	} else {
+		p.buf = make([]byte, cfg.BufferSize)
+	}
+	// An absolute address in this process, as Mooncake advertises.
+	p.base = uint64(uintptr(unsafe.Pointer(&p.buf[0])))
 	p.data = mooncake.ServeData(dl, p, mooncake.DataConfig{})
-	p.hs = mooncake.Serve(rpc, mooncake.Handlers{Segment: p.Segment, Notify: p.notify}, mooncake.ServerConfig{})
+	p.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{})
 	return p, nil
 }
 
@@ -114,6 +129,7 @@ func (p *Peer) Unregister() {
 func (p *Peer) Close() {
 	p.hs.Close()
 	p.data.Close()
+	p.closeRDMA()
 }
 
 // Segment is the descriptor the metadata handshake returns.
@@ -125,6 +141,9 @@ func (p *Peer) Segment() *mooncake.Segment {
 	defer p.mu.Unlock()
 	if p.registered {
 		s.Buffers = append(s.Buffers, mooncake.Buffer{Name: p.name, Addr: p.base, Length: uint64(len(p.buf))})
+	}
+	if p.rdma != nil {
+		p.rdmaSegment(s)
 	}
 	return s
 }
