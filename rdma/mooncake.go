@@ -282,22 +282,14 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, self, rpc string, tg m
 	return nil, fmt.Errorf("connecting to %s: %w", tg.NICPath, err)
 }
 
-// MooncakeWrite is one write into a Mooncake RDMA segment.
-type MooncakeWrite struct {
-	Self   string // this side's segment name, for its NIC path
-	RPC    string // the target segment's RPC port
-	Target mooncake.RDMATarget
-	Remote uint64 // inside Target.Buffer
-	Src    []byte
-	QPs    int // QPs per endpoint; 0 is Mooncake's default
-}
+var _ mooncake.RDMAWriter = (*Transport)(nil)
 
 // WriteMooncake writes w.Src to w.Remote with plain RDMA WRITEs on one of
 // the endpoint's QPs, and returns once its signaled completions say the
 // peer's NIC has placed every byte. A failed write (an error completion,
 // no progress within the I/O timeout) drops the endpoint, so the next
 // write handshakes afresh.
-func (t *Transport) WriteMooncake(ctx context.Context, w MooncakeWrite) error {
+func (t *Transport) WriteMooncake(ctx context.Context, w mooncake.RDMAWrite) error {
 	if t.isClosing() {
 		return errLaneClosed
 	}
@@ -347,7 +339,7 @@ func (t *Transport) WriteMooncake(ctx context.Context, w MooncakeWrite) error {
 // mooncakePost posts the write in chunks, every one signaled, at most
 // sendDepth (bounceSlots from a bounce ring) in flight, and waits for
 // them all.
-func (t *Transport) mooncakePost(ctx context.Context, l *lane, w MooncakeWrite, src source) error {
+func (t *Transport) mooncakePost(ctx context.Context, l *lane, w mooncake.RDMAWrite, src source) error {
 	n := len(w.Src)
 	window := sendDepth
 	var ring []byte

@@ -104,7 +104,7 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 	}
 	src := p.buf[:len(data)]
 	copy(src, data)
-	if err := p.rdma.WriteMooncake(ctx, rdma.MooncakeWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
+	if err := p.rdma.WriteMooncake(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
 		return seg, err
 	}
 	if notify != "" {
@@ -119,5 +119,5 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 func (p *Peer) WriteRawRDMA(ctx context.Context, rpc string, tg mooncake.RDMATarget, addr uint64, data []byte) error {
 	src := p.buf[:len(data)]
 	copy(src, data)
-	return p.rdma.WriteMooncake(ctx, rdma.MooncakeWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src})
+	return p.rdma.WriteMooncake(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src})
 }
