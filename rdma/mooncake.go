@@ -31,14 +31,21 @@ type mcEndpoint struct {
 	once  sync.Once
 }
 
+// maxMooncakeEndpoints bounds the endpoint table: each peer NIC that
+// connects costs QPs and CQs.
+const maxMooncakeEndpoints = 1024
+
 // mcTable is the transport's Mooncake endpoints.
 type mcTable struct {
-	mu  sync.Mutex
-	eps map[string]*mcEndpoint
+	mu     sync.Mutex
+	eps    map[string]*mcEndpoint
+	closed bool
 	// dial serializes active handshakes, so concurrent writes to a new
 	// peer NIC make one endpoint.
 	dial sync.Mutex
 }
+
+var errEndpointsClosed = errors.New("the transport is closing")
 
 func (m *mcTable) get(peer string) *mcEndpoint {
 	m.mu.Lock()
@@ -46,16 +53,28 @@ func (m *mcTable) get(peer string) *mcEndpoint {
 	return m.eps[peer]
 }
 
-// put installs ep, returning the endpoint it replaces.
-func (m *mcTable) put(ep *mcEndpoint) *mcEndpoint {
+// put installs ep, closing the endpoint it replaces. A closing
+// transport or a full table refuses it.
+func (m *mcTable) put(ep *mcEndpoint) error {
 	m.mu.Lock()
-	defer m.mu.Unlock()
+	if m.closed {
+		m.mu.Unlock()
+		return errEndpointsClosed
+	}
 	if m.eps == nil {
 		m.eps = make(map[string]*mcEndpoint)
 	}
 	old := m.eps[ep.peer]
+	if old == nil && len(m.eps) >= maxMooncakeEndpoints {
+		m.mu.Unlock()
+		return fmt.Errorf("%d Mooncake endpoints are connected already, the most this ferryd keeps", maxMooncakeEndpoints)
+	}
 	m.eps[ep.peer] = ep
-	return old
+	m.mu.Unlock()
+	if old != nil {
+		old.close()
+	}
+	return nil
 }
 
 // drop removes ep if it is still the table's, and closes it.
@@ -71,7 +90,7 @@ func (m *mcTable) drop(ep *mcEndpoint) {
 func (m *mcTable) closeAll() {
 	m.mu.Lock()
 	eps := m.eps
-	m.eps = nil
+	m.eps, m.closed = nil, true
 	m.mu.Unlock()
 	for _, ep := range eps {
 		ep.close()
@@ -197,12 +216,12 @@ func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncak
 		return refuse("%v", err)
 	}
 	ep, err := connectMooncake(req.LocalNICPath, lanes, gid, lid, req.QPNum)
+	if err == nil {
+		err = t.mc.put(ep)
+	}
 	if err != nil {
 		closeLanes(lanes)
 		return refuse("%v", err)
-	}
-	if old := t.mc.put(ep); old != nil {
-		old.close()
 	}
 	reply.QPNum, reply.LocalLID, reply.LocalGID = qpNums(lanes), dev.LID, dev.GID
 	return reply
@@ -234,10 +253,13 @@ func initiatorAddress(ctx context.Context, self string, req mooncake.HandshakeDe
 	return [16]byte{}, 0, fmt.Errorf("no local_gid in the request, and the initiator's descriptor lists no device %q", dev)
 }
 
-// mooncakeEndpoint returns the endpoint to the target's NIC, connecting
-// qps QPs by a handshake with the segment's RPC port rpc when there is
-// none.
-func (t *Transport) mooncakeEndpoint(ctx context.Context, self, rpc string, tg mooncake.RDMATarget, qps int) (*mcEndpoint, error) {
+// mooncakeEndpoint returns the endpoint to w's target NIC, connecting one
+// by a handshake with the segment's RPC port when there is none. An
+// endpoint is not dropped on a new descriptor of the peer (Mooncake's
+// newer releases refuse a second handshake while their endpoint lives);
+// only a failed write drops it, and the retry handshakes afresh.
+func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) (*mcEndpoint, error) {
+	tg := w.Target
 	if ep := t.mc.get(tg.NICPath); ep != nil {
 		return ep, nil
 	}
@@ -246,6 +268,7 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, self, rpc string, tg m
 	if ep := t.mc.get(tg.NICPath); ep != nil {
 		return ep, nil
 	}
+	self, rpc, qps := w.Self, w.RPC, w.QPs
 	dev, err := t.MooncakeDevice()
 	if err != nil {
 		return nil, err
@@ -272,10 +295,9 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, self, rpc string, tg m
 	if err == nil {
 		var ep *mcEndpoint
 		if ep, err = connectMooncake(tg.NICPath, lanes, gid, lid, r.QPNum); err == nil {
-			if old := t.mc.put(ep); old != nil {
-				old.close()
+			if err = t.mc.put(ep); err == nil {
+				return ep, nil
 			}
-			return ep, nil
 		}
 	}
 	closeLanes(lanes)
@@ -299,7 +321,7 @@ func (t *Transport) WriteMooncake(ctx context.Context, w mooncake.RDMAWrite) err
 	if w.QPs <= 0 {
 		w.QPs = mooncake.DefaultQPs
 	}
-	ep, err := t.mooncakeEndpoint(ctx, w.Self, w.RPC, w.Target, w.QPs)
+	ep, err := t.mooncakeEndpoint(ctx, w)
 	if err != nil {
 		return err
 	}

@@ -43,6 +43,8 @@ type Peer struct {
 	registered bool
 	notifies   []mooncake.NotifyDesc
 	writes     int
+	connects   int  // RDMA connection handshakes answered
+	wrongRKey  bool // RDMA: advertise a key the NIC refuses
 }
 
 // Start runs a Peer.

@@ -63,6 +63,9 @@ func (p *Peer) closeRDMA() {
 func (p *Peer) rdmaSegment(s *mooncake.Segment) {
 	dev, _ := p.rdma.MooncakeDevice()
 	rk, lk, _ := p.rdma.MooncakeKeys()
+	if p.wrongRKey {
+		rk++
+	}
 	s.Protocol = "rdma"
 	s.Devices = []mooncake.Device{dev}
 	s.PriorityMatrix = mooncake.Priority{location: {{dev.Name}, {}}}
@@ -72,7 +75,25 @@ func (p *Peer) rdmaSegment(s *mooncake.Segment) {
 }
 
 func (p *Peer) connect(req mooncake.HandshakeDesc) mooncake.HandshakeDesc {
+	p.mu.Lock()
+	p.connects++
+	p.mu.Unlock()
 	return p.rdma.AcceptMooncake(context.Background(), p.name, req)
+}
+
+// Connects counts the connection handshakes the peer answered.
+func (p *Peer) Connects() int {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.connects
+}
+
+// AdvertiseWrongRKey makes the descriptor list rkey+1 (on) or the true
+// rkey (off): a peer whose NIC refuses every write (REM_ACCESS_ERR).
+func (p *Peer) AdvertiseWrongRKey(on bool) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.wrongRKey = on
 }
 
 // WriteRDMA is the RDMA initiator, as Mooncake's transfer_sync WRITE

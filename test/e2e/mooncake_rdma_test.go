@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
@@ -93,5 +94,33 @@ func TestMooncakeRDMAWritesIntoReceiveSlots(t *testing.T) {
 	}
 	if res.Transport != mooncake.RDMATransportName || !bytes.Equal(peer.Bytes(peer.Base()+8192, len(back)), back) {
 		t.Fatalf("ferryd writing back to the peer: %+v, equal=%t", res, bytes.Equal(peer.Bytes(peer.Base()+8192, len(back)), back))
+	}
+}
+
+// A write the peer's NIC refuses (its descriptor lists a wrong rkey)
+// fails with the completion status; each attempt tears the session and
+// its QPs down and handshakes afresh; the answer is transfer_failed
+// naming the session, nbytes and the status. Once the peer advertises
+// its true key, the next send delivers.
+func TestMooncakeRDMAFailedWritesTearDown(t *testing.T) {
+	requireRDMA(t)
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd", "--transport", "rdma", "--send-retries", "1"))
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 1 << 20})
+	ctx := ctxT(t)
+	session := mooncake.Scheme + peer.Name()
+	peer.AdvertiseWrongRKey(true)
+	data := stageOn(t, snd, "mcr-bad", embBytes, 50)
+	_, err := snd.c.Send(ctx, "mcr-bad", api.SendRequest{Session: session, BufferAddress: peer.Base()})
+	want := fmt.Sprintf("session=%s, nbytes=%d, ret=REM_ACCESS_ERR", session, embBytes)
+	if err == nil || !strings.Contains(err.Error(), "transfer_failed") || !strings.Contains(err.Error(), want) {
+		t.Fatalf("a send the NIC refuses: %v, want transfer_failed with %q", err, want)
+	}
+	if n := peer.Connects(); n != 2 {
+		t.Fatalf("%d connection handshakes for 2 attempts, want one each (the failed QPs torn down)", n)
+	}
+	peer.AdvertiseWrongRKey(false)
+	res, err := snd.c.Send(ctx, "mcr-bad", api.SendRequest{Session: session, BufferAddress: peer.Base()})
+	if err != nil || res.Attempts != 1 || !bytes.Equal(peer.Bytes(peer.Base(), embBytes), data) {
+		t.Fatalf("the send once the key is right: %+v, %v", res, err)
 	}
 }
