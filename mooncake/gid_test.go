@@ -42,3 +42,21 @@ func TestGIDTextRejects(t *testing.T) {
 		}
 	}
 }
+
+// FuzzParseGID: whatever ParseGID accepts formats back to the same bytes,
+// and FormatGID's output always parses.
+func FuzzParseGID(f *testing.F) {
+	f.Add("00:00:00:00:00:00:00:00:00:00:ff:ff:0a:0b:0c:01")
+	f.Add("FE:80:0:0:0:0:0:0:0:0:0:0:0:0:0:1")
+	f.Add("fe80::1")
+	f.Fuzz(func(t *testing.T, s string) {
+		gid, err := ParseGID(s)
+		if err != nil {
+			return
+		}
+		again, err := ParseGID(FormatGID(gid))
+		if err != nil || again != gid {
+			t.Fatalf("%q → %x → %q → %x, %v", s, gid, FormatGID(gid), again, err)
+		}
+	})
+}

@@ -135,3 +135,23 @@ func TestConnectQPsReplies(t *testing.T) {
 		t.Fatalf("a null reply: %v", err)
 	}
 }
+
+// A multi-protocol build's descriptor lists its protocols in an array.
+func TestMultiProtocolDescriptor(t *testing.T) {
+	multi := strings.Replace(rdmaDescriptor, `"protocol":"rdma"`, `"protocol":["tcp","rdma"]`, 1)
+	s, err := DecodeSegment([]byte(multi))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.Protocol != "rdma" || !s.Offers("tcp") || len(s.Devices) != 2 {
+		t.Fatalf("decoded %q offering %v with %d devices, want rdma chosen and tcp offered", s.Protocol, s.Offered, len(s.Devices))
+	}
+	for _, bad := range []string{`"protocol":[1]`, `"protocol":{}`} {
+		if _, err := DecodeSegment([]byte(strings.Replace(rdmaDescriptor, `"protocol":"rdma"`, bad, 1))); err == nil {
+			t.Errorf("%s accepted", bad)
+		}
+	}
+	if s, err := DecodeSegment([]byte(`{"name":"a:1","protocol":"tcp","tcp_data_port":9,"buffers":[]}`)); err != nil || s.Protocol != "tcp" || s.Offers("rdma") {
+		t.Fatalf("a plain tcp descriptor: %+v %v", s, err)
+	}
+}

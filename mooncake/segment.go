@@ -16,6 +16,7 @@ import (
 type Segment struct {
 	Name            string   `json:"name"`     // "ip:rpcport", the session_id senders use
 	Protocol        string   `json:"protocol"` // "tcp" or "rdma"
+	Offered         []string `json:"-"`        // a multi-protocol segment's list (protocols.go)
 	TCPDataPort     int      `json:"tcp_data_port"`
 	TCPProtoVersion int      `json:"tcp_proto_version"` // 2: WRITEs are answered with a status word
 	Timestamp       string   `json:"timestamp,omitempty"`

@@ -142,6 +142,9 @@ func (s *Session) refresh(ctx context.Context) (*Segment, error) {
 	if err != nil {
 		return nil, err
 	}
+	if seg.Protocol == "rdma" && s.d.RDMA == nil && seg.Offers("tcp") {
+		seg.Protocol = "tcp" // a multi-protocol segment
+	}
 	switch {
 	case seg.Protocol == "rdma" && s.d.RDMA == nil:
 		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol rdma, and this ferryd has no RDMA data plane: run it with --transport rdma on an RDMA host, or start the peer's engine with the TCP transport", seg.Name, s.peer)
