@@ -138,3 +138,33 @@ func TestMooncakeRDMARefusals(t *testing.T) {
 		}
 	}
 }
+
+// TestMooncakeRDMAOldInitiator: a request without local_gid (Mooncake
+// releases before it was sent) makes the passive side fetch the
+// initiator's descriptor from the segment its NIC path names and take
+// the GID of the device named there; a segment that cannot be reached
+// is a refusal saying so.
+func TestMooncakeRDMAOldInitiator(t *testing.T) {
+	a, b := rdmaPeer(t), rdmaPeer(t)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	seg, err := mooncake.FetchSegment(ctx, b.Name(), a.Segment())
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev := seg.Devices[0].Name
+	req := mooncake.HandshakeDesc{
+		LocalNICPath: mooncake.NICPath(a.Name(), dev), PeerNICPath: mooncake.NICPath(b.Name(), dev), QPNum: []uint32{1, 2},
+	}
+	r, err := mooncake.ConnectQPs(ctx, b.Name(), req)
+	if err != nil {
+		t.Fatalf("a four-key request from a reachable initiator segment: %v", err)
+	}
+	if r.LocalGID != seg.Devices[0].GID || len(r.QPNum) != 2 {
+		t.Fatalf("reply %+v", r)
+	}
+	a.Close()
+	if _, err := mooncake.ConnectQPs(ctx, b.Name(), req); err == nil || !strings.Contains(err.Error(), "the initiator's descriptor") {
+		t.Fatalf("a four-key request from an initiator whose segment is gone: %v", err)
+	}
+}
