@@ -124,3 +124,29 @@ func TestMooncakeRDMAFailedWritesTearDown(t *testing.T) {
 		t.Fatalf("the send once the key is right: %+v, %v", res, err)
 	}
 }
+
+// Per-send registration into a Mooncake segment: the send registers its
+// range, says shared_mr false, and delivers; a ferryd whose arena has no
+// shared registration serves its Mooncake segment over TCP, saying why.
+func TestMooncakeRDMAPerSendRegistration(t *testing.T) {
+	requireRDMA(t)
+	snd, _ := startMooncakeSegment(t, "--transport", "rdma", "--rdma-registration", "per-send")
+	line := snd.log.wait(t, 5*time.Second, "the segment's protocol", msg("serving as a Mooncake segment"))
+	if line["protocol"] != "tcp" {
+		t.Errorf("a per-send ferryd serves its segment as %v, want tcp", line["protocol"])
+	}
+	snd.log.wait(t, 5*time.Second, "why it speaks TCP only", logSays("warn", "speaks TCP only"))
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 1 << 20})
+	ctx := ctxT(t)
+	data := stageOn(t, snd, "mcr-ps", embBytes, 60)
+	res, err := snd.c.Send(ctx, "mcr-ps", api.SendRequest{Session: mooncake.Scheme + peer.Name(), BufferAddress: peer.Base()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.SharedMR || res.Transport != mooncake.RDMATransportName || !bytes.Equal(peer.Bytes(peer.Base(), embBytes), data) {
+		t.Fatalf("per-send into a Mooncake segment: %+v (equal %t)", res, bytes.Equal(peer.Bytes(peer.Base(), embBytes), data))
+	}
+	if st, err := snd.c.Status(ctx); err != nil || st.Registration.PerSend != 1 {
+		t.Errorf("status %+v, %v; want one per-send registration", st.Registration, err)
+	}
+}
