@@ -68,24 +68,25 @@ func Start(cfg Config) (*Peer, error) {
 		rpc.Close()
 		return nil, fmt.Errorf("mooncake test peer: data port: %w", err)
 	}
+	buf := make([]byte, cfg.BufferSize)
 	p := &Peer{
-		cfg: cfg, name: rpc.Addr().String(),
+		cfg: cfg, name: rpc.Addr().String(), buf: buf,
+		// An absolute address in this process, as Mooncake advertises.
+		base:       uint64(uintptr(unsafe.Pointer(&buf[0]))),
 		ts:         time.Now().Format("2006-01-02 15:04:05.000000"),
 		registered: true,
 	}
 	h := mooncake.Handlers{Segment: p.Segment, Notify: p.notify}
 	if cfg.RDMA {
+		// The NIC needs memory outside Go's heap: startRDMA maps the
+		// buffer anew, at its own address.
 		if err := p.startRDMA(); err != nil {
 			rpc.Close()
 			dl.Close()
 			return nil, fmt.Errorf("mooncake test peer: RDMA: %w", err)
 		}
 		h.Connect = p.connect
-	} else {
-		p.buf = make([]byte, cfg.BufferSize)
 	}
-	// An absolute address in this process, as Mooncake advertises.
-	p.base = uint64(uintptr(unsafe.Pointer(&p.buf[0])))
 	p.data = mooncake.ServeData(dl, p, mooncake.DataConfig{})
 	p.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{})
 	return p, nil

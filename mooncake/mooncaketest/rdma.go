@@ -3,6 +3,7 @@ package mooncaketest
 import (
 	"context"
 	"fmt"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -48,7 +49,7 @@ func (p *Peer) startRDMA() error {
 		unix.Munmap(buf)
 		return fmt.Errorf("the buffer has no shared registration: %v", tr.Registration().Err)
 	}
-	p.rdma, p.buf = tr, buf
+	p.rdma, p.buf, p.base = tr, buf, uint64(uintptr(unsafe.Pointer(&buf[0])))
 	return nil
 }
 
