@@ -22,7 +22,7 @@ import (
 type Config struct {
 	// RDMA makes the segment an RDMA one on the machine's RDMA device
 	// (rdma.go); the TCP data port stays up beside it.
-	RDMA bool
+	RDMA         bool
 	Addr         string // handshake (RPC) port; default 127.0.0.1:0
 	ProtoVersion int    // TCP protocol version advertised and spoken: 1 or 2 (default)
 	BufferSize   int    // bytes of the one registered buffer; default 16 MiB
