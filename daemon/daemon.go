@@ -300,9 +300,12 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	mc := &mooncake.Dialer{IOTimeout: cfg.IOTimeout, MaxConns: cfg.MaxConns,
 		Self: &mooncake.Segment{Name: d.advertise, Protocol: "tcp", Buffers: []mooncake.Buffer{}}}
+	if d.dp.rdma != nil {
+		mc.RDMA = d.dp.rdma
+	}
 	if cfg.MooncakeListen != "" {
 		host, _, _ := net.SplitHostPort(d.advertise)
-		d.mooncake, err = openMooncake(cfg, d.reg, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.log)
+		d.mooncake, err = openMooncake(cfg, d.reg, d.dp.rdma, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.log)
 		if err != nil {
 			return nil, err
 		}

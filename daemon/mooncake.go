@@ -1,20 +1,28 @@
 package daemon
 
 import (
+	"context"
 	"fmt"
 	"net"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/rdma"
 )
 
 // mooncakeSegment is ferryd serving as a Mooncake segment
 // (--mooncake-listen): the handshake on the RPC port, advertising the
 // arena as the segment's one buffer, and a TCP data port whose writes
-// land in live receive slots only.
+// land in live receive slots only. With an RDMA data plane whose shared
+// registration covers the arena, the segment speaks protocol rdma
+// instead: its descriptor lists the NIC and the arena's keys, connection
+// handshakes set up QPs (the passive side), and Mooncake's one-sided
+// WRITEs land with no event here: a notify naming a receive slot
+// (notify_msg = its buffer_address) completes it.
 type mooncakeSegment struct {
 	name string // "ip:rpcport", the session_id Mooncake senders use
 	seg  mooncake.Segment
@@ -25,7 +33,7 @@ type mooncakeSegment struct {
 // openMooncake listens on cfg.MooncakeListen and a data port on the same
 // host. base and size are the arena's addresses, as receive slots name
 // them; advertiseHost stands in for a wildcard listen host.
-func openMooncake(cfg Config, reg *registry, base uint64, size int64, advertiseHost string, log zerolog.Logger) (*mooncakeSegment, error) {
+func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, size int64, advertiseHost string, log zerolog.Logger) (*mooncakeSegment, error) {
 	logf := func(format string, args ...any) {
 		log.Warn().Str("component", "mooncake").Msg(fmt.Sprintf(format, args...))
 	}
@@ -52,17 +60,86 @@ func openMooncake(cfg Config, reg *registry, base uint64, size int64, advertiseH
 	m.data = mooncake.ServeData(dl, mooncakeMemory{reg}, mooncake.DataConfig{
 		IOTimeout: cfg.IOTimeout, MaxSize: uint64(size), MaxConns: 4 * cfg.MaxConns, Logf: logf,
 	})
-	m.hs = mooncake.Serve(rpc, mooncake.Handlers{
+	h := mooncake.Handlers{
 		Segment: func() *mooncake.Segment { return &m.seg },
 		Notify: func(n mooncake.NotifyDesc) {
 			log.Debug().Str("component", "mooncake").Str("from", n.Name).Str("notify_msg", n.NotifyMsg).Msg("mooncake notify received")
 		},
-		// Connect stays nil until ferry speaks Mooncake's RDMA QP
-		// exchange: connection requests are refused with a reply_msg.
-	}, mooncake.ServerConfig{Logf: logf})
-	log.Info().Str("segment", name).Str("rpc", rpc.Addr().String()).Str("data", dl.Addr().String()).
+	}
+	if rt != nil {
+		if err := m.serveRDMA(rt, reg, &h, log); err != nil {
+			log.Warn().Str("component", "mooncake").Err(err).Msg("the Mooncake segment speaks TCP only")
+		}
+	}
+	m.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf})
+	log.Info().Str("segment", name).Str("protocol", m.seg.Protocol).Str("rpc", rpc.Addr().String()).Str("data", dl.Addr().String()).
 		Uint64("buffer_addr", base).Int64("buffer_length", size).Msg("serving as a Mooncake segment")
 	return m, nil
+}
+
+// mooncakeLocation is the arena's memory location in the descriptor,
+// the key of its priority matrix.
+const mooncakeLocation = "cpu:0"
+
+// serveRDMA makes the segment an rdma one over rt.
+func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *mooncake.Handlers, log zerolog.Logger) error {
+	rkey, lkey, ok := rt.MooncakeKeys()
+	if !ok {
+		return fmt.Errorf("the arena has no shared RDMA registration (%s mode), so Mooncake peers have no rkey to write with", rt.Registration().Mode)
+	}
+	dev, err := rt.MooncakeDevice()
+	if err != nil {
+		return err
+	}
+	m.seg.Protocol = "rdma"
+	m.seg.Devices = []mooncake.Device{dev}
+	m.seg.PriorityMatrix = mooncake.Priority{mooncakeLocation: {{dev.Name}, {}}}
+	b := &m.seg.Buffers[0]
+	b.Name, b.RKey, b.LKey = mooncakeLocation, []uint32{rkey}, []uint32{lkey}
+	h.Connect = func(req mooncake.HandshakeDesc) mooncake.HandshakeDesc {
+		ctx, cancel := context.WithTimeout(context.Background(), mooncake.HandshakeTimeout)
+		defer cancel()
+		return rt.AcceptMooncake(ctx, m.name, req)
+	}
+	h.Notify = func(n mooncake.NotifyDesc) {
+		l := log.With().Str("component", "mooncake").Str("from", n.Name).Str("notify_msg", n.NotifyMsg).Logger()
+		reqID, nbytes, err := reg.deliverNotified(n.NotifyMsg)
+		if err != nil {
+			l.Warn().Err(err).Msg("a Mooncake notify completed no receive slot")
+			return
+		}
+		l.Debug().Str("req_id", reqID).Int64("nbytes", nbytes).Msg("a Mooncake notify completed a receive slot")
+	}
+	return nil
+}
+
+// deliverNotified completes the receive slot a notify names: notify_msg
+// is the slot's buffer_address (decimal or 0x-hex). Over RDMA, Mooncake's
+// WRITEs into the slot raise no event here; the sender's notify, sent
+// once its batch completed, says they are all in.
+func (r *registry) deliverNotified(msg string) (reqID string, nbytes int64, err error) {
+	addr, err := strconv.ParseUint(strings.TrimSpace(msg), 0, 64)
+	if err != nil {
+		return "", 0, fmt.Errorf("notify_msg %q is not a receive slot's buffer_address (decimal or 0x-hex): ferry completes the slot a notify names", msg)
+	}
+	r.mu.Lock()
+	if r.stopping {
+		r.mu.Unlock()
+		return "", 0, errRefuseStopping
+	}
+	s := r.slotAt(addr)
+	if s == nil || s.addr != addr {
+		r.mu.Unlock()
+		return "", 0, fmt.Errorf("no live receive slot starts at %#x: it was freed, timed out, or never existed; whatever was written there is not delivered", addr)
+	}
+	reqID, nbytes = s.reqID, int64(s.nbytes)
+	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key, true)
+	r.mu.Unlock()
+	if err != nil {
+		return reqID, nbytes, err
+	}
+	done(nil)
+	return reqID, nbytes, nil
 }
 
 func (m *mooncakeSegment) close() {

@@ -12,6 +12,7 @@ import (
 func FuzzReadFrame(f *testing.F) {
 	f.Add(AppendFrame(nil, Probe, []byte("{}\n")))
 	f.Add(AppendFrame(nil, Metadata, []byte(`{"name":"127.0.0.1:15302","protocol":"tcp","tcp_data_port":15089,"tcp_proto_version":2,"buffers":[{"name":"b","addr":140366175010816,"length":1073741824}]}`)))
+	f.Add(AppendFrame(nil, Metadata, []byte(`{"name":"10.0.0.5:15302","protocol":"rdma","devices":[{"name":"rxe0","lid":0,"gid":"00:00:00:00:00:00:00:00:00:00:ff:ff:0a:0b:0c:01"}],"buffers":[{"name":"cpu:0","addr":140366175010816,"length":4096,"rkey":[7],"lkey":[8]}],"priority_matrix":{"cpu:0":[["rxe0"],[]]}}`)))
 	f.Add(AppendFrame(nil, Notify, []byte(`{"name":"x","notify_msg":"done"}`)))
 	f.Add(AppendFrame(nil, Connect, []byte(`{"local_nic_path":"a:1@mlx5_0","peer_nic_path":"b:2@mlx5_0","local_lid":0,"local_gid":"fe80::1","qp_num":[1,2],"reply_msg":""}`)))
 	f.Add([]byte{0, 0, 0, 0, 0, 0, 0, 0})

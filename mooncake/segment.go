@@ -16,6 +16,7 @@ import (
 type Segment struct {
 	Name            string   `json:"name"`     // "ip:rpcport", the session_id senders use
 	Protocol        string   `json:"protocol"` // "tcp" or "rdma"
+	Offered         []string `json:"-"`        // a multi-protocol segment's list (protocols.go)
 	TCPDataPort     int      `json:"tcp_data_port"`
 	TCPProtoVersion int      `json:"tcp_proto_version"` // 2: WRITEs are answered with a status word
 	Timestamp       string   `json:"timestamp,omitempty"`
@@ -63,6 +64,11 @@ func (s *Segment) check() error {
 	}
 	if s.Protocol == "tcp" && (s.TCPDataPort <= 0 || s.TCPDataPort > 65535) {
 		return fmt.Errorf("segment %s: tcp_data_port %d is not a port number", s.Name, s.TCPDataPort)
+	}
+	if s.Protocol == "rdma" {
+		if err := s.checkRDMA(); err != nil {
+			return err
+		}
 	}
 	for _, b := range s.Buffers {
 		if b.Addr+b.Length < b.Addr {

@@ -16,8 +16,29 @@ import (
 // "mooncake://ip:rpcport", the segment name sglang hands to senders.
 const Scheme = "mooncake://"
 
-// TransportName is what sessions to Mooncake segments report.
-const TransportName = "mooncake-tcp"
+// TransportName is what sessions to Mooncake segments report;
+// RDMATransportName when the segment speaks RDMA.
+const (
+	TransportName     = "mooncake-tcp"
+	RDMATransportName = "mooncake-rdma"
+)
+
+// RDMAWrite is one write into an RDMA segment.
+type RDMAWrite struct {
+	Self   string // the writer's segment name, for its NIC path
+	RPC    string // the target segment's RPC port
+	Target RDMATarget
+	Remote uint64 // inside Target.Buffer
+	Src    []byte
+	QPs    int // QPs per endpoint; 0 is DefaultQPs
+}
+
+// RDMAWriter carries writes into segments whose descriptor says protocol
+// "rdma": the connection handshake and plain RDMA WRITEs (package rdma's
+// Transport).
+type RDMAWriter interface {
+	WriteMooncake(ctx context.Context, w RDMAWrite) error
+}
 
 // RPCAddr returns the handshake address of a "mooncake://host:port"
 // session, and whether session is one.
@@ -44,6 +65,9 @@ type Dialer struct {
 	Self      *Segment
 	IOTimeout time.Duration // per data-plane chunk; default 10s
 	MaxConns  int           // data connections at once per session; default 8
+	// RDMA writes into rdma segments; nil refuses them.
+	RDMA RDMAWriter
+	QPs  int // QPs per RDMA endpoint (the peers' MC_NUM_QP_PER_EP); 0 is DefaultQPs
 }
 
 // Dial fetches the segment's descriptor from its RPC port and returns a
@@ -87,8 +111,13 @@ type Session struct {
 
 var _ transport.Session = (*Session)(nil)
 
-func (s *Session) Transport() string { return TransportName }
-func (s *Session) Peer() string      { return s.peer }
+func (s *Session) Transport() string {
+	if s.segment().Protocol == "rdma" {
+		return RDMATransportName
+	}
+	return TransportName
+}
+func (s *Session) Peer() string { return s.peer }
 
 // PeerInstance is the descriptor's fingerprint: it changes when the peer
 // restarts.
@@ -113,8 +142,14 @@ func (s *Session) refresh(ctx context.Context) (*Segment, error) {
 	if err != nil {
 		return nil, err
 	}
-	if seg.Protocol != "tcp" {
-		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol %q; ferry reaches Mooncake segments over tcp only so far: start its engine with the TCP transport", seg.Name, s.peer, seg.Protocol)
+	if seg.Protocol == "rdma" && s.d.RDMA == nil && seg.Offers("tcp") {
+		seg.Protocol = "tcp" // a multi-protocol segment
+	}
+	switch {
+	case seg.Protocol == "rdma" && s.d.RDMA == nil:
+		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol rdma, and this ferryd has no RDMA data plane: run it with --transport rdma on an RDMA host, or start the peer's engine with the TCP transport", seg.Name, s.peer)
+	case seg.Protocol != "tcp" && seg.Protocol != "rdma":
+		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol %q; ferry reaches Mooncake segments over tcp or rdma: start its engine with one of those", seg.Name, s.peer, seg.Protocol)
 	}
 	s.mu.Lock()
 	s.seg = seg
@@ -147,6 +182,16 @@ func (s *Session) Write(ctx context.Context, w transport.Write) error {
 	defer cancel()
 	stop := context.AfterFunc(s.ctx, cancel)
 	defer stop()
+	if seg.Protocol == "rdma" {
+		tg, _, err := seg.RDMATarget(w.Remote, n)
+		if err == nil {
+			err = s.d.RDMA.WriteMooncake(ctx, RDMAWrite{Self: s.d.Self.Name, RPC: s.rpc, Target: tg, Remote: w.Remote, Src: w.Src, QPs: s.d.QPs})
+		}
+		if err != nil {
+			return s.fail(ctx, err)
+		}
+		return nil
+	}
 	select {
 	case s.sem <- struct{}{}:
 	case <-ctx.Done():

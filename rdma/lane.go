@@ -184,7 +184,9 @@ func (l *lane) next(deadline time.Time, cancel <-chan struct{}) (event, error) {
 // closes (blocked reads return), and waiters on completions return.
 func (l *lane) abort() {
 	l.qp.Break()
-	l.ctrl.Close()
+	if l.ctrl != nil { // a Mooncake endpoint's lanes have none
+		l.ctrl.Close()
+	}
 }
 
 // close aborts the lane, waits for its user to let go, and destroys it.

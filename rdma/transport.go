@@ -107,6 +107,7 @@ type Transport struct {
 	closed    bool
 	sessions  map[*session]struct{}
 	accepted  map[*lane]struct{} // served by serveLane
+	mc        mcTable            // Mooncake endpoints (mooncake.go)
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -250,6 +251,7 @@ func (t *Transport) Close() error {
 		for _, s := range sessions {
 			s.Close()
 		}
+		t.mc.closeAll()
 		errs := []error{t.tcp.Close()}
 		if t.shared != nil {
 			errs = append(errs, t.shared.Close())

@@ -15,10 +15,14 @@ import (
 	"unsafe"
 
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/rdma"
 )
 
 // Config is a Peer's setup.
 type Config struct {
+	// RDMA makes the segment an RDMA one on the machine's RDMA device
+	// (rdma.go); the TCP data port stays up beside it.
+	RDMA         bool
 	Addr         string // handshake (RPC) port; default 127.0.0.1:0
 	ProtoVersion int    // TCP protocol version advertised and spoken: 1 or 2 (default)
 	BufferSize   int    // bytes of the one registered buffer; default 16 MiB
@@ -37,11 +41,14 @@ type Peer struct {
 	hs   *mooncake.Server
 	data *mooncake.DataServer
 	ts   string
+	rdma *rdma.Transport // Config.RDMA
 
 	mu         sync.Mutex
 	registered bool
 	notifies   []mooncake.NotifyDesc
 	writes     int
+	connects   int  // RDMA connection handshakes answered
+	wrongRKey  bool // RDMA: advertise a key the NIC refuses
 }
 
 // Start runs a Peer.
@@ -75,8 +82,19 @@ func Start(cfg Config) (*Peer, error) {
 		ts:         time.Now().Format("2006-01-02 15:04:05.000000"),
 		registered: true,
 	}
+	h := mooncake.Handlers{Segment: p.Segment, Notify: p.notify}
+	if cfg.RDMA {
+		// The NIC needs memory outside Go's heap: startRDMA maps the
+		// buffer anew, at its own address.
+		if err := p.startRDMA(); err != nil {
+			rpc.Close()
+			dl.Close()
+			return nil, fmt.Errorf("mooncake test peer: RDMA: %w", err)
+		}
+		h.Connect = p.connect
+	}
 	p.data = mooncake.ServeData(dl, p, mooncake.DataConfig{})
-	p.hs = mooncake.Serve(rpc, mooncake.Handlers{Segment: p.Segment, Notify: p.notify}, mooncake.ServerConfig{})
+	p.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{})
 	return p, nil
 }
 
@@ -120,6 +138,7 @@ func (p *Peer) Unregister() {
 func (p *Peer) Close() {
 	p.hs.Close()
 	p.data.Close()
+	p.closeRDMA()
 }
 
 // Segment is the descriptor the metadata handshake returns.
@@ -131,6 +150,9 @@ func (p *Peer) Segment() *mooncake.Segment {
 	defer p.mu.Unlock()
 	if p.registered {
 		s.Buffers = append(s.Buffers, mooncake.Buffer{Name: p.name, Addr: p.base, Length: uint64(len(p.buf))})
+	}
+	if p.rdma != nil {
+		p.rdmaSegment(s)
 	}
 	return s
 }

@@ -12,6 +12,7 @@
 #   RXEVM_CACHE  kernel cache (default .cache/rxevm in the repository)
 #   RXEVM_BENCH  0 skips the benchmarks (default 1)
 #   RXEVM_RUN    -test.run pattern for the rdma package tests (default all)
+#   RXEVM_E2E    -test.run pattern for the end-to-end tests (default RDMA)
 #   RXEVM_RACE   1 builds the test binaries with the race detector
 #   RXEVM_TIMEOUT  seconds the VM may run (default 900)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
@@ -123,6 +124,7 @@ cp test/rxevm/init.sh "$R/init"
 cat >"$R/etc/rxevm.env" <<EOF
 BENCH=$BENCH
 RUN='$RUN'
+E2E='${RXEVM_E2E:-RDMA}'
 PROFILE=${RXEVM_PROFILE:-0}
 QPS=${RXEVM_QPS:-8}
 EOF

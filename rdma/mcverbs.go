@@ -1,0 +1,79 @@
+package rdma
+
+/*
+#include "verbs.h"
+
+// fv_mc_connect takes an INIT QP to RTS the way Mooncake's RDMA endpoint
+// does (doSetupConnection), which its peers rely on: PSN 0 both ways
+// (nothing exchanges a PSN), always a GRH (is_global, hop limit 16, also
+// on IB), 16 outstanding RDMA READs/atomics each way (clamped to what the
+// device allows), RNR timer 12, timeout 14, 7 retries, rnr_retry 7.
+static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p) {
+	struct ibv_device_attr d;
+	int rc = ibv_query_device(qp->context, &d);
+	if (rc) return rc;
+	int rd = 16;
+	if (d.max_qp_rd_atom < rd) rd = d.max_qp_rd_atom;
+	int init_rd = 16;
+	if (d.max_qp_init_rd_atom < init_rd) init_rd = d.max_qp_init_rd_atom;
+
+	struct ibv_qp_attr a;
+	memset(&a, 0, sizeof a);
+	a.qp_state = IBV_QPS_RTR;
+	a.path_mtu = p->mtu;
+	a.dest_qp_num = p->qpn;
+	a.rq_psn = 0;
+	a.max_dest_rd_atomic = rd;
+	a.min_rnr_timer = 12;
+	a.ah_attr.dlid = p->dlid;
+	a.ah_attr.port_num = p->port;
+	a.ah_attr.is_global = 1;
+	memcpy(a.ah_attr.grh.dgid.raw, p->dgid, 16);
+	a.ah_attr.grh.sgid_index = p->sgid_index;
+	a.ah_attr.grh.hop_limit = 16;
+	rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
+	                   IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+	if (rc) return rc;
+
+	memset(&a, 0, sizeof a);
+	a.qp_state = IBV_QPS_RTS;
+	a.sq_psn = 0;
+	a.timeout = 14;
+	a.retry_cnt = 7;
+	a.rnr_retry = 7;
+	a.max_rd_atomic = init_rd;
+	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_TIMEOUT | IBV_QP_RETRY_CNT |
+	                     IBV_QP_RNR_RETRY | IBV_QP_SQ_PSN | IBV_QP_MAX_QP_RD_ATOMIC);
+}
+*/
+import "C"
+
+import "fmt"
+
+// mooncakeQP is a queue pair that can connect the way Mooncake's RDMA
+// transport does. Only the real verbs QP can: the fake NIC's tests cover
+// ferry's own protocol, and the Mooncake exchange runs in the soft-RoCE VM.
+type mooncakeQP interface {
+	connectMooncake(remote endpoint) error
+}
+
+// connectMooncake connects to remote (its GID, LID and QPN) with
+// Mooncake's attributes. The path MTU is this port's active MTU: Mooncake
+// exchanges none, so both ends must have the same (the same netdev MTU on
+// RoCE).
+func (q *verbsQP) connectMooncake(remote endpoint) error {
+	p := C.fv_path{
+		qpn: C.uint32_t(remote.QPN), dlid: C.uint16_t(remote.LID),
+		sgid_index: C.int(q.n.gidIndex), mtu: C.int(q.n.local.MTU), port: C.uint8_t(q.n.port), global: 1,
+	}
+	for i, b := range remote.GID {
+		p.dgid[i] = C.uint8_t(b)
+	}
+	if err := verbsErr("ibv_modify_qp to RTR and RTS (Mooncake's attributes)", C.fv_mc_connect(q.qp, &p)); err != nil {
+		return fmt.Errorf("connecting QP %d to peer QP %d: %w", q.QPN(), remote.QPN, err)
+	}
+	return nil
+}
+
+// deviceName is the verbs device's name, as Mooncake NIC paths carry it.
+func (n *verbsNIC) deviceName() string { return n.dev.name }

@@ -1,0 +1,422 @@
+package rdma
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"time"
+
+	"github.com/ferry-project/ferry/mooncake"
+)
+
+// Mooncake's RDMA transport (package mooncake has the handshake). Its
+// connections have no control channel, no grant and no immediate: a
+// connection handshake (type 0) on the segment's RPC port exchanges QP
+// numbers, GID and LID for a number of QPs per endpoint (Mooncake's
+// MC_NUM_QP_PER_EP, 2 by default, equal on both ends); the QPs connect
+// with PSN 0 (mcverbs.go); the initiator posts plain RDMA WRITEs with the
+// rkey the target's descriptor lists, and its own signaled completion is
+// the end of the transfer. The target posts no receives and sees nothing.
+//
+// One endpoint per peer NIC path carries both directions, as in Mooncake:
+// ferry reuses QPs a Mooncake initiator connected when it writes back to
+// that NIC, and a new handshake from the same NIC path replaces them.
+
+// mcEndpoint is the QPs connected to one peer NIC.
+type mcEndpoint struct {
+	peer  string  // the peer's NIC path, the endpoint table's key
+	lanes []*lane // one per QP; ctrl is nil (no control connection)
+	free  chan *lane
+	once  sync.Once
+}
+
+// maxMooncakeEndpoints bounds the endpoint table: each peer NIC that
+// connects costs QPs and CQs.
+const maxMooncakeEndpoints = 1024
+
+// mcTable is the transport's Mooncake endpoints.
+type mcTable struct {
+	mu     sync.Mutex
+	eps    map[string]*mcEndpoint
+	closed bool
+	// dial serializes active handshakes, so concurrent writes to a new
+	// peer NIC make one endpoint.
+	dial sync.Mutex
+}
+
+var errEndpointsClosed = errors.New("the transport is closing")
+
+func (m *mcTable) get(peer string) *mcEndpoint {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.eps[peer]
+}
+
+// put installs ep, closing the endpoint it replaces. A closing
+// transport or a full table refuses it.
+func (m *mcTable) put(ep *mcEndpoint) error {
+	m.mu.Lock()
+	if m.closed {
+		m.mu.Unlock()
+		return errEndpointsClosed
+	}
+	if m.eps == nil {
+		m.eps = make(map[string]*mcEndpoint)
+	}
+	old := m.eps[ep.peer]
+	if old == nil && len(m.eps) >= maxMooncakeEndpoints {
+		m.mu.Unlock()
+		return fmt.Errorf("%d Mooncake endpoints are connected already, the most this ferryd keeps", maxMooncakeEndpoints)
+	}
+	m.eps[ep.peer] = ep
+	m.mu.Unlock()
+	if old != nil {
+		old.close()
+	}
+	return nil
+}
+
+// drop removes ep if it is still the table's, and closes it.
+func (m *mcTable) drop(ep *mcEndpoint) {
+	m.mu.Lock()
+	if m.eps[ep.peer] == ep {
+		delete(m.eps, ep.peer)
+	}
+	m.mu.Unlock()
+	ep.close()
+}
+
+func (m *mcTable) closeAll() {
+	m.mu.Lock()
+	eps := m.eps
+	m.eps, m.closed = nil, true
+	m.mu.Unlock()
+	for _, ep := range eps {
+		ep.close()
+	}
+}
+
+// close destroys the endpoint's QPs, waiting out writers on them.
+func (ep *mcEndpoint) close() {
+	ep.once.Do(func() {
+		for _, l := range ep.lanes {
+			l.close()
+		}
+	})
+}
+
+// mooncakeNIC is the transport's verbs NIC; Mooncake's exchange needs a
+// real device.
+func (t *Transport) mooncakeNIC() (*verbsNIC, error) {
+	n, ok := t.nic.(*verbsNIC)
+	if !ok {
+		return nil, errors.New("Mooncake's RDMA transport needs a verbs device")
+	}
+	return n, nil
+}
+
+// MooncakeDevice is this transport's NIC as a Mooncake descriptor lists
+// it: device name, LID and GID in Mooncake's text form.
+func (t *Transport) MooncakeDevice() (mooncake.Device, error) {
+	n, err := t.mooncakeNIC()
+	if err != nil {
+		return mooncake.Device{}, err
+	}
+	return mooncake.Device{Name: n.deviceName(), LID: n.local.LID, GID: mooncake.FormatGID(n.local.GID)}, nil
+}
+
+// MooncakeKeys are the shared registration's keys, which a descriptor
+// advertises for the whole of Memory; ok is false without one (per-send
+// mode), when Mooncake peers cannot write into Memory over RDMA.
+func (t *Transport) MooncakeKeys() (rkey, lkey uint32, ok bool) {
+	if t.shared == nil {
+		return 0, 0, false
+	}
+	return t.shared.RKey(), t.shared.LKey(), true
+}
+
+// newMooncakeQPs makes n QPs for a Mooncake endpoint, in INIT.
+func (t *Transport) newMooncakeQPs(n int) ([]*lane, error) {
+	var lanes []*lane
+	for range n {
+		qp, err := t.nic.NewQP(sendDepth, 1)
+		if err != nil {
+			closeLanes(lanes)
+			return nil, fmt.Errorf("creating queue pair %d of %d: %w", len(lanes)+1, n, err)
+		}
+		if _, ok := qp.(mooncakeQP); !ok {
+			qp.Close()
+			closeLanes(lanes)
+			return nil, errors.New("Mooncake's RDMA transport needs a verbs device")
+		}
+		lanes = append(lanes, newLane(qp, nil, sendDepth))
+	}
+	return lanes, nil
+}
+
+func closeLanes(lanes []*lane) {
+	for _, l := range lanes {
+		l.close()
+	}
+}
+
+// connectMooncake connects lanes[i] to the peer's qpns[i] and makes them
+// an endpoint.
+func connectMooncake(peer string, lanes []*lane, gid [16]byte, lid uint16, qpns []uint32) (*mcEndpoint, error) {
+	for i, l := range lanes {
+		if err := l.qp.(mooncakeQP).connectMooncake(endpoint{GID: gid, LID: lid, QPN: qpns[i]}); err != nil {
+			return nil, err
+		}
+	}
+	ep := &mcEndpoint{peer: peer, lanes: lanes, free: make(chan *lane, len(lanes))}
+	for _, l := range lanes {
+		ep.free <- l
+	}
+	return ep, nil
+}
+
+func qpNums(lanes []*lane) []uint32 {
+	q := make([]uint32, len(lanes))
+	for i, l := range lanes {
+		q[i] = l.qp.QPN()
+	}
+	return q
+}
+
+// AcceptMooncake answers a Mooncake connection handshake as its passive
+// side: self is this side's segment name. It connects as many QPs as the
+// initiator offers to them before replying, replacing any endpoint of the
+// same initiator NIC path. A refusal is a reply with reply_msg set, which
+// every Mooncake initiator takes as one.
+func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncake.HandshakeDesc) mooncake.HandshakeDesc {
+	reply := mooncake.HandshakeDesc{LocalNICPath: req.PeerNICPath, PeerNICPath: req.LocalNICPath}
+	refuse := func(format string, args ...any) mooncake.HandshakeDesc {
+		reply.ReplyMsg = fmt.Sprintf(format, args...)
+		t.logf("rdma: refused a Mooncake connection from %s: %s", req.LocalNICPath, reply.ReplyMsg)
+		return reply
+	}
+	dev, err := t.MooncakeDevice()
+	if err != nil {
+		return refuse("%v", err)
+	}
+	mine := mooncake.NICPath(self, dev.Name)
+	switch {
+	case req.PeerNICPath != mine:
+		return refuse("peer_nic_path %q names no NIC of this segment: its one NIC is %s", req.PeerNICPath, mine)
+	case len(req.QPNum) == 0 || len(req.QPNum) > 255:
+		return refuse("%d QP numbers offered: want 1 to 255 (MC_NUM_QP_PER_EP)", len(req.QPNum))
+	}
+	gid, lid, err := initiatorAddress(ctx, self, req)
+	if err != nil {
+		return refuse("%v", err)
+	}
+	lanes, err := t.newMooncakeQPs(len(req.QPNum))
+	if err != nil {
+		return refuse("%v", err)
+	}
+	ep, err := connectMooncake(req.LocalNICPath, lanes, gid, lid, req.QPNum)
+	if err == nil {
+		err = t.mc.put(ep)
+	}
+	if err != nil {
+		closeLanes(lanes)
+		return refuse("%v", err)
+	}
+	reply.QPNum, reply.LocalLID, reply.LocalGID = qpNums(lanes), dev.LID, dev.GID
+	return reply
+}
+
+// initiatorAddress is the GID and LID of a connection's initiator: from
+// its request when it sends them (newer Mooncakes), else from the devices
+// of its segment descriptor, fetched from the segment its NIC path names
+// (older ones, which expect exactly that).
+func initiatorAddress(ctx context.Context, self string, req mooncake.HandshakeDesc) ([16]byte, uint16, error) {
+	if req.LocalGID != "" {
+		gid, err := mooncake.ParseGID(req.LocalGID)
+		return gid, req.LocalLID, err
+	}
+	seg, dev, ok := mooncake.SplitNICPath(req.LocalNICPath)
+	if !ok {
+		return [16]byte{}, 0, fmt.Errorf("local_nic_path %q is not <segment>@<device>, and no local_gid came with it", req.LocalNICPath)
+	}
+	desc, err := mooncake.FetchSegment(ctx, seg, &mooncake.Segment{Name: self, Protocol: "rdma", Buffers: []mooncake.Buffer{}})
+	if err != nil {
+		return [16]byte{}, 0, fmt.Errorf("no local_gid in the request, and the initiator's descriptor: %w", err)
+	}
+	for _, d := range desc.Devices {
+		if d.Name == dev {
+			gid, err := mooncake.ParseGID(d.GID)
+			return gid, d.LID, err
+		}
+	}
+	return [16]byte{}, 0, fmt.Errorf("no local_gid in the request, and the initiator's descriptor lists no device %q", dev)
+}
+
+// mooncakeEndpoint returns the endpoint to w's target NIC, connecting one
+// by a handshake with the segment's RPC port when there is none. An
+// endpoint is not dropped on a new descriptor of the peer (Mooncake's
+// newer releases refuse a second handshake while their endpoint lives);
+// only a failed write drops it, and the retry handshakes afresh.
+func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) (*mcEndpoint, error) {
+	tg := w.Target
+	if ep := t.mc.get(tg.NICPath); ep != nil {
+		return ep, nil
+	}
+	t.mc.dial.Lock()
+	defer t.mc.dial.Unlock()
+	if ep := t.mc.get(tg.NICPath); ep != nil {
+		return ep, nil
+	}
+	self, rpc, qps := w.Self, w.RPC, w.QPs
+	dev, err := t.MooncakeDevice()
+	if err != nil {
+		return nil, err
+	}
+	lanes, err := t.newMooncakeQPs(qps)
+	if err != nil {
+		return nil, err
+	}
+	hctx, cancel := context.WithTimeout(ctx, t.cfg.TCP.HandshakeTimeout)
+	defer cancel()
+	r, err := mooncake.ConnectQPs(hctx, rpc, mooncake.HandshakeDesc{
+		LocalNICPath: mooncake.NICPath(self, dev.Name), PeerNICPath: tg.NICPath,
+		QPNum: qpNums(lanes), LocalLID: dev.LID, LocalGID: dev.GID,
+	})
+	if err != nil {
+		closeLanes(lanes)
+		return nil, err
+	}
+	gidText, lid := tg.Device.GID, tg.Device.LID
+	if r.LocalGID != "" {
+		gidText, lid = r.LocalGID, r.LocalLID
+	}
+	gid, err := mooncake.ParseGID(gidText)
+	if err == nil {
+		var ep *mcEndpoint
+		if ep, err = connectMooncake(tg.NICPath, lanes, gid, lid, r.QPNum); err == nil {
+			if err = t.mc.put(ep); err == nil {
+				return ep, nil
+			}
+		}
+	}
+	closeLanes(lanes)
+	return nil, fmt.Errorf("connecting to %s: %w", tg.NICPath, err)
+}
+
+var _ mooncake.RDMAWriter = (*Transport)(nil)
+
+// WriteMooncake writes w.Src to w.Remote with plain RDMA WRITEs on one of
+// the endpoint's QPs, and returns once its signaled completions say the
+// peer's NIC has placed every byte. A failed write (an error completion,
+// no progress within the I/O timeout) drops the endpoint, so the next
+// write handshakes afresh.
+func (t *Transport) WriteMooncake(ctx context.Context, w mooncake.RDMAWrite) error {
+	if t.isClosing() {
+		return errLaneClosed
+	}
+	if len(w.Src) == 0 {
+		return nil
+	}
+	if w.QPs <= 0 {
+		w.QPs = mooncake.DefaultQPs
+	}
+	ep, err := t.mooncakeEndpoint(ctx, w)
+	if err != nil {
+		return err
+	}
+	var l *lane
+	select {
+	case l = <-ep.free:
+	case <-ctx.Done():
+		return fmt.Errorf("waiting for a queue pair to %s: %w", ep.peer, ctxErr(ctx))
+	}
+	src, err := t.source(w.Src)
+	if err != nil {
+		ep.free <- l
+		return err
+	}
+	l.use.Lock()
+	select {
+	case <-l.quit: // the endpoint was dropped meanwhile
+		l.use.Unlock()
+		src.release()
+		return fmt.Errorf("the endpoint to %s was torn down: %w", ep.peer, errLaneClosed)
+	default:
+	}
+	err = t.mooncakePost(ctx, l, w, src)
+	l.use.Unlock()
+	if err != nil {
+		// The QPs are destroyed before the source's registration goes:
+		// until then the NIC may still read it.
+		t.mc.drop(ep)
+		src.release()
+		return fmt.Errorf("rdma write of %d bytes to %#x on %s (rkey %#x): %w", len(w.Src), w.Remote, ep.peer, w.Target.RKey, err)
+	}
+	ep.free <- l
+	src.release()
+	return nil
+}
+
+// mooncakePost posts the write in chunks, every one signaled, at most
+// sendDepth (bounceSlots from a bounce ring) in flight, and waits for
+// them all.
+func (t *Transport) mooncakePost(ctx context.Context, l *lane, w mooncake.RDMAWrite, src source) error {
+	n := len(w.Src)
+	window := sendDepth
+	var ring []byte
+	var ringKey uint32
+	if src.kind == fromBounce {
+		window = bounceSlots
+		var err error
+		if ring, ringKey, err = l.bounceBuffer(t.nic); err != nil {
+			return err
+		}
+	}
+	count := chunks(n)
+	l.seq++
+	base := uint64(l.seq) << 32
+	ops := make([]op, 0, min(count, window))
+	posted, retired := 0, 0
+	for retired < count {
+		ops = ops[:0]
+		for posted < count && posted-retired < window {
+			off := posted * chunk
+			m := min(chunk, n-off)
+			o := op{WRID: base | uint64(posted), Remote: w.Remote + uint64(off), Len: uint32(m), RKey: w.Target.RKey, Signaled: true}
+			if ring != nil {
+				slot := ring[(posted%bounceSlots)*chunk:][:m]
+				copy(slot, w.Src[off:off+m])
+				o.Local, o.LKey = addrOf(slot), ringKey
+			} else {
+				o.Local, o.LKey = addrOf(w.Src)+uint64(off), src.lkey
+			}
+			ops = append(ops, o)
+			posted++
+		}
+		if len(ops) > 0 {
+			if err := l.qp.Post(ops); err != nil {
+				return err
+			}
+		}
+		deadline := time.Now().Add(t.cfg.TCP.IOTimeout)
+		if cd, ok := ctx.Deadline(); ok && cd.Before(deadline) {
+			deadline = cd
+		}
+		ev, err := l.next(deadline, ctx.Done())
+		switch {
+		case err == errNoProgress:
+			return fmt.Errorf("the peer made no progress for %s with %d work requests in flight", t.cfg.TCP.IOTimeout, posted-retired)
+		case err == errCanceled:
+			return ctxErr(ctx)
+		case err != nil:
+			return err
+		case ev.wc.WRID>>32 != base>>32:
+			continue // a stale completion; none are expected
+		case ev.wc.Status != wcSuccess:
+			return &CompletionError{Status: ev.wc.Status, VendorErr: ev.wc.VendorErr, Op: "rdma write"}
+		}
+		retired++
+	}
+	return nil
+}

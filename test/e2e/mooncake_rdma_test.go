@@ -1,0 +1,152 @@
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/mooncake/mooncaketest"
+)
+
+// Mooncake over RDMA, in the soft-RoCE VM: the test peer is an RDMA
+// segment (its buffer registered, its descriptor protocol rdma), so
+// ferryd's sends to it go through the connection handshake and plain
+// RDMA WRITEs; and ferryd with --transport rdma --mooncake-listen serves
+// an rdma segment that the peer writes into, a notify completing the slot.
+
+// ferry → Mooncake over RDMA: byte-exact from the shared registration, in
+// one attempt, on a mooncake-rdma session; a range outside the segment's
+// buffers is refused naming them.
+func TestMooncakeRDMASendIntoASegment(t *testing.T) {
+	requireRDMA(t)
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd", "--transport", "rdma"))
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 4 << 20})
+	ctx := ctxT(t)
+	session := mooncake.Scheme + peer.Name()
+	for i, n := range []int{embBytes, 3<<20 + 5} {
+		id := fmt.Sprintf("mcr-%d", i)
+		data := stageOn(t, snd, id, n, uint64(20+i))
+		addr := peer.Base() + 4096
+		res, err := snd.c.Send(ctx, id, api.SendRequest{Session: session, BufferAddress: addr})
+		if err != nil {
+			t.Fatalf("%d bytes: %v", n, err)
+		}
+		if res.Transport != mooncake.RDMATransportName || !res.SharedMR || res.Attempts != 1 {
+			t.Errorf("%d bytes: send result %+v, want %s from the shared registration in one attempt", n, res, mooncake.RDMATransportName)
+		}
+		if !bytes.Equal(peer.Bytes(addr, n), data) {
+			t.Fatalf("%d bytes: the segment holds other bytes than were sent", n)
+		}
+	}
+	stageOn(t, snd, "mcr-out", 4096, 30)
+	_, err := snd.c.Send(ctx, "mcr-out", api.SendRequest{Session: session, BufferAddress: peer.Base() + 4<<20 - 100})
+	if err == nil || !bytes.Contains([]byte(err.Error()), []byte("lies in none of the buffers")) {
+		t.Fatalf("a send past the segment's buffer: %v, want a refusal naming its buffers", err)
+	}
+}
+
+// Mooncake → ferry over RDMA: the descriptor says rdma with the arena's
+// keys; the peer's WRITEs land in a receive slot, which arrives when the
+// peer's notify names its buffer_address; ferryd then writes back to the
+// peer over the same endpoint. A notify naming no slot is a WARN line.
+func TestMooncakeRDMAWritesIntoReceiveSlots(t *testing.T) {
+	requireRDMA(t)
+	rcv, seg := startMooncakeSegment(t, "--transport", "rdma")
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 4 << 20})
+	ctx := ctxT(t)
+	slot, err := rcv.c.Receive(ctx, "mcr-in", embBytes)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := randomBytes(embBytes, 40)
+	half := uint64(embBytes / 2)
+	desc, err := peer.WriteRDMA(ctx, seg, slot.BufferAddress, data[:half], "")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if desc.Protocol != "rdma" || len(desc.Devices) != 1 || len(desc.Buffers) != 1 || len(desc.Buffers[0].RKey) != 1 {
+		t.Fatalf("descriptor %+v: want protocol rdma, one device, the arena as one buffer with its rkey", desc)
+	}
+	if info, err := rcv.c.WaitInfo(ctx, "mcr-in", 0); err != nil || info.Arrived {
+		t.Fatalf("the slot arrived before any notify: %+v %v", info, err)
+	}
+	if _, err := peer.WriteRDMA(ctx, seg, slot.BufferAddress+half, data[half:], fmt.Sprintf("%#x", slot.BufferAddress)); err != nil {
+		t.Fatal(err)
+	}
+	got, err := rcv.c.Wait(ctx, "mcr-in", 10*time.Second)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("the notified slot: %v, equal=%t", err, bytes.Equal(got, data))
+	}
+
+	if err := mooncake.SendNotify(ctx, seg, mooncake.NotifyDesc{Name: peer.Name(), NotifyMsg: "12345"}); err != nil {
+		t.Fatal(err)
+	}
+	rcv.log.wait(t, 5*time.Second, "the WARN line of a notify naming no slot", logSays("warn", "completed no receive slot"))
+
+	back := stageOn(t, rcv, "mcr-back", 8192, 41)
+	res, err := rcv.c.Send(ctx, "mcr-back", api.SendRequest{Session: mooncake.Scheme + peer.Name(), BufferAddress: peer.Base() + 8192})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.Transport != mooncake.RDMATransportName || !bytes.Equal(peer.Bytes(peer.Base()+8192, len(back)), back) {
+		t.Fatalf("ferryd writing back to the peer: %+v, equal=%t", res, bytes.Equal(peer.Bytes(peer.Base()+8192, len(back)), back))
+	}
+}
+
+// A write the peer's NIC refuses (its descriptor lists a wrong rkey)
+// fails with the completion status; each attempt tears the session and
+// its QPs down and handshakes afresh; the answer is transfer_failed
+// naming the session, nbytes and the status. Once the peer advertises
+// its true key, the next send delivers.
+func TestMooncakeRDMAFailedWritesTearDown(t *testing.T) {
+	requireRDMA(t)
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd", "--transport", "rdma", "--send-retries", "1"))
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 1 << 20})
+	ctx := ctxT(t)
+	session := mooncake.Scheme + peer.Name()
+	peer.AdvertiseWrongRKey(true)
+	data := stageOn(t, snd, "mcr-bad", embBytes, 50)
+	_, err := snd.c.Send(ctx, "mcr-bad", api.SendRequest{Session: session, BufferAddress: peer.Base()})
+	want := fmt.Sprintf("session=%s, nbytes=%d, ret=REM_ACCESS_ERR", session, embBytes)
+	if err == nil || !strings.Contains(err.Error(), "transfer_failed") || !strings.Contains(err.Error(), want) {
+		t.Fatalf("a send the NIC refuses: %v, want transfer_failed with %q", err, want)
+	}
+	if n := peer.Connects(); n != 2 {
+		t.Fatalf("%d connection handshakes for 2 attempts, want one each (the failed QPs torn down)", n)
+	}
+	peer.AdvertiseWrongRKey(false)
+	res, err := snd.c.Send(ctx, "mcr-bad", api.SendRequest{Session: session, BufferAddress: peer.Base()})
+	if err != nil || res.Attempts != 1 || !bytes.Equal(peer.Bytes(peer.Base(), embBytes), data) {
+		t.Fatalf("the send once the key is right: %+v, %v", res, err)
+	}
+}
+
+// Per-send registration into a Mooncake segment: the send registers its
+// range, says shared_mr false, and delivers; a ferryd whose arena has no
+// shared registration serves its Mooncake segment over TCP, saying why.
+func TestMooncakeRDMAPerSendRegistration(t *testing.T) {
+	requireRDMA(t)
+	snd, _ := startMooncakeSegment(t, "--transport", "rdma", "--rdma-registration", "per-send")
+	line := snd.log.wait(t, 5*time.Second, "the segment's protocol", msg("serving as a Mooncake segment"))
+	if line["protocol"] != "tcp" {
+		t.Errorf("a per-send ferryd serves its segment as %v, want tcp", line["protocol"])
+	}
+	snd.log.wait(t, 5*time.Second, "why it speaks TCP only", logSays("warn", "speaks TCP only"))
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 1 << 20})
+	ctx := ctxT(t)
+	data := stageOn(t, snd, "mcr-ps", embBytes, 60)
+	res, err := snd.c.Send(ctx, "mcr-ps", api.SendRequest{Session: mooncake.Scheme + peer.Name(), BufferAddress: peer.Base()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if res.SharedMR || res.Transport != mooncake.RDMATransportName || !bytes.Equal(peer.Bytes(peer.Base(), embBytes), data) {
+		t.Fatalf("per-send into a Mooncake segment: %+v (equal %t)", res, bytes.Equal(peer.Bytes(peer.Base(), embBytes), data))
+	}
+	if st, err := snd.c.Status(ctx); err != nil || st.Registration.PerSend != 1 {
+		t.Errorf("status %+v, %v; want one per-send registration", st.Registration, err)
+	}
+}
