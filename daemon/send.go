@@ -119,8 +119,8 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			// write on it.
 			break
 		}
-		if errors.Is(err, transport.ErrAuth) {
-			break // the peers' secrets differ: no re-dial can change that
+		if errors.Is(err, transport.ErrAuth) || errors.Is(err, transport.ErrIncompatible) {
+			break // the peers' secrets or versions differ: no re-dial can change that
 		}
 		d.metrics.sessionFailures.WithLabelValues(req.Session).Inc()
 		p.teardown(sess)
@@ -134,8 +134,11 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	if !sent {
 		d.failed(retCode(lastErr), "failed", elapsed)
 		when := "when the peer is back"
-		if errors.Is(lastErr, transport.ErrAuth) {
+		switch {
+		case errors.Is(lastErr, transport.ErrAuth):
 			when = "once both daemons hold the same peer secret"
+		case errors.Is(lastErr, transport.ErrIncompatible):
+			when = "once both daemons run the same ferry release"
 		}
 		return res, apiErr(http.StatusBadGateway, api.CodeTransferFailed,
 			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend %s, or DELETE /v1/embeddings/%s",
@@ -214,6 +217,8 @@ func retCode(err error) string {
 		return "closed"
 	case errors.Is(err, transport.ErrAuth):
 		return "auth"
+	case errors.Is(err, transport.ErrIncompatible):
+		return "incompatible"
 	}
 	return "error"
 }

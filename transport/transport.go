@@ -139,6 +139,11 @@ var ErrClosed = errors.New("transport closed")
 // path, re-dialing cannot fix it: the daemons' configuration must change.
 var ErrAuth = errors.New("peer authentication failed")
 
+// ErrIncompatible is wrapped by a dial whose peer speaks another protocol
+// (another ferry version, or no ferry at all). Like ErrAuth, no re-dial
+// fixes it.
+var ErrIncompatible = errors.New("incompatible peer")
+
 // IsRefusal reports whether err is a receiver's refusal, as opposed to a
 // broken path (which a retry on a fresh session may fix).
 func IsRefusal(err error) bool {

@@ -1,6 +1,8 @@
 package e2e
 
 import (
+	"io"
+	"net"
 	"net/http"
 	"os"
 	"os/exec"
@@ -144,4 +146,31 @@ func TestRDMAPeersProveTheSecret(t *testing.T) {
 	wantErr(t, err, http.StatusBadGateway, api.CodeTransferFailed, "peer authentication failed", "ret=auth", "after 1 attempt(s)")
 	rcv.log.wait(t, 5*time.Second, "the receiver's refusal", refusedFor("proof mismatch"))
 	rcv.alive(t)
+}
+
+// TestSendToAPortThatIsNotFerry: a session naming some other service's
+// port fails once, saying what answered, instead of re-dialing a peer
+// that can never speak ferry's protocol.
+func TestSendToAPortThatIsNotFerry(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			c.SetDeadline(time.Now().Add(10 * time.Second))
+			io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n")
+			c.Close()
+		}
+	}()
+	snd := startDaemon(t, t.TempDir(), "snd", "--send-retries", "3")
+	stageOn(t, snd, "not-ferry", 4096, 75)
+	_, err = snd.c.Send(ctxT(t), "not-ferry", api.SendRequest{Session: ln.Addr().String(), BufferAddress: 1 << 20, Key: 1})
+	wantErr(t, err, http.StatusBadGateway, api.CodeTransferFailed, "bad magic", "HTTP", "ret=incompatible", "after 1 attempt(s)", "same ferry release")
+	snd.alive(t)
 }

@@ -145,7 +145,7 @@ func (c *conn) greet(ctx context.Context, instance uint64, kind uint32, secret [
 	var w welcome
 	w.decode(&wb)
 	if _, err := w.check(); err != nil {
-		return 0, err
+		return 0, fmt.Errorf("%w: %v", transport.ErrIncompatible, err)
 	}
 	switch w.status {
 	case statusOK:

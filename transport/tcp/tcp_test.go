@@ -238,14 +238,15 @@ func welcomeAs(v, status uint32) func(c net.Conn) {
 func TestDialHostilePeer(t *testing.T) {
 	tx := listen(t, Config{Sink: transporttest.NewSlots(0)})
 	for _, c := range []struct {
-		name   string
-		answer func(c net.Conn)
-		want   []string
+		name         string
+		answer       func(c net.Conn)
+		want         []string
+		incompatible bool // no re-dial can help: the daemon must not retry
 	}{
-		{"WrongVersion", welcomeAs(4, statusBadVersion), []string{"peer speaks version 4", "this daemon speaks version 3", "upgrade the older daemon"}},
-		{"NotFerry", func(c net.Conn) { io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n") }, []string{"bad magic", "HTTP"}},
-		{"Refused", welcomeAs(version, 77), []string{"status 77"}},
-		{"ClosesEarly", func(c net.Conn) { c.Read(make([]byte, 1)) }, []string{"peer closed the connection"}},
+		{"WrongVersion", welcomeAs(4, statusBadVersion), []string{"peer speaks version 4", "this daemon speaks version 3", "upgrade the older daemon"}, true},
+		{"NotFerry", func(c net.Conn) { io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n") }, []string{"bad magic", "HTTP"}, true},
+		{"Refused", welcomeAs(version, 77), []string{"status 77"}, false},
+		{"ClosesEarly", func(c net.Conn) { c.Read(make([]byte, 1)) }, []string{"peer closed the connection"}, false},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			addr := fakePeer(t, c.answer)
@@ -257,6 +258,9 @@ func TestDialHostilePeer(t *testing.T) {
 				if !strings.Contains(err.Error(), w) {
 					t.Errorf("error %q does not mention %q", err, w)
 				}
+			}
+			if got := errors.Is(err, transport.ErrIncompatible); got != c.incompatible {
+				t.Errorf("errors.Is(%q, ErrIncompatible) = %v, want %v", err, got, c.incompatible)
 			}
 		})
 	}
