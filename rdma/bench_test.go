@@ -25,10 +25,14 @@ func benchDevice(b *testing.B) {
 	}
 }
 
-// writers is how many writes a benchmark keeps in flight, each on its own
-// lane (a lane carries one write at a time): by default ferryd's lanes
-// per peer (--max-conns). test/rxevm runs ib_write_bw with as many QPs.
-var writers = flag.Int("writers", 8, "writes in flight in BenchmarkWrite and BenchmarkWriteMode")
+// writers is how many writes a benchmark keeps in flight, over at most
+// lanes lanes (RC QPs; by default ferryd's lanes per peer, --max-conns):
+// a lane carries one write being posted and others awaiting their
+// completions. test/rxevm runs ib_write_bw with as many QPs as lanes.
+var (
+	writers = flag.Int("writers", 32, "writes in flight in BenchmarkWrite and BenchmarkWriteMode")
+	lanes   = flag.Int("lanes", 8, "lanes (RC QPs) the writers share in BenchmarkWrite and BenchmarkWriteMode")
+)
 
 // rig is a sender and a receiver over mapped memory, the way ferryd runs
 // them (Memory is the arena), with a region of the receiver's memory per
@@ -65,7 +69,7 @@ func newRig(b *testing.B, size int, perSend bool) *rig {
 		src[i] = byte(i * 7)
 	}
 	sink := &benchSink{mem: mapT(b, *writers*size)}
-	tx := listenT(b, nil, Config{Memory: src, PerSend: perSend})
+	tx := listenT(b, nil, Config{TCP: tcp.Config{MaxConnsPerPeer: *lanes}, Memory: src, PerSend: perSend})
 	rx := listenT(b, nil, Config{TCP: tcp.Config{Sink: sink}, Memory: sink.mem, PerSend: perSend})
 	s, err := tx.Dial(context.Background(), rx.Addr().String())
 	if err != nil {
