@@ -86,3 +86,38 @@ func TestLaneCarriesSeveralWrites(t *testing.T) {
 		t.Errorf("the receiver serves %d lanes, want the session's one", lanes)
 	}
 }
+
+// TestRejectsCompletionWithoutGrant: a sender that writes WITH IMM under
+// the receiver's shared rkey without asking first gets nothing
+// delivered; the receiver counts and logs the rejection and ends the
+// lane.
+func TestRejectsCompletionWithoutGrant(t *testing.T) {
+	f := newFabric()
+	slots := mappedSlots(t, 1<<20)
+	var logs logLines
+	src := mapT(t, 4096)
+	tx := listenT(t, f, Config{Memory: src})
+	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
+	l, _, region, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.close()
+	slots.Add(0, 4096) // a live slot, never asked for
+	err = l.qp.Post([]op{{WRID: 1, Local: addrOf(src), Remote: region.Base, Len: 4096, LKey: tx.shared.LKey(), RKey: region.RKey,
+		Imm: 0x33, Signaled: true, WithImm: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs.wait(t, "rejected a completion with no write granted", "immediate 0x33")
+	if got := rx.Stats().Rejected; got != 1 {
+		t.Errorf("rejected completions counted: %d, want 1", got)
+	}
+	if n := slots.Delivered(0x33); n != 0 {
+		t.Errorf("an unasked-for write was delivered %d times", n)
+	}
+	// The lane ends: the sender's control connection closes.
+	if _, err := wait[answer](l, nil, time.Now().Add(30*time.Second), nil); err != errDead {
+		t.Fatalf("waiting for the lane to end: %v", err)
+	}
+}

@@ -100,20 +100,20 @@ ferrybw() { benchbw /opt/rdma.bench "$1" "$2" -lanes $QPS -writers $((QPS * FLIG
 basebw() { benchbw /opt/base.bench "$1" "$2" $BASE_ARGS; }
 if [ "$BENCH" = 1 ]; then
   if [ -x /opt/base.bench ]; then
-    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; base = the RXEVM_BASE build ($BASE_ARGS); ib_write_bw -q $QPS; all on rxe0, run A B C A B C A B C"
+    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; base = the RXEVM_BASE build ($BASE_ARGS); ib_write_bw -q $QPS; all on rxe0, run A B C A B C ... (${ROUNDS:-3} rounds)"
   else
-    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B A B"
+    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ... (${ROUNDS:-3} rounds)"
   fi
   for spec in 65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40; do
     size=${spec%%:*} rest=${spec#*:}
     name=${rest%%:*} iters=${rest#*:}
     ib= fe= ba=
-    for round in 1 2 3; do
+    for round in $(seq 1 "${ROUNDS:-3}"); do
       ib="$ib $(ibbw $size $iters)"
       fe="$fe $(ferrybw $name $iters)"
       [ -x /opt/base.bench ] && ba="$ba $(basebw $name $iters)"
     done
-    # The median of three runs each: this machine's noise comes in bursts.
+    # The median of ROUNDS runs each: this machine's noise comes in bursts.
     echo "$name|$ib|$fe|$ba" | awk -F'|' 'function med(s,   v, n, t, i, j) { n = split(s, v, " "); for (i = 1; i <= n; i++) v[i] += 0; for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (v[j] < v[i]) { t = v[i]; v[i] = v[j]; v[j] = t } return v[int((n + 1) / 2)] }
       {ib = med($2); f = med($3);
       line = sprintf("== BENCH write size=%s ib_write_bw_MBps=%.2f ferry_MBps=%.2f ratio=%.2f", $1, ib, f, (ib > 0 ? f / ib : 0));
