@@ -1,6 +1,7 @@
 package rdma
 
 import (
+	"bufio"
 	"net"
 	"runtime"
 	"sync"
@@ -8,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // busyPoll is how long a lane's poller keeps polling its CQ after the last
@@ -184,9 +186,11 @@ type answer struct {
 // lane, and a failure report, which ends the lane for every write on it.
 func (l *lane) readAnswers() {
 	defer close(l.dead)
+	// Buffered: a reply and its grant usually come in one read.
+	in := bufio.NewReaderSize(l.ctrl, tcp.ReplySize+tcp.MaxMessage+grantSize)
 	for {
 		var gb [grantSize]byte
-		r, err := readReply(l.ctrl, gb[:])
+		r, err := readReply(in, gb[:])
 		if err != nil {
 			l.ansErr = err
 			return

@@ -424,6 +424,9 @@ func (s *session) broken(ctx context.Context, l *lane, err error, where string) 
 		return fmt.Errorf("rdma write to %s: the receiver failed the lane's writes %s (%s): %s", s.peer, where, l.lastWord.code, l.lastWord.msg)
 	case err == errDead:
 		return s.fail(ctx, l.ansErr, where)
+	case err == errLaneClosed && !s.pool.Closed():
+		// Another write on the lane failed and dropped it.
+		return fmt.Errorf("rdma write to %s: the lane broke under another write and closed %s", s.peer, where)
 	case err == errLaneClosed || s.pool.Closed():
 		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ErrClosed, where)
 	case ctxErr(ctx) != nil:

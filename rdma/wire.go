@@ -201,7 +201,7 @@ func writeReply(c net.Conn, code transport.Code, flags uint16, msg string, body 
 }
 
 // readReply reads a reply; after an OK one it fills body.
-func readReply(c net.Conn, body []byte) (reply, error) {
+func readReply(c io.Reader, body []byte) (reply, error) {
 	var b [tcp.ReplySize]byte
 	if _, err := io.ReadFull(c, b[:]); err != nil {
 		return reply{}, err

@@ -104,7 +104,7 @@ if [ "$BENCH" = 1 ]; then
   else
     echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ... (${ROUNDS:-3} rounds)"
   fi
-  for spec in 65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40; do
+  for spec in ${SPECS:-65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40}; do
     size=${spec%%:*} rest=${spec#*:}
     name=${rest%%:*} iters=${rest#*:}
     ib= fe= ba=

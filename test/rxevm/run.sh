@@ -18,6 +18,8 @@
 #   RXEVM_QPS    lanes (RC QPs) for ferry and QPs for ib_write_bw (default 8)
 #   RXEVM_FLIGHT ferry's writes in flight per lane (default 4)
 #   RXEVM_ROUNDS alternating runs per size in the write benchmark (default 3)
+#   RXEVM_SPECS  its sizes, as BYTES:NAME:ITERATIONS ... (default 64 KiB,
+#                1 MiB and 4 MiB)
 #   RXEVM_BASE   an rdma test binary from another revision (go test -c
 #                ./rdma there), benchmarked beside this one in the same
 #                run: base_MBps= and base_ratio= in the BENCH lines
@@ -134,6 +136,7 @@ PROFILE=${RXEVM_PROFILE:-0}
 QPS=${RXEVM_QPS:-8}
 FLIGHT=${RXEVM_FLIGHT:-4}
 ROUNDS=${RXEVM_ROUNDS:-3}
+SPECS='${RXEVM_SPECS:-}'
 BASE_ARGS='${RXEVM_BASE_ARGS:--writers ${RXEVM_QPS:-8}}'
 EOF
 (cd "$R" && find . | cpio -o -H newc --quiet | gzip -1) >"$W/initramfs.gz"
