@@ -2,6 +2,8 @@ package rdma
 
 import (
 	"bytes"
+	"context"
+	"errors"
 	"sync"
 	"testing"
 	"time"
@@ -119,5 +121,67 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	// The lane ends: the sender's control connection closes.
 	if _, err := wait[answer](l, nil, time.Now().Add(30*time.Second), nil); err != errDead {
 		t.Fatalf("waiting for the lane to end: %v", err)
+	}
+}
+
+// TestCanceledWriteInFlightSparesItsLane: a write canceled after it let
+// go of its lane waits (boundedly) for its own completion instead of
+// breaking the QP under the lane's other writes: the caller gets the
+// cancellation, the other write completes, and the lane carries the next.
+func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
+	if onDevice(t) {
+		t.Skip("holding writes on the wire needs the fake NIC")
+	}
+	f := newFabric()
+	const size = 64 << 10
+	src := mapT(t, size)
+	slots := mappedSlots(t, 3*size)
+	accepted := make(chan struct{}, 3)
+	tx := listenT(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1}, Memory: src})
+	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	f.hold = make(chan struct{})
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	write := func(ctx context.Context, i int) chan error {
+		res := make(chan error, 1)
+		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
+		go func() { res <- s.Write(ctx, w) }()
+		select {
+		case <-accepted:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("write %d never reached the receiver", i)
+		}
+		return res
+	}
+	ctx, cancel := context.WithCancel(ctxFor(t, 30*time.Second))
+	first := write(ctx, 0)
+	// The one lane carried the second header: the first write let go of
+	// it, every work request posted.
+	second := write(ctxFor(t, 30*time.Second), 1)
+	cancel()
+	release()
+	if err := <-first; !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled write: %v, want context.Canceled", err)
+	}
+	if err := <-second; err != nil {
+		t.Fatalf("the other write on the lane: %v", err)
+	}
+	if err := <-write(ctxFor(t, 30*time.Second), 2); err != nil {
+		t.Fatalf("the next write on the lane: %v", err)
+	}
+	// The canceled write had been posted and completed: it landed.
+	if err := slots.Wait(ctxFor(t, 30*time.Second), 1, 2, 3); err != nil {
+		t.Fatal(err)
+	}
+	rx.mu.Lock()
+	lanes := len(rx.accepted)
+	rx.mu.Unlock()
+	if lanes != 1 {
+		t.Errorf("the receiver serves %d lanes, want the one the canceled write spared", lanes)
 	}
 }
