@@ -296,7 +296,9 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *fl
 	}
 	l.seq++
 	f.seq = l.seq
-	f.wcs = make(chan completion, f.window+1)
+	// Room for every completion the write can have outstanding (flushes
+	// included), so the poller never waits on it.
+	f.wcs = make(chan completion, min(f.window, f.count)+1)
 	l.route(f.seq, f.wcs)
 	if err := s.transfer(ctx, l, f, false); err != nil {
 		l.unroute(f.seq)
