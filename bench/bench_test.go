@@ -11,8 +11,6 @@ import (
 	"testing"
 	"time"
 	"unicode/utf8"
-
-	"github.com/ferry-project/ferry/transport"
 )
 
 func us(v ...int) []time.Duration {
@@ -142,66 +140,5 @@ func TestForEachCoversEveryIndexOnce(t *testing.T) {
 		if seen[i].Load() != 1 {
 			t.Fatalf("index %d ran %d times", i, seen[i].Load())
 		}
-	}
-}
-
-// registrar stands in beneath the transport.Registrar seam for the RDMA
-// transport, whose real registrations its own tests cover; it checks what
-// Register is asked to cover and that every registration is undone.
-type registrar struct {
-	live  int
-	sizes []int64
-}
-
-func (r *registrar) Register(addr uint64, n int64) (transport.Registration, error) {
-	if addr == 0 || n <= 0 {
-		return nil, errors.New("bad range")
-	}
-	r.live++
-	r.sizes = append(r.sizes, n)
-	return dereg(func() error { r.live--; return nil }), nil
-}
-
-type dereg func() error
-
-func (d dereg) Deregister() error { return d() }
-
-func TestRegisterPerSendAndShared(t *testing.T) {
-	r := &registrar{}
-	rows, err := Register(context.Background(), r, RegisterConfig{
-		Sizes: []int64{4096, 1 << 20}, Iterations: 3, ArenaSize: 4 << 20, ArenaDir: t.TempDir(),
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if r.live != 0 {
-		t.Fatalf("%d registrations left behind", r.live)
-	}
-	want := []int64{4096, 4096, 4096, 1 << 20, 1 << 20, 1 << 20, 4 << 20}
-	if len(r.sizes) != len(want) {
-		t.Fatalf("registered %v, want %v", r.sizes, want)
-	}
-	for i := range want {
-		if r.sizes[i] != want[i] {
-			t.Fatalf("registered %v, want %v", r.sizes, want)
-		}
-	}
-	if len(rows) != 6 || rows[0].Op != "register" || rows[0].Mode != "per_send" || rows[0].Iterations != 3 ||
-		rows[1].Op != "deregister" || rows[4].Mode != "shared" || rows[4].Size != 4<<20 || rows[4].Iterations != 1 {
-		t.Fatalf("rows %+v", rows)
-	}
-}
-
-func TestOpenTransport(t *testing.T) {
-	tr, err := OpenTransport("tcp")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer tr.Close()
-	if _, ok := tr.(transport.Registrar); ok {
-		t.Fatal("tcp must not claim to register memory")
-	}
-	if _, err := OpenTransport("carrier-pigeon"); err == nil || !strings.Contains(err.Error(), "only tcp") {
-		t.Fatalf("unknown transport: %v", err)
 	}
 }

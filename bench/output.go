@@ -20,7 +20,6 @@ type Row struct {
 	// a peer slot, as its client sees it), write (a bare transport write,
 	// no daemon), status, stage_send, register or deregister.
 	Op          string  `json:"op"`
-	Mode        string  `json:"mode,omitempty"` // register: shared or per_send
 	Size        int64   `json:"size_bytes,omitempty"`
 	Concurrency int     `json:"concurrency,omitempty"`
 	Iterations  int     `json:"iterations"`
@@ -99,7 +98,6 @@ var (
 	colP999   = column{"p99.9µs", "p99_9_us", func(r Row) string { return num(r.Latency.P999, 1) }}
 	colMax    = column{"maxµs", "max_us", func(r Row) string { return num(r.Latency.Max, 1) }}
 	colErrors = column{"errors", "errors", func(r Row) string { return strconv.Itoa(r.Errors) }}
-	colMode   = column{"mode", "mode", func(r Row) string { return r.Mode }}
 	colWrite  = column{"write p50µs", "daemon_write_p50_us", func(r Row) string {
 		if r.DaemonWrite == nil {
 			return "-"
@@ -118,7 +116,6 @@ var (
 var (
 	transferColumns = []column{colOp, colSize, colConc, colIters, colGBps, colGbit, colP50, colP90, colP99, colP999, colMax, colErrors, colWrite, colStage}
 	apiColumns      = []column{colOp, colSize, colConc, colIters, colRate, colP50, colP90, colP99, colP999, colMax, colErrors}
-	registerColumns = []column{colOp, colMode, colSize, colIters, colP50, colP90, colP99, colMax, colErrors}
 )
 
 // Format names an output format.
@@ -180,8 +177,6 @@ func columnsFor(command string) []column {
 	switch command {
 	case "api":
 		return apiColumns
-	case "register":
-		return registerColumns
 	}
 	return transferColumns
 }

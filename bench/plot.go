@@ -29,7 +29,7 @@ func (rep Report) Plot(path string) error {
 	if format != "png" && format != "svg" {
 		return fmt.Errorf("--plot %s: name a .png or .svg file", path)
 	}
-	if rep.Command == "register" || len(rep.Rows) == 0 {
+	if len(rep.Rows) == 0 {
 		return fmt.Errorf("--plot: ferrybench %s has nothing to plot", rep.Command)
 	}
 	var plots []*plot.Plot

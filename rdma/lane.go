@@ -1,12 +1,15 @@
 package rdma
 
 import (
+	"bufio"
 	"net"
 	"runtime"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // busyPoll is how long a lane's poller keeps polling its CQ after the last
@@ -16,31 +19,51 @@ import (
 const busyPoll = 50 * time.Microsecond
 
 // lane is one RC queue pair and the TCP control connection it was set up
-// over, carrying one write at a time. A session pools the lanes it
-// dialed; a receiving transport serves each lane it accepted.
+// over. A session pools the lanes it dialed: a write holds its lane from
+// its header until its last work request is posted, and may then let go
+// of it before its completion (see session.write), so that the next
+// write's grant round trip overlaps its transfer. A receiving transport
+// serves each lane it accepted, several granted writes at a time.
 type lane struct {
 	qp   queuePair
 	ctrl *net.TCPConn
 
-	wcs     chan completion // from the poller, in CQ order
+	wcs     chan completion // from the poller, in CQ order (accepted lanes)
 	quit    chan struct{}   // closed by close: the poller and any waiter stop
 	polled  chan struct{}   // closed when the poller has returned
 	pollMu  sync.Mutex
 	pollErr error
 
-	// use is held by whoever works the lane (a write, a receive loop);
-	// close takes it to wait them out before destroying the QP.
-	use       sync.Mutex
+	// use is held shared by whoever works the lane (the writes on it, a
+	// receive loop); close takes it to wait them out before destroying
+	// the QP.
+	use       sync.RWMutex
 	closeOnce sync.Once
 	closeErr  error
 
-	seq uint32 // the sender's writes on this lane, for work request ids
+	// The rest is a dialed lane's, nil or zero on an accepted one.
 
-	// answers carries the receiver's replies on a dialed lane (readAnswers
-	// reads them); it closes when the control connection fails, after
-	// ansErr is set. nil on an accepted lane.
-	answers chan answer
-	ansErr  error
+	seq uint32 // the sender's writes, for work request ids; under the lane's hold
+
+	// routes takes the poller's completions to the write whose sequence
+	// number their work request id carries.
+	routeMu sync.Mutex
+	routes  map[uint32]chan completion
+	// flying counts the writes that let go of the lane and wait for their
+	// completion (at most flyingMax).
+	flying atomic.Int32
+	// broken is set when a write that had let go of the lane failed: the
+	// QP is broken, and the next write to take the lane drops it.
+	broken atomic.Bool
+
+	// answers carries the receiver's replies to the write holding the
+	// lane (readAnswers reads them). dead closes when the control
+	// connection fails or the receiver failed the lane's writes, after
+	// ansErr or lastWord is set.
+	answers  chan answer
+	dead     chan struct{}
+	ansErr   error
+	lastWord reply // a reply with flagFailed: why the receiver gave up
 
 	// The sender's bounce buffer, mapped and registered on first use.
 	bounce    []byte
@@ -72,9 +95,7 @@ func (l *lane) poll() {
 			return
 		}
 		for _, c := range buf[:n] {
-			select {
-			case l.wcs <- c:
-			case <-l.quit:
+			if !l.deliver(c) {
 				return
 			}
 		}
@@ -119,6 +140,41 @@ func (l *lane) failure() error {
 	return errLaneClosed
 }
 
+// deliver hands c to its write on a dialed lane (dropping it when that
+// write has gone), or to wcs on an accepted one. It reports false when
+// the lane is closing.
+func (l *lane) deliver(c completion) bool {
+	to := l.wcs
+	if l.routes != nil {
+		l.routeMu.Lock()
+		to = l.routes[uint32(c.WRID>>32)]
+		l.routeMu.Unlock()
+		if to == nil {
+			return true
+		}
+	}
+	select {
+	case to <- c:
+		return true
+	case <-l.quit:
+		return false
+	}
+}
+
+// route sends the completions of the write numbered seq to wcs until
+// unroute.
+func (l *lane) route(seq uint32, wcs chan completion) {
+	l.routeMu.Lock()
+	l.routes[seq] = wcs
+	l.routeMu.Unlock()
+}
+
+func (l *lane) unroute(seq uint32) {
+	l.routeMu.Lock()
+	delete(l.routes, seq)
+	l.routeMu.Unlock()
+}
+
 // answer is a receiver's reply on a dialed lane, with its grant.
 type answer struct {
 	reply
@@ -126,15 +182,21 @@ type answer struct {
 }
 
 // readAnswers reads the receiver's replies off a dialed lane's control
-// connection, so that a sender waiting for completions also hears of a
-// receiver that gave up on the write or went away.
+// connection: the one answer to each header, for the write holding the
+// lane, and a failure report, which ends the lane for every write on it.
 func (l *lane) readAnswers() {
-	defer close(l.answers)
+	defer close(l.dead)
+	// Buffered: a reply and its grant usually come in one read.
+	in := bufio.NewReaderSize(l.ctrl, tcp.ReplySize+tcp.MaxMessage+grantSize)
 	for {
 		var gb [grantSize]byte
-		r, err := readReply(l.ctrl, gb[:])
+		r, err := readReply(in, gb[:])
 		if err != nil {
 			l.ansErr = err
+			return
+		}
+		if r.flags&flagFailed != 0 {
+			l.lastWord = r
 			return
 		}
 		a := answer{reply: r}
@@ -149,33 +211,25 @@ func (l *lane) readAnswers() {
 	}
 }
 
-// event is what a lane's user waits for: a completion or, on a dialed
-// lane, an answer from the receiver (ok false: the connection failed).
-type event struct {
-	wc       completion
-	answer   answer
-	isAnswer bool
-	ok       bool
-}
-
-// next waits until deadline for the next completion or answer, or until
-// the lane is closing or cancel closes.
-func (l *lane) next(deadline time.Time, cancel <-chan struct{}) (event, error) {
+// wait waits until deadline for a value from ch (nil: none), or until the
+// receiver gives up on the lane (dead), the lane closes, or cancel closes.
+func wait[T any](l *lane, ch <-chan T, deadline time.Time, cancel <-chan struct{}) (T, error) {
+	var zero T
 	t := time.NewTimer(time.Until(deadline))
 	defer t.Stop()
 	select {
-	case c := <-l.wcs:
-		return event{wc: c}, nil
-	case a, ok := <-l.answers:
-		return event{answer: a, isAnswer: true, ok: ok}, nil
+	case v := <-ch:
+		return v, nil
+	case <-l.dead:
+		return zero, errDead
 	case <-l.quit:
-		return event{}, errLaneClosed
+		return zero, errLaneClosed
 	case <-l.polled:
-		return event{}, l.failure()
+		return zero, l.failure()
 	case <-cancel:
-		return event{}, errCanceled
+		return zero, errCanceled
 	case <-t.C:
-		return event{}, errNoProgress
+		return zero, errNoProgress
 	}
 }
 

@@ -403,7 +403,7 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, w mooncake.RDMAWr
 		if cd, ok := ctx.Deadline(); ok && cd.Before(deadline) {
 			deadline = cd
 		}
-		ev, err := l.next(deadline, ctx.Done())
+		wc, err := wait(l, l.wcs, deadline, ctx.Done())
 		switch {
 		case err == errNoProgress:
 			return fmt.Errorf("the peer made no progress for %s with %d work requests in flight", t.cfg.TCP.IOTimeout, posted-retired)
@@ -411,10 +411,10 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, w mooncake.RDMAWr
 			return ctxErr(ctx)
 		case err != nil:
 			return err
-		case ev.wc.WRID>>32 != base>>32:
+		case wc.WRID>>32 != base>>32:
 			continue // a stale completion; none are expected
-		case ev.wc.Status != wcSuccess:
-			return &CompletionError{Status: ev.wc.Status, VendorErr: ev.wc.VendorErr, Op: "rdma write"}
+		case wc.Status != wcSuccess:
+			return &CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma write"}
 		}
 		retired++
 	}

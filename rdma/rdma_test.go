@@ -295,11 +295,11 @@ func newLoop(t *testing.T, size int) *loop {
 
 func (lp *loop) wait(t *testing.T, l *lane) completion {
 	t.Helper()
-	ev, err := l.next(time.Now().Add(30*time.Second), nil)
+	c, err := wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
 	if err != nil {
 		t.Fatalf("waiting for a completion: %v", err)
 	}
-	return ev.wc
+	return c
 }
 
 // TestLoopback writes with an immediate from one QP into another's

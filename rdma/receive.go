@@ -99,7 +99,12 @@ func (t *Transport) region() peerRegion {
 	return peerRegion{Mode: modeNone}
 }
 
-// receiver serves the writes of one accepted lane, one at a time.
+// receiver serves the writes of one accepted lane. It grants each header
+// its Sink accepts, up to recvDepth at a time, without waiting for the
+// writes granted before it, and takes the receive completions in the
+// order it granted: RC places a lane's messages in the order they were
+// posted, and a sender posts in the order of its headers. Each completion
+// must match the oldest grant outstanding, or nothing more is delivered.
 type receiver struct {
 	t       *Transport
 	l       *lane
@@ -107,32 +112,72 @@ type receiver struct {
 	hdrs    chan tcp.Header // from read
 	gone    chan struct{}   // closed by read when the control connection ends
 	readErr error           // why, set before gone closes; nil for a clean close
+	granted []granted       // outstanding, oldest first
 }
 
+// granted is a write granted and not yet completed.
+type granted struct {
+	h    tcp.Header
+	tg   *target
+	done func(error)
+}
+
+// run serves headers and completions until the control connection ends
+// or the transport closes. When either happens with writes granted, the
+// QP is broken and its completions drained: writes that completed before
+// are still delivered, anything later is flushed.
 func (r *receiver) run() error {
-	r.l.use.Lock()
-	defer r.l.use.Unlock()
+	l, t := r.l, r.t
+	l.use.RLock()
+	defer l.use.RUnlock()
 	go r.read()
+	gone, closing := r.gone, t.closing
+	var drained <-chan time.Time
 	for {
+		hdrs, stopping := r.hdrs, closing
+		if len(r.granted) == recvDepth || drained != nil {
+			hdrs = nil // every posted receive is spoken for
+		}
+		if len(r.granted) == 0 {
+			stopping = nil // Close ends the lane, and read sees it
+		}
 		select {
-		case <-r.gone:
-			return r.readErr
-		case <-r.l.polled:
-			return r.l.failure()
-		case h := <-r.hdrs:
-			if err := r.serve(h); err == errLaneClosed {
+		case h := <-hdrs:
+			if err := r.serve(h); err != nil {
+				return r.fail(err)
+			}
+		case c := <-l.wcs:
+			if err := r.complete(c, drained != nil); err != nil {
+				return r.fail(err)
+			}
+			if drained != nil && len(r.granted) == 0 {
 				<-r.gone
 				return r.readErr
-			} else if err != nil {
-				return err
 			}
+		case <-gone:
+			if len(r.granted) == 0 {
+				return r.readErr
+			}
+			gone, closing = nil, nil
+			l.qp.Break()
+			drained = time.After(drainWait)
+		case <-stopping:
+			gone, closing = nil, nil
+			l.qp.Break()
+			drained = time.After(drainWait)
+		case <-drained:
+			h := r.granted[0].h
+			return r.fail(fmt.Errorf("the %d-byte write tagged %d (and %d granted after it) did not complete before its lane closed", h.Len, h.Tag, len(r.granted)-1))
+		case <-l.polled:
+			l.qp.Break()
+			return r.fail(l.failure())
 		}
 	}
 }
 
 // read takes headers off the control connection. A sender sends the next
-// header as soon as its write completes, which may be before the
-// receiver has seen that write's completion, so headers queue here.
+// header while its earlier writes are in flight; run takes it when it
+// may grant another.
 func (r *receiver) read() {
 	defer close(r.gone)
 	var b [tcp.HeaderSize]byte
@@ -158,8 +203,8 @@ func (r *receiver) reply(code transport.Code, flags uint16, msg string, body []b
 	return writeReply(r.l.ctrl, code, flags, msg, body)
 }
 
-// serve answers one header: a refusal, or a grant and then the wait for
-// the write's completion.
+// serve answers one header: a refusal, or a grant. An error ends the
+// lane.
 func (r *receiver) serve(h tcp.Header) error {
 	t := r.t
 	if h.Len > t.cfg.TCP.MaxWrite {
@@ -180,77 +225,68 @@ func (r *receiver) serve(h tcp.Header) error {
 		done(err)
 		return r.reply(transport.Internal, 0, fmt.Sprintf("the receiver could not make its memory reachable: %v", err), nil)
 	}
+	// Outstanding before the reply goes out: if part of it does, fail
+	// breaks the QP before letting go of the memory.
+	r.granted = append(r.granted, granted{h: h, tg: tg, done: done})
 	var gb [grantSize]byte
 	g := grant{Addr: tg.addr, RKey: tg.rkey}
 	g.encode(&gb)
-	if err := r.reply(transport.OK, 0, "", gb[:]); err != nil {
-		// Part of the grant may have gone out: stop the QP before
-		// letting go of the memory.
-		r.l.qp.Break()
-		tg.finish(false)
-		done(err)
-		return err
-	}
-	return r.await(h, tg, done)
+	return r.reply(transport.OK, 0, "", gb[:])
 }
 
-// await waits for the completion of a granted write and delivers it when
-// it matches the grant. When the control connection ends or the
-// transport closes first, the QP is broken and its completions drained:
-// a write that completed before is still delivered, anything later is
-// flushed.
-func (r *receiver) await(h tcp.Header, tg *target, done func(error)) error {
+// complete takes one receive completion: the oldest grant's write when it
+// matches it, delivered. draining says the QP is broken: no receives are
+// replenished.
+func (r *receiver) complete(c completion, draining bool) error {
 	l, t := r.l, r.t
-	gone, closing := r.gone, t.closing
-	var drained <-chan time.Time
-	fail := func(err error) error {
-		t.stats.failed.Add(1)
-		tg.finish(false)
-		done(err)
-		// Tell the sender, which is waiting for its completion, why the
-		// write failed here; the lane then closes.
-		code := transport.Internal
-		if t.isClosing() {
-			code = transport.ShuttingDown
+	if len(r.granted) == 0 {
+		if c.Status != wcSuccess {
+			return fmt.Errorf("a receive completed with no write granted: %w", &CompletionError{Status: c.Status, VendorErr: c.VendorErr, Op: "receive"})
 		}
-		r.reply(code, tcp.FlagClose|flagFailed, err.Error(), nil)
+		t.stats.rejected.Add(1)
+		return fmt.Errorf("rejected a completion with no write granted (opcode %d, immediate %#x, %d bytes): nothing was delivered", c.Opcode, c.Imm, c.ByteLen)
+	}
+	g := r.granted[0]
+	h := g.h
+	if c.Status != wcSuccess {
+		return fmt.Errorf("waiting for the %d-byte write tagged %d: %w", h.Len, h.Tag,
+			&CompletionError{Status: c.Status, VendorErr: c.VendorErr, Op: "receive"})
+	}
+	if c.Opcode != opcodeRecvRDMAWithImm || !c.HasImm || c.Imm != h.Tag || uint64(c.ByteLen) != lastChunk(h.Len) {
+		t.stats.rejected.Add(1)
+		return fmt.Errorf("rejected a completion that does not match its grant (opcode %d, immediate %#x, last message of %d bytes; granted tag %#x, %d bytes at %#x, whose last message is %d bytes): nothing was delivered",
+			c.Opcode, c.Imm, c.ByteLen, h.Tag, h.Len, h.Addr, lastChunk(h.Len))
+	}
+	r.granted = r.granted[1:]
+	g.tg.finish(true)
+	g.done(nil)
+	if draining {
+		return nil
+	}
+	if err := l.qp.PostRecvs(1); err != nil {
+		return fmt.Errorf("replenishing receives: %w", err)
+	}
+	return nil
+}
+
+// fail ends the lane on err: the QP broken (the NIC stops placing
+// bytes), every outstanding grant's memory let go undelivered, and the
+// sender told why when it has writes granted.
+func (r *receiver) fail(err error) error {
+	if len(r.granted) == 0 {
 		return err
 	}
-	for {
-		select {
-		case c := <-l.wcs:
-			if c.Status != wcSuccess {
-				return fail(fmt.Errorf("waiting for the %d-byte write tagged %d: %w", h.Len, h.Tag,
-					&CompletionError{Status: c.Status, VendorErr: c.VendorErr, Op: "receive"}))
-			}
-			if c.Opcode != opcodeRecvRDMAWithImm || !c.HasImm || c.Imm != h.Tag || uint64(c.ByteLen) != lastChunk(h.Len) {
-				t.stats.rejected.Add(1)
-				l.qp.Break()
-				return fail(fmt.Errorf("rejected a completion that does not match its grant (opcode %d, immediate %#x, last message of %d bytes; granted tag %#x, %d bytes at %#x, whose last message is %d bytes): nothing was delivered",
-					c.Opcode, c.Imm, c.ByteLen, h.Tag, h.Len, h.Addr, lastChunk(h.Len)))
-			}
-			tg.finish(true)
-			done(nil)
-			if drained != nil {
-				return errLaneClosed // delivered, but the lane is broken
-			}
-			if err := l.qp.PostRecvs(1); err != nil {
-				return fmt.Errorf("replenishing receives: %w", err)
-			}
-			return nil
-		case <-gone:
-			gone, closing = nil, nil
-			l.qp.Break()
-			drained = time.After(drainWait)
-		case <-closing:
-			gone, closing = nil, nil
-			l.qp.Break()
-			drained = time.After(drainWait)
-		case <-drained:
-			return fail(fmt.Errorf("the %d-byte write tagged %d did not complete before its lane closed", h.Len, h.Tag))
-		case <-l.polled:
-			l.qp.Break()
-			return fail(l.failure())
-		}
+	r.l.qp.Break()
+	for _, g := range r.granted {
+		r.t.stats.failed.Add(1)
+		g.tg.finish(false)
+		g.done(err)
 	}
+	r.granted = nil
+	code := transport.Internal
+	if r.t.isClosing() {
+		code = transport.ShuttingDown
+	}
+	r.reply(code, tcp.FlagClose|flagFailed, err.Error(), nil)
+	return err
 }

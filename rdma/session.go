@@ -51,7 +51,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 	if err != nil {
 		return nil, 0, peerRegion{}, err
 	}
-	qp, err := t.nic.NewQP(sendDepth, 1)
+	qp, err := t.nic.NewQP(sendDepth+flyingMax*flyingChunks, 1)
 	if err != nil {
 		c.Close()
 		return nil, 0, peerRegion{}, fmt.Errorf("creating a queue pair: %w", err)
@@ -99,8 +99,10 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", ctxErr(hctx))
 	}
 	c.SetDeadline(time.Time{})
-	l := newLane(qp, c, sendDepth+1)
+	l := newLane(qp, c, 0)
+	l.routes = make(map[uint32]chan completion)
 	l.answers = make(chan answer, 1)
+	l.dead = make(chan struct{})
 	go l.readAnswers()
 	return l, instance, a.peerRegion, nil
 }
@@ -118,8 +120,10 @@ func ctxErr(ctx context.Context) error {
 	return nil
 }
 
-// session is a pool of lanes to one peer. A write holds a lane for its
-// whole exchange, so concurrent writes travel on separate queue pairs.
+// session is a pool of lanes to one peer. A write holds a lane from its
+// header to its last post; concurrent writes take separate lanes while
+// the pool may open more, and share them (one posting, several waiting
+// for their completions) once it is full.
 type session struct {
 	t        *Transport
 	peer     string
@@ -160,7 +164,7 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("rdma write to %s: %w", s.peer, err)
 	}
-	l, err := s.pool.Get(ctx)
+	l, err := s.lane(ctx)
 	switch {
 	case err == pool.ErrClosed:
 		return fmt.Errorf("rdma write to %s: %w", s.peer, transport.ErrClosed)
@@ -171,57 +175,136 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 	case err != nil:
 		return fmt.Errorf("rdma write to %s: opening a lane: %w", s.peer, err)
 	}
-	reuse, err := s.write(ctx, l, &w)
-	if reuse {
-		s.pool.Put(l)
-	} else {
+	return s.write(ctx, l, &w)
+}
+
+// lane takes a lane from the pool, dropping those that a write which
+// had let go of them found broken.
+func (s *session) lane(ctx context.Context) (*lane, error) {
+	for {
+		l, err := s.pool.Get(ctx)
+		if err != nil || !l.broken.Load() {
+			return l, err
+		}
 		s.pool.Drop(l)
+	}
+}
+
+// write runs one write on l, which it holds from the pool: the header
+// out, the grant (or a refusal) in, then the body by RDMA. Once every
+// work request is posted it gives l back and waits for the completion
+// without it, when the write is small enough and few others wait on l
+// (flyingMax): the next write's header and grant then overlap this one's
+// transfer. The receiver grants in the order the headers came, and RC
+// delivers the writes in the order they were posted, which is that order
+// too, since a write holds the lane until its last post.
+func (s *session) write(ctx context.Context, l *lane, w *transport.Write) error {
+	held, reuse, err := s.run(ctx, l, w)
+	if held {
+		if reuse && !l.broken.Load() {
+			s.pool.Put(l)
+		} else {
+			s.pool.Drop(l)
+		}
 	}
 	return err
 }
 
-// write runs one write on l: the header out, the grant (or a refusal) in,
-// then the body by RDMA. reuse reports whether l may carry another write.
-func (s *session) write(ctx context.Context, l *lane, w *transport.Write) (reuse bool, err error) {
+// run is write under l.use (close waits for it). held reports whether
+// the write still holds l from the pool, reuse whether l may carry
+// another write as far as this one knows (a broken QP marks l broken).
+func (s *session) run(ctx context.Context, l *lane, w *transport.Write) (held, reuse bool, err error) {
+	l.use.RLock()
+	defer l.use.RUnlock()
+	f, reuse, err := s.start(ctx, l, w)
+	if err != nil {
+		return true, reuse, err
+	}
+	// The NIC is done with the source when the write returns: the last
+	// work request completed, or the QP was broken and drained.
+	defer f.src.release()
+	defer l.unroute(f.seq)
+	if f.src.kind == fromBounce || f.count > flyingChunks {
+		// The bounce ring is the lane's, and a long write would keep
+		// others' completions waiting behind it: hold on.
+		err = s.transfer(ctx, l, f, true)
+		return true, err == nil, err
+	}
+	if l.flying.Add(1) > flyingMax {
+		l.flying.Add(-1)
+		err = s.transfer(ctx, l, f, true)
+		return true, err == nil, err
+	}
+	defer l.flying.Add(-1)
+	// Others may take l now; if this write breaks its QP it marks l
+	// broken, and the next to take it drops it.
+	s.pool.Put(l)
+	return false, false, s.transfer(ctx, l, f, true)
+}
+
+// flight is a write whose body is being posted or awaited.
+type flight struct {
+	seq             uint32
+	n, count        int // bytes, work requests
+	posted, retired int
+	every, window   int
+	g               grant
+	w               *transport.Write
+	src             source
+	ring            []byte // fromBounce: the lane's bounce buffer
+	ringKey         uint32
+	wcs             chan completion
+}
+
+// start sends w's header on l, takes the receiver's answer, and posts the
+// body (waiting for completions while it needs the window). With an
+// error, reuse reports whether l may carry another write.
+func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *flight, reuse bool, err error) {
 	src, err := s.t.source(w.Src)
 	if err != nil {
-		return true, fmt.Errorf("rdma write to %s: %w", s.peer, err)
+		return nil, true, fmt.Errorf("rdma write to %s: %w", s.peer, err)
 	}
-	l.use.Lock()
-	defer l.use.Unlock()
-	// The NIC is done with src when write returns: the last work request
-	// completed, or the QP was broken and drained.
-	defer src.release()
-
+	defer func() {
+		if err != nil {
+			src.release()
+		}
+	}()
 	h := tcp.Header{Addr: w.Remote, Len: uint64(len(w.Src)), Key: w.Key, Tag: w.Tag}
 	var hb [tcp.HeaderSize]byte
 	h.Encode(&hb)
 	l.ctrl.SetWriteDeadline(s.deadline(ctx))
 	if _, err := l.ctrl.Write(hb[:]); err != nil {
-		return false, s.fail(ctx, err, fmt.Sprintf("sending the header of %d bytes", len(w.Src)))
+		return nil, false, s.fail(ctx, err, fmt.Sprintf("sending the header of %d bytes", len(w.Src)))
 	}
-	ev, err := l.next(s.deadline(ctx), ctx.Done())
+	a, err := wait(l, l.answers, s.deadline(ctx), ctx.Done())
 	switch {
 	case err != nil:
-		return false, s.broken(ctx, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
-	case !ev.isAnswer:
-		return false, fmt.Errorf("rdma write to %s: a completion (%+v) came before the receiver's answer", s.peer, ev.wc)
-	case !ev.ok:
-		return false, s.fail(ctx, l.ansErr, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
-	case ev.answer.flags&flagFailed != 0:
-		// The receiver gave up on the lane after an earlier write: a
-		// broken path, not a refusal of this one.
-		return false, fmt.Errorf("rdma write to %s: the receiver closed the lane (%s): %s", s.peer, ev.answer.code, ev.answer.msg)
-	case ev.answer.code != transport.OK:
-		return ev.answer.flags&tcp.FlagClose == 0, &transport.Refusal{Code: ev.answer.code, Message: ev.answer.msg}
+		l.broken.Store(true)
+		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+	case a.code != transport.OK:
+		return nil, a.flags&tcp.FlagClose == 0, &transport.Refusal{Code: a.code, Message: a.msg}
 	}
-	if err := s.region.check(ev.answer.grant, uint64(len(w.Src))); err != nil {
-		return false, fmt.Errorf("rdma write to %s: %w", s.peer, err)
+	if err := s.region.check(a.grant, uint64(len(w.Src))); err != nil {
+		return nil, false, fmt.Errorf("rdma write to %s: %w", s.peer, err)
 	}
-	if err := s.transfer(ctx, l, ev.answer.grant, w, src); err != nil {
-		return false, err
+	f := &flight{n: len(w.Src), count: chunks(len(w.Src)), every: signalEvery, window: sendDepth, g: a.grant, w: w, src: src}
+	if src.kind == fromBounce {
+		f.every, f.window = 1, bounceSlots
+		if f.ring, f.ringKey, err = l.bounceBuffer(s.t.nic); err != nil {
+			return nil, false, fmt.Errorf("rdma write to %s: %w", s.peer, err)
+		}
 	}
-	return true, nil
+	l.seq++
+	f.seq = l.seq
+	// Room for every completion the write can have outstanding (flushes
+	// included), so the poller never waits on it.
+	f.wcs = make(chan completion, min(f.window, f.count)+1)
+	l.route(f.seq, f.wcs)
+	if err := s.transfer(ctx, l, f, false); err != nil {
+		l.unroute(f.seq)
+		return nil, false, err
+	}
+	return f, true, nil
 }
 
 // chunks is how many messages carry n bytes.
@@ -231,97 +314,121 @@ func chunks(n int) int { return max(1, (n+chunk-1)/chunk) }
 // one WITH IMM, as its receive completion reports it.
 func lastChunk(n uint64) uint64 { return n - uint64(chunks(int(n))-1)*chunk }
 
-// transfer posts w's body to the grant in chunks, the last WITH IMM, and
-// waits for the last completion. Only every signalEvery-th chunk (every
-// chunk through a bounce buffer, whose slots it frees) is signaled.
-func (s *session) transfer(ctx context.Context, l *lane, g grant, w *transport.Write, src source) error {
-	n := len(w.Src)
-	every, window := signalEvery, sendDepth
-	var ring []byte
-	var ringKey uint32
-	if src.kind == fromBounce {
-		every, window = 1, bounceSlots
-		var err error
-		if ring, ringKey, err = l.bounceBuffer(s.t.nic); err != nil {
-			return fmt.Errorf("rdma write to %s: %w", s.peer, err)
-		}
-	}
-	count := chunks(n)
-	l.seq++
-	base := uint64(l.seq) << 32
-	ops := make([]op, 0, min(count, window))
-	posted, retired := 0, 0
-	for retired < count {
+// transfer posts f's body to its grant in chunks, the last WITH IMM, and
+// waits for completions as the window needs, until every work request is
+// posted, or with all, until the last completed. Only every every-th
+// chunk (every chunk through a bounce buffer, whose slots it frees) is
+// signaled.
+func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) error {
+	base := uint64(f.seq) << 32
+	ops := make([]op, 0, min(f.count-f.posted, f.window))
+	for f.retired < f.count {
 		ops = ops[:0]
-		for posted < count && posted-retired < window {
-			i := posted
+		for f.posted < f.count && f.posted-f.retired < f.window {
+			i := f.posted
 			off := i * chunk
-			m := min(chunk, n-off)
-			o := op{WRID: base | uint64(i), Remote: g.Addr + uint64(off), Len: uint32(m), RKey: g.RKey, Imm: w.Tag}
-			if ring != nil {
-				slot := ring[(i%bounceSlots)*chunk:][:m]
-				copy(slot, w.Src[off:off+m])
-				o.Local, o.LKey = addrOf(slot), ringKey
+			m := min(chunk, f.n-off)
+			o := op{WRID: base | uint64(i), Remote: f.g.Addr + uint64(off), Len: uint32(m), RKey: f.g.RKey, Imm: f.w.Tag}
+			if f.ring != nil {
+				slot := f.ring[(i%bounceSlots)*chunk:][:m]
+				copy(slot, f.w.Src[off:off+m])
+				o.Local, o.LKey = addrOf(slot), f.ringKey
 			} else {
-				o.Local, o.LKey = addrOf(w.Src)+uint64(off), src.lkey
+				o.Local, o.LKey = addrOf(f.w.Src)+uint64(off), f.src.lkey
 			}
-			last := i == count-1
-			o.Signaled, o.WithImm = last || (i+1)%every == 0, last
+			last := i == f.count-1
+			o.Signaled, o.WithImm = last || (i+1)%f.every == 0, last
 			ops = append(ops, o)
-			posted++
+			f.posted++
 		}
 		if len(ops) > 0 {
 			if err := l.qp.Post(ops); err != nil {
-				s.drain(l, base, posted-len(ops))
+				s.drain(l, f, f.posted-len(ops))
 				return fmt.Errorf("rdma write to %s: %w", s.peer, err)
 			}
 		}
-		ev, err := l.next(s.deadline(ctx), ctx.Done())
-		inFlight := fmt.Sprintf("with %d of a %d-byte write's %d work requests in flight", posted-retired, n, count)
-		switch {
-		case err != nil:
-			s.drain(l, base, posted)
-			return s.broken(ctx, err, inFlight)
-		case ev.isAnswer:
-			// The receiver gave up on the write (its QP failed, it is
-			// stopping) and says why, or its end of the lane went away.
-			s.drain(l, base, posted)
-			if !ev.ok {
-				return s.fail(ctx, l.ansErr, inFlight)
-			}
-			return fmt.Errorf("rdma write to %s: the receiver failed the write %s (%s): %s", s.peer, inFlight, ev.answer.code, ev.answer.msg)
-		case ev.wc.WRID>>32 != base>>32:
-			continue // a stale completion; none are expected
-		case ev.wc.Status != wcSuccess:
-			return fmt.Errorf("rdma write to %s (%d bytes to %#x, rkey %#x): %w", s.peer, n, g.Addr, g.RKey,
-				&CompletionError{Status: ev.wc.Status, VendorErr: ev.wc.VendorErr, Op: "rdma write"})
+		if !all && f.posted == f.count {
+			return nil
 		}
-		retired = int(ev.wc.WRID&0xffffffff) + 1
+		wc, err := wait(l, f.wcs, s.deadline(ctx), ctx.Done())
+		if err == errCanceled && f.posted == f.count && s.settle(l, f) {
+			// Everything was posted and the write completed after all:
+			// the lane and its other writes carry on.
+			return s.broken(ctx, l, err, fmt.Sprintf("with a %d-byte write in flight (it completed)", f.n))
+		}
+		if err != nil {
+			inFlight := fmt.Sprintf("with %d of a %d-byte write's %d work requests in flight", f.posted-f.retired, f.n, f.count)
+			s.drain(l, f, f.posted)
+			return s.broken(ctx, l, err, inFlight)
+		}
+		if wc.Status != wcSuccess {
+			l.broken.Store(true)
+			return fmt.Errorf("rdma write to %s (%d bytes to %#x, rkey %#x): %w", s.peer, f.n, f.g.Addr, f.g.RKey,
+				&CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma write"})
+		}
+		f.retired = int(wc.WRID&0xffffffff) + 1
 	}
 	return nil
 }
 
 // drain breaks l's QP after a failed wait and waits, for a bounded time,
-// for the flush of the last work request posted: until it comes the NIC
+// for the flush of f's last work request posted: until it comes the NIC
 // may still read the source.
-func (s *session) drain(l *lane, base uint64, posted int) {
+func (s *session) drain(l *lane, f *flight, posted int) {
+	l.broken.Store(true)
 	l.qp.Break()
 	if posted == 0 {
 		return
 	}
-	last := base | uint64(posted-1)
-	deadline := time.Now().Add(drainWait)
+	last := uint64(f.seq)<<32 | uint64(posted-1)
+	t := time.NewTimer(drainWait)
+	defer t.Stop()
 	for {
-		ev, err := l.next(deadline, nil)
-		if err != nil || (!ev.isAnswer && ev.wc.WRID == last) {
+		select {
+		case wc := <-f.wcs:
+			if wc.WRID == last {
+				return
+			}
+		case <-l.quit:
+			return
+		case <-l.polled:
+			return
+		case <-t.C:
 			return
 		}
 	}
 }
 
-// broken explains a wait on l that ended without an event.
-func (s *session) broken(ctx context.Context, err error, where string) error {
+// settle waits, for a bounded time, for the completion of f's last work
+// request after its writer was canceled, so that a canceled write need
+// not break the QP under the lane's other writes. It reports whether the
+// write completed successfully.
+func (s *session) settle(l *lane, f *flight) bool {
+	last := uint64(f.seq)<<32 | uint64(f.count-1)
+	deadline := time.Now().Add(drainWait)
+	for {
+		wc, err := wait(l, f.wcs, deadline, nil)
+		switch {
+		case err != nil || wc.Status != wcSuccess:
+			return false
+		case wc.WRID == last:
+			return true
+		}
+	}
+}
+
+// broken explains a wait on l that ended without what it waited for.
+func (s *session) broken(ctx context.Context, l *lane, err error, where string) error {
 	switch {
+	case err == errDead && l.lastWord.flags&flagFailed != 0:
+		// The receiver gave up on the lane's writes (its QP failed, it is
+		// stopping) and said why.
+		return fmt.Errorf("rdma write to %s: the receiver failed the lane's writes %s (%s): %s", s.peer, where, l.lastWord.code, l.lastWord.msg)
+	case err == errDead:
+		return s.fail(ctx, l.ansErr, where)
+	case err == errLaneClosed && !s.pool.Closed():
+		// Another write on the lane failed and dropped it.
+		return fmt.Errorf("rdma write to %s: the lane broke under another write and closed %s", s.peer, where)
 	case err == errLaneClosed || s.pool.Closed():
 		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ErrClosed, where)
 	case ctxErr(ctx) != nil:

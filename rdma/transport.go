@@ -41,12 +41,17 @@ type Config struct {
 	PerSend bool
 }
 
-// Queue depths. A write is at most sendDepth work requests in flight; a
-// receiving lane keeps recvDepth receives posted for immediates (one
-// write at a time per lane needs one; the rest absorb a replenish lag).
+// Queue depths. A write keeps at most sendDepth work requests in flight;
+// besides the write holding a lane, up to flyingMax writes of at most
+// flyingChunks messages each may wait on it for their completions, so a
+// sending QP holds sendDepth+flyingMax*flyingChunks work requests. A
+// receiving lane keeps recvDepth receives posted for immediates and
+// grants at most that many writes at a time.
 const (
-	sendDepth = 64
-	recvDepth = 16
+	sendDepth    = 64
+	flyingMax    = 7
+	flyingChunks = signalEvery
+	recvDepth    = 16
 	// chunk is the size of a write's messages (the last one shorter),
 	// part of the protocol: the receiver checks the length of the last.
 	// signalEvery is how many go between signaled ones from registered
@@ -63,6 +68,7 @@ var (
 	errLaneClosed = errors.New("lane closed")
 	errCanceled   = errors.New("canceled")
 	errNoProgress = errors.New("no progress")
+	errDead       = errors.New("the receiver gave up on the lane")
 )
 
 // Registration says how Memory is registered with the NIC.

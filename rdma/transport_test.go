@@ -265,11 +265,11 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 	var hb [tcp.HeaderSize]byte
 	h.Encode(&hb)
 	l.ctrl.Write(hb[:])
-	ev, err := l.next(time.Now().Add(30*time.Second), nil)
-	if err != nil || !ev.isAnswer || ev.answer.code != transport.OK {
-		t.Fatalf("grant: %+v, %v", ev, err)
+	a, err := wait(l, l.answers, time.Now().Add(30*time.Second), nil)
+	if err != nil || a.code != transport.OK {
+		t.Fatalf("grant: %+v, %v", a, err)
 	}
-	g := ev.answer.grant
+	g := a.grant
 	src[0] = 0xaa
 	err = l.qp.Post([]op{{WRID: 1, Local: addrOf(src), Remote: g.Addr, Len: 4096, LKey: tx.shared.LKey(), RKey: g.RKey,
 		Imm: 0x22, Signaled: true, WithImm: true}})
@@ -287,17 +287,11 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 	}
 	logs.wait(t, "rejected a completion that does not match its grant", "immediate 0x22", "granted tag 0x11")
 	// The sender hears why, then the lane ends.
-	for {
-		ev, err := l.next(time.Now().Add(30*time.Second), nil)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if ev.isAnswer {
-			if !ev.ok || ev.answer.code != transport.Internal || ev.answer.flags&flagFailed == 0 || !strings.Contains(ev.answer.msg, "does not match its grant") {
-				t.Errorf("the sender heard %+v, want the rejection", ev.answer)
-			}
-			break
-		}
+	if _, err := wait[answer](l, nil, time.Now().Add(30*time.Second), nil); err != errDead {
+		t.Fatalf("waiting for the receiver's word: %v", err)
+	}
+	if w := l.lastWord; w.code != transport.Internal || w.flags&flagFailed == 0 || !strings.Contains(w.msg, "does not match its grant") {
+		t.Errorf("the sender heard %+v, want the rejection", w)
 	}
 }
 

@@ -28,7 +28,7 @@ package rdma
 // the two. The dialer holds grants to the receiver's registration: one
 // that names the shared rkey must lie inside base and size.
 //
-// Then any number of writes, one at a time per lane:
+// Then any number of writes, several in flight per lane:
 //
 //	client → server  tcp.Header, 24 bytes (addr, len, key, tag)
 //	server → client  a reply: a refusal (transport.Code and message, as on
@@ -38,27 +38,42 @@ package rdma
 //	  8  rkey      u32     the registration covering [addr, addr+len)
 //	 12  reserved  u32
 //
-// A receiver that fails a granted write (its receive completed in error,
-// the completion did not match the grant, it is stopping) sends a reply
-// with flags bit 1 (flagFailed) and the reason, and closes the lane.
+// The server answers each header, in the order they came. A client sends
+// a header, waits for its answer and, after a grant, posts the body to
+// the granted range as RDMA WRITEs of 1 MiB each (the last one shorter),
+// the last one WITH IMM carrying the tag. Once every message of a write
+// is posted (and the write is at most flyingChunks messages), the client
+// may send the next header without waiting for the write's completion:
+// up to flyingMax writes per lane wait for their completions while
+// another is granted and posted. The server takes headers while it has
+// fewer than recvDepth writes granted and not completed (one posted
+// receive each), and grants without waiting for the earlier writes.
 //
-// After a grant the client posts the body to the granted range as RDMA
-// WRITEs of 1 MiB each (the last one shorter), the last one WITH IMM
-// carrying the tag. Its completion is the sender's completion: RC
-// acknowledges it once the peer's NIC has placed the bytes, and RC's
-// ordering means every earlier message of the lane was placed before
-// it. The receiver takes the write as delivered when its own receive
-// completion shows the tag and the length of the last message the grant
-// implies; anything else is rejected, counted and logged, and never
-// delivered.
+// A write's completion on the client is its completion: RC acknowledges
+// it once the peer's NIC has placed the bytes, and RC's ordering means
+// every earlier message of the lane was placed before it. Since a client
+// posts a write's messages only after its grant, and the next write's
+// only after all of them, the WITH IMM messages arrive in the order of
+// the grants: the server matches each receive completion against its
+// oldest grant outstanding, and takes the write as delivered when the
+// completion shows that grant's tag and the length of the last message
+// it implies. Anything else (a mismatch, a completion with no grant
+// outstanding) is rejected, counted and logged, and never delivered;
+// the server then fails every write it had granted on the lane.
+//
+// A server that fails granted writes (a receive completed in error, a
+// completion did not match its grant, it is stopping) sends a reply with
+// flags bit 1 (flagFailed) and the reason, and closes the lane: that
+// reply may come at any point, and ends every write on the lane.
 //
 // What the NIC enforces: a write needs an rkey of the receiver's
 // protection domain with remote write access, must stay inside that
 // registration, and must come from the QP this lane connected. What
 // ferry checks: the receiver grants only after its Sink accepted the
 // header (a live slot, its key, the bounds), and it delivers only a
-// completion that matches the grant. A peer that writes without asking
-// (holding an rkey from an earlier grant) is stopped by the NIC only at
+// completion that matches the oldest grant outstanding. A peer that
+// writes without asking (holding an rkey from an earlier grant, or
+// several from grants outstanding at once) is stopped by the NIC only at
 // the registration's bounds: with the shared registration that is the
 // whole arena. Memory windows bound per grant would close that gap.
 
@@ -187,7 +202,7 @@ func writeReply(c net.Conn, code transport.Code, flags uint16, msg string, body 
 }
 
 // readReply reads a reply; after an OK one it fills body.
-func readReply(c net.Conn, body []byte) (reply, error) {
+func readReply(c io.Reader, body []byte) (reply, error) {
 	var b [tcp.ReplySize]byte
 	if _, err := io.ReadFull(c, b[:]); err != nil {
 		return reply{}, err

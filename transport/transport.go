@@ -70,23 +70,6 @@ type Session interface {
 	Close() error
 }
 
-// Registrar is implemented by a transport that must register memory with
-// its NIC before it can write from it or let peers write into it (RDMA).
-// The daemon registers its whole arena once at start (mode "shared"); if
-// that fails it registers each send's source range for that send only
-// (mode "per_send"), and ferrybench register measures both. A transport
-// that reads and writes memory directly (tcp) does not implement it.
-type Registrar interface {
-	// Register makes the n bytes at addr (as arena.Memory.Base names
-	// addresses) usable until the Registration is deregistered.
-	Register(addr uint64, n int64) (Registration, error)
-}
-
-// Registration is memory a Registrar made usable.
-type Registration interface {
-	Deregister() error
-}
-
 // Code is a receiver's answer to a write, as carried on the wire.
 type Code uint32
 

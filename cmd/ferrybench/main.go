@@ -22,7 +22,6 @@ import (
 	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/mooncake/mooncaketest"
-	"github.com/ferry-project/ferry/transport"
 )
 
 const usage = `ferrybench measures ferry.
@@ -34,7 +33,6 @@ Commands:
              (--raw: the bare transport write, no daemon; --mooncake: also
              into a Mooncake-protocol segment, side by side, with ratios)
   api        control-plane round trips: status, and stage+send of a tiny embedding
-  register   cost of registering memory with the NIC, on transports that do
 
 Daemons: --from SOCKET --to SOCKET measures two running ferryd; without them
 ferrybench starts two ferryd on loopback (--ferryd PATH, default the one
@@ -67,13 +65,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	cmd, ok := map[string]func(context.Context, []string, *out) error{
 		"transfer": cmdTransfer,
 		"api":      cmdAPI,
-		"register": cmdRegister,
 		"raw-sink": cmdRawSink,
 
 		"mooncake-peer": cmdMooncakePeer,
 	}[args[0]]
 	if !ok {
-		return fmt.Errorf("unknown command %q: use transfer, api or register (ferrybench -h)", args[0])
+		return fmt.Errorf("unknown command %q: use transfer or api (ferrybench -h)", args[0])
 	}
 	return cmd(ctx, args[1:], &out{stdout: stdout, stderr: stderr})
 }
@@ -464,44 +461,6 @@ func cmdAPI(ctx context.Context, args []string, o *out) error {
 	rep := bench.Report{Command: "api", Date: time.Now(), Setup: setup}
 	rep.Rows, err = bench.API(ctx, p, bench.APIConfig{Ops: strings.Split(*ops, ","), Concurrency: cs, Limit: lim, Size: n, Progress: o.stderr})
 	stop()
-	if err != nil {
-		return err
-	}
-	return o.report(rep)
-}
-
-func cmdRegister(ctx context.Context, args []string, o *out) error {
-	fs := newFlagSet("register", o.stderr)
-	o.register(fs)
-	name := fs.String("transport", "tcp", "transport whose registration to measure")
-	sizes := fs.String("sizes", "64KiB,1MiB,16MiB", "per-send registration `sizes`")
-	iters := fs.Int("iterations", 20, "registrations per size")
-	arenaSize := fs.String("arena-size", "1GiB", "`size` registered once, as the daemon's shared registration")
-	if err := parse(fs, args, o); err != nil {
-		return err
-	}
-	sz, err := parseSizes(*sizes)
-	if err != nil {
-		return err
-	}
-	an, err := size.Parse(*arenaSize)
-	if err != nil {
-		return fmt.Errorf("--arena-size: %w", err)
-	}
-	tr, err := bench.OpenTransport(*name)
-	if err != nil {
-		return err
-	}
-	defer tr.Close()
-	r, ok := tr.(transport.Registrar)
-	if !ok {
-		fmt.Fprintf(o.stdout, "ferrybench register: the %s transport registers no memory: it reads and writes the arena directly, so there is nothing to measure. A transport that registers memory with a NIC (rdma) implements transport.Registrar, and this command then times a per-send registration at each size and the whole arena once.\n", tr.Name())
-		return nil
-	}
-	setup := baseSetup()
-	setup["transport"] = tr.Name()
-	rep := bench.Report{Command: "register", Date: time.Now(), Setup: setup}
-	rep.Rows, err = bench.Register(ctx, r, bench.RegisterConfig{Sizes: sz, Iterations: *iters, ArenaSize: an, ArenaDir: bench.DefaultArenaDir()})
 	if err != nil {
 		return err
 	}

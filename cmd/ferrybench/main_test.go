@@ -122,13 +122,6 @@ func TestAPISmoke(t *testing.T) {
 	}
 }
 
-func TestRegisterOnTCPSaysNothingToRegister(t *testing.T) {
-	out, _ := runBench(t, "register")
-	if !strings.Contains(out, "registers no memory") || !strings.Contains(out, "transport.Registrar") {
-		t.Fatalf("unexpected output: %s", out)
-	}
-}
-
 func TestBadInput(t *testing.T) {
 	for _, tc := range []struct {
 		args []string

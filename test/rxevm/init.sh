@@ -57,9 +57,12 @@ cd /opt && FERRY_BIN=/opt/bin check "e2e tests over rdma" 300 /opt/e2e.test -tes
 cd /
 
 # ---- benchmarks: ferry's write beside ib_write_bw, alternately ------------
-# Both keep the same number of RC QPs busy on rxe0: ferry 8 writes in
-# flight, one per lane (BenchmarkWrite's writers), ib_write_bw -q 8.
+# Both keep the same number of RC QPs busy on rxe0: ferry QPS lanes with
+# FLIGHT writes in flight on each (BenchmarkWrite's -lanes and -writers),
+# ib_write_bw -q QPS. One per lane by default: under TCG the VM is short
+# of CPU, not of round trips, and more writers measured slower.
 QPS=${QPS:-8}
+FLIGHT=${FLIGHT:-1}
 # ibbw SIZE ITERS: one ib_write_bw run of about ITERS messages in all;
 # prints MB/s (1e6 bytes/s, from its Gb/s average). The bench functions
 # run in $(...) subshells, so a failure is marked in a file.
@@ -80,33 +83,48 @@ ibbw() {
   echo 0
   touch /tmp/benchfail
 }
-# ferrybw NAME ITERS: one run of the rdma package's BenchmarkWrite/NAME;
-# prints its MB/s.
-ferrybw() {
-  /opt/rdma.bench -test.run '^$' -test.bench "^BenchmarkWrite\$/^$1\$" -test.benchtime "$2x" -writers $QPS >/tmp/fb.log 2>&1
+# benchbw BINARY NAME ITERS ARGS...: one run of BINARY's
+# BenchmarkWrite/NAME; prints its MB/s.
+benchbw() {
+  bin=$1 name=$2 iters=$3
+  shift 3
+  $bin -test.run '^$' -test.bench "^BenchmarkWrite\$/^$name\$" -test.benchtime "${iters}x" "$@" >/tmp/fb.log 2>&1
   if ! awk '/MB\/s/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") {printf "%.2f", $i; found=1}} END {exit !found}' /tmp/fb.log; then
     cat /tmp/fb.log >&2
     echo 0
     touch /tmp/benchfail
   fi
 }
+ferrybw() { benchbw /opt/rdma.bench "$1" "$2" -lanes $QPS -writers $((QPS * FLIGHT)); }
+# basebw: the same benchmark from the build run.sh was given as
+# RXEVM_BASE (another revision), with its own arguments.
+basebw() { benchbw /opt/base.bench "$1" "$2" $BASE_ARGS; }
 if [ "$BENCH" = 1 ]; then
-  echo "== bench: ferry = $QPS writes in flight from the shared registration, one per lane (RC QP); ib_write_bw -q $QPS; both on rxe0, run A B A B A B"
-  for spec in 65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40; do
+  if [ -x /opt/base.bench ]; then
+    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; base = the RXEVM_BASE build ($BASE_ARGS); ib_write_bw -q $QPS; all on rxe0, run A B C A B C ... (${ROUNDS:-3} rounds)"
+  else
+    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ... (${ROUNDS:-3} rounds)"
+  fi
+  for spec in ${SPECS:-65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40}; do
     size=${spec%%:*} rest=${spec#*:}
     name=${rest%%:*} iters=${rest#*:}
-    runs=
-    for round in 1 2 3; do runs="$runs $(ibbw $size $iters) $(ferrybw $name $iters)"; done
-    # The median of three runs each: this machine's noise comes in bursts.
-    echo "$name $runs" | awk 'function med(a, b, c) { return a + b + c - (a < b ? (a < c ? a : c) : (b < c ? b : c)) - (a > b ? (a > c ? a : c) : (b > c ? b : c)) }
-      {ib = med($2, $4, $6); f = med($3, $5, $7);
-      printf "== BENCH write size=%s ib_write_bw_MBps=%.2f ferry_MBps=%.2f ratio=%.2f (medians of runs: ib %s %s %s, ferry %s %s %s)\n",
-        $1, ib, f, (ib > 0 ? f / ib : 0), $2, $4, $6, $3, $5, $7}'
+    ib= fe= ba=
+    for round in $(seq 1 "${ROUNDS:-3}"); do
+      ib="$ib $(ibbw $size $iters)"
+      fe="$fe $(ferrybw $name $iters)"
+      [ -x /opt/base.bench ] && ba="$ba $(basebw $name $iters)"
+    done
+    # The median of ROUNDS runs each: this machine's noise comes in bursts.
+    echo "$name|$ib|$fe|$ba" | awk -F'|' 'function med(s,   v, n, t, i, j) { n = split(s, v, " "); for (i = 1; i <= n; i++) v[i] += 0; for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (v[j] < v[i]) { t = v[i]; v[i] = v[j]; v[j] = t } return v[int((n + 1) / 2)] }
+      {ib = med($2); f = med($3);
+      line = sprintf("== BENCH write size=%s ib_write_bw_MBps=%.2f ferry_MBps=%.2f ratio=%.2f", $1, ib, f, (ib > 0 ? f / ib : 0));
+      if ($4 != "") { b = med($4); line = line sprintf(" base_MBps=%.2f base_ratio=%.2f", b, (ib > 0 ? b / ib : 0)) }
+      print line " (runs: ib" $2 ", ferry" $3 ($4 != "" ? ", base" $4 : "") ")"}'
   done
   /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkRegister' -test.benchtime 5x >/tmp/reg.log 2>&1 || { cat /tmp/reg.log; FAIL=1; }
   grep '^BenchmarkRegister' /tmp/reg.log | sed 's/^/== BENCH /'
   for round in 1 2; do
-    /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x -writers $QPS >/tmp/mode.log 2>&1 || { cat /tmp/mode.log >&2; FAIL=1; }
+    /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWriteMode' -test.benchtime 40x -lanes $QPS -writers $((QPS * FLIGHT)) >/tmp/mode.log 2>&1 || { cat /tmp/mode.log >&2; FAIL=1; }
     awk '/^BenchmarkWriteMode/ {for (i = 1; i < NF; i++) if ($(i+1) == "MB/s") print $1, $i}' /tmp/mode.log
   done >/tmp/modes
   awk '/shared/ {s += $2; ns++} /per-send/ {p += $2; np++}
@@ -117,7 +135,7 @@ if [ "$BENCH" = 1 ]; then
 fi
 
 if [ "$PROFILE" = 1 ]; then
-  /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWrite$/^64KiB$' -test.benchtime 400x -test.cpuprofile /tmp/cpu.prof >/tmp/prof.log 2>&1
+  /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWrite$/^64KiB$' -test.benchtime 400x -lanes $QPS -writers $((QPS * FLIGHT)) -test.cpuprofile /tmp/cpu.prof >/tmp/prof.log 2>&1
   grep MB/s /tmp/prof.log
   echo "== PROFILE BEGIN"; base64 /tmp/cpu.prof; echo "== PROFILE END"
 fi

@@ -16,7 +16,15 @@
 #   RXEVM_RACE   1 builds the test binaries with the race detector
 #   RXEVM_TIMEOUT  seconds the VM may run (default 900)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
-#   RXEVM_QPS    writes in flight for ferry and QPs for ib_write_bw (default 8)
+#   RXEVM_QPS    lanes (RC QPs) for ferry and QPs for ib_write_bw (default 8)
+#   RXEVM_FLIGHT ferry's writes in flight per lane (default 1)
+#   RXEVM_ROUNDS alternating runs per size in the write benchmark (default 3)
+#   RXEVM_SPECS  its sizes, as BYTES:NAME:ITERATIONS ... (default 64 KiB,
+#                1 MiB and 4 MiB)
+#   RXEVM_BASE   an rdma test binary from another revision (go test -c
+#                ./rdma there), benchmarked beside this one in the same
+#                run: base_MBps= and base_ratio= in the BENCH lines
+#   RXEVM_BASE_ARGS  its benchmark flags (default -writers $RXEVM_QPS)
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -88,6 +96,7 @@ if [[ $BENCH == 1 || ${RXEVM_PROFILE:-0} == 1 ]]; then
   if ((${#race[@]})); then go test -c -o "$R/opt/rdma.bench" ./rdma; else cp "$R/opt/rdma.test" "$R/opt/rdma.bench"; fi
 fi
 [[ ${RXEVM_PROFILE:-0} == 1 ]] && cp "$R/opt/rdma.bench" "$CACHE/"
+if [[ -n ${RXEVM_BASE:-} ]]; then cp "$RXEVM_BASE" "$R/opt/base.bench"; fi
 say "binaries built${race:+ (tests with -race)}"
 
 # ---- initramfs -------------------------------------------------------------
@@ -127,6 +136,10 @@ RUN='$RUN'
 E2E='${RXEVM_E2E:-RDMA}'
 PROFILE=${RXEVM_PROFILE:-0}
 QPS=${RXEVM_QPS:-8}
+FLIGHT=${RXEVM_FLIGHT:-1}
+ROUNDS=${RXEVM_ROUNDS:-3}
+SPECS='${RXEVM_SPECS:-}'
+BASE_ARGS='${RXEVM_BASE_ARGS:--writers ${RXEVM_QPS:-8}}'
 EOF
 (cd "$R" && find . | cpio -o -H newc --quiet | gzip -1) >"$W/initramfs.gz"
 say "initramfs $(du -h "$W/initramfs.gz" | cut -f1)"

@@ -1,0 +1,185 @@
+package rdma
+
+import (
+	"bytes"
+	"context"
+	"errors"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/tcp"
+)
+
+// TestLaneCarriesSeveralWrites: on a session limited to one lane,
+// concurrent writes overlap: each lets go of the lane once posted, so the
+// receiver grants the next while the earlier ones are still on the wire,
+// and every write lands byte-exact and is delivered once, in order of
+// its grant. On the fake NIC the work requests are held until
+// flyingMax+1 writes have been granted, which proves the overlap; on a
+// real one they run freely.
+func TestLaneCarriesSeveralWrites(t *testing.T) {
+	f := newFabric()
+	const size, n = 64 << 10, flyingMax + 2
+	src := mapT(t, n*size)
+	slots := mappedSlots(t, n*size)
+	accepted := make(chan struct{}, n)
+	sink := &watch{Slots: slots, accepted: accepted}
+	tx := listenT(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1}, Memory: src})
+	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: sink}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	hold := !onDevice(t)
+	release := func() {}
+	if hold {
+		f.hold = make(chan struct{})
+		release = sync.OnceFunc(func() { close(f.hold) })
+		defer release() // a failing check lets the held work go first
+	}
+	res := make(chan error, n)
+	for i := range n {
+		part := src[i*size:][:size]
+		for j := range part {
+			part[j] = byte(j*7 + i)
+		}
+		w := transport.Write{Src: part, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(100 + i)}
+		go func() { res <- s.Write(ctxFor(t, 60*time.Second), w) }()
+	}
+	if hold {
+		for i := range flyingMax + 1 {
+			select {
+			case <-accepted:
+			case <-time.After(30 * time.Second):
+				t.Fatalf("%d writes granted on the one lane while none had completed; want %d", i, flyingMax+1)
+			}
+		}
+		for i := range n {
+			if d := slots.Delivered(uint32(100 + i)); d != 0 {
+				t.Fatalf("write %d delivered while the NIC held every work request", i)
+			}
+		}
+		release()
+	}
+	for range n {
+		if err := <-res; err != nil {
+			t.Fatal(err)
+		}
+	}
+	for i := range n {
+		tag := uint32(100 + i)
+		if err := slots.Wait(ctxFor(t, 30*time.Second), tag); err != nil {
+			t.Fatal(err)
+		}
+		if d := slots.Delivered(tag); d != 1 {
+			t.Errorf("write %d delivered %d times", i, d)
+		}
+		if !bytes.Equal(slots.Mem[i*size:][:size], src[i*size:][:size]) {
+			t.Errorf("write %d landed wrong", i)
+		}
+	}
+	rx.mu.Lock()
+	lanes := len(rx.accepted)
+	rx.mu.Unlock()
+	if lanes != 1 {
+		t.Errorf("the receiver serves %d lanes, want the session's one", lanes)
+	}
+}
+
+// TestRejectsCompletionWithoutGrant: a sender that writes WITH IMM under
+// the receiver's shared rkey without asking first gets nothing
+// delivered; the receiver counts and logs the rejection and ends the
+// lane.
+func TestRejectsCompletionWithoutGrant(t *testing.T) {
+	f := newFabric()
+	slots := mappedSlots(t, 1<<20)
+	var logs logLines
+	src := mapT(t, 4096)
+	tx := listenT(t, f, Config{Memory: src})
+	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
+	l, _, region, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.close()
+	slots.Add(0, 4096) // a live slot, never asked for
+	err = l.qp.Post([]op{{WRID: 1, Local: addrOf(src), Remote: region.Base, Len: 4096, LKey: tx.shared.LKey(), RKey: region.RKey,
+		Imm: 0x33, Signaled: true, WithImm: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	logs.wait(t, "rejected a completion with no write granted", "immediate 0x33")
+	if got := rx.Stats().Rejected; got != 1 {
+		t.Errorf("rejected completions counted: %d, want 1", got)
+	}
+	if n := slots.Delivered(0x33); n != 0 {
+		t.Errorf("an unasked-for write was delivered %d times", n)
+	}
+	// The lane ends: the sender's control connection closes.
+	if _, err := wait[answer](l, nil, time.Now().Add(30*time.Second), nil); err != errDead {
+		t.Fatalf("waiting for the lane to end: %v", err)
+	}
+}
+
+// TestCanceledWriteInFlightSparesItsLane: a write canceled after it let
+// go of its lane waits (boundedly) for its own completion instead of
+// breaking the QP under the lane's other writes: the caller gets the
+// cancellation, the other write completes, and the lane carries the next.
+func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
+	// Holding writes on the wire needs the fake NIC, on any machine.
+	f := newFabric()
+	const size = 64 << 10
+	src := mapT(t, size)
+	slots := mappedSlots(t, 3*size)
+	accepted := make(chan struct{}, 3)
+	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: t.Logf}, Memory: src})
+	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}, Logf: t.Logf}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	f.hold = make(chan struct{})
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	write := func(ctx context.Context, i int) chan error {
+		res := make(chan error, 1)
+		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
+		go func() { res <- s.Write(ctx, w) }()
+		select {
+		case <-accepted:
+		case <-time.After(30 * time.Second):
+			t.Fatalf("write %d never reached the receiver", i)
+		}
+		return res
+	}
+	ctx, cancel := context.WithCancel(ctxFor(t, 30*time.Second))
+	first := write(ctx, 0)
+	// The one lane carried the second header: the first write let go of
+	// it, every work request posted.
+	second := write(ctxFor(t, 30*time.Second), 1)
+	cancel()
+	release()
+	if err := <-first; !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled write: %v, want context.Canceled", err)
+	}
+	if err := <-second; err != nil {
+		t.Fatalf("the other write on the lane: %v", err)
+	}
+	if err := <-write(ctxFor(t, 30*time.Second), 2); err != nil {
+		t.Fatalf("the next write on the lane: %v", err)
+	}
+	// The canceled write had been posted and completed: it landed.
+	if err := slots.Wait(ctxFor(t, 30*time.Second), 1, 2, 3); err != nil {
+		t.Fatal(err)
+	}
+	rx.mu.Lock()
+	lanes := len(rx.accepted)
+	rx.mu.Unlock()
+	if lanes != 1 {
+		t.Errorf("the receiver serves %d lanes, want the one the canceled write spared", lanes)
+	}
+}
