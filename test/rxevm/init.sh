@@ -53,7 +53,7 @@ ibv_devinfo -d rxe0 | grep -E 'state|active_mtu|link_layer'
 
 export FERRY_RDMA_REQUIRED=1
 check "rdma package tests" 600 /opt/rdma.test -test.v -test.count=1 -test.timeout=590s -test.run "$RUN"
-cd /opt && FERRY_BIN=/opt/bin check "e2e tests over rdma" 300 /opt/e2e.test -test.v -test.count=1 -test.timeout=290s -test.run "${E2E:-RDMA}"
+cd /opt && FERRY_BIN=/opt/bin check "e2e tests over rdma" 480 /opt/e2e.test -test.v -test.count=1 -test.timeout=470s -test.run "${E2E:-RDMA}"
 cd /
 
 # ---- benchmarks: ferry's write beside ib_write_bw, alternately ------------

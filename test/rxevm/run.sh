@@ -14,7 +14,7 @@
 #   RXEVM_RUN    -test.run pattern for the rdma package tests (default all)
 #   RXEVM_E2E    -test.run pattern for the end-to-end tests (default RDMA)
 #   RXEVM_RACE   1 builds the test binaries with the race detector
-#   RXEVM_TIMEOUT  seconds the VM may run (default 900)
+#   RXEVM_TIMEOUT  seconds the VM may run (default 1500)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
 #   RXEVM_QPS    lanes (RC QPs) for ferry and QPs for ib_write_bw (default 8)
 #   RXEVM_FLIGHT ferry's writes in flight per lane (default 1)
@@ -35,7 +35,7 @@ say() { printf 'rxevm [%3ds] %s\n' $(($(date +%s) - T0)) "$*"; }
 CACHE=${RXEVM_CACHE:-$ROOT/.cache/rxevm}
 BENCH=${RXEVM_BENCH:-1}
 RUN=${RXEVM_RUN:-.}
-VM_TIMEOUT=${RXEVM_TIMEOUT:-900}
+VM_TIMEOUT=${RXEVM_TIMEOUT:-1500}
 
 scripts/deps.sh vm
 
