@@ -9,6 +9,8 @@ import (
 	"os"
 	"syscall"
 	"time"
+
+	"github.com/ferry-project/ferry/transport"
 )
 
 // RejectedError is a data port's refusal of a request: the v2 rejected
@@ -104,7 +106,7 @@ func do(ctx context.Context, op Opcode, r Request) (err error) {
 			n, err := io.ReadFull(c, r.Buf[off:min(off+ioChunk, len(r.Buf))])
 			off += n
 			if err != nil {
-				if !r.V2 && off == 0 && peerGone(err) {
+				if !r.V2 && off == 0 && transport.PeerGone(err) {
 					return rejected
 				}
 				return fmt.Errorf("read %d of %d bytes: %w", off, len(r.Buf), err)
@@ -125,7 +127,7 @@ func do(ctx context.Context, op Opcode, r Request) (err error) {
 		sent += m
 	}
 	if err != nil {
-		if peerGone(err) {
+		if transport.PeerGone(err) {
 			if !r.V2 {
 				return rejected
 			}
@@ -161,7 +163,7 @@ func readStatus(c *net.TCPConn, deadline time.Time, rejected *RejectedError) err
 	c.SetReadDeadline(deadline)
 	var b [StatusSize]byte
 	if n, err := io.ReadFull(c, b[:]); err != nil {
-		if peerGone(err) {
+		if transport.PeerGone(err) {
 			return fmt.Errorf("the peer closed the connection after %d of the %d bytes of the status word: %w", n, StatusSize, err)
 		}
 		if errors.Is(err, os.ErrDeadlineExceeded) {
@@ -179,9 +181,4 @@ func readStatus(c *net.TCPConn, deadline time.Time, rejected *RejectedError) err
 		return fmt.Errorf("the peer answered with unknown %s", st)
 	}
 	return nil
-}
-
-func peerGone(err error) bool {
-	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
 }

@@ -11,7 +11,9 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"syscall"
 )
 
 // Sink is the receiving side's memory: the daemon's live receive slots.
@@ -132,4 +134,11 @@ var ErrIncompatible = errors.New("incompatible peer")
 func IsRefusal(err error) bool {
 	var r *Refusal
 	return errors.As(err, &r)
+}
+
+// PeerGone reports whether err says the peer closed or reset the
+// connection (as opposed to a timeout or a local failure).
+func PeerGone(err error) bool {
+	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
+		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
 }

@@ -158,7 +158,7 @@ func FuzzAcceptedConn(f *testing.F) {
 			nc.(*net.TCPConn).CloseWrite()
 		}()
 		out, err := io.ReadAll(nc)
-		if err != nil && !isPeerGone(err) {
+		if err != nil && !transport.PeerGone(err) {
 			t.Fatalf("reading the receiver's answers: %v (it did not close the connection)", err)
 		}
 		served(t, rx)

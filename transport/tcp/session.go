@@ -7,7 +7,6 @@ import (
 	"io"
 	"net"
 	"os"
-	"syscall"
 	"time"
 
 	"github.com/ferry-project/ferry/internal/pool"
@@ -210,7 +209,7 @@ func (c *conn) prove(secret []byte, kind uint32, clientInstance, serverInstance 
 // read reads one handshake record, naming it when the peer cuts it short.
 func (c *conn) read(b []byte, what string) error {
 	if n, err := io.ReadFull(c.nc, b); err != nil {
-		if isPeerGone(err) {
+		if transport.PeerGone(err) {
 			return fmt.Errorf("peer closed the connection after %d of the %d-byte %s: %w", n, len(b), what, err)
 		}
 		return fmt.Errorf("read %d of the %d-byte %s: %w", n, len(b), what, err)
@@ -322,7 +321,7 @@ func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse 
 		sent += m
 	}
 	if err != nil {
-		if ctxErr(ctx) == nil && isPeerGone(err) {
+		if ctxErr(ctx) == nil && transport.PeerGone(err) {
 			// A receiver that refuses a write outright replies first and
 			// then closes; that reply says why the body could not go.
 			c.nc.SetReadDeadline(time.Now().Add(lateReplyWait))
@@ -363,15 +362,10 @@ func (s *session) fail(ctx context.Context, err error, where string) error {
 		return fmt.Errorf("tcp write to %s: %w %s", s.peer, ctxErr(ctx), where)
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return fmt.Errorf("tcp write to %s: peer made no progress for %s %s: %w", s.peer, s.t.cfg.IOTimeout, where, err)
-	case isPeerGone(err):
+	case transport.PeerGone(err):
 		return fmt.Errorf("tcp write to %s: peer closed the connection %s: %w", s.peer, where, err)
 	}
 	return fmt.Errorf("tcp write to %s: failed %s: %w", s.peer, where, err)
-}
-
-func isPeerGone(err error) bool {
-	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
-		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
 }
 
 func (c *conn) readReply() (code transport.Code, flags uint16, msg string, err error) {
