@@ -91,7 +91,7 @@ func newMetrics(g gauges) *metrics {
 		"free":  func() int64 { _, _, f := g.arena(); return f },
 	} {
 		reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "ferry_arena_bytes", Help: "Arena bytes by state: total, used (staged entries and receive slots), free.",
+			Name: "ferry_arena_bytes", Help: "Arena bytes by state: total, used (staged entries, receive slots, freed slots in quarantine), free.",
 			ConstLabels: prometheus.Labels{"state": state},
 		}, func() float64 { return float64(read()) }))
 	}

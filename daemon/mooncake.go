@@ -110,6 +110,7 @@ func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *moonca
 		}
 		l.Debug().Str("req_id", reqID).Int64("nbytes", nbytes).Msg("a Mooncake notify completed a receive slot")
 	}
+	reg.quarantineFreedSlots(mooncakeQuarantine)
 	return nil
 }
 

@@ -71,7 +71,7 @@ func TestSpansMerge(t *testing.T) {
 			t.Fatalf("after [%d,+%d): %d bytes covered, want %d (set %v)", c.off, c.n, got, c.want, s)
 		}
 	}
-	if len(s) != 1 || s[0] != (span{0, 24}) {
-		t.Fatalf("set %v, want one span [0,24)", s)
+	if len(s.set) != 1 || s.set[0] != (span{0, 24}) || s.total != 24 {
+		t.Fatalf("set %v (total %d), want one span [0,24)", s.set, s.total)
 	}
 }

@@ -44,7 +44,7 @@ type entry struct {
 // slot is one receive slot on the receiving side. Its memory goes back to
 // the arena only when it is freed and no write or read still holds it
 // (pins), so a late write can never land in a newer slot at the same
-// address.
+// address; with a quarantine set, only that long after that.
 type slot struct {
 	reqID    string
 	slice    arena.Slice
@@ -60,6 +60,14 @@ type slot struct {
 	freed    bool
 	copyErr  error // the last write arrived but did not reach GPU memory
 	pieces   spans // ranges unkeyed writes filled so far
+
+	// filled: a keyed write, or pieces covering every byte, have landed;
+	// the slot arrives (with fillLen and fillTag) once no write to it is
+	// still in flight, so a reader never meets bytes a duplicate is
+	// rewriting.
+	filled  bool
+	fillLen int64
+	fillTag uint32
 }
 
 // registry holds the staged entries and receive slots over one arena. It is
@@ -77,7 +85,24 @@ type registry struct {
 	// discarded, if set, hears of a write that finished landing in a slot
 	// freed meanwhile: its sender was told it completed. Called with mu held.
 	discarded func(reqID string, nbytes uint64)
+
+	// quarantine, when above zero, holds a freed slot's memory back from
+	// the arena that long after its last pin goes (held: those slots, with
+	// their timers' Stop). One-sided writes (a Mooncake RDMA sender's) raise
+	// no event and take no pin, so only time keeps a late one out of
+	// memory handed out anew. Until then the arena counts it as used.
+	quarantine time.Duration
+	held       map[*slot]func() bool
+	afterFunc  func(time.Duration, func()) func() bool // time.AfterFunc; tests fire it by hand
 }
+
+// mooncakeQuarantine is the quarantine while Mooncake peers may write over
+// RDMA. ferry cannot see when their last WRITE is placed, and io_timeout
+// bounds only ferry's own reads and writes, not a Mooncake sender's; 30 s
+// is far past the RC retry window of the queue pairs ferry connects for
+// Mooncake (timeout 14, 7 retries: about half a second per WRITE) and
+// leaves a sender whose batch was queued behind others time to post it.
+const mooncakeQuarantine = 30 * time.Second
 
 func newRegistry(a *arena.Arena) *registry {
 	return &registry{
@@ -86,7 +111,19 @@ func newRegistry(a *arena.Arena) *registry {
 		slots:   make(map[string]*slot),
 		byKey:   make(map[uint32]*slot),
 		changed: make(chan struct{}),
+		held:    make(map[*slot]func() bool),
+		afterFunc: func(d time.Duration, f func()) func() bool {
+			return time.AfterFunc(d, f).Stop
+		},
 	}
+}
+
+// quarantineFreedSlots makes every receive slot freed from now on keep its
+// memory out of use for d after its last pin goes.
+func (r *registry) quarantineFreedSlots(d time.Duration) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.quarantine = d
 }
 
 // notify wakes every waiter; callers hold mu.
@@ -385,6 +422,12 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, piece bool) ([]byte
 			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data: ask the receiver for a new slot", s.reqID)}
 	}
 	off := addr - s.addr
+	// Every write in flight may add one more range, so counting them keeps
+	// the set within maxPieces.
+	if piece && s.pieces.grows(off, n) && len(s.pieces.set)+s.writes >= maxPieces {
+		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds,
+			Message: fmt.Sprintf("the receive slot of req_id %s already tracks %d separate pieces, this receiver's limit: send it in fewer, larger or contiguous pieces", s.reqID, maxPieces)}
+	}
 	// For a GPU arena the bytes land in a host bounce buffer and are
 	// copied in before the slot counts as arrived.
 	dst, commit, err := r.arena.Writable(s.slice, int64(off), int64(n))
@@ -401,19 +444,22 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, piece bool) ([]byte
 		switch {
 		case err == nil && !s.freed:
 			s.copyErr = cerr
-			if cerr != nil {
+			if cerr != nil || s.filled {
 				break
 			}
-			if piece && s.pieces.add(off, n) < uint64(s.nbytes) {
-				break
+			if !piece {
+				s.filled, s.fillLen, s.fillTag = true, int64(off+n), tag
+			} else if s.pieces.add(off, n) == uint64(s.nbytes) {
+				s.filled, s.fillLen, s.fillTag = true, s.nbytes, tag
 			}
-			s.arrived, s.received, s.tag = true, int64(off+n), tag
-			if piece {
-				s.received = s.nbytes
-			}
-			r.notify()
-		case err == nil && r.discarded != nil:
+		case err == nil && s.freed && r.discarded != nil:
 			r.discarded(s.reqID, n)
+		}
+		// Checked on every write's end, failed ones too: the last write
+		// to finish delivers the slot.
+		if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived && !s.freed {
+			s.arrived, s.received, s.tag = true, s.fillLen, s.fillTag
+			r.notify()
 		}
 		r.unpin(s)
 	}
@@ -425,8 +471,26 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, piece bool) ([]byte
 func (r *registry) unpin(s *slot) {
 	s.pins--
 	if s.freed && s.pins == 0 {
-		r.free(s.slice)
+		r.release(s)
 	}
+}
+
+// release returns a freed, unheld slot's memory to the arena, after the
+// quarantine if one is set; callers hold mu. Once stopping, nothing can be
+// allocated any more, so the memory goes back at once.
+func (r *registry) release(s *slot) {
+	if r.quarantine <= 0 || r.stopping {
+		r.free(s.slice)
+		return
+	}
+	r.held[s] = r.afterFunc(r.quarantine, func() {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		if _, ok := r.held[s]; ok { // stop may have freed it first
+			delete(r.held, s)
+			r.free(s.slice)
+		}
+	})
 }
 
 func (r *registry) describeSlot(s *slot) api.Receive {
@@ -583,5 +647,11 @@ func (r *registry) stop() {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	r.stopping = true
+	// Shutdown waits on no quarantine: no new slot can take the memory now.
+	for s, stopTimer := range r.held {
+		stopTimer()
+		delete(r.held, s)
+		r.free(s.slice)
+	}
 	r.notify()
 }

@@ -269,3 +269,116 @@ func contains(s string, subs ...string) bool {
 	}
 	return true
 }
+
+// quarantineClock replaces the registry's timers: each quarantine started
+// is one fire func on armed, and stopped counts the timers stopped.
+type quarantineClock struct {
+	armed   chan func()
+	stopped int
+}
+
+func withQuarantine(r *registry, d time.Duration) *quarantineClock {
+	c := &quarantineClock{armed: make(chan func(), 16)}
+	r.afterFunc = func(got time.Duration, f func()) func() bool {
+		if got != d {
+			panic(fmt.Sprintf("quarantine of %s, want %s", got, d))
+		}
+		c.armed <- f
+		return func() bool { c.stopped++; return true }
+	}
+	r.quarantineFreedSlots(d)
+	return c
+}
+
+func (c *quarantineClock) next(t *testing.T) func() {
+	t.Helper()
+	select {
+	case f := <-c.armed:
+		return f
+	default:
+		t.Fatal("no quarantine was started")
+		return nil
+	}
+}
+
+// With a quarantine (a Mooncake RDMA segment: one-sided writes take no
+// pin), a freed slot's memory stays in use, whether the slot was deleted
+// or swept, until the quarantine ends; a write pinning it defers the
+// start of the quarantine to its end.
+func TestQuarantineHoldsFreedSlotMemory(t *testing.T) {
+	r := newTestRegistry(t, 4096)
+	clock := withQuarantine(r, time.Hour)
+	whole := func() error { _, err := r.newSlot("whole", 4096); return err }
+
+	a, err := r.newSlot("a", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, done, err := r.Accept(a.addr, 16, a.key, a.key)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.deleteSlot("a"); err != nil {
+		t.Fatal(err)
+	}
+	if len(clock.armed) != 0 {
+		t.Fatal("the quarantine started while a write still pinned the slot")
+	}
+	done(nil)
+	release := clock.next(t)
+	if err := whole(); !isCode(err, api.CodeArenaFull) {
+		t.Fatalf("a new slot over the quarantined memory: %v, want arena_full", err)
+	}
+	if st := r.arena.Stats(); st.Used != 4096 {
+		t.Fatalf("the arena shows %d bytes used during the quarantine, want 4096", st.Used)
+	}
+	release()
+	if st := r.arena.Stats(); st.Used != 0 {
+		t.Fatalf("the arena shows %d bytes used after the quarantine, want 0", st.Used)
+	}
+
+	// The TTL sweep frees a slot the same way.
+	if err := whole(); err != nil {
+		t.Fatal(err)
+	}
+	if got := r.sweep(time.Now().Add(time.Minute), time.Second, time.Second); len(got) != 1 {
+		t.Fatalf("swept %v, want the one slot", got)
+	}
+	release = clock.next(t)
+	if err := whole(); !isCode(err, api.CodeArenaFull) {
+		t.Fatalf("a new slot over memory swept into quarantine: %v, want arena_full", err)
+	}
+	release()
+	if err := whole(); err != nil {
+		t.Fatalf("memory did not come back after the quarantine: %v", err)
+	}
+}
+
+// Shutdown waits on no quarantine: stop stops the timers and returns the
+// memory at once (nothing can be allocated any more), slots freed later
+// skip it, and a timer that fires anyway does nothing.
+func TestStopEndsQuarantines(t *testing.T) {
+	r := newTestRegistry(t, 4096)
+	clock := withQuarantine(r, time.Hour)
+	for _, id := range []string{"a", "b"} {
+		if _, err := r.newSlot(id, 1024); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if err := r.deleteSlot("a"); err != nil {
+		t.Fatal(err)
+	}
+	late := clock.next(t)
+	r.stop()
+	if clock.stopped != 1 || len(r.held) != 0 {
+		t.Fatalf("stop stopped %d timers and left %d slots held, want 1 and 0", clock.stopped, len(r.held))
+	}
+	r.sweep(time.Now(), -1, -1) // as Serve does after draining
+	if len(clock.armed) != 0 {
+		t.Fatal("a slot freed while stopping was quarantined")
+	}
+	late() // fired racing stop: a second free would panic
+	if st := r.arena.Stats(); st.Used != 0 {
+		t.Fatalf("the arena shows %d bytes used after stop, want 0", st.Used)
+	}
+}

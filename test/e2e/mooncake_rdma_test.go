@@ -52,7 +52,8 @@ func TestMooncakeRDMASendIntoASegment(t *testing.T) {
 // Mooncake → ferry over RDMA: the descriptor says rdma with the arena's
 // keys; the peer's WRITEs land in a receive slot, which arrives when the
 // peer's notify names its buffer_address; ferryd then writes back to the
-// peer over the same endpoint. A notify naming no slot is a WARN line.
+// peer over the same endpoint. A notify naming no slot is a WARN line. A
+// freed slot's memory stays quarantined (and shutdown does not wait on it).
 func TestMooncakeRDMAWritesIntoReceiveSlots(t *testing.T) {
 	requireRDMA(t)
 	rcv, seg := startMooncakeSegment(t, "--transport", "rdma")
@@ -80,6 +81,14 @@ func TestMooncakeRDMAWritesIntoReceiveSlots(t *testing.T) {
 	got, err := rcv.c.Wait(ctx, "mcr-in", 10*time.Second)
 	if err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("the notified slot: %v, equal=%t", err, bytes.Equal(got, data))
+	}
+	// Freed, the slot's memory stays in use for the quarantine: a late
+	// one-sided WRITE must not land in a newer slot or staged entry.
+	if err := rcv.c.FreeReceive(ctx, "mcr-in"); err != nil {
+		t.Fatal(err)
+	}
+	if st, err := rcv.c.Status(ctx); err != nil || st.Receives != 0 || st.Memory.Used < embBytes {
+		t.Fatalf("after freeing the slot: %d receives, %d arena bytes used (%v); want 0 and its %d bytes quarantined", st.Receives, st.Memory.Used, err, embBytes)
 	}
 
 	if err := mooncake.SendNotify(ctx, seg, mooncake.NotifyDesc{Name: peer.Name(), NotifyMsg: "12345"}); err != nil {
