@@ -183,3 +183,107 @@ func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
 		t.Errorf("the receiver serves %d lanes, want the one the canceled write spared", lanes)
 	}
 }
+
+// TestCanceledWaitForGrantSparesFlyingWrites: a write canceled while it
+// waits for its grant fails alone. It posted nothing; the write already
+// flying on its lane completes and is delivered; the lane, out of step
+// (the canceled write's answer still comes), closes after it, and the
+// receiver lets go of the grant it made for the canceled write, so a
+// resend of it is taken on a new lane.
+func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
+	// Holding writes on the wire needs the fake NIC, on any machine.
+	f := newFabric()
+	const size = 64 << 10
+	src := mapT(t, size)
+	slots := mappedSlots(t, 2*size)
+	accepted := make(chan struct{}, 2)
+	sink := &gated{watch: watch{Slots: slots, accepted: accepted}, tag: 2, reached: make(chan struct{}, 1), open: make(chan struct{})}
+	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: t.Logf}, Memory: src})
+	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: sink, Logf: t.Logf}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	f.hold = make(chan struct{})
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	answer := sync.OnceFunc(func() { close(sink.open) })
+	defer answer()
+
+	flying := make(chan error, 1)
+	w1 := transport.Write{Src: src, Remote: 0, Key: slots.Add(0, size), Tag: 1}
+	go func() { flying <- s.Write(ctxFor(t, 30*time.Second), w1) }()
+	select {
+	case <-accepted:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the first write never reached the receiver")
+	}
+	// The one lane carries the second header once the first let go of
+	// it; the receiver holds its answer.
+	ctx, cancel := context.WithCancel(ctxFor(t, 30*time.Second))
+	defer cancel()
+	canceled := make(chan error, 1)
+	w2 := transport.Write{Src: src, Remote: size, Key: slots.Add(size, size), Tag: 2}
+	go func() { canceled <- s.Write(ctx, w2) }()
+	select {
+	case <-sink.reached:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the second write's header never reached the receiver")
+	}
+	cancel()
+	select {
+	case err := <-canceled:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("canceled write: %v, want context.Canceled", err)
+		}
+	case err := <-flying:
+		t.Fatalf("the write flying on the lane ended when a write waiting for its grant was canceled: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the canceled write did not return")
+	}
+	release()
+	answer()
+	if err := <-flying; err != nil {
+		t.Fatalf("the write flying on the lane: %v", err)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), 1); err != nil {
+		t.Fatal(err)
+	}
+	// The grant made for the canceled write ends with its lane.
+	if err := slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if d := slots.Delivered(2); d != 0 {
+		t.Fatalf("the canceled write, which posted nothing, was delivered %d times", d)
+	}
+	if err := s.Write(ctxFor(t, 30*time.Second), w2); err != nil {
+		t.Fatalf("resending the canceled write: %v", err)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), 2); err != nil {
+		t.Fatal(err)
+	}
+	if d := slots.Delivered(1); d != 1 {
+		t.Errorf("the flying write delivered %d times", d)
+	}
+}
+
+// gated is a Sink that holds its answer to the write tagged tag until
+// open closes, having said so on reached.
+type gated struct {
+	watch
+	tag     uint32
+	reached chan struct{}
+	open    chan struct{}
+}
+
+func (g *gated) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+	if tag == g.tag {
+		select {
+		case g.reached <- struct{}{}:
+		default:
+		}
+		<-g.open
+	}
+	return g.watch.Accept(addr, n, key, tag)
+}
