@@ -198,16 +198,41 @@ func (s *session) lane(ctx context.Context) (*lane, error) {
 // transfer. The receiver grants in the order the headers came, and RC
 // delivers the writes in the order they were posted, which is that order
 // too, since a write holds the lane until its last post.
+//
+// A write canceled while waiting for its answer leaves l out of step (the
+// answer still comes) but not broken: the writes flying on l may still
+// complete, so l retires, taking no more writes, and closes after them.
 func (s *session) write(ctx context.Context, l *lane, w *transport.Write) error {
 	held, reuse, err := s.run(ctx, l, w)
-	if held {
-		if reuse && !l.broken.Load() {
-			s.pool.Put(l)
-		} else {
-			s.pool.Drop(l)
-		}
+	switch {
+	case !held:
+		l.flying.Add(-1)
+		s.closeIfRetired(l)
+	case l.retiring.Load():
+		s.closeIfRetired(l)
+	case reuse && !l.broken.Load():
+		s.pool.Put(l)
+	default:
+		s.pool.Drop(l)
 	}
 	return err
+}
+
+// closeIfRetired closes l once it is retiring and no write flies on it.
+// The write that retired l and the last write flying on it each set their
+// part (retiring, the count down) before looking at the other's, so at
+// least one of them finds both; the CompareAndSwap lets one through. It
+// first waits, for drainWait at most, for the canceled write's answer:
+// the receiver has then sent it (closing the control connection under
+// the reply would fail every grant outstanding on the lane, those of
+// completed writes too), and on seeing the lane end it lets go of the
+// grant the canceled write never used.
+func (s *session) closeIfRetired(l *lane) {
+	if l.flying.Load() != 0 || !l.retiring.CompareAndSwap(true, false) {
+		return
+	}
+	wait(l, l.answers, time.Now().Add(drainWait), nil)
+	s.pool.Drop(l)
 }
 
 // run is write under l.use (close waits for it). held reports whether
@@ -235,9 +260,8 @@ func (s *session) run(ctx context.Context, l *lane, w *transport.Write) (held, r
 		err = s.transfer(ctx, l, f, true)
 		return true, err == nil, err
 	}
-	defer l.flying.Add(-1)
 	// Others may take l now; if this write breaks its QP it marks l
-	// broken, and the next to take it drops it.
+	// broken, and the next to take it drops it. write counts it down.
 	s.pool.Put(l)
 	return false, false, s.transfer(ctx, l, f, true)
 }
@@ -278,6 +302,11 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *fl
 	}
 	a, err := wait(l, l.answers, s.deadline(ctx), ctx.Done())
 	switch {
+	case err == errCanceled || err == errNoProgress && ctxErr(ctx) != nil:
+		// The caller gave up, not the lane: nothing is posted, and the
+		// writes flying on l carry on (see write).
+		l.retiring.Store(true)
+		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
 	case err != nil:
 		l.broken.Store(true)
 		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
