@@ -268,6 +268,83 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 	}
 }
 
+// TestCanceledHeldWriteSparesItsLane: a write that holds its lane to
+// its completion (here the one past flyingMax), canceled once all of it
+// is posted, waits for that completion; when it comes the lane is in
+// step, and stays in the pool for the writes flying on it and the next.
+func TestCanceledHeldWriteSparesItsLane(t *testing.T) {
+	// Holding writes on the wire needs the fake NIC, on any machine.
+	f := newFabric()
+	const size, n = 64 << 10, flyingMax + 1
+	src := mapT(t, size)
+	slots := mappedSlots(t, (n+1)*size)
+	accepted := make(chan struct{}, n+1)
+	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: t.Logf}, Memory: src})
+	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}, Logf: t.Logf}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	sess := s.(*session)
+	first, err := sess.pool.Get(ctxFor(t, 30*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sess.pool.Put(first)
+	f.hold = make(chan struct{})
+	f.posted = make(chan struct{}, n+1)
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	write := func(ctx context.Context, i int) chan error {
+		res := make(chan error, 1)
+		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
+		go func() { res <- s.Write(ctx, w) }()
+		for _, c := range []chan struct{}{accepted, f.posted} {
+			select {
+			case <-c:
+			case <-time.After(30 * time.Second):
+				t.Fatalf("write %d never reached the receiver and the NIC", i)
+			}
+		}
+		return res
+	}
+	var flying []chan error
+	for i := range flyingMax {
+		flying = append(flying, write(ctxFor(t, 30*time.Second), i))
+	}
+	ctx, cancel := context.WithCancel(ctxFor(t, 30*time.Second))
+	held := write(ctx, flyingMax)
+	cancel()
+	release()
+	if err := <-held; !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled write: %v, want context.Canceled", err)
+	}
+	for i, res := range flying {
+		if err := <-res; err != nil {
+			t.Fatalf("write %d, flying on the lane: %v", i, err)
+		}
+	}
+	if err := <-write(ctxFor(t, 30*time.Second), n); err != nil {
+		t.Fatalf("the next write: %v", err)
+	}
+	tags := make([]uint32, n+1)
+	for i := range tags {
+		tags[i] = uint32(i + 1)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), tags...); err != nil {
+		t.Fatal(err)
+	}
+	l, err := sess.pool.Get(ctxFor(t, 30*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sess.pool.Put(l)
+	if l != first {
+		t.Error("the lane closed after the canceled write completed; want it kept")
+	}
+}
+
 // gated is a Sink that holds its answer to the write tagged tag until
 // open closes, having said so on reached.
 type gated struct {
