@@ -237,7 +237,9 @@ func (s *session) closeIfRetired(l *lane) {
 
 // run is write under l.use (close waits for it). held reports whether
 // the write still holds l from the pool, reuse whether l may carry
-// another write as far as this one knows (a broken QP marks l broken).
+// another write as far as this one knows (a broken QP marks l broken:
+// a write that failed in transfer, canceled, whose completion came all
+// the same, leaves l fit).
 func (s *session) run(ctx context.Context, l *lane, w *transport.Write) (held, reuse bool, err error) {
 	l.use.RLock()
 	defer l.use.RUnlock()
@@ -253,12 +255,12 @@ func (s *session) run(ctx context.Context, l *lane, w *transport.Write) (held, r
 		// The bounce ring is the lane's, and a long write would keep
 		// others' completions waiting behind it: hold on.
 		err = s.transfer(ctx, l, f, true)
-		return true, err == nil, err
+		return true, true, err
 	}
 	if l.flying.Add(1) > flyingMax {
 		l.flying.Add(-1)
 		err = s.transfer(ctx, l, f, true)
-		return true, err == nil, err
+		return true, true, err
 	}
 	// Others may take l now; if this write breaks its QP it marks l
 	// broken, and the next to take it drops it. write counts it down.
