@@ -345,6 +345,67 @@ func TestCanceledHeldWriteSparesItsLane(t *testing.T) {
 	}
 }
 
+// TestCanceledPostingWriteSparesFlyingWrites: a write canceled while it
+// still has messages to post breaks its lane (the receiver's grant waits
+// for a last message that never comes), but only once the writes flying
+// on the lane, posted before it, have completed: they succeed.
+func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
+	// Holding writes on the wire needs the fake NIC, on any machine.
+	f := newFabric()
+	const small, big = 64 << 10, (bounceSlots + 1) * chunk
+	src := mapT(t, small)
+	outside := mapT(t, big) // not the transport's memory: copied through the bounce ring, bounceSlots messages at a time
+	slots := mappedSlots(t, small+big)
+	accepted := make(chan struct{}, 2)
+	var logs logLines
+	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: logs.logf}, Memory: src})
+	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}, Logf: t.Logf}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	f.hold = make(chan struct{})
+	f.posted = make(chan struct{}, 2)
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	write := func(ctx context.Context, w transport.Write) chan error {
+		res := make(chan error, 1)
+		go func() { res <- s.Write(ctx, w) }()
+		for _, c := range []chan struct{}{accepted, f.posted} {
+			select {
+			case <-c:
+			case <-time.After(30 * time.Second):
+				t.Fatalf("the write tagged %d never reached the receiver and the NIC", w.Tag)
+			}
+		}
+		return res
+	}
+	flying := write(ctxFor(t, 30*time.Second), transport.Write{Src: src, Remote: 0, Key: slots.Add(0, small), Tag: 1})
+	ctx, cancel := context.WithCancel(ctxFor(t, 30*time.Second))
+	posting := write(ctx, transport.Write{Src: outside, Remote: small, Key: slots.Add(small, big), Tag: 2})
+	cancel()
+	// Still on the wire, the flying write holds the lane together.
+	logs.wait(t, "canceled with 4 of its 5 messages posted", "once the writes flying on it (1) complete")
+	release()
+	if err := <-posting; !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled write: %v, want context.Canceled", err)
+	}
+	if err := <-flying; err != nil {
+		t.Fatalf("the write flying on the lane: %v", err)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), 1); err != nil {
+		t.Fatal(err)
+	}
+	// The canceled write's grant is let go, undelivered.
+	if err := slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if d := slots.Delivered(2); d != 0 {
+		t.Fatalf("the canceled write, never posted whole, was delivered %d times", d)
+	}
+}
+
 // gated is a Sink that holds its answer to the write tagged tag until
 // open closes, having said so on reached.
 type gated struct {

@@ -102,6 +102,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 	l := newLane(qp, c, 0)
 	l.routes = make(map[uint32]chan completion)
 	l.answers = make(chan answer, 1)
+	l.landed = make(chan struct{}, 1)
 	l.dead = make(chan struct{})
 	go l.readAnswers()
 	return l, instance, a.peerRegion, nil
@@ -206,7 +207,12 @@ func (s *session) write(ctx context.Context, l *lane, w *transport.Write) error 
 	held, reuse, err := s.run(ctx, l, w)
 	switch {
 	case !held:
-		l.flying.Add(-1)
+		if l.flying.Add(-1) == 0 {
+			select {
+			case l.landed <- struct{}{}:
+			default: // a token is there already
+			}
+		}
 		s.closeIfRetired(l)
 	case l.retiring.Load():
 		s.closeIfRetired(l)
@@ -304,7 +310,7 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *fl
 	}
 	a, err := wait(l, l.answers, s.deadline(ctx), ctx.Done())
 	switch {
-	case err == errCanceled || err == errNoProgress && ctxErr(ctx) != nil:
+	case gaveUp(ctx, err):
 		// The caller gave up, not the lane: nothing is posted, and the
 		// writes flying on l carry on (see write).
 		l.retiring.Store(true)
@@ -382,10 +388,16 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 			return nil
 		}
 		wc, err := wait(l, f.wcs, s.deadline(ctx), ctx.Done())
-		if err == errCanceled && f.posted == f.count && s.settle(l, f) {
+		if gaveUp(ctx, err) && f.posted == f.count && s.settle(l, f) {
 			// Everything was posted and the write completed after all:
 			// the lane and its other writes carry on.
 			return s.broken(ctx, l, err, fmt.Sprintf("with a %d-byte write in flight (it completed)", f.n))
+		}
+		if gaveUp(ctx, err) && f.posted < f.count {
+			// The receiver's grant waits for a last message that will not
+			// come: the QP must break, but the writes flying on l were
+			// posted before this one, and may complete first.
+			s.land(l, f)
 		}
 		if err != nil {
 			inFlight := fmt.Sprintf("with %d of a %d-byte write's %d work requests in flight", f.posted-f.retired, f.n, f.count)
@@ -425,6 +437,29 @@ func (s *session) drain(l *lane, f *flight, posted int) {
 		case <-l.polled:
 			return
 		case <-t.C:
+			return
+		}
+	}
+}
+
+// gaveUp reports whether a wait on a write's lane ended because the
+// write's caller gave up (canceled, or its deadline passed), not the lane.
+func gaveUp(ctx context.Context, err error) bool {
+	return err == errCanceled || err == errNoProgress && ctxErr(ctx) != nil
+}
+
+// land waits, for drainWait at most, until no write flies on l, before f,
+// canceled while posting, breaks its QP.
+func (s *session) land(l *lane, f *flight) {
+	n := l.flying.Load()
+	if n == 0 {
+		return
+	}
+	s.t.logf("rdma: a %d-byte write to %s was canceled with %d of its %d messages posted: its lane breaks once the writes flying on it (%d) complete, or after %s",
+		f.n, s.peer, f.posted, f.count, n, drainWait)
+	deadline := time.Now().Add(drainWait)
+	for l.flying.Load() != 0 {
+		if _, err := wait(l, l.landed, deadline, nil); err != nil {
 			return
 		}
 	}
