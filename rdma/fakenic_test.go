@@ -29,6 +29,9 @@ type fabric struct {
 	// hold, if set, keeps every work request from executing until it is
 	// closed: a write stays in flight for as long as a test needs.
 	hold chan struct{}
+	// posted, if set, gets a token for each batch of work requests posted
+	// (none when it is full): a test sees a write reach the NIC.
+	posted chan struct{}
 }
 
 func newFabric() *fabric {
@@ -185,6 +188,12 @@ func (q *fakeQP) Post(ops []op) error {
 	}
 	q.ops = append(q.ops, ops...)
 	q.work.Broadcast()
+	if q.n.f.posted != nil {
+		select {
+		case q.n.f.posted <- struct{}{}:
+		default:
+		}
+	}
 	return nil
 }
 

@@ -50,11 +50,18 @@ type lane struct {
 	routeMu sync.Mutex
 	routes  map[uint32]chan completion
 	// flying counts the writes that let go of the lane and wait for their
-	// completion (at most flyingMax).
+	// completion (at most flyingMax); landed gets a token when it drops
+	// to zero.
 	flying atomic.Int32
+	landed chan struct{}
 	// broken is set when a write that had let go of the lane failed: the
 	// QP is broken, and the next write to take the lane drops it.
 	broken atomic.Bool
+	// retiring is set by a write canceled while waiting for its answer,
+	// which keeps the lane from the pool: out of step, it takes no more
+	// writes, and closes once the writes flying on it are done
+	// (session.closeIfRetired).
+	retiring atomic.Bool
 
 	// answers carries the receiver's replies to the write holding the
 	// lane (readAnswers reads them). dead closes when the control

@@ -183,3 +183,245 @@ func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
 		t.Errorf("the receiver serves %d lanes, want the one the canceled write spared", lanes)
 	}
 }
+
+// TestCanceledWaitForGrantSparesFlyingWrites: a write canceled while it
+// waits for its grant fails alone. It posted nothing; the write already
+// flying on its lane completes and is delivered; the lane, out of step
+// (the canceled write's answer still comes), closes after it, and the
+// receiver lets go of the grant it made for the canceled write, so a
+// resend of it is taken on a new lane.
+func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
+	// Holding writes on the wire needs the fake NIC, on any machine.
+	f := newFabric()
+	const size = 64 << 10
+	src := mapT(t, size)
+	slots := mappedSlots(t, 2*size)
+	accepted := make(chan struct{}, 2)
+	sink := &gated{watch: watch{Slots: slots, accepted: accepted}, tag: 2, reached: make(chan struct{}, 1), open: make(chan struct{})}
+	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: t.Logf}, Memory: src})
+	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: sink, Logf: t.Logf}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	f.hold = make(chan struct{})
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	answer := sync.OnceFunc(func() { close(sink.open) })
+	defer answer()
+
+	flying := make(chan error, 1)
+	w1 := transport.Write{Src: src, Remote: 0, Key: slots.Add(0, size), Tag: 1}
+	go func() { flying <- s.Write(ctxFor(t, 30*time.Second), w1) }()
+	select {
+	case <-accepted:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the first write never reached the receiver")
+	}
+	// The one lane carries the second header once the first let go of
+	// it; the receiver holds its answer.
+	ctx, cancel := context.WithCancel(ctxFor(t, 30*time.Second))
+	defer cancel()
+	canceled := make(chan error, 1)
+	w2 := transport.Write{Src: src, Remote: size, Key: slots.Add(size, size), Tag: 2}
+	go func() { canceled <- s.Write(ctx, w2) }()
+	select {
+	case <-sink.reached:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the second write's header never reached the receiver")
+	}
+	cancel()
+	select {
+	case err := <-canceled:
+		if !errors.Is(err, context.Canceled) {
+			t.Fatalf("canceled write: %v, want context.Canceled", err)
+		}
+	case err := <-flying:
+		t.Fatalf("the write flying on the lane ended when a write waiting for its grant was canceled: %v", err)
+	case <-time.After(30 * time.Second):
+		t.Fatal("the canceled write did not return")
+	}
+	release()
+	answer()
+	if err := <-flying; err != nil {
+		t.Fatalf("the write flying on the lane: %v", err)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), 1); err != nil {
+		t.Fatal(err)
+	}
+	// The grant made for the canceled write ends with its lane.
+	if err := slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if d := slots.Delivered(2); d != 0 {
+		t.Fatalf("the canceled write, which posted nothing, was delivered %d times", d)
+	}
+	if err := s.Write(ctxFor(t, 30*time.Second), w2); err != nil {
+		t.Fatalf("resending the canceled write: %v", err)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), 2); err != nil {
+		t.Fatal(err)
+	}
+	if d := slots.Delivered(1); d != 1 {
+		t.Errorf("the flying write delivered %d times", d)
+	}
+}
+
+// TestCanceledHeldWriteSparesItsLane: a write that holds its lane to
+// its completion (here the one past flyingMax), canceled once all of it
+// is posted, waits for that completion; when it comes the lane is in
+// step, and stays in the pool for the writes flying on it and the next.
+func TestCanceledHeldWriteSparesItsLane(t *testing.T) {
+	// Holding writes on the wire needs the fake NIC, on any machine.
+	f := newFabric()
+	const size, n = 64 << 10, flyingMax + 1
+	src := mapT(t, size)
+	slots := mappedSlots(t, (n+1)*size)
+	accepted := make(chan struct{}, n+1)
+	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: t.Logf}, Memory: src})
+	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}, Logf: t.Logf}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	sess := s.(*session)
+	first, err := sess.pool.Get(ctxFor(t, 30*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sess.pool.Put(first)
+	f.hold = make(chan struct{})
+	f.posted = make(chan struct{}, n+1)
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	write := func(ctx context.Context, i int) chan error {
+		res := make(chan error, 1)
+		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
+		go func() { res <- s.Write(ctx, w) }()
+		for _, c := range []chan struct{}{accepted, f.posted} {
+			select {
+			case <-c:
+			case <-time.After(30 * time.Second):
+				t.Fatalf("write %d never reached the receiver and the NIC", i)
+			}
+		}
+		return res
+	}
+	var flying []chan error
+	for i := range flyingMax {
+		flying = append(flying, write(ctxFor(t, 30*time.Second), i))
+	}
+	ctx, cancel := context.WithCancel(ctxFor(t, 30*time.Second))
+	held := write(ctx, flyingMax)
+	cancel()
+	release()
+	if err := <-held; !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled write: %v, want context.Canceled", err)
+	}
+	for i, res := range flying {
+		if err := <-res; err != nil {
+			t.Fatalf("write %d, flying on the lane: %v", i, err)
+		}
+	}
+	if err := <-write(ctxFor(t, 30*time.Second), n); err != nil {
+		t.Fatalf("the next write: %v", err)
+	}
+	tags := make([]uint32, n+1)
+	for i := range tags {
+		tags[i] = uint32(i + 1)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), tags...); err != nil {
+		t.Fatal(err)
+	}
+	l, err := sess.pool.Get(ctxFor(t, 30*time.Second))
+	if err != nil {
+		t.Fatal(err)
+	}
+	sess.pool.Put(l)
+	if l != first {
+		t.Error("the lane closed after the canceled write completed; want it kept")
+	}
+}
+
+// TestCanceledPostingWriteSparesFlyingWrites: a write canceled while it
+// still has messages to post breaks its lane (the receiver's grant waits
+// for a last message that never comes), but only once the writes flying
+// on the lane, posted before it, have completed: they succeed.
+func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
+	// Holding writes on the wire needs the fake NIC, on any machine.
+	f := newFabric()
+	const small, big = 64 << 10, (bounceSlots + 1) * chunk
+	src := mapT(t, small)
+	outside := mapT(t, big) // not the transport's memory: copied through the bounce ring, bounceSlots messages at a time
+	slots := mappedSlots(t, small+big)
+	accepted := make(chan struct{}, 2)
+	var logs logLines
+	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: logs.logf}, Memory: src})
+	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}, Logf: t.Logf}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	f.hold = make(chan struct{})
+	f.posted = make(chan struct{}, 2)
+	release := sync.OnceFunc(func() { close(f.hold) })
+	defer release()
+	write := func(ctx context.Context, w transport.Write) chan error {
+		res := make(chan error, 1)
+		go func() { res <- s.Write(ctx, w) }()
+		for _, c := range []chan struct{}{accepted, f.posted} {
+			select {
+			case <-c:
+			case <-time.After(30 * time.Second):
+				t.Fatalf("the write tagged %d never reached the receiver and the NIC", w.Tag)
+			}
+		}
+		return res
+	}
+	flying := write(ctxFor(t, 30*time.Second), transport.Write{Src: src, Remote: 0, Key: slots.Add(0, small), Tag: 1})
+	ctx, cancel := context.WithCancel(ctxFor(t, 30*time.Second))
+	posting := write(ctx, transport.Write{Src: outside, Remote: small, Key: slots.Add(small, big), Tag: 2})
+	cancel()
+	// Still on the wire, the flying write holds the lane together.
+	logs.wait(t, "canceled with 4 of its 5 messages posted", "once the writes flying on it (1) complete")
+	release()
+	if err := <-posting; !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled write: %v, want context.Canceled", err)
+	}
+	if err := <-flying; err != nil {
+		t.Fatalf("the write flying on the lane: %v", err)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), 1); err != nil {
+		t.Fatal(err)
+	}
+	// The canceled write's grant is let go, undelivered.
+	if err := slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if d := slots.Delivered(2); d != 0 {
+		t.Fatalf("the canceled write, never posted whole, was delivered %d times", d)
+	}
+}
+
+// gated is a Sink that holds its answer to the write tagged tag until
+// open closes, having said so on reached.
+type gated struct {
+	watch
+	tag     uint32
+	reached chan struct{}
+	open    chan struct{}
+}
+
+func (g *gated) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+	if tag == g.tag {
+		select {
+		case g.reached <- struct{}{}:
+		default:
+		}
+		<-g.open
+	}
+	return g.watch.Accept(addr, n, key, tag)
+}

@@ -102,6 +102,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 	l := newLane(qp, c, 0)
 	l.routes = make(map[uint32]chan completion)
 	l.answers = make(chan answer, 1)
+	l.landed = make(chan struct{}, 1)
 	l.dead = make(chan struct{})
 	go l.readAnswers()
 	return l, instance, a.peerRegion, nil
@@ -198,21 +199,53 @@ func (s *session) lane(ctx context.Context) (*lane, error) {
 // transfer. The receiver grants in the order the headers came, and RC
 // delivers the writes in the order they were posted, which is that order
 // too, since a write holds the lane until its last post.
+//
+// A write canceled while waiting for its answer leaves l out of step (the
+// answer still comes) but not broken: the writes flying on l may still
+// complete, so l retires, taking no more writes, and closes after them.
 func (s *session) write(ctx context.Context, l *lane, w *transport.Write) error {
 	held, reuse, err := s.run(ctx, l, w)
-	if held {
-		if reuse && !l.broken.Load() {
-			s.pool.Put(l)
-		} else {
-			s.pool.Drop(l)
+	switch {
+	case !held:
+		if l.flying.Add(-1) == 0 {
+			select {
+			case l.landed <- struct{}{}:
+			default: // a token is there already
+			}
 		}
+		s.closeIfRetired(l)
+	case l.retiring.Load():
+		s.closeIfRetired(l)
+	case reuse && !l.broken.Load():
+		s.pool.Put(l)
+	default:
+		s.pool.Drop(l)
 	}
 	return err
 }
 
+// closeIfRetired closes l once it is retiring and no write flies on it.
+// The write that retired l and the last write flying on it each set their
+// part (retiring, the count down) before looking at the other's, so at
+// least one of them finds both; the CompareAndSwap lets one through. It
+// first waits, for drainWait at most, for the canceled write's answer:
+// the receiver has then sent it (closing the control connection under
+// the reply would fail every grant outstanding on the lane, those of
+// completed writes too), and on seeing the lane end it lets go of the
+// grant the canceled write never used.
+func (s *session) closeIfRetired(l *lane) {
+	if l.flying.Load() != 0 || !l.retiring.CompareAndSwap(true, false) {
+		return
+	}
+	wait(l, l.answers, time.Now().Add(drainWait), nil)
+	s.pool.Drop(l)
+}
+
 // run is write under l.use (close waits for it). held reports whether
 // the write still holds l from the pool, reuse whether l may carry
-// another write as far as this one knows (a broken QP marks l broken).
+// another write as far as this one knows (a broken QP marks l broken:
+// a write that failed in transfer, canceled, whose completion came all
+// the same, leaves l fit).
 func (s *session) run(ctx context.Context, l *lane, w *transport.Write) (held, reuse bool, err error) {
 	l.use.RLock()
 	defer l.use.RUnlock()
@@ -228,16 +261,15 @@ func (s *session) run(ctx context.Context, l *lane, w *transport.Write) (held, r
 		// The bounce ring is the lane's, and a long write would keep
 		// others' completions waiting behind it: hold on.
 		err = s.transfer(ctx, l, f, true)
-		return true, err == nil, err
+		return true, true, err
 	}
 	if l.flying.Add(1) > flyingMax {
 		l.flying.Add(-1)
 		err = s.transfer(ctx, l, f, true)
-		return true, err == nil, err
+		return true, true, err
 	}
-	defer l.flying.Add(-1)
 	// Others may take l now; if this write breaks its QP it marks l
-	// broken, and the next to take it drops it.
+	// broken, and the next to take it drops it. write counts it down.
 	s.pool.Put(l)
 	return false, false, s.transfer(ctx, l, f, true)
 }
@@ -278,6 +310,11 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *fl
 	}
 	a, err := wait(l, l.answers, s.deadline(ctx), ctx.Done())
 	switch {
+	case gaveUp(ctx, err):
+		// The caller gave up, not the lane: nothing is posted, and the
+		// writes flying on l carry on (see write).
+		l.retiring.Store(true)
+		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
 	case err != nil:
 		l.broken.Store(true)
 		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
@@ -351,10 +388,16 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 			return nil
 		}
 		wc, err := wait(l, f.wcs, s.deadline(ctx), ctx.Done())
-		if err == errCanceled && f.posted == f.count && s.settle(l, f) {
+		if gaveUp(ctx, err) && f.posted == f.count && s.settle(l, f) {
 			// Everything was posted and the write completed after all:
 			// the lane and its other writes carry on.
 			return s.broken(ctx, l, err, fmt.Sprintf("with a %d-byte write in flight (it completed)", f.n))
+		}
+		if gaveUp(ctx, err) && f.posted < f.count {
+			// The receiver's grant waits for a last message that will not
+			// come: the QP must break, but the writes flying on l were
+			// posted before this one, and may complete first.
+			s.land(l, f)
 		}
 		if err != nil {
 			inFlight := fmt.Sprintf("with %d of a %d-byte write's %d work requests in flight", f.posted-f.retired, f.n, f.count)
@@ -394,6 +437,29 @@ func (s *session) drain(l *lane, f *flight, posted int) {
 		case <-l.polled:
 			return
 		case <-t.C:
+			return
+		}
+	}
+}
+
+// gaveUp reports whether a wait on a write's lane ended because the
+// write's caller gave up (canceled, or its deadline passed), not the lane.
+func gaveUp(ctx context.Context, err error) bool {
+	return err == errCanceled || err == errNoProgress && ctxErr(ctx) != nil
+}
+
+// land waits, for drainWait at most, until no write flies on l, before f,
+// canceled while posting, breaks its QP.
+func (s *session) land(l *lane, f *flight) {
+	n := l.flying.Load()
+	if n == 0 {
+		return
+	}
+	s.t.logf("rdma: a %d-byte write to %s was canceled with %d of its %d messages posted: its lane breaks once the writes flying on it (%d) complete, or after %s",
+		f.n, s.peer, f.posted, f.count, n, drainWait)
+	deadline := time.Now().Add(drainWait)
+	for l.flying.Load() != 0 {
+		if _, err := wait(l, l.landed, deadline, nil); err != nil {
 			return
 		}
 	}

@@ -66,6 +66,20 @@ package rdma
 // flags bit 1 (flagFailed) and the reason, and closes the lane: that
 // reply may come at any point, and ends every write on the lane.
 //
+// A write whose caller gives up (canceled, or past its deadline) spares
+// the lane's other writes where it can. Waiting for its answer, the
+// client posts nothing: the lane is out of step (the answer still comes)
+// but sound, so it takes no more headers, and once the writes flying on
+// it have ended the client reads the answer (for drainWait at most) and
+// closes the lane. The server, seeing the control connection end with
+// that grant outstanding, breaks its QP: writes whose completions came
+// are delivered, and the unused grant's receive is flushed and its memory
+// let go undelivered. With every message posted, the client waits (for
+// drainWait at most) for the write's completion, and when it comes the
+// lane carries on. With messages left to post the grant can never
+// complete, and the QP breaks, but only after the writes flying on the
+// lane, posted before, have completed (for drainWait at most).
+//
 // What the NIC enforces: a write needs an rkey of the receiver's
 // protection domain with remote write access, must stay inside that
 // registration, and must come from the QP this lane connected. What
