@@ -100,7 +100,9 @@ func TestConnectQPsReplies(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		srv := Serve(ln, Handlers{Segment: func() *Segment { return &Segment{} }, Connect: c.reply}, ServerConfig{})
+		srv := Serve(ln, Handlers{Segment: func() *Segment { return &Segment{} }, Connect: func(_ context.Context, d HandshakeDesc) (HandshakeDesc, func()) {
+			return c.reply(d), nil
+		}}, ServerConfig{})
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		r, err := ConnectQPs(ctx, ln.Addr().String(), req)
 		cancel()
