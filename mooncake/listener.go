@@ -42,11 +42,11 @@ func (l *listener) Addr() net.Addr { return l.ln.Addr() }
 func (l *listener) Close() error {
 	l.mu.Lock()
 	l.shut = true
-	l.cancel()
 	err := l.ln.Close()
 	for c := range l.live {
 		c.Close()
 	}
+	l.cancel() // after the connections: work it ends finds them closed
 	l.mu.Unlock()
 	l.wg.Wait()
 	return err
