@@ -27,7 +27,7 @@ import (
 // mcEndpoint is the QPs connected to one peer NIC.
 type mcEndpoint struct {
 	peer  string   // the peer's NIC path, the endpoint table's key
-	gid   [16]byte // the GID the QPs are connected to
+	gid   [16]byte // the GID and LID the QPs are connected to
 	lid   uint16
 	lanes []*lane // one per QP; ctrl is nil (no control connection)
 	free  chan *lane
@@ -60,15 +60,15 @@ type mcTable struct {
 
 var errEndpointsClosed = errors.New("the transport is closing")
 
-// get returns the endpoint to peer if its QPs are connected to gid. An
-// endpoint is stored under the NIC path its initiator claimed, so one
-// connected to another GID is someone else's: the caller handshakes
-// afresh, replacing it.
-func (m *mcTable) get(peer string, gid [16]byte) *mcEndpoint {
+// get returns the endpoint to peer if its QPs are connected to gid and
+// lid. An endpoint is stored under the NIC path its initiator claimed, so
+// one connected to another address is someone else's: the caller
+// handshakes afresh, replacing it.
+func (m *mcTable) get(peer string, gid [16]byte, lid uint16) *mcEndpoint {
 	m.mu.Lock()
 	defer m.mu.Unlock()
 	ep := m.eps[peer]
-	if ep == nil || ep.gid != gid {
+	if ep == nil || ep.gid != gid || ep.lid != lid {
 		return nil
 	}
 	m.tick++
@@ -309,12 +309,12 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) 
 	if err != nil {
 		return nil, fmt.Errorf("segment device %s: %w", tg.Device.Name, err)
 	}
-	if ep := t.mc.get(tg.NICPath, want); ep != nil {
+	if ep := t.mc.get(tg.NICPath, want, tg.Device.LID); ep != nil {
 		return ep, nil
 	}
 	t.mc.dial.Lock()
 	defer t.mc.dial.Unlock()
-	if ep := t.mc.get(tg.NICPath, want); ep != nil {
+	if ep := t.mc.get(tg.NICPath, want, tg.Device.LID); ep != nil {
 		return ep, nil
 	}
 	self, rpc, qps := w.Self, w.RPC, w.QPs
@@ -336,18 +336,17 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) 
 		closeLanes(lanes)
 		return nil, err
 	}
-	// The QPs go to the GID the descriptor lists, which is what makes the
-	// endpoint reusable for the next write; a reply naming another is
-	// not the segment's NIC.
-	lid := tg.Device.LID
+	// The QPs go to the GID and LID the descriptor lists, which is what
+	// makes the endpoint reusable for the next write; a reply naming
+	// another address is not the segment's NIC.
 	if r.LocalGID != "" {
-		if got, err := mooncake.ParseGID(r.LocalGID); err != nil || got != want {
+		if got, err := mooncake.ParseGID(r.LocalGID); err != nil || got != want || r.LocalLID != tg.Device.LID {
 			closeLanes(lanes)
-			return nil, fmt.Errorf("connecting to %s: the handshake reply's local_gid %q is not the descriptor's GID %s of device %s", tg.NICPath, r.LocalGID, tg.Device.GID, tg.Device.Name)
+			return nil, fmt.Errorf("connecting to %s: the handshake reply's local_gid %q and local_lid %d are not the descriptor's GID %s and LID %d of device %s",
+				tg.NICPath, r.LocalGID, r.LocalLID, tg.Device.GID, tg.Device.LID, tg.Device.Name)
 		}
-		lid = r.LocalLID
 	}
-	ep, err := connectMooncake(tg.NICPath, lanes, want, lid, r.QPNum)
+	ep, err := connectMooncake(tg.NICPath, lanes, want, tg.Device.LID, r.QPNum)
 	if err == nil {
 		if err = t.mc.put(ep); err == nil {
 			return ep, nil
