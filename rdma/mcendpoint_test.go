@@ -13,22 +13,29 @@ import (
 
 // The Mooncake endpoint table's rules, on the fake fabric: its QPs are
 // routed by GID and its keys are its NIC's own, so a write over QPs
-// connected to the wrong NIC fails as on a real one. The wire exchange
-// with real verbs runs in the soft-RoCE VM (mooncake_test.go).
+// connected to the wrong NIC fails as on a real one (on the soft-RoCE VM's
+// one device every segment has the same GID). The wire exchange with real
+// verbs runs in the VM (mooncake_test.go), and so does
+// TestMooncakeQPRefusesRead.
 
-// fakeSegment is a Mooncake RDMA segment on a fake NIC: a transport whose
-// Memory is its one buffer, and a handshake port that answers metadata
-// and connection requests over it.
-type fakeSegment struct {
+// mcSegment is a Mooncake RDMA segment on n: a transport whose Memory
+// is its one buffer, and a handshake port that answers metadata and
+// connection requests over it.
+type mcSegment struct {
 	tr   *Transport
 	name string
 	mem  []byte
 }
 
-func startFakeSegment(t *testing.T, f *fabric, id byte, cfg Config) *fakeSegment {
+func startFakeSegment(t *testing.T, f *fabric, id byte, cfg Config) *mcSegment {
+	t.Helper()
+	return startSegment(t, f.nic(id), cfg)
+}
+
+func startSegment(t *testing.T, n nic, cfg Config) *mcSegment {
 	t.Helper()
 	cfg.Memory = mapT(t, 1<<16)
-	tr, err := listen(testConfig(t, cfg), f.nic(id))
+	tr, err := listen(testConfig(t, cfg), n)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -37,7 +44,7 @@ func startFakeSegment(t *testing.T, f *fabric, id byte, cfg Config) *fakeSegment
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := &fakeSegment{tr: tr, name: ln.Addr().String(), mem: cfg.Memory}
+	s := &mcSegment{tr: tr, name: ln.Addr().String(), mem: cfg.Memory}
 	srv := mooncake.Serve(ln, mooncake.Handlers{
 		Segment: s.segment,
 		Connect: func(ctx context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
@@ -48,7 +55,7 @@ func startFakeSegment(t *testing.T, f *fabric, id byte, cfg Config) *fakeSegment
 	return s
 }
 
-func (s *fakeSegment) device() mooncake.Device {
+func (s *mcSegment) device() mooncake.Device {
 	d, err := s.tr.MooncakeDevice()
 	if err != nil {
 		panic(err)
@@ -56,9 +63,9 @@ func (s *fakeSegment) device() mooncake.Device {
 	return d
 }
 
-func (s *fakeSegment) nicPath() string { return mooncake.NICPath(s.name, s.device().Name) }
+func (s *mcSegment) nicPath() string { return mooncake.NICPath(s.name, s.device().Name) }
 
-func (s *fakeSegment) segment() *mooncake.Segment {
+func (s *mcSegment) segment() *mooncake.Segment {
 	d := s.device()
 	rk, lk, _ := s.tr.MooncakeKeys()
 	return &mooncake.Segment{Name: s.name, Protocol: "rdma", Devices: []mooncake.Device{d},
@@ -68,7 +75,7 @@ func (s *fakeSegment) segment() *mooncake.Segment {
 
 // write writes data at off in dst's buffer, as a ferry session does: the
 // target from dst's descriptor, fetched over its handshake port.
-func (s *fakeSegment) write(t *testing.T, dst *fakeSegment, off int, data []byte) error {
+func (s *mcSegment) write(t *testing.T, dst *mcSegment, off int, data []byte) error {
 	t.Helper()
 	ctx := ctxFor(t, 30*time.Second)
 	seg, err := mooncake.FetchSegment(ctx, dst.name, &mooncake.Segment{Name: s.name, Buffers: []mooncake.Buffer{}})
@@ -85,14 +92,14 @@ func (s *fakeSegment) write(t *testing.T, dst *fakeSegment, off int, data []byte
 	return s.tr.WriteMooncake(ctx, mooncake.RDMAWrite{Self: s.name, RPC: dst.name, Target: tg, Remote: addr, Src: src})
 }
 
-func (s *fakeSegment) endpoint(peer string) *mcEndpoint {
+func (s *mcSegment) endpoint(peer string) *mcEndpoint {
 	s.tr.mc.mu.Lock()
 	defer s.tr.mc.mu.Unlock()
 	return s.tr.mc.eps[peer]
 }
 
 // openOnNIC is how many registrations and QPs of s's NIC are open.
-func (s *fakeSegment) openOnNIC() int {
+func (s *mcSegment) openOnNIC() int {
 	n := s.tr.nic.(*fakeNIC)
 	n.mu.Lock()
 	defer n.mu.Unlock()
@@ -159,7 +166,7 @@ func TestMooncakeEndpointEviction(t *testing.T) {
 	ferry.tr.mc.max = 2
 	a, b, c := startFakeSegment(t, f, 2, Config{}), startFakeSegment(t, f, 3, Config{}), startFakeSegment(t, f, 4, Config{})
 	data := []byte("into ferry")
-	for _, s := range []*fakeSegment{a, b} {
+	for _, s := range []*mcSegment{a, b} {
 		if err := s.write(t, ferry, 0, data); err != nil {
 			t.Fatal(err)
 		}
@@ -210,5 +217,44 @@ func TestMooncakeAcceptLimitsAndUndo(t *testing.T) {
 	undo()
 	if ferry.endpoint(peer.nicPath()) != nil || ferry.openOnNIC() != open {
 		t.Fatal("undo left the endpoint or its QPs behind")
+	}
+}
+
+// TestMooncakeQPRefusesRead: a Mooncake peer that holds the arena's rkey
+// (the descriptor hands it to anyone) and QPs connected to ferry's still
+// cannot read the arena: the QP and the registration refuse RDMA READ.
+func TestMooncakeQPRefusesRead(t *testing.T) {
+	f := newFabric()
+	peer, ferry := startSegment(t, testNIC(t, f, 1), Config{}), startSegment(t, testNIC(t, f, 2), Config{})
+	if err := peer.write(t, ferry, 0, []byte("connects the QPs")); err != nil {
+		t.Fatal(err)
+	}
+	for i := range ferry.mem {
+		ferry.mem[i] = byte(i*7 + 1)
+	}
+	clear(peer.mem)
+	ep := peer.endpoint(ferry.nicPath())
+	if ep == nil {
+		t.Fatal("no endpoint to ferry after the write")
+	}
+	l := <-ep.free
+	defer func() { ep.free <- l }()
+	rkey, _, _ := ferry.tr.MooncakeKeys()
+	_, lkey, _ := peer.tr.MooncakeKeys()
+	err := l.qp.Post([]op{{WRID: 9, Local: addrOf(peer.mem), Remote: addrOf(ferry.mem), Len: 4096, LKey: lkey, RKey: rkey, Signaled: true, Read: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+	if err != nil {
+		t.Fatalf("waiting for the read's completion: %v", err)
+	}
+	if c.Status != wcRemInvReqErr && c.Status != wcRemAccessErr {
+		t.Fatalf("an RDMA READ of ferry's arena over a Mooncake QP: completion %+v (%s), want REM_INV_REQ_ERR or REM_ACCESS_ERR",
+			c, StatusName(&CompletionError{Status: c.Status}))
+	}
+	t.Logf("the read was refused with %s", StatusName(&CompletionError{Status: c.Status}))
+	if !isZero(peer.mem[:4096]) {
+		t.Error("a refused read brought ferry's bytes back")
 	}
 }
