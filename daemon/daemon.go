@@ -309,7 +309,7 @@ func New(cfg Config) (*Daemon, error) {
 		if err != nil {
 			return nil, err
 		}
-		mc.Self = &d.mooncake.seg
+		mc.Self = d.mooncake.self()
 	}
 	d.sessions = newSessions(d.tr, mc)
 	d.metrics = newMetrics(gauges{

@@ -96,9 +96,7 @@ func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *moonca
 	m.seg.PriorityMatrix = mooncake.Priority{mooncakeLocation: {{dev.Name}, {}}}
 	b := &m.seg.Buffers[0]
 	b.Name, b.RKey, b.LKey = mooncakeLocation, []uint32{rkey}, []uint32{lkey}
-	h.Connect = func(req mooncake.HandshakeDesc) mooncake.HandshakeDesc {
-		ctx, cancel := context.WithTimeout(context.Background(), mooncake.HandshakeTimeout)
-		defer cancel()
+	h.Connect = func(ctx context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
 		return rt.AcceptMooncake(ctx, m.name, req)
 	}
 	h.Notify = func(n mooncake.NotifyDesc) {
@@ -141,6 +139,15 @@ func (r *registry) deliverNotified(msg string) (reqID string, nbytes int64, err 
 	}
 	done(nil)
 	return reqID, nbytes, nil
+}
+
+// self is the descriptor ferry sends with its own metadata requests:
+// name, protocol and devices, and no buffers. The receiver has no use for
+// it, and the arena's address, length and rkey are nobody else's business
+// (a Mooncake that needs the initiator's GID fetches the descriptor from
+// the handshake port, or takes local_gid from the handshake).
+func (m *mooncakeSegment) self() *mooncake.Segment {
+	return &mooncake.Segment{Name: m.seg.Name, Protocol: m.seg.Protocol, Devices: m.seg.Devices, Buffers: []mooncake.Buffer{}}
 }
 
 func (m *mooncakeSegment) close() {

@@ -1,8 +1,13 @@
 package daemon
 
 import (
+	"context"
+	"net"
+	"strings"
 	"testing"
+	"time"
 
+	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -73,5 +78,55 @@ func TestSpansMerge(t *testing.T) {
 	}
 	if len(s.set) != 1 || s.set[0] != (span{0, 24}) || s.total != 24 {
 		t.Fatalf("set %v (total %d), want one span [0,24)", s.set, s.total)
+	}
+}
+
+// The descriptor ferryd sends with its own metadata requests names its
+// segment, protocol and NIC, and none of the arena's address, length or
+// keys: whoever it dials has no use for them.
+func TestMooncakeSelfHasNoKeys(t *testing.T) {
+	m := &mooncakeSegment{name: "10.0.0.1:15302", seg: mooncake.Segment{
+		Name: "10.0.0.1:15302", Protocol: "rdma", TCPDataPort: 4000,
+		Devices:        []mooncake.Device{{Name: "rxe0", GID: "00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:01"}},
+		Buffers:        []mooncake.Buffer{{Name: "cpu:0", Addr: 0x7f0000000000, Length: 1 << 30, RKey: []uint32{0x1234}, LKey: []uint32{0x5678}}},
+		PriorityMatrix: mooncake.Priority{"cpu:0": {{"rxe0"}, {}}},
+	}}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	got := make(chan []byte, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		_, body, err := mooncake.ReadFrame(c)
+		if err != nil {
+			return
+		}
+		got <- body
+		mooncake.WriteFrame(c, mooncake.Metadata, []byte(`{"name":"x:1","protocol":"tcp","tcp_data_port":9,"buffers":[]}`))
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if _, err := mooncake.FetchSegment(ctx, ln.Addr().String(), m.self()); err != nil {
+		t.Fatal(err)
+	}
+	body := string(<-got)
+	for _, want := range []string{`"name":"10.0.0.1:15302"`, `"protocol":"rdma"`, `"rxe0"`, `"buffers":[]`} {
+		if !strings.Contains(body, want) {
+			t.Errorf("the metadata request %s does not say %s", body, want)
+		}
+	}
+	for _, leak := range []string{"rkey", "lkey", "addr", "length", "4660"} {
+		if strings.Contains(body, leak) {
+			t.Errorf("the metadata request %s carries %q", body, leak)
+		}
+	}
+	if len(m.seg.Buffers) != 1 || m.seg.Buffers[0].RKey[0] != 0x1234 {
+		t.Error("self changed the segment's own descriptor")
 	}
 }

@@ -44,7 +44,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 	}
 	dp := &dataPlane{reason: "--transport tcp"}
 	if cfg.Transport != "tcp" {
-		err := dp.openRDMA(cfg, tc, mem)
+		err := dp.openRDMA(cfg, tc, mem, log)
 		if err != nil && cfg.Transport == "rdma" {
 			return nil, fmt.Errorf("--transport rdma: %w; run with --transport auto or tcp to go without RDMA", err)
 		}
@@ -66,7 +66,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 
 // openRDMA discovers the NICs, chooses a port and GID, and starts the
 // RDMA transport over them.
-func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte) error {
+func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog.Logger) error {
 	inv, err := rdma.Discover()
 	dp.nics = &api.RDMAStatus{NICs: append([]api.NIC{}, inv.NICs...), Why: inv.Why}
 	if err != nil {
@@ -80,7 +80,10 @@ func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte) error {
 	if err != nil {
 		return err
 	}
-	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == "per-send"}, choice)
+	infof := func(format string, args ...any) {
+		log.Info().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
+	}
+	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == "per-send", Infof: infof}, choice)
 	if err != nil {
 		return err
 	}

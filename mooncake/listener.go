@@ -1,6 +1,7 @@
 package mooncake
 
 import (
+	"context"
 	"errors"
 	"net"
 	"sync"
@@ -13,15 +14,20 @@ import (
 type listener struct {
 	ln    net.Listener
 	serve func(c net.Conn) error // the connection is closed after it
-	logf  func(format string, args ...any)
-	sem   chan struct{}
-	wg    sync.WaitGroup
-	mu    sync.Mutex
-	live  map[net.Conn]struct{}
-	shut  bool
+	// ctx ends with Close, for work a connection starts beyond itself
+	// (an outbound handshake).
+	ctx    context.Context
+	cancel context.CancelFunc
+	logf   func(format string, args ...any)
+	sem    chan struct{}
+	wg     sync.WaitGroup
+	mu     sync.Mutex
+	live   map[net.Conn]struct{}
+	shut   bool
 }
 
 func (l *listener) start(max int) {
+	l.ctx, l.cancel = context.WithCancel(context.Background())
 	l.sem = make(chan struct{}, max)
 	l.live = make(map[net.Conn]struct{})
 	l.wg.Add(1)
@@ -40,6 +46,7 @@ func (l *listener) Close() error {
 	for c := range l.live {
 		c.Close()
 	}
+	l.cancel() // after the connections: work it ends finds them closed
 	l.mu.Unlock()
 	l.wg.Wait()
 	return err

@@ -3,6 +3,7 @@ package mooncake
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"net"
 	"strings"
 	"testing"
@@ -100,7 +101,9 @@ func TestConnectQPsReplies(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		srv := Serve(ln, Handlers{Segment: func() *Segment { return &Segment{} }, Connect: c.reply}, ServerConfig{})
+		srv := Serve(ln, Handlers{Segment: func() *Segment { return &Segment{} }, Connect: func(_ context.Context, d HandshakeDesc) (HandshakeDesc, func()) {
+			return c.reply(d), nil
+		}}, ServerConfig{})
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 		r, err := ConnectQPs(ctx, ln.Addr().String(), req)
 		cancel()
@@ -153,5 +156,78 @@ func TestMultiProtocolDescriptor(t *testing.T) {
 	}
 	if s, err := DecodeSegment([]byte(`{"name":"a:1","protocol":"tcp","tcp_data_port":9,"buffers":[]}`)); err != nil || s.Protocol != "tcp" || s.Offers("rdma") {
 		t.Fatalf("a plain tcp descriptor: %+v %v", s, err)
+	}
+}
+
+// A connection handler runs within the connection's deadline and the
+// server's life: Close ends its context, and a reply that can no longer
+// be sent runs its undo.
+func TestConnectContextAndUndo(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	started, undone := make(chan context.Context, 1), make(chan struct{})
+	srv := Serve(ln, Handlers{Segment: func() *Segment { return &Segment{} },
+		Connect: func(ctx context.Context, d HandshakeDesc) (HandshakeDesc, func()) {
+			started <- ctx
+			<-ctx.Done()
+			return HandshakeDesc{LocalNICPath: d.PeerNICPath, PeerNICPath: d.LocalNICPath, QPNum: []uint32{7}}, func() { close(undone) }
+		}}, ServerConfig{ReceiveTimeout: time.Minute})
+	c, err := net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	if err := WriteFrame(c, Connect, []byte(`{"local_nic_path":"a:1@d","peer_nic_path":"b:2@d","qp_num":[5]}`)); err != nil {
+		t.Fatal(err)
+	}
+	var ctx context.Context
+	select {
+	case ctx = <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the handler did not run")
+	}
+	if dl, ok := ctx.Deadline(); !ok || time.Until(dl) > time.Minute {
+		t.Errorf("the handler's context has deadline %v (%v), want the connection's, within a minute", dl, ok)
+	}
+	srv.Close() // returns once the handler has
+	if !errors.Is(ctx.Err(), context.Canceled) {
+		t.Errorf("after Close the handler's context says %v, want canceled", ctx.Err())
+	}
+	select {
+	case <-undone:
+	default:
+		t.Fatal("the reply could not be sent (the connection was closed), and undo did not run")
+	}
+}
+
+// A multi-protocol segment reached over tcp (no RDMA here) must name a
+// data port: without one the error says so, naming the segment.
+func TestMultiProtocolWithoutDataPort(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	multi := strings.Replace(rdmaDescriptor, `"protocol":"rdma"`, `"protocol":["rdma","tcp"]`, 1)
+	go func() {
+		c, err := ln.Accept()
+		if err != nil {
+			return
+		}
+		defer c.Close()
+		if _, _, err := ReadFrame(c); err == nil {
+			WriteFrame(c, Metadata, []byte(multi))
+		}
+	}()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	d := &Dialer{Self: &Segment{Name: "me:1", Buffers: []Buffer{}}}
+	_, err = d.Dial(ctx, Scheme+ln.Addr().String())
+	for _, want := range []string{"10.0.0.5:15302", "tcp_data_port 0", "1 to 65535"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("dialing a multi-protocol segment without a data port: %v, want an error saying %q", err, want)
+		}
 	}
 }

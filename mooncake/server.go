@@ -1,6 +1,7 @@
 package mooncake
 
 import (
+	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
@@ -13,9 +14,12 @@ import (
 type Handlers struct {
 	// Segment returns the descriptor a metadata request gets. Required.
 	Segment func() *Segment
-	// Connect answers the RDMA QP setup (type 0). Nil: every request is
-	// refused with a reply_msg saying this segment serves no RDMA.
-	Connect func(req HandshakeDesc) HandshakeDesc
+	// Connect answers the RDMA QP setup (type 0) within ctx, which ends
+	// with the connection's deadline or the server's Close. undo, if not
+	// nil, is run when the reply could not be sent: the initiator never
+	// learns of what Connect set up. Nil Connect: every request is refused
+	// with a reply_msg saying this segment serves no RDMA.
+	Connect func(ctx context.Context, req HandshakeDesc) (reply HandshakeDesc, undo func())
 	// Notify hears notify messages; nil ignores them (the reply is
 	// "success" either way, as Mooncake answers).
 	Notify func(n NotifyDesc)
@@ -65,7 +69,10 @@ func Serve(ln net.Listener, h Handlers, cfg ServerConfig) *Server {
 }
 
 func (s *Server) serve(c net.Conn) error {
-	c.SetDeadline(time.Now().Add(s.cfg.ReceiveTimeout))
+	deadline := time.Now().Add(s.cfg.ReceiveTimeout)
+	c.SetDeadline(deadline)
+	ctx, cancel := context.WithDeadline(s.ctx, deadline)
+	defer cancel()
 	t, body, err := ReadFrame(c)
 	if err == io.EOF {
 		return nil // a port probe
@@ -73,15 +80,18 @@ func (s *Server) serve(c net.Conn) error {
 	if err != nil {
 		return fmt.Errorf("%w; connection closed without a reply", err)
 	}
-	reply, err := s.answer(t, body)
+	reply, undo, err := s.answer(ctx, t, body)
 	if err != nil {
 		return fmt.Errorf("%s request: %w; connection closed without a reply", t, err)
 	}
 	out, err := json.Marshal(reply)
-	if err != nil {
-		return fmt.Errorf("%s reply: %w", t, err)
+	if err == nil {
+		err = WriteFrame(c, t, append(out, '\n'))
 	}
-	if err := WriteFrame(c, t, append(out, '\n')); err != nil {
+	if err != nil {
+		if undo != nil {
+			undo()
+		}
 		return fmt.Errorf("sending the %s reply: %w", t, err)
 	}
 	// Shut the write side and wait (within the deadline) for the client
@@ -97,36 +107,39 @@ func (s *Server) serve(c net.Conn) error {
 	}
 }
 
-func (s *Server) answer(t MsgType, body []byte) (any, error) {
+// answer is the reply to a request; undo, if not nil, takes back what a
+// connection request set up, should the reply not go out.
+func (s *Server) answer(ctx context.Context, t MsgType, body []byte) (reply any, undo func(), err error) {
 	switch t {
 	case Metadata:
 		// The client's own descriptor comes along; it must parse, but
 		// the server has no use for it.
 		if !json.Valid(body) {
-			return nil, errors.New("the client's descriptor is not valid JSON")
+			return nil, nil, errors.New("the client's descriptor is not valid JSON")
 		}
-		return s.h.Segment(), nil
+		return s.h.Segment(), nil, nil
 	case Probe:
-		return ProbeReply{Status: "success"}, nil
+		return ProbeReply{Status: "success"}, nil, nil
 	case Notify:
 		var n NotifyDesc
 		if err := json.Unmarshal(body, &n); err != nil {
-			return nil, fmt.Errorf("not a notify message ({\"name\",\"notify_msg\"}): %w", err)
+			return nil, nil, fmt.Errorf("not a notify message ({\"name\",\"notify_msg\"}): %w", err)
 		}
 		if s.h.Notify != nil {
 			s.h.Notify(n)
 		}
-		return NotifyDesc{NotifyMsg: "success"}, nil
+		return NotifyDesc{NotifyMsg: "success"}, nil, nil
 	case Connect:
 		var d HandshakeDesc
 		if err := json.Unmarshal(body, &d); err != nil {
-			return nil, fmt.Errorf("not a connection handshake (local_nic_path, qp_num, ...): %w", err)
+			return nil, nil, fmt.Errorf("not a connection handshake (local_nic_path, qp_num, ...): %w", err)
 		}
 		if s.h.Connect == nil {
 			s.cfg.Logf("mooncake handshake: refused an RDMA connection request from %s: no RDMA is served here", d.LocalNICPath)
-			return HandshakeDesc{PeerNICPath: d.LocalNICPath, LocalNICPath: d.PeerNICPath, ReplyMsg: NoRDMA}, nil
+			return HandshakeDesc{PeerNICPath: d.LocalNICPath, LocalNICPath: d.PeerNICPath, ReplyMsg: NoRDMA}, nil, nil
 		}
-		return s.h.Connect(d), nil
+		r, undo := s.h.Connect(ctx, d)
+		return r, undo, nil
 	}
-	return nil, fmt.Errorf("unknown message type %d", t)
+	return nil, nil, fmt.Errorf("unknown message type %d", t)
 }

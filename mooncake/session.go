@@ -61,7 +61,8 @@ func RPCAddr(session string) (string, bool, error) {
 // transport.Transport's.
 type Dialer struct {
 	// Self is the descriptor sent with each metadata request (Mooncake's
-	// client always sends its own; the server ignores it).
+	// client always sends its own; the server ignores it). Give it no
+	// buffers: their addresses and keys would go to every segment dialed.
 	Self      *Segment
 	IOTimeout time.Duration // per data-plane chunk; default 10s
 	MaxConns  int           // data connections at once per session; default 8
@@ -146,6 +147,8 @@ func (s *Session) refresh(ctx context.Context) (*Segment, error) {
 		seg.Protocol = "tcp" // a multi-protocol segment
 	}
 	switch {
+	case seg.Protocol == "tcp" && (seg.TCPDataPort <= 0 || seg.TCPDataPort > 65535):
+		return nil, fmt.Errorf("mooncake segment %s (session %s) offers protocol tcp, and its tcp_data_port %d is not a port number from 1 to 65535: its engine serves no TCP data port, so reach it over rdma (--transport rdma) or start its engine with the TCP transport", seg.Name, s.peer, seg.TCPDataPort)
 	case seg.Protocol == "rdma" && s.d.RDMA == nil:
 		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol rdma, and this ferryd has no RDMA data plane: run it with --transport rdma on an RDMA host, or start the peer's engine with the TCP transport", seg.Name, s.peer)
 	case seg.Protocol != "tcp" && seg.Protocol != "rdma":

@@ -13,8 +13,9 @@ import (
 // and their bounds, moves bytes in order per QP, consumes a posted
 // receive per WRITE WITH IMM (waiting while none is posted, as RNR
 // retries do), reports RETRY_EXC_ERR when the peer QP is gone, fails both
-// ends on a remote access error, and flushes posted work when a QP breaks. The real verbs path runs the same
-// tests inside the soft-RoCE VM (test/rxevm).
+// ends on a remote access error, refuses RDMA READs as ferry's QPs do
+// (REM_INV_REQ_ERR), and flushes posted work when a QP breaks. The real
+// verbs path runs the same tests inside the soft-RoCE VM (test/rxevm).
 
 // fabric joins the fake NICs of one test: QPs by number, registrations by
 // key.
@@ -139,6 +140,7 @@ type fakeQP struct {
 	work    sync.Cond // signaled when ops or recvs arrive, or the state changes
 	state   qpState
 	peer    uint32
+	dgid    *[16]byte // set by connectMooncake: packets go to this GID
 	ops     []op
 	recvs   int
 	cq      []completion
@@ -173,6 +175,21 @@ func (q *fakeQP) Connect(psn uint32, remote endpoint) error {
 	q.peer, q.state = remote.QPN, qpRTS
 	return nil
 }
+
+// connectMooncake connects as Connect does, routed by the peer's GID as
+// Mooncake's QPs always are: a peer QP on a NIC of another GID never sees
+// the packets.
+func (q *fakeQP) connectMooncake(remote endpoint) error {
+	if err := q.Connect(0, remote); err != nil {
+		return err
+	}
+	q.mu.Lock()
+	q.dgid = &remote.GID
+	q.mu.Unlock()
+	return nil
+}
+
+func (n *fakeNIC) deviceName() string { return fmt.Sprintf("fake%d", n.gid[15]) }
 
 func (q *fakeQP) Post(ops []op) error {
 	q.mu.Lock()
@@ -326,12 +343,12 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 		<-f.hold
 	}
 	q.mu.Lock()
-	peerNum := q.peer
+	peerNum, dgid := q.peer, q.dgid
 	q.mu.Unlock()
 	f.mu.Lock()
 	peer := f.qps[peerNum]
 	f.mu.Unlock()
-	if peer == nil {
+	if peer == nil || dgid != nil && peer.n.gid != *dgid {
 		return wcRetryExcErr, 0
 	}
 	// A responder in the error state drops the packets: the requester
@@ -348,6 +365,9 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 		return wcLocProtErr, 0
 	}
 	remote, ok := f.bytes(o.RKey, o.Remote, o.Len)
+	if m := f.mrs[o.RKey]; o.Len > 0 && m != nil && m.n != peer.n {
+		ok = false // a key is its own NIC's: another NIC knows none
+	}
 	if !ok {
 		f.mu.Unlock()
 		// An RC responder that NAKs an access goes to the error state.
@@ -355,9 +375,11 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 		return wcRemAccessErr, 0
 	}
 	if o.Read {
-		copy(local, remote)
+		// ferry's QPs allow no remote reads: the responder NAKs the
+		// opcode (invalid request) and goes to the error state.
 		f.mu.Unlock()
-		return wcSuccess, opcodeRDMARead
+		peer.fail()
+		return wcRemInvReqErr, 0
 	}
 	copy(remote, local)
 	f.mu.Unlock()

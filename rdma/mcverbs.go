@@ -6,14 +6,15 @@ package rdma
 // fv_mc_connect takes an INIT QP to RTS the way Mooncake's RDMA endpoint
 // does (doSetupConnection), which its peers rely on: PSN 0 both ways
 // (nothing exchanges a PSN), always a GRH (is_global, hop limit 16, also
-// on IB), 16 outstanding RDMA READs/atomics each way (clamped to what the
-// device allows), RNR timer 12, timeout 14, 7 retries, rnr_retry 7.
+// on IB), RNR timer 12, timeout 14, 7 retries, rnr_retry 7. Unlike
+// Mooncake it answers no RDMA READs (max_dest_rd_atomic 0, and the access
+// flags of fv_qp_init refuse them): a Mooncake peer may write into the
+// arena, never read it. As initiator it keeps Mooncake's 16 outstanding
+// reads (clamped to the device), which only bounds READs it never posts.
 static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p) {
 	struct ibv_device_attr d;
 	int rc = ibv_query_device(qp->context, &d);
 	if (rc) return rc;
-	int rd = 16;
-	if (d.max_qp_rd_atom < rd) rd = d.max_qp_rd_atom;
 	int init_rd = 16;
 	if (d.max_qp_init_rd_atom < init_rd) init_rd = d.max_qp_init_rd_atom;
 
@@ -23,7 +24,7 @@ static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p) {
 	a.path_mtu = p->mtu;
 	a.dest_qp_num = p->qpn;
 	a.rq_psn = 0;
-	a.max_dest_rd_atomic = rd;
+	a.max_dest_rd_atomic = 0;
 	a.min_rnr_timer = 12;
 	a.ah_attr.dlid = p->dlid;
 	a.ah_attr.port_num = p->port;
@@ -51,8 +52,8 @@ import "C"
 import "fmt"
 
 // mooncakeQP is a queue pair that can connect the way Mooncake's RDMA
-// transport does. Only the real verbs QP can: the fake NIC's tests cover
-// ferry's own protocol, and the Mooncake exchange runs in the soft-RoCE VM.
+// transport does: the verbs QP, and the fake NIC's for the endpoint
+// table's logic; the real exchange runs in the soft-RoCE VM.
 type mooncakeQP interface {
 	connectMooncake(remote endpoint) error
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // Mooncake's RDMA transport (package mooncake has the handshake). Its
@@ -25,21 +26,33 @@ import (
 
 // mcEndpoint is the QPs connected to one peer NIC.
 type mcEndpoint struct {
-	peer  string  // the peer's NIC path, the endpoint table's key
+	peer  string   // the peer's NIC path, the endpoint table's key
+	gid   [16]byte // the GID and LID the QPs are connected to
+	lid   uint16
 	lanes []*lane // one per QP; ctrl is nil (no control connection)
 	free  chan *lane
 	once  sync.Once
+	used  uint64 // the table's tick when last installed or handed out; under mcTable.mu
 }
 
 // maxMooncakeEndpoints bounds the endpoint table: each peer NIC that
-// connects costs QPs and CQs.
+// connects costs QPs and CQs. A full table evicts its least recently
+// used endpoint: Mooncake never says when it drops one, so the quiet ones
+// go first.
 const maxMooncakeEndpoints = 1024
+
+// maxMooncakeQPs bounds the QPs of one endpoint; Mooncake's default is 2
+// (MC_NUM_QP_PER_EP).
+const maxMooncakeQPs = 16
 
 // mcTable is the transport's Mooncake endpoints.
 type mcTable struct {
 	mu     sync.Mutex
 	eps    map[string]*mcEndpoint
+	tick   uint64
 	closed bool
+	max    int                              // 0: maxMooncakeEndpoints
+	infof  func(format string, args ...any) // hears evictions; may be nil
 	// dial serializes active handshakes, so concurrent writes to a new
 	// peer NIC make one endpoint.
 	dial sync.Mutex
@@ -47,14 +60,24 @@ type mcTable struct {
 
 var errEndpointsClosed = errors.New("the transport is closing")
 
-func (m *mcTable) get(peer string) *mcEndpoint {
+// get returns the endpoint to peer if its QPs are connected to gid and
+// lid. An endpoint is stored under the NIC path its initiator claimed, so
+// one connected to another address is someone else's: the caller
+// handshakes afresh, replacing it.
+func (m *mcTable) get(peer string, gid [16]byte, lid uint16) *mcEndpoint {
 	m.mu.Lock()
 	defer m.mu.Unlock()
-	return m.eps[peer]
+	ep := m.eps[peer]
+	if ep == nil || ep.gid != gid || ep.lid != lid {
+		return nil
+	}
+	m.tick++
+	ep.used = m.tick
+	return ep
 }
 
-// put installs ep, closing the endpoint it replaces. A closing
-// transport or a full table refuses it.
+// put installs ep, closing the endpoint it replaces or, in a full table,
+// the least recently used one. A closing transport refuses it.
 func (m *mcTable) put(ep *mcEndpoint) error {
 	m.mu.Lock()
 	if m.closed {
@@ -64,15 +87,32 @@ func (m *mcTable) put(ep *mcEndpoint) error {
 	if m.eps == nil {
 		m.eps = make(map[string]*mcEndpoint)
 	}
-	old := m.eps[ep.peer]
-	if old == nil && len(m.eps) >= maxMooncakeEndpoints {
-		m.mu.Unlock()
-		return fmt.Errorf("%d Mooncake endpoints are connected already, the most this ferryd keeps", maxMooncakeEndpoints)
+	max := m.max
+	if max <= 0 {
+		max = maxMooncakeEndpoints
 	}
+	old := m.eps[ep.peer]
+	var evicted *mcEndpoint
+	if old == nil && len(m.eps) >= max {
+		for _, e := range m.eps {
+			if evicted == nil || e.used < evicted.used {
+				evicted = e
+			}
+		}
+		delete(m.eps, evicted.peer)
+	}
+	m.tick++
+	ep.used = m.tick
 	m.eps[ep.peer] = ep
 	m.mu.Unlock()
 	if old != nil {
 		old.close()
+	}
+	if evicted != nil {
+		evicted.close()
+		if m.infof != nil {
+			m.infof("rdma: %d Mooncake endpoints, the most kept: closed the least recently used one, to %s, for %s", max, evicted.peer, ep.peer)
+		}
 	}
 	return nil
 }
@@ -106,24 +146,22 @@ func (ep *mcEndpoint) close() {
 	})
 }
 
-// mooncakeNIC is the transport's verbs NIC; Mooncake's exchange needs a
-// real device.
-func (t *Transport) mooncakeNIC() (*verbsNIC, error) {
-	n, ok := t.nic.(*verbsNIC)
-	if !ok {
-		return nil, errors.New("Mooncake's RDMA transport needs a verbs device")
-	}
-	return n, nil
+// mooncakeNIC is a NIC that can name itself as Mooncake's descriptors
+// do; its queue pairs are mooncakeQPs.
+type mooncakeNIC interface {
+	nic
+	deviceName() string
 }
 
 // MooncakeDevice is this transport's NIC as a Mooncake descriptor lists
 // it: device name, LID and GID in Mooncake's text form.
 func (t *Transport) MooncakeDevice() (mooncake.Device, error) {
-	n, err := t.mooncakeNIC()
-	if err != nil {
-		return mooncake.Device{}, err
+	n, ok := t.nic.(mooncakeNIC)
+	if !ok {
+		return mooncake.Device{}, errors.New("Mooncake's RDMA transport needs a verbs device")
 	}
-	return mooncake.Device{Name: n.deviceName(), LID: n.local.LID, GID: mooncake.FormatGID(n.local.GID)}, nil
+	e := n.Endpoint()
+	return mooncake.Device{Name: n.deviceName(), LID: e.LID, GID: mooncake.FormatGID(e.GID)}, nil
 }
 
 // MooncakeKeys are the shared registration's keys, which a descriptor
@@ -169,11 +207,15 @@ func connectMooncake(peer string, lanes []*lane, gid [16]byte, lid uint16, qpns 
 			return nil, err
 		}
 	}
-	ep := &mcEndpoint{peer: peer, lanes: lanes, free: make(chan *lane, len(lanes))}
+	return newMCEndpoint(peer, gid, lid, lanes), nil
+}
+
+func newMCEndpoint(peer string, gid [16]byte, lid uint16, lanes []*lane) *mcEndpoint {
+	ep := &mcEndpoint{peer: peer, gid: gid, lid: lid, lanes: lanes, free: make(chan *lane, len(lanes))}
 	for _, l := range lanes {
 		ep.free <- l
 	}
-	return ep, nil
+	return ep
 }
 
 func qpNums(lanes []*lane) []uint32 {
@@ -185,16 +227,18 @@ func qpNums(lanes []*lane) []uint32 {
 }
 
 // AcceptMooncake answers a Mooncake connection handshake as its passive
-// side: self is this side's segment name. It connects as many QPs as the
-// initiator offers to them before replying, replacing any endpoint of the
-// same initiator NIC path. A refusal is a reply with reply_msg set, which
-// every Mooncake initiator takes as one.
-func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncake.HandshakeDesc) mooncake.HandshakeDesc {
-	reply := mooncake.HandshakeDesc{LocalNICPath: req.PeerNICPath, PeerNICPath: req.LocalNICPath}
-	refuse := func(format string, args ...any) mooncake.HandshakeDesc {
+// side, within ctx: self is this side's segment name. It connects as many
+// QPs as the initiator offers (at most maxMooncakeQPs) to them before
+// replying, replacing any endpoint of the same initiator NIC path. A
+// refusal is a reply with reply_msg set, which every Mooncake initiator
+// takes as one. undo, nil for a refusal, drops the endpoint: for when the
+// reply cannot be sent.
+func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncake.HandshakeDesc) (reply mooncake.HandshakeDesc, undo func()) {
+	reply = mooncake.HandshakeDesc{LocalNICPath: req.PeerNICPath, PeerNICPath: req.LocalNICPath}
+	refuse := func(format string, args ...any) (mooncake.HandshakeDesc, func()) {
 		reply.ReplyMsg = fmt.Sprintf(format, args...)
 		t.logf("rdma: refused a Mooncake connection from %s: %s", req.LocalNICPath, reply.ReplyMsg)
-		return reply
+		return reply, nil
 	}
 	dev, err := t.MooncakeDevice()
 	if err != nil {
@@ -204,8 +248,8 @@ func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncak
 	switch {
 	case req.PeerNICPath != mine:
 		return refuse("peer_nic_path %q names no NIC of this segment: its one NIC is %s", req.PeerNICPath, mine)
-	case len(req.QPNum) == 0 || len(req.QPNum) > 255:
-		return refuse("%d QP numbers offered: want 1 to 255 (MC_NUM_QP_PER_EP)", len(req.QPNum))
+	case len(req.QPNum) == 0 || len(req.QPNum) > maxMooncakeQPs:
+		return refuse("%d QP numbers offered: want 1 to %d, the most this ferryd connects per endpoint (set the initiator's MC_NUM_QP_PER_EP to at most %d)", len(req.QPNum), maxMooncakeQPs, maxMooncakeQPs)
 	}
 	gid, lid, err := initiatorAddress(ctx, self, req)
 	if err != nil {
@@ -224,7 +268,7 @@ func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncak
 		return refuse("%v", err)
 	}
 	reply.QPNum, reply.LocalLID, reply.LocalGID = qpNums(lanes), dev.LID, dev.GID
-	return reply
+	return reply, func() { t.mc.drop(ep) }
 }
 
 // initiatorAddress is the GID and LID of a connection's initiator: from
@@ -254,18 +298,23 @@ func initiatorAddress(ctx context.Context, self string, req mooncake.HandshakeDe
 }
 
 // mooncakeEndpoint returns the endpoint to w's target NIC, connecting one
-// by a handshake with the segment's RPC port when there is none. An
-// endpoint is not dropped on a new descriptor of the peer (Mooncake's
-// newer releases refuse a second handshake while their endpoint lives);
-// only a failed write drops it, and the retry handshakes afresh.
+// by a handshake with the segment's RPC port when there is none connected
+// to the GID the target's descriptor lists. An endpoint is not dropped on
+// a new descriptor of the peer (Mooncake's newer releases refuse a second
+// handshake while their endpoint lives); only a failed write drops it,
+// and the retry handshakes afresh.
 func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) (*mcEndpoint, error) {
 	tg := w.Target
-	if ep := t.mc.get(tg.NICPath); ep != nil {
+	want, err := mooncake.ParseGID(tg.Device.GID)
+	if err != nil {
+		return nil, fmt.Errorf("segment device %s: %w", tg.Device.Name, err)
+	}
+	if ep := t.mc.get(tg.NICPath, want, tg.Device.LID); ep != nil {
 		return ep, nil
 	}
 	t.mc.dial.Lock()
 	defer t.mc.dial.Unlock()
-	if ep := t.mc.get(tg.NICPath); ep != nil {
+	if ep := t.mc.get(tg.NICPath, want, tg.Device.LID); ep != nil {
 		return ep, nil
 	}
 	self, rpc, qps := w.Self, w.RPC, w.QPs
@@ -287,17 +336,20 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) 
 		closeLanes(lanes)
 		return nil, err
 	}
-	gidText, lid := tg.Device.GID, tg.Device.LID
+	// The QPs go to the GID and LID the descriptor lists, which is what
+	// makes the endpoint reusable for the next write; a reply naming
+	// another address is not the segment's NIC.
 	if r.LocalGID != "" {
-		gidText, lid = r.LocalGID, r.LocalLID
+		if got, err := mooncake.ParseGID(r.LocalGID); err != nil || got != want || r.LocalLID != tg.Device.LID {
+			closeLanes(lanes)
+			return nil, fmt.Errorf("connecting to %s: the handshake reply's local_gid %q and local_lid %d are not the descriptor's GID %s and LID %d of device %s",
+				tg.NICPath, r.LocalGID, r.LocalLID, tg.Device.GID, tg.Device.LID, tg.Device.Name)
+		}
 	}
-	gid, err := mooncake.ParseGID(gidText)
+	ep, err := connectMooncake(tg.NICPath, lanes, want, tg.Device.LID, r.QPNum)
 	if err == nil {
-		var ep *mcEndpoint
-		if ep, err = connectMooncake(tg.NICPath, lanes, gid, lid, r.QPNum); err == nil {
-			if err = t.mc.put(ep); err == nil {
-				return ep, nil
-			}
+		if err = t.mc.put(ep); err == nil {
+			return ep, nil
 		}
 	}
 	closeLanes(lanes)
@@ -313,7 +365,7 @@ var _ mooncake.RDMAWriter = (*Transport)(nil)
 // write handshakes afresh.
 func (t *Transport) WriteMooncake(ctx context.Context, w mooncake.RDMAWrite) error {
 	if t.isClosing() {
-		return errLaneClosed
+		return fmt.Errorf("rdma write to %s: %w", w.Target.NICPath, transport.ErrClosed)
 	}
 	if len(w.Src) == 0 {
 		return nil

@@ -64,7 +64,8 @@ type endpoint struct {
 }
 
 // op is one work request: an RDMA WRITE (with an immediate when WithImm),
-// or an RDMA READ.
+// or an RDMA READ, which ferry never posts and every ferry QP refuses
+// (tests post one to show that).
 type op struct {
 	WRID       uint64
 	Local      uint64 // address of the local bytes, inside the region of LKey

@@ -39,6 +39,9 @@ type Config struct {
 	// Memory registers its range for that write (a debugging and
 	// benchmarking switch; the daemon's --rdma-registration per-send).
 	PerSend bool
+	// Infof hears routine events worth a line (a Mooncake endpoint
+	// evicted from a full table); TCP.Logf hears the failures.
+	Infof func(format string, args ...any)
 }
 
 // Queue depths. A write keeps at most sendDepth work requests in flight;
@@ -143,6 +146,7 @@ func listen(cfg Config, n nic) (*Transport, error) {
 		sessions: make(map[*session]struct{}),
 		accepted: make(map[*lane]struct{}),
 	}
+	t.mc.infof = cfg.Infof
 	t.registerShared()
 	tc := cfg.TCP
 	tc.RDMA = t.serveLane

@@ -37,16 +37,18 @@ const (
 	wcGeneralErr     = wcStatus(C.IBV_WC_GENERAL_ERR)
 
 	opcodeRDMAWrite       = uint32(C.IBV_WC_RDMA_WRITE)
-	opcodeRDMARead        = uint32(C.IBV_WC_RDMA_READ)
 	opcodeRecvRDMAWithImm = uint32(C.IBV_WC_RECV_RDMA_WITH_IMM)
 )
 
 // maxPost is how many work requests one ibv_post_send carries.
 const maxPost = C.FV_MAX_POST
 
-// access is what every registration allows: the NIC writes into and reads
-// from it on a peer's behalf, and reads from it for local sends.
-const access = C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE | C.IBV_ACCESS_REMOTE_READ
+// access is what every registration allows: the NIC writes into it on a
+// peer's behalf, and reads from it for local sends. No REMOTE_READ: ferry
+// never reads a peer's memory, and a Mooncake segment's descriptor hands
+// the arena's rkey to whoever asks, so a readable registration would let
+// anyone who reaches the port read the whole arena.
+const access = C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE
 
 // verbsErr wraps a helper's errno with the verb that failed; 0 is nil.
 func verbsErr(verb string, rc C.int) error {

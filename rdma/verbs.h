@@ -198,7 +198,8 @@ static inline int fv_qp_init(struct ibv_qp *qp, uint8_t port) {
 	memset(&a, 0, sizeof a);
 	a.qp_state = IBV_QPS_INIT;
 	a.port_num = port;
-	a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+	// Peers may write, never read (see access in verbs.go).
+	a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE;
 	return ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_PKEY_INDEX | IBV_QP_PORT | IBV_QP_ACCESS_FLAGS);
 }
 
@@ -214,7 +215,8 @@ typedef struct {
 	uint8_t port;
 } fv_path;
 
-// RTR timer and read depth values follow perftest's for RC.
+// The RTR timer follows perftest's for RC. max_dest_rd_atomic is 0: the
+// QP answers no RDMA READs (its access flags refuse them too).
 static inline int fv_qp_rtr(struct ibv_qp *qp, const fv_path *p) {
 	struct ibv_qp_attr a;
 	memset(&a, 0, sizeof a);
@@ -222,7 +224,7 @@ static inline int fv_qp_rtr(struct ibv_qp *qp, const fv_path *p) {
 	a.path_mtu = p->mtu;
 	a.dest_qp_num = p->qpn;
 	a.rq_psn = p->psn;
-	a.max_dest_rd_atomic = 1;
+	a.max_dest_rd_atomic = 0;
 	a.min_rnr_timer = 14; // 1.28 ms between a sender's RNR retries
 	a.ah_attr.dlid = p->dlid;
 	a.ah_attr.port_num = p->port;

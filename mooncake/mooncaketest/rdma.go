@@ -75,11 +75,11 @@ func (p *Peer) rdmaSegment(s *mooncake.Segment) {
 	}
 }
 
-func (p *Peer) connect(req mooncake.HandshakeDesc) mooncake.HandshakeDesc {
+func (p *Peer) connect(ctx context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
 	p.mu.Lock()
 	p.connects++
 	p.mu.Unlock()
-	return p.rdma.AcceptMooncake(context.Background(), p.name, req)
+	return p.rdma.AcceptMooncake(ctx, p.name, req)
 }
 
 // Connects counts the connection handshakes the peer answered.

@@ -113,6 +113,20 @@ func rawAuth(t *testing.T, tr *Transport) (net.Conn, party, party) {
 	return nc, client, party{instance: w.instance, nonce: [nonceSize]byte(wb[welcomeSize:])}
 }
 
+// TestAuthPeerGoneBeforeProof: a client that closes before its proof is
+// all in proved nothing either way; the listener logs a short read, not an
+// authentication failure.
+func TestAuthPeerGoneBeforeProof(t *testing.T) {
+	var l logs
+	rx := listen(t, Config{Sink: transporttest.NewSlots(0), Secret: secretA, Logf: l.logf})
+	nc, client, _ := rawAuth(t, rx)
+	nc.Write(client.nonce[:5])
+	nc.Close()
+	served(t, rx)
+	l.has(t, "handshake from "+nc.LocalAddr().String(), "read 5 of the peer's", "nonce and proof", "EOF")
+	l.none(t, "peer authentication failed")
+}
+
 // TestAuthReflectedProof sends back a proof made for the other role, over
 // the very nonces of the handshake: each side must refuse it.
 func TestAuthReflectedProof(t *testing.T) {

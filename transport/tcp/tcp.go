@@ -294,7 +294,9 @@ func (t *Transport) welcome(c *net.TCPConn) (hello, error) {
 func (t *Transport) verify(c *net.TCPConn, h hello, server party) error {
 	var b [nonceSize + proofSize]byte
 	if n, err := io.ReadFull(c, b[:]); err != nil {
-		return authErr("read %d of the peer's %d-byte nonce and proof: %v", n, len(b), err)
+		// A peer that went away or stalled proved nothing either way:
+		// not an authentication failure.
+		return fmt.Errorf("read %d of the peer's %d-byte nonce and proof: %w", n, len(b), err)
 	}
 	client := party{instance: h.instance, nonce: [nonceSize]byte(b[:nonceSize])}
 	v := verdict{proof: proof(t.cfg.Secret, roleServer, h.kind, client, server)}

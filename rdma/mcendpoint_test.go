@@ -1,0 +1,260 @@
+package rdma
+
+import (
+	"bytes"
+	"context"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/mooncake"
+)
+
+// The Mooncake endpoint table's rules, on the fake fabric: its QPs are
+// routed by GID and its keys are its NIC's own, so a write over QPs
+// connected to the wrong NIC fails as on a real one (on the soft-RoCE VM's
+// one device every segment has the same GID). The wire exchange with real
+// verbs runs in the VM (mooncake_test.go), and so does
+// TestMooncakeQPRefusesRead.
+
+// mcSegment is a Mooncake RDMA segment on n: a transport whose Memory
+// is its one buffer, and a handshake port that answers metadata and
+// connection requests over it.
+type mcSegment struct {
+	tr   *Transport
+	name string
+	mem  []byte
+}
+
+func startFakeSegment(t *testing.T, f *fabric, id byte, cfg Config) *mcSegment {
+	t.Helper()
+	return startSegment(t, f.nic(id), cfg)
+}
+
+func startSegment(t *testing.T, n nic, cfg Config) *mcSegment {
+	t.Helper()
+	cfg.Memory = mapT(t, 1<<16)
+	tr, err := listen(testConfig(t, cfg), n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, tr)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := &mcSegment{tr: tr, name: ln.Addr().String(), mem: cfg.Memory}
+	srv := mooncake.Serve(ln, mooncake.Handlers{
+		Segment: s.segment,
+		Connect: func(ctx context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
+			return tr.AcceptMooncake(ctx, s.name, req)
+		},
+	}, mooncake.ServerConfig{Logf: t.Logf})
+	t.Cleanup(func() { srv.Close() }) // before the transport closes
+	return s
+}
+
+func (s *mcSegment) device() mooncake.Device {
+	d, err := s.tr.MooncakeDevice()
+	if err != nil {
+		panic(err)
+	}
+	return d
+}
+
+func (s *mcSegment) nicPath() string { return mooncake.NICPath(s.name, s.device().Name) }
+
+func (s *mcSegment) segment() *mooncake.Segment {
+	d := s.device()
+	rk, lk, _ := s.tr.MooncakeKeys()
+	return &mooncake.Segment{Name: s.name, Protocol: "rdma", Devices: []mooncake.Device{d},
+		Buffers:        []mooncake.Buffer{{Name: "cpu:0", Addr: addrOf(s.mem), Length: uint64(len(s.mem)), RKey: []uint32{rk}, LKey: []uint32{lk}}},
+		PriorityMatrix: mooncake.Priority{"cpu:0": {{d.Name}, {}}}}
+}
+
+// write writes data at off in dst's buffer, as a ferry session does: the
+// target from dst's descriptor, fetched over its handshake port.
+func (s *mcSegment) write(t *testing.T, dst *mcSegment, off int, data []byte) error {
+	t.Helper()
+	ctx := ctxFor(t, 30*time.Second)
+	seg, err := mooncake.FetchSegment(ctx, dst.name, &mooncake.Segment{Name: s.name, Buffers: []mooncake.Buffer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := seg.Buffers[0].Addr + uint64(off)
+	tg, ok, err := seg.RDMATarget(addr, uint64(len(data)))
+	if !ok || err != nil {
+		t.Fatalf("target of %d bytes at %#x: %v %v", len(data), addr, ok, err)
+	}
+	src := s.mem[:len(data)]
+	copy(src, data)
+	return s.tr.WriteMooncake(ctx, mooncake.RDMAWrite{Self: s.name, RPC: dst.name, Target: tg, Remote: addr, Src: src})
+}
+
+func (s *mcSegment) endpoint(peer string) *mcEndpoint {
+	s.tr.mc.mu.Lock()
+	defer s.tr.mc.mu.Unlock()
+	return s.tr.mc.eps[peer]
+}
+
+// openOnNIC is how many registrations and QPs of s's NIC are open.
+func (s *mcSegment) openOnNIC() int {
+	n := s.tr.nic.(*fakeNIC)
+	n.mu.Lock()
+	defer n.mu.Unlock()
+	return n.open
+}
+
+// TestMooncakeEndpointHijack: a handshake claiming another segment's NIC
+// path installs an endpoint under that path, connected to the claimant's
+// GID. ferry's next write to the real segment must not use it: it
+// handshakes afresh with the segment and the bytes land there.
+func TestMooncakeEndpointHijack(t *testing.T) {
+	f := newFabric()
+	ferry, victim, attacker := startFakeSegment(t, f, 1, Config{}), startFakeSegment(t, f, 2, Config{}), startFakeSegment(t, f, 3, Config{})
+	ctx := ctxFor(t, 30*time.Second)
+	lanes, err := attacker.tr.newMooncakeQPs(2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { closeLanes(lanes) })
+	r, err := mooncake.ConnectQPs(ctx, ferry.name, mooncake.HandshakeDesc{
+		LocalNICPath: victim.nicPath(), PeerNICPath: ferry.nicPath(), QPNum: qpNums(lanes), LocalGID: attacker.device().GID,
+	})
+	if err != nil {
+		t.Fatalf("the claimed handshake: %v", err)
+	}
+	if _, err := connectMooncake(ferry.nicPath(), lanes, ferry.tr.nic.Endpoint().GID, 0, r.QPNum); err != nil {
+		t.Fatal(err)
+	}
+	hijacked := ferry.endpoint(victim.nicPath())
+	if hijacked == nil || hijacked.gid != attacker.tr.nic.Endpoint().GID {
+		t.Fatalf("the claimed endpoint is not in the table under %s with the claimant's GID", victim.nicPath())
+	}
+
+	data := bytes.Repeat([]byte("ferry→victim "), 300)
+	if err := ferry.write(t, victim, 512, data); err != nil {
+		t.Fatalf("the write to the victim: %v", err)
+	}
+	if !bytes.Equal(victim.mem[512:512+len(data)], data) {
+		t.Fatal("the victim's buffer does not hold the bytes written to it")
+	}
+	ep := ferry.endpoint(victim.nicPath())
+	if ep == nil || ep == hijacked || ep.gid != victim.tr.nic.Endpoint().GID {
+		t.Fatal("ferry's endpoint to the victim is not a fresh one connected to the victim's GID")
+	}
+	select {
+	case <-hijacked.lanes[0].quit:
+	default:
+		t.Error("the claimed endpoint was not closed when the real one replaced it")
+	}
+	// The endpoint is reused while its GID matches.
+	if err := ferry.write(t, victim, 0, data[:100]); err != nil || ferry.endpoint(victim.nicPath()) != ep {
+		t.Fatalf("a second write did not reuse the endpoint: %v", err)
+	}
+}
+
+// TestMooncakeEndpointEviction: a full table evicts its least recently
+// used endpoint (its QPs closed, an INFO line saying so) instead of
+// refusing new initiators; the evicted initiator's next write fails and
+// the one after handshakes afresh.
+func TestMooncakeEndpointEviction(t *testing.T) {
+	f := newFabric()
+	var info logLines
+	ferry := startFakeSegment(t, f, 1, Config{Infof: info.logf})
+	ferry.tr.mc.max = 2
+	a, b, c := startFakeSegment(t, f, 2, Config{}), startFakeSegment(t, f, 3, Config{}), startFakeSegment(t, f, 4, Config{})
+	data := []byte("into ferry")
+	for _, s := range []*mcSegment{a, b} {
+		if err := s.write(t, ferry, 0, data); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// ferry writes back to a over a's endpoint: b's is now the least
+	// recently used.
+	if err := ferry.write(t, a, 0, data); err != nil {
+		t.Fatal(err)
+	}
+	open := ferry.openOnNIC()
+	if err := c.write(t, ferry, 0, data); err != nil {
+		t.Fatalf("a third initiator into a full table: %v", err)
+	}
+	info.wait(t, "2 Mooncake endpoints", "least recently used", b.name, c.name)
+	if ferry.endpoint(b.name+"@fake3") != nil || ferry.endpoint(a.name+"@fake2") == nil || ferry.endpoint(c.name+"@fake4") == nil {
+		t.Fatal("the table does not hold a's and c's endpoints only")
+	}
+	if got := ferry.openOnNIC(); got != open {
+		t.Errorf("%d registrations and QPs open on ferry's NIC after the eviction, want %d as before (b's 2 QPs closed, c's 2 opened)", got, open)
+	}
+	if err := b.write(t, ferry, 0, data); err == nil {
+		t.Fatal("b wrote over QPs ferry closed")
+	}
+	if err := b.write(t, ferry, 0, data); err != nil {
+		t.Fatalf("b's write after a fresh handshake: %v", err)
+	}
+}
+
+// TestMooncakeAcceptLimitsAndUndo: an initiator offering more QPs than an
+// endpoint may have is refused by a reply_msg naming the limit; undo
+// takes an accepted endpoint back (its reply never went out).
+func TestMooncakeAcceptLimitsAndUndo(t *testing.T) {
+	f := newFabric()
+	ferry, peer := startFakeSegment(t, f, 1, Config{}), startFakeSegment(t, f, 2, Config{})
+	ctx := ctxFor(t, 30*time.Second)
+	req := mooncake.HandshakeDesc{LocalNICPath: peer.nicPath(), PeerNICPath: ferry.nicPath(), LocalGID: peer.device().GID}
+	req.QPNum = make([]uint32, maxMooncakeQPs+1)
+	_, err := mooncake.ConnectQPs(ctx, ferry.name, req)
+	if err == nil || !strings.Contains(err.Error(), "17 QP numbers offered: want 1 to 16") || !strings.Contains(err.Error(), "MC_NUM_QP_PER_EP") {
+		t.Fatalf("17 QPs: %v, want a refusal naming the limit", err)
+	}
+	open := ferry.openOnNIC()
+	req.QPNum = []uint32{1, 2}
+	reply, undo := ferry.tr.AcceptMooncake(ctx, ferry.name, req)
+	if reply.ReplyMsg != "" || undo == nil || ferry.endpoint(peer.nicPath()) == nil {
+		t.Fatalf("accepting 2 QPs: %+v", reply)
+	}
+	undo()
+	if ferry.endpoint(peer.nicPath()) != nil || ferry.openOnNIC() != open {
+		t.Fatal("undo left the endpoint or its QPs behind")
+	}
+}
+
+// TestMooncakeQPRefusesRead: a Mooncake peer that holds the arena's rkey
+// (the descriptor hands it to anyone) and QPs connected to ferry's still
+// cannot read the arena: the QP and the registration refuse RDMA READ.
+func TestMooncakeQPRefusesRead(t *testing.T) {
+	f := newFabric()
+	peer, ferry := startSegment(t, testNIC(t, f, 1), Config{}), startSegment(t, testNIC(t, f, 2), Config{})
+	if err := peer.write(t, ferry, 0, []byte("connects the QPs")); err != nil {
+		t.Fatal(err)
+	}
+	for i := range ferry.mem {
+		ferry.mem[i] = byte(i*7 + 1)
+	}
+	clear(peer.mem)
+	ep := peer.endpoint(ferry.nicPath())
+	if ep == nil {
+		t.Fatal("no endpoint to ferry after the write")
+	}
+	l := <-ep.free
+	defer func() { ep.free <- l }()
+	rkey, _, _ := ferry.tr.MooncakeKeys()
+	_, lkey, _ := peer.tr.MooncakeKeys()
+	err := l.qp.Post([]op{{WRID: 9, Local: addrOf(peer.mem), Remote: addrOf(ferry.mem), Len: 4096, LKey: lkey, RKey: rkey, Signaled: true, Read: true}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	c, err := wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+	if err != nil {
+		t.Fatalf("waiting for the read's completion: %v", err)
+	}
+	if c.Status != wcRemInvReqErr && c.Status != wcRemAccessErr {
+		t.Fatalf("an RDMA READ of ferry's arena over a Mooncake QP: completion %+v (%s), want REM_INV_REQ_ERR or REM_ACCESS_ERR",
+			c, StatusName(&CompletionError{Status: c.Status}))
+	}
+	t.Logf("the read was refused with %s", StatusName(&CompletionError{Status: c.Status}))
+	if !isZero(peer.mem[:4096]) {
+		t.Error("a refused read brought ferry's bytes back")
+	}
+}
