@@ -23,6 +23,7 @@ func Exchange(ctx context.Context, addr string, t MsgType, req, reply any) error
 	if err != nil {
 		return fmt.Errorf("mooncake %s handshake with %s: encoding the request: %w", t, addr, err)
 	}
+	parent := ctx
 	ctx, cancel := context.WithTimeout(ctx, HandshakeTimeout)
 	defer cancel()
 	var d net.Dialer
@@ -44,6 +45,8 @@ func Exchange(ctx context.Context, addr string, t MsgType, req, reply any) error
 	}
 	if err != nil {
 		switch {
+		case parent.Err() != nil:
+			err = fmt.Errorf("the caller gave up waiting for the reply (%v): %w", parent.Err(), err)
 		case ctx.Err() != nil:
 			err = fmt.Errorf("no reply within %s: %w", HandshakeTimeout, err)
 		case errors.Is(err, ErrFrame):

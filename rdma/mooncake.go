@@ -381,7 +381,7 @@ func (t *Transport) WriteMooncake(ctx context.Context, w mooncake.RDMAWrite) err
 	select {
 	case l = <-ep.free:
 	case <-ctx.Done():
-		return fmt.Errorf("waiting for a queue pair to %s: %w", ep.peer, ctxErr(ctx))
+		return fmt.Errorf("waiting for a queue pair to %s: %w", ep.peer, transport.ContextErr(ctx))
 	}
 	src, err := t.source(w.Src)
 	if err != nil {
@@ -460,7 +460,7 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, w mooncake.RDMAWr
 		case err == errNoProgress:
 			return fmt.Errorf("the peer made no progress for %s with %d work requests in flight", t.cfg.TCP.IOTimeout, posted-retired)
 		case err == errCanceled:
-			return ctxErr(ctx)
+			return transport.ContextErr(ctx)
 		case err != nil:
 			return err
 		case wc.WRID>>32 != base>>32:

@@ -79,10 +79,10 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 		r, err = readReply(c, ab[:])
 	}
 	if err != nil {
-		if cerr := ctxErr(ctx); cerr != nil {
+		if cerr := transport.ContextErr(ctx); cerr != nil {
 			return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w: %w", cerr, err)
 		}
-		if ctxErr(hctx) != nil {
+		if transport.ContextErr(hctx) != nil {
 			return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: no answer within %s: %w", t.cfg.TCP.HandshakeTimeout, err)
 		}
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", err)
@@ -96,7 +96,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting to the peer's queue pair %#x: %w", a.QPN, err)
 	}
 	if !stop() {
-		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", ctxErr(hctx))
+		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", transport.ContextErr(hctx))
 	}
 	c.SetDeadline(time.Time{})
 	l := newLane(qp, c, 0)
@@ -106,19 +106,6 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 	l.dead = make(chan struct{})
 	go l.readAnswers()
 	return l, instance, a.peerRegion, nil
-}
-
-// ctxErr is ctx.Err(), but also DeadlineExceeded once the deadline has
-// passed: a connection deadline set from ctx can fire before ctx's own
-// timer does.
-func ctxErr(ctx context.Context) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	if d, ok := ctx.Deadline(); ok && !time.Now().Before(d) {
-		return context.DeadlineExceeded
-	}
-	return nil
 }
 
 // session is a pool of lanes to one peer. A write holds a lane from its
@@ -445,7 +432,7 @@ func (s *session) drain(l *lane, f *flight, posted int) {
 // gaveUp reports whether a wait on a write's lane ended because the
 // write's caller gave up (canceled, or its deadline passed), not the lane.
 func gaveUp(ctx context.Context, err error) bool {
-	return err == errCanceled || err == errNoProgress && ctxErr(ctx) != nil
+	return err == errCanceled || err == errNoProgress && transport.ContextErr(ctx) != nil
 }
 
 // land waits, for drainWait at most, until no write flies on l, before f,
@@ -497,8 +484,8 @@ func (s *session) broken(ctx context.Context, l *lane, err error, where string) 
 		return fmt.Errorf("rdma write to %s: the lane broke under another write and closed %s", s.peer, where)
 	case err == errLaneClosed || s.pool.Closed():
 		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ErrClosed, where)
-	case ctxErr(ctx) != nil:
-		return fmt.Errorf("rdma write to %s: %w %s", s.peer, ctxErr(ctx), where)
+	case transport.ContextErr(ctx) != nil:
+		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ContextErr(ctx), where)
 	case err == errNoProgress:
 		return fmt.Errorf("rdma write to %s: the peer made no progress for %s %s", s.peer, s.t.cfg.TCP.IOTimeout, where)
 	}
@@ -519,8 +506,8 @@ func (s *session) fail(ctx context.Context, err error, where string) error {
 	switch {
 	case s.pool.Closed():
 		return fmt.Errorf("rdma write to %s: %w %s: %w", s.peer, transport.ErrClosed, where, err)
-	case ctxErr(ctx) != nil:
-		return fmt.Errorf("rdma write to %s: %w %s", s.peer, ctxErr(ctx), where)
+	case transport.ContextErr(ctx) != nil:
+		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ContextErr(ctx), where)
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return fmt.Errorf("rdma write to %s: peer made no progress for %s %s: %w", s.peer, s.t.cfg.TCP.IOTimeout, where, err)
 	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||

@@ -14,6 +14,7 @@ import (
 	"io"
 	"net"
 	"syscall"
+	"time"
 )
 
 // Sink is the receiving side's memory: the daemon's live receive slots.
@@ -141,4 +142,17 @@ func IsRefusal(err error) bool {
 func PeerGone(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
+}
+
+// ContextErr is ctx.Err(), but also DeadlineExceeded once the deadline has
+// passed: a connection deadline set from ctx can fire before ctx's own
+// timer does.
+func ContextErr(ctx context.Context) error {
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	if d, ok := ctx.Deadline(); ok && !time.Now().Before(d) {
+		return context.DeadlineExceeded
+	}
+	return nil
 }

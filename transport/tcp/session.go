@@ -94,26 +94,13 @@ func (t *Transport) dial(ctx context.Context, addr string, kind uint32) (*conn, 
 // dialErr says whether the caller's ctx or the handshake timeout cut a
 // dial short, as the socket error alone does not.
 func (t *Transport) dialErr(ctx, hctx context.Context, step string, err error) error {
-	if cerr := ctxErr(ctx); cerr != nil {
+	if cerr := transport.ContextErr(ctx); cerr != nil {
 		return fmt.Errorf("%s: %w: %w", step, cerr, err)
 	}
-	if ctxErr(hctx) != nil {
+	if transport.ContextErr(hctx) != nil {
 		return fmt.Errorf("%s: no answer within %s: %w", step, t.cfg.HandshakeTimeout, err)
 	}
 	return fmt.Errorf("%s: %w", step, err)
-}
-
-// ctxErr is ctx.Err(), but also DeadlineExceeded once the deadline has
-// passed: a connection deadline set from ctx can fire before ctx's own
-// timer does.
-func ctxErr(ctx context.Context) error {
-	if err := ctx.Err(); err != nil {
-		return err
-	}
-	if d, ok := ctx.Deadline(); ok && !time.Now().Before(d) {
-		return context.DeadlineExceeded
-	}
-	return nil
 }
 
 // conn is one dialed connection and the buffers a write on it needs, so
@@ -321,7 +308,7 @@ func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse 
 		sent += m
 	}
 	if err != nil {
-		if ctxErr(ctx) == nil && transport.PeerGone(err) {
+		if transport.ContextErr(ctx) == nil && transport.PeerGone(err) {
 			// A receiver that refuses a write outright replies first and
 			// then closes; that reply says why the body could not go.
 			c.nc.SetReadDeadline(time.Now().Add(lateReplyWait))
@@ -358,8 +345,8 @@ func (s *session) fail(ctx context.Context, err error, where string) error {
 	switch {
 	case s.isClosed():
 		return fmt.Errorf("tcp write to %s: %w %s: %w", s.peer, transport.ErrClosed, where, err)
-	case ctxErr(ctx) != nil:
-		return fmt.Errorf("tcp write to %s: %w %s", s.peer, ctxErr(ctx), where)
+	case transport.ContextErr(ctx) != nil:
+		return fmt.Errorf("tcp write to %s: %w %s", s.peer, transport.ContextErr(ctx), where)
 	case errors.Is(err, os.ErrDeadlineExceeded):
 		return fmt.Errorf("tcp write to %s: peer made no progress for %s %s: %w", s.peer, s.t.cfg.IOTimeout, where, err)
 	case transport.PeerGone(err):
