@@ -18,7 +18,8 @@ type listener struct {
 	// (an outbound handshake).
 	ctx    context.Context
 	cancel context.CancelFunc
-	logf   func(format string, args ...any)
+	logf   func(format string, args ...any) // rate-limited by start
+	limit  *logLimit
 	sem    chan struct{}
 	wg     sync.WaitGroup
 	mu     sync.Mutex
@@ -28,6 +29,8 @@ type listener struct {
 
 func (l *listener) start(max int) {
 	l.ctx, l.cancel = context.WithCancel(context.Background())
+	l.limit = newLogLimit(l.logf)
+	l.logf = l.limit.printf
 	l.sem = make(chan struct{}, max)
 	l.live = make(map[net.Conn]struct{})
 	l.wg.Add(1)
@@ -49,6 +52,7 @@ func (l *listener) Close() error {
 	l.cancel() // after the connections: work it ends finds them closed
 	l.mu.Unlock()
 	l.wg.Wait()
+	l.limit.stop()
 	return err
 }
 

@@ -135,7 +135,7 @@ func (s *Server) answer(ctx context.Context, t MsgType, body []byte) (reply any,
 			return nil, nil, fmt.Errorf("not a connection handshake (local_nic_path, qp_num, ...): %w", err)
 		}
 		if s.h.Connect == nil {
-			s.cfg.Logf("mooncake handshake: refused an RDMA connection request from %s: no RDMA is served here", d.LocalNICPath)
+			s.logf("mooncake handshake: refused an RDMA connection request from %s: no RDMA is served here", d.LocalNICPath)
 			return HandshakeDesc{PeerNICPath: d.LocalNICPath, LocalNICPath: d.PeerNICPath, ReplyMsg: NoRDMA}, nil, nil
 		}
 		r, undo := s.h.Connect(ctx, d)

@@ -227,6 +227,61 @@ func TestServerRefusesMalformedHandshakes(t *testing.T) {
 	}
 }
 
+// TestServerLogIsRateLimited: a peer sending malformed requests as fast
+// as it can does not get a line each into the log: the first is logged,
+// and every one is either logged or counted in a "suppressed" line by the
+// time the server's Close returns.
+func TestServerLogIsRateLimited(t *testing.T) {
+	var mu sync.Mutex
+	var logged []string
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seg := &mooncake.Segment{Name: ln.Addr().String(), Protocol: "tcp", TCPDataPort: 1, TCPProtoVersion: 2}
+	srv := mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return seg }}, mooncake.ServerConfig{
+		Logf: func(f string, a ...any) {
+			mu.Lock()
+			defer mu.Unlock()
+			logged = append(logged, fmt.Sprintf(f, a...))
+		},
+	})
+	const flood = 40
+	for range flood {
+		conn, err := net.Dial("tcp", ln.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		conn.Write(lenPrefix(0, nil))
+		conn.(*net.TCPConn).CloseWrite()
+		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+		// The server logs before it closes the connection.
+		if _, err := io.ReadAll(conn); err != nil && !errors.Is(err, syscall.ECONNRESET) {
+			t.Fatal(err)
+		}
+		conn.Close()
+	}
+	srv.Close()
+	mu.Lock()
+	defer mu.Unlock()
+	if len(logged) == 0 || !strings.Contains(logged[0], "length word is 0") {
+		t.Fatalf("the first malformed request was not logged: %q", logged)
+	}
+	passed, suppressed := 0, 0
+	for _, line := range logged {
+		var n int
+		if _, err := fmt.Sscanf(line, "mooncake: suppressed %d more lines", &n); err == nil {
+			suppressed += n
+		} else if strings.Contains(line, "length word is 0") {
+			passed++
+		}
+	}
+	if passed+suppressed != flood {
+		t.Fatalf("%d lines logged and %d counted as suppressed, want %d in all: %q", passed, suppressed, flood, logged)
+	}
+	t.Logf("%d malformed requests: %d logged, %d suppressed", flood, passed, suppressed)
+}
+
 func lenPrefix(n uint64, rest []byte) []byte {
 	return append(binary.LittleEndian.AppendUint64(nil, n), rest...)
 }

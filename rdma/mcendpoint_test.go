@@ -3,6 +3,7 @@ package rdma
 import (
 	"bytes"
 	"context"
+	"errors"
 	"net"
 	"strings"
 	"testing"
@@ -256,5 +257,110 @@ func TestMooncakeQPRefusesRead(t *testing.T) {
 	t.Logf("the read was refused with %s", StatusName(&CompletionError{Status: c.Status}))
 	if !isZero(peer.mem[:4096]) {
 		t.Error("a refused read brought ferry's bytes back")
+	}
+}
+
+// TestMooncakeHandshakeUnreachablePeer: a handshake to a segment that
+// accepts and never answers holds up only the writes to that NIC path: a
+// write to a healthy segment handshakes meanwhile, a second write to the
+// silent one waits for the first's handshake instead of dialing again and
+// returns as soon as its context ends, and so does the first.
+func TestMooncakeHandshakeUnreachablePeer(t *testing.T) {
+	f := newFabric()
+	// The silent handshake ends by its context or, at the latest, after
+	// mooncake.HandshakeTimeout (5 s): the checks below are orderings
+	// within that window.
+	ferry := startFakeSegment(t, f, 1, Config{})
+	healthy := startFakeSegment(t, f, 2, Config{})
+
+	silent, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	accepted := make(chan net.Conn, 4)
+	go func() {
+		for {
+			c, err := silent.Accept()
+			if err != nil {
+				return
+			}
+			accepted <- c
+		}
+	}()
+	t.Cleanup(func() {
+		silent.Close()
+		for {
+			select {
+			case c := <-accepted:
+				c.Close()
+			default:
+				return
+			}
+		}
+	})
+	// The silent segment's target: a healthy descriptor under its address.
+	ctx := ctxFor(t, 30*time.Second)
+	seg, err := mooncake.FetchSegment(ctx, healthy.name, &mooncake.Segment{Name: ferry.name, Buffers: []mooncake.Buffer{}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	tg, _, err := seg.RDMATarget(seg.Buffers[0].Addr, 64)
+	if err != nil {
+		t.Fatal(err)
+	}
+	tg.NICPath = mooncake.NICPath(silent.Addr().String(), tg.Device.Name)
+	toSilent := mooncake.RDMAWrite{Self: ferry.name, RPC: silent.Addr().String(), Target: tg, Remote: tg.Buffer.Addr, Src: ferry.mem[:64]}
+
+	firstCtx, cancelFirst := context.WithCancel(ctx)
+	defer cancelFirst()
+	first := make(chan error, 1)
+	go func() { first <- ferry.tr.WriteMooncake(firstCtx, toSilent) }()
+	var conn net.Conn
+	select {
+	case conn = <-accepted:
+		accepted <- conn // closed at cleanup
+	case <-ctx.Done():
+		t.Fatal("the silent segment saw no handshake connection")
+	}
+
+	healthyDone := make(chan error, 1)
+	go func() { healthyDone <- ferry.write(t, healthy, 0, []byte("past the silent one")) }()
+	select {
+	case err := <-healthyDone:
+		if err != nil {
+			t.Fatalf("the write to the healthy segment: %v", err)
+		}
+	case err := <-first:
+		t.Fatalf("the silent segment's handshake ended (%v) before the write to the healthy segment: that write waited on it", err)
+	case <-ctx.Done():
+		t.Fatal("the write to the healthy segment did not finish")
+	}
+	if string(healthy.mem[:19]) != "past the silent one" {
+		t.Fatal("the healthy segment does not hold the bytes written to it")
+	}
+
+	canceled, cancel := context.WithCancel(ctx)
+	cancel()
+	if err := ferry.tr.WriteMooncake(canceled, toSilent); !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "waiting for the handshake") {
+		t.Fatalf("a second write to the silent segment with a canceled context: %v, want it to stop waiting for the first's handshake", err)
+	}
+	select {
+	case err := <-first:
+		t.Fatalf("the first write to the silent segment returned before its context ended: %v", err)
+	default:
+	}
+	cancelFirst()
+	select {
+	case err := <-first:
+		// Canceled while dialing or while reading the reply: either way
+		// an error, not a write.
+		if err == nil {
+			t.Fatal("the first write to the silent segment succeeded after its context ended")
+		}
+	case <-ctx.Done():
+		t.Fatal("the first write to the silent segment did not return when its context ended")
+	}
+	if n := len(accepted); n != 1 {
+		t.Fatalf("the silent segment saw %d handshake connections, want 1 (the second write waits for the first's)", n)
 	}
 }

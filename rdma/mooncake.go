@@ -53,9 +53,10 @@ type mcTable struct {
 	closed bool
 	max    int                              // 0: maxMooncakeEndpoints
 	infof  func(format string, args ...any) // hears evictions; may be nil
-	// dial serializes active handshakes, so concurrent writes to a new
-	// peer NIC make one endpoint.
-	dial sync.Mutex
+	// dials is the handshakes in flight, by peer NIC path: concurrent
+	// writes to a new peer NIC make one endpoint, while an unreachable
+	// peer holds up only the writes to it.
+	dials map[string]chan struct{} // closed when the handshake ends
 }
 
 var errEndpointsClosed = errors.New("the transport is closing")
@@ -63,10 +64,8 @@ var errEndpointsClosed = errors.New("the transport is closing")
 // get returns the endpoint to peer if its QPs are connected to gid and
 // lid. An endpoint is stored under the NIC path its initiator claimed, so
 // one connected to another address is someone else's: the caller
-// handshakes afresh, replacing it.
+// handshakes afresh, replacing it. m.mu is held.
 func (m *mcTable) get(peer string, gid [16]byte, lid uint16) *mcEndpoint {
-	m.mu.Lock()
-	defer m.mu.Unlock()
 	ep := m.eps[peer]
 	if ep == nil || ep.gid != gid || ep.lid != lid {
 		return nil
@@ -74,6 +73,34 @@ func (m *mcTable) get(peer string, gid [16]byte, lid uint16) *mcEndpoint {
 	m.tick++
 	ep.used = m.tick
 	return ep
+}
+
+// claim returns the endpoint to peer as get does or, when there is none,
+// either done (closed when another caller's handshake to peer ends: wait
+// and claim again) or, with both nil, the right to handshake, which the
+// caller gives back by unclaim.
+func (m *mcTable) claim(peer string, gid [16]byte, lid uint16) (ep *mcEndpoint, done <-chan struct{}) {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if ep := m.get(peer, gid, lid); ep != nil {
+		return ep, nil
+	}
+	if d, ok := m.dials[peer]; ok {
+		return nil, d
+	}
+	if m.dials == nil {
+		m.dials = make(map[string]chan struct{})
+	}
+	m.dials[peer] = make(chan struct{})
+	return nil, nil
+}
+
+// unclaim ends the caller's handshake to peer, waking its waiters.
+func (m *mcTable) unclaim(peer string) {
+	m.mu.Lock()
+	close(m.dials[peer])
+	delete(m.dials, peer)
+	m.mu.Unlock()
 }
 
 // put installs ep, closing the endpoint it replaces or, in a full table,
@@ -309,14 +336,21 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) 
 	if err != nil {
 		return nil, fmt.Errorf("segment device %s: %w", tg.Device.Name, err)
 	}
-	if ep := t.mc.get(tg.NICPath, want, tg.Device.LID); ep != nil {
-		return ep, nil
+	for {
+		ep, done := t.mc.claim(tg.NICPath, want, tg.Device.LID)
+		if ep != nil {
+			return ep, nil
+		}
+		if done == nil {
+			break
+		}
+		select {
+		case <-done: // its endpoint, or our turn to handshake
+		case <-ctx.Done():
+			return nil, fmt.Errorf("waiting for the handshake with %s: %w", tg.NICPath, transport.ContextErr(ctx))
+		}
 	}
-	t.mc.dial.Lock()
-	defer t.mc.dial.Unlock()
-	if ep := t.mc.get(tg.NICPath, want, tg.Device.LID); ep != nil {
-		return ep, nil
-	}
+	defer t.mc.unclaim(tg.NICPath)
 	self, rpc, qps := w.Self, w.RPC, w.QPs
 	dev, err := t.MooncakeDevice()
 	if err != nil {

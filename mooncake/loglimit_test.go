@@ -1,0 +1,88 @@
+package mooncake
+
+import (
+	"fmt"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+// lines records what a logLimit passes on, and says when one holds a word.
+type lines struct {
+	mu  sync.Mutex
+	got []string
+	ch  chan string
+}
+
+func (r *lines) logf(format string, args ...any) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	line := fmt.Sprintf(format, args...)
+	r.got = append(r.got, line)
+	if r.ch != nil {
+		r.ch <- line
+	}
+}
+
+func (r *lines) all() []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return append([]string(nil), r.got...)
+}
+
+// TestLogLimitCounts: within a window the first max lines pass, the rest
+// are counted, and stop says how many.
+func TestLogLimitCounts(t *testing.T) {
+	var r lines
+	l := &logLimit{logf: r.logf, max: 3, window: time.Hour}
+	for i := range 10 {
+		l.printf("malformed request %d", i)
+	}
+	if got := r.all(); len(got) != 3 || got[0] != "malformed request 0" || got[2] != "malformed request 2" {
+		t.Fatalf("within one window: %q, want the first 3 lines", got)
+	}
+	l.stop()
+	got := r.all()
+	if len(got) != 4 || !strings.Contains(got[3], "suppressed 7 more lines") || !strings.Contains(got[3], "at most 3 per 1h0m0s") {
+		t.Fatalf("after stop: %q, want a 4th line saying 7 were suppressed and what the limit is", got)
+	}
+}
+
+// TestLogLimitSummaryAtWindowEnd: the count of suppressed lines is logged
+// when their window ends, without waiting for another line, and the next
+// line after that always passes.
+func TestLogLimitSummaryAtWindowEnd(t *testing.T) {
+	r := lines{ch: make(chan string, 100)}
+	l := &logLimit{logf: r.logf, max: 1, window: 20 * time.Millisecond}
+	defer l.stop()
+	deadline := time.After(10 * time.Second)
+	// Log until one line is suppressed (a stalled machine may start a new
+	// window between two lines).
+	for dropped := 0; dropped == 0; {
+		l.printf("refused a write")
+		l.mu.Lock()
+		dropped = l.dropped
+		l.mu.Unlock()
+		select {
+		case <-deadline:
+			t.Fatal("no line was suppressed")
+		default:
+		}
+	}
+	for {
+		select {
+		case line := <-r.ch:
+			if !strings.Contains(line, "suppressed 1 more lines") {
+				continue
+			}
+		case <-deadline:
+			t.Fatalf("no summary line at the window's end: %q", r.all())
+		}
+		break
+	}
+	l.printf("after a quiet window")
+	if got := r.all(); got[len(got)-1] != "after a quiet window" {
+		t.Fatalf("the first line after the summary was not logged: %q", got)
+	}
+}
