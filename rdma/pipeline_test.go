@@ -124,6 +124,24 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	}
 }
 
+// heldLane is a session of one lane between two transports on the fake
+// NIC, the sender logging to logf, the receiver taking writes into sink;
+// its work requests are held on the wire until release, which the test's
+// end calls too (a failing check lets the held work go first).
+func heldLane(t *testing.T, f *fabric, src []byte, sink transport.Sink, mem []byte, logf func(string, ...any)) (s transport.Session, rx *Transport, release func()) {
+	t.Helper()
+	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: logf}, Memory: src})
+	rx = listenFake(t, f, Config{TCP: tcp.Config{Sink: sink, Logf: t.Logf}, Memory: mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	f.hold = make(chan struct{})
+	release = sync.OnceFunc(func() { close(f.hold) })
+	t.Cleanup(func() { release(); s.Close() })
+	return s, rx, release
+}
+
 // TestCanceledWriteInFlightSparesItsLane: a write canceled after it let
 // go of its lane waits (boundedly) for its own completion instead of
 // breaking the QP under the lane's other writes: the caller gets the
@@ -135,16 +153,7 @@ func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
 	src := mapT(t, size)
 	slots := mappedSlots(t, 3*size)
 	accepted := make(chan struct{}, 3)
-	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: t.Logf}, Memory: src})
-	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}, Logf: t.Logf}, Memory: slots.Mem})
-	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	f.hold = make(chan struct{})
-	release := sync.OnceFunc(func() { close(f.hold) })
-	defer release()
+	s, rx, release := heldLane(t, f, src, &watch{Slots: slots, accepted: accepted}, slots.Mem, t.Logf)
 	write := func(ctx context.Context, i int) chan error {
 		res := make(chan error, 1)
 		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
@@ -198,16 +207,7 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 	slots := mappedSlots(t, 2*size)
 	accepted := make(chan struct{}, 2)
 	sink := &gated{watch: watch{Slots: slots, accepted: accepted}, tag: 2, reached: make(chan struct{}, 1), open: make(chan struct{})}
-	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: t.Logf}, Memory: src})
-	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: sink, Logf: t.Logf}, Memory: slots.Mem})
-	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	f.hold = make(chan struct{})
-	release := sync.OnceFunc(func() { close(f.hold) })
-	defer release()
+	s, _, release := heldLane(t, f, src, sink, slots.Mem, t.Logf)
 	answer := sync.OnceFunc(func() { close(sink.open) })
 	defer answer()
 
@@ -279,23 +279,14 @@ func TestCanceledHeldWriteSparesItsLane(t *testing.T) {
 	src := mapT(t, size)
 	slots := mappedSlots(t, (n+1)*size)
 	accepted := make(chan struct{}, n+1)
-	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: t.Logf}, Memory: src})
-	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}, Logf: t.Logf}, Memory: slots.Mem})
-	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
+	s, _, release := heldLane(t, f, src, &watch{Slots: slots, accepted: accepted}, slots.Mem, t.Logf)
 	sess := s.(*session)
 	first, err := sess.pool.Get(ctxFor(t, 30*time.Second))
 	if err != nil {
 		t.Fatal(err)
 	}
 	sess.pool.Put(first)
-	f.hold = make(chan struct{})
 	f.posted = make(chan struct{}, n+1)
-	release := sync.OnceFunc(func() { close(f.hold) })
-	defer release()
 	write := func(ctx context.Context, i int) chan error {
 		res := make(chan error, 1)
 		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
@@ -358,17 +349,8 @@ func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
 	slots := mappedSlots(t, small+big)
 	accepted := make(chan struct{}, 2)
 	var logs logLines
-	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: logs.logf}, Memory: src})
-	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: &watch{Slots: slots, accepted: accepted}, Logf: t.Logf}, Memory: slots.Mem})
-	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	f.hold = make(chan struct{})
+	s, _, release := heldLane(t, f, src, &watch{Slots: slots, accepted: accepted}, slots.Mem, logs.logf)
 	f.posted = make(chan struct{}, 2)
-	release := sync.OnceFunc(func() { close(f.hold) })
-	defer release()
 	write := func(ctx context.Context, w transport.Write) chan error {
 		res := make(chan error, 1)
 		go func() { res <- s.Write(ctx, w) }()
