@@ -174,20 +174,7 @@ func TestHandshakeProbeNotifyAndNoRDMA(t *testing.T) {
 // Malformed requests close the connection without a reply; the server
 // says why and keeps serving.
 func TestServerRefusesMalformedHandshakes(t *testing.T) {
-	var mu sync.Mutex
-	var logged []string
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	seg := &mooncake.Segment{Name: ln.Addr().String(), Protocol: "tcp", TCPDataPort: 1, TCPProtoVersion: 2}
-	srv := mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return seg }}, mooncake.ServerConfig{
-		Logf: func(f string, a ...any) {
-			mu.Lock()
-			defer mu.Unlock()
-			logged = append(logged, fmt.Sprintf(f, a...))
-		},
-	})
+	srv, seg, logged := loggingServer(t)
 	defer srv.Close()
 	for _, c := range []struct {
 		raw  []byte
@@ -199,29 +186,20 @@ func TestServerRefusesMalformedHandshakes(t *testing.T) {
 		{lenPrefix(50, []byte{1, '{', '}'}), "announces 50 bytes"},
 		{lenPrefix(3, []byte{1, '{', '"'}), "not valid JSON"},
 	} {
-		conn, err := net.Dial("tcp", ln.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		conn.Write(c.raw)
-		conn.(*net.TCPConn).CloseWrite()
-		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
 		// A close, clean or a reset (the server left bytes unread).
-		if n, err := io.ReadAll(conn); err != nil && !errors.Is(err, syscall.ECONNRESET) || len(n) != 0 {
+		if n, err := sendRaw(t, seg.Name, c.raw); err != nil && !errors.Is(err, syscall.ECONNRESET) || len(n) != 0 {
 			t.Errorf("%q: server answered %q, %v; want a close", c.want, n, err)
 		}
-		conn.Close()
-		mu.Lock()
+		lines := logged()
 		last := ""
-		if len(logged) > 0 {
-			last = logged[len(logged)-1]
+		if len(lines) > 0 {
+			last = lines[len(lines)-1]
 		}
-		mu.Unlock()
 		if !strings.Contains(last, c.want) {
 			t.Errorf("want a log line containing %q, got %q", c.want, last)
 		}
 	}
-	got, err := mooncake.FetchSegment(ctxT(t), ln.Addr().String(), &mooncake.Segment{Name: "c"})
+	got, err := mooncake.FetchSegment(ctxT(t), seg.Name, &mooncake.Segment{Name: "c"})
 	if err != nil || got.Name != seg.Name {
 		t.Fatalf("the server stopped answering: %v %v", got, err)
 	}
@@ -232,43 +210,21 @@ func TestServerRefusesMalformedHandshakes(t *testing.T) {
 // and every one is either logged or counted in a "suppressed" line by the
 // time the server's Close returns.
 func TestServerLogIsRateLimited(t *testing.T) {
-	var mu sync.Mutex
-	var logged []string
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	seg := &mooncake.Segment{Name: ln.Addr().String(), Protocol: "tcp", TCPDataPort: 1, TCPProtoVersion: 2}
-	srv := mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return seg }}, mooncake.ServerConfig{
-		Logf: func(f string, a ...any) {
-			mu.Lock()
-			defer mu.Unlock()
-			logged = append(logged, fmt.Sprintf(f, a...))
-		},
-	})
+	srv, seg, logged := loggingServer(t)
 	const flood = 40
 	for range flood {
-		conn, err := net.Dial("tcp", ln.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		conn.Write(lenPrefix(0, nil))
-		conn.(*net.TCPConn).CloseWrite()
-		conn.SetReadDeadline(time.Now().Add(10 * time.Second))
 		// The server logs before it closes the connection.
-		if _, err := io.ReadAll(conn); err != nil && !errors.Is(err, syscall.ECONNRESET) {
+		if _, err := sendRaw(t, seg.Name, lenPrefix(0, nil)); err != nil && !errors.Is(err, syscall.ECONNRESET) {
 			t.Fatal(err)
 		}
-		conn.Close()
 	}
 	srv.Close()
-	mu.Lock()
-	defer mu.Unlock()
-	if len(logged) == 0 || !strings.Contains(logged[0], "length word is 0") {
-		t.Fatalf("the first malformed request was not logged: %q", logged)
+	lines := logged()
+	if len(lines) == 0 || !strings.Contains(lines[0], "length word is 0") {
+		t.Fatalf("the first malformed request was not logged: %q", lines)
 	}
 	passed, suppressed := 0, 0
-	for _, line := range logged {
+	for _, line := range lines {
 		var n int
 		if _, err := fmt.Sscanf(line, "mooncake: suppressed %d more lines", &n); err == nil {
 			suppressed += n
@@ -277,9 +233,49 @@ func TestServerLogIsRateLimited(t *testing.T) {
 		}
 	}
 	if passed+suppressed != flood {
-		t.Fatalf("%d lines logged and %d counted as suppressed, want %d in all: %q", passed, suppressed, flood, logged)
+		t.Fatalf("%d lines logged and %d counted as suppressed, want %d in all: %q", passed, suppressed, flood, lines)
 	}
 	t.Logf("%d malformed requests: %d logged, %d suppressed", flood, passed, suppressed)
+}
+
+// loggingServer serves a TCP segment's handshake on loopback, collecting
+// what it logs; logged returns the lines so far.
+func loggingServer(t *testing.T) (srv *mooncake.Server, seg *mooncake.Segment, logged func() []string) {
+	t.Helper()
+	var mu sync.Mutex
+	var lines []string
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seg = &mooncake.Segment{Name: ln.Addr().String(), Protocol: "tcp", TCPDataPort: 1, TCPProtoVersion: 2}
+	srv = mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return seg }}, mooncake.ServerConfig{
+		Logf: func(f string, a ...any) {
+			mu.Lock()
+			defer mu.Unlock()
+			lines = append(lines, fmt.Sprintf(f, a...))
+		},
+	})
+	return srv, seg, func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), lines...)
+	}
+}
+
+// sendRaw writes raw to addr as one request and reads whatever comes
+// back until the server closes.
+func sendRaw(t *testing.T, addr string, raw []byte) ([]byte, error) {
+	t.Helper()
+	conn, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	conn.Write(raw)
+	conn.(*net.TCPConn).CloseWrite()
+	conn.SetReadDeadline(time.Now().Add(10 * time.Second))
+	return io.ReadAll(conn)
 }
 
 func lenPrefix(n uint64, rest []byte) []byte {
