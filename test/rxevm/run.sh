@@ -13,6 +13,7 @@
 #   RXEVM_BENCH  0 skips the benchmarks (default 1)
 #   RXEVM_RUN    -test.run pattern for the rdma package tests (default all)
 #   RXEVM_E2E    -test.run pattern for the end-to-end tests (default RDMA)
+#   RXEVM_COUNT  -test.count for both test runs (default 1), to hunt flakes
 #   RXEVM_RACE   1 builds the test binaries with the race detector
 #   RXEVM_TIMEOUT  seconds the VM may run (default 1500)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
@@ -134,6 +135,7 @@ cat >"$R/etc/rxevm.env" <<EOF
 BENCH=$BENCH
 RUN='$RUN'
 E2E='${RXEVM_E2E:-RDMA}'
+COUNT=${RXEVM_COUNT:-1}
 PROFILE=${RXEVM_PROFILE:-0}
 QPS=${RXEVM_QPS:-8}
 FLIGHT=${RXEVM_FLIGHT:-1}
@@ -154,7 +156,7 @@ timeout "$VM_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2
   -append "console=ttyS0 quiet panic=-1 ${RXEVM_APPEND:-}" >"$LOG" 2>&1
 qemu=$?
 set -e
-tr -d '\r' <"$LOG" | grep -a -E '^(== | *--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark| +[a-z_]+\.go:[0-9]+:)' || true
+tr -d '\r' <"$LOG" | grep -a -E '^(== | *--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark| +[A-Za-z0-9_]+\.go:[0-9]+:)' || true
 count() { tr -d '\r' <"$LOG" | grep -ac -E "^ *--- $1: " || true; }
 if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
   tr -d '\r' <"$LOG" | sed -n '/^== PROFILE BEGIN/,/^== PROFILE END/p' | grep -v '^==' | base64 -d >"$CACHE/cpu.prof"
