@@ -163,6 +163,13 @@ if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
   say "CPU profile of the 64 KiB write benchmark: go tool pprof -top $CACHE/rdma.bench $CACHE/cpu.prof"
 fi
 say "VM done: $(count PASS) passed, $(count FAIL) failed, $(count SKIP) skipped; the VM's log is $LOG"
+# Each failed test's own lines last, where a CI log's tail shows them: its
+# messages and the daemon logs they carry, the first 40 lines, cut at 300
+# characters.
+tr -d '\r' <"$LOG" | awk '
+  /^=== RUN/ {n = 0; delete buf}
+  {if (n < 40) buf[n++] = substr($0, 1, 300)}
+  /^ *--- FAIL: / {print "rxevm: " $3 " failed:"; for (i = 0; i < n; i++) print "  " buf[i]}' || true
 if ((qemu == 124)); then
   echo "rxevm: the VM ran past ${VM_TIMEOUT}s and was stopped" >&2
   exit 1
