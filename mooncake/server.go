@@ -139,6 +139,10 @@ func (s *Server) answer(ctx context.Context, t MsgType, body []byte) (reply any,
 			return HandshakeDesc{PeerNICPath: d.LocalNICPath, LocalNICPath: d.PeerNICPath, ReplyMsg: NoRDMA}, nil, nil
 		}
 		r, undo := s.h.Connect(ctx, d)
+		if r.ReplyMsg != "" {
+			// Logged here, where the port's rate limit applies.
+			s.logf("mooncake handshake: refused an RDMA connection request from %s: %s", d.LocalNICPath, r.ReplyMsg)
+		}
 		return r, undo, nil
 	}
 	return nil, nil, fmt.Errorf("unknown message type %d", t)

@@ -174,7 +174,7 @@ func TestHandshakeProbeNotifyAndNoRDMA(t *testing.T) {
 // Malformed requests close the connection without a reply; the server
 // says why and keeps serving.
 func TestServerRefusesMalformedHandshakes(t *testing.T) {
-	srv, seg, logged := loggingServer(t)
+	srv, seg, logged := loggingServer(t, nil)
 	defer srv.Close()
 	for _, c := range []struct {
 		raw  []byte
@@ -210,7 +210,7 @@ func TestServerRefusesMalformedHandshakes(t *testing.T) {
 // and every one is either logged or counted in a "suppressed" line by the
 // time the server's Close returns.
 func TestServerLogIsRateLimited(t *testing.T) {
-	srv, seg, logged := loggingServer(t)
+	srv, seg, logged := loggingServer(t, nil)
 	const flood = 40
 	for range flood {
 		// The server logs before it closes the connection.
@@ -238,9 +238,32 @@ func TestServerLogIsRateLimited(t *testing.T) {
 	t.Logf("%d malformed requests: %d logged, %d suppressed", flood, passed, suppressed)
 }
 
+// TestServerLogsRefusedConnections: a connection request the handler
+// refuses gets its reply_msg back, and the server logs it, under the
+// port's rate limit like every line a peer can cause.
+func TestServerLogsRefusedConnections(t *testing.T) {
+	srv, seg, logged := loggingServer(t, func(_ context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
+		return mooncake.HandshakeDesc{ReplyMsg: "peer_nic_path names no NIC of this segment"}, nil
+	})
+	defer srv.Close()
+	var reply mooncake.HandshakeDesc
+	req := mooncake.HandshakeDesc{LocalNICPath: "10.0.0.9:1@mlx5_3", PeerNICPath: seg.Name + "@mlx5_9", QPNum: []uint32{17}}
+	if err := mooncake.Exchange(ctxT(t), seg.Name, mooncake.Connect, req, &reply); err != nil {
+		t.Fatal(err)
+	}
+	if reply.ReplyMsg == "" {
+		t.Fatalf("the refusal did not reach the initiator: %+v", reply)
+	}
+	lines := logged()
+	if len(lines) != 1 || !strings.Contains(lines[0], "refused an RDMA connection request from 10.0.0.9:1@mlx5_3: peer_nic_path names no NIC") {
+		t.Fatalf("want one line naming the initiator and the reason, got %q", lines)
+	}
+}
+
 // loggingServer serves a TCP segment's handshake on loopback, collecting
-// what it logs; logged returns the lines so far.
-func loggingServer(t *testing.T) (srv *mooncake.Server, seg *mooncake.Segment, logged func() []string) {
+// what it logs; logged returns the lines so far. connect answers
+// connection requests (nil: no RDMA served).
+func loggingServer(t *testing.T, connect func(context.Context, mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func())) (srv *mooncake.Server, seg *mooncake.Segment, logged func() []string) {
 	t.Helper()
 	var mu sync.Mutex
 	var lines []string
@@ -249,7 +272,7 @@ func loggingServer(t *testing.T) (srv *mooncake.Server, seg *mooncake.Segment, l
 		t.Fatal(err)
 	}
 	seg = &mooncake.Segment{Name: ln.Addr().String(), Protocol: "tcp", TCPDataPort: 1, TCPProtoVersion: 2}
-	srv = mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return seg }}, mooncake.ServerConfig{
+	srv = mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return seg }, Connect: connect}, mooncake.ServerConfig{
 		Logf: func(f string, a ...any) {
 			mu.Lock()
 			defer mu.Unlock()

@@ -258,13 +258,12 @@ func qpNums(lanes []*lane) []uint32 {
 // QPs as the initiator offers (at most maxMooncakeQPs) to them before
 // replying, replacing any endpoint of the same initiator NIC path. A
 // refusal is a reply with reply_msg set, which every Mooncake initiator
-// takes as one. undo, nil for a refusal, drops the endpoint: for when the
+// takes as one (the handshake server logs it, rate-limited). undo, nil for a refusal, drops the endpoint: for when the
 // reply cannot be sent.
 func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncake.HandshakeDesc) (reply mooncake.HandshakeDesc, undo func()) {
 	reply = mooncake.HandshakeDesc{LocalNICPath: req.PeerNICPath, PeerNICPath: req.LocalNICPath}
 	refuse := func(format string, args ...any) (mooncake.HandshakeDesc, func()) {
 		reply.ReplyMsg = fmt.Sprintf(format, args...)
-		t.logf("rdma: refused a Mooncake connection from %s: %s", req.LocalNICPath, reply.ReplyMsg)
 		return reply, nil
 	}
 	dev, err := t.MooncakeDevice()
