@@ -121,8 +121,7 @@ func (h *HostFile) mapFile(fd int) ([]byte, error) {
 	if err := unix.Ftruncate(fd, h.size); err != nil {
 		return nil, h.createErr("size", err)
 	}
-	err := unix.Fallocate(fd, 0, 0, h.size)
-	if err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
+	if err := h.reserve(fd); err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
 		return nil, h.createErr("reserve", err)
 	}
 	data, err := unix.Mmap(fd, 0, int(h.size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
@@ -130,6 +129,38 @@ func (h *HostFile) mapFile(fd int) ([]byte, error) {
 		return nil, h.createErr("map", err)
 	}
 	return data, nil
+}
+
+// reserveChunk is how much of the file one fallocate call reserves at
+// first; maxInterrupts bounds the interrupted calls in a row.
+const (
+	reserveChunk  = 16 << 20
+	maxInterrupts = 100
+)
+
+// reserve allocates the file's blocks, a chunk per call. A signal (the Go
+// runtime's own, for one) interrupts fallocate on tmpfs and hugetlbfs with
+// EINTR on older kernels (Debian 12's 6.1), and the kernel then gives back
+// what that call had reserved. So the chunks done stay done, and an
+// interrupted chunk is retried at half the size (down to a page), which
+// gets through even when signals come faster than a chunk is reserved.
+func (h *HostFile) reserve(fd int) error {
+	chunk := (max(reserveChunk, h.pageSize) + h.pageSize - 1) / h.pageSize * h.pageSize
+	interrupts := 0
+	for off := int64(0); off < h.size; {
+		n := min(chunk, h.size-off)
+		err := unix.Fallocate(fd, 0, off, n)
+		switch {
+		case err == unix.EINTR && interrupts < maxInterrupts:
+			interrupts++
+			chunk = max(chunk/2/h.pageSize*h.pageSize, h.pageSize)
+			continue
+		case err != nil:
+			return err
+		}
+		off, interrupts = off+n, 0
+	}
+	return nil
 }
 
 // createErr says what failed and what the operator can do about it.

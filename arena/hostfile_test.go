@@ -8,8 +8,10 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
+	"time"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -100,6 +102,53 @@ func TestHostFileSharedWithClient(t *testing.T) {
 				t.Errorf("second Close: %v", err)
 			}
 		})
+	}
+}
+
+// TestCreateHostFileUnderSignals: signals arriving while the arena is
+// reserved (the Go runtime sends its threads SIGURG) interrupt fallocate
+// on tmpfs with EINTR; creating the file must still succeed. ferryd once
+// failed to start with "arena: reserve ...: interrupted system call".
+// Newer kernels (6.18 here) let fallocate finish; Debian 12's 6.1 does
+// not, so test/rxevm runs this test in its VM too.
+func TestCreateHostFileUnderSignals(t *testing.T) {
+	var dir string
+	for _, d := range tempDirs(t) {
+		var st unix.Statfs_t
+		if unix.Statfs(d, &st) == nil && st.Type == unix.TMPFS_MAGIC {
+			dir = d
+		}
+	}
+	if dir == "" {
+		t.Skip("no tmpfs directory (TMPDIR, /dev/shm): the interrupted fallocate is tmpfs's")
+	}
+	// The signals go to the thread that calls fallocate.
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	tid := unix.Gettid()
+	stop := make(chan struct{})
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		// A signal every 100 µs: far more often than the runtime's.
+		tick := time.NewTicker(100 * time.Microsecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-stop:
+				return
+			case <-tick.C:
+				_ = unix.Tgkill(os.Getpid(), tid, unix.SIGURG) // the runtime takes it as a preemption request
+			}
+		}
+	}()
+	defer func() { close(stop); <-done }()
+	for i := range 2 {
+		h, err := CreateHostFile(filepath.Join(dir, fmt.Sprintf("arena-%d", i)), 64<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h.Close()
 	}
 }
 

@@ -51,6 +51,8 @@ echo "== rxe0 RoCE v2 GID index ${GIDX:-none}"
 [ -n "$GIDX" ] || FAIL=1
 ibv_devinfo -d rxe0 | grep -E 'state|active_mtu|link_layer'
 
+# Host files on this kernel's tmpfs (its fallocate stops at a signal).
+check "arena host-file tests" 120 /opt/arena.test -test.v -test.count=${COUNT:-1} -test.run 'HostFile'
 export FERRY_RDMA_REQUIRED=1
 check "rdma package tests" 600 /opt/rdma.test -test.v -test.count=${COUNT:-1} -test.timeout=590s -test.run "$RUN"
 cd /opt && FERRY_BIN=/opt/bin check "e2e tests over rdma" 480 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=470s -test.run "${E2E:-RDMA}"

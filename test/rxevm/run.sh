@@ -93,6 +93,7 @@ race=()
 go build "${race[@]}" -o "$R/opt/bin/" ./cmd/ferryd ./cmd/ferryctl
 go test "${race[@]}" -c -o "$R/opt/rdma.test" ./rdma
 go test "${race[@]}" -c -o "$R/opt/e2e.test" ./test/e2e
+go test "${race[@]}" -c -o "$R/opt/arena.test" ./arena
 if [[ $BENCH == 1 || ${RXEVM_PROFILE:-0} == 1 ]]; then
   if ((${#race[@]})); then go test -c -o "$R/opt/rdma.bench" ./rdma; else cp "$R/opt/rdma.test" "$R/opt/rdma.bench"; fi
 fi
