@@ -103,23 +103,27 @@ say "binaries built${race:+ (tests with -race)}"
 
 # ---- initramfs -------------------------------------------------------------
 cp "$(command -v busybox)" "$R/usr/bin/busybox"
-# copy FILE...: each file and the shared libraries ldd says it needs.
-copy() {
+# libs FILE...: the shared libraries ldd says each file needs (none for
+# a static one).
+libs() {
   local f l
   for f in "$@"; do
-    [[ -e $R$f ]] || { mkdir -p "$R$(dirname "$f")"; cp -L "$f" "$R$f"; }
     while read -r l; do
       [[ -e $R$l ]] || { mkdir -p "$R$(dirname "$l")"; cp -L "$l" "$R$l"; }
     done < <(ldd "$f" 2>/dev/null | awk '/=>/ && $3 ~ /^\// {print $3} /^\t\/lib64/ {print $1}')
   done
 }
+# copy FILE...: each file, at the same path, and its libraries.
+copy() {
+  local f
+  for f in "$@"; do
+    [[ -e $R$f ]] || { mkdir -p "$R$(dirname "$f")"; cp -L "$f" "$R$f"; }
+  done
+  libs "$@"
+}
 copy /usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ib_write_bw \
   /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so /lib/x86_64-linux-gnu/libgcc_s.so.1
-for b in "$R"/opt/*.test "$R"/opt/bin/*; do
-  while read -r l; do
-    [[ -e $R$l ]] || { mkdir -p "$R$(dirname "$l")"; cp -L "$l" "$R$l"; }
-  done < <(ldd "$b" | awk '/=>/ && $3 ~ /^\// {print $3} /^\t\/lib64/ {print $1}')
-done
+libs "$R"/opt/*.test "$R"/opt/bin/*
 mkdir -p "$R/etc/libibverbs.d"
 cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
 # Modules in load order. rdma_rxe asks the crypto API for "crc32" at run
