@@ -27,6 +27,7 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/daemon"
 	"github.com/ferry-project/ferry/internal/size"
+	"github.com/ferry-project/ferry/mooncake"
 )
 
 // DefaultFile is read when no --config or FERRY_CONFIG names a file, and
@@ -50,6 +51,8 @@ type Settings struct {
 	MetricsListen    string   `toml:"metrics_listen"`
 	PeerSecretFile   string   `toml:"peer_secret_file"`
 	MooncakeListen   string   `toml:"mooncake_listen"`
+	MooncakeQPs      int      `toml:"mooncake_qps_per_endpoint"`
+	MooncakeMTU      int      `toml:"mooncake_mtu"`
 	RDMADevice       string   `toml:"rdma_device"`
 	RDMAGIDIndex     int      `toml:"rdma_gid_index"`
 	RDMARegistration string   `toml:"rdma_registration"`
@@ -99,6 +102,8 @@ var options = []option{
 	{"metrics_listen", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)", func(s *Settings) value { return (*text)(&s.MetricsListen) }},
 	{"peer_secret_file", "`file` (mode 0600 or stricter) holding a secret of at least 16 bytes every peer daemon must share; peers prove it to each other on every connection (empty: off)", func(s *Settings) value { return (*text)(&s.PeerSecretFile) }},
 	{"mooncake_listen", "also serve as a Mooncake Transfer Engine segment: its RPC (handshake) port on this `host:port`, a TCP data port beside it; Mooncake senders write into receive slots (empty: off)", func(s *Settings) value { return (*text)(&s.MooncakeListen) }},
+	{"mooncake_qps_per_endpoint", "RC `QPs` ferry offers per RDMA endpoint when it dials a Mooncake segment: the peers' MC_NUM_QP_PER_EP, which must match (1 to 16)", func(s *Settings) value { return (*number)(&s.MooncakeQPs) }},
+	{"mooncake_mtu", "path MTU cap (`bytes`: 256 ... 4096) of RDMA QPs to Mooncake peers: their MC_MTU; Mooncake exchanges no MTU, so each end takes the smaller of the cap and its port's, and both must agree", func(s *Settings) value { return (*number)(&s.MooncakeMTU) }},
 	{"device", "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N", func(s *Settings) value { return (*text)(&s.Device) }},
 	{"arena_size", "arena `size`, e.g. 64MiB or 8GiB", func(s *Settings) value { return &s.ArenaSize }},
 	{"bounce_size", "pinned host memory (`size`) that copies to and from a GPU arena are staged in", func(s *Settings) value { return &s.BounceSize }},
@@ -143,6 +148,8 @@ func Defaults() Settings {
 		RDMARegistration: "shared",
 		IOTimeout:        durationOf(daemon.DefaultIOTimeout),
 		MaxConns:         daemon.DefaultMaxConns,
+		MooncakeQPs:      mooncake.DefaultQPs,
+		MooncakeMTU:      mooncake.DefaultMTU,
 		Device:           "auto",
 		ArenaSize:        Size(size.Format(daemon.DefaultArenaSize)),
 		BounceSize:       Size(size.Format(daemon.DefaultBounceSize)),
@@ -401,8 +408,8 @@ func (s Settings) Daemon(log zerolog.Logger) daemon.Config {
 		StageTTL: s.StageTTL.D(), ReceiveTTL: s.ReceiveTTL.D(),
 		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, MetricsListen: s.MetricsListen, PeerSecretFile: s.PeerSecretFile, Log: log,
 		RDMADevice: s.RDMADevice, RDMAGIDIndex: gidIndex(s.RDMAGIDIndex), RDMARegistration: s.RDMARegistration,
-		MooncakeListen: s.MooncakeListen,
-		SocketGroup:    s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
+		MooncakeListen: s.MooncakeListen, MooncakeQPs: s.MooncakeQPs, MooncakeMTU: s.MooncakeMTU,
+		SocketGroup: s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
 		RequestTimeout: s.RequestTimeout.D(),
 		MaxHeaderBytes: int(s.MaxHeaderBytes.Bytes()), MaxBodyBytes: s.MaxBodyBytes.Bytes(),
 	}

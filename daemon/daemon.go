@@ -52,6 +52,8 @@ type Config struct {
 	MetricsListen    string // optional TCP host:port serving GET /metrics; "" for none
 	PeerSecretFile   string // file holding the secret peers must share; "" for none
 	MooncakeListen   string // optional host:port serving as a Mooncake segment; "" for none
+	MooncakeQPs      int    // QPs per RDMA endpoint to a Mooncake segment (the peers' MC_NUM_QP_PER_EP); 0 is mooncake.DefaultQPs
+	MooncakeMTU      int    // path MTU cap of Mooncake RDMA QPs in bytes (the peers' MC_MTU); 0 is mooncake.DefaultMTU
 	Log              zerolog.Logger
 
 	// The control socket's access and limits.
@@ -125,6 +127,12 @@ func (c *Config) applyDefaults() {
 	if c.MaxConns == 0 {
 		c.MaxConns = DefaultMaxConns
 	}
+	if c.MooncakeQPs == 0 {
+		c.MooncakeQPs = mooncake.DefaultQPs
+	}
+	if c.MooncakeMTU == 0 {
+		c.MooncakeMTU = mooncake.DefaultMTU
+	}
 	if c.RequestTimeout == 0 {
 		c.RequestTimeout = DefaultRequestTimeout
 	}
@@ -179,6 +187,14 @@ func (c *Config) Check() error {
 	}
 	if _, _, err := net.SplitHostPort(c.MooncakeListen); c.MooncakeListen != "" && err != nil {
 		errs = append(errs, fmt.Errorf("--mooncake-listen %q is not host:port (e.g. 0.0.0.0:15302): the Mooncake RPC port senders name as the segment", c.MooncakeListen))
+	}
+	if c.MooncakeQPs < 1 || c.MooncakeQPs > mooncake.MaxQPs {
+		errs = append(errs, fmt.Errorf("--mooncake-qps-per-endpoint %d is outside 1..%d: give the Mooncake peers' MC_NUM_QP_PER_EP (their default is %d)", c.MooncakeQPs, mooncake.MaxQPs, mooncake.DefaultQPs))
+	}
+	switch c.MooncakeMTU {
+	case 256, 512, 1024, 2048, 4096:
+	default:
+		errs = append(errs, fmt.Errorf("--mooncake-mtu %d: use 256, 512, 1024, 2048 or 4096, the Mooncake peers' MC_MTU (their default is %d)", c.MooncakeMTU, mooncake.DefaultMTU))
 	}
 	if c.Advertise != "" {
 		if err := checkSession(c.Advertise); err != nil {
@@ -298,7 +314,7 @@ func New(cfg Config) (*Daemon, error) {
 	if d.advertise == "" {
 		d.advertise = advertiseFor(d.tr.Addr(), d.log)
 	}
-	mc := &mooncake.Dialer{IOTimeout: cfg.IOTimeout, MaxConns: cfg.MaxConns,
+	mc := &mooncake.Dialer{IOTimeout: cfg.IOTimeout, MaxConns: cfg.MaxConns, QPs: cfg.MooncakeQPs,
 		Self: &mooncake.Segment{Name: d.advertise, Protocol: "tcp", Buffers: []mooncake.Buffer{}}}
 	if d.dp.rdma != nil {
 		mc.RDMA = d.dp.rdma

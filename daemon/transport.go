@@ -83,7 +83,7 @@ func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog
 	infof := func(format string, args ...any) {
 		log.Info().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 	}
-	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == "per-send", Infof: infof}, choice)
+	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == "per-send", Infof: infof, MooncakeMTU: cfg.MooncakeMTU}, choice)
 	if err != nil {
 		return err
 	}

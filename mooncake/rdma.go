@@ -17,8 +17,17 @@ import (
 // plain RDMA WRITEs with the buffer's rkey at that device's index.
 
 // DefaultQPs is Mooncake's QPs per endpoint (MC_NUM_QP_PER_EP): both ends
-// of a connection must create the same number.
-const DefaultQPs = 2
+// of a connection must create the same number. MaxQPs bounds what ferry
+// connects for one endpoint, either side.
+const (
+	DefaultQPs = 2
+	MaxQPs     = 16
+)
+
+// DefaultMTU is Mooncake's cap on the path MTU (MC_MTU, bytes). Neither
+// side of a connection tells the other its MTU: each QP uses the smaller
+// of the cap and its port's active MTU, so both ends must come to the same.
+const DefaultMTU = 4096
 
 // NICPath names one NIC of a segment: "<segment name>@<device>".
 func NICPath(segment, device string) string { return segment + "@" + device }

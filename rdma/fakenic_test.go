@@ -141,6 +141,7 @@ type fakeQP struct {
 	state   qpState
 	peer    uint32
 	dgid    *[16]byte // set by connectMooncake: packets go to this GID
+	mcMTU   mtu       // set by connectMooncake: the MTU cap it was given
 	ops     []op
 	recvs   int
 	cq      []completion
@@ -184,7 +185,7 @@ func (q *fakeQP) connectMooncake(remote endpoint) error {
 		return err
 	}
 	q.mu.Lock()
-	q.dgid = &remote.GID
+	q.dgid, q.mcMTU = &remote.GID, remote.MTU
 	q.mu.Unlock()
 	return nil
 }

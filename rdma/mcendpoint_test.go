@@ -26,6 +26,7 @@ type mcSegment struct {
 	tr   *Transport
 	name string
 	mem  []byte
+	qps  int // QPs offered when it dials (0: Mooncake's default)
 }
 
 func startFakeSegment(t *testing.T, f *fabric, id byte, cfg Config) *mcSegment {
@@ -90,7 +91,7 @@ func (s *mcSegment) write(t *testing.T, dst *mcSegment, off int, data []byte) er
 	}
 	src := s.mem[:len(data)]
 	copy(src, data)
-	return s.tr.WriteMooncake(ctx, mooncake.RDMAWrite{Self: s.name, RPC: dst.name, Target: tg, Remote: addr, Src: src})
+	return s.tr.WriteMooncake(ctx, mooncake.RDMAWrite{Self: s.name, RPC: dst.name, Target: tg, Remote: addr, Src: src, QPs: s.qps})
 }
 
 func (s *mcSegment) endpoint(peer string) *mcEndpoint {
@@ -105,6 +106,67 @@ func (s *mcSegment) openOnNIC() int {
 	n.mu.Lock()
 	defer n.mu.Unlock()
 	return n.open
+}
+
+// TestMooncakeQPsTakeTheMTUCap: Mooncake exchanges no MTU, so the QPs
+// of an endpoint are connected with the cap the operator configured (the
+// peers' MC_MTU), whichever side dialed; the default is Mooncake's 4096.
+func TestMooncakeQPsTakeTheMTUCap(t *testing.T) {
+	f := newFabric()
+	ferry := startFakeSegment(t, f, 1, Config{MooncakeMTU: 1024})
+	out, in := startFakeSegment(t, f, 2, Config{}), startFakeSegment(t, f, 3, Config{})
+	if err := ferry.write(t, out, 0, []byte("to a segment ferry dialed")); err != nil {
+		t.Fatal(err)
+	}
+	if err := in.write(t, ferry, 0, []byte("from a segment that dialed ferry")); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		side *mcSegment
+		peer string
+		want int
+	}{
+		{ferry, out.nicPath(), 1024}, // ferry dialed
+		{ferry, in.nicPath(), 1024},  // ferry accepted
+		{out, ferry.nicPath(), 4096}, // the default
+	} {
+		ep := c.side.endpoint(c.peer)
+		if ep == nil {
+			t.Fatalf("no endpoint to %s", c.peer)
+		}
+		for _, l := range ep.lanes {
+			q := l.qp.(*fakeQP)
+			q.mu.Lock()
+			got := q.mcMTU.Bytes()
+			q.mu.Unlock()
+			if got != c.want {
+				t.Errorf("a QP to %s was connected with an MTU cap of %d bytes, want %d", c.peer, got, c.want)
+			}
+		}
+	}
+}
+
+// TestMooncakeQPsPerEndpoint: a segment ferry dials gets the QPs ferry
+// is set to offer (the peers' MC_NUM_QP_PER_EP), and one that dials ferry
+// gets as many as it offers.
+func TestMooncakeQPsPerEndpoint(t *testing.T) {
+	f := newFabric()
+	ferry, out, in := startFakeSegment(t, f, 1, Config{}), startFakeSegment(t, f, 2, Config{}), startFakeSegment(t, f, 3, Config{})
+	ferry.qps, in.qps = 3, 5
+	if err := ferry.write(t, out, 0, []byte("three QPs")); err != nil {
+		t.Fatal(err)
+	}
+	if err := in.write(t, ferry, 0, []byte("five QPs")); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct {
+		a, b *mcSegment
+		want int
+	}{{ferry, out, 3}, {out, ferry, 3}, {ferry, in, 5}, {in, ferry, 5}} {
+		if ep := c.a.endpoint(c.b.nicPath()); ep == nil || len(ep.lanes) != c.want {
+			t.Errorf("%s's endpoint to %s: %v, want %d QPs", c.a.name, c.b.name, ep, c.want)
+		}
+	}
 }
 
 // TestMooncakeEndpointHijack: a handshake claiming another segment's NIC
@@ -126,7 +188,7 @@ func TestMooncakeEndpointHijack(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the claimed handshake: %v", err)
 	}
-	if _, err := connectMooncake(ferry.nicPath(), lanes, ferry.tr.nic.Endpoint().GID, 0, r.QPNum); err != nil {
+	if _, err := connectMooncake(ferry.nicPath(), lanes, ferry.tr.nic.Endpoint().GID, 0, r.QPNum, mtuOf(mooncake.DefaultMTU)); err != nil {
 		t.Fatal(err)
 	}
 	hijacked := ferry.endpoint(victim.nicPath())
@@ -204,7 +266,7 @@ func TestMooncakeAcceptLimitsAndUndo(t *testing.T) {
 	ferry, peer := startFakeSegment(t, f, 1, Config{}), startFakeSegment(t, f, 2, Config{})
 	ctx := ctxFor(t, 30*time.Second)
 	req := mooncake.HandshakeDesc{LocalNICPath: peer.nicPath(), PeerNICPath: ferry.nicPath(), LocalGID: peer.device().GID}
-	req.QPNum = make([]uint32, maxMooncakeQPs+1)
+	req.QPNum = make([]uint32, mooncake.MaxQPs+1)
 	_, err := mooncake.ConnectQPs(ctx, ferry.name, req)
 	if err == nil || !strings.Contains(err.Error(), "17 QP numbers offered: want 1 to 16") || !strings.Contains(err.Error(), "MC_NUM_QP_PER_EP") {
 		t.Fatalf("17 QPs: %v, want a refusal naming the limit", err)

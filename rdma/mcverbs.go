@@ -59,13 +59,18 @@ type mooncakeQP interface {
 }
 
 // connectMooncake connects to remote (its GID, LID and QPN) with
-// Mooncake's attributes. The path MTU is this port's active MTU: Mooncake
-// exchanges none, so both ends must have the same (the same netdev MTU on
-// RoCE).
+// Mooncake's attributes. The path MTU is the smaller of this port's active
+// MTU and remote.MTU, the cap Mooncake peers are configured with: Mooncake
+// exchanges none, so both ends must come to the same (the same netdev MTU
+// on RoCE, the same cap).
 func (q *verbsQP) connectMooncake(remote endpoint) error {
+	m := q.n.local.MTU
+	if remote.MTU != 0 {
+		m = min(m, remote.MTU)
+	}
 	p := C.fv_path{
 		qpn: C.uint32_t(remote.QPN), dlid: C.uint16_t(remote.LID),
-		sgid_index: C.int(q.n.gidIndex), mtu: C.int(q.n.local.MTU), port: C.uint8_t(q.n.port), global: 1,
+		sgid_index: C.int(q.n.gidIndex), mtu: C.int(m), port: C.uint8_t(q.n.port), global: 1,
 	}
 	for i, b := range remote.GID {
 		p.dgid[i] = C.uint8_t(b)

@@ -41,10 +41,6 @@ type mcEndpoint struct {
 // go first.
 const maxMooncakeEndpoints = 1024
 
-// maxMooncakeQPs bounds the QPs of one endpoint; Mooncake's default is 2
-// (MC_NUM_QP_PER_EP).
-const maxMooncakeQPs = 16
-
 // mcTable is the transport's Mooncake endpoints.
 type mcTable struct {
 	mu     sync.Mutex
@@ -201,6 +197,17 @@ func (t *Transport) MooncakeKeys() (rkey, lkey uint32, ok bool) {
 	return t.shared.RKey(), t.shared.LKey(), true
 }
 
+// mooncakeMTU is the MTU Mooncake peers are taken to use, Config's
+// MooncakeMTU (their MC_MTU): a Mooncake QP's path MTU is the smaller of
+// it and this port's active MTU.
+func (t *Transport) mooncakeMTU() mtu {
+	n := t.cfg.MooncakeMTU
+	if n == 0 {
+		n = mooncake.DefaultMTU
+	}
+	return mtuOf(n)
+}
+
 // newMooncakeQPs makes n QPs for a Mooncake endpoint, in INIT.
 func (t *Transport) newMooncakeQPs(n int) ([]*lane, error) {
 	var lanes []*lane
@@ -228,9 +235,9 @@ func closeLanes(lanes []*lane) {
 
 // connectMooncake connects lanes[i] to the peer's qpns[i] and makes them
 // an endpoint.
-func connectMooncake(peer string, lanes []*lane, gid [16]byte, lid uint16, qpns []uint32) (*mcEndpoint, error) {
+func connectMooncake(peer string, lanes []*lane, gid [16]byte, lid uint16, qpns []uint32, m mtu) (*mcEndpoint, error) {
 	for i, l := range lanes {
-		if err := l.qp.(mooncakeQP).connectMooncake(endpoint{GID: gid, LID: lid, QPN: qpns[i]}); err != nil {
+		if err := l.qp.(mooncakeQP).connectMooncake(endpoint{GID: gid, LID: lid, QPN: qpns[i], MTU: m}); err != nil {
 			return nil, err
 		}
 	}
@@ -255,7 +262,7 @@ func qpNums(lanes []*lane) []uint32 {
 
 // AcceptMooncake answers a Mooncake connection handshake as its passive
 // side, within ctx: self is this side's segment name. It connects as many
-// QPs as the initiator offers (at most maxMooncakeQPs) to them before
+// QPs as the initiator offers (at most mooncake.MaxQPs) to them before
 // replying, replacing any endpoint of the same initiator NIC path. A
 // refusal is a reply with reply_msg set, which every Mooncake initiator
 // takes as one (the handshake server logs it, rate-limited). undo, nil for a refusal, drops the endpoint: for when the
@@ -274,8 +281,8 @@ func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncak
 	switch {
 	case req.PeerNICPath != mine:
 		return refuse("peer_nic_path %q names no NIC of this segment: its one NIC is %s", req.PeerNICPath, mine)
-	case len(req.QPNum) == 0 || len(req.QPNum) > maxMooncakeQPs:
-		return refuse("%d QP numbers offered: want 1 to %d, the most this ferryd connects per endpoint (set the initiator's MC_NUM_QP_PER_EP to at most %d)", len(req.QPNum), maxMooncakeQPs, maxMooncakeQPs)
+	case len(req.QPNum) == 0 || len(req.QPNum) > mooncake.MaxQPs:
+		return refuse("%d QP numbers offered: want 1 to %d, the most this ferryd connects per endpoint (set the initiator's MC_NUM_QP_PER_EP to at most %d)", len(req.QPNum), mooncake.MaxQPs, mooncake.MaxQPs)
 	}
 	gid, lid, err := initiatorAddress(ctx, self, req)
 	if err != nil {
@@ -285,7 +292,7 @@ func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncak
 	if err != nil {
 		return refuse("%v", err)
 	}
-	ep, err := connectMooncake(req.LocalNICPath, lanes, gid, lid, req.QPNum)
+	ep, err := connectMooncake(req.LocalNICPath, lanes, gid, lid, req.QPNum, t.mooncakeMTU())
 	if err == nil {
 		err = t.mc.put(ep)
 	}
@@ -379,7 +386,7 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) 
 				tg.NICPath, r.LocalGID, r.LocalLID, tg.Device.GID, tg.Device.LID, tg.Device.Name)
 		}
 	}
-	ep, err := connectMooncake(tg.NICPath, lanes, want, tg.Device.LID, r.QPNum)
+	ep, err := connectMooncake(tg.NICPath, lanes, want, tg.Device.LID, r.QPNum, t.mooncakeMTU())
 	if err == nil {
 		if err = t.mc.put(ep); err == nil {
 			return ep, nil

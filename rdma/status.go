@@ -72,3 +72,14 @@ func (m mtu) Bytes() int {
 	}
 	return 128 << m
 }
+
+// mtuOf encodes n bytes (256, 512, 1024, 2048 or 4096) as an mtu; 0 for
+// any other n.
+func mtuOf(n int) mtu {
+	for m := mtu(1); m <= 5; m++ {
+		if m.Bytes() == n {
+			return m
+		}
+	}
+	return 0
+}

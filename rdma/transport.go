@@ -42,6 +42,9 @@ type Config struct {
 	// Infof hears routine events worth a line (a Mooncake endpoint
 	// evicted from a full table); TCP.Logf hears the failures.
 	Infof func(format string, args ...any)
+	// MooncakeMTU is the path MTU cap Mooncake peers use, in bytes (their
+	// MC_MTU; 0 is mooncake.DefaultMTU).
+	MooncakeMTU int
 }
 
 // Queue depths. A write keeps at most sendDepth work requests in flight;
