@@ -139,14 +139,15 @@ const (
 )
 
 // reserve allocates the file's blocks, a chunk per call. A signal (the Go
-// runtime's own, for one) interrupts fallocate on tmpfs and hugetlbfs with
-// EINTR on older kernels (Debian 12's 6.1), and the kernel then gives back
-// what that call had reserved. So the chunks done stay done, and an
-// interrupted chunk is retried at half the size (down to a page), which
-// gets through even when signals come faster than a chunk is reserved.
+// runtime's own, for one) interrupts fallocate with EINTR: on hugetlbfs,
+// and on tmpfs in older kernels (Debian 12's 6.1), where the kernel then
+// gives back what that call had reserved. So the chunks done stay done,
+// and an interrupted chunk is retried at half the size (down to a page),
+// which gets through even when signals come faster than a chunk is
+// reserved; each chunk that completes doubles the next one again.
 func (h *HostFile) reserve(fd int) error {
-	chunk := (max(reserveChunk, h.pageSize) + h.pageSize - 1) / h.pageSize * h.pageSize
-	interrupts := 0
+	full := (max(reserveChunk, h.pageSize) + h.pageSize - 1) / h.pageSize * h.pageSize
+	chunk, interrupts := full, 0
 	for off := int64(0); off < h.size; {
 		n := min(chunk, h.size-off)
 		err := unix.Fallocate(fd, 0, off, n)
@@ -159,6 +160,7 @@ func (h *HostFile) reserve(fd int) error {
 			return err
 		}
 		off, interrupts = off+n, 0
+		chunk = min(chunk*2, full)
 	}
 	return nil
 }

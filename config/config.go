@@ -103,7 +103,7 @@ var options = []option{
 	{"peer_secret_file", "`file` (mode 0600 or stricter) holding a secret of at least 16 bytes every peer daemon must share; peers prove it to each other on every connection (empty: off)", func(s *Settings) value { return (*text)(&s.PeerSecretFile) }},
 	{"mooncake_listen", "also serve as a Mooncake Transfer Engine segment: its RPC (handshake) port on this `host:port`, a TCP data port beside it; Mooncake senders write into receive slots (empty: off)", func(s *Settings) value { return (*text)(&s.MooncakeListen) }},
 	{"mooncake_qps_per_endpoint", "RC `QPs` ferry offers per RDMA endpoint when it dials a Mooncake segment: the peers' MC_NUM_QP_PER_EP, which must match (1 to 16)", func(s *Settings) value { return (*number)(&s.MooncakeQPs) }},
-	{"mooncake_mtu", "path MTU cap (`bytes`: 256 ... 4096) of RDMA QPs to Mooncake peers: their MC_MTU; Mooncake exchanges no MTU, so each end takes the smaller of the cap and its port's, and both must agree", func(s *Settings) value { return (*number)(&s.MooncakeMTU) }},
+	{"mooncake_mtu", "path MTU cap (`bytes`: 512, 1024, 2048 or 4096) of RDMA QPs to Mooncake peers: their MC_MTU; Mooncake exchanges no MTU, so each end takes the smaller of the cap and its port's, and both must agree", func(s *Settings) value { return (*number)(&s.MooncakeMTU) }},
 	{"device", "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N", func(s *Settings) value { return (*text)(&s.Device) }},
 	{"arena_size", "arena `size`, e.g. 64MiB or 8GiB", func(s *Settings) value { return &s.ArenaSize }},
 	{"bounce_size", "pinned host memory (`size`) that copies to and from a GPU arena are staged in", func(s *Settings) value { return &s.BounceSize }},

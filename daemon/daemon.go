@@ -192,9 +192,9 @@ func (c *Config) Check() error {
 		errs = append(errs, fmt.Errorf("--mooncake-qps-per-endpoint %d is outside 1..%d: give the Mooncake peers' MC_NUM_QP_PER_EP (their default is %d)", c.MooncakeQPs, mooncake.MaxQPs, mooncake.DefaultQPs))
 	}
 	switch c.MooncakeMTU {
-	case 256, 512, 1024, 2048, 4096:
+	case 512, 1024, 2048, 4096: // the MC_MTU values Mooncake takes
 	default:
-		errs = append(errs, fmt.Errorf("--mooncake-mtu %d: use 256, 512, 1024, 2048 or 4096, the Mooncake peers' MC_MTU (their default is %d)", c.MooncakeMTU, mooncake.DefaultMTU))
+		errs = append(errs, fmt.Errorf("--mooncake-mtu %d: use 512, 1024, 2048 or 4096, the Mooncake peers' MC_MTU (their default is %d)", c.MooncakeMTU, mooncake.DefaultMTU))
 	}
 	if c.Advertise != "" {
 		if err := checkSession(c.Advertise); err != nil {

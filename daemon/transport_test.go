@@ -18,7 +18,7 @@ func TestTransportConfig(t *testing.T) {
 	c = Config{Transport: "infiniband", RDMARegistration: "lazy", RDMAGIDIndex: &bad, MooncakeQPs: 17, MooncakeMTU: 1500}
 	err := c.Check()
 	for _, want := range []string{`--transport "infiniband": use auto`, `--rdma-registration "lazy": use shared or per-send`, "--rdma-gid-index -1 is negative",
-		"--mooncake-qps-per-endpoint 17 is outside 1..16", "--mooncake-mtu 1500: use 256, 512, 1024, 2048 or 4096"} {
+		"--mooncake-qps-per-endpoint 17 is outside 1..16", "--mooncake-mtu 1500: use 512, 1024, 2048 or 4096"} {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("got %v; want it to say %q", err, want)
 		}

@@ -133,7 +133,7 @@ func ConnectQPs(ctx context.Context, rpc string, req HandshakeDesc) (HandshakeDe
 	case r.LocalNICPath != req.PeerNICPath || r.PeerNICPath != req.LocalNICPath:
 		return fail("the reply names %s to %s, not the paths asked for", r.LocalNICPath, r.PeerNICPath)
 	case len(r.QPNum) != len(req.QPNum):
-		return fail("the peer has %d QPs per endpoint, this side %d: set both to the same (Mooncake's MC_NUM_QP_PER_EP)", len(r.QPNum), len(req.QPNum))
+		return fail("the peer has %d QPs per endpoint, this side %d: set both to the same (ferry's mooncake_qps_per_endpoint, Mooncake's MC_NUM_QP_PER_EP)", len(r.QPNum), len(req.QPNum))
 	}
 	return r, nil
 }

@@ -201,11 +201,10 @@ func (t *Transport) MooncakeKeys() (rkey, lkey uint32, ok bool) {
 // MooncakeMTU (their MC_MTU): a Mooncake QP's path MTU is the smaller of
 // it and this port's active MTU.
 func (t *Transport) mooncakeMTU() mtu {
-	n := t.cfg.MooncakeMTU
-	if n == 0 {
-		n = mooncake.DefaultMTU
+	if m := mtuOf(t.cfg.MooncakeMTU); m != 0 {
+		return m
 	}
-	return mtuOf(n)
+	return mtuOf(mooncake.DefaultMTU) // 0, or no MTU verbs know
 }
 
 // newMooncakeQPs makes n QPs for a Mooncake endpoint, in INIT.

@@ -43,7 +43,7 @@ type Config struct {
 	// evicted from a full table); TCP.Logf hears the failures.
 	Infof func(format string, args ...any)
 	// MooncakeMTU is the path MTU cap Mooncake peers use, in bytes (their
-	// MC_MTU; 0 is mooncake.DefaultMTU).
+	// MC_MTU; 0, or a size no MTU enum has, is mooncake.DefaultMTU).
 	MooncakeMTU int
 }
 

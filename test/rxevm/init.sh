@@ -54,7 +54,7 @@ ibv_devinfo -d rxe0 | grep -E 'state|active_mtu|link_layer'
 # Host files on this kernel's tmpfs (its fallocate stops at a signal)
 # and hugetlbfs (a few 2 MiB pages).
 mkdir -p /dev/hugepages
-echo 4 >/proc/sys/vm/nr_hugepages
+echo 8 >/proc/sys/vm/nr_hugepages
 mount -t hugetlbfs none /dev/hugepages || { echo "== FAIL mount hugetlbfs"; FAIL=1; }
 check "arena host-file tests" 120 /opt/arena.test -test.v -test.count=${COUNT:-1} -test.run 'HostFile'
 export FERRY_RDMA_REQUIRED=1

@@ -13,7 +13,8 @@
 #   RXEVM_BENCH  0 skips the benchmarks (default 1)
 #   RXEVM_RUN    -test.run pattern for the rdma package tests (default all)
 #   RXEVM_E2E    -test.run pattern for the end-to-end tests (default RDMA)
-#   RXEVM_COUNT  -test.count for both test runs (default 1), to hunt flakes
+#   RXEVM_COUNT  -test.count for every test run (default 1), to hunt flakes:
+#                narrow RXEVM_RUN and RXEVM_E2E to fit the runs' time limits
 #   RXEVM_RACE   1 builds the test binaries with the race detector
 #   RXEVM_TIMEOUT  seconds the VM may run (default 1500)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
@@ -169,12 +170,17 @@ if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
 fi
 say "VM done: $(count PASS) passed, $(count FAIL) failed, $(count SKIP) skipped; the VM's log is $LOG"
 # Each failed test's own lines last, where a CI log's tail shows them: its
-# messages and the daemon logs they carry, the first 40 lines, cut at 300
-# characters.
+# messages and the daemon logs they carry, its last 40 lines, cut at 300
+# characters. go test -v names the test each line belongs to (=== RUN,
+# === CONT, === NAME) whenever that changes; a parent's own lines are
+# apart from its subtests'.
 tr -d '\r' <"$LOG" | awk '
-  /^=== RUN/ {n = 0; delete buf}
-  {if (n < 40) buf[n++] = substr($0, 1, 300)}
-  /^ *--- FAIL: / {print "rxevm: " $3 " failed:"; for (i = 0; i < n; i++) print "  " buf[i]}' || true
+  /^=== (RUN|CONT|NAME) / {cur = $3}
+  cur != "" {n[cur]++; buf[cur, n[cur]] = substr($0, 1, 300)}
+  /^ *--- FAIL: / {
+    t = $3; print "rxevm: " t " failed:"
+    for (i = (n[t] > 40 ? n[t] - 39 : 1); i <= n[t]; i++) print "  " buf[t, i]
+  }' || true
 if ((qemu == 124)); then
   echo "rxevm: the VM ran past ${VM_TIMEOUT}s and was stopped" >&2
   exit 1
