@@ -29,8 +29,7 @@ func benchDevice(b *testing.B) {
 // lanes lanes (RC QPs; by default ferryd's lanes per peer, --max-conns):
 // a lane carries one write being posted and others awaiting their
 // completions. test/rxevm runs ib_write_bw with as many QPs as lanes, and
-// by default one write per lane: in the soft-RoCE VM more writers cost
-// CPU that the grant round trips they overlap do not give back.
+// by default two writes per lane (its RXEVM_FLIGHT).
 var (
 	writers = flag.Int("writers", 8, "writes in flight in BenchmarkWrite and BenchmarkWriteMode")
 	lanes   = flag.Int("lanes", 8, "lanes (RC QPs) the writers share in BenchmarkWrite and BenchmarkWriteMode")

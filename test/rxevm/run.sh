@@ -19,7 +19,7 @@
 #   RXEVM_TIMEOUT  seconds the VM may run (default 1500)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
 #   RXEVM_QPS    lanes (RC QPs) for ferry and QPs for ib_write_bw (default 8)
-#   RXEVM_FLIGHT ferry's writes in flight per lane (default 1)
+#   RXEVM_FLIGHT ferry's writes in flight per lane (default 2)
 #   RXEVM_ROUNDS alternating runs per size in the write benchmark (default 5)
 #   RXEVM_SPECS  its sizes, as BYTES:NAME:ITERATIONS ... (default 64 KiB,
 #                1 MiB and 4 MiB)
@@ -144,7 +144,7 @@ E2E='${RXEVM_E2E:-RDMA}'
 COUNT=${RXEVM_COUNT:-1}
 PROFILE=${RXEVM_PROFILE:-0}
 QPS=${RXEVM_QPS:-8}
-FLIGHT=${RXEVM_FLIGHT:-1}
+FLIGHT=${RXEVM_FLIGHT:-2}
 ROUNDS=${RXEVM_ROUNDS:-5}
 SPECS='${RXEVM_SPECS:-}'
 BASE_ARGS='${RXEVM_BASE_ARGS:--writers ${RXEVM_QPS:-8}}'
