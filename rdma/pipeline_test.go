@@ -172,9 +172,7 @@ func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
 	second := write(ctxFor(t, 30*time.Second), 1)
 	cancel()
 	release()
-	if err := <-first; !errors.Is(err, context.Canceled) {
-		t.Fatalf("canceled write: %v, want context.Canceled", err)
-	}
+	canceledOrCompleted(t, <-first)
 	if err := <-second; err != nil {
 		t.Fatalf("the other write on the lane: %v", err)
 	}
@@ -190,6 +188,18 @@ func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
 	rx.mu.Unlock()
 	if lanes != 1 {
 		t.Errorf("the receiver serves %d lanes, want the one the canceled write spared", lanes)
+	}
+}
+
+// canceledOrCompleted checks what a write canceled with every message
+// posted returns when the release of its completion follows the cancel at
+// once: context.Canceled when the cancel reached its wait first, nil when
+// both were there by the time it looked (select picks either). Its bytes
+// land either way, which the callers check next.
+func canceledOrCompleted(t *testing.T, err error) {
+	t.Helper()
+	if err != nil && !errors.Is(err, context.Canceled) {
+		t.Fatalf("canceled write: %v, want context.Canceled (or nil, had its completion come first)", err)
 	}
 }
 
@@ -308,9 +318,7 @@ func TestCanceledHeldWriteSparesItsLane(t *testing.T) {
 	held := write(ctx, flyingMax)
 	cancel()
 	release()
-	if err := <-held; !errors.Is(err, context.Canceled) {
-		t.Fatalf("canceled write: %v, want context.Canceled", err)
-	}
+	canceledOrCompleted(t, <-held)
 	for i, res := range flying {
 		if err := <-res; err != nil {
 			t.Fatalf("write %d, flying on the lane: %v", i, err)
