@@ -117,24 +117,10 @@ func TestConnectQPsReplies(t *testing.T) {
 	}
 
 	// null: a raw server answering as Mooncake's does on a failed setup.
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ln.Close()
-	go func() {
-		c, err := ln.Accept()
-		if err != nil {
-			return
-		}
-		defer c.Close()
-		if _, _, err := ReadFrame(c); err == nil {
-			WriteFrame(c, Connect, []byte("null\n"))
-		}
-	}()
+	addr := answerOnce(t, Connect, []byte("null\n"))
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	if _, err := ConnectQPs(ctx, ln.Addr().String(), req); err == nil || !strings.Contains(err.Error(), "null reply") {
+	if _, err := ConnectQPs(ctx, addr, req); err == nil || !strings.Contains(err.Error(), "null reply") {
 		t.Fatalf("a null reply: %v", err)
 	}
 }
@@ -205,12 +191,28 @@ func TestConnectContextAndUndo(t *testing.T) {
 // A multi-protocol segment reached over tcp (no RDMA here) must name a
 // data port: without one the error says so, naming the segment.
 func TestMultiProtocolWithoutDataPort(t *testing.T) {
+	multi := strings.Replace(rdmaDescriptor, `"protocol":"rdma"`, `"protocol":["rdma","tcp"]`, 1)
+	addr := answerOnce(t, Metadata, []byte(multi))
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	d := &Dialer{Self: &Segment{Name: "me:1", Buffers: []Buffer{}}}
+	_, err := d.Dial(ctx, Scheme+addr)
+	for _, want := range []string{"10.0.0.5:15302", "tcp_data_port 0", "1 to 65535"} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("dialing a multi-protocol segment without a data port: %v, want an error saying %q", err, want)
+		}
+	}
+}
+
+// answerOnce serves one handshake request on loopback, answering it with
+// a raw frame of type t whatever it asked; it returns the address.
+func answerOnce(tb testing.TB, t MsgType, body []byte) string {
+	tb.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
-	defer ln.Close()
-	multi := strings.Replace(rdmaDescriptor, `"protocol":"rdma"`, `"protocol":["rdma","tcp"]`, 1)
+	tb.Cleanup(func() { ln.Close() })
 	go func() {
 		c, err := ln.Accept()
 		if err != nil {
@@ -218,16 +220,8 @@ func TestMultiProtocolWithoutDataPort(t *testing.T) {
 		}
 		defer c.Close()
 		if _, _, err := ReadFrame(c); err == nil {
-			WriteFrame(c, Metadata, []byte(multi))
+			WriteFrame(c, t, body)
 		}
 	}()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-	defer cancel()
-	d := &Dialer{Self: &Segment{Name: "me:1", Buffers: []Buffer{}}}
-	_, err = d.Dial(ctx, Scheme+ln.Addr().String())
-	for _, want := range []string{"10.0.0.5:15302", "tcp_data_port 0", "1 to 65535"} {
-		if err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("dialing a multi-protocol segment without a data port: %v, want an error saying %q", err, want)
-		}
-	}
+	return ln.Addr().String()
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
 // TestLaneCarriesSeveralWrites: on a session limited to one lane,
@@ -254,19 +255,8 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 	}
 	release()
 	answer()
-	if err := <-flying; err != nil {
-		t.Fatalf("the write flying on the lane: %v", err)
-	}
-	if err := slots.Wait(ctxFor(t, 30*time.Second), 1); err != nil {
-		t.Fatal(err)
-	}
 	// The grant made for the canceled write ends with its lane.
-	if err := slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
-		t.Fatal(err)
-	}
-	if d := slots.Delivered(2); d != 0 {
-		t.Fatalf("the canceled write, which posted nothing, was delivered %d times", d)
-	}
+	onlyFlyingLanded(t, flying, slots, "which posted nothing")
 	if err := s.Write(ctxFor(t, 30*time.Second), w2); err != nil {
 		t.Fatalf("resending the canceled write: %v", err)
 	}
@@ -381,18 +371,26 @@ func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
 	if err := <-posting; !errors.Is(err, context.Canceled) {
 		t.Fatalf("canceled write: %v, want context.Canceled", err)
 	}
+	// The canceled write's grant is let go, undelivered.
+	onlyFlyingLanded(t, flying, slots, "never posted whole")
+}
+
+// onlyFlyingLanded checks how a cancel test ends: the write flying on the
+// lane (tag 1) succeeds and lands, the receiver lets go of every grant,
+// and the canceled write (tag 2, how far it got in what) never lands.
+func onlyFlyingLanded(t *testing.T, flying chan error, slots *transporttest.Slots, what string) {
+	t.Helper()
 	if err := <-flying; err != nil {
 		t.Fatalf("the write flying on the lane: %v", err)
 	}
 	if err := slots.Wait(ctxFor(t, 30*time.Second), 1); err != nil {
 		t.Fatal(err)
 	}
-	// The canceled write's grant is let go, undelivered.
 	if err := slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
 		t.Fatal(err)
 	}
 	if d := slots.Delivered(2); d != 0 {
-		t.Fatalf("the canceled write, never posted whole, was delivered %d times", d)
+		t.Fatalf("the canceled write, %s, was delivered %d times", what, d)
 	}
 }
 
