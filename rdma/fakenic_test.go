@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"sync"
+	"sync/atomic"
 	"syscall"
 )
 
@@ -33,6 +34,9 @@ type fabric struct {
 	// posted, if set, gets a token for each batch of work requests posted
 	// (none when it is full): a test sees a write reach the NIC.
 	posted chan struct{}
+	// inline, if set, has Post carry out its work requests before it
+	// returns, as soft-RoCE does on a loopback QP.
+	inline bool
 }
 
 func newFabric() *fabric {
@@ -48,7 +52,8 @@ type fakeNIC struct {
 	f    *fabric
 	gid  [16]byte
 	mu   sync.Mutex
-	open int // registrations and QPs not yet closed
+	open int          // registrations and QPs not yet closed
+	arms atomic.Int32 // completion channels armed, by all its QPs
 }
 
 func (f *fabric) nic(n byte) *fakeNIC {
@@ -204,6 +209,19 @@ func (q *fakeQP) Post(ops []op) error {
 		}
 		return nil
 	}
+	if q.n.f.inline {
+		for _, o := range ops {
+			if q.state != qpRTS {
+				q.complete(completion{WRID: o.WRID, Status: wcWRFlushErr})
+				continue
+			}
+			q.mu.Unlock()
+			status, opcode := q.execute(o)
+			q.mu.Lock()
+			q.retire(o, status, opcode)
+		}
+		return nil
+	}
 	q.ops = append(q.ops, ops...)
 	q.work.Broadcast()
 	if q.n.f.posted != nil {
@@ -250,6 +268,7 @@ func (q *fakeQP) Poll(into []completion) (int, error) {
 }
 
 func (q *fakeQP) Arm() error {
+	q.n.arms.Add(1)
 	q.mu.Lock()
 	q.armed = true
 	q.mu.Unlock()
@@ -326,14 +345,20 @@ func (q *fakeQP) run() {
 		if q.state == qpGone {
 			return
 		}
-		if status != wcSuccess {
-			q.complete(completion{WRID: o.WRID, Status: status})
-			q.fail()
-			continue
-		}
-		if o.Signaled {
-			q.complete(completion{WRID: o.WRID, Status: wcSuccess, Opcode: opcode, ByteLen: o.Len})
-		}
+		q.retire(o, status, opcode)
+	}
+}
+
+// retire completes o as it ended: an error completes it and fails q, a
+// success completes it when it was signaled; q.mu is held.
+func (q *fakeQP) retire(o op, status wcStatus, opcode uint32) {
+	if status != wcSuccess {
+		q.complete(completion{WRID: o.WRID, Status: status})
+		q.fail()
+		return
+	}
+	if o.Signaled {
+		q.complete(completion{WRID: o.WRID, Status: wcSuccess, Opcode: opcode, ByteLen: o.Len})
 	}
 }
 

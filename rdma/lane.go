@@ -12,10 +12,11 @@ import (
 	"github.com/ferry-project/ferry/transport/tcp"
 )
 
-// busyPoll is how long a lane's poller keeps polling its CQ after the last
-// completion before it arms the completion channel and sleeps: completions
-// that follow closely (the chunks of one write, the next write) are taken
-// without an interrupt and a wake-up.
+// busyPoll is how long a CQ is polled before its completion channel is
+// armed and slept on: on an accepted lane after its last completion (the
+// chunks of one write and the next write follow closely), on a dialed one
+// by a write after posting (see completion). Completions taken so cost no
+// interrupt and no wake-up.
 const busyPoll = 50 * time.Microsecond
 
 // lane is one RC queue pair and the TCP control connection it was set up
@@ -45,10 +46,17 @@ type lane struct {
 
 	seq uint32 // the sender's writes, for work request ids; under the lane's hold
 
-	// routes takes the poller's completions to the write whose sequence
-	// number their work request id carries.
-	routeMu sync.Mutex
-	routes  map[uint32]chan completion
+	// routes takes the completions reaped from the CQ to the write whose
+	// sequence number their work request id carries. Writes reap for
+	// themselves (see completion), one at a time (reapMu), so each gets
+	// its own in CQ order; the poller reaps for them while sleepers (writes
+	// that polled for busyPoll in vain, or wait for a flush) count any,
+	// and a token on wake calls it.
+	routeMu  sync.Mutex
+	routes   map[uint32]chan completion
+	reapMu   sync.Mutex
+	sleepers atomic.Int32
+	wake     chan struct{}
 	// flying counts the writes that let go of the lane and wait for their
 	// completion (at most flyingMax); landed gets a token when it drops
 	// to zero.
@@ -77,6 +85,8 @@ type lane struct {
 	bounceReg region
 }
 
+// newLane makes a lane whose poller takes every completion to wcs (an
+// accepted lane, a Mooncake endpoint's).
 func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
 	l := &lane{
 		qp: qp, ctrl: ctrl,
@@ -85,6 +95,25 @@ func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
 		polled: make(chan struct{}),
 	}
 	go l.poll()
+	return l
+}
+
+// newDialedLane makes a session's lane, connected over ctrl: its writes
+// reap their own completions, and its poller sleeps on the completion
+// channel only for writes that wait longer (see completion).
+func newDialedLane(qp queuePair, ctrl *net.TCPConn) *lane {
+	l := &lane{
+		qp: qp, ctrl: ctrl,
+		quit:    make(chan struct{}),
+		polled:  make(chan struct{}),
+		routes:  make(map[uint32]chan completion),
+		wake:    make(chan struct{}, 1),
+		answers: make(chan answer, 1),
+		landed:  make(chan struct{}, 1),
+		dead:    make(chan struct{}),
+	}
+	go l.pollForSleepers()
+	go l.readAnswers()
 	return l
 }
 
@@ -129,6 +158,96 @@ func (l *lane) poll() {
 			armed = false
 		}
 	}
+}
+
+// pollForSleepers is a dialed lane's poller: while a write sleeps (see
+// completion) it arms the completion channel, reaps, and waits for the
+// next event. A write whose completion its own polling found raises no
+// event: soft-RoCE completes a loopback write inside ibv_post_send, and a
+// NIC a small one within microseconds.
+func (l *lane) pollForSleepers() {
+	defer close(l.polled)
+	for {
+		select {
+		case <-l.wake:
+		case <-l.quit:
+			return
+		}
+		for l.sleepers.Load() > 0 {
+			if err := l.qp.Arm(); err != nil {
+				l.setPollErr(err)
+				return
+			}
+			// Reap after arming: a completion that came before it raises
+			// no event.
+			if err := l.reap(); err != nil {
+				l.setPollErr(err)
+				return
+			}
+			if l.sleepers.Load() == 0 {
+				break // armed: at most one event comes for nobody
+			}
+			if err := l.qp.Wait(); err != nil {
+				if err != errStopped {
+					l.setPollErr(err)
+				}
+				return
+			}
+		}
+	}
+}
+
+// reap takes every completion the CQ holds to its write (routes).
+func (l *lane) reap() error {
+	l.reapMu.Lock()
+	defer l.reapMu.Unlock()
+	var buf [16]completion
+	for {
+		n, err := l.qp.Poll(buf[:])
+		if err != nil {
+			return err
+		}
+		for _, c := range buf[:n] {
+			if !l.deliver(c) {
+				return nil
+			}
+		}
+		if n < len(buf) {
+			return nil
+		}
+	}
+}
+
+// completion waits until deadline for the next completion routed to wcs,
+// or until the lane fails or cancel closes (see wait). It polls the CQ
+// itself for busyPoll, then sleeps on the poller.
+func (l *lane) completion(wcs chan completion, deadline time.Time, cancel <-chan struct{}) (completion, error) {
+	for end := time.Now().Add(busyPoll); ; runtime.Gosched() {
+		if err := l.reap(); err != nil {
+			return completion{}, err
+		}
+		select {
+		case c := <-wcs:
+			return c, nil
+		default:
+		}
+		if time.Now().After(end) {
+			break
+		}
+	}
+	defer l.sleep()()
+	return wait(l, wcs, deadline, cancel)
+}
+
+// sleep has the poller reap for the caller until the returned func is
+// called.
+func (l *lane) sleep() (wakeUp func()) {
+	l.sleepers.Add(1)
+	select {
+	case l.wake <- struct{}{}:
+	default: // the poller has a call waiting already
+	}
+	return func() { l.sleepers.Add(-1) }
 }
 
 func (l *lane) setPollErr(err error) {

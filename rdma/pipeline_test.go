@@ -90,6 +90,48 @@ func TestLaneCarriesSeveralWrites(t *testing.T) {
 	}
 }
 
+// TestWriteCompletedAtPostArmsNothing: a write whose completion is in the
+// CQ when its post returns (soft-RoCE completes a loopback write inside
+// ibv_post_send) finds it by polling: the sender arms no completion
+// channel, so no write pays an event and a wake-up for its completion.
+// The writes share one lane, so some of them let go of it and complete
+// while another is posted.
+func TestWriteCompletedAtPostArmsNothing(t *testing.T) {
+	if onDevice(t) {
+		t.Skip("counts the fake NIC's arming")
+	}
+	f := newFabric()
+	f.inline = true
+	const size, n = 4096, 32
+	src := mapT(t, size)
+	slots := mappedSlots(t, n*size)
+	tx := listenT(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1}, Memory: src})
+	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: slots}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	res := make(chan error, n)
+	for i := range n {
+		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(100 + i)}
+		go func() { res <- s.Write(ctxFor(t, 60*time.Second), w) }()
+	}
+	for range n {
+		if err := <-res; err != nil {
+			t.Fatal(err)
+		}
+	}
+	if armed := tx.nic.(*fakeNIC).arms.Load(); armed != 0 {
+		t.Errorf("the sender armed a completion channel %d times for %d writes that completed as they were posted; want 0", armed, n)
+	}
+	for i := range n {
+		if err := slots.Wait(ctxFor(t, 30*time.Second), uint32(100+i)); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
 // TestRejectsCompletionWithoutGrant: a sender that writes WITH IMM under
 // the receiver's shared rkey without asking first gets nothing
 // delivered; the receiver counts and logs the rejection and ends the

@@ -99,13 +99,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", transport.ContextErr(hctx))
 	}
 	c.SetDeadline(time.Time{})
-	l := newLane(qp, c, 0)
-	l.routes = make(map[uint32]chan completion)
-	l.answers = make(chan answer, 1)
-	l.landed = make(chan struct{}, 1)
-	l.dead = make(chan struct{})
-	go l.readAnswers()
-	return l, instance, a.peerRegion, nil
+	return newDialedLane(qp, c), instance, a.peerRegion, nil
 }
 
 // session is a pool of lanes to one peer. A write holds a lane from its
@@ -374,7 +368,7 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 		if !all && f.posted == f.count {
 			return nil
 		}
-		wc, err := wait(l, f.wcs, s.deadline(ctx), ctx.Done())
+		wc, err := l.completion(f.wcs, s.deadline(ctx), ctx.Done())
 		if gaveUp(ctx, err) && f.posted == f.count && s.settle(l, f) {
 			// Everything was posted and the write completed after all:
 			// the lane and its other writes carry on.
@@ -413,6 +407,7 @@ func (s *session) drain(l *lane, f *flight, posted int) {
 	last := uint64(f.seq)<<32 | uint64(posted-1)
 	t := time.NewTimer(drainWait)
 	defer t.Stop()
+	defer l.sleep()()
 	for {
 		select {
 		case wc := <-f.wcs:
@@ -460,7 +455,7 @@ func (s *session) settle(l *lane, f *flight) bool {
 	last := uint64(f.seq)<<32 | uint64(f.count-1)
 	deadline := time.Now().Add(drainWait)
 	for {
-		wc, err := wait(l, f.wcs, deadline, nil)
+		wc, err := l.completion(f.wcs, deadline, nil)
 		switch {
 		case err != nil || wc.Status != wcSuccess:
 			return false
