@@ -107,22 +107,27 @@ benchbw() {
   fi
 }
 ferrybw() { benchbw /opt/rdma.bench "$1" "$2" -lanes $QPS -writers $((QPS * FLIGHT)); }
+# cpustat: the VM's CPU time so far, busy and in all (jiffies of every
+# CPU), and its context switches.
+cpustat() { awk '/^cpu / {b = $2 + $3 + $4 + $7 + $8; t = b + $5 + $6} /^ctxt / {c = $2} END {print b, t, c}' /proc/stat; }
+# since SUM BEFORE: SUM plus what cpustat counted since BEFORE.
+since() { echo "$1 $2 $(cpustat)" | awk '{print $1 + $7 - $4, $2 + $8 - $5, $3 + $9 - $6}'; }
 # basebw: the same benchmark from the build run.sh was given as
 # RXEVM_BASE (another revision), with its own arguments.
 basebw() { benchbw /opt/base.bench "$1" "$2" $BASE_ARGS; }
 if [ "$BENCH" = 1 ]; then
   if [ -x /opt/base.bench ]; then
-    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; base = the RXEVM_BASE build ($BASE_ARGS); ib_write_bw -q $QPS; all on rxe0, run A B C A B C ... (${ROUNDS:-5} rounds)"
+    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; base = the RXEVM_BASE build ($BASE_ARGS); ib_write_bw -q $QPS; all on rxe0, run A B C A B C ... (${ROUNDS:-9} rounds)"
   else
-    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ... (${ROUNDS:-5} rounds)"
+    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ... (${ROUNDS:-9} rounds)"
   fi
   for spec in ${SPECS:-65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40}; do
     size=${spec%%:*} rest=${spec#*:}
     name=${rest%%:*} iters=${rest#*:}
-    ib= fe= ba=
-    for round in $(seq 1 "${ROUNDS:-5}"); do
-      ib="$ib $(ibbw $size $iters)"
-      fe="$fe $(ferrybw $name $iters)"
+    ib= fe= ba= ibcpu="0 0 0" fecpu="0 0 0"
+    for round in $(seq 1 "${ROUNDS:-9}"); do
+      c=$(cpustat); ib="$ib $(ibbw $size $iters)"; ibcpu=$(since "$ibcpu" "$c")
+      c=$(cpustat); fe="$fe $(ferrybw $name $iters)"; fecpu=$(since "$fecpu" "$c")
       [ -x /opt/base.bench ] && ba="$ba $(basebw $name $iters)"
     done
     # The median of ROUNDS runs each: this machine's noise comes in bursts.
@@ -131,6 +136,14 @@ if [ "$BENCH" = 1 ]; then
       line = sprintf("== BENCH write size=%s ib_write_bw_MBps=%.2f ferry_MBps=%.2f ratio=%.2f", $1, ib, f, (ib > 0 ? f / ib : 0));
       if ($4 != "") { b = med($4); line = line sprintf(" base_MBps=%.2f base_ratio=%.2f", b, (ib > 0 ? b / ib : 0)) }
       print line " (runs: ib" $2 ", ferry" $3 ($4 != "" ? ", base" $4 : "") ")"}'
+    # What each run cost the VM, its start and set-up included: the share
+    # of its CPUs busy, and context switches per message (ib_write_bw
+    # writes QPS * (ITERS / QPS) messages a run, ferry ITERS and a
+    # warm-up write per writer).
+    n=$((iters / QPS)); [ $n -lt 5 ] && n=5
+    echo "$name $ibcpu $((n * QPS)) $fecpu $((iters + QPS * FLIGHT)) ${ROUNDS:-9} $(grep -c '^processor' /proc/cpuinfo)" | awk '{
+      printf "== BENCH cpu size=%s ib_write_bw_busy=%.0f%% ib_write_bw_ctxt_per_msg=%.1f ferry_busy=%.0f%% ferry_ctxt_per_msg=%.1f (of %d CPUs)\n",
+        $1, 100 * $2 / $3, $4 / ($5 * $10), 100 * $6 / $7, $8 / ($9 * $10), $11}'
   done
   /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkRegister' -test.benchtime 5x >/tmp/reg.log 2>&1 || { cat /tmp/reg.log; FAIL=1; }
   grep '^BenchmarkRegister' /tmp/reg.log | sed 's/^/== BENCH /'

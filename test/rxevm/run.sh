@@ -20,7 +20,7 @@
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
 #   RXEVM_QPS    lanes (RC QPs) for ferry and QPs for ib_write_bw (default 8)
 #   RXEVM_FLIGHT ferry's writes in flight per lane (default 2)
-#   RXEVM_ROUNDS alternating runs per size in the write benchmark (default 5)
+#   RXEVM_ROUNDS alternating runs per size in the write benchmark (default 9)
 #   RXEVM_SPECS  its sizes, as BYTES:NAME:ITERATIONS ... (default 64 KiB,
 #                1 MiB and 4 MiB)
 #   RXEVM_BASE   an rdma test binary from another revision (go test -c
@@ -145,7 +145,7 @@ COUNT=${RXEVM_COUNT:-1}
 PROFILE=${RXEVM_PROFILE:-0}
 QPS=${RXEVM_QPS:-8}
 FLIGHT=${RXEVM_FLIGHT:-2}
-ROUNDS=${RXEVM_ROUNDS:-5}
+ROUNDS=${RXEVM_ROUNDS:-9}
 SPECS='${RXEVM_SPECS:-}'
 BASE_ARGS='${RXEVM_BASE_ARGS:--writers ${RXEVM_QPS:-8}}'
 EOF
