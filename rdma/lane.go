@@ -34,6 +34,7 @@ type lane struct {
 	polled  chan struct{}   // closed when the poller has returned
 	pollMu  sync.Mutex
 	pollErr error
+	reapMu  sync.Mutex // one reaper at a time: completions leave in CQ order
 
 	// use is held shared by whoever works the lane (the writes on it, a
 	// receive loop); close takes it to wait them out before destroying
@@ -48,13 +49,12 @@ type lane struct {
 
 	// routes takes the completions reaped from the CQ to the write whose
 	// sequence number their work request id carries. Writes reap for
-	// themselves (see completion), one at a time (reapMu), so each gets
-	// its own in CQ order; the poller reaps for them while sleepers (writes
-	// that polled for busyPoll in vain, or wait for a flush) count any,
-	// and a token on wake calls it.
+	// themselves (see completion), one at a time (reapMu, which the
+	// poller takes too), so each gets its own in CQ order; the poller
+	// reaps for them while sleepers (writes that polled for busyPoll in
+	// vain, or wait for a flush) count any, and a token on wake calls it.
 	routeMu  sync.Mutex
 	routes   map[uint32]chan completion
-	reapMu   sync.Mutex
 	sleepers atomic.Int32
 	wake     chan struct{}
 	// flying counts the writes that let go of the lane and wait for their
@@ -121,19 +121,13 @@ func newDialedLane(qp queuePair, ctrl *net.TCPConn) *lane {
 // while after each one, then sleeping on the completion channel.
 func (l *lane) poll() {
 	defer close(l.polled)
-	var buf [16]completion
 	last := time.Now()
 	armed := false
 	for {
-		n, err := l.qp.Poll(buf[:])
+		n, err := l.reap()
 		if err != nil {
 			l.setPollErr(err)
 			return
-		}
-		for _, c := range buf[:n] {
-			if !l.deliver(c) {
-				return
-			}
 		}
 		switch {
 		case n > 0:
@@ -180,7 +174,7 @@ func (l *lane) pollForSleepers() {
 			}
 			// Reap after arming: a completion that came before it raises
 			// no event.
-			if err := l.reap(); err != nil {
+			if _, err := l.reap(); err != nil {
 				l.setPollErr(err)
 				return
 			}
@@ -197,23 +191,25 @@ func (l *lane) pollForSleepers() {
 	}
 }
 
-// reap takes every completion the CQ holds to its write (routes).
-func (l *lane) reap() error {
+// reap takes every completion the CQ holds to where it goes (see
+// deliver) and says how many it took; errLaneClosed when the lane closes.
+func (l *lane) reap() (int, error) {
 	l.reapMu.Lock()
 	defer l.reapMu.Unlock()
 	var buf [16]completion
+	taken := 0
 	for {
 		n, err := l.qp.Poll(buf[:])
 		if err != nil {
-			return err
+			return taken, err
 		}
 		for _, c := range buf[:n] {
 			if !l.deliver(c) {
-				return nil
+				return taken, errLaneClosed
 			}
 		}
-		if n < len(buf) {
-			return nil
+		if taken += n; n < len(buf) {
+			return taken, nil
 		}
 	}
 }
@@ -223,7 +219,7 @@ func (l *lane) reap() error {
 // itself for busyPoll, then sleeps on the poller.
 func (l *lane) completion(wcs chan completion, deadline time.Time, cancel <-chan struct{}) (completion, error) {
 	for end := time.Now().Add(busyPoll); ; runtime.Gosched() {
-		if err := l.reap(); err != nil {
+		if _, err := l.reap(); err != nil {
 			return completion{}, err
 		}
 		select {

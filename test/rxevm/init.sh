@@ -77,8 +77,10 @@ FLIGHT=${FLIGHT:-2}
 # 64 KiB writes reach under TCG); its message rate in Mpps has 6, steps
 # of SIZE bytes/s, finer below about 1.2 MB. The bench functions run in
 # $(...) subshells, so a failure is marked in a file.
+# perqp ITERS: the messages ibbw has each QP write for ITERS in all.
+perqp() { n=$(($1 / QPS)); [ $n -lt 5 ] && n=5; echo $n; }
 ibbw() {
-  n=$(($2 / QPS)); [ $n -lt 5 ] && n=5
+  n=$(perqp $2)
   # perftest times itself with the TSC, which TCG emulates: a run now and
   # then reports 0.00; such a run is taken again, once.
   for try in 1 2; do
@@ -140,8 +142,7 @@ if [ "$BENCH" = 1 ]; then
     # of its CPUs busy, and context switches per message (ib_write_bw
     # writes QPS * (ITERS / QPS) messages a run, ferry ITERS and a
     # warm-up write per writer).
-    n=$((iters / QPS)); [ $n -lt 5 ] && n=5
-    echo "$name $ibcpu $((n * QPS)) $fecpu $((iters + QPS * FLIGHT)) ${ROUNDS:-9} $(grep -c '^processor' /proc/cpuinfo)" | awk '{
+    echo "$name $ibcpu $(($(perqp $iters) * QPS)) $fecpu $((iters + QPS * FLIGHT)) ${ROUNDS:-9} $(grep -c '^processor' /proc/cpuinfo)" | awk '{
       printf "== BENCH cpu size=%s ib_write_bw_busy=%.0f%% ib_write_bw_ctxt_per_msg=%.1f ferry_busy=%.0f%% ferry_ctxt_per_msg=%.1f (of %d CPUs)\n",
         $1, 100 * $2 / $3, $4 / ($5 * $10), 100 * $6 / $7, $8 / ($9 * $10), $11}'
   done
