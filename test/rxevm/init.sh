@@ -119,30 +119,38 @@ since() { echo "$1 $2 $(cpustat)" | awk '{print $1 + $7 - $4, $2 + $8 - $5, $3 +
 basebw() { benchbw /opt/base.bench "$1" "$2" $BASE_ARGS; }
 if [ "$BENCH" = 1 ]; then
   if [ -x /opt/base.bench ]; then
-    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; base = the RXEVM_BASE build ($BASE_ARGS); ib_write_bw -q $QPS; all on rxe0, run A B C A B C ... (${ROUNDS:-9} rounds)"
+    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; base = the RXEVM_BASE build ($BASE_ARGS); ib_write_bw -q $QPS; all on rxe0, run A B C A B C ..."
   else
-    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ... (${ROUNDS:-9} rounds)"
+    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ..."
   fi
-  for spec in ${SPECS:-65536:64KiB:400 1048576:1MiB:40 4194304:4MiB:40}; do
+  # BYTES:NAME:ITERATIONS:ROUNDS. 64 KiB runs are short and the noisiest
+  # beside ib_write_bw (it is nearest to its rate there): more rounds.
+  for spec in ${SPECS:-65536:64KiB:400:15 1048576:1MiB:40:9 4194304:4MiB:40:9}; do
     size=${spec%%:*} rest=${spec#*:}
-    name=${rest%%:*} iters=${rest#*:}
+    name=${rest%%:*} rest=${rest#*:}
+    iters=${rest%%:*} rounds=${ROUNDS:-9}
+    [ "$rest" != "$iters" ] && rounds=${ROUNDS:-${rest#*:}}
     ib= fe= ba= ibcpu="0 0 0" fecpu="0 0 0"
-    for round in $(seq 1 "${ROUNDS:-9}"); do
+    for round in $(seq 1 "$rounds"); do
       c=$(cpustat); ib="$ib $(ibbw $size $iters)"; ibcpu=$(since "$ibcpu" "$c")
       c=$(cpustat); fe="$fe $(ferrybw $name $iters)"; fecpu=$(since "$fecpu" "$c")
       [ -x /opt/base.bench ] && ba="$ba $(basebw $name $iters)"
     done
-    # The median of ROUNDS runs each: this machine's noise comes in bursts.
-    echo "$name|$ib|$fe|$ba" | awk -F'|' 'function med(s,   v, n, t, i, j) { n = split(s, v, " "); for (i = 1; i <= n; i++) v[i] += 0; for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (v[j] < v[i]) { t = v[i]; v[i] = v[j]; v[j] = t } return v[int((n + 1) / 2)] }
-      {ib = med($2); f = med($3);
-      line = sprintf("== BENCH write size=%s ib_write_bw_MBps=%.2f ferry_MBps=%.2f ratio=%.2f", $1, ib, f, (ib > 0 ? f / ib : 0));
-      if ($4 != "") { b = med($4); line = line sprintf(" base_MBps=%.2f base_ratio=%.2f", b, (ib > 0 ? b / ib : 0)) }
-      print line " (runs: ib" $2 ", ferry" $3 ($4 != "" ? ", base" $4 : "") ")"}'
+    # A round runs each tool once, back to back, and the load of this
+    # shared machine drifts over seconds: ratio= is the median of the
+    # rounds' ratios, which that drift cancels from; ratio_of_medians=
+    # compares the medians of each tool's runs.
+    echo "$name|$rounds|$ib|$fe|$ba" | awk -F'|' 'function med(s,   v, n, t, i, j) { n = split(s, v, " "); for (i = 1; i <= n; i++) v[i] += 0; for (i = 1; i <= n; i++) for (j = i + 1; j <= n; j++) if (v[j] < v[i]) { t = v[i]; v[i] = v[j]; v[j] = t } return v[int((n + 1) / 2)] }
+      function paired(s, r,   a, b, n, i, q) { n = split(s, a, " "); split(r, b, " "); q = ""; for (i = 1; i <= n; i++) q = q " " (b[i] > 0 ? a[i] / b[i] : 0); return med(q) }
+      {ib = med($3); f = med($4);
+      line = sprintf("== BENCH write size=%s rounds=%d ib_write_bw_MBps=%.2f ferry_MBps=%.2f ratio=%.2f ratio_of_medians=%.2f", $1, $2, ib, f, paired($4, $3), (ib > 0 ? f / ib : 0));
+      if ($5 != "") { b = med($5); line = line sprintf(" base_MBps=%.2f base_ratio=%.2f base_ratio_of_medians=%.2f", b, paired($5, $3), (ib > 0 ? b / ib : 0)) }
+      print line " (runs: ib" $3 ", ferry" $4 ($5 != "" ? ", base" $5 : "") ")"}'
     # What each run cost the VM, its start and set-up included: the share
     # of its CPUs busy, and context switches per message (ib_write_bw
     # writes QPS * (ITERS / QPS) messages a run, ferry ITERS and a
     # warm-up write per writer).
-    echo "$name $ibcpu $(($(perqp $iters) * QPS)) $fecpu $((iters + QPS * FLIGHT)) ${ROUNDS:-9} $(grep -c '^processor' /proc/cpuinfo)" | awk '{
+    echo "$name $ibcpu $(($(perqp $iters) * QPS)) $fecpu $((iters + QPS * FLIGHT)) $rounds $(grep -c '^processor' /proc/cpuinfo)" | awk '{
       printf "== BENCH cpu size=%s ib_write_bw_busy=%.0f%% ib_write_bw_ctxt_per_msg=%.1f ferry_busy=%.0f%% ferry_ctxt_per_msg=%.1f (of %d CPUs)\n",
         $1, 100 * $2 / $3, $4 / ($5 * $10), 100 * $6 / $7, $8 / ($9 * $10), $11}'
   done
@@ -159,8 +167,24 @@ if [ "$BENCH" = 1 ]; then
   [ -e /tmp/benchfail ] && { echo "== FAIL a benchmark run failed (its output is above)"; FAIL=1; }
 fi
 
+# perfof NAME CMD...: runs CMD under a system-wide perf record of the
+# VM's CPU time, the kernel's included (soft-RoCE works there), and
+# prints the busiest symbols as "== PERF NAME" lines.
+perfof() {
+  name=$1
+  shift
+  perf record -a -e cpu-clock -o /tmp/perf.data >/tmp/perf.log 2>&1 &
+  rec=$!
+  "$@"
+  kill -INT $rec; wait $rec
+  perf report -i /tmp/perf.data --stdio --no-children -n --sort comm,sym 2>/dev/null |
+    grep -v '^#' | grep . | head -40 | sed "s/^/== PERF $name /"
+}
 if [ "$PROFILE" = 1 ]; then
-  /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWrite$/^64KiB$' -test.benchtime 400x -lanes $QPS -writers $((QPS * FLIGHT)) -test.cpuprofile /tmp/cpu.prof >/tmp/prof.log 2>&1
+  echo 0 >/proc/sys/kernel/kptr_restrict
+  perfof ib_write_bw ibbw 65536 400
+  profbench() { /opt/rdma.bench -test.run '^$' -test.bench '^BenchmarkWrite$/^64KiB$' -test.benchtime 400x -lanes $QPS -writers $((QPS * FLIGHT)) -test.cpuprofile /tmp/cpu.prof >/tmp/prof.log 2>&1; }
+  perfof ferry profbench
   grep MB/s /tmp/prof.log
   echo "== PROFILE BEGIN"; base64 /tmp/cpu.prof; echo "== PROFILE END"
 fi

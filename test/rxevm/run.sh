@@ -17,12 +17,14 @@
 #                narrow RXEVM_RUN and RXEVM_E2E to fit the runs' time limits
 #   RXEVM_RACE   1 builds the test binaries with the race detector
 #   RXEVM_TIMEOUT  seconds the VM may run (default 1500)
-#   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark
+#   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark,
+#                and a perf profile of the VM beside one of ib_write_bw
 #   RXEVM_QPS    lanes (RC QPs) for ferry and QPs for ib_write_bw (default 8)
 #   RXEVM_FLIGHT ferry's writes in flight per lane (default 2)
-#   RXEVM_ROUNDS alternating runs per size in the write benchmark (default 9)
-#   RXEVM_SPECS  its sizes, as BYTES:NAME:ITERATIONS ... (default 64 KiB,
-#                1 MiB and 4 MiB)
+#   RXEVM_ROUNDS alternating runs of every size in the write benchmark
+#                (default: each size's own, 15 at 64 KiB and 9 above)
+#   RXEVM_SPECS  its sizes, as BYTES:NAME:ITERATIONS[:ROUNDS] ... (default
+#                64 KiB, 1 MiB and 4 MiB)
 #   RXEVM_BASE   an rdma test binary from another revision (go test -c
 #                ./rdma there), benchmarked beside this one in the same
 #                run: base_MBps= and base_ratio= in the BENCH lines
@@ -125,6 +127,10 @@ copy() {
 copy /usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ib_write_bw \
   /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so /lib/x86_64-linux-gnu/libgcc_s.so.1
 libs "$R"/opt/*.test "$R"/opt/bin/*
+if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
+  command -v perf >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends linux-perf
+  copy "$(command -v perf)"
+fi
 mkdir -p "$R/etc/libibverbs.d"
 cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
 # Modules in load order. rdma_rxe asks the crypto API for "crc32" at run
@@ -145,7 +151,7 @@ COUNT=${RXEVM_COUNT:-1}
 PROFILE=${RXEVM_PROFILE:-0}
 QPS=${RXEVM_QPS:-8}
 FLIGHT=${RXEVM_FLIGHT:-2}
-ROUNDS=${RXEVM_ROUNDS:-9}
+ROUNDS='${RXEVM_ROUNDS:-}'
 SPECS='${RXEVM_SPECS:-}'
 BASE_ARGS='${RXEVM_BASE_ARGS:--writers ${RXEVM_QPS:-8}}'
 EOF
