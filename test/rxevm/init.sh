@@ -123,7 +123,7 @@ if [ "$BENCH" = 1 ]; then
   else
     echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ..."
   fi
-  # BYTES:NAME:ITERATIONS:ROUNDS. 64 KiB runs are short and the noisiest
+  # BYTES:NAME:ITERATIONS[:ROUNDS]. 64 KiB runs are short and the noisiest
   # beside ib_write_bw (it is nearest to its rate there): more rounds.
   for spec in ${SPECS:-65536:64KiB:400:15 1048576:1MiB:40:9 4194304:4MiB:40:9}; do
     size=${spec%%:*} rest=${spec#*:}
