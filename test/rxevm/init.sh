@@ -167,18 +167,27 @@ if [ "$BENCH" = 1 ]; then
   [ -e /tmp/benchfail ] && { echo "== FAIL a benchmark run failed (its output is above)"; FAIL=1; }
 fi
 
+# rxecount: rxe0's port counters (packets, retries, duplicates), a
+# NAME=N line each.
+rxecount() { for f in /sys/class/infiniband/rxe0/ports/1/hw_counters/*; do echo "${f##*/}=$(cat "$f")"; done; }
 # perfof NAME CMD...: runs CMD under a system-wide perf record of the
 # VM's CPU time, the kernel's included (soft-RoCE works there), and
-# prints the busiest symbols as "== PERF NAME" lines.
+# prints the busiest symbols as "== PERF NAME" lines and what rxe0's
+# counters moved by as an "== RXE NAME" line. A fixed 999 Hz: at perf's
+# default rate the kernel lowers the rate under TCG part way through,
+# and two runs' sample counts no longer compare.
 perfof() {
   name=$1
   shift
-  perf record -a -e cpu-clock -o /tmp/perf.data >/tmp/perf.log 2>&1 &
+  before=$(rxecount)
+  perf record -a -F 999 -e cpu-clock -o /tmp/perf.data >/tmp/perf.log 2>&1 &
   rec=$!
   "$@"
   kill -INT $rec; wait $rec
   perf report -i /tmp/perf.data --stdio --no-children -n --sort comm,sym 2>/dev/null |
     grep -v '^#' | grep . | head -40 | sed "s/^/== PERF $name /"
+  { echo "$before"; echo --; rxecount; } | awk -F= -v name="$name" '$0 == "--" {after = 1; next}
+    !after {b[$1] = $2; next} $2 != b[$1] {line = line " " $1 "=" $2 - b[$1]} END {print "== RXE " name line}'
 }
 if [ "$PROFILE" = 1 ]; then
   echo 0 >/proc/sys/kernel/kptr_restrict
