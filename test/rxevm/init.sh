@@ -118,11 +118,9 @@ since() { echo "$1 $2 $(cpustat)" | awk '{print $1 + $7 - $4, $2 + $8 - $5, $3 +
 # RXEVM_BASE (another revision), with its own arguments.
 basebw() { benchbw /opt/base.bench "$1" "$2" $BASE_ARGS; }
 if [ "$BENCH" = 1 ]; then
-  if [ -x /opt/base.bench ]; then
-    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; base = the RXEVM_BASE build ($BASE_ARGS); ib_write_bw -q $QPS; all on rxe0, run A B C A B C ..."
-  else
-    echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration; ib_write_bw -q $QPS; both on rxe0, run A B A B ..."
-  fi
+  base= order="both on rxe0, run A B A B ..."
+  [ -x /opt/base.bench ] && base=" base = the RXEVM_BASE build ($BASE_ARGS);" order="all on rxe0, run A B C A B C ..."
+  echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration;$base ib_write_bw -q $QPS; $order"
   # BYTES:NAME:ITERATIONS[:ROUNDS]. 64 KiB runs are short and the noisiest
   # beside ib_write_bw (it is nearest to its rate there): more rounds.
   for spec in ${SPECS:-65536:64KiB:400:15 1048576:1MiB:40:9 4194304:4MiB:40:9}; do
