@@ -17,12 +17,14 @@
 #                narrow RXEVM_RUN and RXEVM_E2E to fit the runs' time limits
 #   RXEVM_RACE   1 builds the test binaries with the race detector
 #   RXEVM_TIMEOUT  seconds the VM may run (default 1500)
+#   RXEVM_APPEND   more of the VM kernel's command line (e.g. clocksource=tsc
+#                tsc=reliable)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark,
 #                and a perf profile of the VM beside one of ib_write_bw
 #   RXEVM_QPS    lanes (RC QPs) for ferry and QPs for ib_write_bw (default 8)
 #   RXEVM_FLIGHT ferry's writes in flight per lane (default 2)
 #   RXEVM_ROUNDS alternating runs of every size in the write benchmark
-#                (default: each size's own, 15 at 64 KiB and 9 above)
+#                (default: each size's own, 25 at 64 KiB and 9 above)
 #   RXEVM_SPECS  its sizes, as BYTES:NAME:ITERATIONS[:ROUNDS] ... (default
 #                64 KiB, 1 MiB and 4 MiB)
 #   RXEVM_BASE   an rdma test binary from another revision (go test -c
