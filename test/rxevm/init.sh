@@ -123,8 +123,8 @@ if [ "$BENCH" = 1 ]; then
   echo "== bench: ferry = $QPS lanes (RC QPs) with $FLIGHT writes in flight each, from the shared registration;$base ib_write_bw -q $QPS; $order"
   # BYTES:NAME:ITERATIONS[:ROUNDS]. 64 KiB runs are short and the noisiest
   # beside ib_write_bw (it is nearest to its rate there): more rounds. A
-  # round's ratio there spreads over about 0.9-1.2 (quartiles of 105), so
-  # a 15-round median still moved by about 0.1 from run to run.
+  # round's ratio there spreads over about 0.87-1.15 (quartiles of 190),
+  # so a 15-round median still moved by about 0.1 from run to run.
   for spec in ${SPECS:-65536:64KiB:400:25 1048576:1MiB:40:9 4194304:4MiB:40:9}; do
     size=${spec%%:*} rest=${spec#*:}
     name=${rest%%:*} rest=${rest#*:}
