@@ -3,7 +3,11 @@
 // (client) and ferryctl share them; nothing here does I/O.
 package api
 
-import "time"
+import (
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+)
 
 // DefaultSocket is where ferryd listens for local clients unless told.
 const DefaultSocket = "/run/ferry/ferryd.sock"
@@ -14,7 +18,7 @@ const DefaultPeerPort = 17100
 // Error codes carried in the error envelope. Each pairs with one HTTP status.
 const (
 	CodeBadRequest     = "bad_request"  // 400: malformed or invalid input
-	CodeRefused        = "refused"      // 400: the peer refused the write (no slot, wrong key, slot too small)
+	CodeRefused        = "refused"      // 400: the peer refused the write (no slot with that address and key, slot too small)
 	CodeNoEmbedding    = "no_embedding" // 404: send of a req_id that is not staged
 	CodeNotFound       = "not_found"    // 404: unknown receive slot, session or route
 	CodeMethod         = "method_not_allowed"
@@ -227,7 +231,9 @@ type CommitRequest struct {
 type SendRequest struct {
 	Session       string `json:"session"`
 	BufferAddress uint64 `json:"buffer_address"`
-	Key           uint32 `json:"key"`
+	// Key is the receive slot's key, passed along as the receiver's
+	// POST /v1/receives gave it (32 hex digits).
+	Key transport.Key `json:"key"`
 	// WaitMS waits this long for the req_id to be staged, to cover a stage
 	// that races the send. 0 fails at once.
 	WaitMS int64 `json:"wait_ms,omitempty"`
@@ -248,6 +254,10 @@ type SendResult struct {
 type ReceiveRequest struct {
 	ReqID  string `json:"req_id"`
 	NBytes int64  `json:"nbytes"`
+	// Mooncake opens the slot to Mooncake Transfer Engine senders too
+	// (with --mooncake-listen): their writes carry no key, so only a
+	// slot that asks for them takes them.
+	Mooncake bool `json:"mooncake,omitempty"`
 }
 
 // ReceiveSlot is what a receiver hands to the sender out of band.
@@ -255,11 +265,13 @@ type ReceiveSlot struct {
 	ReqID         string `json:"req_id"`
 	Session       string `json:"session"`
 	BufferAddress uint64 `json:"buffer_address"`
-	Key           uint32 `json:"key"`
-	NBytes        int64  `json:"nbytes"`
+	// Key is the slot's capability: 128 random bits as 32 hex digits.
+	// Treat it as an opaque string and pass it to the sender unchanged.
+	Key    transport.Key `json:"key"`
+	NBytes int64         `json:"nbytes"`
 	// MooncakeSession is the receiver's Mooncake segment name
-	// ("ip:rpcport") when it serves as one (--mooncake-listen): a
-	// Mooncake sender writes nbytes to buffer_address in that segment.
+	// ("ip:rpcport") for a slot made with "mooncake": true: a Mooncake
+	// sender writes nbytes to buffer_address in that segment.
 	MooncakeSession string `json:"mooncake_session,omitempty"`
 }
 
@@ -268,7 +280,8 @@ type Receive struct {
 	ReceiveSlot
 	Arrived  bool   `json:"arrived"`
 	Received int64  `json:"received"` // bytes that arrived
-	Tag      uint32 `json:"tag"`      // the tag the write carried
+	Tag      uint32 `json:"tag"`      // the tag the write carried (the key's first 32 bits)
+	Mooncake bool   `json:"mooncake"` // open to Mooncake senders
 	// WritesInFlight counts writes landing in the slot now. A slot freed
 	// meanwhile keeps its memory until they end, so a newer slot never
 	// receives their bytes.

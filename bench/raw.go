@@ -25,12 +25,12 @@ type RawConfig struct {
 }
 
 // rawKey is the one key of a RawSink's one slot.
-const rawKey = 0x5eed
+var rawKey = transport.Key{0x5e, 0xed}
 
 // rawSink takes any write that lands inside its memory with rawKey.
 type rawSink struct{ mem []byte }
 
-func (s rawSink) Accept(addr, n uint64, key, _ uint32) ([]byte, func(error), error) {
+func (s rawSink) Accept(addr, n uint64, key transport.Key, _ uint32) ([]byte, func(error), error) {
 	if key != rawKey || addr > uint64(len(s.mem)) || n > uint64(len(s.mem))-addr {
 		return nil, nil, &transport.Refusal{Code: transport.NoSlot, Message: "outside the raw benchmark's slot"}
 	}

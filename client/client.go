@@ -198,7 +198,13 @@ func (c *Client) Delete(ctx context.Context, reqID string) error {
 
 // Receive allocates a receive slot of nbytes for req_id.
 func (c *Client) Receive(ctx context.Context, reqID string, nbytes int64) (api.ReceiveSlot, error) {
-	return call[api.ReceiveSlot](ctx, c, "POST", "/v1/receives", api.ReceiveRequest{ReqID: reqID, NBytes: nbytes})
+	return c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: reqID, NBytes: nbytes})
+}
+
+// ReceiveWith allocates a receive slot as req says (a slot Mooncake
+// senders may write into, say).
+func (c *Client) ReceiveWith(ctx context.Context, req api.ReceiveRequest) (api.ReceiveSlot, error) {
+	return call[api.ReceiveSlot](ctx, c, "POST", "/v1/receives", req)
 }
 
 // Receives lists receive slots.

@@ -337,6 +337,12 @@ func New(cfg Config) (*Daemon, error) {
 		sessions: d.sessions.states,
 	})
 	d.metrics.reg.MustRegister(d.dp.collectors()...)
+	for _, c := range []transport.Code{transport.NoSlot, transport.OutOfBounds, transport.SlotBusy} {
+		d.metrics.peerRefusals.WithLabelValues(c.String())
+	}
+	d.reg.mu.Lock() // the peer port is open already
+	d.reg.onRefusal = func(c transport.Code) { d.metrics.peerRefusals.WithLabelValues(c.String()).Inc() }
+	d.reg.mu.Unlock()
 	if cfg.MetricsListen != "" {
 		// Only /metrics here: the control API stays on the socket, whose
 		// file mode is its access control.

@@ -117,7 +117,7 @@ func (d *Daemon) fuzzFixtures(t *testing.T) *slot {
 	if _, err := d.reg.reserve("reserved-1", 64, nil, "", reserved); err != nil {
 		t.Fatal(err)
 	}
-	s, err := d.reg.newSlot("slot-1", 64)
+	s, err := d.reg.newSlot("slot-1", 64, false)
 	if err != nil {
 		t.Fatal(err)
 	}

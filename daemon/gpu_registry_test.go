@@ -46,7 +46,7 @@ func TestReceiveIntoDeviceMemoryThroughCopies(t *testing.T) {
 		t.Fatal(err)
 	}
 	r := newRegistry(a)
-	s, err := r.newSlot("g1", 100)
+	s, err := r.newSlot("g1", 100, false)
 	if err != nil {
 		t.Fatal(err)
 	}

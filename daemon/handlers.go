@@ -432,12 +432,16 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 	if req.NBytes <= 0 {
 		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: nbytes %d must be positive", req.ReqID, req.NBytes)
 	}
-	s, err := d.reg.newSlot(req.ReqID, req.NBytes)
+	if req.Mooncake && d.mooncake == nil {
+		return apiErr(http.StatusBadRequest, api.CodeBadRequest,
+			"%s: \"mooncake\": true asks for a slot Mooncake senders may write into, but this ferryd serves no Mooncake segment: start it with --mooncake-listen", req.ReqID)
+	}
+	s, err := d.reg.newSlot(req.ReqID, req.NBytes, req.Mooncake)
 	if err != nil {
 		return err
 	}
 	slot := api.ReceiveSlot{ReqID: req.ReqID, Session: d.advertise, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes}
-	if d.mooncake != nil {
+	if s.mooncake {
 		slot.MooncakeSession = d.mooncake.name
 	}
 	writeJSON(w, http.StatusCreated, slot)

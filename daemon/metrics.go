@@ -24,6 +24,7 @@ type metrics struct {
 	sessionFailures  *prometheus.CounterVec
 	staged           *prometheus.CounterVec
 	swept            *prometheus.CounterVec
+	peerRefusals     *prometheus.CounterVec
 }
 
 // gauges are the daemon's live state, read at scrape time.
@@ -74,9 +75,13 @@ func newMetrics(g gauges) *metrics {
 			Name: "ferry_swept_total",
 			Help: "Entries dropped by the TTL sweep, by kind (staged, receive).",
 		}, []string{"kind"}),
+		peerRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ferry_peer_refusals_total",
+			Help: "Writes from peers this receiver refused, by reason: no_slot (no live slot with that address and key: a stale slot, or a guess), out_of_bounds, slot_busy.",
+		}, []string{"reason"}),
 	}
 	reg.MustRegister(m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
-		m.slowTransfers, m.sessionFailures, m.staged, m.swept,
+		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ferry_staged_embeddings", Help: "Entries staged or reserved on the sending side.",

@@ -176,7 +176,7 @@ func TestMetricsMoveWithTransfers(t *testing.T) {
 		t.Fatal(err)
 	}
 	bad := req
-	bad.Key++
+	bad.Key[15] ^= 1
 	if _, err := sc.Send(ctx, "bad-1", bad); client.Code(err) != api.CodeRefused {
 		t.Fatalf("send with a wrong key: want refused, got %v", err)
 	}
@@ -201,7 +201,7 @@ func TestMetricsMoveWithTransfers(t *testing.T) {
 		expect{"ferry_transfers_total", []string{"outcome", "refused"}, 1},
 		expect{"ferry_transfers_total", []string{"outcome", "failed"}, 1},
 		expect{"ferry_transfers_total", []string{"outcome", "no_embedding"}, 1},
-		expect{"ferry_transfer_failures_total", []string{"reason", "bad_key"}, 1},
+		expect{"ferry_transfer_failures_total", []string{"reason", "no_slot"}, 1},
 		expect{"ferry_transfer_failures_total", []string{"reason", "ECONNREFUSED"}, 1},
 		expect{"ferry_transfer_failures_total", []string{"reason", "no_embedding"}, 1},
 		expect{"ferry_transfer_retries_total", nil, 1},

@@ -127,12 +127,12 @@ func (r *registry) deliverNotified(msg string) (reqID string, nbytes int64, err 
 		return "", 0, errRefuseStopping
 	}
 	s := r.slotAt(addr)
-	if s == nil || s.addr != addr {
+	if s == nil || s.addr != addr || !s.mooncake {
 		r.mu.Unlock()
-		return "", 0, fmt.Errorf("no live receive slot starts at %#x: it was freed, timed out, or never existed; whatever was written there is not delivered", addr)
+		return "", 0, fmt.Errorf("no live receive slot open to Mooncake writers starts at %#x: it was freed, timed out, made without \"mooncake\": true, or never existed; whatever was written there is not delivered", addr)
 	}
 	reqID, nbytes = s.reqID, int64(s.nbytes)
-	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key, true)
+	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key.Tag())
 	r.mu.Unlock()
 	if err != nil {
 		return reqID, nbytes, err

@@ -16,7 +16,7 @@ import (
 // piece sent twice counts once.
 func TestUnkeyedWritesFillASlotPieceByPiece(t *testing.T) {
 	r := newTestRegistry(t, 8192)
-	s, err := r.newSlot("m", 3000)
+	s, err := r.newSlot("m", 3000, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -51,7 +51,7 @@ func TestUnkeyedWritesFillASlotPieceByPiece(t *testing.T) {
 	if !arrived() {
 		t.Fatal("slot not arrived once every byte was written")
 	}
-	if got := r.receives()[0]; got.Received != 3000 || got.Tag != s.key {
+	if got := r.receives()[0]; got.Received != 3000 || got.Tag != s.key.Tag() {
 		t.Fatalf("arrived slot %+v", got)
 	}
 	if _, _, err := r.AcceptUnkeyed(s.addr, 10); refusalCode(t, err) != transport.SlotBusy {

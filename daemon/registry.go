@@ -2,8 +2,6 @@ package daemon
 
 import (
 	"context"
-	"crypto/rand"
-	"encoding/binary"
 	"errors"
 	"fmt"
 	"net/http"
@@ -49,7 +47,8 @@ type slot struct {
 	reqID    string
 	slice    arena.Slice
 	addr     uint64
-	key      uint32
+	key      transport.Key
+	mooncake bool // Mooncake peers, who carry no key, may write into it
 	nbytes   int64
 	since    time.Time
 	pins     int // writes landing and reads in progress
@@ -59,14 +58,12 @@ type slot struct {
 	tag      uint32
 	freed    bool
 	copyErr  error // the last write arrived but did not reach GPU memory
-	pieces   spans // ranges unkeyed writes filled so far
+	pieces   spans // the ranges writes have filled so far
 
-	// filled: a keyed write, or pieces covering every byte, have landed;
-	// the slot arrives (with fillLen and fillTag) once no write to it is
-	// still in flight, so a reader never meets bytes a duplicate is
-	// rewriting.
+	// filled: writes covering every byte have landed; the slot arrives
+	// (with fillTag) once no write to it is still in flight, so a reader
+	// never meets bytes a duplicate is rewriting.
 	filled  bool
-	fillLen int64
 	fillTag uint32
 }
 
@@ -78,13 +75,17 @@ type registry struct {
 	mu       sync.Mutex
 	entries  map[string]*entry
 	slots    map[string]*slot
-	byKey    map[uint32]*slot
-	changed  chan struct{} // closed and replaced on every change
+	byKey    map[transport.Key]*slot
+	byTag    map[uint32]*slot // the tags writes carry name one live slot each
+	changed  chan struct{}    // closed and replaced on every change
 	stopping bool
 
 	// discarded, if set, hears of a write that finished landing in a slot
 	// freed meanwhile: its sender was told it completed. Called with mu held.
 	discarded func(reqID string, nbytes uint64)
+	// onRefusal, if set, counts each write refused, by code. Called with
+	// mu held.
+	onRefusal func(transport.Code)
 
 	// quarantine, when above zero, holds a freed slot's memory back from
 	// the arena that long after its last pin goes (held: those slots, with
@@ -109,7 +110,8 @@ func newRegistry(a *arena.Arena) *registry {
 		arena:   a,
 		entries: make(map[string]*entry),
 		slots:   make(map[string]*slot),
-		byKey:   make(map[uint32]*slot),
+		byKey:   make(map[transport.Key]*slot),
+		byTag:   make(map[uint32]*slot),
 		changed: make(chan struct{}),
 		held:    make(map[*slot]func() bool),
 		afterFunc: func(d time.Duration, f func()) func() bool {
@@ -331,9 +333,9 @@ func (r *registry) embeddings() []api.Embedding {
 
 // --- receiving side ---
 
-// newSlot allocates a receive slot with a fresh random key that no live
-// slot uses; the key is also the tag the sender's write carries.
-func (r *registry) newSlot(reqID string, n int64) (*slot, error) {
+// newSlot allocates a receive slot with a fresh random key whose tag no
+// live slot uses. Only a slot made with mooncake takes unkeyed writes.
+func (r *registry) newSlot(reqID string, n int64, mooncake bool) (*slot, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
@@ -347,41 +349,38 @@ func (r *registry) newSlot(reqID string, n int64) (*slot, error) {
 	if err != nil {
 		return nil, err
 	}
-	var key uint32
-	for key == 0 || r.byKey[key] != nil {
-		var b [4]byte
-		_, _ = rand.Read(b[:]) // crypto/rand.Read never fails on Linux
-		key = binary.LittleEndian.Uint32(b[:])
+	key := transport.NewKey()
+	for key.Tag() == 0 || r.byTag[key.Tag()] != nil {
+		key = transport.NewKey()
 	}
-	s := &slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), key: key, nbytes: n, since: time.Now()}
+	s := &slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), key: key, mooncake: mooncake, nbytes: n, since: time.Now()}
 	r.slots[reqID] = s
 	r.byKey[key] = s
+	r.byTag[key.Tag()] = s
 	return s, nil
 }
 
-// Accept implements transport.Sink.
-func (r *registry) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+// Accept implements transport.Sink. A key that is no live slot's, or an
+// address outside the slot it names, is one refusal that tells a
+// guessing peer nothing about the slots there are.
+func (r *registry) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
 		return nil, nil, errRefuseStopping
 	}
 	s := r.byKey[key]
-	if s == nil {
-		if o := r.slotAt(addr); o != nil {
-			return nil, nil, &transport.Refusal{Code: transport.BadKey,
-				Message: fmt.Sprintf("address %#x is in the receive slot of req_id %s, but key %d is not that slot's key", addr, o.reqID, key)}
-		}
-		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
-			Message: fmt.Sprintf("no live receive slot with key %d at address %#x: it was freed, timed out, or the receiver restarted; ask the receiver for a new slot", key, addr)}
+	if s == nil || addr < s.addr || addr >= s.addr+uint64(s.nbytes) {
+		r.refused(transport.NoSlot)
+		return nil, nil, errRefuseNoSlot
 	}
-	return r.land(s, addr, n, tag, false)
+	return r.land(s, addr, n, tag)
 }
 
 // AcceptUnkeyed takes a write that carries no key (a Mooncake peer's):
-// it must lie inside one live receive slot, found by its address. Such
-// writes may fill a slot piece by piece; the slot arrives when its last
-// byte has.
+// it must lie inside one live receive slot made for Mooncake writers,
+// found by its address. Such writes may fill a slot piece by piece; the
+// slot arrives when its last byte has.
 func (r *registry) AcceptUnkeyed(addr, n uint64) ([]byte, func(error), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -389,14 +388,26 @@ func (r *registry) AcceptUnkeyed(addr, n uint64) ([]byte, func(error), error) {
 		return nil, nil, errRefuseStopping
 	}
 	s := r.slotAt(addr)
-	if s == nil {
+	if s == nil || !s.mooncake {
+		r.refused(transport.NoSlot)
 		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
-			Message: fmt.Sprintf("no live receive slot at address %#x: it was freed, timed out, or the receiver restarted; ask the receiver for a new slot", addr)}
+			Message: fmt.Sprintf("no live receive slot open to Mooncake writers at address %#x: it was freed, timed out, made without \"mooncake\": true, or the receiver restarted; ask the receiver for a new slot", addr)}
 	}
-	return r.land(s, addr, n, s.key, true)
+	return r.land(s, addr, n, s.key.Tag())
 }
 
-var errRefuseStopping = &transport.Refusal{Code: transport.ShuttingDown, Message: "the receiving ferryd is shutting down"}
+var (
+	errRefuseStopping = &transport.Refusal{Code: transport.ShuttingDown, Message: "the receiving ferryd is shutting down"}
+	errRefuseNoSlot   = &transport.Refusal{Code: transport.NoSlot,
+		Message: "no live receive slot here matches this address and key: it was freed, timed out, or the receiver restarted; ask the receiver for a new slot"}
+)
+
+// refused counts a refusal by its code; callers hold mu.
+func (r *registry) refused(code transport.Code) {
+	if r.onRefusal != nil {
+		r.onRefusal(code)
+	}
+}
 
 // slotAt is the live slot holding addr, or nil; callers hold mu.
 func (r *registry) slotAt(addr uint64) *slot {
@@ -409,22 +420,26 @@ func (r *registry) slotAt(addr uint64) *slot {
 }
 
 // land checks a write of n bytes at addr against s and pins s for it;
-// callers hold mu. A keyed write delivers the slot whole; a piece
-// (unkeyed) adds its range and delivers the slot once all of it is in.
-func (r *registry) land(s *slot, addr, n uint64, tag uint32, piece bool) ([]byte, func(error), error) {
+// callers hold mu. Each write adds its range; the slot arrives once its
+// writes have covered every byte of it, so a reader never gets bytes no
+// write put there (an earlier tenant's).
+func (r *registry) land(s *slot, addr, n uint64, tag uint32) ([]byte, func(error), error) {
 	end := addr + n
-	if addr < s.addr || end < addr || end > s.addr+uint64(s.nbytes) {
+	if n == 0 || addr < s.addr || end < addr || end > s.addr+uint64(s.nbytes) {
+		r.refused(transport.OutOfBounds)
 		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds,
-			Message: fmt.Sprintf("a write of %d bytes at %#x does not fit the receive slot of req_id %s (%d bytes at %#x): the slot is too small for this embedding", n, addr, s.reqID, s.nbytes, s.addr)}
+			Message: fmt.Sprintf("a write of %d bytes at %#x does not fit the receive slot of req_id %s (%d bytes at %#x): the slot is too small for this embedding, or the write is empty", n, addr, s.reqID, s.nbytes, s.addr)}
 	}
 	if s.arrived {
+		r.refused(transport.SlotBusy)
 		return nil, nil, &transport.Refusal{Code: transport.SlotBusy,
 			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data: ask the receiver for a new slot", s.reqID)}
 	}
 	off := addr - s.addr
 	// Every write in flight may add one more range, so counting them keeps
 	// the set within maxPieces.
-	if piece && s.pieces.grows(off, n) && len(s.pieces.set)+s.writes >= maxPieces {
+	if s.pieces.grows(off, n) && len(s.pieces.set)+s.writes >= maxPieces {
+		r.refused(transport.OutOfBounds)
 		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds,
 			Message: fmt.Sprintf("the receive slot of req_id %s already tracks %d separate pieces, this receiver's limit: send it in fewer, larger or contiguous pieces", s.reqID, maxPieces)}
 	}
@@ -444,13 +459,8 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, piece bool) ([]byte
 		switch {
 		case err == nil && !s.freed:
 			s.copyErr = cerr
-			if cerr != nil || s.filled {
-				break
-			}
-			if !piece {
-				s.filled, s.fillLen, s.fillTag = true, int64(off+n), tag
-			} else if s.pieces.add(off, n) == uint64(s.nbytes) {
-				s.filled, s.fillLen, s.fillTag = true, s.nbytes, tag
+			if cerr == nil && !s.filled && s.pieces.add(off, n) == uint64(s.nbytes) {
+				s.filled, s.fillTag = true, tag
 			}
 		case err == nil && s.freed && r.discarded != nil:
 			r.discarded(s.reqID, n)
@@ -458,7 +468,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, piece bool) ([]byte
 		// Checked on every write's end, failed ones too: the last write
 		// to finish delivers the slot.
 		if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived && !s.freed {
-			s.arrived, s.received, s.tag = true, s.fillLen, s.fillTag
+			s.arrived, s.received, s.tag = true, s.nbytes, s.fillTag
 			r.notify()
 		}
 		r.unpin(s)
@@ -496,7 +506,7 @@ func (r *registry) release(s *slot) {
 func (r *registry) describeSlot(s *slot) api.Receive {
 	return api.Receive{
 		ReceiveSlot: api.ReceiveSlot{ReqID: s.reqID, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes},
-		Arrived:     s.arrived, Received: s.received, Tag: s.tag, Offset: s.slice.Offset, Since: s.since,
+		Arrived:     s.arrived, Received: s.received, Tag: s.tag, Mooncake: s.mooncake, Offset: s.slice.Offset, Since: s.since,
 		WritesInFlight: s.writes,
 	}
 }
@@ -569,6 +579,7 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 func (r *registry) removeSlot(s *slot) {
 	delete(r.slots, s.reqID)
 	delete(r.byKey, s.key)
+	delete(r.byTag, s.key.Tag())
 	s.freed = true
 	s.pins++
 	r.unpin(s)

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -43,13 +44,13 @@ func refusalCode(t *testing.T, err error) transport.Code {
 // mark anything arrived.
 func TestFreedSlotKeepsMemoryUntilWriteEnds(t *testing.T) {
 	r := newTestRegistry(t, 4096)
-	a, err := r.newSlot("a", 1024)
+	a, err := r.newSlot("a", 1024, false)
 	if err != nil {
 		t.Fatal(err)
 	}
 	var discarded []string
 	r.discarded = func(id string, n uint64) { discarded = append(discarded, fmt.Sprintf("%s/%d", id, n)) }
-	dst, done, err := r.Accept(a.addr, 1024, a.key, a.key)
+	dst, done, err := r.Accept(a.addr, 1024, a.key, a.key.Tag())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -60,13 +61,13 @@ func TestFreedSlotKeepsMemoryUntilWriteEnds(t *testing.T) {
 		t.Fatal(err)
 	}
 	// New writes to the freed slot are refused at once.
-	if _, _, err := r.Accept(a.addr, 1024, a.key, a.key); refusalCode(t, err) != transport.NoSlot {
+	if _, _, err := r.Accept(a.addr, 1024, a.key, a.key.Tag()); refusalCode(t, err) != transport.NoSlot {
 		t.Fatalf("write to a freed slot: %v", err)
 	}
 	// Fill the rest of the arena: none of it may overlap a's pinned bytes.
 	var others []*slot
 	for i := 0; ; i++ {
-		s, err := r.newSlot("b"+string(rune('0'+i)), 1024)
+		s, err := r.newSlot("b"+string(rune('0'+i)), 1024, false)
 		if err != nil {
 			if !isCode(err, api.CodeArenaFull) {
 				t.Fatal(err)
@@ -94,35 +95,51 @@ func TestFreedSlotKeepsMemoryUntilWriteEnds(t *testing.T) {
 		t.Fatalf("the discarded write was reported as %q, want [a/1024]", discarded)
 	}
 	// Now a's memory is back.
-	if _, err := r.newSlot("c", 1024); err != nil {
+	if _, err := r.newSlot("c", 1024, false); err != nil {
 		t.Fatalf("memory of the freed slot did not come back after its write ended: %v", err)
 	}
 }
 
 func TestAcceptRefusals(t *testing.T) {
 	r := newTestRegistry(t, 1<<16)
-	s, err := r.newSlot("r", 1000)
+	s, err := r.newSlot("r", 1000, false)
 	if err != nil {
 		t.Fatal(err)
 	}
+	other, err := r.newSlot("other", 1000, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	wrong := s.key
+	wrong[15] ^= 1
+	refusals := map[transport.Code]int{}
+	r.onRefusal = func(c transport.Code) { refusals[c]++ }
 	cases := []struct {
-		name      string
-		addr, n   uint64
-		key       uint32
-		want      transport.Code
-		mentioned string
+		name    string
+		addr, n uint64
+		key     transport.Key
+		want    transport.Code
 	}{
-		{"wrong key inside a slot", s.addr, 10, s.key + 1, transport.BadKey, "req_id r"},
-		{"no slot", s.addr + 1<<15, 10, s.key + 1, transport.NoSlot, "no live receive slot"},
-		{"past the end", s.addr + 990, 11, s.key, transport.OutOfBounds, "too small"},
-		{"before the start", s.addr - 1, 1, s.key, transport.OutOfBounds, "too small"},
-		{"wrapping length", s.addr, ^uint64(0), s.key, transport.OutOfBounds, "too small"},
+		{"wrong key inside a slot", s.addr, 10, wrong, transport.NoSlot},
+		{"no slot", s.addr + 1<<15, 10, wrong, transport.NoSlot},
+		{"another slot's key", s.addr, 10, other.key, transport.NoSlot},
+		{"right key, another slot's address", other.addr, 10, s.key, transport.NoSlot},
+		{"past the end", s.addr + 990, 11, s.key, transport.OutOfBounds},
+		{"wrapping length", s.addr, ^uint64(0), s.key, transport.OutOfBounds},
+		{"empty", s.addr, 0, s.key, transport.OutOfBounds},
 	}
 	for _, c := range cases {
 		_, _, err := r.Accept(c.addr, c.n, c.key, 0)
 		if got := refusalCode(t, err); got != c.want {
 			t.Errorf("%s: got %s, want %s (%v)", c.name, got, c.want, err)
 		}
+		// A peer without the key learns nothing of the slots there are.
+		if c.want == transport.NoSlot && (err.Error() != errRefuseNoSlot.Error() || strings.Contains(err.Error(), "other")) {
+			t.Errorf("%s: the refusal %q is not the one uniform no_slot refusal", c.name, err)
+		}
+	}
+	if refusals[transport.NoSlot] != 4 || refusals[transport.OutOfBounds] != 3 {
+		t.Errorf("refusals counted %v, want 4 no_slot and 3 out_of_bounds", refusals)
 	}
 	// A filled slot refuses a second write.
 	_, done, err := r.Accept(s.addr, 1000, s.key, 7)
@@ -140,16 +157,68 @@ func TestAcceptRefusals(t *testing.T) {
 	release()
 }
 
+// A slot arrives only once writes have covered every byte of it: a
+// partial write never hands its reader bytes nobody wrote (an earlier
+// tenant's).
+func TestPartialWriteNeverArrives(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	// An earlier tenant leaves its bytes in the arena.
+	old, err := r.newSlot("old", 2048, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dst, done, err := r.Accept(old.addr, 2048, old.key, 1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(dst, bytes.Repeat([]byte("secret"), 400))
+	done(nil)
+	if err := r.deleteSlot("old"); err != nil {
+		t.Fatal(err)
+	}
+	s, err := r.newSlot("fresh", 2048, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(off, n uint64) {
+		t.Helper()
+		dst, done, err := r.Accept(s.addr+off, n, s.key, s.key.Tag())
+		if err != nil {
+			t.Fatal(err)
+		}
+		for i := range dst {
+			dst[i] = 'x'
+		}
+		done(nil)
+	}
+	arrived := func() bool { return r.receives()[0].Arrived }
+	write(1024, 16)
+	if arrived() {
+		t.Fatal("a 16-byte write at offset 1024 made a 2048-byte slot arrive")
+	}
+	write(0, 1024)
+	write(1024, 16) // a retry of a piece counts once
+	if arrived() {
+		t.Fatal("the slot arrived with bytes 1040..2047 never written")
+	}
+	write(1040, 1008)
+	desc, data, release, err := r.waitSlot(context.Background(), "fresh", 0, true)
+	if err != nil || !desc.Arrived || desc.Received != 2048 || !bytes.Equal(data, bytes.Repeat([]byte("x"), 2048)) {
+		t.Fatalf("slot covered whole: %+v, %v", desc, err)
+	}
+	release()
+}
+
 // A failed write leaves the slot open for the retry.
 func TestFailedWriteLeavesSlotOpen(t *testing.T) {
 	r := newTestRegistry(t, 1<<16)
-	s, _ := r.newSlot("r", 100)
-	_, done, err := r.Accept(s.addr, 100, s.key, s.key)
+	s, _ := r.newSlot("r", 100, false)
+	_, done, err := r.Accept(s.addr, 100, s.key, s.key.Tag())
 	if err != nil {
 		t.Fatal(err)
 	}
 	done(errors.New("connection reset"))
-	_, done, err = r.Accept(s.addr, 100, s.key, s.key)
+	_, done, err = r.Accept(s.addr, 100, s.key, s.key.Tag())
 	if err != nil {
 		t.Fatalf("retry after a failed write refused: %v", err)
 	}
@@ -209,7 +278,7 @@ func TestSweepDropsOnlyIdleOldEntries(t *testing.T) {
 	if _, err := r.takeForSend(context.Background(), "busy", 0, func() {}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.newSlot("slot", 64); err != nil {
+	if _, err := r.newSlot("slot", 64, false); err != nil {
 		t.Fatal(err)
 	}
 	out := r.sweep(time.Now().Add(time.Hour), time.Minute, time.Minute)
@@ -234,12 +303,12 @@ func TestConcurrentSlotsAndWrites(t *testing.T) {
 			defer wg.Done()
 			for i := range 200 {
 				id := "g" + string(rune('a'+g)) + "-" + string(rune('a'+i%26)) + string(rune('a'+i/26))
-				s, err := r.newSlot(id, 512)
+				s, err := r.newSlot(id, 512, false)
 				if err != nil {
 					t.Error(err)
 					return
 				}
-				dst, done, err := r.Accept(s.addr, 512, s.key, s.key)
+				dst, done, err := r.Accept(s.addr, 512, s.key, s.key.Tag())
 				if err != nil {
 					t.Error(err)
 					return
@@ -308,13 +377,13 @@ func (c *quarantineClock) next(t *testing.T) func() {
 func TestQuarantineHoldsFreedSlotMemory(t *testing.T) {
 	r := newTestRegistry(t, 4096)
 	clock := withQuarantine(r, time.Hour)
-	whole := func() error { _, err := r.newSlot("whole", 4096); return err }
+	whole := func() error { _, err := r.newSlot("whole", 4096, false); return err }
 
-	a, err := r.newSlot("a", 4096)
+	a, err := r.newSlot("a", 4096, false)
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, done, err := r.Accept(a.addr, 16, a.key, a.key)
+	_, done, err := r.Accept(a.addr, 16, a.key, a.key.Tag())
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -361,7 +430,7 @@ func TestStopEndsQuarantines(t *testing.T) {
 	r := newTestRegistry(t, 4096)
 	clock := withQuarantine(r, time.Hour)
 	for _, id := range []string{"a", "b"} {
-		if _, err := r.newSlot(id, 1024); err != nil {
+		if _, err := r.newSlot(id, 1024, false); err != nil {
 			t.Fatal(err)
 		}
 	}

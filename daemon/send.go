@@ -54,6 +54,10 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest,
 			"%s: buffer_address is missing: use the buffer_address the receiver's POST /v1/receives returned", reqID)
 	}
+	if req.Key.IsZero() && res.Transport != mooncake.TransportName {
+		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest,
+			"%s: key is missing: use the key the receiver's POST /v1/receives returned", reqID)
+	}
 	wait := time.Duration(req.WaitMS) * time.Millisecond
 	if req.WaitMS < 0 || wait > maxWait {
 		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: wait_ms %d is outside 0..%d", reqID, req.WaitMS, maxWait.Milliseconds())
@@ -82,7 +86,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
 	}
 	defer releaseSrc()
-	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key}
+	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag()}
 	res.SharedMR = d.dp.sharedMR(w.Src)
 	start := time.Now()
 	var lastErr error

@@ -10,7 +10,7 @@ import "sort"
 const maxPieces = 4096
 
 // spans is a set of byte ranges, kept sorted and merged: which parts of a
-// receive slot the pieces of an unkeyed (Mooncake) transfer have filled.
+// receive slot the writes into it have filled.
 // A piece sent twice (a retry) counts once. Adding a piece costs a binary
 // search and a merge with its neighbours, not a pass over the whole set.
 type spans struct {

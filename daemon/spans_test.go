@@ -56,7 +56,7 @@ func TestSpansMatchAByteMap(t *testing.T) {
 // while a piece that joins existing ones is still taken.
 func TestUnkeyedPiecesAreCapped(t *testing.T) {
 	r := newTestRegistry(t, 1<<15)
-	s, err := r.newSlot("p", 2*maxPieces+4)
+	s, err := r.newSlot("p", 2*maxPieces+4, true)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -105,7 +105,7 @@ func TestUnkeyedPiecesAreCapped(t *testing.T) {
 func TestSlotArrivesWhenItsLastWriteEnds(t *testing.T) {
 	for _, dupErr := range []error{nil, errBroken} {
 		r := newTestRegistry(t, 8192)
-		s, err := r.newSlot("d", 2000)
+		s, err := r.newSlot("d", 2000, true)
 		if err != nil {
 			t.Fatal(err)
 		}

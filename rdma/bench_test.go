@@ -57,7 +57,7 @@ type benchSink struct {
 	all       chan struct{} // closed at the want-th delivery
 }
 
-func (s *benchSink) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+func (s *benchSink) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
 	return s.mem[addr : addr+n], func(err error) {
 		if err == nil && s.delivered.Add(1) == s.want {
 			close(s.all)

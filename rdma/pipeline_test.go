@@ -443,7 +443,7 @@ type gated struct {
 	open    chan struct{}
 }
 
-func (g *gated) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+func (g *gated) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
 	if tag == g.tag {
 		select {
 		case g.reached <- struct{}{}:

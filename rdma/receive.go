@@ -113,6 +113,8 @@ type receiver struct {
 	gone    chan struct{}   // closed by read when the control connection ends
 	readErr error           // why, set before gone closes; nil for a clean close
 	granted []granted       // outstanding, oldest first
+
+	unmatched int // headers refused for matching no slot
 }
 
 // granted is a write granted and not yet completed.
@@ -218,6 +220,12 @@ func (r *receiver) serve(h tcp.Header) error {
 	}
 	if err != nil {
 		code, msg := tcp.Refusal(err)
+		if code == transport.NoSlot {
+			if r.unmatched++; r.unmatched >= tcp.MaxUnmatched {
+				r.reply(code, tcp.FlagClose, msg, nil)
+				return tcp.ErrUnmatched
+			}
+		}
 		return r.reply(code, 0, msg, nil)
 	}
 	tg, err := t.target(dst)

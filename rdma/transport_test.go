@@ -234,7 +234,7 @@ type watch struct {
 	accepted chan struct{}
 }
 
-func (w *watch) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+func (w *watch) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
 	dst, done, err := w.Slots.Accept(addr, n, key, tag)
 	if err == nil {
 		select {

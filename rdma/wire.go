@@ -30,7 +30,7 @@ package rdma
 //
 // Then any number of writes, several in flight per lane:
 //
-//	client → server  tcp.Header, 24 bytes (addr, len, key, tag)
+//	client → server  tcp.Header, 40 bytes (addr, len, key, tag)
 //	server → client  a reply: a refusal (transport.Code and message, as on
 //	                 a TCP data connection), or code 0 and a grant, 16
 //	                 bytes:

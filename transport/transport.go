@@ -2,8 +2,8 @@
 // writes with RDMA semantics. A sender writes n bytes from local memory to
 // (remote address, key) on a session with a peer daemon, carrying a 32-bit
 // tag (the width of an RDMA immediate) that the receiver sees on completion.
-// The receiver accepts a write only into a live receive slot with the right
-// key. Implementations: transport/tcp (everywhere) and rdma (verbs). Each
+// The receiver accepts a write only into the live receive slot whose key it
+// carries (a 128-bit Key), and only inside that slot. Implementations: transport/tcp (everywhere) and rdma (verbs). Each
 // must pass the conformance suite in transport/transporttest.
 package transport
 
@@ -28,14 +28,14 @@ type Sink interface {
 	// or with the error that stopped the write. Until done returns the slot
 	// stays pinned, so freeing it cannot hand its memory to a newer slot.
 	// A refusal is an *Refusal naming what was wrong.
-	Accept(addr, n uint64, key, tag uint32) (dst []byte, done func(error), err error)
+	Accept(addr, n uint64, key Key, tag uint32) (dst []byte, done func(error), err error)
 }
 
 // Write is one one-sided write.
 type Write struct {
 	Src    []byte // local bytes to send
 	Remote uint64 // destination address in the peer's arena
-	Key    uint32 // the receive slot's key
+	Key    Key    // the receive slot's key
 	Tag    uint32 // delivered to the receiver with the completion
 }
 
@@ -78,9 +78,8 @@ type Code uint32
 
 const (
 	OK           Code = 0
-	NoSlot       Code = 1 // no live receive slot at that address
-	BadKey       Code = 2 // the slot exists but the key differs
-	OutOfBounds  Code = 3 // the write runs past the end of its slot
+	NoSlot       Code = 1 // no live receive slot at that address with that key
+	OutOfBounds  Code = 3 // the write runs past the end of its slot, or is empty
 	SlotBusy     Code = 4 // the slot already has a write landing
 	ShuttingDown Code = 5 // the receiver is stopping
 	Internal     Code = 6
@@ -92,8 +91,6 @@ func (c Code) String() string {
 		return "ok"
 	case NoSlot:
 		return "no_slot"
-	case BadKey:
-		return "bad_key"
 	case OutOfBounds:
 		return "out_of_bounds"
 	case SlotBusy:

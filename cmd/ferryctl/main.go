@@ -312,7 +312,7 @@ func parseUint(s, what string, bits int) (uint64, error) {
 func cmdSend(fs *flag.FlagSet) func(context.Context, *env) error {
 	session := fs.String("session", "", "the receiver's session (host:port), or mooncake://host:port of a Mooncake segment")
 	addr := fs.String("addr", "", "the receiver's buffer_address")
-	key := fs.String("key", "", "the receiver's key (none for a Mooncake segment)")
+	key := fs.String("key", "", "the receive slot's key, 32 hex digits (none for a Mooncake segment)")
 	slotFile := fs.String("slot", "", "a JSON file with session, buffer_address and key (ferryctl --json recv output)")
 	wait := fs.Duration("wait", 0, "wait this long for the req_id to be staged")
 	return func(ctx context.Context, e *env) error {
@@ -336,11 +336,9 @@ func cmdSend(fs *flag.FlagSet) func(context.Context, *env) error {
 				return err
 			}
 			if *key != "" || !strings.HasPrefix(req.Session, "mooncake://") {
-				k, err := parseUint(*key, "--key", 32)
-				if err != nil {
-					return err
+				if err := req.Key.UnmarshalText([]byte(*key)); err != nil {
+					return fmt.Errorf("--key: %w", err)
 				}
-				req.Key = uint32(k)
 			}
 		}
 		res, err := e.c.Send(ctx, id, req)
@@ -358,6 +356,7 @@ func cmdRecv(fs *flag.FlagSet) func(context.Context, *env) error {
 	var sf shapeFlags
 	sf.register(fs)
 	nbytes := fs.Int64("nbytes", 0, "slot size in bytes (or give --shape and --dtype)")
+	mc := fs.Bool("mooncake", false, "let Mooncake senders write into the slot too (ferryd with --mooncake-listen)")
 	return func(ctx context.Context, e *env) error {
 		id, err := e.reqID()
 		if err != nil {
@@ -369,12 +368,16 @@ func cmdRecv(fs *flag.FlagSet) func(context.Context, *env) error {
 				return err
 			}
 		}
-		slot, err := e.c.Receive(ctx, id, n)
+		slot, err := e.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: id, NBytes: n, Mooncake: *mc})
 		if err != nil {
 			return err
 		}
 		return e.print(slot, func(w io.Writer) {
-			fmt.Fprintf(w, "session=%s buffer_address=%#x key=%d nbytes=%d\n", slot.Session, slot.BufferAddress, slot.Key, slot.NBytes)
+			fmt.Fprintf(w, "session=%s buffer_address=%#x key=%s nbytes=%d", slot.Session, slot.BufferAddress, slot.Key, slot.NBytes)
+			if slot.MooncakeSession != "" {
+				fmt.Fprintf(w, " mooncake_session=%s", slot.MooncakeSession)
+			}
+			fmt.Fprintln(w)
 		})
 	}
 }

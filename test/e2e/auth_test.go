@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // secretFile writes a peer secret file, mode 0600, into dir.
@@ -170,7 +171,7 @@ func TestSendToAPortThatIsNotFerry(t *testing.T) {
 	}()
 	snd := startDaemon(t, t.TempDir(), "snd", "--send-retries", "3")
 	stageOn(t, snd, "not-ferry", 4096, 75)
-	_, err = snd.c.Send(ctxT(t), "not-ferry", api.SendRequest{Session: ln.Addr().String(), BufferAddress: 1 << 20, Key: 1})
+	_, err = snd.c.Send(ctxT(t), "not-ferry", api.SendRequest{Session: ln.Addr().String(), BufferAddress: 1 << 20, Key: transport.Key{1}})
 	wantErr(t, err, http.StatusBadGateway, api.CodeTransferFailed, "bad magic", "HTTP", "ret=incompatible", "after 1 attempt(s)", "same ferry release")
 	snd.alive(t)
 }

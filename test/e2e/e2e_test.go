@@ -282,7 +282,10 @@ func TestBadInputGetsClearErrorsAndDaemonStaysUp(t *testing.T) {
 		{"req_id with space", "POST", "/v1/receives", `{"req_id":"a b","nbytes":1}`, 400, "req_id"},
 		{"over-long req_id", "PUT", "/v1/embeddings/" + strings.Repeat("r", 200) + "?shape=1&dtype=u8", "x", 400, "128"},
 		{"zero nbytes slot", "POST", "/v1/receives", `{"req_id":"a","nbytes":0}`, 400, "positive"},
-		{"bad session", "POST", "/v1/embeddings/a/send", `{"session":"nohost","buffer_address":1,"key":1}`, 400, "host:port"},
+		{"bad session", "POST", "/v1/embeddings/a/send", `{"session":"nohost","buffer_address":1,"key":"000102030405060708090a0b0c0d0e0f"}`, 400, "host:port"},
+		{"numeric key", "POST", "/v1/embeddings/a/send", `{"session":"127.0.0.1:1","buffer_address":1,"key":1}`, 400, "key"},
+		{"short key", "POST", "/v1/embeddings/a/send", `{"session":"127.0.0.1:1","buffer_address":1,"key":"0a0b"}`, 400, "32 hex digits"},
+		{"missing key", "POST", "/v1/embeddings/a/send", `{"session":"127.0.0.1:1","buffer_address":1}`, 400, "key is missing"},
 		{"bad wait", "GET", "/v1/receives/a?wait=forever", "", 400, "wait"},
 		{"oversize upload", "PUT", "/v1/embeddings/big?shape=128,1048576&dtype=u8", "", 413, "arena"},
 		{"unknown route", "GET", "/v1/nope", "", 404, "/v1/nope"},
@@ -318,7 +321,7 @@ func TestBadInputGetsClearErrorsAndDaemonStaysUp(t *testing.T) {
 	}
 	// Wrong key → 400.
 	req := slotFor(t, rcv, "keyed", 1024)
-	req.Key++
+	req.Key[15] ^= 1
 	_, err = snd.c.Send(ctx, "dup", req)
 	wantErr(t, err, 400, api.CodeRefused, "key")
 

@@ -59,7 +59,7 @@ func TestMooncakeRDMAWritesIntoReceiveSlots(t *testing.T) {
 	rcv, seg := startMooncakeSegment(t, "--transport", "rdma")
 	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 4 << 20})
 	ctx := ctxT(t)
-	slot, err := rcv.c.Receive(ctx, "mcr-in", embBytes)
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mcr-in", NBytes: embBytes, Mooncake: true})
 	if err != nil {
 		t.Fatal(err)
 	}

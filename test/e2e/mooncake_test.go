@@ -246,7 +246,7 @@ func TestMooncakeWritesIntoReceiveSlots(t *testing.T) {
 	}
 	for _, v1 := range []bool{false, true} {
 		id := fmt.Sprintf("mc-in-v1-%t", v1)
-		slot, err := rcv.c.Receive(ctx, id, embBytes)
+		slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: id, NBytes: embBytes, Mooncake: true})
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -272,7 +272,7 @@ func TestMooncakeWritesIntoReceiveSlots(t *testing.T) {
 
 	// A transfer split into pieces (as Mooncake slices large ones)
 	// arrives with its last byte, in whatever order the pieces come.
-	slot, err := rcv.c.Receive(ctx, "mc-pieces", embBytes)
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mc-pieces", NBytes: embBytes, Mooncake: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -298,11 +298,11 @@ func TestMooncakeWritesIntoReceiveSlots(t *testing.T) {
 func TestMooncakeWritesOutsideLiveSlotsAreRejected(t *testing.T) {
 	rcv, seg := startMooncakeSegment(t)
 	ctx := ctxT(t)
-	slot, err := rcv.c.Receive(ctx, "mc-live", 4096)
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mc-live", NBytes: 4096, Mooncake: true})
 	if err != nil {
 		t.Fatal(err)
 	}
-	freed, err := rcv.c.Receive(ctx, "mc-freed", 4096)
+	freed, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mc-freed", NBytes: 4096, Mooncake: true})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -316,7 +316,7 @@ func TestMooncakeWritesOutsideLiveSlotsAreRejected(t *testing.T) {
 		log  string
 	}{
 		{"past the slot's end", slot.BufferAddress + 4000, 200, "does not fit the receive slot of req_id mc-live"},
-		{"a freed slot", freed.BufferAddress, 64, "no live receive slot"},
+		{"a freed slot", freed.BufferAddress, 64, "no live receive slot open to Mooncake writers"},
 	} {
 		for _, v1 := range []bool{false, true} {
 			_, err := mooncaketest.WriteTo(ctx, seg, c.addr, make([]byte, c.n), v1)
@@ -325,6 +325,21 @@ func TestMooncakeWritesOutsideLiveSlotsAreRejected(t *testing.T) {
 			}
 			rcv.log.wait(t, 5*time.Second, "the rejection's WARN line", logSays("warn", "rejected a WRITE", c.log))
 		}
+	}
+	// A slot that did not ask for Mooncake writers is out of their reach,
+	// though its address is known: only its key's holder writes there.
+	keyed, err := rcv.c.Receive(ctx, "mc-keyed", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if keyed.MooncakeSession != "" {
+		t.Errorf("a keyed slot names Mooncake segment %q", keyed.MooncakeSession)
+	}
+	if _, err := mooncaketest.WriteTo(ctx, seg, keyed.BufferAddress, make([]byte, 4096), false); !mooncake.IsRejected(err) {
+		t.Fatalf("a Mooncake write into a keyed slot: want a rejection, got %v", err)
+	}
+	if info, err := rcv.c.WaitInfo(ctx, "mc-keyed", 0); err != nil || info.Arrived || info.Mooncake {
+		t.Fatalf("keyed slot after a Mooncake write: %+v %v", info, err)
 	}
 	if info, err := rcv.c.WaitInfo(ctx, "mc-live", 0); err != nil || info.Arrived || info.WritesInFlight != 0 {
 		t.Fatalf("slot after rejected writes: %+v %v", info, err)
@@ -391,7 +406,7 @@ func TestMooncakeFerryToFerryOverMooncakeWire(t *testing.T) {
 	rcv, seg := startMooncakeSegment(t)
 	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd"))
 	ctx := ctxT(t)
-	slot, err := rcv.c.Receive(ctx, "mc-ff", embBytes)
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mc-ff", NBytes: embBytes, Mooncake: true})
 	if err != nil {
 		t.Fatal(err)
 	}

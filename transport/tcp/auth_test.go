@@ -200,7 +200,7 @@ func TestAuthDialOlderPeer(t *testing.T) {
 	tx := listen(t, Config{Sink: transporttest.NewSlots(0), Secret: secretA})
 	addr := fakePeer(t, welcomeAs(2, statusBadVersion))
 	_, err := tx.Dial(ctxFor(t, 10*time.Second), addr)
-	for _, w := range []string{"peer speaks version 2", "this daemon speaks version 3", "upgrade the older daemon"} {
+	for _, w := range []string{"peer speaks version 2", "this daemon speaks version 4", "upgrade the older daemon"} {
 		if err == nil || !strings.Contains(err.Error(), w) {
 			t.Errorf("dial error %v does not mention %q", err, w)
 		}

@@ -242,6 +242,10 @@ func (t *Transport) serve(c *net.TCPConn) {
 
 var errNoRDMAHere = errors.New("asked for RDMA, which this transport does not serve")
 
+// ErrUnmatched ends a connection that sent MaxUnmatched writes matching no
+// receive slot: a sender guessing keys, or one holding many stale slots.
+var ErrUnmatched = fmt.Errorf("closed the connection after %d writes that matched no receive slot (keys guessed, or slots long gone)", MaxUnmatched)
+
 // welcome runs the server side of the handshake and returns the
 // client's hello.
 func (t *Transport) welcome(c *net.TCPConn) (hello, error) {
@@ -319,6 +323,8 @@ type receiver struct {
 	hdr [HeaderSize]byte
 	rep [ReplySize + MaxMessage]byte
 	bin []byte // for bodies that are refused; allocated on first use
+
+	unmatched int // writes refused for matching no slot
 }
 
 // run serves writes until the connection ends; a clean close between
@@ -369,6 +375,13 @@ func (r *receiver) serveWrite(h *Header) error {
 	}
 	if err != nil {
 		code, msg := Refusal(err)
+		if code == transport.NoSlot {
+			if r.unmatched++; r.unmatched >= MaxUnmatched {
+				r.reply(code, FlagClose, msg)
+				r.linger()
+				return ErrUnmatched
+			}
+		}
 		if err := r.reply(code, 0, msg); err != nil {
 			return err
 		}

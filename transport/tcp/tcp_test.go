@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -139,8 +140,8 @@ func TestHostileHandshake(t *testing.T) {
 		log    []string // words of the expected log line; nil: no line
 	}{
 		{"WrongMagic", []byte("GET / HTTP/1.1\r\nHost:x\r\n"), statusBadMagic, []string{"bad magic", `"GET "`}},
-		{"WrongVersion", helloBytes(99), statusBadVersion, []string{"version 99", "version 3", "upgrade the older daemon"}},
-		{"OldVersion", helloBytes(2), statusBadVersion, []string{"peer speaks version 2", "version 3", "upgrade the older daemon"}},
+		{"WrongVersion", helloBytes(99), statusBadVersion, []string{"version 99", "version 4", "upgrade the older daemon"}},
+		{"OldVersion", helloBytes(2), statusBadVersion, []string{"peer speaks version 2", "version 4", "upgrade the older daemon"}},
 		{"Truncated", helloBytes(version)[:5], noWelcome, []string{"read 5 of the 24-byte hello", "EOF"}},
 		{"Silent", nil, noWelcome, []string{"read 0 of the 24-byte hello", "timeout"}},
 		{"ConnectAndClose", []byte{}, noWelcome, nil},
@@ -243,7 +244,7 @@ func TestDialHostilePeer(t *testing.T) {
 		want         []string
 		incompatible bool // no re-dial can help: the daemon must not retry
 	}{
-		{"WrongVersion", welcomeAs(4, statusBadVersion), []string{"peer speaks version 4", "this daemon speaks version 3", "upgrade the older daemon"}, true},
+		{"WrongVersion", welcomeAs(5, statusBadVersion), []string{"peer speaks version 5", "this daemon speaks version 4", "upgrade the older daemon"}, true},
 		{"NotFerry", func(c net.Conn) { io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n") }, []string{"bad magic", "HTTP"}, true},
 		{"Refused", welcomeAs(version, 77), []string{"status 77"}, false},
 		{"ClosesEarly", func(c net.Conn) { c.Read(make([]byte, 1)) }, []string{"peer closed the connection"}, false},
@@ -292,7 +293,7 @@ func TestOversizedWrite(t *testing.T) {
 		other := handshake(t, rx)
 		nc := handshake(t, rx)
 		var hb [HeaderSize]byte
-		h := Header{Addr: 0, Len: 1 << 62, Key: 1, Tag: 2}
+		h := Header{Addr: 0, Len: 1 << 62, Key: transport.Key{1}, Tag: 2}
 		h.Encode(&hb)
 		nc.Write(hb[:])
 		var rb [ReplySize]byte
@@ -342,6 +343,62 @@ func TestOversizedWrite(t *testing.T) {
 		t.Errorf("write at the limit: %v", err)
 	}
 	stillServes(t, rx, slots)
+}
+
+// A connection that keeps sending writes no slot matches (a peer guessing
+// keys) gets one uniform refusal each, and after MaxUnmatched of them the
+// receiver closes it; other connections go on.
+func TestWrongKeyFloodClosesConnection(t *testing.T) {
+	slots := transporttest.NewSlots(1 << 20)
+	key := slots.Add(0, 4096)
+	var l logs
+	rx := listen(t, Config{Sink: slots, Logf: l.logf})
+	nc := handshake(t, rx)
+	var hb [HeaderSize]byte
+	var rb [ReplySize]byte
+	var first []byte
+	for i := 1; i <= MaxUnmatched; i++ {
+		guess := transport.NewKey()
+		h := Header{Addr: 0, Len: 4, Key: guess, Tag: guess.Tag()}
+		h.Encode(&hb)
+		nc.SetDeadline(time.Now().Add(10 * time.Second))
+		if _, err := nc.Write(append(hb[:], 1, 2, 3, 4)); err != nil {
+			t.Fatalf("guess %d: %v", i, err)
+		}
+		if _, err := io.ReadFull(nc, rb[:]); err != nil {
+			t.Fatalf("guess %d: reading the reply: %v", i, err)
+		}
+		code, flags, n, err := DecodeReply(&rb)
+		msg := make([]byte, n)
+		io.ReadFull(nc, msg)
+		if err != nil || code != transport.NoSlot {
+			t.Fatalf("guess %d: got %s %q, %v; want no_slot", i, code, msg, err)
+		}
+		if first == nil {
+			first = msg
+		} else if !bytes.Equal(msg, first) {
+			t.Errorf("guess %d: refusal %q differs from the first, %q: refusals must be uniform", i, msg, first)
+		}
+		if closing := flags&FlagClose != 0; closing != (i == MaxUnmatched) {
+			t.Fatalf("guess %d: close flag %t", i, closing)
+		}
+	}
+	if n, err := nc.Read(rb[:]); err != io.EOF {
+		t.Errorf("after %d guesses: got %d bytes and %v, want the connection closed", MaxUnmatched, n, err)
+	}
+	nc.Close()
+	served(t, rx)
+	l.has(t, "matched no receive slot")
+	// The holder of the key still writes, on a connection of its own.
+	tx := listen(t, Config{Sink: transporttest.NewSlots(0)})
+	s, err := tx.Dial(ctxFor(t, 10*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	if err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: []byte("real"), Remote: 0, Key: key, Tag: 9}); err != nil {
+		t.Fatalf("the key's holder: %v", err)
+	}
 }
 
 func TestBodyCutShort(t *testing.T) {

@@ -1,6 +1,6 @@
 package tcp
 
-// Wire protocol of the peer port, version 3. Every integer is
+// Wire protocol of the peer port, version 4. Every integer is
 // little-endian; every record has a fixed size except the message that
 // may follow a reply. The rdma transport speaks the same handshake on the
 // same port (one port, one protocol), which is why Header and the reply
@@ -54,21 +54,26 @@ package tcp
 //
 // Then, on a data connection, any number of writes, one at a time:
 //
-//	client → server  header, 24 bytes, then len bytes of body
+//	client → server  header, 40 bytes, then len bytes of body
 //	  0  addr      u64     destination address in the server's arena
-//	  8  len       u64     body length
-//	 16  key       u32     the receive slot's key
-//	 20  tag       u32     delivered with the completion
+//	  8  len       u64     body length, at least 1
+//	 16  key       [16]byte  the receive slot's key (128 bits)
+//	 32  tag       u32     delivered with the completion
+//	 36  reserved  u32     0
 //
 //	server → client  reply, 8 bytes, then msglen bytes of message
 //	  0  code      u32     transport.Code; 0 (OK) once every byte is placed
+//	                       (code 2, bad_key, was retired in version 4: a
+//	                       key that matches no slot is no_slot, whatever
+//	                       lies at the address)
 //	  4  flags     u16     bit 0: the server closes the connection after
 //	                       this reply (the client must not reuse it)
 //	  6  msglen    u16     at most MaxMessage; 0 for OK
 //
 // A server refuses a write either before reading its body (and then reads
 // and discards the body so the stream stays in step) or, when len exceeds
-// its limit, for good: it replies with the close flag and closes the
+// its limit or the connection has sent MaxUnmatched writes that matched no
+// slot, for good: it replies with the close flag and closes the
 // connection without reading the body.
 
 import (
@@ -82,7 +87,7 @@ import (
 
 const (
 	magic   = "FERY"
-	version = 3
+	version = 4
 
 	helloSize   = 24
 	welcomeSize = 28
@@ -95,11 +100,17 @@ const (
 
 	// HeaderSize and ReplySize are the sizes of a write's header and of
 	// the fixed part of its reply.
-	HeaderSize = 24
+	HeaderSize = 40
 	ReplySize  = 8
 
 	// MaxMessage bounds a refusal message, on both sides.
 	MaxMessage = 1024
+
+	// MaxUnmatched is how many writes matching no receive slot (a key
+	// that is not, or no longer, a live slot's) one connection may send
+	// before the receiver closes it: a sender racing a slot's expiry
+	// meets a few, one guessing keys meets them all.
+	MaxUnmatched = 16
 )
 
 // Connection kinds a hello asks for.
@@ -182,21 +193,23 @@ func (w *welcome) decode(b *[welcomeSize]byte) {
 // has answered.
 type Header struct {
 	Addr, Len uint64
-	Key, Tag  uint32
+	Key       transport.Key
+	Tag       uint32
 }
 
 func (h *Header) Encode(b *[HeaderSize]byte) {
 	binary.LittleEndian.PutUint64(b[0:], h.Addr)
 	binary.LittleEndian.PutUint64(b[8:], h.Len)
-	binary.LittleEndian.PutUint32(b[16:], h.Key)
-	binary.LittleEndian.PutUint32(b[20:], h.Tag)
+	copy(b[16:32], h.Key[:])
+	binary.LittleEndian.PutUint32(b[32:], h.Tag)
+	binary.LittleEndian.PutUint32(b[36:], 0)
 }
 
 func (h *Header) Decode(b *[HeaderSize]byte) {
 	h.Addr = binary.LittleEndian.Uint64(b[0:])
 	h.Len = binary.LittleEndian.Uint64(b[8:])
-	h.Key = binary.LittleEndian.Uint32(b[16:])
-	h.Tag = binary.LittleEndian.Uint32(b[20:])
+	copy(h.Key[:], b[16:32])
+	h.Tag = binary.LittleEndian.Uint32(b[32:])
 }
 
 // EncodeReply writes a reply and its message into b and returns the bytes

@@ -6,7 +6,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
 	"sync"
 
 	"github.com/ferry-project/ferry/transport"
@@ -29,7 +28,7 @@ type Slots struct {
 
 type slot struct {
 	addr, size uint64
-	key        uint32
+	key        transport.Key
 	busy       bool
 }
 
@@ -42,7 +41,7 @@ func NewSlots(size int) *Slots {
 
 // Add makes [addr, addr+size) of Mem a receive slot and returns its key.
 // It panics on a range outside Mem or overlapping another slot.
-func (s *Slots) Add(addr, size uint64) (key uint32) {
+func (s *Slots) Add(addr, size uint64) (key transport.Key) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if size == 0 || addr >= uint64(len(s.Mem)) || size > uint64(len(s.Mem))-addr {
@@ -53,13 +52,13 @@ func (s *Slots) Add(addr, size uint64) (key uint32) {
 			panic(fmt.Sprintf("transporttest: slot [%#x, +%d) overlaps [%#x, +%d)", addr, size, o.addr, o.size))
 		}
 	}
-	sl := &slot{addr: addr, size: size, key: rand.Uint32()}
+	sl := &slot{addr: addr, size: size, key: transport.NewKey()}
 	s.slots = append(s.slots, sl)
 	return sl.key
 }
 
 // Accept implements transport.Sink.
-func (s *Slots) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+func (s *Slots) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	var sl *slot
@@ -70,11 +69,9 @@ func (s *Slots) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), er
 		}
 	}
 	switch {
-	case sl == nil:
-		return nil, nil, &transport.Refusal{Code: transport.NoSlot, Message: fmt.Sprintf("no receive slot at %#x", addr)}
-	case key != sl.key:
-		return nil, nil, &transport.Refusal{Code: transport.BadKey, Message: fmt.Sprintf("wrong key for the slot at %#x", sl.addr)}
-	case n > sl.addr+sl.size-addr: // written so as not to overflow
+	case sl == nil || key != sl.key:
+		return nil, nil, &transport.Refusal{Code: transport.NoSlot, Message: fmt.Sprintf("no receive slot at %#x with that key", addr)}
+	case n == 0 || n > sl.addr+sl.size-addr: // written so as not to overflow
 		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf("%d bytes at %#x run past the slot [%#x, +%d)", n, addr, sl.addr, sl.size)}
 	case sl.busy:
 		return nil, nil, &transport.Refusal{Code: transport.SlotBusy, Message: fmt.Sprintf("the slot at %#x has a write landing", sl.addr)}

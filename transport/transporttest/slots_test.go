@@ -12,7 +12,7 @@ import (
 func TestSlots(t *testing.T) {
 	s := NewSlots(8192)
 	key := s.Add(4096, 4096)
-	refused := func(addr, n uint64, key uint32, want transport.Code) {
+	refused := func(addr, n uint64, key transport.Key, want transport.Code) {
 		t.Helper()
 		_, _, err := s.Accept(addr, n, key, 9)
 		if r := (*transport.Refusal)(nil); !errors.As(err, &r) || r.Code != want {
@@ -21,7 +21,10 @@ func TestSlots(t *testing.T) {
 	}
 	refused(0, 1, key, transport.NoSlot)
 	refused(8192, 1, key, transport.NoSlot)
-	refused(4096, 1, key^1, transport.BadKey)
+	wrong := key
+	wrong[15] ^= 1
+	refused(4096, 1, wrong, transport.NoSlot)
+	refused(4096, 0, key, transport.OutOfBounds)
 	refused(4097, 4096, key, transport.OutOfBounds)
 	refused(4097, ^uint64(0), key, transport.OutOfBounds) // addr+n wraps
 

@@ -112,6 +112,13 @@ func landed(t *testing.T, slots *Slots, tag uint32, addr uint64, src []byte) {
 	}
 }
 
+// flipped is k with its last bit changed: the key of no slot, though its
+// tag (the first 32 bits) is still a live slot's.
+func flipped(k transport.Key) transport.Key {
+	k[transport.KeySize-1] ^= 0x80
+	return k
+}
+
 func zero(b []byte) bool {
 	return bytes.Count(b, []byte{0}) == len(b)
 }
@@ -154,7 +161,7 @@ func testRefusals(t *testing.T, f Factory) {
 		// Bodies of several sizes, so the receiver has to keep the
 		// stream in step past each refused one.
 		{"NoSlot", transport.Write{Src: data()[:mib], Remote: addr + 2*mib, Key: key, Tag: 1}, transport.NoSlot},
-		{"BadKey", transport.Write{Src: data()[:64<<10], Remote: addr, Key: key ^ 1, Tag: 2}, transport.BadKey},
+		{"WrongKey", transport.Write{Src: data()[:64<<10], Remote: addr, Key: flipped(key), Tag: 2}, transport.NoSlot},
 		{"OutOfBounds", transport.Write{Src: data()[:4096], Remote: addr + mib - 100, Key: key, Tag: 3}, transport.OutOfBounds},
 		{"OutOfBoundsWhole", transport.Write{Src: data()[:mib+1], Remote: addr, Key: key, Tag: 4}, transport.OutOfBounds},
 	} {
@@ -232,7 +239,7 @@ func gated(t *testing.T, f Factory, slots *Slots, tags ...uint32) (*gate, transp
 	return g, rx, s
 }
 
-func (g *gate) Accept(addr, n uint64, key, tag uint32) ([]byte, func(error), error) {
+func (g *gate) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
 	if g.held[tag] {
 		g.accepted <- tag
 		<-g.open
