@@ -113,11 +113,21 @@ type CUDAIPC struct {
 	IPCHandle []byte `json:"ipc_handle"` // the 64-byte CUipcMemHandle, base64 in JSON
 }
 
+// RegistrationMode is how the arena is made visible to the NIC, spelt
+// the same in the rdma_registration setting, status and metric labels.
+type RegistrationMode string
+
+const (
+	RegistrationShared  RegistrationMode = "shared"   // the whole arena, once at start
+	RegistrationPerSend RegistrationMode = "per-send" // each write registers its own range
+	RegistrationNone    RegistrationMode = "none"     // no NIC: the TCP transport registers nothing
+)
+
 // Registration says how the arena is made visible to the NIC.
 type Registration struct {
-	Mode   string `json:"mode"` // "shared", "per-send" or "none"
-	Reason string `json:"reason"`
-	Bytes  int64  `json:"bytes,omitempty"`
+	Mode   RegistrationMode `json:"mode"`
+	Reason string           `json:"reason"`
+	Bytes  int64            `json:"bytes,omitempty"`
 	// Millis is how long the shared registration took (or took to fail).
 	Millis float64 `json:"ms,omitempty"`
 	// PerSend counts the writes that registered their own range (on

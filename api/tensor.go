@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"math"
 	"math/bits"
+	"net"
 	"regexp"
 	"sort"
 	"strconv"
@@ -104,6 +105,19 @@ func NBytes(shape []int64, dtype string) (int64, string, error) {
 const MaxReqIDLen = 128
 
 var reqIDPattern = regexp.MustCompile(`^[A-Za-z0-9][A-Za-z0-9._:@-]*$`)
+
+// CheckSession validates a peer daemon's address: host:port, as the
+// session of a receive slot names it.
+func CheckSession(s string) error {
+	host, port, err := net.SplitHostPort(s)
+	if err != nil || host == "" {
+		return fmt.Errorf("session %q is not host:port of a peer ferryd (e.g. 10.0.0.5:%d): use the session the receiver's POST /v1/receives returned", s, DefaultPeerPort)
+	}
+	if p, err := strconv.ParseUint(port, 10, 16); err != nil || p == 0 {
+		return fmt.Errorf("session %q: port %q is not a port number from 1 to 65535", s, port)
+	}
+	return nil
+}
 
 // CheckReqID says what is wrong with a req_id, if anything. req_ids travel in
 // URL paths and log lines, so they are kept to a safe alphabet.

@@ -1,12 +1,13 @@
-// Package config reads ferryd's settings from its defaults, a TOML file,
-// FERRY_* environment variables and command-line flags, each overriding
-// the one before. A setting has one name in all three: the key arena_size
-// is the variable FERRY_ARENA_SIZE and the flag --arena-size.
+// Package config is the one home of ferryd's settings: each one's name,
+// default, help and checks, read from the defaults, a TOML file, FERRY_*
+// environment variables and command-line flags, each overriding the one
+// before. A setting has one name in all three: the key arena_size is the
+// variable FERRY_ARENA_SIZE and the flag --arena-size.
 //
 // The file is strict: an unknown key, a value of the wrong type, or a
 // size or duration that does not parse is an error naming the key, the
 // file and the line. Every value, wherever it comes from, goes through the
-// same checks.
+// same checks (Check), and the daemon takes the same Settings.
 package config
 
 import (
@@ -22,11 +23,8 @@ import (
 	"strings"
 
 	"github.com/pelletier/go-toml/v2"
-	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
-	"github.com/ferry-project/ferry/daemon"
-	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/mooncake"
 )
 
@@ -34,90 +32,174 @@ import (
 // only if it exists: flags and defaults alone run ferryd.
 const DefaultFile = "/etc/ferry/ferryd.toml"
 
+// Transport is the data plane ferryd runs: the transport setting.
+type Transport string
+
+const (
+	TransportAuto Transport = "auto" // RDMA when an active RDMA port exists, else TCP
+	TransportRDMA Transport = "rdma" // RDMA or fail at start
+	TransportTCP  Transport = "tcp"
+)
+
 // Settings is ferryd's configuration, as the TOML file spells it.
 type Settings struct {
-	Socket           string   `toml:"socket"`
-	SocketGroup      string   `toml:"socket_group"`
-	AllowUIDs        []uint32 `toml:"allow_uids"`
-	AllowGIDs        []uint32 `toml:"allow_gids"`
-	RequestTimeout   Duration `toml:"request_timeout"`
-	MaxHeaderBytes   Size     `toml:"max_header_bytes"`
-	MaxBodyBytes     Size     `toml:"max_body_bytes"`
-	Listen           string   `toml:"listen"`
-	Advertise        string   `toml:"advertise"`
-	Transport        string   `toml:"transport"`
-	IOTimeout        Duration `toml:"io_timeout"`
-	MaxConns         int      `toml:"max_conns"`
-	MetricsListen    string   `toml:"metrics_listen"`
-	PeerSecretFile   string   `toml:"peer_secret_file"`
-	MooncakeListen   string   `toml:"mooncake_listen"`
-	MooncakeQPs      int      `toml:"mooncake_qps_per_endpoint"`
-	MooncakeMTU      int      `toml:"mooncake_mtu"`
-	RDMADevice       string   `toml:"rdma_device"`
-	RDMAGIDIndex     int      `toml:"rdma_gid_index"`
-	RDMARegistration string   `toml:"rdma_registration"`
-	Device           string   `toml:"device"`
-	ArenaSize        Size     `toml:"arena_size"`
-	BounceSize       Size     `toml:"bounce_size"`
-	ArenaFile        string   `toml:"arena_file"`
-	SlowThreshold    Duration `toml:"slow_threshold"`
-	SendRetries      int      `toml:"send_retries"`
-	SendTimeout      Duration `toml:"send_timeout"`
-	StageTTL         Duration `toml:"stage_ttl"`
-	ReceiveTTL       Duration `toml:"receive_ttl"`
-	DrainTimeout     Duration `toml:"drain_timeout"`
-	LogLevel         string   `toml:"log_level"`
-	LogFormat        string   `toml:"log_format"`
+	Socket           string               `toml:"socket"`
+	SocketGroup      string               `toml:"socket_group"`
+	AllowUIDs        []uint32             `toml:"allow_uids"`
+	AllowGIDs        []uint32             `toml:"allow_gids"`
+	RequestTimeout   Duration             `toml:"request_timeout"`
+	MaxHeaderBytes   Size                 `toml:"max_header_bytes"`
+	MaxBodyBytes     Size                 `toml:"max_body_bytes"`
+	Listen           string               `toml:"listen"`
+	Advertise        string               `toml:"advertise"`
+	Transport        Transport            `toml:"transport"`
+	IOTimeout        Duration             `toml:"io_timeout"`
+	MaxConns         int                  `toml:"max_conns"`
+	MetricsListen    string               `toml:"metrics_listen"`
+	PeerSecretFile   string               `toml:"peer_secret_file"`
+	MooncakeListen   string               `toml:"mooncake_listen"`
+	MooncakeQPs      int                  `toml:"mooncake_qps_per_endpoint"`
+	MooncakeMTU      int                  `toml:"mooncake_mtu"`
+	RDMADevice       string               `toml:"rdma_device"`
+	RDMAGIDIndex     int                  `toml:"rdma_gid_index"`
+	RDMARegistration api.RegistrationMode `toml:"rdma_registration"`
+	Device           Device               `toml:"device"`
+	ArenaSize        Size                 `toml:"arena_size"`
+	BounceSize       Size                 `toml:"bounce_size"`
+	ArenaFile        string               `toml:"arena_file"`
+	SlowThreshold    Duration             `toml:"slow_threshold"`
+	SendRetries      int                  `toml:"send_retries"`
+	SendTimeout      Duration             `toml:"send_timeout"`
+	StageTTL         Duration             `toml:"stage_ttl"`
+	ReceiveTTL       Duration             `toml:"receive_ttl"`
+	DrainTimeout     Duration             `toml:"drain_timeout"`
+	LogLevel         string               `toml:"log_level"`
+	LogFormat        string               `toml:"log_format"`
 }
 
-// option is one setting: its key, its help text, and its field in a
-// Settings.
+// option is one setting: its key, its default (as text, "" for an empty
+// string or list), its help text, its field in a Settings, and what its
+// value must be beyond parsing (nil: any value that parses is good).
 type option struct {
-	key  string
-	help string
-	of   func(*Settings) value
+	key   string
+	def   string
+	help  string
+	of    func(*Settings) value
+	check func(*Settings) error
 }
+
+// ArenaAlign is the arena's allocation alignment, so also the smallest arena.
+const ArenaAlign = 256
+
+// MaxSendRetries bounds send_retries: retries re-dial at once, so more of
+// them recover nothing that fewer would not.
+const MaxSendRetries = 10
 
 // options is every setting, in the order --print-config writes them.
 var options = []option{
-	{"socket", "control socket `path`", func(s *Settings) value { return (*text)(&s.Socket) }},
-	{"socket_group", "`group` (name or gid) that owns the control socket and the arena file, both mode 0660 (default: ferryd's own group)", func(s *Settings) value { return (*text)(&s.SocketGroup) }},
-	{"allow_uids", "comma-separated `uids` that may call the API (with --allow-gids; both empty: anyone who can open the socket; root and ferryd's own uid always may)", func(s *Settings) value { return (*ids)(&s.AllowUIDs) }},
-	{"allow_gids", "comma-separated `gids` whose members may call the API (primary or supplementary group)", func(s *Settings) value { return (*ids)(&s.AllowGIDs) }},
-	{"request_timeout", "bound (a `duration`) on one control request, from its headers to its answer; must exceed --send-timeout", func(s *Settings) value { return &s.RequestTimeout }},
-	{"max_header_bytes", "bound on a control request's headers (`size`)", func(s *Settings) value { return &s.MaxHeaderBytes }},
-	{"max_body_bytes", "bound on a JSON request body (`size`; uploads are bounded by the arena)", func(s *Settings) value { return &s.MaxBodyBytes }},
-	{"listen", "peer port `host:port` other daemons dial", func(s *Settings) value { return (*text)(&s.Listen) }},
-	{"advertise", "`host:port` receive slots name as their session (default: the listen address, or this host's first IPv4 address when listening on all)", func(s *Settings) value { return (*text)(&s.Advertise) }},
-	{"transport", "`transport` of the data plane: auto (RDMA when an active RDMA port exists, else TCP, logged with why), rdma (fail at start without a usable port) or tcp", func(s *Settings) value {
-		return choice{&s.Transport, []string{"auto", "rdma", "tcp"}}
-	}},
-	{"rdma_device", "RDMA `device` to use, e.g. mlx5_0 (empty: the one whose GID carries the advertised address)", func(s *Settings) value { return (*text)(&s.RDMADevice) }},
-	{"rdma_gid_index", "GID table `index` to use (-1: the RoCE v2 GID of the advertised address)", func(s *Settings) value { return (*number)(&s.RDMAGIDIndex) }},
-	{"rdma_registration", "`mode`: shared (register the arena once) or per-send (debugging: each send registers its range)", func(s *Settings) value {
-		return choice{&s.RDMARegistration, []string{"shared", "per-send"}}
-	}},
-	{"io_timeout", "`deadline` on each network read and write; a stalled peer fails within it", func(s *Settings) value { return &s.IOTimeout }},
-	{"max_conns", "`connections` per peer session (concurrent writes to one peer)", func(s *Settings) value { return (*number)(&s.MaxConns) }},
-	{"metrics_listen", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)", func(s *Settings) value { return (*text)(&s.MetricsListen) }},
-	{"peer_secret_file", "`file` (mode 0600 or stricter) holding a secret of at least 16 bytes every peer daemon must share; peers prove it to each other on every connection (empty: off)", func(s *Settings) value { return (*text)(&s.PeerSecretFile) }},
-	{"mooncake_listen", "also serve as a Mooncake Transfer Engine segment: its RPC (handshake) port on this `host:port`, a TCP data port beside it; Mooncake senders write into receive slots (empty: off)", func(s *Settings) value { return (*text)(&s.MooncakeListen) }},
-	{"mooncake_qps_per_endpoint", "RC `QPs` ferry offers per RDMA endpoint when it dials a Mooncake segment: the peers' MC_NUM_QP_PER_EP, which must match (1 to 16)", func(s *Settings) value { return (*number)(&s.MooncakeQPs) }},
-	{"mooncake_mtu", "path MTU cap (`bytes`: 512, 1024, 2048 or 4096) of RDMA QPs to Mooncake peers: their MC_MTU; Mooncake exchanges no MTU, so each end takes the smaller of the cap and its port's, and both must agree", func(s *Settings) value { return (*number)(&s.MooncakeMTU) }},
-	{"device", "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N", func(s *Settings) value { return (*text)(&s.Device) }},
-	{"arena_size", "arena `size`, e.g. 64MiB or 8GiB", func(s *Settings) value { return &s.ArenaSize }},
-	{"bounce_size", "pinned host memory (`size`) that copies to and from a GPU arena are staged in", func(s *Settings) value { return &s.BounceSize }},
-	{"arena_file", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)", func(s *Settings) value { return (*text)(&s.ArenaFile) }},
-	{"slow_threshold", "log transfers slower than this `duration` (reloaded on SIGHUP)", func(s *Settings) value { return &s.SlowThreshold }},
-	{"send_retries", "re-dial and retry a failed write this many `times`", func(s *Settings) value { return (*number)(&s.SendRetries) }},
-	{"send_timeout", "bound (a `duration`) on one send, retries included", func(s *Settings) value { return &s.SendTimeout }},
-	{"stage_ttl", "drop staged entries not sent or deleted after this `duration` (logged at WARN)", func(s *Settings) value { return &s.StageTTL }},
-	{"receive_ttl", "drop receive slots not freed after this `duration` (logged at WARN)", func(s *Settings) value { return &s.ReceiveTTL }},
-	{"drain_timeout", "on SIGTERM, how `long` in-flight requests may finish before they are cancelled", func(s *Settings) value { return &s.DrainTimeout }},
-	{"log_level", "`level`: debug, info, warn or error (reloaded on SIGHUP)", func(s *Settings) value {
-		return choice{&s.LogLevel, []string{"debug", "info", "warn", "error"}}
-	}},
-	{"log_format", "`format`: json (for journald) or console", func(s *Settings) value { return choice{&s.LogFormat, []string{"json", "console"}} }},
+	{"socket", api.DefaultSocket, "control socket `path`",
+		func(s *Settings) value { return (*text)(&s.Socket) }, checkSocket},
+	{"socket_group", "", "`group` (name or gid) that owns the control socket (mode 0660; default: ferryd's own group); the arena file is ferryd's alone (mode 0600): allowed callers get it over the socket",
+		func(s *Settings) value { return (*text)(&s.SocketGroup) },
+		func(s *Settings) error { _, err := LookupGroup(s.SocketGroup); return err }},
+	{"allow_uids", "", "comma-separated `uids` that may call the API (with --allow-gids; both empty: anyone who can open the socket; root and ferryd's own uid always may)",
+		func(s *Settings) value { return (*ids)(&s.AllowUIDs) }, nil},
+	{"allow_gids", "", "comma-separated `gids` whose members may call the API (primary or supplementary group)",
+		func(s *Settings) value { return (*ids)(&s.AllowGIDs) }, nil},
+	{"request_timeout", "15m", "bound (a `duration`) on one control request, from its headers to its answer; must exceed --send-timeout",
+		func(s *Settings) value { return &s.RequestTimeout },
+		func(s *Settings) error {
+			if s.RequestTimeout.D() <= s.SendTimeout.D() {
+				return fmt.Errorf("must be longer than send_timeout (%s): a send must be able to use its whole time", s.SendTimeout)
+			}
+			return nil
+		}},
+	{"max_header_bytes", "64KiB", "bound on a control request's headers (`size`)",
+		func(s *Settings) value { return &s.MaxHeaderBytes }, sizeWithin(func(s *Settings) Size { return s.MaxHeaderBytes }, 1<<10, 1<<30)},
+	{"max_body_bytes", "64KiB", "bound on a JSON request body (`size`; uploads are bounded by the arena)",
+		func(s *Settings) value { return &s.MaxBodyBytes }, sizeWithin(func(s *Settings) Size { return s.MaxBodyBytes }, 1<<10, 1<<40)},
+	{"listen", fmt.Sprintf(":%d", api.DefaultPeerPort), "peer port `host:port` other daemons dial",
+		func(s *Settings) value { return (*text)(&s.Listen) }, hostPort(func(s *Settings) string { return s.Listen }, false, "e.g. :17100 or 10.0.0.5:17100")},
+	{"advertise", "", "`host:port` receive slots name as their session (default: the listen address, or this host's first IPv4 address when listening on all)",
+		func(s *Settings) value { return (*text)(&s.Advertise) },
+		func(s *Settings) error {
+			if s.Advertise == "" {
+				return nil
+			}
+			return api.CheckSession(s.Advertise)
+		}},
+	{"transport", string(TransportAuto), "`transport` of the data plane: auto (RDMA when an active RDMA port exists, else TCP, logged with why), rdma (fail at start without a usable port) or tcp",
+		func(s *Settings) value {
+			return choice[Transport]{&s.Transport, []Transport{TransportAuto, TransportRDMA, TransportTCP}}
+		}, nil},
+	{"rdma_device", "", "RDMA `device` to use, e.g. mlx5_0 (empty: the one whose GID carries the advertised address)",
+		func(s *Settings) value { return (*text)(&s.RDMADevice) }, nil},
+	{"rdma_gid_index", "-1", "GID table `index` to use (-1: the RoCE v2 GID of the advertised address)",
+		func(s *Settings) value { return (*number)(&s.RDMAGIDIndex) },
+		func(s *Settings) error {
+			if s.RDMAGIDIndex < -1 {
+				return errors.New("is below -1: give a GID table index (see /sys/class/infiniband/*/ports/*/gids), or -1 to choose by the advertised address")
+			}
+			return nil
+		}},
+	{"rdma_registration", string(api.RegistrationShared), "`mode`: shared (register the arena once) or per-send (debugging: each send registers its range)",
+		func(s *Settings) value {
+			return choice[api.RegistrationMode]{&s.RDMARegistration, []api.RegistrationMode{api.RegistrationShared, api.RegistrationPerSend}}
+		}, nil},
+	{"io_timeout", "10s", "`deadline` on each network read and write; a stalled peer fails within it",
+		func(s *Settings) value { return &s.IOTimeout }, positive(func(s *Settings) Duration { return s.IOTimeout })},
+	{"max_conns", "8", "`connections` per peer session (concurrent writes to one peer)",
+		func(s *Settings) value { return (*number)(&s.MaxConns) }, intWithin(func(s *Settings) int { return s.MaxConns }, 1, 1024)},
+	{"metrics_listen", "", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)",
+		func(s *Settings) value { return (*text)(&s.MetricsListen) }, hostPort(func(s *Settings) string { return s.MetricsListen }, true, "e.g. 127.0.0.1:9464 or :9464")},
+	{"peer_secret_file", "", "`file` (mode 0600 or stricter) holding a secret of at least 16 bytes every peer daemon must share; peers prove it to each other on every connection (empty: off)",
+		func(s *Settings) value { return (*text)(&s.PeerSecretFile) },
+		func(s *Settings) error {
+			if s.PeerSecretFile == "" {
+				return nil
+			}
+			_, err := ReadPeerSecret(s.PeerSecretFile)
+			return err
+		}},
+	{"mooncake_listen", "", "also serve as a Mooncake Transfer Engine segment: its RPC (handshake) port on this `host:port`, a TCP data port beside it; Mooncake senders write into receive slots made with \"mooncake\": true (empty: off)",
+		func(s *Settings) value { return (*text)(&s.MooncakeListen) }, hostPort(func(s *Settings) string { return s.MooncakeListen }, true, "e.g. 0.0.0.0:15302: the Mooncake RPC port senders name as the segment")},
+	{"mooncake_qps_per_endpoint", fmt.Sprint(mooncake.DefaultQPs), "RC `QPs` ferry offers per RDMA endpoint when it dials a Mooncake segment: the peers' MC_NUM_QP_PER_EP, which must match (1 to 16)",
+		func(s *Settings) value { return (*number)(&s.MooncakeQPs) }, intWithin(func(s *Settings) int { return s.MooncakeQPs }, 1, mooncake.MaxQPs)},
+	{"mooncake_mtu", fmt.Sprint(mooncake.DefaultMTU), "path MTU cap (`bytes`: 512, 1024, 2048 or 4096) of RDMA QPs to Mooncake peers: their MC_MTU; Mooncake exchanges no MTU, so each end takes the smaller of the cap and its port's, and both must agree",
+		func(s *Settings) value { return (*number)(&s.MooncakeMTU) },
+		func(s *Settings) error {
+			if !slices.Contains([]int{512, 1024, 2048, 4096}, s.MooncakeMTU) {
+				return fmt.Errorf("is not 512, 1024, 2048 or 4096: give the Mooncake peers' MC_MTU (their default is %d)", mooncake.DefaultMTU)
+			}
+			return nil
+		}},
+	{"device", string(DeviceAuto), "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N",
+		func(s *Settings) value { return (*text)(&s.Device) },
+		func(s *Settings) error { _, err := s.Device.Ordinal(); return err }},
+	{"arena_size", "1GiB", "arena `size`, e.g. 64MiB or 8GiB",
+		func(s *Settings) value { return &s.ArenaSize }, sizeWithin(func(s *Settings) Size { return s.ArenaSize }, ArenaAlign, 1<<50)},
+	{"bounce_size", "256MiB", "pinned host memory (`size`) that copies to and from a GPU arena are staged in",
+		func(s *Settings) value { return &s.BounceSize }, nil},
+	{"arena_file", "", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)",
+		func(s *Settings) value { return (*text)(&s.ArenaFile) }, nil},
+	{"slow_threshold", "200ms", "log transfers slower than this `duration` (0: every transfer; reloaded on SIGHUP)",
+		func(s *Settings) value { return &s.SlowThreshold }, nil},
+	{"send_retries", "1", "re-dial and retry a failed write this many `times` (0 to 10)",
+		func(s *Settings) value { return (*number)(&s.SendRetries) }, intWithin(func(s *Settings) int { return s.SendRetries }, 0, MaxSendRetries)},
+	{"send_timeout", "1m", "bound (a `duration`) on one send, retries included",
+		func(s *Settings) value { return &s.SendTimeout }, positive(func(s *Settings) Duration { return s.SendTimeout })},
+	{"stage_ttl", "10m", "drop staged entries not sent or deleted after this `duration` (logged at WARN)",
+		func(s *Settings) value { return &s.StageTTL }, positive(func(s *Settings) Duration { return s.StageTTL })},
+	{"receive_ttl", "10m", "drop receive slots not freed after this `duration` (logged at WARN)",
+		func(s *Settings) value { return &s.ReceiveTTL }, positive(func(s *Settings) Duration { return s.ReceiveTTL })},
+	{"drain_timeout", "30s", "on SIGTERM, how `long` in-flight requests may finish before they are cancelled (0: cancel them at once)",
+		func(s *Settings) value { return &s.DrainTimeout }, nil},
+	{"log_level", "info", "`level`: debug, info, warn or error (reloaded on SIGHUP)",
+		func(s *Settings) value {
+			return choice[string]{&s.LogLevel, []string{"debug", "info", "warn", "error"}}
+		}, nil},
+	{"log_format", "json", "`format`: json (for journald) or console",
+		func(s *Settings) value { return choice[string]{&s.LogFormat, []string{"json", "console"}} }, nil},
 }
 
 func lookup(key string) (option, bool) {
@@ -135,33 +217,13 @@ func EnvName(key string) string  { return "FERRY_" + strings.ToUpper(key) }
 
 // Defaults are the settings with nothing given.
 func Defaults() Settings {
-	return Settings{
-		Socket:           api.DefaultSocket,
-		AllowUIDs:        []uint32{},
-		AllowGIDs:        []uint32{},
-		RequestTimeout:   durationOf(daemon.DefaultRequestTimeout),
-		MaxHeaderBytes:   Size(size.Format(daemon.DefaultMaxHeaderBytes)),
-		MaxBodyBytes:     Size(size.Format(daemon.DefaultMaxBodyBytes)),
-		Listen:           fmt.Sprintf(":%d", api.DefaultPeerPort),
-		Transport:        "auto",
-		RDMAGIDIndex:     -1,
-		RDMARegistration: "shared",
-		IOTimeout:        durationOf(daemon.DefaultIOTimeout),
-		MaxConns:         daemon.DefaultMaxConns,
-		MooncakeQPs:      mooncake.DefaultQPs,
-		MooncakeMTU:      mooncake.DefaultMTU,
-		Device:           "auto",
-		ArenaSize:        Size(size.Format(daemon.DefaultArenaSize)),
-		BounceSize:       Size(size.Format(daemon.DefaultBounceSize)),
-		SlowThreshold:    durationOf(daemon.DefaultSlowThreshold),
-		SendRetries:      1,
-		SendTimeout:      durationOf(daemon.DefaultSendTimeout),
-		StageTTL:         durationOf(daemon.DefaultTTL),
-		ReceiveTTL:       durationOf(daemon.DefaultTTL),
-		DrainTimeout:     "30s",
-		LogLevel:         "info",
-		LogFormat:        "json",
+	var s Settings
+	for _, o := range options {
+		if err := o.of(&s).Set(o.def); err != nil {
+			panic(fmt.Sprintf("config: the default of %s does not parse: %v", o.key, err))
+		}
 	}
+	return s
 }
 
 // Loaded is what Load read: the effective settings, where each came from,
@@ -170,6 +232,7 @@ type Loaded struct {
 	Settings Settings
 	File     string            // the file read, "" for none
 	Source   map[string]string // key -> "file", "FERRY_X" or "--x"; absent: default
+	lines    map[string]int    // key -> the file's line that set it
 
 	CheckOnly bool // --check-config
 	Print     bool // --print-config
@@ -180,7 +243,7 @@ type Loaded struct {
 // environment (through getenv) and the configuration file. A --help
 // returns flag.ErrHelp after printing the usage to usage.
 func Load(args []string, getenv func(string) (string, bool), usage io.Writer) (*Loaded, error) {
-	l := &Loaded{Settings: Defaults(), Source: map[string]string{}}
+	l := &Loaded{Settings: Defaults(), Source: map[string]string{}, lines: map[string]int{}}
 
 	// Flags are checked as they are parsed (into a scratch copy) and
 	// applied last, so they override the file and the environment.
@@ -301,9 +364,10 @@ func (l *Loaded) readFile(explicit bool) error {
 			continue
 		}
 		l.Source[o.key] = "file"
+		l.lines[o.key] = lineOf(data, o.key)
 		v := o.of(&l.Settings)
 		if err := v.Set(v.String()); err != nil {
-			errs = append(errs, fmt.Errorf("%s: %s: %v", l.where(lineOf(data, o.key), 0), o.key, err))
+			errs = append(errs, fmt.Errorf("%s: %s: %v", l.where(l.lines[o.key], 0), o.key, err))
 		}
 	}
 	return errors.Join(errs...)
@@ -396,31 +460,6 @@ func editDistance(a, b string) int {
 		prev = cur
 	}
 	return prev[len(b)]
-}
-
-// Daemon is the daemon's runtime configuration for these settings.
-func (s Settings) Daemon(log zerolog.Logger) daemon.Config {
-	return daemon.Config{
-		Socket: s.Socket, Listen: s.Listen, Advertise: s.Advertise,
-		Device: s.Device, Transport: s.Transport,
-		ArenaSize: s.ArenaSize.Bytes(), BounceSize: s.BounceSize.Bytes(), ArenaFile: s.ArenaFile,
-		SlowThreshold: s.SlowThreshold.D(), SendRetries: s.SendRetries, SendTimeout: s.SendTimeout.D(),
-		StageTTL: s.StageTTL.D(), ReceiveTTL: s.ReceiveTTL.D(),
-		IOTimeout: s.IOTimeout.D(), MaxConns: s.MaxConns, MetricsListen: s.MetricsListen, PeerSecretFile: s.PeerSecretFile, Log: log,
-		RDMADevice: s.RDMADevice, RDMAGIDIndex: gidIndex(s.RDMAGIDIndex), RDMARegistration: s.RDMARegistration,
-		MooncakeListen: s.MooncakeListen, MooncakeQPs: s.MooncakeQPs, MooncakeMTU: s.MooncakeMTU,
-		SocketGroup: s.SocketGroup, AllowUIDs: s.AllowUIDs, AllowGIDs: s.AllowGIDs,
-		RequestTimeout: s.RequestTimeout.D(),
-		MaxHeaderBytes: int(s.MaxHeaderBytes.Bytes()), MaxBodyBytes: s.MaxBodyBytes.Bytes(),
-	}
-}
-
-// gidIndex is nil (choose) for a negative index.
-func gidIndex(i int) *int {
-	if i < 0 {
-		return nil
-	}
-	return &i
 }
 
 // Changed lists the keys whose values differ between a and b.

@@ -10,8 +10,6 @@ import (
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/rs/zerolog"
 )
 
 // env is a fake environment for Load.
@@ -52,8 +50,8 @@ func TestEveryFieldHasOneOption(t *testing.T) {
 		// The option's value is that very field.
 		v := o.of(&s)
 		p := reflect.ValueOf(v)
-		if c, ok := v.(choice); ok {
-			p = reflect.ValueOf(c.p)
+		if f, ok := v.(fielder); ok {
+			p = reflect.ValueOf(f.field())
 		}
 		if p.UnsafePointer() != reflect.ValueOf(&s).Elem().Field(i).Addr().UnsafePointer() {
 			t.Errorf("option %q is not field %s", key, typ.Field(i).Name)
@@ -98,9 +96,8 @@ func TestPrecedenceFlagsEnvFileDefaults(t *testing.T) {
 	if !reflect.DeepEqual(l.Source, wantSrc) {
 		t.Fatalf("sources %v, want %v", l.Source, wantSrc)
 	}
-	cfg := l.Settings.Daemon(zerolog.Nop())
-	if cfg.SlowThreshold != 5*time.Millisecond || cfg.ArenaSize != 2<<30 || cfg.MaxConns != 4 || cfg.SendTimeout != time.Minute {
-		t.Fatalf("daemon config %+v", cfg)
+	if s := l.Settings; s.SlowThreshold.D() != 5*time.Millisecond || s.ArenaSize.Bytes() != 2<<30 || s.SendTimeout.D() != time.Minute {
+		t.Fatalf("settings %+v", s)
 	}
 }
 
@@ -204,5 +201,83 @@ func TestChanged(t *testing.T) {
 	b.LogLevel, b.AllowUIDs = "debug", []uint32{7}
 	if got := Changed(a, b); !reflect.DeepEqual(got, []string{"allow_uids", "log_level"}) {
 		t.Fatalf("Changed = %v", got)
+	}
+}
+
+func TestDeviceOrdinal(t *testing.T) {
+	for in, want := range map[Device]int{"auto": -1, "cpu": -1, "cuda:0": 0, "cuda:7": 7} {
+		if got, err := in.Ordinal(); err != nil || got != want {
+			t.Errorf("Device(%q).Ordinal() = %d, %v; want %d", in, got, err, want)
+		}
+	}
+	for _, in := range []Device{"", "gpu", "cuda", "cuda:", "cuda:-1", "cuda:x", "CUDA:0", "cuda:0 "} {
+		if _, err := in.Ordinal(); err == nil || !strings.Contains(err.Error(), "use auto") {
+			t.Errorf("Device(%q).Ordinal() = %v, want an error listing the choices", in, err)
+		}
+	}
+}
+
+// Check names each bad setting as it was given (flag, variable, file and
+// line, or the default), with its value and what a good one is.
+func TestCheckNamesEachSettingWhereItCameFrom(t *testing.T) {
+	file := writeFile(t, "mooncake_mtu = 1500\n\nmax_conns = 0\n")
+	l, err := load(t, []string{"--config", file, "--device", "tpu:0", "--rdma-gid-index", "-2", "--send-timeout", "20m"},
+		env("FERRY_STAGE_TTL", "0s", "FERRY_METRICS_LISTEN", "9464", "FERRY_MOONCAKE_QPS_PER_ENDPOINT", "17"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	err = l.Check()
+	for _, want := range []string{
+		`--device "tpu:0": is not a device: use auto`,
+		`--rdma-gid-index "-2": is below -1`,
+		`FERRY_STAGE_TTL "0s": must be above zero`,
+		`FERRY_METRICS_LISTEN "9464": is not host:port`,
+		`FERRY_MOONCAKE_QPS_PER_ENDPOINT "17": is outside 1..16`,
+		file + `, line 1: mooncake_mtu "1500": is not 512, 1024, 2048 or 4096`,
+		file + `, line 3: max_conns "0": is outside 1..1024`,
+		`request_timeout (default) "15m": must be longer than send_timeout (20m)`,
+	} {
+		if err == nil || !strings.Contains(err.Error(), want) {
+			t.Errorf("Check() = %v\nwant it to say %q", err, want)
+		}
+	}
+	if err := l.Settings.Check(); err == nil || !strings.Contains(err.Error(), `stage_ttl "0s": must be above zero`) {
+		t.Errorf("Settings.Check() names keys: got %v", err)
+	}
+}
+
+// A zero is honoured where it means something and refused where it
+// does not; the defaults pass.
+func TestExplicitZeros(t *testing.T) {
+	s := Defaults()
+	if err := s.Check(); err != nil {
+		t.Fatalf("the defaults do not pass: %v", err)
+	}
+	l, err := load(t, []string{"--config", os.DevNull, "--slow-threshold", "0s", "--send-retries", "0", "--drain-timeout", "0s", "--bounce-size", "0"}, env())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := l.Check(); err != nil {
+		t.Fatalf("meaningful zeros refused: %v", err)
+	}
+	if l.Settings.SlowThreshold.D() != 0 || l.Source["slow_threshold"] != "--slow-threshold" {
+		t.Fatalf("slow_threshold 0s became %q from %q", l.Settings.SlowThreshold, l.Source["slow_threshold"])
+	}
+	for _, key := range []string{"io_timeout", "send_timeout", "stage_ttl", "receive_ttl", "request_timeout", "max_conns", "arena_size", "max_body_bytes", "max_header_bytes"} {
+		o, ok := lookup(key)
+		if !ok {
+			t.Fatalf("no option %s", key)
+		}
+		zero := "0"
+		if _, ok := o.of(&Settings{}).(*Duration); ok {
+			zero = "0s"
+		}
+		l, err := load(t, []string{"--config", os.DevNull, "--" + FlagName(key), zero}, env())
+		if err == nil {
+			err = l.Check()
+		}
+		if err == nil || !strings.Contains(err.Error(), "--"+FlagName(key)) {
+			t.Errorf("%s = %s: got %v, want a refusal naming --%s", key, zero, err, FlagName(key))
+		}
 	}
 }

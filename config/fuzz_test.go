@@ -7,8 +7,6 @@ import (
 	"reflect"
 	"strings"
 	"testing"
-
-	"github.com/rs/zerolog"
 )
 
 // noEnv is an environment without FERRY_* variables; FERRY_CONFIG names
@@ -34,7 +32,6 @@ func reload(t *testing.T, l *Loaded, dir string) {
 	if !reflect.DeepEqual(again.Settings, l.Settings) {
 		t.Fatalf("the printed configuration loads as\n%+v\nnot\n%+v\n%s", again.Settings, l.Settings, out)
 	}
-	_ = l.Settings.Daemon(zerolog.Nop())
 }
 
 // FuzzConfigFile loads arbitrary bytes as the TOML file. An error names

@@ -34,21 +34,34 @@ func (t *text) Set(s string) error {
 func (t *text) String() string { return string(*t) }
 func (t *text) want() string   { return `a string in quotes` }
 
-// choice is a string setting with a fixed set of values.
-type choice struct {
-	p  *string
-	of []string
+// choice is a setting of a string type with a fixed set of values.
+type choice[T ~string] struct {
+	p  *T
+	of []T
 }
 
-func (c choice) Set(s string) error {
-	if !slices.Contains(c.of, s) {
-		return fmt.Errorf("%q is not one of %s", s, strings.Join(c.of, ", "))
+func (c choice[T]) Set(s string) error {
+	if !slices.Contains(c.of, T(s)) {
+		return fmt.Errorf("%q is not one of %s", s, c.list())
 	}
-	*c.p = s
+	*c.p = T(s)
 	return nil
 }
-func (c choice) String() string { return *c.p }
-func (c choice) want() string   { return "one of " + strings.Join(c.of, ", ") + ", in quotes" }
+func (c choice[T]) String() string { return string(*c.p) }
+func (c choice[T]) want() string   { return "one of " + c.list() + ", in quotes" }
+func (c choice[T]) field() any     { return c.p }
+
+func (c choice[T]) list() string {
+	out := make([]string, len(c.of))
+	for i, v := range c.of {
+		out[i] = string(v)
+	}
+	return strings.Join(out, ", ")
+}
+
+// fielder is a value that is not itself the field it sets: the test that
+// every field has one option asks it for the field.
+type fielder interface{ field() any }
 
 // number is an integer setting.
 type number int
@@ -87,18 +100,6 @@ func (d *Duration) want() string   { return `a duration in quotes, e.g. "200ms",
 func (d Duration) D() time.Duration {
 	v, _ := time.ParseDuration(string(d))
 	return v
-}
-
-func durationOf(t time.Duration) Duration {
-	s := t.String()
-	// "1m0s" and "1h0m0s" read better as "1m" and "1h".
-	if strings.HasSuffix(s, "m0s") {
-		s = strings.TrimSuffix(s, "0s")
-	}
-	if strings.HasSuffix(s, "h0m") {
-		s = strings.TrimSuffix(s, "0m")
-	}
-	return Duration(s)
 }
 
 // Size is a byte count as written ("64MiB", "8GiB", "4096"), a TOML

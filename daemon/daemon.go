@@ -7,7 +7,6 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/binary"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -17,8 +16,8 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -26,196 +25,16 @@ import (
 // Version is ferryd's version, set at link time.
 var Version = "dev"
 
-// Config is everything ferryd is told at start. Zero values mean the
-// defaults below; Check reports what is wrong.
+// Config is everything ferryd is told at start: its settings (whose
+// defaults and checks are package config's), where to log, and the
+// control socket when systemd passed it.
 type Config struct {
-	Socket        string        // control socket path
-	Listen        string        // peer port, host:port
-	Advertise     string        // what receive slots name as session; default from Listen
-	Device        string        // "auto", "cpu" or "cuda:N"
-	Transport     string        // "auto", "rdma" or "tcp"
-	ArenaSize     int64         // bytes
-	ArenaFile     string        // backing file clients map; default Socket+".arena"
-	BounceSize    int64         // pinned host memory copies to and from a GPU arena are staged in
-	SlowThreshold time.Duration // transfers slower than this are logged
-	SendRetries   int           // re-dials after a failed write
-	SendTimeout   time.Duration // bound on one send, retries included
-	StageTTL      time.Duration // staged entries older than this are swept
-	ReceiveTTL    time.Duration // receive slots older than this are swept
-	IOTimeout     time.Duration // deadline on each network read/write
-	MaxConns      int           // connections per peer session
-	RDMADevice    string        // RDMA device to use; "" chooses
-	RDMAGIDIndex  *int          // GID table index; nil chooses by the advertised address
-	// RDMARegistration is "shared" (the arena registered once) or
-	// "per-send" (a debugging switch: each send registers its range).
-	RDMARegistration string
-	MetricsListen    string // optional TCP host:port serving GET /metrics; "" for none
-	PeerSecretFile   string // file holding the secret peers must share; "" for none
-	MooncakeListen   string // optional host:port serving as a Mooncake segment; "" for none
-	MooncakeQPs      int    // QPs per RDMA endpoint to a Mooncake segment (the peers' MC_NUM_QP_PER_EP); 0 is mooncake.DefaultQPs
-	MooncakeMTU      int    // path MTU cap of Mooncake RDMA QPs in bytes (the peers' MC_MTU); 0 is mooncake.DefaultMTU
-	Log              zerolog.Logger
-
-	// The control socket's access and limits.
-	SocketGroup    string        // group (name or gid) owning the control socket and arena file; "" keeps ferryd's own
-	AllowUIDs      []uint32      // with AllowGIDs, who may call the API; both empty: anyone who can open the socket
-	AllowGIDs      []uint32      // matched against the caller's primary and supplementary groups
-	RequestTimeout time.Duration // bound on one control request, from its headers to its answer
-	MaxHeaderBytes int           // bound on a request's headers
-	MaxBodyBytes   int64         // bound on a JSON request body (uploads are bounded by the arena)
+	config.Settings
+	Log zerolog.Logger
 	// ControlListener, when set, is the control socket already listening
 	// (systemd socket activation): ferryd serves on it and leaves the file,
 	// its mode and group to whoever created it.
 	ControlListener net.Listener
-}
-
-// Defaults.
-const (
-	DefaultArenaSize      = 1 << 30
-	DefaultBounceSize     = 256 << 20
-	DefaultSlowThreshold  = 200 * time.Millisecond
-	DefaultSendTimeout    = 60 * time.Second
-	DefaultTTL            = 10 * time.Minute
-	DefaultIOTimeout      = 10 * time.Second
-	DefaultMaxConns       = 8
-	DefaultRequestTimeout = 15 * time.Minute // above the longest wait a request may ask for
-	DefaultMaxHeaderBytes = 64 << 10
-	DefaultMaxBodyBytes   = 64 << 10
-	arenaAlign            = 256
-)
-
-func (c *Config) applyDefaults() {
-	if c.Socket == "" {
-		c.Socket = api.DefaultSocket
-	}
-	if c.Listen == "" {
-		c.Listen = fmt.Sprintf(":%d", api.DefaultPeerPort)
-	}
-	if c.Device == "" {
-		c.Device = "auto"
-	}
-	if c.Transport == "" {
-		c.Transport = "auto"
-	}
-	if c.RDMARegistration == "" {
-		c.RDMARegistration = "shared"
-	}
-	if c.ArenaSize == 0 {
-		c.ArenaSize = DefaultArenaSize
-	}
-	if c.ArenaFile == "" {
-		c.ArenaFile = c.Socket + ".arena"
-	}
-	if c.BounceSize == 0 {
-		c.BounceSize = DefaultBounceSize
-	}
-	if c.SlowThreshold == 0 {
-		c.SlowThreshold = DefaultSlowThreshold
-	}
-	if c.SendTimeout == 0 {
-		c.SendTimeout = DefaultSendTimeout
-	}
-	if c.StageTTL == 0 {
-		c.StageTTL = DefaultTTL
-	}
-	if c.ReceiveTTL == 0 {
-		c.ReceiveTTL = DefaultTTL
-	}
-	if c.IOTimeout == 0 {
-		c.IOTimeout = DefaultIOTimeout
-	}
-	if c.MaxConns == 0 {
-		c.MaxConns = DefaultMaxConns
-	}
-	if c.MooncakeQPs == 0 {
-		c.MooncakeQPs = mooncake.DefaultQPs
-	}
-	if c.MooncakeMTU == 0 {
-		c.MooncakeMTU = mooncake.DefaultMTU
-	}
-	if c.RequestTimeout == 0 {
-		c.RequestTimeout = DefaultRequestTimeout
-	}
-	if c.MaxHeaderBytes == 0 {
-		c.MaxHeaderBytes = DefaultMaxHeaderBytes
-	}
-	if c.MaxBodyBytes == 0 {
-		c.MaxBodyBytes = DefaultMaxBodyBytes
-	}
-}
-
-// Check says what is wrong with the configuration, one sentence per field.
-func (c *Config) Check() error {
-	c.applyDefaults()
-	var errs []error
-	if _, err := parseDevice(c.Device); err != nil {
-		errs = append(errs, err)
-	}
-	switch c.Transport {
-	case "auto", "rdma", "tcp":
-	default:
-		errs = append(errs, fmt.Errorf("--transport %q: use auto (RDMA when a usable RDMA port exists, else TCP), rdma or tcp", c.Transport))
-	}
-	if c.RDMARegistration != "shared" && c.RDMARegistration != "per-send" {
-		errs = append(errs, fmt.Errorf("--rdma-registration %q: use shared or per-send", c.RDMARegistration))
-	}
-	if c.RDMAGIDIndex != nil && *c.RDMAGIDIndex < 0 {
-		errs = append(errs, fmt.Errorf("--rdma-gid-index %d is negative: give a GID table index (see /sys/class/infiniband/*/ports/*/gids) or leave it out to choose by the advertised address", *c.RDMAGIDIndex))
-	}
-	if c.ArenaSize < arenaAlign {
-		errs = append(errs, fmt.Errorf("--arena-size %d is too small: give at least %d bytes, e.g. 64MiB", c.ArenaSize, arenaAlign))
-	}
-	if c.BounceSize < 0 {
-		errs = append(errs, fmt.Errorf("--bounce-size %d is negative", c.BounceSize))
-	}
-	if c.SendRetries < 0 || c.SendRetries > 10 {
-		errs = append(errs, fmt.Errorf("--send-retries %d is outside 0..10", c.SendRetries))
-	}
-	for name, d := range map[string]time.Duration{
-		"--slow-threshold": c.SlowThreshold, "--send-timeout": c.SendTimeout, "--stage-ttl": c.StageTTL,
-		"--receive-ttl": c.ReceiveTTL, "--io-timeout": c.IOTimeout, "--request-timeout": c.RequestTimeout,
-	} {
-		if d < 0 {
-			errs = append(errs, fmt.Errorf("%s %s is negative", name, d))
-		}
-	}
-	if _, _, err := net.SplitHostPort(c.Listen); err != nil {
-		errs = append(errs, fmt.Errorf("--listen %q is not host:port (e.g. :17100 or 10.0.0.5:17100)", c.Listen))
-	}
-	if _, _, err := net.SplitHostPort(c.MetricsListen); c.MetricsListen != "" && err != nil {
-		errs = append(errs, fmt.Errorf("--metrics-listen %q is not host:port (e.g. 127.0.0.1:9464 or :9464)", c.MetricsListen))
-	}
-	if _, _, err := net.SplitHostPort(c.MooncakeListen); c.MooncakeListen != "" && err != nil {
-		errs = append(errs, fmt.Errorf("--mooncake-listen %q is not host:port (e.g. 0.0.0.0:15302): the Mooncake RPC port senders name as the segment", c.MooncakeListen))
-	}
-	if c.MooncakeQPs < 1 || c.MooncakeQPs > mooncake.MaxQPs {
-		errs = append(errs, fmt.Errorf("--mooncake-qps-per-endpoint %d is outside 1..%d: give the Mooncake peers' MC_NUM_QP_PER_EP (their default is %d)", c.MooncakeQPs, mooncake.MaxQPs, mooncake.DefaultQPs))
-	}
-	switch c.MooncakeMTU {
-	case 512, 1024, 2048, 4096: // the MC_MTU values Mooncake takes
-	default:
-		errs = append(errs, fmt.Errorf("--mooncake-mtu %d: use 512, 1024, 2048 or 4096, the Mooncake peers' MC_MTU (their default is %d)", c.MooncakeMTU, mooncake.DefaultMTU))
-	}
-	if c.Advertise != "" {
-		if err := checkSession(c.Advertise); err != nil {
-			errs = append(errs, fmt.Errorf("--advertise: %v", err))
-		}
-	}
-	if c.RequestTimeout <= c.SendTimeout {
-		errs = append(errs, fmt.Errorf("--request-timeout %s must be longer than --send-timeout %s: a send must be able to use its whole time", c.RequestTimeout, c.SendTimeout))
-	}
-	if c.MaxHeaderBytes < 1<<10 || c.MaxBodyBytes < 1<<10 {
-		errs = append(errs, fmt.Errorf("--max-header-bytes %d and --max-body-bytes %d must each be at least 1KiB", c.MaxHeaderBytes, c.MaxBodyBytes))
-	}
-	if _, err := lookupGroup(c.SocketGroup); err != nil {
-		errs = append(errs, err)
-	}
-	if c.PeerSecretFile != "" {
-		if _, err := readPeerSecret(c.PeerSecretFile); err != nil {
-			errs = append(errs, err)
-		}
-	}
-	return errors.Join(errs...)
 }
 
 // Daemon is one running ferryd.
@@ -258,12 +77,12 @@ func New(cfg Config) (*Daemon, error) {
 			cfg.Socket = p
 		}
 	}
-	if err := cfg.Check(); err != nil {
+	if err := cfg.Settings.Check(); err != nil {
 		return nil, err
 	}
 	d := &Daemon{cfg: cfg, log: cfg.Log, started: time.Now(), instance: randomInstance()}
-	d.slowNanos.Store(int64(cfg.SlowThreshold))
-	gid, _ := lookupGroup(cfg.SocketGroup) // Check resolved it
+	d.slowNanos.Store(int64(cfg.SlowThreshold.D()))
+	gid, _ := config.LookupGroup(cfg.SocketGroup) // Check resolved it
 
 	// Claim the control socket first: if another ferryd answers there, stop
 	// before touching its arena file.
@@ -296,7 +115,7 @@ func New(cfg Config) (*Daemon, error) {
 			return nil, err
 		}
 	}
-	d.arena, err = arena.New(d.mem.Memory, arenaAlign)
+	d.arena, err = arena.New(d.mem.Memory, config.ArenaAlign)
 	if err != nil {
 		return nil, err
 	}
@@ -314,7 +133,7 @@ func New(cfg Config) (*Daemon, error) {
 	if d.advertise == "" {
 		d.advertise = advertiseFor(d.tr.Addr(), d.log)
 	}
-	mc := &mooncake.Dialer{IOTimeout: cfg.IOTimeout, MaxConns: cfg.MaxConns, QPs: cfg.MooncakeQPs,
+	mc := &mooncake.Dialer{IOTimeout: cfg.IOTimeout.D(), MaxConns: cfg.MaxConns, QPs: cfg.MooncakeQPs,
 		Self: &mooncake.Segment{Name: d.advertise, Protocol: "tcp", Buffers: []mooncake.Buffer{}}}
 	if d.dp.rdma != nil {
 		mc.RDMA = d.dp.rdma
@@ -360,9 +179,9 @@ func New(cfg Config) (*Daemon, error) {
 		ReadHeaderTimeout: 10 * time.Second,
 		// The server's own limits sit a little above RequestTimeout, so the
 		// handler's deadline ends a request first, with an answer that says so.
-		ReadTimeout:    cfg.RequestTimeout + requestGrace,
-		WriteTimeout:   cfg.RequestTimeout + requestGrace,
-		MaxHeaderBytes: cfg.MaxHeaderBytes,
+		ReadTimeout:    cfg.RequestTimeout.D() + requestGrace,
+		WriteTimeout:   cfg.RequestTimeout.D() + requestGrace,
+		MaxHeaderBytes: int(cfg.MaxHeaderBytes.Bytes()),
 		ErrorLog:       newStdLogger(d.log),
 		BaseContext:    func(net.Listener) context.Context { return d.reqCtx },
 		ConnContext:    withCaller,
@@ -437,7 +256,7 @@ func (d *Daemon) Serve(ctx context.Context, drain time.Duration) error {
 	ev := d.log.Info().
 		Str("socket", d.cfg.Socket).Str("listen", d.tr.Addr().String()).Str("advertise", d.advertise).
 		Str("transport", d.tr.Name()).Str("device", d.mem.device).Int64("arena_size", d.mem.Size()).
-		Str("arena_file", d.mem.Path()).Str("registration", d.dp.registration().Mode)
+		Str("arena_file", d.mem.Path()).Str("registration", string(d.dp.registration().Mode))
 	if d.metricsLn != nil {
 		ev = ev.Str("metrics", d.metricsLn.Addr().String())
 	}
@@ -495,7 +314,7 @@ func (d *Daemon) closeAll() {
 // sweepLoop drops what outlived its TTL, naming each req_id at WARN: staged
 // data is never lost without a line that says so.
 func (d *Daemon) sweepLoop(ctx context.Context) {
-	every := min(d.cfg.StageTTL, d.cfg.ReceiveTTL) / 10
+	every := min(d.cfg.StageTTL.D(), d.cfg.ReceiveTTL.D()) / 10
 	every = max(every, 100*time.Millisecond)
 	t := time.NewTicker(every)
 	defer t.Stop()
@@ -504,7 +323,7 @@ func (d *Daemon) sweepLoop(ctx context.Context) {
 		case <-ctx.Done():
 			return
 		case now := <-t.C:
-			drops := d.reg.sweep(now, d.cfg.StageTTL, d.cfg.ReceiveTTL)
+			drops := d.reg.sweep(now, d.cfg.StageTTL.D(), d.cfg.ReceiveTTL.D())
 			for _, x := range drops {
 				d.metrics.swept.WithLabelValues(x.kind).Inc()
 			}

@@ -78,7 +78,7 @@ func (d *Daemon) serveOne(w http.ResponseWriter, r *http.Request, h func(http.Re
 		return errStopping
 	}
 	defer d.inflight.leave()
-	ctx, cancel := context.WithTimeoutCause(r.Context(), d.cfg.RequestTimeout, errRequestTimeout)
+	ctx, cancel := context.WithTimeoutCause(r.Context(), d.cfg.RequestTimeout.D(), errRequestTimeout)
 	defer cancel()
 	err := h(w, r.WithContext(ctx))
 	if err == nil {

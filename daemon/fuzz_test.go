@@ -8,12 +8,9 @@ import (
 	"fmt"
 	"net/http"
 	"net/http/httptest"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
-
-	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
 )
@@ -39,11 +36,9 @@ var statusOf = map[string]int{
 // Seeds: testdata/fuzz/FuzzControlAPI.
 func FuzzControlAPI(f *testing.F) {
 	dir := f.TempDir()
-	d, err := New(Config{
-		Socket: filepath.Join(dir, "d.sock"), Listen: "127.0.0.1:0", Device: "cpu", ArenaSize: 1 << 20,
-		SendTimeout: 2 * time.Second, IOTimeout: 2 * time.Second, RequestTimeout: 5 * time.Second,
-		Log: zerolog.Nop(),
-	})
+	cfg := testConfig(dir, "d")
+	cfg.ArenaSize, cfg.SendTimeout, cfg.IOTimeout, cfg.RequestTimeout = "1MiB", "2s", "2s", "5s"
+	d, err := New(cfg)
 	if err != nil {
 		f.Fatal(err)
 	}
@@ -80,7 +75,7 @@ func dialsElsewhere(d *Daemon, body []byte) bool {
 	if json.NewDecoder(bytes.NewReader(body)).Decode(&sr) != nil {
 		return false // the daemon's stricter decoding refuses it too
 	}
-	return checkSession(sr.Session) == nil && sr.Session != d.advertise
+	return api.CheckSession(sr.Session) == nil && sr.Session != d.advertise
 }
 
 func checkAnswer(t *testing.T, req *http.Request, rec *httptest.ResponseRecorder) {

@@ -9,6 +9,7 @@ import (
 	"testing"
 
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/config"
 )
 
 // deviceMemory stands in for a GPU arena beneath the arena.Copier seam
@@ -41,7 +42,7 @@ func (m *deviceMemory) Bounce(n int64) ([]byte, func()) { return make([]byte, n)
 // receiver's wait says what happened, and a resend can still land.
 func TestReceiveIntoDeviceMemoryThroughCopies(t *testing.T) {
 	dev := &deviceMemory{mem: make([]byte, 8192)}
-	a, err := arena.New(dev, arenaAlign)
+	a, err := arena.New(dev, config.ArenaAlign)
 	if err != nil {
 		t.Fatal(err)
 	}

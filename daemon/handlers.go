@@ -17,6 +17,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/config"
 )
 
 // apiError is an error with its HTTP status and envelope code.
@@ -164,13 +165,13 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // decodeJSON reads a JSON body of at most MaxBodyBytes that must hold
 // exactly one object of known fields.
 func (d *Daemon) decodeJSON(r *http.Request, v any) error {
-	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, d.cfg.MaxBodyBytes))
+	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, d.cfg.MaxBodyBytes.Bytes()))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
 			return apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge,
-				"request body is over %d bytes (max_body_bytes): send less, or raise max_body_bytes", d.cfg.MaxBodyBytes)
+				"request body is over %s (max_body_bytes): send less, or raise max_body_bytes", d.cfg.MaxBodyBytes)
 		}
 		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
 	}
@@ -228,7 +229,7 @@ func (d *Daemon) Status() api.Status {
 		Memory: api.MemoryStatus{
 			Kind: d.mem.Kind(), Device: d.mem.device, Reason: d.mem.reason, ArenaFile: d.mem.Path(), ArenaBase: d.mem.Base(),
 			HugePages: d.mem.HugePages(), Size: st.Size, Used: st.Used, Free: st.Free,
-			LargestFree: st.LargestFree, Allocations: st.Allocations, Alignment: arenaAlign, CUDA: d.mem.status(),
+			LargestFree: st.LargestFree, Allocations: st.Allocations, Alignment: config.ArenaAlign, CUDA: d.mem.status(),
 		},
 		Registration: d.registration(),
 		Transport: api.TransportStatus{
@@ -331,7 +332,7 @@ func (d *Daemon) readBody(w http.ResponseWriter, body io.Reader, dst []byte) (in
 	defer rc.SetReadDeadline(time.Time{})
 	got := 0
 	for got < len(dst) {
-		_ = rc.SetReadDeadline(time.Now().Add(d.cfg.IOTimeout))
+		_ = rc.SetReadDeadline(time.Now().Add(d.cfg.IOTimeout.D()))
 		n, err := io.ReadFull(body, dst[got:min(got+uploadChunk, len(dst))])
 		got += n
 		if err != nil {

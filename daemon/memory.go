@@ -5,13 +5,12 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
-	"strconv"
-	"strings"
 
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/cuda"
 )
 
@@ -28,32 +27,17 @@ type memory struct {
 	drv  *cuda.Driver
 }
 
-// parseDevice reads --device: auto, cpu or cuda:N. ordinal is -1 for cpu
-// and auto.
-func parseDevice(s string) (ordinal int, err error) {
-	switch s {
-	case "auto", "cpu":
-		return -1, nil
-	}
-	if n, ok := strings.CutPrefix(s, "cuda:"); ok {
-		if i, err := strconv.Atoi(n); err == nil && i >= 0 {
-			return i, nil
-		}
-	}
-	return -1, fmt.Errorf("--device %q: use auto (a GPU when there is one, else host memory), cpu, or cuda:N (e.g. cuda:0)", s)
-}
-
 // openMemory allocates the arena's memory as --device says. auto takes
 // cuda:0 when the driver and a GPU are there, else host memory with one
 // INFO line saying why; cuda:N without them fails with a sentence naming
 // what is missing.
 func openMemory(cfg Config, log zerolog.Logger) (*memory, error) {
-	ordinal, err := parseDevice(cfg.Device)
+	ordinal, err := cfg.Device.Ordinal()
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("--device %s: %w", cfg.Device, err)
 	}
 	reason := "--device cpu"
-	if cfg.Device != "cpu" {
+	if cfg.Device != config.DeviceCPU {
 		drv, err := cuda.Load()
 		if err == nil && ordinal < 0 {
 			var n int
@@ -70,10 +54,11 @@ func openMemory(cfg Config, log zerolog.Logger) (*memory, error) {
 		reason = "--device auto found no usable GPU: " + missingGPU(err)
 		log.Info().Str("reason", reason).Msg("the arena is in host memory")
 	}
-	if err := os.MkdirAll(filepath.Dir(cfg.ArenaFile), 0o755); err != nil {
+	path := cfg.ArenaPath()
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, fmt.Errorf("arena file directory: %w", err)
 	}
-	host, err := arena.CreateHostFile(cfg.ArenaFile, cfg.ArenaSize)
+	host, err := arena.CreateHostFile(path, cfg.ArenaSize.Bytes())
 	if err != nil {
 		return nil, err
 	}
@@ -96,7 +81,7 @@ func openGPU(cfg Config, log zerolog.Logger, drv *cuda.Driver, ordinal int) (*me
 	if err != nil {
 		return nil, fmt.Errorf("--device %s: %s", cfg.Device, missingGPU(err))
 	}
-	gpu, err := cuda.NewArena(dev, cfg.ArenaSize, min(cfg.BounceSize, cfg.ArenaSize))
+	gpu, err := cuda.NewArena(dev, cfg.ArenaSize.Bytes(), min(cfg.BounceSize.Bytes(), cfg.ArenaSize.Bytes()))
 	if err != nil {
 		dev.Close()
 		return nil, fmt.Errorf("--device %s: %w", cfg.Device, err)

@@ -13,32 +13,13 @@ import (
 	"github.com/ferry-project/ferry/cuda/cudatest"
 )
 
-func TestParseDevice(t *testing.T) {
-	for in, want := range map[string]int{"auto": -1, "cpu": -1, "cuda:0": 0, "cuda:7": 7} {
-		if got, err := parseDevice(in); err != nil || got != want {
-			t.Errorf("parseDevice(%q) = %d, %v; want %d", in, got, err, want)
-		}
-	}
-	for _, in := range []string{"", "gpu", "cuda", "cuda:", "cuda:-1", "cuda:x", "CUDA:0", "cuda:0 "} {
-		if _, err := parseDevice(in); err == nil || !strings.Contains(err.Error(), "use auto") {
-			t.Errorf("parseDevice(%q) = %v, want an error listing the choices", in, err)
-		}
-	}
-	c := Config{Device: "tpu:0", BounceSize: -1}
-	err := c.Check()
-	for _, want := range []string{`--device "tpu:0"`, "--bounce-size -1"} {
-		if err == nil || !strings.Contains(err.Error(), want) {
-			t.Errorf("Check() = %v, want it to name %s", err, want)
-		}
-	}
-}
-
 // The choice of memory on a host without a GPU; make test-gpu covers the
 // GPU side with real daemons.
 func TestOpenMemoryWithoutAGPU(t *testing.T) {
 	cudatest.NeedsNoGPU(t)
 	dir := t.TempDir()
-	cfg := Config{ArenaFile: filepath.Join(dir, "a.arena"), ArenaSize: 1 << 20, BounceSize: 1 << 20}
+	cfg := testConfig(dir, "m")
+	cfg.ArenaFile, cfg.ArenaSize, cfg.BounceSize = filepath.Join(dir, "a.arena"), "1MiB", "1MiB"
 
 	var logs bytes.Buffer
 	cfg.Device = "auto"

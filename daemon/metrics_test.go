@@ -7,7 +7,6 @@ import (
 	"net"
 	"net/http"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -18,16 +17,15 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/config"
 )
 
 // serveTestDaemon runs a real ferryd in this process: its control socket
 // in dir, its peer port on loopback. It stops when the test ends.
 func serveTestDaemon(t testing.TB, dir, name string, mod func(*Config)) (*Daemon, *client.Client) {
 	t.Helper()
-	cfg := Config{
-		Socket: filepath.Join(dir, name+".sock"), Listen: "127.0.0.1:0", ArenaSize: 8 << 20,
-		SendRetries: 1, Log: zerolog.Nop(),
-	}
+	cfg := testConfig(dir, name)
+	cfg.ArenaSize = "8MiB"
 	if mod != nil {
 		mod(&cfg)
 	}
@@ -221,7 +219,7 @@ func TestMetricsMoveWithTransfers(t *testing.T) {
 			}
 		}
 	}
-	if st, err := sc.Status(ctx); err != nil || st.Registration.Mode != "none" {
+	if st, err := sc.Status(ctx); err != nil || st.Registration.Mode != api.RegistrationNone {
 		t.Errorf("status registration on tcp: want mode none, got %+v (%v)", st.Registration, err)
 	}
 }
@@ -264,10 +262,10 @@ func TestMetricsListen(t *testing.T) {
 	}
 }
 
-func TestMetricsListenRejectsBadAddress(t *testing.T) {
-	cfg := Config{Socket: filepath.Join(t.TempDir(), "x.sock"), Listen: "127.0.0.1:0", MetricsListen: "9464"}
-	err := cfg.Check()
-	if err == nil || !strings.Contains(err.Error(), "--metrics-listen") {
-		t.Fatalf("want an error naming --metrics-listen, got %v", err)
-	}
+// testConfig is the defaults with the control socket in dir, the peer port
+// on loopback and the arena in host memory.
+func testConfig(dir, name string) Config {
+	s := config.Defaults()
+	s.Socket, s.Listen, s.Device = filepath.Join(dir, name+".sock"), "127.0.0.1:0", config.DeviceCPU
+	return Config{Settings: s, Log: zerolog.Nop()}
 }

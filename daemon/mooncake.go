@@ -58,7 +58,7 @@ func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, si
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
 	}}
 	m.data = mooncake.ServeData(dl, mooncakeMemory{reg}, mooncake.DataConfig{
-		IOTimeout: cfg.IOTimeout, MaxSize: uint64(size), MaxConns: 4 * cfg.MaxConns, Logf: logf,
+		IOTimeout: cfg.IOTimeout.D(), MaxSize: uint64(size), MaxConns: 4 * cfg.MaxConns, Logf: logf,
 	})
 	h := mooncake.Handlers{
 		Segment: func() *mooncake.Segment { return &m.seg },

@@ -13,6 +13,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -22,7 +23,7 @@ func newTestRegistry(t *testing.T, size int64) *registry {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, err := arena.New(mem, arenaAlign)
+	a, err := arena.New(mem, config.ArenaAlign)
 	if err != nil {
 		t.Fatal(err)
 	}

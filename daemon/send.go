@@ -23,18 +23,6 @@ import (
 // maxWait bounds wait_ms and ?wait=: a client that wants longer asks again.
 const maxWait = 10 * time.Minute
 
-// checkSession validates a peer address ("host:port").
-func checkSession(s string) error {
-	host, port, err := net.SplitHostPort(s)
-	if err != nil || host == "" {
-		return fmt.Errorf("session %q is not host:port of a peer ferryd (e.g. 10.0.0.5:%d): use the session the receiver's POST /v1/receives returned", s, api.DefaultPeerPort)
-	}
-	if p, err := strconv.ParseUint(port, 10, 16); err != nil || p == 0 {
-		return fmt.Errorf("session %q: port %q is not a port number from 1 to 65535", s, port)
-	}
-	return nil
-}
-
 // send carries out DESIGN.md data flow 4 for one req_id: take the staged
 // entry (waiting wait_ms for a racing stage), write it to the peer's slot,
 // and on a broken path tear the session down, re-dial and retry
@@ -47,7 +35,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
 		}
 		res.Transport = mooncake.TransportName
-	} else if err := checkSession(req.Session); err != nil {
+	} else if err := api.CheckSession(req.Session); err != nil {
 		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
 	}
 	if req.BufferAddress == 0 {
@@ -77,7 +65,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	sent := false
 	defer func() { d.reg.finishSend(e, sent) }()
 
-	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout)
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
 	defer cancel()
 	// A GPU arena's bytes are copied out to a host bounce buffer first.
 	src, releaseSrc, err := d.arena.Readable(e.slice, 0, e.nbytes)

@@ -5,9 +5,7 @@ import (
 	"fmt"
 	"net"
 	"os"
-	"os/user"
 	"path/filepath"
-	"strconv"
 	"syscall"
 	"time"
 )
@@ -48,26 +46,6 @@ func listenControl(path string, gid int) (net.Listener, error) {
 		return nil, err
 	}
 	return ln, nil
-}
-
-// lookupGroup resolves socket_group (a name or a numeric gid); "" is -1,
-// meaning ferryd's own group.
-func lookupGroup(name string) (int, error) {
-	if name == "" {
-		return -1, nil
-	}
-	if gid, err := strconv.ParseUint(name, 10, 31); err == nil {
-		return int(gid), nil
-	}
-	g, err := user.LookupGroup(name)
-	if err != nil {
-		return -1, fmt.Errorf("--socket-group %q: %v: create the group (systemd-sysusers does, from sysusers.d/ferry.conf) or name an existing one", name, err)
-	}
-	gid, err := strconv.Atoi(g.Gid)
-	if err != nil {
-		return -1, fmt.Errorf("--socket-group %q has the non-numeric gid %q", name, g.Gid)
-	}
-	return gid, nil
 }
 
 // chownGroup gives the file at path to group gid (-1: leave it).

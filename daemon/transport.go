@@ -8,6 +8,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/tcp"
@@ -29,15 +30,15 @@ type dataPlane struct {
 func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte, log zerolog.Logger) (*dataPlane, error) {
 	tc := tcp.Config{
 		Addr: cfg.Listen, Sink: sink, Instance: instance,
-		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout, MaxWrite: uint64(cfg.ArenaSize),
+		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Bytes()),
 		Logf: func(format string, args ...any) {
 			log.Warn().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 		},
 	}
 	if cfg.PeerSecretFile != "" {
-		secret, err := readPeerSecret(cfg.PeerSecretFile)
+		secret, err := config.ReadPeerSecret(cfg.PeerSecretFile)
 		if err != nil {
-			return nil, err
+			return nil, fmt.Errorf("--peer-secret-file: %w", err)
 		}
 		tc.Secret = secret
 		log.Info().Str("peer_secret_file", cfg.PeerSecretFile).Msg("peer authentication on: peers must prove they hold the same secret")
@@ -72,18 +73,14 @@ func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog
 	if err != nil {
 		return fmt.Errorf("RDMA discovery failed: %w", err)
 	}
-	gid := -1
-	if cfg.RDMAGIDIndex != nil {
-		gid = *cfg.RDMAGIDIndex
-	}
-	choice, err := rdma.Choose(inv, rdma.Want{Device: cfg.RDMADevice, GIDIndex: gid, Addr: advertisedIP(cfg)})
+	choice, err := rdma.Choose(inv, rdma.Want{Device: cfg.RDMADevice, GIDIndex: cfg.RDMAGIDIndex, Addr: advertisedIP(cfg)})
 	if err != nil {
 		return err
 	}
 	infof := func(format string, args ...any) {
 		log.Info().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 	}
-	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == "per-send", Infof: infof, MooncakeMTU: cfg.MooncakeMTU}, choice)
+	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == api.RegistrationPerSend, Infof: infof, MooncakeMTU: cfg.MooncakeMTU}, choice)
 	if err != nil {
 		return err
 	}
@@ -116,12 +113,12 @@ func (dp *dataPlane) logRegistration(log zerolog.Logger) {
 	}
 	r := dp.reg
 	switch {
-	case r.Mode == "shared":
-		log.Info().Str("mode", r.Mode).Int64("bytes", r.Bytes).Dur("took", r.Took).Msg("arena registered with the NIC once")
+	case r.Mode == api.RegistrationShared:
+		log.Info().Str("mode", string(r.Mode)).Int64("bytes", r.Bytes).Dur("took", r.Took).Msg("arena registered with the NIC once")
 	case r.Err != nil:
-		log.Warn().Str("mode", r.Mode).Int64("bytes", r.Bytes).Err(r.Err).Msg("arena registration failed; running in per-send mode")
+		log.Warn().Str("mode", string(r.Mode)).Int64("bytes", r.Bytes).Err(r.Err).Msg("arena registration failed; running in per-send mode")
 	default:
-		log.Info().Str("mode", r.Mode).Msg("shared registration skipped (--rdma-registration per-send): each send registers its range")
+		log.Info().Str("mode", string(r.Mode)).Msg("shared registration skipped (--rdma-registration per-send): each send registers its range")
 	}
 }
 
@@ -138,13 +135,13 @@ func (dp *dataPlane) rdmaStatus() *api.RDMAStatus {
 // registration is status's account of the arena's registration.
 func (dp *dataPlane) registration() api.Registration {
 	if dp.rdma == nil {
-		return api.Registration{Mode: "none", Reason: "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"}
+		return api.Registration{Mode: api.RegistrationNone, Reason: "the tcp transport reads and writes the arena directly; there is nothing to register with a NIC"}
 	}
 	r := dp.reg
 	st := dp.rdma.Stats()
 	out := api.Registration{Mode: r.Mode, Bytes: r.Bytes, Millis: float64(r.Took.Microseconds()) / 1000, PerSend: st.PerSend + st.PerReceive}
 	switch {
-	case r.Mode == "shared":
+	case r.Mode == api.RegistrationShared:
 		out.Reason = "the arena was registered once at start"
 	case r.Err != nil:
 		out.Reason = r.Err.Error()
@@ -160,22 +157,22 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		Name: "ferry_registration_mode",
 		Help: "1 for the arena's registration mode: shared, per-send or none.",
 	}, []string{"mode"})
-	mode.WithLabelValues(dp.registration().Mode).Set(1)
+	mode.WithLabelValues(string(dp.registration().Mode)).Set(1)
 	took := dp.reg.Took.Seconds()
 	cs := []prometheus.Collector{mode}
 	if dp.rdma != nil {
 		shared := 0.0
-		if dp.reg.Mode == "shared" {
+		if dp.reg.Mode == api.RegistrationShared {
 			shared = 1
 		}
 		cs = append(cs,
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
-				Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": "shared"},
-				Help: "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per_send.",
+				Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": string(api.RegistrationShared)},
+				Help: "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per-send.",
 			}, func() float64 { return shared }),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{
-				Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": "per_send"},
-				Help: "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per_send.",
+				Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": string(api.RegistrationPerSend)},
+				Help: "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per-send.",
 			}, func() float64 { st := dp.rdma.Stats(); return float64(st.PerSend + st.PerReceive) }),
 			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 				Name: "ferry_registration_duration_seconds",

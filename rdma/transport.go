@@ -20,6 +20,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
@@ -81,9 +82,9 @@ var (
 type Registration struct {
 	// Mode is "shared" (registered once), "per-send" (each write
 	// registers its range) or "none" (no Memory: every write is copied).
-	Mode  string        `json:"mode"`
-	Bytes int64         `json:"bytes"`
-	Took  time.Duration `json:"took"` // the shared registration's time
+	Mode  api.RegistrationMode `json:"mode"`
+	Bytes int64                `json:"bytes"`
+	Took  time.Duration        `json:"took"` // the shared registration's time
 	// Err is why the shared registration failed, with the fix.
 	Err error `json:"-"`
 }
@@ -168,11 +169,11 @@ func listen(cfg Config, n nic) (*Transport, error) {
 // transport in per-send mode with the reason and the fix.
 func (t *Transport) registerShared() {
 	mem := t.cfg.Memory
-	t.reg = Registration{Mode: "none", Bytes: int64(len(mem))}
+	t.reg = Registration{Mode: api.RegistrationNone, Bytes: int64(len(mem))}
 	if len(mem) == 0 {
 		return
 	}
-	t.reg.Mode = "per-send"
+	t.reg.Mode = api.RegistrationPerSend
 	if t.cfg.PerSend {
 		return
 	}
@@ -183,7 +184,7 @@ func (t *Transport) registerShared() {
 		t.reg.Err = memlockAdvice(err, len(mem))
 		return
 	}
-	t.shared, t.reg.Mode = reg, "shared"
+	t.shared, t.reg.Mode = reg, api.RegistrationShared
 }
 
 // memlockAdvice explains a failed shared registration: nearly always the

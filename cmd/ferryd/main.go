@@ -58,14 +58,14 @@ func run(ctx context.Context, args []string, sigs <-chan os.Signal) error {
 		return err
 	}
 	setLevel(ld.Settings.LogLevel)
-	cfg := ld.Settings.Daemon(log)
+	if err := ld.Check(); err != nil {
+		return err
+	}
 	if ld.CheckOnly {
-		if err := cfg.Check(); err != nil {
-			return err
-		}
 		fmt.Printf("ferryd: configuration OK (file: %s)\n", orNone(ld.File))
 		return nil
 	}
+	cfg := daemon.Config{Settings: ld.Settings, Log: log}
 	if cfg.ControlListener, err = activatedSocket(); err != nil {
 		return err
 	}

@@ -46,8 +46,7 @@ func handleSignals(ctx context.Context, sigs <-chan os.Signal, done <-chan struc
 func reload(args []string, running config.Settings, d *daemon.Daemon, log zerolog.Logger) config.Settings {
 	ld, err := config.Load(args, os.LookupEnv, os.Stderr)
 	if err == nil {
-		cfg := ld.Settings.Daemon(log)
-		err = cfg.Check()
+		err = ld.Check()
 	}
 	if err != nil {
 		log.Error().Err(err).Msg("reload failed: the configuration has an error; the running one stays")

@@ -1,11 +1,13 @@
 package e2e
 
 import (
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
+	"time"
 )
 
 func TestConfigErrorsStopFerrydNamingTheKey(t *testing.T) {
@@ -78,7 +80,7 @@ func TestConfigPrecedenceFlagsEnvFileDefaults(t *testing.T) {
 		t.Fatal(err)
 	}
 	s := st.Settings
-	if s.SlowThreshold != "5ms" || s.SendRetries != 3 || s.StageTTL != "7m0s" || s.ReceiveTTL != "10m0s" {
+	if s.SlowThreshold != "5ms" || s.SendRetries != 3 || s.StageTTL != "7m" || s.ReceiveTTL != "10m" {
 		t.Fatalf("want slow_threshold 5ms (flag), send_retries 3 (env), stage_ttl 7m (file), receive_ttl 10m (default); got %+v", s)
 	}
 
@@ -104,5 +106,35 @@ func TestConfigPrecedenceFlagsEnvFileDefaults(t *testing.T) {
 	}
 	if out, err := exec.Command(filepath.Join(bin, "ferryd"), "--config", again, "--check-config").CombinedOutput(); err != nil {
 		t.Fatalf("--print-config output is not a valid configuration: %v\n%s", err, out)
+	}
+}
+
+// --slow-threshold 0s is honoured, not taken as "unset": every send logs
+// its slow-transfer line, and --print-config says the flag set it.
+func TestSlowThresholdZeroLogsEverySend(t *testing.T) {
+	snd, rcv := pair(t, "--slow-threshold", "0s")
+	const sends = 3
+	for i := range sends {
+		id := fmt.Sprintf("slow0-%d", i)
+		stageOn(t, snd, id, 4096, uint64(i))
+		if _, err := snd.c.Send(ctxT(t), id, slotFor(t, rcv, id, 4096)); err != nil {
+			t.Fatal(err)
+		}
+		snd.log.wait(t, 5*time.Second, "the slow-transfer line of "+id, func(m map[string]any) bool {
+			return m["message"] == "slow transfer" && m["req_id"] == id
+		})
+	}
+	n := 0
+	for _, m := range snd.log.snapshot() {
+		if m["message"] == "slow transfer" {
+			n++
+		}
+	}
+	if n != sends {
+		t.Fatalf("%d slow-transfer lines for %d sends", n, sends)
+	}
+	out, err := exec.Command(filepath.Join(bin, "ferryd"), "--config", os.DevNull, "--slow-threshold", "0s", "--print-config").Output()
+	if err != nil || !strings.Contains(string(out), "slow_threshold = '0s'  # --slow-threshold\n") {
+		t.Fatalf("--print-config: %v\n%s", err, out)
 	}
 }
