@@ -4,6 +4,7 @@
 package api
 
 import (
+	"maps"
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
@@ -15,13 +16,14 @@ const DefaultSocket = "/run/ferry/ferryd.sock"
 // DefaultPeerPort is the port daemons dial each other on.
 const DefaultPeerPort = 17100
 
-// Error codes carried in the error envelope. Each pairs with one HTTP status.
+// Error codes carried in the error envelope. Each pairs with one HTTP
+// status: StatusOf.
 const (
 	CodeBadRequest     = "bad_request"  // 400: malformed or invalid input
 	CodeRefused        = "refused"      // 400: the peer refused the write (no slot with that address and key, slot too small)
 	CodeNoEmbedding    = "no_embedding" // 404: send of a req_id that is not staged
 	CodeNotFound       = "not_found"    // 404: unknown receive slot, session or route
-	CodeMethod         = "method_not_allowed"
+	CodeMethod         = "method_not_allowed" // 405: known path, wrong method
 	CodeForbidden      = "forbidden"       // 403: the caller's uid/gid is not on the allow-list
 	CodeExists         = "exists"          // 409: req_id already in use
 	CodeBusy           = "busy"            // 409: the entry is being sent
@@ -32,6 +34,25 @@ const (
 	CodeUnavailable    = "unavailable"     // 503: the daemon is shutting down
 	CodeInternal       = "internal"        // 500
 )
+
+// statuses is each error code's HTTP status.
+var statuses = map[string]int{
+	CodeBadRequest: 400, CodeRefused: 400, CodeForbidden: 403, CodeNoEmbedding: 404, CodeNotFound: 404,
+	CodeMethod: 405, CodeExists: 409, CodeBusy: 409, CodeTooLarge: 413, CodeInternal: 500,
+	CodeTransferFailed: 502, CodeUnavailable: 503, CodeTimeout: 504, CodeArenaFull: 507,
+}
+
+// StatusOf is the HTTP status an error code goes with; 500 for a code
+// this package does not know.
+func StatusOf(code string) int {
+	if s, ok := statuses[code]; ok {
+		return s
+	}
+	return 500
+}
+
+// Codes is every error code, with its status.
+func Codes() map[string]int { return maps.Clone(statuses) }
 
 // ErrorBody is the one error envelope: {"error":{"code","message"}}.
 type ErrorBody struct {

@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"net/http"
 	"os"
 	"slices"
 	"unsafe"
@@ -91,7 +90,7 @@ func (d *Daemon) admit(c *caller) error {
 		return nil
 	}
 	if c.err != nil {
-		return apiErr(http.StatusForbidden, api.CodeForbidden,
+		return apiErr(api.CodeForbidden,
 			"ferryd could not read this connection's credentials (%v), so the uid/gid allow-list cannot admit it", c.err)
 	}
 	if c.uid == 0 || c.uid == uint32(os.Getuid()) || slices.Contains(d.cfg.AllowUIDs, c.uid) ||
@@ -99,7 +98,7 @@ func (d *Daemon) admit(c *caller) error {
 		slices.ContainsFunc(c.groups, func(g uint32) bool { return slices.Contains(d.cfg.AllowGIDs, g) }) {
 		return nil
 	}
-	return apiErr(http.StatusForbidden, api.CodeForbidden,
+	return apiErr(api.CodeForbidden,
 		"uid %d (pid %d, gid %d) may not use this ferryd: it is not in allow_uids and none of its groups is in allow_gids; ask the operator to add it to ferryd's configuration and restart ferryd",
 		c.uid, c.pid, c.gid)
 }

@@ -154,11 +154,8 @@ func New(cfg Config) (*Daemon, error) {
 		},
 		counts:   d.reg.counts,
 		sessions: d.sessions.states,
-	})
+	}, d.tr.Name())
 	d.metrics.reg.MustRegister(d.dp.collectors()...)
-	for _, c := range []transport.Code{transport.NoSlot, transport.OutOfBounds, transport.SlotBusy} {
-		d.metrics.peerRefusals.WithLabelValues(c.String())
-	}
 	d.reg.mu.Lock() // the peer port is open already
 	d.reg.onRefusal = func(c transport.Code) { d.metrics.peerRefusals.WithLabelValues(c.String()).Inc() }
 	d.reg.mu.Unlock()

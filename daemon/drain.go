@@ -87,11 +87,11 @@ func (d *Daemon) serveOne(w http.ResponseWriter, r *http.Request, h func(http.Re
 	switch context.Cause(ctx) {
 	case errDrainExpired:
 		w.Header().Set("Connection", "close")
-		return apiErr(http.StatusServiceUnavailable, api.CodeUnavailable,
+		return apiErr(api.CodeUnavailable,
 			"ferryd is shutting down and its drain timeout ran out before %s %s finished, so it was cancelled; what was staged on this ferryd is dropped when it exits: stage and send again once it is back",
 			r.Method, r.URL.Path)
 	case errRequestTimeout:
-		return apiErr(http.StatusGatewayTimeout, api.CodeTimeout,
+		return apiErr(api.CodeTimeout,
 			"%s %s did not finish within the control socket's request_timeout (%s) and was cancelled: ask for less at once (a shorter wait), or raise request_timeout",
 			r.Method, r.URL.Path, d.cfg.RequestTimeout)
 	}

@@ -15,14 +15,6 @@ import (
 	"github.com/ferry-project/ferry/api"
 )
 
-// statusOf is the HTTP status each error code goes with (api/api.go).
-var statusOf = map[string]int{
-	api.CodeBadRequest: 400, api.CodeRefused: 400, api.CodeNoEmbedding: 404, api.CodeNotFound: 404,
-	api.CodeMethod: 405, api.CodeForbidden: 403, api.CodeExists: 409, api.CodeBusy: 409,
-	api.CodeTooLarge: 413, api.CodeArenaFull: 507, api.CodeTransferFailed: 502,
-	api.CodeTimeout: 504, api.CodeUnavailable: 503,
-}
-
 // FuzzControlAPI sends one arbitrary request (method, target with path and
 // query, JSON or raw body) through the daemon's real route table, as the
 // HTTP server would hand it over. Before each request the daemon holds a
@@ -97,7 +89,7 @@ func checkAnswer(t *testing.T, req *http.Request, rec *httptest.ResponseRecorder
 	if rec.Code == http.StatusInternalServerError {
 		t.Fatalf("%s: an internal error answers input a client may send: %s", what, env.Error.Message)
 	}
-	if want, ok := statusOf[env.Error.Code]; !ok || want != rec.Code {
+	if want, ok := api.Codes()[env.Error.Code]; !ok || want != rec.Code {
 		t.Fatalf("%s: code %q with status %d; want status %d", what, env.Error.Code, rec.Code, want)
 	}
 }

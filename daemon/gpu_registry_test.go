@@ -4,10 +4,10 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"net/http"
 	"strings"
 	"testing"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
 )
@@ -65,7 +65,7 @@ func TestReceiveIntoDeviceMemoryThroughCopies(t *testing.T) {
 	write()
 	_, _, _, err = r.waitSlot(context.Background(), "g1", 0, true)
 	var ae *apiError
-	if !errors.As(err, &ae) || ae.status != http.StatusInternalServerError || !strings.Contains(ae.msg, "could not be copied into GPU memory") ||
+	if !errors.As(err, &ae) || ae.code != api.CodeInternal || !strings.Contains(ae.msg, "could not be copied into GPU memory") ||
 		!strings.Contains(ae.msg, "CUDA_ERROR_ILLEGAL_ADDRESS") || !strings.Contains(ae.msg, "g1") {
 		t.Fatalf("wait after a failed copy: %v", err)
 	}

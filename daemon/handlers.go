@@ -20,17 +20,17 @@ import (
 	"github.com/ferry-project/ferry/config"
 )
 
-// apiError is an error with its HTTP status and envelope code.
+// apiError is an error with its envelope code; the code decides the HTTP
+// status (api.StatusOf), in one table.
 type apiError struct {
-	status int
-	code   string
-	msg    string
+	code string
+	msg  string
 }
 
 func (e *apiError) Error() string { return e.msg }
 
-func apiErr(status int, code, format string, args ...any) error {
-	return &apiError{status: status, code: code, msg: fmt.Sprintf(format, args...)}
+func apiErr(code, format string, args ...any) error {
+	return &apiError{code: code, msg: fmt.Sprintf(format, args...)}
 }
 
 func isCode(err error, code string) bool {
@@ -38,7 +38,7 @@ func isCode(err error, code string) bool {
 	return errors.As(err, &ae) && ae.code == code
 }
 
-var errStopping = apiErr(http.StatusServiceUnavailable, api.CodeUnavailable,
+var errStopping = apiErr(api.CodeUnavailable,
 	"ferryd is shutting down and takes no new work: retry against the restarted daemon")
 
 // routes is the whole control API in one table.
@@ -75,7 +75,7 @@ func (d *Daemon) routes() http.Handler {
 	// redirect of its own (plain text, before any admission check, and one
 	// a client follows to another route): it gets the envelope instead.
 	unclean := d.wrap(func(w http.ResponseWriter, r *http.Request) error {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest,
+		return apiErr(api.CodeBadRequest,
 			"path %q has empty, . or .. segments: ask for %s itself", r.URL.EscapedPath(), canonicalPath(r.URL.EscapedPath()))
 	})
 	return http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
@@ -108,10 +108,9 @@ func noRoute(mux *http.ServeMux, r *http.Request) error {
 		}
 	}
 	if len(allow) > 0 {
-		return &apiError{status: http.StatusMethodNotAllowed, code: api.CodeMethod,
-			msg: fmt.Sprintf("%s is not allowed on %s: use %s", r.Method, r.URL.Path, strings.Join(allow, ", "))}
+		return apiErr(api.CodeMethod, "%s is not allowed on %s: use %s", r.Method, r.URL.Path, strings.Join(allow, ", "))
 	}
-	return apiErr(http.StatusNotFound, api.CodeNotFound, "no API route %s %s: see docs/api.md", r.Method, r.URL.Path)
+	return apiErr(api.CodeNotFound, "no API route %s %s: see docs/api.md", r.Method, r.URL.Path)
 }
 
 // reqLogKey carries, in a request's context, the req_id its handler found
@@ -140,10 +139,11 @@ func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Han
 		}
 		ev := d.log.Debug()
 		if err != nil {
-			ae := &apiError{status: http.StatusInternalServerError, code: api.CodeInternal, msg: err.Error()}
+			ae := &apiError{code: api.CodeInternal, msg: err.Error()}
 			errors.As(err, &ae)
-			writeJSON(w, ae.status, api.ErrorBody{Error: api.Error{Code: ae.code, Message: ae.msg}})
-			ev = d.log.Warn().Int("status", ae.status).Str("code", ae.code).Str("error", ae.msg)
+			status := api.StatusOf(ae.code)
+			writeJSON(w, status, api.ErrorBody{Error: api.Error{Code: ae.code, Message: ae.msg}})
+			ev = d.log.Warn().Int("status", status).Str("code", ae.code).Str("error", ae.msg)
 		}
 		if id == "" {
 			id = r.PathValue("req_id")
@@ -170,13 +170,13 @@ func (d *Daemon) decodeJSON(r *http.Request, v any) error {
 	if err := dec.Decode(v); err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
-			return apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge,
+			return apiErr(api.CodeTooLarge,
 				"request body is over %s (max_body_bytes): send less, or raise max_body_bytes", d.cfg.MaxBodyBytes)
 		}
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
+		return apiErr(api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
 	}
 	if dec.More() {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "request body has data after its JSON object")
+		return apiErr(api.CodeBadRequest, "request body has data after its JSON object")
 	}
 	return nil
 }
@@ -186,7 +186,7 @@ func reqID(r *http.Request) (string, error) {
 	id := r.PathValue("req_id")
 	noteReqID(r, id)
 	if err := api.CheckReqID(id); err != nil {
-		return "", apiErr(http.StatusBadRequest, api.CodeBadRequest, "%v", err)
+		return "", apiErr(api.CodeBadRequest, "%v", err)
 	}
 	return id, nil
 }
@@ -201,12 +201,12 @@ func parseWait(r *http.Request) (time.Duration, error) {
 	if err != nil {
 		secs, serr := strconv.ParseFloat(v, 64)
 		if serr != nil {
-			return 0, apiErr(http.StatusBadRequest, api.CodeBadRequest, "wait=%q is not a duration: write e.g. wait=30s or wait=500ms", v)
+			return 0, apiErr(api.CodeBadRequest, "wait=%q is not a duration: write e.g. wait=30s or wait=500ms", v)
 		}
 		d = time.Duration(secs * float64(time.Second))
 	}
 	if d < 0 || d > maxWait {
-		return 0, apiErr(http.StatusBadRequest, api.CodeBadRequest, "wait=%s is outside 0..%s", v, maxWait)
+		return 0, apiErr(api.CodeBadRequest, "wait=%s is outside 0..%s", v, maxWait)
 	}
 	return d, nil
 }
@@ -274,19 +274,19 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	q := r.URL.Query()
 	shape, err := api.ParseShape(q.Get("shape"))
 	if err != nil {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", id, err)
+		return apiErr(api.CodeBadRequest, "%s: %v", id, err)
 	}
 	n, dtype, err := api.NBytes(shape, q.Get("dtype"))
 	if err != nil {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", id, err)
+		return apiErr(api.CodeBadRequest, "%s: %v", id, err)
 	}
 	size := d.arena.Stats().Size
 	if r.ContentLength > size || n > size {
-		return apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge,
+		return apiErr(api.CodeTooLarge,
 			"%s: %d bytes is larger than the whole arena (%d bytes): raise --arena-size", id, max(n, r.ContentLength), size)
 	}
 	if r.ContentLength >= 0 && r.ContentLength != n {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest,
+		return apiErr(api.CodeBadRequest,
 			"%s: the body is %d bytes but shape %s %s needs %d bytes (rows*cols*elem_size)", id, r.ContentLength, api.ShapeString(shape), dtype, n)
 	}
 	e, err := d.reg.reserve(id, n, shape, dtype, uploading)
@@ -313,7 +313,7 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	}
 	d.reg.finishUpload(e, err == nil)
 	if err != nil {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v; nothing was staged", id, err)
+		return apiErr(api.CodeBadRequest, "%s: %v; nothing was staged", id, err)
 	}
 	d.metrics.staged.WithLabelValues("upload").Inc()
 	e2, _ := d.reg.embedding(id)
@@ -357,14 +357,14 @@ func (d *Daemon) handleSlice(w http.ResponseWriter, r *http.Request) error {
 	case len(req.Shape) > 0 || req.DType != "":
 		n, dtype, err = api.NBytes(req.Shape, req.DType)
 		if err != nil {
-			return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", id, err)
+			return apiErr(api.CodeBadRequest, "%s: %v", id, err)
 		}
 		if req.NBytes != 0 && req.NBytes != n {
-			return apiErr(http.StatusBadRequest, api.CodeBadRequest,
+			return apiErr(api.CodeBadRequest,
 				"%s: nbytes %d disagrees with shape %s %s (%d bytes): give one or make them agree", id, req.NBytes, api.ShapeString(req.Shape), dtype, n)
 		}
 	case n <= 0:
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: give shape and dtype, or a positive nbytes", id)
+		return apiErr(api.CodeBadRequest, "%s: give shape and dtype, or a positive nbytes", id)
 	}
 	e, err := d.reg.reserve(id, n, req.Shape, dtype, reserved)
 	if err != nil {
@@ -428,13 +428,13 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 	}
 	noteReqID(r, req.ReqID)
 	if err := api.CheckReqID(req.ReqID); err != nil {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%v", err)
+		return apiErr(api.CodeBadRequest, "%v", err)
 	}
 	if req.NBytes <= 0 {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: nbytes %d must be positive", req.ReqID, req.NBytes)
+		return apiErr(api.CodeBadRequest, "%s: nbytes %d must be positive", req.ReqID, req.NBytes)
 	}
 	if req.Mooncake && d.mooncake == nil {
-		return apiErr(http.StatusBadRequest, api.CodeBadRequest,
+		return apiErr(api.CodeBadRequest,
 			"%s: \"mooncake\": true asks for a slot Mooncake senders may write into, but this ferryd serves no Mooncake segment: start it with --mooncake-listen", req.ReqID)
 	}
 	s, err := d.reg.newSlot(req.ReqID, req.NBytes, req.Mooncake)
@@ -509,7 +509,7 @@ func (d *Daemon) handleListSessions(w http.ResponseWriter, r *http.Request) erro
 func (d *Daemon) handleDeleteSession(w http.ResponseWriter, r *http.Request) error {
 	id := r.PathValue("id")
 	if !d.sessions.remove(id) {
-		return apiErr(http.StatusNotFound, api.CodeNotFound, "no session %q: GET /v1/sessions lists them", id)
+		return apiErr(api.CodeNotFound, "no session %q: GET /v1/sessions lists them", id)
 	}
 	d.log.Info().Str("session", id).Msg("session torn down on request")
 	w.WriteHeader(http.StatusNoContent)

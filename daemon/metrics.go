@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"net/http"
+	"sync"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
@@ -10,8 +11,10 @@ import (
 
 // metrics is the daemon's own registry (never the global one), served on
 // GET /metrics and on --metrics-listen. Labels stay low-cardinality:
-// transport, outcome, reason, mode, state, and the peer session (bounded
-// by the peers that were reached); never req_id.
+// transport, outcome, reason, mode, state, and the peer session (the first
+// maxSessionLabels sessions to fail, the rest as "other"); never req_id.
+// Every series with label values known at start exists from then on,
+// zero-valued, so dashboards and alerts see a fresh daemon.
 type metrics struct {
 	reg *prometheus.Registry
 
@@ -25,7 +28,27 @@ type metrics struct {
 	staged           *prometheus.CounterVec
 	swept            *prometheus.CounterVec
 	peerRefusals     *prometheus.CounterVec
+
+	mu           sync.Mutex
+	sessionNames map[string]bool // sessions with a label of their own
 }
+
+// maxSessionLabels bounds ferry_session_failures_total's session label:
+// sessions are whatever clients send to, so past this many the failures
+// of new ones count under "other".
+const maxSessionLabels = 64
+
+// Label values known at start, whose series exist from then on.
+var (
+	outcomes    = []string{"ok", "refused", "failed", "no_embedding"}
+	stageMethod = []string{"upload", "zero_copy"}
+	sweptKinds  = []string{"staged", "receive"}
+	// failureReasons are the reasons a send can fail with that name no
+	// errno or verbs status (those appear when they first happen).
+	failureReasons = []string{"no_embedding", "no_slot", "out_of_bounds", "slot_busy", "shutting_down", "internal",
+		"timeout", "eof", "closed", "auth", "incompatible", "rejected", "error"}
+	peerRefusalReasons = []string{"no_slot", "out_of_bounds", "slot_busy"}
+)
 
 // gauges are the daemon's live state, read at scrape time.
 type gauges struct {
@@ -34,10 +57,12 @@ type gauges struct {
 	sessions func() (connected, down int)
 }
 
-func newMetrics(g gauges) *metrics {
+// newMetrics builds the registry of a daemon running transport.
+func newMetrics(g gauges, transport string) *metrics {
 	reg := prometheus.NewRegistry()
 	m := &metrics{
-		reg: reg,
+		reg:          reg,
+		sessionNames: make(map[string]bool),
 		transfers: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_transfers_total",
 			Help: "Sends by transport and outcome (ok, refused, failed, no_embedding).",
@@ -65,7 +90,7 @@ func newMetrics(g gauges) *metrics {
 		}, []string{"transport"}),
 		sessionFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_session_failures_total",
-			Help: "Failed write attempts per peer session (each leads to a teardown).",
+			Help: "Failed write attempts per peer session (each leads to a teardown); the first 64 sessions to fail have their own label, later ones count as other.",
 		}, []string{"session"}),
 		staged: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_staged_total",
@@ -90,6 +115,27 @@ func newMetrics(g gauges) *metrics {
 			Name: "ferry_receive_slots", Help: "Live receive slots.",
 		}, func() float64 { _, s := g.counts(); return float64(s) }),
 	)
+	for _, o := range outcomes {
+		m.transfers.WithLabelValues(transport, o)
+		if o != "no_embedding" { // no write was timed
+			m.transferSeconds.WithLabelValues(transport, o)
+		}
+	}
+	m.transferBytes.WithLabelValues(transport)
+	m.slowTransfers.WithLabelValues(transport)
+	m.sessionFailures.WithLabelValues("other")
+	for _, r := range failureReasons {
+		m.transferFailures.WithLabelValues(r)
+	}
+	for _, v := range stageMethod {
+		m.staged.WithLabelValues(v)
+	}
+	for _, v := range sweptKinds {
+		m.swept.WithLabelValues(v)
+	}
+	for _, r := range peerRefusalReasons {
+		m.peerRefusals.WithLabelValues(r)
+	}
 	for state, read := range map[string]func() int64{
 		"total": func() int64 { t, _, _ := g.arena(); return t },
 		"used":  func() int64 { _, u, _ := g.arena(); return u },
@@ -110,6 +156,20 @@ func newMetrics(g gauges) *metrics {
 		}, func() float64 { return float64(read()) }))
 	}
 	return m
+}
+
+// sessionFailed counts a failed write attempt to session, under its own
+// label while fewer than maxSessionLabels sessions have one.
+func (m *metrics) sessionFailed(session string) {
+	m.mu.Lock()
+	if !m.sessionNames[session] && len(m.sessionNames) < maxSessionLabels {
+		m.sessionNames[session] = true
+	}
+	if !m.sessionNames[session] {
+		session = "other"
+	}
+	m.mu.Unlock()
+	m.sessionFailures.WithLabelValues(session).Inc()
 }
 
 // handler serves the registry in the Prometheus text format.

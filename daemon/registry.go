@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"net/http"
 	"sort"
 	"sync"
 	"time"
@@ -144,10 +143,10 @@ func (r *registry) alloc(reqID string, n int64) (arena.Slice, error) {
 	if errors.Is(err, arena.ErrNoSpace) {
 		st := r.arena.Stats()
 		if n > st.Size {
-			return s, apiErr(http.StatusRequestEntityTooLarge, api.CodeTooLarge,
+			return s, apiErr(api.CodeTooLarge,
 				"%s: %d bytes is larger than the whole arena (%d bytes): raise --arena-size", reqID, n, st.Size)
 		}
-		return s, apiErr(http.StatusInsufficientStorage, api.CodeArenaFull,
+		return s, apiErr(api.CodeArenaFull,
 			"%s: %v; free staged entries or receive slots you no longer need, or raise --arena-size", reqID, err)
 	}
 	return s, err
@@ -164,7 +163,7 @@ func (r *registry) free(s arena.Slice) {
 
 func (r *registry) exists(reqID string) error {
 	if e, ok := r.entries[reqID]; ok {
-		return apiErr(http.StatusConflict, api.CodeExists,
+		return apiErr(api.CodeExists,
 			"req_id %s is already %s: DELETE /v1/embeddings/%s first or use another req_id", reqID, e.state, reqID)
 	}
 	return nil
@@ -208,20 +207,20 @@ func (r *registry) finishUpload(e *entry, ok bool) {
 func (r *registry) commit(reqID string, shape []int64, dtype string) (*entry, error) {
 	n, canon, err := api.NBytes(shape, dtype)
 	if err != nil {
-		return nil, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
+		return nil, apiErr(api.CodeBadRequest, "%s: %v", reqID, err)
 	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	e, ok := r.entries[reqID]
 	if !ok {
-		return nil, apiErr(http.StatusNotFound, api.CodeNoEmbedding,
+		return nil, apiErr(api.CodeNoEmbedding,
 			"no slice reserved for req_id %s: POST /v1/embeddings/%s/slice first", reqID, reqID)
 	}
 	if e.state != reserved {
-		return nil, apiErr(http.StatusConflict, api.CodeExists, "req_id %s is already %s, not a reserved slice", reqID, e.state)
+		return nil, apiErr(api.CodeExists, "req_id %s is already %s, not a reserved slice", reqID, e.state)
 	}
 	if n != e.nbytes {
-		return nil, apiErr(http.StatusBadRequest, api.CodeBadRequest,
+		return nil, apiErr(api.CodeBadRequest,
 			"%s: shape %s %s is %d bytes but the reserved slice is %d bytes", reqID, api.ShapeString(shape), canon, n, e.nbytes)
 	}
 	e.shape, e.dtype, e.state, e.since = shape, canon, staged, time.Now()
@@ -250,7 +249,7 @@ func (r *registry) takeForSend(ctx context.Context, reqID string, wait time.Dura
 		}
 		if ok && e.state == sending {
 			r.mu.Unlock()
-			return nil, apiErr(http.StatusConflict, api.CodeBusy, "req_id %s is already being sent: wait for that send to finish", reqID)
+			return nil, apiErr(api.CodeBusy, "req_id %s is already being sent: wait for that send to finish", reqID)
 		}
 		changed := r.changed
 		r.mu.Unlock()
@@ -268,7 +267,7 @@ func (r *registry) takeForSend(ctx context.Context, reqID string, wait time.Dura
 		if ok {
 			what = fmt.Sprintf("it is still %s (not committed)", e.state)
 		}
-		return nil, apiErr(http.StatusNotFound, api.CodeNoEmbedding,
+		return nil, apiErr(api.CodeNoEmbedding,
 			"no embedding staged for req_id %s after waiting %s: %s; stage it (PUT /v1/embeddings/%s or slice+commit) before sending, or pass wait_ms to cover a stage that races the send",
 			reqID, wait, what, reqID)
 	}
@@ -292,10 +291,10 @@ func (r *registry) deleteEntry(reqID string) error {
 	defer r.mu.Unlock()
 	e, ok := r.entries[reqID]
 	if !ok {
-		return apiErr(http.StatusNotFound, api.CodeNoEmbedding, "no embedding staged for req_id %s", reqID)
+		return apiErr(api.CodeNoEmbedding, "no embedding staged for req_id %s", reqID)
 	}
 	if e.state == sending || e.state == uploading {
-		return apiErr(http.StatusConflict, api.CodeBusy, "req_id %s is %s: delete it once that finishes", reqID, e.state)
+		return apiErr(api.CodeBusy, "req_id %s is %s: delete it once that finishes", reqID, e.state)
 	}
 	delete(r.entries, reqID)
 	r.free(e.slice)
@@ -315,7 +314,7 @@ func (r *registry) embedding(reqID string) (api.Embedding, error) {
 	defer r.mu.Unlock()
 	e, ok := r.entries[reqID]
 	if !ok {
-		return api.Embedding{}, apiErr(http.StatusNotFound, api.CodeNoEmbedding, "no embedding staged for req_id %s", reqID)
+		return api.Embedding{}, apiErr(api.CodeNoEmbedding, "no embedding staged for req_id %s", reqID)
 	}
 	return r.describe(e), nil
 }
@@ -342,7 +341,7 @@ func (r *registry) newSlot(reqID string, n int64, mooncake bool) (*slot, error) 
 		return nil, errStopping
 	}
 	if _, ok := r.slots[reqID]; ok {
-		return nil, apiErr(http.StatusConflict, api.CodeExists,
+		return nil, apiErr(api.CodeExists,
 			"a receive slot for req_id %s already exists: DELETE /v1/receives/%s first or use another req_id", reqID, reqID)
 	}
 	sl, err := r.alloc(reqID, n)
@@ -525,13 +524,13 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 		s, ok := r.slots[reqID]
 		if !ok {
 			r.mu.Unlock()
-			return api.Receive{}, nil, nil, apiErr(http.StatusNotFound, api.CodeNotFound,
+			return api.Receive{}, nil, nil, apiErr(api.CodeNotFound,
 				"no receive slot for req_id %s: POST /v1/receives first (it may have been freed or timed out)", reqID)
 		}
 		if s.copyErr != nil {
 			err := s.copyErr
 			r.mu.Unlock()
-			return api.Receive{}, nil, nil, apiErr(http.StatusInternalServerError, api.CodeInternal,
+			return api.Receive{}, nil, nil, apiErr(api.CodeInternal,
 				"req_id %s: its data arrived but could not be copied into GPU memory: %v; the slot is still open: have the sender send again", reqID, err)
 		}
 		if s.arrived || wait == 0 {
@@ -542,7 +541,7 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 			}
 			r.mu.Unlock()
 			if !desc.Arrived && pin {
-				return desc, nil, nil, apiErr(http.StatusGatewayTimeout, api.CodeTimeout,
+				return desc, nil, nil, apiErr(api.CodeTimeout,
 					"req_id %s: no data has arrived in its receive slot yet: pass ?wait=30s to wait for it", reqID)
 			}
 			if !pinned {
@@ -569,7 +568,7 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 		case <-ctx.Done():
 		case <-deadline.C:
 		}
-		return api.Receive{}, nil, nil, apiErr(http.StatusGatewayTimeout, api.CodeTimeout,
+		return api.Receive{}, nil, nil, apiErr(api.CodeTimeout,
 			"req_id %s: nothing arrived in its receive slot within %s: check the sender, or wait again", reqID, wait)
 	}
 }
@@ -591,7 +590,7 @@ func (r *registry) deleteSlot(reqID string) error {
 	defer r.mu.Unlock()
 	s, ok := r.slots[reqID]
 	if !ok {
-		return apiErr(http.StatusNotFound, api.CodeNotFound, "no receive slot for req_id %s", reqID)
+		return apiErr(api.CodeNotFound, "no receive slot for req_id %s", reqID)
 	}
 	r.removeSlot(s)
 	return nil

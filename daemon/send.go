@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"strconv"
 	"syscall"
@@ -32,23 +31,23 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name()}
 	if _, isMooncake, err := mooncake.RPCAddr(req.Session); isMooncake {
 		if err != nil {
-			return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
+			return res, apiErr(api.CodeBadRequest, "%s: %v", reqID, err)
 		}
 		res.Transport = mooncake.TransportName
 	} else if err := api.CheckSession(req.Session); err != nil {
-		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: %v", reqID, err)
+		return res, apiErr(api.CodeBadRequest, "%s: %v", reqID, err)
 	}
 	if req.BufferAddress == 0 {
-		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest,
+		return res, apiErr(api.CodeBadRequest,
 			"%s: buffer_address is missing: use the buffer_address the receiver's POST /v1/receives returned", reqID)
 	}
 	if req.Key.IsZero() && res.Transport != mooncake.TransportName {
-		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest,
+		return res, apiErr(api.CodeBadRequest,
 			"%s: key is missing: use the key the receiver's POST /v1/receives returned", reqID)
 	}
 	wait := time.Duration(req.WaitMS) * time.Millisecond
 	if req.WaitMS < 0 || wait > maxWait {
-		return res, apiErr(http.StatusBadRequest, api.CodeBadRequest, "%s: wait_ms %d is outside 0..%d", reqID, req.WaitMS, maxWait.Milliseconds())
+		return res, apiErr(api.CodeBadRequest, "%s: wait_ms %d is outside 0..%d", reqID, req.WaitMS, maxWait.Milliseconds())
 	}
 
 	e, err := d.reg.takeForSend(ctx, reqID, wait, func() {
@@ -70,7 +69,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	// A GPU arena's bytes are copied out to a host bounce buffer first.
 	src, releaseSrc, err := d.arena.Readable(e.slice, 0, e.nbytes)
 	if err != nil {
-		return res, apiErr(http.StatusInternalServerError, api.CodeInternal,
+		return res, apiErr(api.CodeInternal,
 			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
 	}
 	defer releaseSrc()
@@ -101,7 +100,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		var rf *transport.Refusal
 		if errors.As(err, &rf) {
 			d.failed(rf.Code.String(), "refused", time.Since(start))
-			return res, apiErr(http.StatusBadRequest, api.CodeRefused,
+			return res, apiErr(api.CodeRefused,
 				"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept%s",
 				reqID, req.Session, e.nbytes, req.BufferAddress, err, lostCompletion(err, attempt))
 		}
@@ -114,7 +113,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		if errors.Is(err, transport.ErrAuth) || errors.Is(err, transport.ErrIncompatible) {
 			break // the peers' secrets or versions differ: no re-dial can change that
 		}
-		d.metrics.sessionFailures.WithLabelValues(req.Session).Inc()
+		d.metrics.sessionFailed(req.Session)
 		p.teardown(sess)
 		if attempt <= d.cfg.SendRetries {
 			d.log.Warn().Str("req_id", reqID).Str("session", req.Session).Int("attempt", attempt).
@@ -132,7 +131,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		case errors.Is(lastErr, transport.ErrIncompatible):
 			when = "once both daemons run the same ferry release"
 		}
-		return res, apiErr(http.StatusBadGateway, api.CodeTransferFailed,
+		return res, apiErr(api.CodeTransferFailed,
 			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend %s, or DELETE /v1/embeddings/%s",
 			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, when, reqID)
 	}

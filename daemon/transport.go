@@ -151,43 +151,48 @@ func (dp *dataPlane) registration() api.Registration {
 	return out
 }
 
-// collectors are the data plane's metrics.
+// collectors are the data plane's metrics. A TCP daemon shows the RDMA
+// ones too, at zero, so one dashboard fits every host.
 func (dp *dataPlane) collectors() []prometheus.Collector {
 	mode := prometheus.NewGaugeVec(prometheus.GaugeOpts{
 		Name: "ferry_registration_mode",
-		Help: "1 for the arena's registration mode: shared, per-send or none.",
+		Help: "1 for the arena's registration mode (shared, per-send or none), 0 for the others.",
 	}, []string{"mode"})
+	for _, m := range []api.RegistrationMode{api.RegistrationShared, api.RegistrationPerSend, api.RegistrationNone} {
+		mode.WithLabelValues(string(m))
+	}
 	mode.WithLabelValues(string(dp.registration().Mode)).Set(1)
 	took := dp.reg.Took.Seconds()
-	cs := []prometheus.Collector{mode}
-	if dp.rdma != nil {
-		shared := 0.0
-		if dp.reg.Mode == api.RegistrationShared {
-			shared = 1
-		}
-		cs = append(cs,
-			prometheus.NewCounterFunc(prometheus.CounterOpts{
-				Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": string(api.RegistrationShared)},
-				Help: "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per-send.",
-			}, func() float64 { return shared }),
-			prometheus.NewCounterFunc(prometheus.CounterOpts{
-				Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": string(api.RegistrationPerSend)},
-				Help: "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per-send.",
-			}, func() float64 { st := dp.rdma.Stats(); return float64(st.PerSend + st.PerReceive) }),
-			prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-				Name: "ferry_registration_duration_seconds",
-				Help: "Time the arena's shared registration took at start.",
-			}, func() float64 { return took }),
-			prometheus.NewCounterFunc(prometheus.CounterOpts{
-				Name: "ferry_rejected_completions_total",
-				Help: "RDMA receive completions that did not match their grant; never delivered.",
-			}, func() float64 { return float64(dp.rdma.Stats().Rejected) }),
-			prometheus.NewCounterFunc(prometheus.CounterOpts{
-				Name: "ferry_failed_receives_total",
-				Help: "Granted RDMA writes the receiver gave up on (a receive completed in error, a rejected completion, the lane closing first), each closing its lane; never delivered.",
-			}, func() float64 { return float64(dp.rdma.Stats().Failed) }))
+	shared := 0.0
+	if dp.rdma != nil && dp.reg.Mode == api.RegistrationShared {
+		shared = 1
 	}
-	return cs
+	stats := func() rdma.Stats {
+		if dp.rdma == nil {
+			return rdma.Stats{}
+		}
+		return dp.rdma.Stats()
+	}
+	const registrationsHelp = "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per-send."
+	return []prometheus.Collector{mode,
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": string(api.RegistrationShared)}, Help: registrationsHelp,
+		}, func() float64 { return shared }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": string(api.RegistrationPerSend)}, Help: registrationsHelp,
+		}, func() float64 { st := stats(); return float64(st.PerSend + st.PerReceive) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ferry_registration_duration_seconds",
+			Help: "Time the arena's shared registration took at start (0 without one).",
+		}, func() float64 { return took }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ferry_rejected_completions_total",
+			Help: "RDMA receive completions that did not match their grant; never delivered.",
+		}, func() float64 { return float64(stats().Rejected) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ferry_failed_receives_total",
+			Help: "Granted RDMA writes the receiver gave up on (a receive completed in error, a rejected completion, the lane closing first), each closing its lane; never delivered.",
+		}, func() float64 { return float64(stats().Failed) })}
 }
 
 // sharedMR reports whether a write from src needs no registration of its
