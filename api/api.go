@@ -19,20 +19,20 @@ const DefaultPeerPort = 17100
 // Error codes carried in the error envelope. Each pairs with one HTTP
 // status: StatusOf.
 const (
-	CodeBadRequest     = "bad_request"  // 400: malformed or invalid input
-	CodeRefused        = "refused"      // 400: the peer refused the write (no slot with that address and key, slot too small)
-	CodeNoEmbedding    = "no_embedding" // 404: send of a req_id that is not staged
-	CodeNotFound       = "not_found"    // 404: unknown receive slot, session or route
+	CodeBadRequest     = "bad_request"        // 400: malformed or invalid input
+	CodeRefused        = "refused"            // 400: the peer refused the write (no slot with that address and key, slot too small)
+	CodeNoEmbedding    = "no_embedding"       // 404: send of a req_id that is not staged
+	CodeNotFound       = "not_found"          // 404: unknown receive slot, session or route
 	CodeMethod         = "method_not_allowed" // 405: known path, wrong method
-	CodeForbidden      = "forbidden"       // 403: the caller's uid/gid is not on the allow-list
-	CodeExists         = "exists"          // 409: req_id already in use
-	CodeBusy           = "busy"            // 409: the entry is being sent
-	CodeTooLarge       = "too_large"       // 413: larger than the whole arena or a request limit
-	CodeArenaFull      = "arena_full"      // 507: fits the arena, but not the free space now
-	CodeTransferFailed = "transfer_failed" // 502: the transport failed after retries
-	CodeTimeout        = "timeout"         // 504: a wait ran out
-	CodeUnavailable    = "unavailable"     // 503: the daemon is shutting down
-	CodeInternal       = "internal"        // 500
+	CodeForbidden      = "forbidden"          // 403: the caller's uid/gid is not on the allow-list
+	CodeExists         = "exists"             // 409: req_id already in use
+	CodeBusy           = "busy"               // 409: the entry is being sent
+	CodeTooLarge       = "too_large"          // 413: larger than the whole arena or a request limit
+	CodeArenaFull      = "arena_full"         // 507: fits the arena, but not the free space now
+	CodeTransferFailed = "transfer_failed"    // 502: the transport failed after retries
+	CodeTimeout        = "timeout"            // 504: a wait ran out
+	CodeUnavailable    = "unavailable"        // 503: the daemon is shutting down
+	CodeInternal       = "internal"           // 500
 )
 
 // statuses is each error code's HTTP status.
@@ -242,8 +242,18 @@ type SliceRequest struct {
 	NBytes int64   `json:"nbytes,omitempty"`
 }
 
-// Slice is where a client writes through its own mapping of ArenaFile (or
-// of the GPU arena, through CUDAIPC).
+// Arena answers GET /v1/arena on a host-memory arena. The answer carries
+// the arena file's descriptor (SCM_RIGHTS, with the answer's first bytes):
+// the file is ferryd's alone (mode 0600), so this is how a caller the
+// allow-lists admit maps it, read-write and MAP_SHARED, Size bytes.
+type Arena struct {
+	ArenaFile string `json:"arena_file"` // for messages; clients map the descriptor
+	Size      int64  `json:"size"`
+	HugePages bool   `json:"huge_pages"`
+}
+
+// Slice is where a client writes through its own mapping of the arena
+// (GET /v1/arena), or of the GPU arena, through CUDAIPC.
 type Slice struct {
 	ReqID     string `json:"req_id"`
 	ArenaFile string `json:"arena_file"`

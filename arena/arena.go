@@ -1,7 +1,7 @@
 // Package arena manages ferryd's staging memory: one contiguous region
 // whose slices local clients fill through their own mapping and peers
 // write into. The Allocator deals in offsets only, so the region may be
-// host memory (HostFile) or, later, device memory.
+// host memory (HostFile) or device memory (package cuda's Arena).
 package arena
 
 import "fmt"

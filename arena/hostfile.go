@@ -42,8 +42,10 @@ type Copier interface {
 }
 
 // HostFile is host memory backed by a file that local clients map too, so
-// they write tensors straight into the arena (zero-copy staging). On
-// hugetlbfs the file is backed by huge pages.
+// they write tensors straight into the arena (zero-copy staging). Only
+// the file's owner may open it (mode 0600): the daemon hands its
+// descriptor to the clients it admits (Fd). On hugetlbfs the file is
+// backed by huge pages.
 type HostFile struct {
 	path     string
 	size     int64
@@ -51,13 +53,14 @@ type HostFile struct {
 	huge     bool
 	pageSize int64
 	ino      uint64 // Close removes the path only if it is still this file
+	fd       int    // open until Close, to hand to clients
 
 	mu   sync.Mutex
 	data []byte // nil once closed
 }
 
-// CreateHostFile creates the file at path (mode 0660, so clients in the
-// daemon's group can map it read-write), sizes it and maps it shared.
+// CreateHostFile creates the file at path (mode 0600: its owner's alone),
+// sizes it and maps it shared.
 //
 // A file already at path is removed first: it is a leftover of a daemon
 // that did not shut down cleanly, and mapping it would hand clients stale
@@ -92,18 +95,17 @@ func CreateHostFile(path string, size int64) (*HostFile, error) {
 	if err := os.Remove(path); err != nil && !errors.Is(err, fs.ErrNotExist) {
 		return nil, h.createErr("remove stale", err)
 	}
-	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC, 0o660)
+	fd, err := unix.Open(path, unix.O_RDWR|unix.O_CREAT|unix.O_EXCL|unix.O_CLOEXEC, 0o600)
 	if err != nil {
 		return nil, h.createErr("create", err)
 	}
-	// The mapping outlives the descriptor; clients open the path themselves.
-	defer unix.Close(fd)
 	data, err := h.mapFile(fd)
 	if err != nil {
+		unix.Close(fd)
 		_ = os.Remove(path)
 		return nil, err
 	}
-	h.data = data
+	h.data, h.fd = data, fd
 	h.base = uint64(uintptr(unsafe.Pointer(unsafe.SliceData(data))))
 	return h, nil
 }
@@ -114,10 +116,6 @@ func (h *HostFile) mapFile(fd int) ([]byte, error) {
 		return nil, h.createErr("stat", err)
 	}
 	h.ino = fst.Ino
-	// The umask would strip the group write bit that clients need.
-	if err := unix.Fchmod(fd, 0o660); err != nil {
-		return nil, h.createErr("chmod", err)
-	}
 	if err := unix.Ftruncate(fd, h.size); err != nil {
 		return nil, h.createErr("size", err)
 	}
@@ -171,15 +169,15 @@ func (h *HostFile) createErr(op string, err error) error {
 	var hint string
 	switch {
 	case (errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM)) && h.huge:
-		hint = fmt.Sprintf("not enough free %d-byte huge pages in %s for %d bytes: raise vm.nr_hugepages or lower --arena-size", h.pageSize, dir, h.size)
+		hint = fmt.Sprintf("not enough free %d-byte huge pages in %s for %d bytes: raise vm.nr_hugepages or ask for a smaller arena", h.pageSize, dir, h.size)
 	case errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM):
-		hint = fmt.Sprintf("no space in %s for %d bytes: lower --arena-size or free space there", dir, h.size)
+		hint = fmt.Sprintf("no space in %s for %d bytes: ask for a smaller arena or free space there", dir, h.size)
 	case errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM):
 		hint = fmt.Sprintf("permission denied: run ferryd as a user that may write %s or choose another arena path", dir)
 	case errors.Is(err, unix.EEXIST):
 		hint = "another process created it concurrently: run one ferryd per arena path"
 	default:
-		hint = "check the arena path and --arena-size"
+		hint = "check the arena's path and size"
 	}
 	return fmt.Errorf("arena: %s %s: %w (%s)", op, h.path, err, hint)
 }
@@ -201,8 +199,12 @@ func (h *HostFile) Host() []byte {
 // Kind is "host".
 func (h *HostFile) Kind() string { return "host" }
 
-// Path is the file clients map.
+// Path is the arena's file.
 func (h *HostFile) Path() string { return h.path }
+
+// Fd is the open file, for handing to a client (SCM_RIGHTS); it stays
+// valid until Close.
+func (h *HostFile) Fd() int { return h.fd }
 
 // HugePages reports whether the file is on hugetlbfs.
 func (h *HostFile) HugePages() bool { return h.huge }
@@ -223,6 +225,7 @@ func (h *HostFile) Close() error {
 	if err := unix.Munmap(h.data); err != nil {
 		errs = append(errs, fmt.Errorf("arena: unmap %s: %w", h.path, err))
 	}
+	unix.Close(h.fd)
 	h.data = nil
 	// A successor daemon may already have replaced the file; leave its file be.
 	var st unix.Stat_t

@@ -73,8 +73,8 @@ func TestHostFileSharedWithClient(t *testing.T) {
 			if err != nil {
 				t.Fatal(err)
 			}
-			if fi.Mode().Perm() != 0o660 || fi.Size() != size {
-				t.Errorf("file mode %v size %d, want -rw-rw---- and %d", fi.Mode(), fi.Size(), size)
+			if fi.Mode().Perm() != 0o600 || fi.Size() != size {
+				t.Errorf("file mode %v size %d, want -rw------- and %d", fi.Mode(), fi.Size(), size)
 			}
 
 			for i := range host {
@@ -222,9 +222,9 @@ func TestCreateErrorAdvice(t *testing.T) {
 		want []string
 	}{
 		{&HostFile{path: "/dev/shm/ferry", size: 1 << 30}, unix.ENOSPC,
-			[]string{"/dev/shm/ferry", "no space in /dev/shm for 1073741824 bytes", "--arena-size"}},
+			[]string{"/dev/shm/ferry", "no space in /dev/shm for 1073741824 bytes", "smaller arena"}},
 		{&HostFile{path: "/dev/hugepages/ferry", size: 1 << 30, huge: true, pageSize: 2 * MiB}, unix.ENOMEM,
-			[]string{"/dev/hugepages/ferry", "2097152-byte huge pages", "vm.nr_hugepages", "--arena-size"}},
+			[]string{"/dev/hugepages/ferry", "2097152-byte huge pages", "vm.nr_hugepages", "smaller arena"}},
 		{&HostFile{path: "/srv/ferry", size: 4096}, unix.EACCES,
 			[]string{"/srv/ferry", "permission denied", "/srv"}},
 	} {

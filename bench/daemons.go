@@ -29,6 +29,51 @@ type DaemonConfig struct {
 	Args      []string // passed through (--transport, --device, --max-conns)
 }
 
+// ArenaFor is the memory a receiver (a daemon, or a Mooncake segment)
+// gets for a run with need bytes in flight: twice that, so a round's
+// slots fit beside the last round's, and at least 64 MiB.
+func ArenaFor(need int64) int64 { return max(2*need, 64<<20) }
+
+// Pair is a sending and a receiving ferryd that ferrybench started.
+type Pair struct {
+	Sender, Receiver *Daemon
+	dir              string // made for the sockets by StartPair
+}
+
+// StartPair starts a sender and a receiver as cfg says, their control
+// sockets in a fresh temporary directory (cfg.Dir is ignored).
+func StartPair(ctx context.Context, cfg DaemonConfig) (*Pair, error) {
+	dir, err := os.MkdirTemp("", "ferrybench-")
+	if err != nil {
+		return nil, err
+	}
+	cfg.Dir = dir
+	p := &Pair{dir: dir}
+	if p.Sender, err = StartDaemon(ctx, cfg, "sender"); err == nil {
+		p.Receiver, err = StartDaemon(ctx, cfg, "receiver")
+	}
+	if err != nil {
+		p.Stop()
+		return nil, err
+	}
+	return p, nil
+}
+
+// Peers are the pair as a run's daemons.
+func (p *Pair) Peers() Peers { return Peers{From: p.Sender.Client, To: p.Receiver.Client} }
+
+// Stop ends both daemons by their PIDs and removes their directory.
+func (p *Pair) Stop() error {
+	var errs []error
+	for _, d := range []*Daemon{p.Sender, p.Receiver} {
+		if d != nil {
+			errs = append(errs, d.Stop())
+		}
+	}
+	errs = append(errs, os.RemoveAll(p.dir))
+	return errors.Join(errs...)
+}
+
 // Daemon is a ferryd that ferrybench started; Stop ends it by its PID.
 type Daemon struct {
 	*proc

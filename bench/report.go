@@ -1,7 +1,6 @@
 // Package bench measures ferry: transfer sweeps over block sizes and
-// concurrency through the daemons (or over the bare transport), the
-// control plane's round trip, and memory registration where a transport
-// registers memory. It reports rows the way etcd's report, nixlbench and
+// concurrency through the daemons (or over the bare transport), and the
+// control plane's round trip. It reports rows the way etcd's report, nixlbench and
 // perftest do (throughput, latency percentiles in µs, errors) as a table,
 // JSON or CSV, and draws them with gonum/plot.
 package bench

@@ -65,12 +65,9 @@ func Transfer(ctx context.Context, p Peers, cfg TransferConfig) ([]Row, error) {
 	}
 	t := &transferRun{p: p, cfg: cfg, data: pattern(maxSize), prefix: fmt.Sprintf("fb%d-", os.Getpid())}
 	if cfg.Stage == ZeroCopy {
-		st, err := p.From.Status(ctx)
-		if err != nil {
-			return nil, err
-		}
-		if t.mapping, err = client.MapArena(st.Memory.ArenaFile); err != nil {
-			return nil, fmt.Errorf("%w (or stage with --stage upload)", err)
+		var err error
+		if t.mapping, err = p.From.MapArena(ctx); err != nil {
+			return nil, fmt.Errorf("%w (or stage by upload)", err)
 		}
 		defer t.mapping.Close()
 	}
@@ -314,16 +311,10 @@ func (t *transferRun) stage(ctx context.Context, id string, sz int64) error {
 		_, err := t.p.From.Stage(ctx, id, shape, "u8", bytes.NewReader(t.data[:sz]), sz)
 		return err
 	}
-	sl, err := t.p.From.Slice(ctx, id, api.SliceRequest{NBytes: sz})
-	if err != nil {
-		return err
-	}
-	b, err := t.mapping.Slice(sl)
-	if err != nil {
-		return err
-	}
-	copy(b, t.data[:sz])
-	_, err = t.p.From.Commit(ctx, id, shape, "u8")
+	_, err := t.p.From.StageInPlace(ctx, t.mapping, id, shape, "u8", func(dst []byte) error {
+		copy(dst, t.data[:sz])
+		return nil
+	})
 	return err
 }
 

@@ -67,13 +67,17 @@ func UnixDialer(path string) func(ctx context.Context, network, addr string) (ne
 	}
 }
 
+// dial opens a connection to ferryd.
+func (c *Client) dial(ctx context.Context) (net.Conn, error) {
+	if c.Dial != nil {
+		return c.Dial(ctx)
+	}
+	return UnixDialer(c.socket())(ctx, "", "")
+}
+
 func (c *Client) http() *http.Client {
 	c.once.Do(func() {
-		dial := c.Dial
-		if dial == nil {
-			unix := UnixDialer(c.socket())
-			dial = func(ctx context.Context) (net.Conn, error) { return unix(ctx, "", "") }
-		}
+		dial := c.dial
 		c.hc = &http.Client{Transport: &syncTransport{
 			dial: dial,
 			fallback: &http.Transport{
@@ -107,16 +111,11 @@ func (c *Client) do(ctx context.Context, method, path string, body io.Reader, co
 		if ctx.Err() != nil {
 			return nil, ctx.Err()
 		}
-		return nil, fmt.Errorf("%w at %s: %v (is ferryd running? give its socket with --socket or FERRY_SOCKET)", ErrUnreachable, c.socket(), err)
+		return nil, fmt.Errorf("%w at %s: %v (is ferryd running, and is that its control socket?)", ErrUnreachable, c.socket(), err)
 	}
 	if resp.StatusCode >= 300 {
 		defer resp.Body.Close()
-		var env api.ErrorBody
-		raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
-		if json.Unmarshal(raw, &env) != nil || env.Error.Code == "" {
-			return nil, &Error{Status: resp.StatusCode, Code: "http_" + strconv.Itoa(resp.StatusCode), Message: string(bytes.TrimSpace(raw))}
-		}
-		return nil, &Error{Status: resp.StatusCode, Code: env.Error.Code, Message: env.Error.Message}
+		return nil, errorOf(resp)
 	}
 	if out == nil {
 		return resp, nil
@@ -126,6 +125,16 @@ func (c *Client) do(ctx context.Context, method, path string, body io.Reader, co
 		return nil, fmt.Errorf("decoding ferryd's answer to %s %s: %w", method, path, err)
 	}
 	return resp, nil
+}
+
+// errorOf turns an answer that is not a success into *Error.
+func errorOf(resp *http.Response) error {
+	var env api.ErrorBody
+	raw, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if json.Unmarshal(raw, &env) != nil || env.Error.Code == "" {
+		return &Error{Status: resp.StatusCode, Code: "http_" + strconv.Itoa(resp.StatusCode), Message: string(bytes.TrimSpace(raw))}
+	}
+	return &Error{Status: resp.StatusCode, Code: env.Error.Code, Message: env.Error.Message}
 }
 
 func jsonBody(v any) io.Reader {

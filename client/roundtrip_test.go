@@ -230,7 +230,7 @@ func TestSyncTransportConcurrent(t *testing.T) {
 func TestUnreachableNamesTheSocket(t *testing.T) {
 	sock := filepath.Join(t.TempDir(), "none.sock")
 	_, err := (&Client{Socket: sock}).Status(ctx(t))
-	if !errors.Is(err, ErrUnreachable) || !strings.Contains(err.Error(), sock) || !strings.Contains(err.Error(), "is ferryd running?") {
+	if !errors.Is(err, ErrUnreachable) || !strings.Contains(err.Error(), sock) || !strings.Contains(err.Error(), "is ferryd running") {
 		t.Fatalf("got %v", err)
 	}
 }

@@ -75,13 +75,13 @@ func newArena(dev device, size, bounce int64) (_ *Arena, err error) {
 	info := dev.Info()
 	size = (size + arenaGranule - 1) / arenaGranule * arenaGranule
 	if size > info.TotalMemory {
-		return nil, fmt.Errorf("%v: an arena of %d bytes does not fit its %d bytes of memory: lower --arena-size", info, size, info.TotalMemory)
+		return nil, fmt.Errorf("%v: an arena of %d bytes does not fit its %d bytes of memory: ask for a smaller arena", info, size, info.TotalMemory)
 	}
 	bounce = (bounce + bounceAlign - 1) / bounceAlign * bounceAlign
 	a := &Arena{dev: dev, size: size, dmabufFD: -1}
 	if a.base, err = dev.Alloc(size); err != nil {
 		if errors.Is(err, ErrorOutOfMemory) {
-			return nil, fmt.Errorf("%v: allocating an arena of %d bytes: %w (other processes hold its memory: check nvidia-smi, or lower --arena-size)", info, size, err)
+			return nil, fmt.Errorf("%v: allocating an arena of %d bytes: %w (other processes hold its memory: check nvidia-smi, or ask for a smaller arena)", info, size, err)
 		}
 		return nil, fmt.Errorf("%v: allocating an arena of %d bytes: %w", info, size, err)
 	}
@@ -94,7 +94,7 @@ func newArena(dev device, size, bounce int64) (_ *Arena, err error) {
 		return nil, err
 	}
 	if a.bounce, err = dev.HostAlloc(bounce); err != nil {
-		return nil, fmt.Errorf("%v: pinning a %d-byte host bounce area: %w (lower --bounce-size)", info, bounce, err)
+		return nil, fmt.Errorf("%v: pinning a %d-byte host bounce area: %w (ask for a smaller bounce area)", info, bounce, err)
 	}
 	if a.bounceAlloc, err = arena.NewAllocator(bounce, bounceAlign); err != nil {
 		return nil, err

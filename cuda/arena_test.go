@@ -232,9 +232,9 @@ func TestNewArenaFailuresFreeWhatWasAllocated(t *testing.T) {
 		fail string
 		want []string
 	}{
-		{"Alloc", []string{"allocating an arena", "nvidia-smi", "--arena-size"}},
+		{"Alloc", []string{"allocating an arena", "nvidia-smi", "smaller arena"}},
 		{"SetSyncMemops", []string{"CUDA_ERROR_OUT_OF_MEMORY"}},
-		{"HostAlloc", []string{"pinning", "--bounce-size"}},
+		{"HostAlloc", []string{"pinning", "smaller bounce area"}},
 	} {
 		t.Run(c.fail, func(t *testing.T) {
 			dev := newFakeDevice()

@@ -108,13 +108,6 @@ func New(cfg Config) (*Daemon, error) {
 	if err != nil {
 		return nil, err
 	}
-	// Clients map a host arena's file for zero-copy: it goes to the group
-	// that may use the socket.
-	if d.mem.host != nil {
-		if err := chownGroup(cfg.ArenaFile, gid, "arena file"); err != nil {
-			return nil, err
-		}
-	}
 	d.arena, err = arena.New(d.mem.Memory, config.ArenaAlign)
 	if err != nil {
 		return nil, err

@@ -1,12 +1,14 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
 	"log"
+	"net"
 	"net/http"
 	"os"
 	"path"
@@ -15,9 +17,11 @@ import (
 	"time"
 
 	"github.com/rs/zerolog"
+	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/internal/strictjson"
 )
 
 // apiError is an error with its envelope code; the code decides the HTTP
@@ -46,6 +50,7 @@ func (d *Daemon) routes() http.Handler {
 	mux := http.NewServeMux()
 	for pattern, h := range map[string]func(http.ResponseWriter, *http.Request) error{
 		"GET /v1/status":                      d.handleStatus,
+		"GET /v1/arena":                       d.handleArena,
 		"GET /v1/embeddings":                  d.handleListEmbeddings,
 		"PUT /v1/embeddings/{req_id}":         d.handleUpload,
 		"GET /v1/embeddings/{req_id}":         d.handleGetEmbedding,
@@ -163,16 +168,23 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 }
 
 // decodeJSON reads a JSON body of at most MaxBodyBytes that must hold
-// exactly one object of known fields.
+// exactly one object of known fields, each given once.
 func (d *Daemon) decodeJSON(r *http.Request, v any) error {
-	dec := json.NewDecoder(http.MaxBytesReader(nil, r.Body, d.cfg.MaxBodyBytes.Bytes()))
-	dec.DisallowUnknownFields()
-	if err := dec.Decode(v); err != nil {
+	body, err := io.ReadAll(http.MaxBytesReader(nil, r.Body, d.cfg.MaxBodyBytes.Bytes()))
+	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
 			return apiErr(api.CodeTooLarge,
 				"request body is over %s (max_body_bytes): send less, or raise max_body_bytes", d.cfg.MaxBodyBytes)
 		}
+		return apiErr(api.CodeBadRequest, "reading the request body: %v", err)
+	}
+	if err := strictjson.NoDuplicateKeys(body); err != nil {
+		return apiErr(api.CodeBadRequest, "request body: %v", err)
+	}
+	dec := json.NewDecoder(bytes.NewReader(body))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
 		return apiErr(api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
 	}
 	if dec.More() {
@@ -243,6 +255,41 @@ func (d *Daemon) Status() api.Status {
 			SendTimeout: d.cfg.SendTimeout.String(), StageTTL: d.cfg.StageTTL.String(), ReceiveTTL: d.cfg.ReceiveTTL.String(),
 		},
 	}
+}
+
+// handleArena answers with the host arena's file descriptor (SCM_RIGHTS)
+// beside its description: the file is ferryd's alone, so a caller the
+// allow-lists admitted maps it through this descriptor, and no one else
+// can. The answer needs its own sendmsg, so the connection is taken over
+// from the HTTP server and closed after it.
+func (d *Daemon) handleArena(w http.ResponseWriter, r *http.Request) error {
+	if d.mem.host == nil {
+		return apiErr(api.CodeBadRequest,
+			"ferryd's arena is GPU memory (%s), which has no file to map: open it with cuIpcOpenMemHandle on the ipc_handle of GET /v1/status", d.mem.device)
+	}
+	hj, ok := w.(http.Hijacker)
+	if !ok {
+		return fmt.Errorf("the control connection cannot carry a file descriptor")
+	}
+	body, err := json.Marshal(api.Arena{ArenaFile: d.mem.Path(), Size: d.mem.Size(), HugePages: d.mem.HugePages()})
+	if err != nil {
+		return err
+	}
+	conn, _, err := hj.Hijack()
+	if err != nil {
+		return fmt.Errorf("taking over the control connection to pass the arena: %w", err)
+	}
+	defer conn.Close()
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		return nil // not a Unix socket: nothing can carry the descriptor, and the close says so
+	}
+	head := fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n", len(body))
+	uc.SetWriteDeadline(time.Now().Add(d.cfg.IOTimeout.D()))
+	if _, _, err := uc.WriteMsgUnix(append([]byte(head), body...), unix.UnixRights(d.mem.host.Fd()), nil); err != nil {
+		d.log.Debug().Err(err).Msg("passing the arena's descriptor failed")
+	}
+	return nil
 }
 
 func (d *Daemon) handleListEmbeddings(w http.ResponseWriter, r *http.Request) error {

@@ -60,7 +60,7 @@ func openMemory(cfg Config, log zerolog.Logger) (*memory, error) {
 	}
 	host, err := arena.CreateHostFile(path, cfg.ArenaSize.Bytes())
 	if err != nil {
-		return nil, err
+		return nil, fmt.Errorf("--arena-size %s, --arena-file %s: %w", cfg.ArenaSize, path, err)
 	}
 	return &memory{Memory: host, device: "cpu", reason: reason, host: host}, nil
 }
@@ -84,7 +84,7 @@ func openGPU(cfg Config, log zerolog.Logger, drv *cuda.Driver, ordinal int) (*me
 	gpu, err := cuda.NewArena(dev, cfg.ArenaSize.Bytes(), min(cfg.BounceSize.Bytes(), cfg.ArenaSize.Bytes()))
 	if err != nil {
 		dev.Close()
-		return nil, fmt.Errorf("--device %s: %w", cfg.Device, err)
+		return nil, fmt.Errorf("--device %s, --arena-size %s, --bounce-size %s: %w", cfg.Device, cfg.ArenaSize, cfg.BounceSize, err)
 	}
 	in := dev.Info()
 	m := &memory{Memory: gpu, device: fmt.Sprintf("cuda:%d", ordinal), gpu: gpu, dev: dev, drv: drv,

@@ -127,7 +127,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		when := "when the peer is back"
 		switch {
 		case errors.Is(lastErr, transport.ErrAuth):
-			when = "once both daemons hold the same peer secret"
+			when = "once both daemons hold the same peer secret (--peer-secret-file)"
 		case errors.Is(lastErr, transport.ErrIncompatible):
 			when = "once both daemons run the same ferry release"
 		}

@@ -74,6 +74,9 @@ func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog
 		return fmt.Errorf("RDMA discovery failed: %w", err)
 	}
 	choice, err := rdma.Choose(inv, rdma.Want{Device: cfg.RDMADevice, GIDIndex: cfg.RDMAGIDIndex, Addr: advertisedIP(cfg)})
+	if err != nil && (cfg.RDMADevice != "" || cfg.RDMAGIDIndex >= 0) {
+		return fmt.Errorf("--rdma-device %q, --rdma-gid-index %d: %w", cfg.RDMADevice, cfg.RDMAGIDIndex, err)
+	}
 	if err != nil {
 		return err
 	}

@@ -148,9 +148,9 @@ func (s *Session) refresh(ctx context.Context) (*Segment, error) {
 	}
 	switch {
 	case seg.Protocol == "tcp" && (seg.TCPDataPort <= 0 || seg.TCPDataPort > 65535):
-		return nil, fmt.Errorf("mooncake segment %s (session %s) offers protocol tcp, and its tcp_data_port %d is not a port number from 1 to 65535: its engine serves no TCP data port, so reach it over rdma (--transport rdma) or start its engine with the TCP transport", seg.Name, s.peer, seg.TCPDataPort)
+		return nil, fmt.Errorf("mooncake segment %s (session %s) offers protocol tcp, and its tcp_data_port %d is not a port number from 1 to 65535: its engine serves no TCP data port, so reach it from a ferryd on the rdma transport, or start its engine with the TCP transport", seg.Name, s.peer, seg.TCPDataPort)
 	case seg.Protocol == "rdma" && s.d.RDMA == nil:
-		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol rdma, and this ferryd has no RDMA data plane: run it with --transport rdma on an RDMA host, or start the peer's engine with the TCP transport", seg.Name, s.peer)
+		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol rdma, and this ferryd has no RDMA data plane: run ferryd on the rdma transport on an RDMA host, or start the peer's engine with the TCP transport", seg.Name, s.peer)
 	case seg.Protocol != "tcp" && seg.Protocol != "rdma":
 		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol %q; ferry reaches Mooncake segments over tcp or rdma: start its engine with one of those", seg.Name, s.peer, seg.Protocol)
 	}

@@ -44,7 +44,7 @@ func Choose(inv Inventory, w Want) (Choice, error) {
 			}
 		}
 		if nics == nil {
-			return Choice{}, fmt.Errorf("%w: --rdma-device %s is not among the RDMA devices seen (%s)", ErrNoPort, w.Device, names(inv.NICs))
+			return Choice{}, fmt.Errorf("%w: device %s is not among the RDMA devices seen (%s)", ErrNoPort, w.Device, names(inv.NICs))
 		}
 	}
 
@@ -73,7 +73,7 @@ func Choose(inv Inventory, w Want) (Choice, error) {
 	case active == 0:
 		return Choice{}, fmt.Errorf("%w: no ACTIVE port (%s); check the link and the NIC's netdev (ip link)", ErrNoPort, strings.Join(down, ", "))
 	case bestScore == 0 && w.GIDIndex >= 0:
-		return Choice{}, fmt.Errorf("%w: no active port has a GID at --rdma-gid-index %d; see the GID tables under /sys/class/infiniband/*/ports/*/gids", ErrNoPort, w.GIDIndex)
+		return Choice{}, fmt.Errorf("%w: no active port has a GID at index %d; see the GID tables under /sys/class/infiniband/*/ports/*/gids", ErrNoPort, w.GIDIndex)
 	case bestScore == 0:
 		return Choice{}, fmt.Errorf("%w: the active ports have no usable GID (a RoCE port needs an IP address on its netdev)", ErrNoPort)
 	}
@@ -83,7 +83,7 @@ func Choose(inv Inventory, w Want) (Choice, error) {
 // rank scores g on port p for w; 0 means unusable.
 func rank(p Port, g GID, w Want) (int, string) {
 	if w.GIDIndex >= 0 {
-		return 1, fmt.Sprintf("--rdma-gid-index %d", w.GIDIndex)
+		return 1, fmt.Sprintf("GID index %d, as asked", w.GIDIndex)
 	}
 	if p.LinkLayer == "InfiniBand" {
 		if g.Index == 0 {

@@ -197,9 +197,9 @@ func TestChoose(t *testing.T) {
 		{"NoAddressFirstV2IPv4", inv, Want{GIDIndex: -1}, "mlx5_0", 3, "first RoCE v2 IPv4 GID", ""},
 		{"AddressElsewhere", inv, Want{GIDIndex: -1, Addr: net.ParseIP("192.168.1.1")}, "mlx5_0", 3, "192.168.1.1 is on no RDMA netdev", ""},
 		{"InfiniBand", inv, Want{Device: "ib0", GIDIndex: -1}, "ib0", 0, "InfiniBand", ""},
-		{"GIDIndexOverride", inv, Want{Device: "mlx5_0", GIDIndex: 1}, "mlx5_0", 1, "--rdma-gid-index 1", ""},
-		{"GIDIndexUnused", inv, Want{Device: "mlx5_0", GIDIndex: 4}, "", 0, "", "no active port has a GID at --rdma-gid-index 4"},
-		{"UnknownDevice", inv, Want{Device: "mlx5_9", GIDIndex: -1}, "", 0, "", "--rdma-device mlx5_9 is not among the RDMA devices seen (mlx5_0, mlx5_1, ib0)"},
+		{"GIDIndexOverride", inv, Want{Device: "mlx5_0", GIDIndex: 1}, "mlx5_0", 1, "GID index 1, as asked", ""},
+		{"GIDIndexUnused", inv, Want{Device: "mlx5_0", GIDIndex: 4}, "", 0, "", "no active port has a GID at index 4"},
+		{"UnknownDevice", inv, Want{Device: "mlx5_9", GIDIndex: -1}, "", 0, "", "device mlx5_9 is not among the RDMA devices seen (mlx5_0, mlx5_1, ib0)"},
 		{"PortDown", inv, Want{Device: "mlx5_1", GIDIndex: -1}, "", 0, "", "mlx5_1 port 1 is DOWN"},
 		{"NoDevices", Inventory{Why: "the kernel has no RDMA support"}, Want{GIDIndex: -1}, "", 0, "", "the kernel has no RDMA support"},
 	} {

@@ -25,7 +25,7 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	}
 	l, instance, region, err := t.dialLane(ctx, addr)
 	if errors.Is(err, tcp.ErrNoRDMA) {
-		t.logf("rdma: %s serves no RDMA (it runs --transport tcp, or has no usable RDMA port): this session falls back to TCP", addr)
+		t.logf("rdma: %s serves no RDMA (it runs the tcp transport, or has no usable RDMA port): this session falls back to TCP", addr)
 		return t.tcp.Dial(ctx, addr)
 	}
 	if err != nil {

@@ -1,5 +1,6 @@
-// Command ferrybench measures ferry: transfer sweeps, memory registration
-// and the control plane. The logic is in package bench.
+// Command ferrybench measures ferry: transfer sweeps through two daemons
+// or the bare transport, and the control plane. The logic is in package
+// bench.
 package main
 
 import (
@@ -46,10 +47,11 @@ func main() {
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGINT, syscall.SIGTERM)
 	err := run(ctx, os.Args[1:], os.Stdout, os.Stderr)
 	stop()
+	if errors.Is(err, flag.ErrHelp) {
+		return // the usage was printed, as asked
+	}
 	if err != nil {
-		if !errors.Is(err, flag.ErrHelp) {
-			fmt.Fprintln(os.Stderr, "ferrybench:", err)
-		}
+		fmt.Fprintln(os.Stderr, "ferrybench:", err)
 		os.Exit(1)
 	}
 }
@@ -170,43 +172,31 @@ func (d *daemonFlags) peers(ctx context.Context, fs *flag.FlagSet, need int64, m
 	if err != nil {
 		return bench.Peers{}, nil, err
 	}
-	arenaSize := max(2*need, 64<<20)
+	arenaSize := bench.ArenaFor(need)
 	if d.arenaSize != "auto" {
 		if arenaSize, err = size.Parse(d.arenaSize); err != nil {
 			return bench.Peers{}, nil, fmt.Errorf("--arena-size: %w", err)
 		}
 	}
-	dir, err := os.MkdirTemp("", "ferrybench-")
+	conns := strconv.Itoa(max(maxConc, 8))
+	pair, err := bench.StartPair(ctx, bench.DaemonConfig{
+		Ferryd: ferryd, ArenaDir: d.arenaDirOrDefault(), ArenaSize: arenaSize,
+		Args: []string{"--transport", d.transport, "--device", d.device, "--max-conns", conns},
+	})
 	if err != nil {
 		return bench.Peers{}, nil, err
 	}
-	cfg := bench.DaemonConfig{
-		Ferryd: ferryd, Dir: dir, ArenaDir: d.arenaDirOrDefault(), ArenaSize: arenaSize,
-		Args: []string{"--transport", d.transport, "--device", d.device, "--max-conns", strconv.Itoa(max(maxConc, 8))},
-	}
-	var started []*bench.Daemon
 	stop := func() {
-		for _, dm := range started {
-			if err := dm.Stop(); err != nil {
-				fmt.Fprintln(os.Stderr, "ferrybench:", err)
-			}
+		if err := pair.Stop(); err != nil {
+			fmt.Fprintln(os.Stderr, "ferrybench:", err)
 		}
-		os.RemoveAll(dir)
 	}
-	for _, name := range []string{"sender", "receiver"} {
-		dm, err := bench.StartDaemon(ctx, cfg, name)
-		if err != nil {
-			stop()
-			return bench.Peers{}, nil, err
-		}
-		started = append(started, dm)
-	}
-	setup["daemons"] = fmt.Sprintf("self-contained(pids %d,%d)", started[0].PID(), started[1].PID())
+	setup["daemons"] = fmt.Sprintf("self-contained(pids %d,%d)", pair.Sender.PID(), pair.Receiver.PID())
 	setup["transport"] = d.transport
 	setup["device"] = d.device
 	setup["arena"] = size.Format(arenaSize)
-	setup["max_conns"] = strconv.Itoa(max(maxConc, 8))
-	return bench.Peers{From: started[0].Client, To: started[1].Client}, stop, nil
+	setup["max_conns"] = conns
+	return pair.Peers(), stop, nil
 }
 
 func (d *daemonFlags) arenaDirOrDefault() string {
@@ -398,7 +388,7 @@ func startMooncakePeer(ctx context.Context, need int64) (*bench.MooncakePeerProc
 	if err != nil {
 		return nil, err
 	}
-	return bench.StartMooncakePeer(ctx, self, max(2*need, 64<<20))
+	return bench.StartMooncakePeer(ctx, self, bench.ArenaFor(need))
 }
 
 // cmdMooncakePeer serves as a Mooncake segment (Mooncake's TCP transport,

@@ -32,7 +32,7 @@ Commands:
   send REQ_ID --session mooncake://HOST:PORT --addr ADDR
                                       write into a Mooncake segment (its name and a buffer address)
   send REQ_ID --slot SLOT.json        send to a slot printed by 'ferryctl --json recv'
-  recv REQ_ID --nbytes N | --shape R,C --dtype D
+  recv REQ_ID --nbytes N | --shape R,C --dtype D [--mooncake]
                                       allocate a receive slot; prints session, addr, key
   wait REQ_ID -o FILE [--for 30s] [--keep]
                                       wait for the data, write it, free the slot
@@ -61,7 +61,14 @@ func (g *globals) register(fs *flag.FlagSet) {
 }
 
 func main() {
-	if err := run(os.Args[1:], os.Stdout); err != nil {
+	err := run(os.Args[1:], os.Stdout)
+	if errors.Is(err, flag.ErrHelp) {
+		return // the usage was printed, as asked
+	}
+	if errors.Is(err, client.ErrUnreachable) {
+		err = fmt.Errorf("%w; name ferryd's socket with --socket or FERRY_SOCKET", err)
+	}
+	if err != nil {
 		fmt.Fprintln(os.Stderr, "ferryctl:", err)
 		os.Exit(1)
 	}
@@ -275,30 +282,20 @@ func cmdStage(fs *flag.FlagSet) func(context.Context, *env) error {
 // stageInPlace is zero-copy staging: the bytes go from the file straight
 // into ferryd's arena through this process's mapping of it.
 func stageInPlace(ctx context.Context, c *client.Client, id string, shape []int64, dtype string, n int64, in io.Reader) (api.Embedding, error) {
-	sl, err := c.Slice(ctx, id, api.SliceRequest{Shape: shape, DType: dtype})
+	m, err := c.MapArena(ctx)
 	if err != nil {
+		if client.Code(err) == api.CodeBadRequest {
+			err = fmt.Errorf("%w; ferryctl stages GPU memory by upload: drop --zero-copy", err)
+		}
 		return api.Embedding{}, err
-	}
-	fail := func(err error) (api.Embedding, error) {
-		_ = c.Delete(ctx, id)
-		return api.Embedding{}, err
-	}
-	if sl.ArenaFile == "" {
-		return fail(errors.New("ferryd's arena is GPU memory: zero-copy staging there takes a CUDA client that opens the slice's ipc_handle (cuIpcOpenMemHandle) and writes at its offset; ferryctl stages by upload: drop --zero-copy"))
-	}
-	m, err := client.MapArena(sl.ArenaFile)
-	if err != nil {
-		return fail(err)
 	}
 	defer m.Close()
-	dst, err := m.Slice(sl)
-	if err != nil {
-		return fail(err)
-	}
-	if _, err := io.ReadFull(in, dst); err != nil {
-		return fail(fmt.Errorf("reading %d bytes for %s: %w", n, id, err))
-	}
-	return c.Commit(ctx, id, shape, dtype)
+	return c.StageInPlace(ctx, m, id, shape, dtype, func(dst []byte) error {
+		if _, err := io.ReadFull(in, dst); err != nil {
+			return fmt.Errorf("reading %d bytes for %s: %w", n, id, err)
+		}
+		return nil
+	})
 }
 
 func parseUint(s, what string, bits int) (uint64, error) {

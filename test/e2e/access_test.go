@@ -55,25 +55,50 @@ func TestAllowListAndSocketGroup(t *testing.T) {
 	dir := openDir(t)
 	d := startDaemon(t, dir, "acl", "--socket-group", "64990", "--allow-uids", "64991", "--allow-gids", "64994")
 
-	// The socket and the arena file: mode 0660, the configured group.
+	// The socket: mode 0660, the configured group. The arena file: 0600,
+	// ferryd's alone, whatever the group.
 	st, err := d.c.Status(ctxT(t))
 	if err != nil {
 		t.Fatal(err)
 	}
-	for _, p := range []string{d.socket, st.Memory.ArenaFile} {
+	for p, want := range map[string][2]uint32{d.socket: {0o660, group}, st.Memory.ArenaFile: {0o600, 0}} {
 		var s syscall.Stat_t
 		if err := syscall.Stat(p, &s); err != nil {
 			t.Fatal(err)
 		}
-		if s.Mode&0o777 != 0o660 || s.Gid != group {
-			t.Errorf("%s: mode %#o gid %d, want 0660 gid %d", p, s.Mode&0o777, s.Gid, group)
+		if s.Mode&0o777 != want[0] || s.Gid != want[1] {
+			t.Errorf("%s: mode %#o gid %d, want %#o gid %d", p, s.Mode&0o777, s.Gid, want[0], want[1])
+		}
+	}
+
+	// Only an admitted caller reaches the memory: the allowed uid stages in
+	// place through the descriptor ferryd passes it; a uid in the socket's
+	// group but off the list gets 403 for it and cannot open the file.
+	data := filepath.Join(dir, "emb.bin")
+	if err := os.WriteFile(data, bytes.Repeat([]byte("z"), 4096), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	if out, err := ferryctlAs(t, allowed, group, nil, "--socket", d.socket, "stage", "acl-zc", "--shape", "4096", "--dtype", "u8", "--zero-copy", data); err != nil {
+		t.Errorf("uid %d on allow_uids could not stage in place: %v\n%s", allowed, err, out)
+	} else if e, err := d.c.Embedding(ctxT(t), "acl-zc"); err != nil || e.State != "staged" {
+		t.Errorf("the allowed uid's zero-copy stage: %+v, %v", e, err)
+	}
+	out, err := ferryctlAs(t, other, group, nil, "--socket", d.socket, "stage", "acl-zc2", "--shape", "4096", "--dtype", "u8", "--zero-copy", data)
+	if err == nil || !strings.Contains(out, "(forbidden)") {
+		t.Errorf("uid %d off the list staged in place: err=%v\n%s", other, err, out)
+	}
+	for _, tool := range [][]string{{"head", "-c", "1", st.Memory.ArenaFile}, {"dd", "if=" + st.Memory.ArenaFile, "of=/dev/null", "count=1"}} {
+		cmd := exec.CommandContext(ctxT(t), tool[0], tool[1:]...)
+		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: other, Gid: group}}
+		if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "Permission denied") {
+			t.Errorf("uid %d in the socket's group read the arena file with %s: err=%v\n%s", other, tool[0], err, out)
 		}
 	}
 
 	if out, err := ferryctlAs(t, allowed, group, nil, "--socket", d.socket, "status"); err != nil {
 		t.Errorf("uid %d on allow_uids was refused: %v\n%s", allowed, err, out)
 	}
-	out, err := ferryctlAs(t, other, group, nil, "--socket", d.socket, "status")
+	out, err = ferryctlAs(t, other, group, nil, "--socket", d.socket, "status")
 	if err == nil || !strings.Contains(out, "(forbidden)") || !strings.Contains(out, "uid 64992") {
 		t.Errorf("uid %d not on the list: err=%v\n%s", other, err, out)
 	}

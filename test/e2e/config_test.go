@@ -138,3 +138,37 @@ func TestSlowThresholdZeroLogsEverySend(t *testing.T) {
 		t.Fatalf("--print-config: %v\n%s", err, out)
 	}
 }
+
+// --help on every binary and every command its usage lists prints that
+// usage and exits 0.
+func TestHelpExitsZero(t *testing.T) {
+	run := func(args ...string) string {
+		t.Helper()
+		cmd := exec.CommandContext(ctxT(t), filepath.Join(bin, args[0]), args[1:]...)
+		out, err := cmd.CombinedOutput()
+		if err != nil || len(out) == 0 {
+			t.Errorf("%s: exit %v, %d bytes of usage:\n%s", strings.Join(args, " "), err, len(out), out)
+		}
+		return string(out)
+	}
+	run("ferryd", "--help")
+	for _, tool := range []string{"ferryctl", "ferrybench"} {
+		usage := run(tool, "--help")
+		_, cmds, ok := strings.Cut(usage, "Commands:\n")
+		if !ok {
+			t.Fatalf("%s --help lists no commands:\n%s", tool, usage)
+		}
+		n := 0
+		for _, line := range strings.Split(cmds, "\n") {
+			f := strings.Fields(line)
+			if !strings.HasPrefix(line, "  ") || strings.HasPrefix(line, "   ") || len(f) == 0 {
+				continue
+			}
+			run(tool, f[0], "--help")
+			n++
+		}
+		if n < 2 {
+			t.Errorf("%s --help: found %d commands in\n%s", tool, n, cmds)
+		}
+	}
+}

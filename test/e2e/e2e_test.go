@@ -126,7 +126,7 @@ func TestZeroCopyStagingArrivesByteExact(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	writeInPlace(t, sl, data)
+	writeInPlace(t, snd, sl, data)
 	// Not committed yet: a send does not take it.
 	if _, err := snd.c.Send(ctx, "zc-1", slotFor(t, rcv, "zc-0", embBytes)); err == nil {
 		t.Fatal("send of an uncommitted slice succeeded")
@@ -147,7 +147,7 @@ func TestZeroCopyStagingArrivesByteExact(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	got := readInPlace(t, info)
+	got := readInPlace(t, rcv, info)
 	if !info.Arrived || !bytes.Equal(got, data) {
 		t.Fatalf("in-place bytes differ (arrived=%v, received=%d)", info.Arrived, info.Received)
 	}
@@ -282,6 +282,7 @@ func TestBadInputGetsClearErrorsAndDaemonStaysUp(t *testing.T) {
 		{"req_id with space", "POST", "/v1/receives", `{"req_id":"a b","nbytes":1}`, 400, "req_id"},
 		{"over-long req_id", "PUT", "/v1/embeddings/" + strings.Repeat("r", 200) + "?shape=1&dtype=u8", "x", 400, "128"},
 		{"zero nbytes slot", "POST", "/v1/receives", `{"req_id":"a","nbytes":0}`, 400, "positive"},
+		{"a key twice, in two cases", "POST", "/v1/receives", `{"req_id":"dupkey","nbytes":1024,"NBYTES":2048}`, 400, `"NBYTES" comes twice`},
 		{"bad session", "POST", "/v1/embeddings/a/send", `{"session":"nohost","buffer_address":1,"key":"000102030405060708090a0b0c0d0e0f"}`, 400, "host:port"},
 		{"numeric key", "POST", "/v1/embeddings/a/send", `{"session":"127.0.0.1:1","buffer_address":1,"key":1}`, 400, "key"},
 		{"short key", "POST", "/v1/embeddings/a/send", `{"session":"127.0.0.1:1","buffer_address":1,"key":"0a0b"}`, 400, "32 hex digits"},
@@ -439,7 +440,7 @@ func TestFerryctlRoundTrip(t *testing.T) {
 	missing := filepath.Join(dir, "nobody.sock")
 	cmd := exec.Command(filepath.Join(bin, "ferryctl"), "--socket", missing, "status")
 	b, err := cmd.CombinedOutput()
-	if err == nil || !strings.Contains(string(b), missing) || !strings.Contains(string(b), "is ferryd running?") {
+	if err == nil || !strings.Contains(string(b), missing) || !strings.Contains(string(b), "is ferryd running") || !strings.Contains(string(b), "--socket or FERRY_SOCKET") {
 		t.Fatalf("unreachable daemon: err=%v output=%s", err, b)
 	}
 }

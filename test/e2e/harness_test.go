@@ -51,10 +51,10 @@ func TestMain(m *testing.M) {
 	if os.Getenv("FERRY_E2E_RACE") == "1" {
 		args = append(args, "-race")
 	}
-	build := exec.Command("go", append(args, "../../cmd/ferryd", "../../cmd/ferryctl")...)
+	build := exec.Command("go", append(args, "../../cmd/ferryd", "../../cmd/ferryctl", "../../cmd/ferrybench")...)
 	build.Stdout, build.Stderr = os.Stderr, os.Stderr
 	if err := build.Run(); err != nil {
-		fmt.Fprintln(os.Stderr, "building ferryd and ferryctl:", err)
+		fmt.Fprintln(os.Stderr, "building ferryd, ferryctl and ferrybench:", err)
 		os.Exit(1)
 	}
 	code := m.Run()
@@ -383,10 +383,10 @@ func openFiles(pid int) string {
 }
 
 // writeInPlace is a client's zero-copy staging: it writes data into a
-// reserved slice through its own mapping of the arena file.
-func writeInPlace(t *testing.T, sl api.Slice, data []byte) {
+// reserved slice through its own mapping of d's arena.
+func writeInPlace(t *testing.T, d *daemon, sl api.Slice, data []byte) {
 	t.Helper()
-	m, err := client.MapArena(sl.ArenaFile)
+	m, err := d.c.MapArena(ctxT(t))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -399,10 +399,10 @@ func writeInPlace(t *testing.T, sl api.Slice, data []byte) {
 }
 
 // readInPlace is a receiving client reading an arrived slot through its
-// own mapping of the arena file.
-func readInPlace(t *testing.T, info api.Receive) []byte {
+// own mapping of d's arena.
+func readInPlace(t *testing.T, d *daemon, info api.Receive) []byte {
 	t.Helper()
-	m, err := client.MapArena(info.ArenaFile)
+	m, err := d.c.MapArena(ctxT(t))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -114,7 +114,7 @@ func TestRDMASendUploadAndZeroCopy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	writeInPlace(t, sl, data)
+	writeInPlace(t, snd, sl, data)
 	if _, err := snd.c.Commit(ctx, "rd-zc", embShape, "bf16"); err != nil {
 		t.Fatal(err)
 	}
@@ -125,7 +125,7 @@ func TestRDMASendUploadAndZeroCopy(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if in := readInPlace(t, info); !bytes.Equal(in, data) {
+	if in := readInPlace(t, rcv, info); !bytes.Equal(in, data) {
 		t.Fatal("zero-copy embedding read in place differs from what was staged")
 	}
 	sessions, err := snd.c.Sessions(ctx)

@@ -66,7 +66,7 @@ func TestAuthRefused(t *testing.T) {
 			if !errors.Is(err, transport.ErrAuth) {
 				t.Fatalf("dial error %v is not ErrAuth", err)
 			}
-			for _, w := range []string{"peer authentication failed", c.dialErr, "--peer-secret-file", rx.Addr().String()} {
+			for _, w := range []string{"peer authentication failed", c.dialErr, "peer secret", rx.Addr().String()} {
 				if !strings.Contains(err.Error(), w) {
 					t.Errorf("dial error %q does not mention %q", err, w)
 				}

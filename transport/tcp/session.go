@@ -138,9 +138,9 @@ func (c *conn) greet(ctx context.Context, instance uint64, kind uint32, secret [
 	case statusNoRDMA:
 		return 0, ErrNoRDMA
 	case statusNeedSecret:
-		return 0, authErr("the peer requires a peer secret, and this daemon has none: give both daemons the same --peer-secret-file")
+		return 0, authErr("the peer requires a peer secret, and this daemon has none: give both daemons the same peer secret")
 	case statusNoSecret:
-		return 0, authErr("the peer has no peer secret, and this daemon requires one: give both daemons the same --peer-secret-file")
+		return 0, authErr("the peer has no peer secret, and this daemon requires one: give both daemons the same peer secret")
 	default:
 		return 0, fmt.Errorf("peer refused the handshake with status %d", w.status)
 	}
@@ -184,7 +184,7 @@ func (c *conn) prove(secret []byte, kind uint32, clientInstance, serverInstance 
 	v.decode(&vb)
 	switch {
 	case v.status == statusBadProof:
-		return authErr("the peer refused this daemon's proof: the two daemons' --peer-secret-file differ")
+		return authErr("the peer refused this daemon's proof: the two daemons' peer secrets differ")
 	case v.status != statusOK:
 		return fmt.Errorf("peer refused the proof with status %d", v.status)
 	case !validProof(v.proof, secret, roleServer, kind, client, server):

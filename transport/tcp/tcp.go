@@ -264,9 +264,9 @@ func (t *Transport) welcome(c *net.TCPConn) (hello, error) {
 	switch {
 	case herr != nil:
 	case secret != nil && !h.auth():
-		status, herr = statusNeedSecret, authErr("peer has no secret, and this daemon requires one: give both daemons the same --peer-secret-file")
+		status, herr = statusNeedSecret, authErr("peer has no secret, and this daemon requires one: give both daemons the same peer secret")
 	case secret == nil && h.auth():
-		status, herr = statusNoSecret, authErr("peer has a secret, and this daemon has none: give both daemons the same --peer-secret-file")
+		status, herr = statusNoSecret, authErr("peer has a secret, and this daemon has none: give both daemons the same peer secret")
 	case h.kind == kindRDMA && t.cfg.RDMA == nil:
 		status, herr = statusNoRDMA, errNoRDMAHere
 	}
@@ -306,7 +306,7 @@ func (t *Transport) verify(c *net.TCPConn, h hello, server party) error {
 	v := verdict{proof: proof(t.cfg.Secret, roleServer, h.kind, client, server)}
 	var verr error
 	if !validProof([proofSize]byte(b[nonceSize:]), t.cfg.Secret, roleClient, h.kind, client, server) {
-		v, verr = verdict{status: statusBadProof}, authErr("proof mismatch: the peer's secret differs from this daemon's --peer-secret-file")
+		v, verr = verdict{status: statusBadProof}, authErr("proof mismatch: the peer's secret differs from this daemon's")
 	}
 	var vb [verdictSize]byte
 	v.encode(&vb)

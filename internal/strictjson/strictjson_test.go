@@ -1,0 +1,35 @@
+package strictjson
+
+import (
+	"strings"
+	"testing"
+)
+
+func TestNoDuplicateKeys(t *testing.T) {
+	for _, ok := range []string{
+		`{"nbytes":1024,"req_id":"a"}`,
+		`{"a":{"a":1},"b":[{"a":1},{"a":2}]}`,
+		`{"a":"a","b":"a"}`,
+		`[{"x":1},{"x":1}]`,
+		`{"a":[1,"a",{"a":1}],"A2":2}`,
+		`not json`,
+		``,
+	} {
+		if err := NoDuplicateKeys([]byte(ok)); err != nil {
+			t.Errorf("%s: %v", ok, err)
+		}
+	}
+	for bad, key := range map[string]string{
+		`{"nbytes":1024,"NBYTES":2048}`:         "NBYTES",
+		`{"a":1,"a":2}`:                         "a",
+		`{"o":{"k":1,"K":2}}`:                   "K",
+		`{"l":[{"z":"z","Z":1}]}`:               "Z",
+		`{"a":[],"b":{},"a":0}`:                 "a",
+		`{"x":{"y":{"deep":1}},"q":1,"Q":true}`: "Q",
+	} {
+		err := NoDuplicateKeys([]byte(bad))
+		if err == nil || !strings.Contains(err.Error(), `"`+key+`"`) {
+			t.Errorf("%s: got %v, want the duplicate %q named", bad, err, key)
+		}
+	}
+}
