@@ -324,6 +324,22 @@ func (d *daemon) resources(t *testing.T) (goroutines, fds int) {
 	return got["go_goroutines"], got["process_open_fds"]
 }
 
+// holdsNothing checks that the daemon holds no staged entries, receive
+// slots or arena bytes, as after every transfer was sent, verified and
+// freed, and returns its status.
+func (d *daemon) holdsNothing(t *testing.T) api.Status {
+	t.Helper()
+	st, err := d.c.Status(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Memory.Used != 0 || st.Staged != 0 || st.Receives != 0 {
+		t.Errorf("ferryd pid %d keeps %d arena bytes, %d staged entries and %d receive slots after every transfer was accounted for",
+			d.cmd.Process.Pid, st.Memory.Used, st.Staged, st.Receives)
+	}
+	return st
+}
+
 // idleResources is the daemon's goroutine and open-file counts once the
 // test's client connections are closed and their goroutines have ended:
 // the readings have stopped falling.
