@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
 	"strings"
 	"sync"
@@ -38,10 +39,15 @@ func qdisc(t *testing.T, ns, dev, kind string, args ...string) {
 }
 
 // netemAvailable says whether this kernel has the netem qdisc, and if not,
-// what tc said.
+// what tc said. The soft-RoCE VM (make test-rdma) has it and sets
+// FERRY_NETEM_REQUIRED=1, so that there the netem cases fail rather than
+// skip without it.
 func netemAvailable(t *testing.T, h *hosts) (bool, string) {
 	t.Helper()
 	err := run("tc", "-n", h.nsA, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms")
+	if err != nil && os.Getenv("FERRY_NETEM_REQUIRED") == "1" {
+		t.Fatalf("FERRY_NETEM_REQUIRED=1 but: %v", err)
+	}
 	if err != nil {
 		return false, err.Error()
 	}
@@ -277,7 +283,7 @@ func TestLinkFaults(t *testing.T) {
 	netem, why := netemAvailable(t, h)
 	needNetem := func(t *testing.T) {
 		if !netem {
-			t.Skipf("skipping: this kernel has no netem qdisc (sch_netem): %s", why)
+			t.Skipf("skipping: this kernel has no netem qdisc (sch_netem), make test-rdma runs this in the soft-RoCE VM: %s", why)
 		}
 	}
 	all := len(faultSizes)
