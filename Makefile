@@ -35,8 +35,9 @@ e2e: deps
 	FERRY_E2E_RACE=1 $(GOTEST) -v ./test/... 2>&1 | scripts/gotest-summary.sh
 
 # The verbs path for real: the rdma package and the RDMA end-to-end tests
-# inside a soft-RoCE VM (QEMU TCG, Debian's kernel with rdma_rxe), then
-# ferry's RDMA writes beside ib_write_bw on the same device (ratio= lines).
+# inside a soft-RoCE VM (QEMU TCG, Debian's kernel with rdma_rxe), and the
+# netem fault tests over TCP (that kernel has sch_netem), then ferry's RDMA
+# writes beside ib_write_bw on the same device (ratio= lines).
 # About 3-5 minutes; the first run downloads the kernel package (~70 MB)
 # into .cache/rxevm.
 test-rdma: deps

@@ -5,6 +5,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"os"
 	"os/exec"
 	"strings"
 	"sync"
@@ -38,10 +39,15 @@ func qdisc(t *testing.T, ns, dev, kind string, args ...string) {
 }
 
 // netemAvailable says whether this kernel has the netem qdisc, and if not,
-// what tc said.
+// what tc said. The soft-RoCE VM (make test-rdma) has it and sets
+// FERRY_NETEM_REQUIRED=1, so that there the netem cases fail rather than
+// skip without it.
 func netemAvailable(t *testing.T, h *hosts) (bool, string) {
 	t.Helper()
 	err := run("tc", "-n", h.nsA, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "0ms")
+	if err != nil && os.Getenv("FERRY_NETEM_REQUIRED") == "1" {
+		t.Fatalf("FERRY_NETEM_REQUIRED=1 but: %v", err)
+	}
 	if err != nil {
 		return false, err.Error()
 	}
@@ -175,36 +181,48 @@ const (
 	faultSlow        = 40 * time.Millisecond
 )
 
-// transfersOver sends a mix of sizes, several at once, across a faulty
-// link. Each must arrive byte-exact, or fail as transfer_failed with the
-// staged data kept, within the send timeout; each slow one must be in the
-// sender's slow-transfer log. It returns how many were slow.
-func transfersOver(t *testing.T, snd, rcv *daemon, prefix string) (slow int) {
+// faultSizes are the transfers of one transfersOver batch, sent at once.
+var faultSizes = []int{64 << 10, 1 << 20, 2 << 20, 64 << 10, 1 << 20, 2 << 20}
+
+// linkTransfer is one transfer of a transfersOver batch: its bytes, staged
+// on the sender as id, and the receive slot they are sent to.
+type linkTransfer struct {
+	id   string
+	data []byte
+	req  api.SendRequest
+}
+
+// transfersOver sends faultSizes, all at once, across a link. Each must
+// arrive byte-exact (read back at the receiver, which frees the slot) or
+// fail as transfer_failed with its staged data kept, within the send
+// timeout, and at least minVerified must arrive; each slow one must be in
+// the sender's slow-transfer log. It returns how many were slow, and the
+// failed ones, still staged with their slots waiting, for the caller to
+// resend: no transfer is left unaccounted for.
+func transfersOver(t *testing.T, snd, rcv *daemon, prefix string, minVerified int) (slow int, failed []linkTransfer) {
 	t.Helper()
-	sizes := []int{64 << 10, 1 << 20, 2 << 20, 64 << 10, 1 << 20, 2 << 20}
 	type transfer struct {
-		id   string
-		data []byte
+		linkTransfer
 		res  api.SendResult
 		err  error
 		took time.Duration
 	}
-	ts := make([]transfer, len(sizes))
+	ts := make([]transfer, len(faultSizes))
 	var wg sync.WaitGroup
-	for i, n := range sizes {
+	for i, n := range faultSizes {
 		x := &ts[i]
 		x.id = fmt.Sprintf("%s-%d", prefix, i)
 		x.data = stageOn(t, snd, x.id, n, uint64(1000+i))
-		req := slotFor(t, rcv, x.id, int64(n))
+		x.req = slotFor(t, rcv, x.id, int64(n))
 		ctx := ctxT(t)
 		wg.Go(func() {
 			start := time.Now()
-			x.res, x.err = snd.c.Send(ctx, x.id, req)
+			x.res, x.err = snd.c.Send(ctx, x.id, x.req)
 			x.took = time.Since(start)
 		})
 	}
 	wg.Wait()
-	failed := 0
+	verified := 0
 	for _, x := range ts {
 		if x.took > faultSendTimeout+5*time.Second {
 			t.Errorf("%s: the send took %s, beyond its %s send timeout", x.id, x.took, faultSendTimeout)
@@ -215,11 +233,12 @@ func transfersOver(t *testing.T, snd, rcv *daemon, prefix string) (slow int) {
 			if emb, err := snd.c.Embedding(ctxT(t), x.id); err != nil || emb.State != "staged" {
 				t.Errorf("%s: staged data not kept after a failed send: %+v %v", x.id, emb, err)
 			}
-			failed++
+			failed = append(failed, x.linkTransfer)
 			t.Logf("%s (%d bytes): failed after %s: %v", x.id, len(x.data), x.took, x.err)
 			continue
 		}
 		received(t, rcv, x.id, x.data)
+		verified++
 		if time.Duration(x.res.Millis*float64(time.Millisecond)) > faultSlow {
 			snd.log.wait(t, 5*time.Second, "the slow-transfer line of "+x.id, func(m map[string]any) bool {
 				return m["message"] == "slow transfer" && m["req_id"] == x.id
@@ -227,41 +246,79 @@ func transfersOver(t *testing.T, snd, rcv *daemon, prefix string) (slow int) {
 			slow++
 		}
 	}
-	t.Logf("%s: %d transfers, %d failed clearly, %d slow and logged", prefix, len(sizes), failed, slow)
-	return slow
+	t.Logf("%s: %d transfers, %d verified byte-exact, %d failed clearly, %d slow and logged", prefix, len(ts), verified, len(failed), slow)
+	if verified < minVerified {
+		t.Fatalf("%s: %d of %d transfers verified at the receiver, want at least %d", prefix, verified, len(ts), minVerified)
+	}
+	return slow, failed
+}
+
+// resend sends each transfer again to its own slot, now that the link is
+// clean: the staged data a failed send kept must still be there and arrive
+// byte-exact. A refusal because the slot already holds its data is the
+// lost completion (docs/reliability.md): the first send delivered, and the
+// client deletes its staged copy.
+func resend(t *testing.T, snd, rcv *daemon, xs []linkTransfer) {
+	t.Helper()
+	for _, x := range xs {
+		_, err := snd.c.Send(ctxT(t), x.id, x.req)
+		if client.Code(err) == api.CodeRefused && strings.Contains(err.Error(), "already holds its data") {
+			err = snd.c.Delete(ctxT(t), x.id)
+		}
+		if err != nil {
+			t.Fatalf("%s: resending the staged data of a failed send over the clean link: %v", x.id, err)
+		}
+		received(t, rcv, x.id, x.data)
+	}
 }
 
 // TestLinkFaults runs transfers over a link that loses, delays, reorders
-// or throttles packets.
+// or throttles packets, then over the clean link again. On a clean link
+// every transfer must be verified at the receiver; on a faulty one at
+// least the case's floor; every failed one is resent once the link is
+// clean and must arrive, and both daemons end holding nothing.
 func TestLinkFaults(t *testing.T) {
 	h := netnsHosts(t)
 	snd, rcv := nsPair(t, h, "--slow-threshold", faultSlow.String(), "--send-timeout", faultSendTimeout.String(), "--io-timeout", "5s")
 	netem, why := netemAvailable(t, h)
 	needNetem := func(t *testing.T) {
 		if !netem {
-			t.Skipf("skipping: this kernel has no netem qdisc (sch_netem): %s", why)
+			t.Skipf("skipping: this kernel has no netem qdisc (sch_netem), make test-rdma runs this in the soft-RoCE VM: %s", why)
 		}
 	}
+	all := len(faultSizes)
+	var unsent []linkTransfer
 	for _, c := range []struct {
-		name     string
-		apply    func(t *testing.T)
-		wantSlow bool // every transfer takes longer than the threshold
+		name  string
+		apply func(t *testing.T)
+		// minVerified: the fewest transfers that must arrive. A send fails
+		// only when nothing moves for the I/O timeout on both its
+		// attempts, and one write's failure tears the session down under
+		// the others in flight, so failures come in bunches. At 1 % loss,
+		// reordering or throttled, none failed here or in the soft-RoCE
+		// VM (QEMU TCG, where netem works); at 10 % loss and with jitter
+		// (netem then reorders packets too) the VM verified as few as 3
+		// and 2 of the 6: there the floor is that the link still carries
+		// a transfer.
+		minVerified int
+		wantSlow    bool // every transfer takes longer than the threshold
 	}{
-		{"Loss1pct", func(t *testing.T) { t.Logf("loss by %s", loss(t, h, 1)) }, false},
-		{"Loss10pct", func(t *testing.T) { t.Logf("loss by %s", loss(t, h, 10)) }, false},
+		{"Loss1pct", func(t *testing.T) { t.Logf("loss by %s", loss(t, h, 1)) }, all, false},
+		{"Loss10pct", func(t *testing.T) { t.Logf("loss by %s", loss(t, h, 10)) }, 1, false},
 		{"Delay50msJitter10ms", func(t *testing.T) {
 			needNetem(t)
 			qdisc(t, h.nsA, h.devA, "netem", "delay", "50ms", "10ms", "distribution", "normal")
-		}, true},
+		}, 1, true},
 		{"Reorder25pct", func(t *testing.T) {
 			needNetem(t)
 			qdisc(t, h.nsA, h.devA, "netem", "delay", "10ms", "reorder", "25%", "50%")
-		}, false},
-		{"Throttled40mbit", func(t *testing.T) { slowLink(t, h, "40mbit") }, true},
+		}, all, false},
+		{"Throttled40mbit", func(t *testing.T) { slowLink(t, h, "40mbit") }, all, true},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			c.apply(t)
-			slow := transfersOver(t, snd, rcv, strings.ToLower(c.name))
+			slow, failed := transfersOver(t, snd, rcv, strings.ToLower(c.name), c.minVerified)
+			unsent = append(unsent, failed...)
 			if c.wantSlow && slow == 0 {
 				t.Errorf("no transfer over this link was slower than %s", faultSlow)
 			}
@@ -269,8 +326,14 @@ func TestLinkFaults(t *testing.T) {
 			rcv.alive(t)
 		})
 	}
-	// The link is clean again: transfers go through.
-	transfersOver(t, snd, rcv, "clean")
+	// The link is clean again (each case's cleanup lifted its fault):
+	// every transfer arrives, none fails, and so does every one that
+	// failed before.
+	transfersOver(t, snd, rcv, "clean", all)
+	resend(t, snd, rcv, unsent)
+	t.Logf("transfers that failed over a faulty link and arrived once it was clean: %d", len(unsent))
+	snd.holdsNothing(t)
+	rcv.holdsNothing(t)
 }
 
 // TestLinkDownMidTransfer takes the link down while a transfer is under

@@ -298,10 +298,10 @@ func (d *daemon) alive(t *testing.T) {
 	}
 }
 
-// resources reads the daemon's goroutine and open-file counts from its
-// /metrics (the Go and process collectors), over a connection of its own
-// that is closed after the answer.
-func (d *daemon) resources(t *testing.T) (goroutines, fds int) {
+// metrics reads the daemon's /metrics, over a connection of its own that
+// is closed after the answer: each sample's value by its name and labels
+// as written, e.g. `ferry_transfers_total{outcome="ok",transport="tcp"}`.
+func (d *daemon) metrics(t *testing.T) map[string]float64 {
 	t.Helper()
 	hc := &http.Client{Transport: &http.Transport{DialContext: client.UnixDialer(d.socket), DisableKeepAlives: true}}
 	resp, err := hc.Get("http://ferryd/metrics")
@@ -309,19 +309,67 @@ func (d *daemon) resources(t *testing.T) (goroutines, fds int) {
 		t.Fatalf("reading ferryd's metrics: %v", err)
 	}
 	defer resp.Body.Close()
-	got := map[string]int{}
+	got := map[string]float64{}
 	sc := bufio.NewScanner(resp.Body)
 	for sc.Scan() {
 		name, value, ok := strings.Cut(sc.Text(), " ")
-		if ok && (name == "go_goroutines" || name == "process_open_fds") {
-			f, _ := strconv.ParseFloat(value, 64)
-			got[name] = int(f)
+		if ok && !strings.HasPrefix(name, "#") {
+			got[name], _ = strconv.ParseFloat(value, 64)
 		}
 	}
-	if len(got) != 2 {
-		t.Fatalf("ferryd's metrics lack go_goroutines or process_open_fds: %v", got)
+	if err := sc.Err(); err != nil {
+		t.Fatalf("reading ferryd's metrics: %v", err)
 	}
-	return got["go_goroutines"], got["process_open_fds"]
+	return got
+}
+
+// metricSum adds up the samples of the metric called name whose labels
+// include every one of labels (each as written, e.g. `outcome="ok"`).
+func metricSum(m map[string]float64, name string, labels ...string) float64 {
+	sum := 0.0
+	for k, v := range m {
+		n, rest, _ := strings.Cut(k, "{")
+		if n != name {
+			continue
+		}
+		all := true
+		for _, l := range labels {
+			all = all && strings.Contains(rest, l)
+		}
+		if all {
+			sum += v
+		}
+	}
+	return sum
+}
+
+// resources reads the daemon's goroutine and open-file counts from its
+// /metrics (the Go and process collectors).
+func (d *daemon) resources(t *testing.T) (goroutines, fds int) {
+	t.Helper()
+	m := d.metrics(t)
+	g, okG := m["go_goroutines"]
+	f, okF := m["process_open_fds"]
+	if !okG || !okF {
+		t.Fatalf("ferryd's metrics lack go_goroutines or process_open_fds")
+	}
+	return int(g), int(f)
+}
+
+// holdsNothing checks that the daemon holds no staged entries, receive
+// slots or arena bytes, as after every transfer was sent, verified and
+// freed, and returns its status.
+func (d *daemon) holdsNothing(t *testing.T) api.Status {
+	t.Helper()
+	st, err := d.c.Status(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Memory.Used != 0 || st.Staged != 0 || st.Receives != 0 {
+		t.Errorf("ferryd pid %d keeps %d arena bytes, %d staged entries and %d receive slots after every transfer was accounted for",
+			d.cmd.Process.Pid, st.Memory.Used, st.Staged, st.Receives)
+	}
+	return st
 }
 
 // idleResources is the daemon's goroutine and open-file counts once the

@@ -1,7 +1,8 @@
 #!/bin/busybox sh
 # PID 1 of the soft-RoCE VM (run.sh builds the initramfs around it): load
 # rdma_rxe, add rxe0 on dummy0, run ferry's tests with a real verbs device
-# required, benchmark ferry's RDMA writes beside ib_write_bw, power off.
+# required and the netem fault tests with netem required, benchmark
+# ferry's RDMA writes beside ib_write_bw, power off.
 # Lines starting "== " are what run.sh reads.
 /bin/busybox --install -s
 mount -t proc proc /proc
@@ -60,6 +61,9 @@ check "arena host-file tests" 120 /opt/arena.test -test.v -test.count=${COUNT:-1
 export FERRY_RDMA_REQUIRED=1
 check "rdma package tests" 600 /opt/rdma.test -test.v -test.count=${COUNT:-1} -test.timeout=590s -test.run "$RUN"
 cd /opt && FERRY_BIN=/opt/bin check "e2e tests over rdma" 480 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=470s -test.run "${E2E:-RDMA}"
+# Loss, delay and reordering by netem, over TCP between two network
+# namespaces joined by a veth pair (the host's kernel may have no netem).
+FERRY_BIN=/opt/bin FERRY_NETEM_REQUIRED=1 check "e2e fault tests with netem" 240 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=230s -test.run "$NETEM"
 cd /
 
 # ---- benchmarks: ferry's write beside ib_write_bw, alternately ------------

@@ -3,8 +3,10 @@
 # binaries and ferryd here, boots Debian's stock kernel under QEMU (TCG)
 # with a busybox initramfs that carries them, the rdma_rxe (soft-RoCE)
 # module and rdma-core's rxe provider, adds a soft-RoCE device on a dummy
-# netdev, runs the tests inside (init.sh) with FERRY_RDMA_REQUIRED=1, and
-# benchmarks ferry's RDMA writes beside ib_write_bw on the same device.
+# netdev, runs the tests inside (init.sh) with FERRY_RDMA_REQUIRED=1, runs
+# the fault tests that need netem (which the host's kernel may lack) over
+# TCP between network namespaces, and benchmarks ferry's RDMA writes
+# beside ib_write_bw on the same device.
 #
 # Exit status 0 only when the VM reached its checks and every one passed.
 #
@@ -13,6 +15,8 @@
 #   RXEVM_BENCH  0 skips the benchmarks (default 1)
 #   RXEVM_RUN    -test.run pattern for the rdma package tests (default all)
 #   RXEVM_E2E    -test.run pattern for the end-to-end tests (default RDMA)
+#   RXEVM_NETEM  -test.run pattern for the end-to-end tests run with netem
+#                required (default TestLinkFaults/(Loss|Delay|Reorder))
 #   RXEVM_COUNT  -test.count for every test run (default 1), to hunt flakes:
 #                narrow RXEVM_RUN and RXEVM_E2E to fit the runs' time limits
 #   RXEVM_RACE   1 builds the test binaries with the race detector
@@ -128,6 +132,10 @@ copy() {
 }
 copy /usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ib_write_bw \
   /usr/lib/x86_64-linux-gnu/libibverbs/librxe-rdmav*.so /lib/x86_64-linux-gnu/libgcc_s.so.1
+# iproute2's ip and tc for the netem fault tests: busybox's lack network
+# namespaces and netem. They land where busybox would put its own, which
+# --install then leaves alone. tc reads netem's delay distributions.
+copy "$(command -v ip)" "$(command -v tc)" /usr/lib/x86_64-linux-gnu/tc/*.dist
 libs "$R"/opt/*.test "$R"/opt/bin/*
 if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
   command -v perf >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends linux-perf
@@ -136,9 +144,10 @@ fi
 mkdir -p "$R/etc/libibverbs.d"
 cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
 # Modules in load order. rdma_rxe asks the crypto API for "crc32" at run
-# time, which no modules.dep entry names: crc32_generic goes first.
+# time, which no modules.dep entry names: crc32_generic goes first. veth
+# and sch_netem are for the netem fault tests.
 : >"$R/opt/mod/order"
-for m in crc32_generic dummy rdma_rxe; do
+for m in crc32_generic dummy rdma_rxe veth sch_netem; do
   modprobe -d "$K" -S "$KVER" --show-depends "$m" | awk '$1 == "insmod" {print $2}' | while read -r ko; do
     b=$(basename "$ko")
     grep -qx "$b" "$R/opt/mod/order" || { cp "$ko" "$R/opt/mod/"; echo "$b" >>"$R/opt/mod/order"; }
@@ -149,6 +158,7 @@ cat >"$R/etc/rxevm.env" <<EOF
 BENCH=$BENCH
 RUN='$RUN'
 E2E='${RXEVM_E2E:-RDMA}'
+NETEM='${RXEVM_NETEM:-TestLinkFaults/(Loss|Delay|Reorder)}'
 COUNT=${RXEVM_COUNT:-1}
 PROFILE=${RXEVM_PROFILE:-0}
 QPS=${RXEVM_QPS:-8}
