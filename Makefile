@@ -73,7 +73,7 @@ LIBDIR := $(DESTDIR)$(PREFIX)/lib
 install: build
 	install -d $(DESTDIR)$(PREFIX)/bin $(LIBDIR)/systemd/system $(LIBDIR)/sysusers.d $(LIBDIR)/tmpfiles.d \
 		$(DESTDIR)$(PREFIX)/share/doc/ferry $(DESTDIR)$(SYSCONFDIR)/ferry
-	install -m 0755 $(BIN)/* $(DESTDIR)$(PREFIX)/bin/
+	install -m 0755 $(addprefix $(BIN)/,ferryd ferryctl ferrybench) $(DESTDIR)$(PREFIX)/bin/
 	sed -e 's|/usr/bin/ferryd|$(PREFIX)/bin/ferryd|' -e 's|/etc/ferry/|$(SYSCONFDIR)/ferry/|' \
 		systemd/ferryd.service > $(LIBDIR)/systemd/system/ferryd.service
 	install -m 0644 systemd/ferryd.socket $(LIBDIR)/systemd/system/
