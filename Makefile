@@ -7,6 +7,15 @@ GOTEST := $(GO) test -count=1 -timeout 15m
 
 .PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install clean gpu-bundle test-gpu
 
+# The version every build carries (ferryd --version, GET /v1/status): git
+# describe made a Debian version (scripts/version.sh gives the rule).
+# VERSION=... overrides it; := runs the script once.
+VERSION ?= $(shell scripts/version.sh)
+VERSION := $(VERSION)
+VERSION_LDFLAGS := -X github.com/ferry-project/ferry/daemon.Version=$(VERSION)
+# More linker flags for make build, e.g. EXTRA_LDFLAGS='-s -w' to strip.
+EXTRA_LDFLAGS ?=
+
 all: build
 
 # Installs what a fresh Debian machine lacks (apt, as root); a no-op when present.
@@ -14,7 +23,7 @@ deps:
 	@scripts/deps.sh
 
 build: deps
-	$(GO) build -o $(BIN)/ ./cmd/...
+	$(GO) build -trimpath -ldflags '$(VERSION_LDFLAGS) $(EXTRA_LDFLAGS)' -o $(BIN)/ ./cmd/...
 
 # Two ferryd on loopback: stage a random 16x4096 bf16 embedding, send, verify.
 demo: build
@@ -89,7 +98,7 @@ install: build
 GPU_BUNDLE := $(BIN)/gpu-bundle
 gpu-bundle: deps
 	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)
-	$(GO) build -ldflags='-s -w' -o $(GPU_BUNDLE)/ ./cmd/ferryd ./cmd/ferryctl
+	$(GO) build -trimpath -ldflags='-s -w $(VERSION_LDFLAGS)' -o $(GPU_BUNDLE)/ ./cmd/ferryd ./cmd/ferryctl
 	$(GO) test -c -ldflags='-s -w' -o $(GPU_BUNDLE)/cuda.test ./cuda
 	$(GO) test -c -ldflags='-s -w' -o $(GPU_BUNDLE)/e2e.test ./test/e2e
 	cp scripts/gpu/test-gpu.sh scripts/gpu/*.py $(GPU_BUNDLE)/
