@@ -5,11 +5,11 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install deb clean gpu-bundle test-gpu
 
-# The version every build carries (ferryd --version, GET /v1/status): git
-# describe made a Debian version (scripts/version.sh gives the rule).
-# VERSION=... overrides it; := runs the script once.
+# The version every build carries (ferryd --version, GET /v1/status) and the
+# package is named by: git describe made a Debian version (scripts/version.sh
+# gives the rule). VERSION=... overrides it; := runs the script once.
 VERSION ?= $(shell scripts/version.sh)
 VERSION := $(VERSION)
 VERSION_LDFLAGS := -X github.com/ferry-project/ferry/daemon.Version=$(VERSION)
@@ -91,6 +91,21 @@ install: build
 	install -m 0644 systemd/ferryd.toml README.md docs/*.md $(DESTDIR)$(PREFIX)/share/doc/ferry/
 	test -e $(DESTDIR)$(SYSCONFDIR)/ferry/ferryd.toml || install -m 0644 systemd/ferryd.toml $(DESTDIR)$(SYSCONFDIR)/ferry/
 	@echo "installed; then: systemd-sysusers && systemd-tmpfiles --create && systemctl daemon-reload && systemctl enable --now ferryd.socket ferryd.service"
+
+# The Debian package, bin/ferry_<VERSION>_<arch>.deb: what make install
+# stages with PREFIX=/usr, stripped and position-independent (ASLR, as
+# lintian's hardening checks want), plus the maintainer scripts and
+# metadata of packaging/deb (build.sh there says what it adds). The units
+# go to /usr/lib/systemd/system: bookworm's lintian takes it as well as
+# /lib, later releases want it, and moving a file between the two aliased
+# folders in an upgrade can lose it (DEP 17).
+DEBDIR := $(BIN)/deb
+deb:
+	@scripts/deps.sh deb
+	rm -rf $(DEBDIR)
+	GOFLAGS="$$GOFLAGS -buildmode=pie" $(MAKE) --no-print-directory install BIN=$(DEBDIR)/bin \
+		DESTDIR=$(DEBDIR)/debian/ferry PREFIX=/usr EXTRA_LDFLAGS='-s -w'
+	packaging/deb/build.sh $(DEBDIR) $(VERSION) $(BIN)
 
 # Everything make test-gpu runs, built here for a GPU host that may lack
 # Go: stripped binaries and test binaries plus the scripts. Copy the folder
