@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install deb clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install deb test-deb clean gpu-bundle test-gpu
 
 # The version every build carries (ferryd --version, GET /v1/status) and the
 # package is named by: git describe made a Debian version (scripts/version.sh
@@ -62,7 +62,7 @@ fuzz: deps
 fuzz-smoke: deps
 	FUZZTIME=3s scripts/fuzz.sh
 
-test: vet unit fuzz-smoke e2e test-rdma
+test: vet unit fuzz-smoke e2e test-deb test-rdma
 
 # 64 clients staging, sending and receiving across two ferryd for
 # SOAK_DURATION, then the accounting and leak checks (make test runs it for
@@ -106,6 +106,11 @@ deb:
 	GOFLAGS="$$GOFLAGS -buildmode=pie" $(MAKE) --no-print-directory install BIN=$(DEBDIR)/bin \
 		DESTDIR=$(DEBDIR)/debian/ferry PREFIX=/usr EXTRA_LDFLAGS='-s -w'
 	packaging/deb/build.sh $(DEBDIR) $(VERSION) $(BIN)
+
+# Builds the package and checks it: lintian, its file list, and install,
+# upgrade, remove and purge with dpkg into a scratch root (never this host's).
+test-deb: deb
+	timeout 600 test/deb/run.sh $(BIN)/ferry_$(VERSION)_$$(dpkg --print-architecture).deb
 
 # Everything make test-gpu runs, built here for a GPU host that may lack
 # Go: stripped binaries and test binaries plus the scripts. Copy the folder
