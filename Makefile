@@ -5,7 +5,16 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install deb test-deb clean gpu-bundle test-gpu
+
+# The version every build carries (ferryd --version, GET /v1/status) and the
+# package is named by: git describe made a Debian version (scripts/version.sh
+# gives the rule). VERSION=... overrides it; := runs the script once.
+VERSION ?= $(shell scripts/version.sh)
+VERSION := $(VERSION)
+VERSION_LDFLAGS := -X github.com/ferry-project/ferry/daemon.Version=$(VERSION)
+# More linker flags for make build, e.g. EXTRA_LDFLAGS='-s -w' to strip.
+EXTRA_LDFLAGS ?=
 
 all: build
 
@@ -14,7 +23,7 @@ deps:
 	@scripts/deps.sh
 
 build: deps
-	$(GO) build -o $(BIN)/ ./cmd/...
+	$(GO) build -trimpath -ldflags '$(VERSION_LDFLAGS) $(EXTRA_LDFLAGS)' -o $(BIN)/ ./cmd/...
 
 # Two ferryd on loopback: stage a random 16x4096 bf16 embedding, send, verify.
 demo: build
@@ -54,7 +63,7 @@ fuzz: deps
 fuzz-smoke: deps
 	FUZZTIME=3s scripts/fuzz.sh
 
-test: vet unit fuzz-smoke e2e test-rdma
+test: vet unit fuzz-smoke e2e test-deb test-rdma
 
 # 64 clients staging, sending and receiving across two ferryd for
 # SOAK_DURATION, then the accounting and leak checks (make test runs it for
@@ -74,7 +83,7 @@ LIBDIR := $(DESTDIR)$(PREFIX)/lib
 install: build
 	install -d $(DESTDIR)$(PREFIX)/bin $(LIBDIR)/systemd/system $(LIBDIR)/sysusers.d $(LIBDIR)/tmpfiles.d \
 		$(DESTDIR)$(PREFIX)/share/doc/ferry $(DESTDIR)$(SYSCONFDIR)/ferry
-	install -m 0755 $(BIN)/* $(DESTDIR)$(PREFIX)/bin/
+	install -m 0755 $(addprefix $(BIN)/,ferryd ferryctl ferrybench) $(DESTDIR)$(PREFIX)/bin/
 	sed -e 's|/usr/bin/ferryd|$(PREFIX)/bin/ferryd|' -e 's|/etc/ferry/|$(SYSCONFDIR)/ferry/|' \
 		systemd/ferryd.service > $(LIBDIR)/systemd/system/ferryd.service
 	install -m 0644 systemd/ferryd.socket $(LIBDIR)/systemd/system/
@@ -84,13 +93,33 @@ install: build
 	test -e $(DESTDIR)$(SYSCONFDIR)/ferry/ferryd.toml || install -m 0644 systemd/ferryd.toml $(DESTDIR)$(SYSCONFDIR)/ferry/
 	@echo "installed; then: systemd-sysusers && systemd-tmpfiles --create && systemctl daemon-reload && systemctl enable --now ferryd.socket ferryd.service"
 
+# The Debian package, bin/ferry_<VERSION>_<arch>.deb: what make install
+# stages with PREFIX=/usr, stripped and position-independent (ASLR, as
+# lintian's hardening checks want), plus the maintainer scripts and
+# metadata of packaging/deb (build.sh there says what it adds). The units
+# go to /usr/lib/systemd/system: bookworm's lintian takes it as well as
+# /lib, later releases want it, and moving a file between the two aliased
+# folders in an upgrade can lose it (DEP 17).
+DEBDIR := $(BIN)/deb
+deb:
+	@scripts/deps.sh deb
+	rm -rf $(DEBDIR)
+	GOFLAGS="$$GOFLAGS -buildmode=pie" $(MAKE) --no-print-directory install BIN=$(DEBDIR)/bin \
+		DESTDIR=$(DEBDIR)/debian/ferry PREFIX=/usr EXTRA_LDFLAGS='-s -w'
+	packaging/deb/build.sh $(DEBDIR) $(VERSION) $(BIN)
+
+# Builds the package and checks it: lintian, its file list, and install,
+# upgrade, remove and purge with dpkg into a scratch root (never this host's).
+test-deb: deb
+	timeout 600 test/deb/run.sh $(BIN)/ferry_$(VERSION)_$$(dpkg --print-architecture).deb
+
 # Everything make test-gpu runs, built here for a GPU host that may lack
 # Go: stripped binaries and test binaries plus the scripts. Copy the folder
 # there and run test-gpu.sh in it (or make test-gpu).
 GPU_BUNDLE := $(BIN)/gpu-bundle
 gpu-bundle: deps
 	rm -rf $(GPU_BUNDLE) && mkdir -p $(GPU_BUNDLE)
-	$(GO) build -ldflags='-s -w' -o $(GPU_BUNDLE)/ ./cmd/ferryd ./cmd/ferryctl
+	$(GO) build -trimpath -ldflags='-s -w $(VERSION_LDFLAGS)' -o $(GPU_BUNDLE)/ ./cmd/ferryd ./cmd/ferryctl
 	$(GO) test -c -ldflags='-s -w' -o $(GPU_BUNDLE)/cuda.test ./cuda
 	$(GO) test -c -ldflags='-s -w' -o $(GPU_BUNDLE)/e2e.test ./test/e2e
 	cp scripts/gpu/test-gpu.sh scripts/gpu/*.py $(GPU_BUNDLE)/

@@ -3,6 +3,7 @@
 # Debian machine. A no-op when everything is present.
 #   scripts/deps.sh      what build, demo, unit and e2e tests need
 #   scripts/deps.sh vm   and what the soft-RoCE VM of make test-rdma needs
+#   scripts/deps.sh deb  and what make deb and make test-deb need
 set -euo pipefail
 export PATH="$PATH:/usr/local/go/bin"
 
@@ -28,6 +29,13 @@ if [[ ${1:-} == vm ]]; then
     command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
   done
   [[ -e /etc/libibverbs.d/rxe.driver ]] || need+=(ibverbs-providers)
+fi
+if [[ ${1:-} == deb ]]; then
+  # dpkg-shlibdeps for the package's dependencies, lintian to check it,
+  # busybox for the shell and tools of the scratch root it is installed in.
+  for c in dpkg-shlibdeps:dpkg-dev lintian:lintian busybox:busybox-static; do
+    command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
+  done
 fi
 if ((${#need[@]})); then
   if [[ $(id -u) -ne 0 ]]; then

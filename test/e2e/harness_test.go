@@ -159,6 +159,7 @@ type launch struct {
 	env    []string   // added to the environment, KEY=VALUE
 	files  []*os.File // passed as fds 3, 4, … (socket activation)
 	bare   bool       // pass only --socket: the test gives the rest
+	ferryd string     // the binary to run; default: the one TestMain built
 }
 
 // startDaemon runs ferryd with a socket in dir and the given extra flags
@@ -189,7 +190,10 @@ func startDaemonWith(t *testing.T, l launch, dir, name string, extra ...string) 
 			"--device", "cpu", "--transport", "tcp")
 	}
 	args = append(args, extra...)
-	argv := append(append(append([]string{}, l.prefix...), filepath.Join(bin, "ferryd")), args...)
+	if l.ferryd == "" {
+		l.ferryd = filepath.Join(bin, "ferryd")
+	}
+	argv := append(append(append([]string{}, l.prefix...), l.ferryd), args...)
 	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Env = append(append(os.Environ(), "FERRY_CONFIG="+os.DevNull), l.env...)
 	cmd.ExtraFiles = l.files

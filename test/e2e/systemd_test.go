@@ -91,6 +91,37 @@ func TestUnitFilesInstallAndVerify(t *testing.T) {
 	}
 }
 
+// TestVersionOfMakeBuild checks that make build stamps the version
+// scripts/version.sh makes of git describe into ferryd, which --version
+// and GET /v1/status report (the Debian package is named by it too).
+func TestVersionOfMakeBuild(t *testing.T) {
+	if _, err := exec.LookPath("make"); err != nil {
+		t.Skip("skipping: make is not installed")
+	}
+	out, err := exec.Command("../../scripts/version.sh").Output()
+	if err != nil {
+		t.Fatalf("scripts/version.sh: %v", err)
+	}
+	want := strings.TrimSpace(string(out))
+	build := t.TempDir()
+	if out, err := exec.Command("make", "-C", "../..", "--no-print-directory", "build", "BIN="+build).CombinedOutput(); err != nil {
+		t.Fatalf("make build: %v\n%s", err, out)
+	}
+	ferryd := filepath.Join(build, "ferryd")
+	out, err = exec.Command(ferryd, "--version").Output()
+	if got := strings.TrimSpace(string(out)); err != nil || got != "ferryd "+want {
+		t.Fatalf("ferryd --version: %q (%v), want %q", got, err, "ferryd "+want)
+	}
+	d := startDaemonWith(t, launch{ferryd: ferryd}, t.TempDir(), "version")
+	st, err := d.c.Status(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Version != want {
+		t.Fatalf("GET /v1/status: version %q, want %q", st.Version, want)
+	}
+}
+
 // notifySocket is a datagram socket standing in for systemd's
 // NOTIFY_SOCKET. onReady runs in its reader as soon as READY=1 arrives.
 type notifySocket struct {
