@@ -9,9 +9,9 @@ GOTEST := $(GO) test -count=1 -timeout 15m
 
 # The version every build carries (ferryd --version, GET /v1/status) and the
 # package is named by: git describe made a Debian version (scripts/version.sh
-# gives the rule). VERSION=... overrides it; := runs the script once.
-VERSION ?= $(shell scripts/version.sh)
-VERSION := $(VERSION)
+# gives the rule). make VERSION=... overrides it on the command line; a
+# VERSION in the environment does not (it may mean anything there).
+VERSION := $(shell scripts/version.sh)
 VERSION_LDFLAGS := -X github.com/ferry-project/ferry/daemon.Version=$(VERSION)
 # More linker flags for make build, e.g. EXTRA_LDFLAGS='-s -w' to strip.
 EXTRA_LDFLAGS ?=
