@@ -62,7 +62,7 @@ func openMemory(cfg Config, log zerolog.Logger) (*memory, error) {
 	if err != nil {
 		return nil, fmt.Errorf("--arena-size %s, --arena-file %s: %w", cfg.ArenaSize, path, err)
 	}
-	return &memory{Memory: host, device: "cpu", reason: reason, host: host}, nil
+	return &memory{Memory: host, device: string(config.DeviceCPU), reason: reason, host: host}, nil
 }
 
 // missingGPU says what is missing, and what to do, in one sentence.
@@ -168,7 +168,7 @@ func (m *memory) close() error {
 // stages a GPU arena's bytes in the pinned bounce area.
 func (d *Daemon) registration() api.Registration {
 	reg := d.dp.registration()
-	if reg.Mode == "none" && d.mem.gpu != nil {
+	if reg.Mode == api.RegistrationNone && d.mem.gpu != nil {
 		reg.Reason = "the tcp transport copies GPU memory through the pinned host bounce area (cuMemcpyHtoD/DtoH); there is nothing to register with a NIC"
 	}
 	return reg

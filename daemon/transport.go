@@ -44,9 +44,9 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 		log.Info().Str("peer_secret_file", cfg.PeerSecretFile).Msg("peer authentication on: peers must prove they hold the same secret")
 	}
 	dp := &dataPlane{reason: "--transport tcp"}
-	if cfg.Transport != "tcp" {
+	if cfg.Transport != config.TransportTCP {
 		err := dp.openRDMA(cfg, tc, mem, log)
-		if err != nil && cfg.Transport == "rdma" {
+		if err != nil && cfg.Transport == config.TransportRDMA {
 			return nil, fmt.Errorf("--transport rdma: %w; run with --transport auto or tcp to go without RDMA", err)
 		}
 		if err != nil {
