@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e test-rdma fuzz fuzz-smoke soak bench install deb test-deb clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e test-python test-rdma fuzz fuzz-smoke soak bench install deb test-deb clean gpu-bundle test-gpu
 
 # The version every build carries (ferryd --version, GET /v1/status) and the
 # package is named by: git describe made a Debian version (scripts/version.sh
@@ -43,6 +43,19 @@ unit: deps
 e2e: deps
 	FERRY_E2E_RACE=1 $(GOTEST) -v ./test/... 2>&1 | scripts/gotest-summary.sh
 
+# The Python package (python/, docs/python.md): installed offline with
+# Debian's pip into a throwaway venv that also sees Debian's pytest and
+# torch (so the install itself is tested), then its tests against real
+# ferryd processes. Under a minute. python/build goes first: setuptools
+# builds there and would ship files the source no longer has.
+PYVENV := $(BIN)/python-venv
+test-python: build
+	@scripts/deps.sh python
+	rm -rf $(PYVENV) python/build python/ferry.egg-info
+	/usr/bin/python3 -m venv --system-site-packages --without-pip $(PYVENV)
+	$(PYVENV)/bin/python -m pip install --no-build-isolation --no-index --no-deps --quiet ./python
+	cd python/tests && FERRYD=$(CURDIR)/$(BIN)/ferryd timeout 300 $(CURDIR)/$(PYVENV)/bin/python -m pytest -p no:cacheprovider .
+
 # The verbs path for real: the rdma package and the RDMA end-to-end tests
 # inside a soft-RoCE VM (QEMU TCG, Debian's kernel with rdma_rxe), and the
 # netem fault tests over TCP (that kernel has sch_netem), then ferry's RDMA
@@ -63,7 +76,7 @@ fuzz: deps
 fuzz-smoke: deps
 	FUZZTIME=3s scripts/fuzz.sh
 
-test: vet unit fuzz-smoke e2e test-deb test-rdma
+test: vet unit fuzz-smoke e2e test-python test-deb test-rdma
 
 # 64 clients staging, sending and receiving across two ferryd for
 # SOAK_DURATION, then the accounting and leak checks (make test runs it for

@@ -4,6 +4,7 @@
 #   scripts/deps.sh      what build, demo, unit and e2e tests need
 #   scripts/deps.sh vm   and what the soft-RoCE VM of make test-rdma needs
 #   scripts/deps.sh deb  and what make deb and make test-deb need
+#   scripts/deps.sh python  and what make test-python needs
 set -euo pipefail
 export PATH="$PATH:/usr/local/go/bin"
 
@@ -35,6 +36,15 @@ if [[ ${1:-} == deb ]]; then
   # busybox for the shell and tools of the scratch root it is installed in.
   for c in dpkg-shlibdeps:dpkg-dev lintian:lintian busybox:busybox-static; do
     command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
+  done
+fi
+if [[ ${1:-} == python ]]; then
+  # Debian's Python (/usr/bin/python3, whatever python3 is first on PATH)
+  # with pytest, torch for the tensor tests, and pip, setuptools and wheel
+  # to install python/ offline into a venv (--without-pip: Debian's pip).
+  for m in pytest:python3-pytest torch:python3-torch pip:python3-pip setuptools:python3-setuptools wheel:python3-wheel; do
+    /usr/bin/python3 -c "import importlib.util as u, sys; sys.exit(u.find_spec('${m%%:*}') is None)" 2>/dev/null ||
+      need+=("${m#*:}")
   done
 fi
 if ((${#need[@]})); then

@@ -66,7 +66,9 @@ expected='./
 ./usr/share/doc/ferry/ferryd.toml
 ./usr/share/doc/ferry/mooncake-rdma-wire.md
 ./usr/share/doc/ferry/operations.md
-./usr/share/doc/ferry/reliability.md'
+./usr/share/doc/ferry/python.md
+./usr/share/doc/ferry/reliability.md
+./usr/share/doc/ferry/security.md'
 got=$(dpkg-deb -c "$deb" | awk '{ print $6 }' | LC_ALL=C sort)
 diff <(echo "$expected") <(echo "$got") >"$tmp/files.diff" ||
 	fail "dpkg -c: the package's files differ from the list in $0 (< expected, > in the package):"$'\n'"$(cat "$tmp/files.diff")"

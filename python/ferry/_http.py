@@ -1,0 +1,159 @@
+"""HTTP/1.1 over ferryd's Unix socket, on kept-alive connections.
+
+A small pool of http.client connections, each used by one thread at a
+time. A request goes out on an idle connection when there is one; when
+ferryd closed that connection meanwhile (an idle timeout, a restart), the
+request is sent again on a fresh one only if it cannot have been acted
+on: it never reached ferryd, or it is a GET or DELETE.
+"""
+
+import http.client
+import select
+import socket
+import threading
+
+from .errors import NoAnswer, Unreachable
+
+# Connections kept open between requests; more threads than this still
+# work, their extra connections are closed after use.
+MAX_IDLE = 8
+
+_IDEMPOTENT = frozenset({"GET", "DELETE"})
+
+
+class _NotSent(Exception):
+    """The request's bytes did not reach ferryd: it cannot have been acted on."""
+
+
+class UnixHTTPConnection(http.client.HTTPConnection):
+    """An http.client connection whose socket comes from ``dial``."""
+
+    def __init__(self, dial, timeout):
+        super().__init__("ferryd", timeout=timeout)
+        self._dial = dial
+
+    def connect(self):
+        self.sock = self._dial()
+        self.sock.settimeout(self.timeout)
+
+
+def _idle_and_open(sock):
+    """Whether a kept-alive connection is still usable: nothing to read on
+    it (a readable idle connection is closed, or out of step)."""
+    p = select.poll()
+    p.register(sock, select.POLLIN)
+    return not p.poll(0)
+
+
+class Transport:
+    """Requests to one ferryd over its Unix socket (or what ``dial`` opens)."""
+
+    def __init__(self, socket_path, dial=None):
+        self.socket_path = socket_path
+        self._dial_fn = dial or self._dial_unix
+        self._lock = threading.Lock()
+        self._idle = []
+
+    def _dial_unix(self):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.socket_path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    def dial(self):
+        """A new connection to ferryd, or Unreachable saying why not."""
+        try:
+            return self._dial_fn()
+        except OSError as e:
+            raise self._unreachable(e) from e
+
+    def _unreachable(self, e):
+        hint = "is ferryd running, and is that its control socket? name the socket with Client(socket_path=...) or FERRY_SOCKET"
+        if isinstance(e, FileNotFoundError):
+            why = "no such socket"
+        elif isinstance(e, ConnectionRefusedError):
+            why = "nothing listens on it (a socket file left behind by a ferryd that stopped?)"
+        elif isinstance(e, PermissionError):
+            why = "permission denied"
+            hint = "this user may not open the socket: it needs to be in the socket's group (ferryd's socket_group)"
+        else:
+            why = e.strerror or str(e) or type(e).__name__
+        return Unreachable(f"cannot reach ferryd at {self.socket_path}: {why} ({hint})", self.socket_path)
+
+    def _take(self, timeout, fresh):
+        if not fresh:
+            while True:
+                with self._lock:
+                    conn = self._idle.pop() if self._idle else None
+                if conn is None:
+                    break
+                if _idle_and_open(conn.sock):
+                    conn.sock.settimeout(timeout)
+                    return conn, True
+                conn.close()
+        conn = UnixHTTPConnection(self.dial, timeout)
+        conn.connect()
+        return conn, False
+
+    def _put(self, conn):
+        with self._lock:
+            if len(self._idle) < MAX_IDLE:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def close(self):
+        """Closes the connections kept open between requests."""
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+    def round_trip(self, method, path, body=None, headers=None, timeout=None):
+        """Sends one request and reads its whole answer: (status, headers, body)."""
+        for fresh in (False, True):
+            conn, reused = self._take(timeout, fresh)
+            try:
+                resp = _exchange(conn, method, path, body, headers or {})
+                data = resp.read()
+            except _NotSent:
+                conn.close()
+                if reused:
+                    continue  # ferryd had closed the idle connection; nothing reached it
+                raise NoAnswer(f"ferryd at {self.socket_path} closed a new connection before {method} {path} was sent") from None
+            except socket.timeout:
+                conn.close()
+                raise NoAnswer(
+                    f"no answer from ferryd at {self.socket_path} to {method} {path} within {timeout:g} s (the client's timeout); "
+                    "the connection was closed, and what was asked may still be carried out: look before repeating it, "
+                    "or raise Client(timeout=...)") from None
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                if reused and method in _IDEMPOTENT:
+                    continue  # closed by ferryd as the request went out; a read or delete may be asked again
+                raise NoAnswer(
+                    f"ferryd at {self.socket_path} closed the connection before answering {method} {path} ({e!r}); "
+                    "what was asked may have been carried out: look before repeating it") from e
+            if resp.will_close or conn.sock is None:
+                conn.close()
+            else:
+                self._put(conn)
+            return resp.status, resp.headers, data
+
+
+def _exchange(conn, method, path, body, headers):
+    """Writes the request on conn and reads the answer's head."""
+    try:
+        conn.request(method, path, body=body, headers=headers)
+    except ConnectionError as e:
+        # ferryd may have answered before taking the whole body (a body
+        # larger than the arena, say) and closed: that answer is waiting
+        # to be read. Without one, nothing of the request was acted on.
+        try:
+            return conn.getresponse()
+        except (OSError, http.client.HTTPException):
+            raise _NotSent() from e
+    return conn.getresponse()

@@ -1,0 +1,341 @@
+"""The client of ferryd's control API (docs/api.md), mirroring the Go
+client (client/client.go): every route, errors as exceptions by code, and
+the zero-copy helpers over a mapping of the arena."""
+
+import contextlib
+import dataclasses
+import json
+import os
+from typing import Optional
+from urllib.parse import quote, urlencode
+
+from . import dtypes
+from ._http import Transport
+from .arena import map_arena
+from .errors import BadRequest, FerryError, GPUArenaNotSupported, Timeout, from_answer
+
+DEFAULT_SOCKET = "/run/ferry/ferryd.sock"
+
+
+@dataclasses.dataclass(frozen=True)
+class Slot:
+    """Where a sender writes: what the receiver's ``Client.receive`` returns
+    and hands to the sender out of band (``to_dict`` / ``Slot.from_dict``
+    for JSON). ``key`` is the slot's capability, an opaque string: pass it
+    on unchanged. A send into a Mooncake segment
+    (``session="mooncake://ip:port"``) has no key."""
+
+    session: str
+    buffer_address: int
+    key: Optional[str] = None
+    nbytes: Optional[int] = None
+    req_id: Optional[str] = None
+    mooncake_session: Optional[str] = None
+
+    @classmethod
+    def from_dict(cls, d):
+        missing = [k for k in ("session", "buffer_address") if k not in d]
+        if missing:
+            raise ValueError(f"a receive slot needs {' and '.join(missing)} (as POST /v1/receives answers), got {sorted(d)}")
+        return cls(**{f.name: d[f.name] for f in dataclasses.fields(cls) if f.name in d})
+
+    def to_dict(self):
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+class Reservation:
+    """A reserved arena slice being filled in place (``Client.staging``):
+    write ``memory`` (or ``tensor()``) before the with-block ends."""
+
+    def __init__(self, req_id, offset, memory, shape, dtype):
+        self.req_id = req_id
+        self.offset = offset
+        self.memory = memory
+        self.nbytes = memory.nbytes
+        self.shape = shape
+        self.dtype = dtype
+        self.entry = None  # the committed entry, once the with-block ended
+
+    def tensor(self):
+        """A torch tensor over the slice (no copy): write into it, e.g. ``.copy_(src)``."""
+        return dtypes.tensor_over(self.memory, self.shape, self.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Response:
+    """A successful answer to ``Client.request``: status, headers, the body's bytes."""
+
+    status: int
+    headers: object
+    body: bytes
+
+
+def _decode(method, path, resp):
+    """The JSON of a successful answer (None for 204 No Content)."""
+    if resp.status == 204:
+        return None
+    try:
+        return json.loads(resp.body)
+    except ValueError as e:
+        raise FerryError(f"decoding ferryd's answer to {method} {path}: {e}", resp.status) from None
+
+
+def _id(req_id):
+    if not isinstance(req_id, str):
+        raise TypeError(f"req_id must be a str, not {type(req_id).__name__}")
+    return quote(req_id, safe="")
+
+
+class Client:
+    """Talks to one ferryd over its Unix socket: ``socket_path``, else
+    $FERRY_SOCKET, else /run/ferry/ferryd.sock. Safe to share between
+    threads; connections are kept open between calls (``close`` ends them).
+
+    ``timeout`` bounds the wait for each answer, in seconds; ``wait`` and
+    ``send(wait_ms=...)`` add the wait they ask for. ``dial``, when given,
+    opens the connection instead (a callable returning a connected socket).
+    """
+
+    def __init__(self, socket_path=None, timeout=120.0, dial=None):
+        self.socket_path = socket_path or os.environ.get("FERRY_SOCKET") or DEFAULT_SOCKET
+        self.timeout = timeout
+        self._transport = Transport(self.socket_path, dial)
+
+    def close(self):
+        """Closes the connections kept open between calls."""
+        self._transport.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __repr__(self):
+        return f"<ferry.Client {self.socket_path}>"
+
+    # --- plumbing
+
+    def request(self, method, path, body=None, content_type=None, timeout=None):
+        """One request on any route (the escape hatch): a Response, or the
+        error class of ferryd's answer."""
+        headers = {"Content-Type": content_type} if content_type else {}
+        status, hdrs, data = self._transport.round_trip(method, path, body, headers, timeout or self.timeout)
+        if status >= 300:
+            raise from_answer(status, data)
+        return Response(status, hdrs, data)
+
+    def _json(self, method, path, payload=None, timeout=None):
+        body = None if payload is None else json.dumps(payload).encode()
+        resp = self.request(method, path, body, "application/json" if body is not None else None, timeout)
+        return _decode(method, path, resp)
+
+    # --- the daemon
+
+    def status(self):
+        """GET /v1/status: memory, registration, transport, sessions, settings."""
+        return self._json("GET", "/v1/status")
+
+    def metrics(self):
+        """GET /metrics: Prometheus text."""
+        return self.request("GET", "/metrics").body.decode()
+
+    # --- sending side
+
+    def stage(self, req_id, data, shape=None, dtype=None):
+        """Stages data for req_id by upload (PUT /v1/embeddings/{req_id}).
+
+        data is a torch tensor (its shape and dtype go with it) or any
+        contiguous buffer (bytes, bytearray, memoryview, a numpy array):
+        give its shape and dtype, or neither to stage it as u8 of its
+        length. Returns the staged entry."""
+        if dtypes.is_tensor(data):
+            if shape is not None or dtype is not None:
+                raise ValueError("a tensor carries its own shape and dtype: pass neither with it")
+            shape, dtype, body = tuple(data.shape), dtypes.canonical(data.dtype), dtypes.tensor_bytes(data)
+        else:
+            try:
+                body = memoryview(data)
+            except TypeError:
+                raise TypeError(f"stage takes a torch tensor or a buffer (bytes, bytearray, memoryview), "
+                                f"not {type(data).__name__}") from None
+            if not body.c_contiguous:
+                raise ValueError("the buffer to stage is not contiguous: pass a contiguous copy (bytes(data))")
+            body = body.cast("B") if body.ndim != 1 or body.format != "B" else body
+            if shape is None and dtype is None:
+                shape, dtype = (body.nbytes,), "u8"
+            elif shape is None or dtype is None:
+                raise ValueError("give both shape and dtype, or neither (the bytes are then staged as u8 of their length)")
+        q = urlencode({"shape": ",".join(map(str, dtypes.shape_of(shape))), "dtype": dtypes.canonical(dtype)})
+        path = f"/v1/embeddings/{_id(req_id)}?{q}"
+        return _decode("PUT", path, self.request("PUT", path, body, "application/octet-stream"))
+
+    def slice(self, req_id, shape=None, dtype=None, nbytes=None):
+        """Reserves an arena slice for zero-copy staging (shape and dtype,
+        or nbytes alone): {req_id, arena_file, offset, nbytes}. ``staging``
+        does this, the write and the commit in one."""
+        payload = {}
+        if shape is not None or dtype is not None:
+            payload = {"shape": list(dtypes.shape_of(shape if shape is not None else ())), "dtype": dtypes.canonical(dtype or "")}
+        if nbytes is not None:
+            payload["nbytes"] = nbytes
+        return self._json("POST", f"/v1/embeddings/{_id(req_id)}/slice", payload)
+
+    def commit(self, req_id, shape, dtype):
+        """Seals a reserved slice with its shape and dtype: the entry."""
+        return self._json("POST", f"/v1/embeddings/{_id(req_id)}/commit",
+                          {"shape": list(dtypes.shape_of(shape)), "dtype": dtypes.canonical(dtype)})
+
+    def embedding(self, req_id):
+        """Describes a staged (or reserved) entry."""
+        return self._json("GET", f"/v1/embeddings/{_id(req_id)}")
+
+    def embeddings(self):
+        """Lists the staged and reserved entries."""
+        return self._json("GET", "/v1/embeddings")
+
+    def send(self, req_id, slot, wait_ms=0):
+        """Writes req_id's staged data into a peer's receive slot (a Slot,
+        or a dict with session, buffer_address and key as the receiver's
+        ``receive`` gave them). wait_ms waits that long for a stage that
+        races the send. On success the entry is freed; on failure it stays
+        staged for a retry. Returns the send's figures."""
+        if not isinstance(slot, Slot):
+            if not hasattr(slot, "keys"):
+                raise TypeError(f"send takes a Slot or a dict with session, buffer_address and key, not {type(slot).__name__}")
+            slot = Slot.from_dict(slot)
+        if not isinstance(slot.buffer_address, int) or isinstance(slot.buffer_address, bool):
+            raise TypeError(f"buffer_address must be an int, not {type(slot.buffer_address).__name__}")
+        if slot.key is not None and not isinstance(slot.key, str):
+            raise TypeError(f"key must be the slot's key string as the receiver got it, not {type(slot.key).__name__}")
+        if not isinstance(wait_ms, int) or wait_ms < 0:
+            raise ValueError(f"wait_ms must be a non-negative int, not {wait_ms!r}")
+        payload = {"session": slot.session, "buffer_address": slot.buffer_address}
+        if slot.key is not None:
+            payload["key"] = slot.key
+        if wait_ms:
+            payload["wait_ms"] = wait_ms
+        return self._json("POST", f"/v1/embeddings/{_id(req_id)}/send", payload, self.timeout + wait_ms / 1000)
+
+    def delete(self, req_id):
+        """Drops a staged (or reserved) entry."""
+        self._json("DELETE", f"/v1/embeddings/{_id(req_id)}")
+
+    # --- receiving side
+
+    def receive(self, req_id, nbytes, mooncake=False):
+        """Makes a receive slot of nbytes for req_id (``ferry.nbytes(shape,
+        dtype)`` counts them) and returns it, to hand to the sender.
+        ``mooncake=True`` opens it to Mooncake senders too (ferryd with
+        --mooncake-listen); the slot then carries ``mooncake_session``."""
+        payload = {"req_id": req_id, "nbytes": nbytes}
+        if mooncake:
+            payload["mooncake"] = True
+        return Slot.from_dict(self._json("POST", "/v1/receives", payload))
+
+    def receives(self):
+        """Lists the receive slots."""
+        return self._json("GET", "/v1/receives")
+
+    @staticmethod
+    def _wait_query(timeout):
+        if timeout < 0:
+            raise ValueError(f"timeout must be >= 0 seconds, not {timeout!r}")
+        return f"{round(timeout * 1000)}ms"
+
+    def wait(self, req_id, timeout):
+        """Waits up to timeout seconds for req_id's data and returns its bytes
+        (the slot stays until ``free``); ferry.Timeout when none arrived."""
+        q = urlencode({"wait": self._wait_query(timeout)})
+        return self.request("GET", f"/v1/receives/{_id(req_id)}?{q}", timeout=self.timeout + timeout).body
+
+    def slot_info(self, req_id, timeout=0):
+        """Describes req_id's slot (arrived, received, offset, ...), waiting
+        up to timeout seconds for it to arrive (0: at once, arrived or not)."""
+        q = urlencode({"format": "json", "wait": self._wait_query(timeout)})
+        return self._json("GET", f"/v1/receives/{_id(req_id)}?{q}", timeout=self.timeout + timeout)
+
+    def free(self, req_id):
+        """Frees a receive slot."""
+        self._json("DELETE", f"/v1/receives/{_id(req_id)}")
+
+    # --- sessions
+
+    def sessions(self):
+        """Lists the sessions to peer daemons."""
+        return self._json("GET", "/v1/sessions")
+
+    def teardown(self, session_id):
+        """Closes and forgets a session (the next send re-dials)."""
+        self._json("DELETE", f"/v1/sessions/{_id(session_id)}")
+
+    # --- zero copy
+
+    def map_arena(self):
+        """Maps ferryd's host-memory arena into this process (GET /v1/arena,
+        the descriptor passed over the socket): an ArenaMapping. A GPU arena
+        raises GPUArenaNotSupported."""
+        try:
+            return map_arena(self._transport, self.timeout)
+        except BadRequest as e:
+            memory = self.status().get("memory", {})
+            if memory.get("kind") != "cuda":
+                raise
+            raise GPUArenaNotSupported(
+                f"ferryd at {self.socket_path} keeps its arena in GPU memory ({memory.get('device')}), which this "
+                "package cannot map yet: that takes the arena's CUDA IPC handle, opened with cuIpcOpenMemHandle "
+                "through the CUDA driver (planned; scripts/gpu/torch_ipc.py shows the calls). Meanwhile stage by "
+                "upload (Client.stage) and read with Client.wait", e.status, e.code) from e
+
+    @contextlib.contextmanager
+    def staging(self, req_id, shape, dtype, arena=None):
+        """Zero-copy staging: reserves a slice of shape and dtype for req_id
+        and yields a Reservation to write in place (``.memory``, or
+        ``.tensor()`` with torch); commits it when the block ends, and
+        deletes the reservation when the block raises (or the commit fails).
+        ``arena`` is a mapping to reuse (else one is made for this call)."""
+        shape, dtype = dtypes.shape_of(shape), dtypes.canonical(dtype)
+        # Mapped before reserving: a GPU arena refuses here, with nothing to undo.
+        arena = arena or self.map_arena()
+        sl = self.slice(req_id, shape, dtype)
+        try:
+            res = Reservation(req_id, sl["offset"], arena.view(sl["offset"], sl["nbytes"]), shape, dtype)
+            yield res
+            res.entry = self.commit(req_id, shape, dtype)
+        except BaseException:
+            # What failed is what the caller needs; a reservation the delete
+            # cannot remove is swept by ferryd's stage TTL.
+            with contextlib.suppress(FerryError):
+                self.delete(req_id)
+            raise
+
+    def staged_tensor(self, req_id, arena=None):
+        """A torch tensor over req_id's staged (or reserved) entry in the
+        arena, with its shape and dtype (no copy)."""
+        e = self.embedding(req_id)
+        if not e.get("shape") or not e.get("dtype"):
+            raise ValueError(f"req_id {req_id}'s entry has no shape and dtype (reserved by nbytes): "
+                             "view it with ArenaMapping.view(offset, nbytes)")
+        return (arena or self.map_arena()).tensor(e["offset"], e["shape"], e["dtype"])
+
+    def received_view(self, req_id, timeout=0, arena=None):
+        """A memoryview of req_id's arrived data where it landed in the
+        arena (no copy), waiting up to timeout seconds for it. It is valid
+        until the slot is freed: copy what must outlive ``free``."""
+        info = self.slot_info(req_id, timeout)
+        if not info.get("arrived"):
+            raise Timeout(f"req_id {req_id}: no data has arrived in its receive slot yet: pass timeout= to wait for it")
+        return (arena or self.map_arena()).view(info["offset"], info["received"])
+
+    def received_tensor(self, req_id, shape=None, dtype="u8", timeout=0, arena=None):
+        """A torch tensor over req_id's arrived data in place (no copy), of
+        shape and dtype (default: 1-D, as many elements as arrived). Valid
+        until the slot is freed: ``.clone()`` what must outlive ``free``."""
+        dtypes.require_torch()
+        memory = self.received_view(req_id, timeout, arena)
+        if shape is None:
+            size = dtypes.itemsize(dtype)
+            if memory.nbytes % size:
+                raise ValueError(f"req_id {req_id}: {memory.nbytes} bytes arrived, not a whole number of {dtypes.canonical(dtype)} elements")
+            shape = (memory.nbytes // size,)
+        return dtypes.tensor_over(memory, shape, dtype)

@@ -1,0 +1,227 @@
+"""Real ferryd processes for the tests: each on a socket in a temp dir,
+peer port on 127.0.0.1, host memory, TCP, JSON logs; started by waiting
+for its "ready" log line, stopped by PID with SIGTERM and a deadline.
+
+FERRYD names the binary (make test-python builds it); else bin/ferryd of
+this checkout.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+import ferry
+
+REPO = Path(__file__).resolve().parents[2]
+FERRYD = os.environ.get("FERRYD") or str(REPO / "bin" / "ferryd")
+
+def pytest_report_header():
+    return f"ferry {ferry.__version__} from {os.path.dirname(ferry.__file__)}; ferryd {FERRYD}"
+
+
+# Every ferryd a test started, so none outlives the session whatever failed.
+_running = []
+
+
+class Daemon:
+    """One ferryd process and the JSON lines it logs."""
+
+    def __init__(self, directory, name, *extra, env=None):
+        if not os.access(FERRYD, os.X_OK):
+            pytest.fail(f"no ferryd at {FERRYD}: build it first (make build), or name it with FERRYD=...")
+        self.dir = str(directory)
+        self.socket = os.path.join(self.dir, name + ".sock")
+        args = [FERRYD, "--socket", self.socket, "--listen", "127.0.0.1:0", "--arena-size", "64MiB",
+                "--device", "cpu", "--transport", "tcp", "--log-format", "json", "--log-level", "debug", *extra]
+        # Only what the test gives configures it: no file, no FERRY_* of ours.
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        environ.update(FERRY_CONFIG=os.devnull, **(env or {}))
+        self.lines = []
+        self._cond = threading.Condition()
+        self._eof = False
+        # setpriv: the kernel stops ferryd if this test process dies first.
+        self.proc = subprocess.Popen(["setpriv", "--pdeathsig", "TERM", "--", *args], env=environ,
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        _running.append(self)
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        try:
+            ready = self.wait_log(lambda line: line.get("message") == "ready", 20, 'the "ready" line')
+        except BaseException:
+            self.stop()
+            raise
+        self.advertise = ready["advertise"]
+        self.pid = self.proc.pid
+
+    def _read(self):
+        for raw in self.proc.stderr:
+            text = raw.decode("utf-8", "replace").rstrip("\n")
+            try:
+                line = json.loads(text)
+            except ValueError:
+                line = {"raw": text}
+            with self._cond:
+                self.lines.append(line if isinstance(line, dict) else {"raw": text})
+                self._cond.notify_all()
+        with self._cond:
+            self._eof = True
+            self._cond.notify_all()
+
+    def log(self):
+        with self._cond:  # an RLock: callable while waiting on it
+            return "\n".join(json.dumps(line) for line in self.lines)
+
+    def wait_log(self, match, timeout, what):
+        """The first log line match accepts; fails the test when none comes
+        within timeout seconds or ferryd exits first."""
+        deadline = time.monotonic() + timeout
+        seen = 0
+        with self._cond:
+            while True:
+                for line in self.lines[seen:]:
+                    if match(line):
+                        return line
+                seen = len(self.lines)
+                if self._eof:
+                    pytest.fail(f"ferryd exited before logging {what}; its log:\n{self.log()}")
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    pytest.fail(f"ferryd logged no {what} within {timeout} s; its log:\n{self.log()}")
+                self._cond.wait(left)
+
+    def wait_exit(self, timeout):
+        """Waits for ferryd to exit by itself and returns its exit code."""
+        try:
+            code = self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"ferryd pid {self.proc.pid} still running after {timeout} s; its log:\n{self.log()}")
+        self._reader.join(10)
+        return code
+
+    def stop(self):
+        """SIGTERM by PID, then SIGKILL if it outstays 10 s (and the test fails)."""
+        if self in _running:
+            _running.remove(self)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(10)
+                pytest.fail(f"ferryd pid {self.proc.pid} ignored SIGTERM for 10 s and was killed")
+        self._reader.join(10)
+
+    def client(self, **kw):
+        return ferry.Client(self.socket, **kw)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _stop_every_ferryd():
+    yield
+    for d in list(_running):
+        d.stop()
+
+
+@pytest.fixture
+def start_daemon(tmp_path):
+    """Starts ferryd processes for one test; each is stopped when it ends."""
+    started = []
+
+    def start(name, *extra, directory=None, env=None):
+        d = Daemon(directory or tmp_path, name, *extra, env=env)
+        started.append(d)
+        return d
+
+    yield start
+    for d in started:
+        d.stop()
+
+
+@pytest.fixture(scope="session")
+def pair(tmp_path_factory):
+    """A sender and a receiver ferryd shared by the tests (each test cleans
+    up what it made). The receiver also serves a Mooncake segment."""
+    directory = tmp_path_factory.mktemp("pair")
+    sender = Daemon(directory, "tx")
+    try:
+        receiver = Daemon(directory, "rx", "--mooncake-listen", "127.0.0.1:0")
+    except BaseException:
+        sender.stop()
+        raise
+    yield sender, receiver
+    receiver.stop()
+    sender.stop()
+
+
+@pytest.fixture
+def tx(pair):
+    with pair[0].client() as c:
+        yield c
+
+
+@pytest.fixture
+def rx(pair):
+    with pair[1].client() as c:
+        yield c
+
+
+@pytest.fixture
+def req_id():
+    return "py-" + uuid.uuid4().hex
+
+
+class CountingDial:
+    """A client's dial that counts the connections it opens."""
+
+    def __init__(self, path):
+        self.path = path
+        self.count = 0
+        self._lock = threading.Lock()
+
+    def __call__(self):
+        with self._lock:
+            self.count += 1
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(self.path)
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+
+def poll_until(cond, timeout, what):
+    """Polls cond until it holds, for state ferryd raises no event about;
+    fails the test after timeout seconds."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what} did not happen within {timeout} s")
+        time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def stalled_upload(socket_path, req_id, nbytes):
+    """A PUT of nbytes for req_id whose body stops after its first byte: the
+    entry stays "uploading" (and the request in flight) until the caller
+    finishes it (yielded socket) or the block ends and closes it."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(10)
+    try:
+        sock.connect(socket_path)
+        head = (f"PUT /v1/embeddings/{req_id}?shape={nbytes}&dtype=u8 HTTP/1.1\r\n"
+                f"Host: ferryd\r\nContent-Length: {nbytes}\r\n\r\n")
+        sock.sendall(head.encode() + b"\0")
+        yield sock
+    finally:
+        sock.close()

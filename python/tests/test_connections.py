@@ -1,0 +1,158 @@
+"""Kept-alive connections: reused between calls and threads, replaced
+when ferryd closed them, and a request that may have been acted on never
+sent twice."""
+
+import socket
+import threading
+
+import pytest
+
+import ferry
+
+from conftest import CountingDial
+
+
+def test_calls_reuse_one_connection(pair):
+    dial = CountingDial(pair[0].socket)
+    with ferry.Client(pair[0].socket, dial=dial) as c:
+        for _ in range(20):
+            c.status()
+        c.embeddings()
+        c.metrics()
+        assert dial.count == 1
+
+
+def test_threads_share_a_few_connections(pair):
+    dial = CountingDial(pair[0].socket)
+    errors = []
+
+    def work():
+        try:
+            for _ in range(25):
+                assert c.status()["pid"] == pair[0].pid
+        except BaseException as e:  # reported by the test thread
+            errors.append(e)
+
+    with ferry.Client(pair[0].socket, dial=dial) as c:
+        threads = [threading.Thread(target=work) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        assert not errors and not any(t.is_alive() for t in threads)
+        # At most one connection per thread in flight at once.
+        assert 1 <= dial.count <= 4
+
+
+def test_a_restarted_ferryd_is_reached_on_a_fresh_connection(start_daemon, req_id):
+    first = start_daemon("restart")
+    dial = CountingDial(first.socket)
+    c = ferry.Client(first.socket, dial=dial)
+    assert c.status()["pid"] == first.pid
+    first.stop()  # closes the connection the client keeps
+    second = start_daemon("restart")
+    # A read and a write after it both go out on one new connection.
+    assert c.status()["pid"] == second.pid
+    c.receive(req_id, 16)
+    c.free(req_id)
+    assert dial.count == 2
+    c.close()
+
+
+class ScriptedServer:
+    """A Unix-socket HTTP server that handles successive requests as its
+    script says: "answer" ({}), "drop" (close without answering), or
+    "hang" (never answer). It records each request's method and path."""
+
+    def __init__(self, path, script):
+        self.script = list(script)
+        self.seen = []
+        self._hung = []
+        self._listener = socket.socket(socket.AF_UNIX)
+        self._listener.bind(path)
+        self._listener.listen()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._thread.start()
+
+    def _serve(self):
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return  # closed by close()
+            threading.Thread(target=self._handle, args=(conn,), daemon=True).start()
+
+    def _handle(self, conn):
+        f = conn.makefile("rb")
+        while True:
+            line = f.readline()
+            if not line:
+                conn.close()
+                return
+            method, path, _ = line.decode().split(" ", 2)
+            length = 0
+            while (header := f.readline()) not in (b"\r\n", b""):
+                name, _, value = header.decode().partition(":")
+                if name.lower() == "content-length":
+                    length = int(value)
+            f.read(length)
+            self.seen.append((method, path))
+            action = self.script.pop(0)
+            if action == "drop":
+                f.close()
+                conn.close()
+                return
+            if action == "hang":
+                self._hung.append(conn)
+                return
+            conn.sendall(b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}")
+
+    def close(self):
+        self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        for conn in self._hung:
+            conn.close()
+        self._thread.join(10)
+
+
+@pytest.fixture
+def scripted(tmp_path):
+    servers = []
+
+    def make(script):
+        path = str(tmp_path / f"scripted{len(servers)}.sock")
+        servers.append(ScriptedServer(path, script))
+        return path, servers[-1]
+
+    yield make
+    for s in servers:
+        s.close()
+
+
+def test_a_post_the_server_may_have_acted_on_is_not_sent_again(scripted):
+    path, server = scripted(["answer", "drop", "answer"])
+    dial = CountingDial(path)
+    c = ferry.Client(path, dial=dial)
+    c.status()
+    with pytest.raises(ferry.NoAnswer, match="may have been carried out"):
+        c.request("POST", "/v1/receives", b'{"req_id":"r1","nbytes":16}', "application/json")
+    assert server.seen == [("GET", "/v1/status"), ("POST", "/v1/receives")]
+    assert dial.count == 1
+
+
+@pytest.mark.parametrize("method", ["GET", "DELETE"])
+def test_a_read_or_delete_is_sent_again_on_a_fresh_connection(scripted, method):
+    path, server = scripted(["answer", "drop", "answer"])
+    dial = CountingDial(path)
+    c = ferry.Client(path, dial=dial)
+    c.status()
+    assert c.request(method, "/v1/receives/r1").status == 200
+    assert server.seen == [("GET", "/v1/status"), (method, "/v1/receives/r1"), (method, "/v1/receives/r1")]
+    assert dial.count == 2
+
+
+def test_no_answer_within_the_clients_timeout(scripted):
+    path, server = scripted(["hang"])
+    with pytest.raises(ferry.NoAnswer, match="within 0.2 s"):
+        ferry.Client(path, timeout=0.2).status()
+    assert server.seen == [("GET", "/v1/status")]
