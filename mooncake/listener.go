@@ -6,6 +6,8 @@ import (
 	"net"
 	"sync"
 	"time"
+
+	"github.com/ferry-project/ferry/internal/loglimit"
 )
 
 // listener serves each accepted connection on its own goroutine, at most
@@ -19,7 +21,7 @@ type listener struct {
 	ctx    context.Context
 	cancel context.CancelFunc
 	logf   func(format string, args ...any) // rate-limited by start
-	limit  *logLimit
+	limit  *loglimit.Limiter
 	sem    chan struct{}
 	wg     sync.WaitGroup
 	mu     sync.Mutex
@@ -29,8 +31,8 @@ type listener struct {
 
 func (l *listener) start(max int) {
 	l.ctx, l.cancel = context.WithCancel(context.Background())
-	l.limit = newLogLimit(l.logf)
-	l.logf = l.limit.printf
+	l.limit = loglimit.New("mooncake", l.logf)
+	l.logf = l.limit.Printf
 	l.sem = make(chan struct{}, max)
 	l.live = make(map[net.Conn]struct{})
 	l.wg.Add(1)
@@ -52,7 +54,7 @@ func (l *listener) Close() error {
 	l.cancel() // after the connections: work it ends finds them closed
 	l.mu.Unlock()
 	l.wg.Wait()
-	l.limit.stop()
+	l.limit.Stop()
 	return err
 }
 
