@@ -233,6 +233,12 @@ func (t *Transport) logf(format string, args ...any) {
 	}
 }
 
+func (t *Transport) debugf(format string, args ...any) {
+	if t.cfg.TCP.Debugf != nil {
+		t.cfg.TCP.Debugf(format, args...)
+	}
+}
+
 func (t *Transport) isClosing() bool {
 	select {
 	case <-t.closing:
