@@ -319,15 +319,15 @@ func New(cfg Config) (*Daemon, error) {
 	if d.dp.rdma != nil {
 		mc.RDMA = d.dp.rdma
 	}
+	d.sessions = newSessions(d.tr, mc)
 	if cfg.MooncakeListen != "" {
 		host, _, _ := net.SplitHostPort(d.advertise)
-		d.mooncake, err = openMooncake(cfg, d.reg, d.dp.rdma, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.log)
+		d.mooncake, err = openMooncake(cfg, d.reg, d.dp.rdma, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.sessions.sentToMooncake, d.log)
 		if err != nil {
 			return nil, err
 		}
 		mc.Self = d.mooncake.self()
 	}
-	d.sessions = newSessions(d.tr, mc)
 	d.metrics = newMetrics(gauges{
 		arena: func() (int64, int64, int64) {
 			st := d.arena.Stats()

@@ -47,6 +47,7 @@ type Listener struct {
 type Conn struct {
 	*net.TCPConn
 	m       *Member[*Conn]
+	ctx     context.Context // the listener's
 	dropped atomic.Bool
 }
 
@@ -66,11 +67,14 @@ func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
 // connection started beyond itself (an outbound handshake).
 func (l *Listener) Context() context.Context { return l.ctx }
 
+// Context is the listener's (see Listener.Context).
+func (c *Conn) Context() context.Context { return c.ctx }
+
 // Stats is what the listener's caps did.
 func (l *Listener) Stats() Stats { return l.table.Stats() }
 
-// Closing reports whether Close has begun.
-func (l *Listener) Closing() bool {
+// closing reports whether Close has begun.
+func (l *Listener) closing() bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.closed
@@ -102,7 +106,7 @@ func (l *Listener) accept() {
 	for {
 		nc, err := l.ln.Accept()
 		if err != nil {
-			if errors.Is(err, net.ErrClosed) || l.Closing() {
+			if errors.Is(err, net.ErrClosed) || l.closing() {
 				return
 			}
 			// Usually out of file descriptors: wait for some to free up
@@ -123,7 +127,7 @@ func (l *Listener) accept() {
 			l.cfg.Warnf("%s: accepted a %T, not a TCP connection: closed it", l.cfg.Name, nc)
 			continue
 		}
-		c := &Conn{TCPConn: tc}
+		c := &Conn{TCPConn: tc, ctx: l.ctx}
 		l.mu.Lock()
 		if l.closed {
 			l.mu.Unlock()

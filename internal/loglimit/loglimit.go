@@ -17,8 +17,8 @@ const (
 	Window = time.Second
 )
 
-// MaxQuoted is how much of a text a remote party chose Quote keeps: a
-// Mooncake notify_msg may be 1 MiB.
+// MaxQuoted is how much of a text a remote party chose Clip and Quote
+// keep: a Mooncake notify_msg may be 1 MiB.
 const MaxQuoted = 256
 
 // Limiter passes at most max lines per window to logf. The lines past
@@ -90,8 +90,16 @@ func (l *Limiter) Stop() {
 	l.summarize()
 }
 
-// Quote quotes a text a remote party chose for a log line, cut to
-// MaxQuoted bytes with the length it had.
+// Clip cuts a text a remote party chose (or that quotes one) to
+// MaxQuoted bytes for a log line, saying how long it was.
+func Clip(s string) string {
+	if len(s) <= MaxQuoted {
+		return s
+	}
+	return fmt.Sprintf("%s... (%d bytes)", s[:MaxQuoted], len(s))
+}
+
+// Quote is Clip, quoted: for a text that is all the remote party's.
 func Quote(s string) string {
 	if len(s) <= MaxQuoted {
 		return fmt.Sprintf("%q", s)

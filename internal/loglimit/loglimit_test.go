@@ -87,9 +87,12 @@ func TestLogLimitSummaryAtWindowEnd(t *testing.T) {
 	}
 }
 
-// TestQuoteCuts: a remote party's text is quoted whole up to MaxQuoted
-// bytes, and past that cut with its length.
+// TestQuoteCuts: a remote party's text is kept (quoted) whole up to
+// MaxQuoted bytes, and past that cut with its length.
 func TestQuoteCuts(t *testing.T) {
+	if got := Clip(strings.Repeat("b", 300)); got != strings.Repeat("b", 256)+"... (300 bytes)" {
+		t.Errorf("Clip of 300 bytes: %q", got)
+	}
 	if got := Quote("0x7f00"); got != `"0x7f00"` {
 		t.Errorf("Quote of a short text: %s", got)
 	}
