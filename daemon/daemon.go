@@ -337,6 +337,7 @@ func New(cfg Config) (*Daemon, error) {
 		sessions: d.sessions.states,
 	})
 	d.metrics.reg.MustRegister(d.dp.collectors()...)
+	d.metrics.reg.MustRegister(d.limits())
 	for _, c := range []transport.Code{transport.NoSlot, transport.OutOfBounds, transport.SlotBusy} {
 		d.metrics.peerRefusals.WithLabelValues(c.String())
 	}
