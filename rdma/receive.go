@@ -166,13 +166,17 @@ func (r *receiver) run() error {
 		}
 		select {
 		case h := <-hdrs:
-			was := len(r.granted)
+			if len(r.granted) == 0 && !r.c.Busy() {
+				// The port took this idle lane's place a moment ago, and
+				// closed it: the header goes unanswered, as if it came
+				// after the close.
+				return nil
+			}
 			if err := r.serve(h); err != nil {
 				return r.fail(err)
 			}
-			if was == 0 && len(r.granted) > 0 && !r.c.Busy() {
-				// The port took this lane's place a moment ago.
-				return r.fail(errors.New("the peer port closed the lane to make room"))
+			if len(r.granted) == 0 {
+				r.c.Idle() // refused: still idle
 			}
 		case c := <-l.wcs:
 			if err := r.complete(c, drained != nil); err != nil {
