@@ -131,15 +131,15 @@ func New(cfg Config) (*Daemon, error) {
 	if d.dp.rdma != nil {
 		mc.RDMA = d.dp.rdma
 	}
+	d.sessions = newSessions(d.tr, mc)
 	if cfg.MooncakeListen != "" {
 		host, _, _ := net.SplitHostPort(d.advertise)
-		d.mooncake, err = openMooncake(cfg, d.reg, d.dp.rdma, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.log)
+		d.mooncake, err = openMooncake(cfg, d.reg, d.dp.rdma, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.sessions.sentToMooncake, d.log)
 		if err != nil {
 			return nil, err
 		}
 		mc.Self = d.mooncake.self()
 	}
-	d.sessions = newSessions(d.tr, mc)
 	d.metrics = newMetrics(gauges{
 		arena: func() (int64, int64, int64) {
 			st := d.arena.Stats()
@@ -149,6 +149,7 @@ func New(cfg Config) (*Daemon, error) {
 		sessions: d.sessions.states,
 	}, d.tr.Name())
 	d.metrics.reg.MustRegister(d.dp.collectors()...)
+	d.metrics.reg.MustRegister(d.limits())
 	d.reg.mu.Lock() // the peer port is open already
 	d.reg.onRefusal = func(c transport.Code) { d.metrics.peerRefusals.WithLabelValues(c.String()).Inc() }
 	d.reg.mu.Unlock()

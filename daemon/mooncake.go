@@ -10,6 +10,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
 )
@@ -32,10 +33,16 @@ type mooncakeSegment struct {
 
 // openMooncake listens on cfg.MooncakeListen and a data port on the same
 // host. base and size are the arena's addresses, as receive slots name
-// them; advertiseHost stands in for a wildcard listen host.
-func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, size int64, advertiseHost string, log zerolog.Logger) (*mooncakeSegment, error) {
+// them; advertiseHost stands in for a wildcard listen host. sentTo says
+// whether this daemon has sent to a Mooncake segment: only such a
+// segment is dialed back for an RDMA initiator's descriptor.
+func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, size int64, advertiseHost string, sentTo func(segment string) bool, log zerolog.Logger) (*mooncakeSegment, error) {
+	// Anyone may reach these ports: the packages rate-limit their WARNs.
 	logf := func(format string, args ...any) {
 		log.Warn().Str("component", "mooncake").Msg(fmt.Sprintf(format, args...))
+	}
+	debugf := func(format string, args ...any) {
+		log.Debug().Str("component", "mooncake").Msg(fmt.Sprintf(format, args...))
 	}
 	rpc, err := net.Listen("tcp", cfg.MooncakeListen)
 	if err != nil {
@@ -58,20 +65,21 @@ func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, si
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
 	}}
 	m.data = mooncake.ServeData(dl, mooncakeMemory{reg}, mooncake.DataConfig{
-		IOTimeout: cfg.IOTimeout.D(), MaxSize: uint64(size), MaxConns: 4 * cfg.MaxConns, Logf: logf,
+		IOTimeout: cfg.IOTimeout.D(), MaxSize: uint64(size), Logf: logf, Debugf: debugf,
 	})
 	h := mooncake.Handlers{
 		Segment: func() *mooncake.Segment { return &m.seg },
-		Notify: func(n mooncake.NotifyDesc) {
-			log.Debug().Str("component", "mooncake").Str("from", n.Name).Str("notify_msg", n.NotifyMsg).Msg("mooncake notify received")
+		Notify: func(from net.Addr, n mooncake.NotifyDesc) error {
+			log.Debug().Str("component", "mooncake").Stringer("addr", from).Str("from", loglimit.Clip(n.Name)).Str("notify_msg", loglimit.Clip(n.NotifyMsg)).Msg("mooncake notify received")
+			return nil
 		},
 	}
 	if rt != nil {
-		if err := m.serveRDMA(rt, reg, &h, log); err != nil {
+		if err := m.serveRDMA(rt, reg, &h, sentTo, log); err != nil {
 			log.Warn().Str("component", "mooncake").Err(err).Msg("the Mooncake segment speaks TCP only")
 		}
 	}
-	m.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf})
+	m.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: debugf})
 	log.Info().Str("segment", name).Str("protocol", m.seg.Protocol).Str("rpc", rpc.Addr().String()).Str("data", dl.Addr().String()).
 		Uint64("buffer_addr", base).Int64("buffer_length", size).Msg("serving as a Mooncake segment")
 	return m, nil
@@ -82,7 +90,7 @@ func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, si
 const mooncakeLocation = "cpu:0"
 
 // serveRDMA makes the segment an rdma one over rt.
-func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *mooncake.Handlers, log zerolog.Logger) error {
+func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *mooncake.Handlers, sentTo func(string) bool, log zerolog.Logger) error {
 	rkey, lkey, ok := rt.MooncakeKeys()
 	if !ok {
 		return fmt.Errorf("the arena has no shared RDMA registration (%s mode), so Mooncake peers have no rkey to write with", rt.Registration().Mode)
@@ -96,17 +104,21 @@ func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *moonca
 	m.seg.PriorityMatrix = mooncake.Priority{mooncakeLocation: {{dev.Name}, {}}}
 	b := &m.seg.Buffers[0]
 	b.Name, b.RKey, b.LKey = mooncakeLocation, []uint32{rkey}, []uint32{lkey}
-	h.Connect = func(ctx context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
-		return rt.AcceptMooncake(ctx, m.name, req)
+	h.Connect = func(ctx context.Context, from net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
+		return rt.AcceptMooncake(ctx, rdma.MooncakeHandshake{Self: m.name, From: from, MayFetch: sentTo}, req)
 	}
-	h.Notify = func(n mooncake.NotifyDesc) {
-		l := log.With().Str("component", "mooncake").Str("from", n.Name).Str("notify_msg", n.NotifyMsg).Logger()
+	h.Notify = func(from net.Addr, n mooncake.NotifyDesc) error {
 		reqID, nbytes, err := reg.deliverNotified(n.NotifyMsg)
 		if err != nil {
-			l.Warn().Err(err).Msg("a Mooncake notify completed no receive slot")
-			return
+			// The server logs it, rate-limited, the message cut short.
+			return fmt.Errorf("completed no receive slot: %w", err)
 		}
-		l.Debug().Str("req_id", reqID).Int64("nbytes", nbytes).Msg("a Mooncake notify completed a receive slot")
+		// Only a sender that knows a live slot's address gets here: its
+		// address's endpoints stay before strangers' in a full table.
+		rt.MooncakeProven(from)
+		log.Debug().Str("component", "mooncake").Stringer("addr", from).Str("from", loglimit.Clip(n.Name)).Str("req_id", reqID).Int64("nbytes", nbytes).
+			Msg("a Mooncake notify completed a receive slot")
+		return nil
 	}
 	reg.quarantineFreedSlots(mooncakeQuarantine)
 	return nil
@@ -119,7 +131,7 @@ func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *moonca
 func (r *registry) deliverNotified(msg string) (reqID string, nbytes int64, err error) {
 	addr, err := strconv.ParseUint(strings.TrimSpace(msg), 0, 64)
 	if err != nil {
-		return "", 0, fmt.Errorf("notify_msg %q is not a receive slot's buffer_address (decimal or 0x-hex): ferry completes the slot a notify names", msg)
+		return "", 0, fmt.Errorf("notify_msg is not a receive slot's buffer_address (decimal or 0x-hex): ferry completes the slot a notify names")
 	}
 	r.mu.Lock()
 	if r.stopping {

@@ -96,6 +96,21 @@ func (s *sessions) dial(ctx context.Context, p *peer) (transport.Session, error)
 	return sess, nil
 }
 
+// sentToMooncake reports whether this daemon has reached the Mooncake
+// segment named "host:port" (its RPC port) for a send, and keeps its
+// record: the one kind of segment it dials back for a descriptor.
+func (s *sessions) sentToMooncake(segment string) bool {
+	s.mu.Lock()
+	p := s.peers[mooncake.Scheme+segment]
+	s.mu.Unlock()
+	if p == nil {
+		return false
+	}
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return !p.dialedAt.IsZero()
+}
+
 // forget takes p out of the table; callers hold p.dialMu.
 func (s *sessions) forget(p *peer) {
 	p.gone = true

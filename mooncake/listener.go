@@ -1,103 +1,50 @@
 package mooncake
 
 import (
-	"context"
-	"errors"
 	"net"
-	"sync"
 	"time"
+
+	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/internal/loglimit"
 )
 
-// listener serves each accepted connection on its own goroutine, at most
-// max at once (more wait in the backlog), and on close ends them all and
-// waits. The handshake port and the data port both run on one.
-type listener struct {
-	ln    net.Listener
-	serve func(c net.Conn) error // the connection is closed after it
-	// ctx ends with Close, for work a connection starts beyond itself
-	// (an outbound handshake).
-	ctx    context.Context
-	cancel context.CancelFunc
-	logf   func(format string, args ...any) // rate-limited by start
-	limit  *logLimit
-	sem    chan struct{}
-	wg     sync.WaitGroup
-	mu     sync.Mutex
-	live   map[net.Conn]struct{}
-	shut   bool
+// port serves a Mooncake port's connections under its caps
+// (connlimit), each on its own goroutine; anyone may reach it, so what
+// it logs goes through a rate limit. The handshake port and the data
+// port both run on one.
+type port struct {
+	l    *connlimit.Listener
+	warn *loglimit.Limiter
 }
 
-func (l *listener) start(max int) {
-	l.ctx, l.cancel = context.WithCancel(context.Background())
-	l.limit = newLogLimit(l.logf)
-	l.logf = l.limit.printf
-	l.sem = make(chan struct{}, max)
-	l.live = make(map[net.Conn]struct{})
-	l.wg.Add(1)
-	go l.accept()
+// openPort serves ln: every connection starts with handshake to say
+// what it wants, and serve's error, if any, is logged (unless the
+// port closed the connection itself: to make room, or closing).
+func openPort(ln net.Listener, name string, lim connlimit.Limits, handshake time.Duration, logf, debugf func(string, ...any), serve func(c *connlimit.Conn) error) *port {
+	p := &port{warn: loglimit.New("mooncake", logf)}
+	p.l = connlimit.Listen(ln, connlimit.Config{
+		Limits: lim, Name: name, HandshakeTimeout: handshake, Warnf: p.warn.Printf, Debugf: debugf,
+		Serve: func(c *connlimit.Conn) {
+			if err := serve(c); err != nil && !c.Dropped() {
+				p.warn.Printf("%v", err)
+			}
+		},
+	})
+	return p
 }
 
 // Addr is the listening address.
-func (l *listener) Addr() net.Addr { return l.ln.Addr() }
+func (p *port) Addr() net.Addr { return p.l.Addr() }
+
+// Stats is what the port's caps did.
+func (p *port) Stats() connlimit.Stats { return p.l.Stats() }
 
 // Close stops accepting, closes every connection (work in flight fails)
 // and waits for their goroutines.
-func (l *listener) Close() error {
-	l.mu.Lock()
-	l.shut = true
-	err := l.ln.Close()
-	for c := range l.live {
-		c.Close()
-	}
-	l.cancel() // after the connections: work it ends finds them closed
-	l.mu.Unlock()
-	l.wg.Wait()
-	l.limit.stop()
+func (p *port) Close() error {
+	err := p.l.Close()
+	p.warn.Stop()
 	return err
 }
 
-func (l *listener) closing() bool {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return l.shut
-}
-
-func (l *listener) accept() {
-	defer l.wg.Done()
-	for {
-		c, err := l.ln.Accept()
-		if err != nil {
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			// Usually out of descriptors: wait for some rather than spin.
-			l.logf("mooncake: accept on %s: %v", l.ln.Addr(), err)
-			time.Sleep(10 * time.Millisecond)
-			continue
-		}
-		l.sem <- struct{}{}
-		l.mu.Lock()
-		if l.shut {
-			l.mu.Unlock()
-			c.Close()
-			<-l.sem
-			return
-		}
-		l.live[c] = struct{}{}
-		l.wg.Add(1)
-		l.mu.Unlock()
-		go func() {
-			defer func() {
-				c.Close()
-				l.mu.Lock()
-				delete(l.live, c)
-				l.mu.Unlock()
-				<-l.sem
-				l.wg.Done()
-			}()
-			if err := l.serve(c); err != nil && !l.closing() {
-				l.logf("%v", err)
-			}
-		}()
-	}
-}
+func (p *port) logf(format string, args ...any) { p.warn.Printf(format, args...) }

@@ -101,7 +101,7 @@ func TestConnectQPsReplies(t *testing.T) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		srv := Serve(ln, Handlers{Segment: func() *Segment { return &Segment{} }, Connect: func(_ context.Context, d HandshakeDesc) (HandshakeDesc, func()) {
+		srv := Serve(ln, Handlers{Segment: func() *Segment { return &Segment{} }, Connect: func(_ context.Context, _ net.Addr, d HandshakeDesc) (HandshakeDesc, func()) {
 			return c.reply(d), nil
 		}}, ServerConfig{})
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
@@ -155,7 +155,7 @@ func TestConnectContextAndUndo(t *testing.T) {
 	}
 	started, undone := make(chan context.Context, 1), make(chan struct{})
 	srv := Serve(ln, Handlers{Segment: func() *Segment { return &Segment{} },
-		Connect: func(ctx context.Context, d HandshakeDesc) (HandshakeDesc, func()) {
+		Connect: func(ctx context.Context, _ net.Addr, d HandshakeDesc) (HandshakeDesc, func()) {
 			started <- ctx
 			<-ctx.Done()
 			return HandshakeDesc{LocalNICPath: d.PeerNICPath, PeerNICPath: d.LocalNICPath, QPNum: []uint32{7}}, func() { close(undone) }

@@ -8,9 +8,13 @@ import (
 	"io"
 	"net"
 	"time"
+
+	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/internal/loglimit"
 )
 
-// Handlers answer a segment's handshake messages.
+// Handlers answer a segment's handshake messages. from is the address
+// the request came from.
 type Handlers struct {
 	// Segment returns the descriptor a metadata request gets. Required.
 	Segment func() *Segment
@@ -19,23 +23,37 @@ type Handlers struct {
 	// nil, is run when the reply could not be sent: the initiator never
 	// learns of what Connect set up. Nil Connect: every request is refused
 	// with a reply_msg saying this segment serves no RDMA.
-	Connect func(ctx context.Context, req HandshakeDesc) (reply HandshakeDesc, undo func())
+	Connect func(ctx context.Context, from net.Addr, req HandshakeDesc) (reply HandshakeDesc, undo func())
 	// Notify hears notify messages; nil ignores them (the reply is
-	// "success" either way, as Mooncake answers).
-	Notify func(n NotifyDesc)
+	// "success" either way, as Mooncake answers). An error is logged,
+	// rate-limited, with the message cut to loglimit.MaxQuoted bytes.
+	Notify func(from net.Addr, n NotifyDesc) error
 }
 
 // ServerConfig bounds a handshake server. Zero fields take the defaults.
 type ServerConfig struct {
 	ReceiveTimeout time.Duration // per connection, default HandshakeTimeout
-	MaxConns       int           // connections served at once, default 64
-	// Logf hears about malformed or failed handshakes.
+	// Limits caps the connections served at once; zero fields take
+	// DefaultServerLimits'.
+	Limits connlimit.Limits
+	// Logf hears about malformed or failed handshakes, at most
+	// loglimit.Burst lines a second.
 	Logf func(format string, args ...any)
+	// Debugf, if set, hears about connections closed to make room.
+	Debugf func(format string, args ...any)
 }
+
+// DefaultServerLimits caps the handshake port. A handshake holds its
+// connection for a moment (5 s at most), one per QP setup or metadata
+// fetch: 64 at once from one address is a host's engines all connecting
+// to every NIC at once (8 by 8), and 256 in all leaves room for four
+// such hosts at the same instant; past that a newcomer takes the place of
+// the oldest pending request of the address holding the most.
+var DefaultServerLimits = connlimit.Limits{Total: 256, PerSource: 64}
 
 // Server is a segment's handshake (RPC) port.
 type Server struct {
-	listener
+	*port
 	h   Handlers
 	cfg ServerConfig
 }
@@ -51,36 +69,44 @@ func Serve(ln net.Listener, h Handlers, cfg ServerConfig) *Server {
 	if cfg.ReceiveTimeout <= 0 {
 		cfg.ReceiveTimeout = HandshakeTimeout
 	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = 64
+	if cfg.Limits.Total <= 0 {
+		cfg.Limits.Total = DefaultServerLimits.Total
+	}
+	if cfg.Limits.PerSource <= 0 {
+		cfg.Limits.PerSource = DefaultServerLimits.PerSource
 	}
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}
 	s := &Server{h: h, cfg: cfg}
-	s.listener = listener{ln: ln, logf: cfg.Logf, serve: func(c net.Conn) error {
+	s.port = openPort(ln, "mooncake RPC port", cfg.Limits, cfg.ReceiveTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
 		if err := s.serve(c); err != nil {
 			return fmt.Errorf("mooncake handshake from %s: %w", c.RemoteAddr(), err)
 		}
 		return nil
-	}}
-	s.start(cfg.MaxConns)
+	})
 	return s
 }
 
-func (s *Server) serve(c net.Conn) error {
+func (s *Server) serve(c *connlimit.Conn) error {
 	deadline := time.Now().Add(s.cfg.ReceiveTimeout)
 	c.SetDeadline(deadline)
-	ctx, cancel := context.WithDeadline(s.ctx, deadline)
+	ctx, cancel := context.WithDeadline(c.Context(), deadline)
 	defer cancel()
 	t, body, err := ReadFrame(c)
 	if err == io.EOF {
 		return nil // a port probe
 	}
 	if err != nil {
+		if isTimeout(err) {
+			c.Closing(connlimit.ReasonTimeout)
+		}
 		return fmt.Errorf("%w; connection closed without a reply", err)
 	}
-	reply, undo, err := s.answer(ctx, t, body)
+	if !c.Busy() {
+		return nil // the port closed it to make room just now
+	}
+	reply, undo, err := s.answer(ctx, c.RemoteAddr(), t, body)
 	if err != nil {
 		return fmt.Errorf("%s request: %w; connection closed without a reply", t, err)
 	}
@@ -96,9 +122,7 @@ func (s *Server) serve(c net.Conn) error {
 	}
 	// Shut the write side and wait (within the deadline) for the client
 	// to close, so the reply is not cut by a reset.
-	if tc, ok := c.(*net.TCPConn); ok {
-		tc.CloseWrite()
-	}
+	c.CloseWrite()
 	var sink [256]byte
 	for {
 		if _, err := c.Read(sink[:]); err != nil {
@@ -109,7 +133,7 @@ func (s *Server) serve(c net.Conn) error {
 
 // answer is the reply to a request; undo, if not nil, takes back what a
 // connection request set up, should the reply not go out.
-func (s *Server) answer(ctx context.Context, t MsgType, body []byte) (reply any, undo func(), err error) {
+func (s *Server) answer(ctx context.Context, from net.Addr, t MsgType, body []byte) (reply any, undo func(), err error) {
 	switch t {
 	case Metadata:
 		// The client's own descriptor comes along; it must parse, but
@@ -126,7 +150,9 @@ func (s *Server) answer(ctx context.Context, t MsgType, body []byte) (reply any,
 			return nil, nil, fmt.Errorf("not a notify message ({\"name\",\"notify_msg\"}): %w", err)
 		}
 		if s.h.Notify != nil {
-			s.h.Notify(n)
+			if err := s.h.Notify(from, n); err != nil {
+				s.logf("mooncake notify from %s (name %s, notify_msg %s): %v", from, loglimit.Quote(n.Name), loglimit.Quote(n.NotifyMsg), err)
+			}
 		}
 		return NotifyDesc{NotifyMsg: "success"}, nil, nil
 	case Connect:
@@ -135,13 +161,13 @@ func (s *Server) answer(ctx context.Context, t MsgType, body []byte) (reply any,
 			return nil, nil, fmt.Errorf("not a connection handshake (local_nic_path, qp_num, ...): %w", err)
 		}
 		if s.h.Connect == nil {
-			s.logf("mooncake handshake: refused an RDMA connection request from %s: no RDMA is served here", d.LocalNICPath)
+			s.logf("mooncake handshake: refused an RDMA connection request from %s (%s): no RDMA is served here", loglimit.Quote(d.LocalNICPath), from)
 			return HandshakeDesc{PeerNICPath: d.LocalNICPath, LocalNICPath: d.PeerNICPath, ReplyMsg: NoRDMA}, nil, nil
 		}
-		r, undo := s.h.Connect(ctx, d)
+		r, undo := s.h.Connect(ctx, from, d)
 		if r.ReplyMsg != "" {
 			// Logged here, where the port's rate limit applies.
-			s.logf("mooncake handshake: refused an RDMA connection request from %s: %s", d.LocalNICPath, r.ReplyMsg)
+			s.logf("mooncake handshake: refused an RDMA connection request from %s (%s): %s", loglimit.Quote(d.LocalNICPath), from, loglimit.Clip(r.ReplyMsg))
 		}
 		return r, undo, nil
 	}

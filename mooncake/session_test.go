@@ -242,7 +242,7 @@ func TestServerLogIsRateLimited(t *testing.T) {
 // refuses gets its reply_msg back, and the server logs it, under the
 // port's rate limit like every line a peer can cause.
 func TestServerLogsRefusedConnections(t *testing.T) {
-	srv, seg, logged := loggingServer(t, func(_ context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
+	srv, seg, logged := loggingServer(t, func(_ context.Context, _ net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
 		return mooncake.HandshakeDesc{ReplyMsg: "peer_nic_path names no NIC of this segment"}, nil
 	})
 	defer srv.Close()
@@ -255,7 +255,8 @@ func TestServerLogsRefusedConnections(t *testing.T) {
 		t.Fatalf("the refusal did not reach the initiator: %+v", reply)
 	}
 	lines := logged()
-	if len(lines) != 1 || !strings.Contains(lines[0], "refused an RDMA connection request from 10.0.0.9:1@mlx5_3: peer_nic_path names no NIC") {
+	if len(lines) != 1 || !strings.Contains(lines[0], `refused an RDMA connection request from "10.0.0.9:1@mlx5_3" (127.0.0.1:`) ||
+		!strings.Contains(lines[0], "): peer_nic_path names no NIC") {
 		t.Fatalf("want one line naming the initiator and the reason, got %q", lines)
 	}
 }
@@ -263,7 +264,7 @@ func TestServerLogsRefusedConnections(t *testing.T) {
 // loggingServer serves a TCP segment's handshake on loopback, collecting
 // what it logs; logged returns the lines so far. connect answers
 // connection requests (nil: no RDMA served).
-func loggingServer(t *testing.T, connect func(context.Context, mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func())) (srv *mooncake.Server, seg *mooncake.Segment, logged func() []string) {
+func loggingServer(t *testing.T, connect func(context.Context, net.Addr, mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func())) (srv *mooncake.Server, seg *mooncake.Segment, logged func() []string) {
 	t.Helper()
 	var mu sync.Mutex
 	var lines []string

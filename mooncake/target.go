@@ -6,6 +6,8 @@ import (
 	"io"
 	"net"
 	"time"
+
+	"github.com/ferry-project/ferry/internal/connlimit"
 )
 
 // Memory is what a data port writes into and reads from: the target's
@@ -23,18 +25,35 @@ type Memory interface {
 
 // DataConfig bounds a data port. Zero fields take the defaults.
 type DataConfig struct {
-	IOTimeout   time.Duration // per read or write of up to 1 MiB; default 10s
-	IdleTimeout time.Duration // between requests on one connection; default 60s
-	MaxSize     uint64        // largest request; default 1<<36
-	MaxConns    int           // connections served at once; default 256
-	// Logf hears about refused requests and broken connections.
+	IOTimeout time.Duration // per read or write of up to 1 MiB; default 10s
+	// HandshakeTimeout is how soon a new connection's first request must
+	// come (Mooncake sends it at once); default HandshakeTimeout.
+	HandshakeTimeout time.Duration
+	MaxSize          uint64 // largest request; default 1<<36
+	// Limits caps the connections held at once; zero fields take
+	// DefaultDataLimits'. No timer closes a connection idle between
+	// requests (a Mooncake connection pool keeps its connections for
+	// reuse, and its next request on one that closed would fail): at the
+	// total cap a newcomer takes the place of an idle one, those that
+	// carried no write first, then the least recently used (connlimit).
+	Limits connlimit.Limits
+	// Logf hears about refused requests and broken connections, at most
+	// loglimit.Burst lines a second.
 	Logf func(format string, args ...any)
+	// Debugf, if set, hears about connections closed to make room.
+	Debugf func(format string, args ...any)
 }
+
+// DefaultDataLimits caps the data port. Mooncake opens a connection per
+// slice in flight (its pool grows with the batch, up to a batch's
+// slices), so one address may need a few hundred: 256 per address, 1024
+// in all, about a goroutine and a socket's buffers each.
+var DefaultDataLimits = connlimit.Limits{Total: 1024, PerSource: 256}
 
 // DataServer is a segment's TCP data port, speaking v1 and v2 (each
 // request says which by its opcode's v2 bit).
 type DataServer struct {
-	listener
+	*port
 	mem Memory
 	cfg DataConfig
 }
@@ -48,61 +67,77 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	if cfg.IOTimeout <= 0 {
 		cfg.IOTimeout = 10 * time.Second
 	}
-	if cfg.IdleTimeout <= 0 {
-		cfg.IdleTimeout = 60 * time.Second
+	if cfg.HandshakeTimeout <= 0 {
+		cfg.HandshakeTimeout = HandshakeTimeout
 	}
 	if cfg.MaxSize == 0 {
 		cfg.MaxSize = 1 << 36
 	}
-	if cfg.MaxConns <= 0 {
-		cfg.MaxConns = 256
+	if cfg.Limits.Total <= 0 {
+		cfg.Limits.Total = DefaultDataLimits.Total
+	}
+	if cfg.Limits.PerSource <= 0 {
+		cfg.Limits.PerSource = DefaultDataLimits.PerSource
 	}
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}
 	s := &DataServer{mem: mem, cfg: cfg}
-	s.listener = listener{ln: ln, logf: cfg.Logf, serve: func(c net.Conn) error {
-		if tc, ok := c.(*net.TCPConn); ok {
-			tc.SetNoDelay(true)
-		}
+	s.port = openPort(ln, "mooncake data port", cfg.Limits, cfg.HandshakeTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+		c.SetNoDelay(true)
 		if err := s.serve(c); err != nil {
 			return fmt.Errorf("mooncake data connection from %s: %w", c.RemoteAddr(), err)
 		}
 		return nil
-	}}
-	s.start(cfg.MaxConns)
+	})
 	return s
 }
 
-// serve runs requests until the client closes (nil) or one fails.
-func (s *DataServer) serve(c net.Conn) error {
+// serve runs requests until the client closes (nil) or one fails. The
+// first request is due within the handshake timeout (the port's
+// deadline); after it, the connection may idle for as long as its client
+// likes.
+func (s *DataServer) serve(c *connlimit.Conn) error {
 	var hb [HeaderSize]byte
 	for first := true; ; first = false {
-		// The first header is due at once; a pooled connection may idle
-		// between requests.
-		wait := s.cfg.IOTimeout
 		if !first {
-			wait = s.cfg.IdleTimeout
+			c.SetReadDeadline(time.Time{})
 		}
-		c.SetReadDeadline(time.Now().Add(wait))
-		n, err := io.ReadFull(c, hb[:])
+		n, err := io.ReadAtLeast(c, hb[:], 1)
 		if err != nil {
-			if n == 0 && (err == io.EOF || !first && isTimeout(err)) {
+			switch {
+			case err == io.EOF:
 				return nil
+			case first && isTimeout(err):
+				c.Closing(connlimit.ReasonTimeout)
+				return fmt.Errorf("no request within %s of connecting", s.cfg.HandshakeTimeout)
 			}
-			return fmt.Errorf("read %d of a %d-byte request header: %w", n, HeaderSize, err)
+			return fmt.Errorf("waiting for a request: %w", err)
+		}
+		if n < HeaderSize {
+			// A header that has begun must finish in time.
+			c.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
+			if m, err := io.ReadFull(c, hb[n:]); err != nil {
+				return fmt.Errorf("read %d of a %d-byte request header: %w", n+m, HeaderSize, err)
+			}
 		}
 		h, err := DecodeHeader(&hb)
 		if err != nil {
 			return err // nothing sensible to answer: close
 		}
-		if err := s.request(c, h); err != nil {
+		if !c.Busy() {
+			return nil // the port closed it to make room just now
+		}
+		err = s.request(c, h)
+		c.Idle()
+		if err != nil {
 			return err
 		}
+		c.Prove()
 	}
 }
 
-func (s *DataServer) request(c net.Conn, h Header) error {
+func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 	var (
 		mem     []byte
 		finish  func(error)
@@ -145,14 +180,12 @@ func (s *DataServer) request(c net.Conn, h Header) error {
 // rejection from a clean end); v2 with the rejected status, after which
 // the write side shuts and what the client already sent is drained for a
 // moment, so the status is not cut by a reset.
-func (s *DataServer) reject(c net.Conn, h Header) {
+func (s *DataServer) reject(c *connlimit.Conn, h Header) {
 	if !h.V2 {
 		return
 	}
 	_ = s.status(c, StatusRejected)
-	if tc, ok := c.(*net.TCPConn); ok {
-		tc.CloseWrite()
-	}
+	c.CloseWrite()
 	c.SetReadDeadline(time.Now().Add(min(s.cfg.IOTimeout, time.Second)))
 	_, _ = io.CopyN(io.Discard, c, int64(min(h.Size, 4<<20)))
 }

@@ -65,6 +65,11 @@ type lane struct {
 	// broken is set when a write that had let go of the lane failed: the
 	// QP is broken, and the next write to take the lane drops it.
 	broken atomic.Bool
+	// answered is set once the receiver answered a header on the lane;
+	// unanswered, when the receiver closed the control connection before
+	// answering the header of the write holding the lane (see
+	// session.Write).
+	answered, unanswered atomic.Bool
 	// retiring is set by a write canceled while waiting for its answer,
 	// which keeps the lane from the pool: out of step, it takes no more
 	// writes, and closes once the writes flying on it are done
@@ -330,6 +335,17 @@ func (l *lane) readAnswers() {
 		case <-l.quit:
 			return
 		}
+	}
+}
+
+// ended reports whether a dialed lane's control connection has ended
+// (its receiver closed it, or failed the lane's writes).
+func (l *lane) ended() bool {
+	select {
+	case <-l.dead:
+		return true
+	default:
+		return false
 	}
 }
 

@@ -4,11 +4,13 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"strings"
 	"testing"
 	"time"
 
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/mooncake"
 )
 
@@ -27,6 +29,9 @@ type mcSegment struct {
 	name string
 	mem  []byte
 	qps  int // QPs offered when it dials (0: Mooncake's default)
+	// mayFetch is the segments it may fetch an initiator's descriptor
+	// from (nil: none), as a daemon's are those it sent to.
+	mayFetch func(segment string) bool
 }
 
 func startFakeSegment(t *testing.T, f *fabric, id byte, cfg Config) *mcSegment {
@@ -49,8 +54,8 @@ func startSegment(t *testing.T, n nic, cfg Config) *mcSegment {
 	s := &mcSegment{tr: tr, name: ln.Addr().String(), mem: cfg.Memory}
 	srv := mooncake.Serve(ln, mooncake.Handlers{
 		Segment: s.segment,
-		Connect: func(ctx context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
-			return tr.AcceptMooncake(ctx, s.name, req)
+		Connect: func(ctx context.Context, from net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
+			return tr.AcceptMooncake(ctx, MooncakeHandshake{Self: s.name, From: from, MayFetch: s.mayFetch}, req)
 		},
 	}, mooncake.ServerConfig{Logf: t.Logf})
 	t.Cleanup(func() { srv.Close() }) // before the transport closes
@@ -218,15 +223,16 @@ func TestMooncakeEndpointHijack(t *testing.T) {
 	}
 }
 
-// TestMooncakeEndpointEviction: a full table evicts its least recently
-// used endpoint (its QPs closed, an INFO line saying so) instead of
-// refusing new initiators; the evicted initiator's next write fails and
-// the one after handshakes afresh.
+// TestMooncakeEndpointEviction: a full table evicts an endpoint (its QPs
+// closed, an INFO line saying so) instead of refusing new initiators,
+// one nobody has written through before one ferry wrote through; the
+// evicted initiator's next write fails and the one after handshakes
+// afresh.
 func TestMooncakeEndpointEviction(t *testing.T) {
 	f := newFabric()
 	var info logLines
 	ferry := startFakeSegment(t, f, 1, Config{Infof: info.logf})
-	ferry.tr.mc.max = 2
+	ferry.tr.mc.limits = connlimit.Limits{Total: 2}
 	a, b, c := startFakeSegment(t, f, 2, Config{}), startFakeSegment(t, f, 3, Config{}), startFakeSegment(t, f, 4, Config{})
 	data := []byte("into ferry")
 	for _, s := range []*mcSegment{a, b} {
@@ -234,8 +240,8 @@ func TestMooncakeEndpointEviction(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	// ferry writes back to a over a's endpoint: b's is now the least
-	// recently used.
+	// ferry writes back to a over a's endpoint: b's is the one nobody
+	// proved legitimate.
 	if err := ferry.write(t, a, 0, data); err != nil {
 		t.Fatal(err)
 	}
@@ -243,7 +249,7 @@ func TestMooncakeEndpointEviction(t *testing.T) {
 	if err := c.write(t, ferry, 0, data); err != nil {
 		t.Fatalf("a third initiator into a full table: %v", err)
 	}
-	info.wait(t, "2 Mooncake endpoints", "least recently used", b.name, c.name)
+	info.wait(t, "2 Mooncake endpoints", "closed the one to", b.name, c.name)
 	if ferry.endpoint(b.name+"@fake3") != nil || ferry.endpoint(a.name+"@fake2") == nil || ferry.endpoint(c.name+"@fake4") == nil {
 		t.Fatal("the table does not hold a's and c's endpoints only")
 	}
@@ -273,7 +279,7 @@ func TestMooncakeAcceptLimitsAndUndo(t *testing.T) {
 	}
 	open := ferry.openOnNIC()
 	req.QPNum = []uint32{1, 2}
-	reply, undo := ferry.tr.AcceptMooncake(ctx, ferry.name, req)
+	reply, undo := ferry.tr.AcceptMooncake(ctx, MooncakeHandshake{Self: ferry.name, From: &net.TCPAddr{IP: net.IPv4(10, 0, 0, 9)}}, req)
 	if reply.ReplyMsg != "" || undo == nil || ferry.endpoint(peer.nicPath()) == nil {
 		t.Fatalf("accepting 2 QPs: %+v", reply)
 	}
@@ -424,5 +430,99 @@ func TestMooncakeHandshakeUnreachablePeer(t *testing.T) {
 	}
 	if n := len(accepted); n != 1 {
 		t.Fatalf("the silent segment saw %d handshake connections, want 1 (the second write waits for the first's)", n)
+	}
+}
+
+// TestMooncakeEvictionNotDrivenByStrangers: handshakes from strangers
+// into a full endpoint table (as many as they like, from one address or
+// many) take each other's places, never those of endpoints ferry dialed
+// or whose address proved itself (a notify that completed a receive
+// slot); one address gets no more than its cap, the rest refused with a
+// reply_msg naming it.
+func TestMooncakeEvictionNotDrivenByStrangers(t *testing.T) {
+	f := newFabric()
+	var info logLines
+	ferry := startFakeSegment(t, f, 1, Config{Infof: info.logf})
+	ferry.tr.mc.limits = connlimit.Limits{Total: 4, PerSource: 2}
+	out := startFakeSegment(t, f, 2, Config{})
+	if err := ferry.write(t, out, 0, []byte("ferry dials out")); err != nil {
+		t.Fatal(err)
+	}
+	ctx := ctxFor(t, 30*time.Second)
+	gid := out.device().GID
+	accept := func(from string, path string) mooncake.HandshakeDesc {
+		t.Helper()
+		req := mooncake.HandshakeDesc{LocalNICPath: path, PeerNICPath: ferry.nicPath(), QPNum: []uint32{1}, LocalGID: gid}
+		r, _ := ferry.tr.AcceptMooncake(ctx, MooncakeHandshake{Self: ferry.name, From: &net.TCPAddr{IP: net.ParseIP(from), Port: 40000}}, req)
+		return r
+	}
+	legit := "10.0.0.1:15000@mlx5_0"
+	if r := accept("10.0.0.1", legit); r.ReplyMsg != "" {
+		t.Fatal(r.ReplyMsg)
+	}
+	ferry.tr.MooncakeProven(&net.TCPAddr{IP: net.ParseIP("10.0.0.1")})
+	// One stranger address: two endpoints, then refusals.
+	for i := range 4 {
+		r := accept("10.0.0.9", fmt.Sprintf("10.0.0.9:%d@x", i))
+		if i >= 2 && !strings.Contains(r.ReplyMsg, "10.0.0.9 already holds 2 Mooncake endpoints here, the most one address may") {
+			t.Fatalf("stranger handshake %d from one address: reply_msg %q, want a refusal naming the per-address cap", i, r.ReplyMsg)
+		}
+	}
+	// Strangers from many addresses: each takes a stranger's place.
+	for i := range 50 {
+		if r := accept(fmt.Sprintf("10.1.%d.%d", i/200, i%200+1), fmt.Sprintf("stranger-%d@x", i)); r.ReplyMsg != "" {
+			t.Fatalf("stranger %d: %s", i, r.ReplyMsg)
+		}
+	}
+	for _, path := range []string{legit, out.nicPath()} {
+		if ferry.endpoint(path) == nil {
+			t.Fatalf("the endpoint to %s was evicted by strangers", path)
+		}
+	}
+	if err := ferry.write(t, out, 64, []byte("still there")); err != nil {
+		t.Fatalf("ferry's write over its own endpoint after the flood: %v", err)
+	}
+	st := ferry.tr.MooncakeEndpointStats()
+	if st.Open != 4 || st.Evicted != 50 || st.RefusedPerSource != 2 {
+		t.Fatalf("endpoint stats %+v: want 4 open, 50 evicted, 2 refused", st)
+	}
+	info.wait(t, "rdma: suppressed", "more lines like the above")
+}
+
+// TestMooncakeDialBackOnlyWhereSent: a handshake without local_gid makes
+// ferry fetch the initiator's descriptor only from a segment it may (one
+// it has sent to); any other gets a reply_msg saying why, and ferry dials
+// nothing.
+func TestMooncakeDialBackOnlyWhereSent(t *testing.T) {
+	f := newFabric()
+	ferry, in := startFakeSegment(t, f, 1, Config{}), startFakeSegment(t, f, 2, Config{})
+	named, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer named.Close()
+	dialed := make(chan struct{}, 1)
+	go func() {
+		if c, err := named.Accept(); err == nil {
+			c.Close()
+			dialed <- struct{}{}
+		}
+	}()
+	ctx := ctxFor(t, 30*time.Second)
+	req := func(seg string) mooncake.HandshakeDesc {
+		return mooncake.HandshakeDesc{LocalNICPath: mooncake.NICPath(seg, in.device().Name), PeerNICPath: ferry.nicPath(), QPNum: []uint32{1, 2}}
+	}
+	_, err = mooncake.ConnectQPs(ctx, ferry.name, req(named.Addr().String()))
+	if err == nil || !strings.Contains(err.Error(), "fetches an initiator's descriptor only from a Mooncake segment it has sent to") {
+		t.Fatalf("a handshake without local_gid naming a segment ferry never sent to: %v, want a refusal saying why", err)
+	}
+	select {
+	case <-dialed:
+		t.Fatal("ferry dialed the segment a stranger named")
+	default:
+	}
+	ferry.mayFetch = func(seg string) bool { return seg == in.name }
+	if _, err := mooncake.ConnectQPs(ctx, ferry.name, req(in.name)); err != nil {
+		t.Fatalf("a handshake without local_gid from a segment ferry sent to: %v", err)
 	}
 }

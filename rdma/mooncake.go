@@ -4,9 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"sync"
 	"time"
 
+	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -32,23 +35,29 @@ type mcEndpoint struct {
 	lanes []*lane // one per QP; ctrl is nil (no control connection)
 	free  chan *lane
 	once  sync.Once
-	used  uint64 // the table's tick when last installed or handed out; under mcTable.mu
+	m     *connlimit.Member[*mcEndpoint] // its place in mcTable.lim
 }
 
-// maxMooncakeEndpoints bounds the endpoint table: each peer NIC that
-// connects costs QPs and CQs. A full table evicts its least recently
-// used endpoint: Mooncake never says when it drops one, so the quiet ones
-// go first.
-const maxMooncakeEndpoints = 1024
+// DefaultMooncakeLimits bounds the endpoint table: each peer NIC that
+// connects costs up to mooncake.MaxQPs QPs and their CQs, and anyone who
+// reaches the RPC port may connect. One address may hold 64 (a host's 8
+// engines each connecting from 8 NICs); 1024 in all. The table is full
+// only with 16 such hosts, or with strangers; then the quiet go first:
+// endpoints nobody proved legitimate (ferry wrote through it, or a notify
+// from its address completed a receive slot), then those of the address
+// holding the most, then the least recently used (connlimit). Endpoints
+// ferry dialed itself are proven from the start and bound by no
+// per-address cap.
+var DefaultMooncakeLimits = connlimit.Limits{Total: 1024, PerSource: 64}
 
 // mcTable is the transport's Mooncake endpoints.
 type mcTable struct {
 	mu     sync.Mutex
 	eps    map[string]*mcEndpoint
-	tick   uint64
+	lim    *connlimit.Table[*mcEndpoint] // made on first use with limits
+	limits connlimit.Limits              // zero: DefaultMooncakeLimits
 	closed bool
-	max    int                              // 0: maxMooncakeEndpoints
-	infof  func(format string, args ...any) // hears evictions; may be nil
+	log    *loglimit.Limiter // hears evictions; nil: none
 	// dials is the handshakes in flight, by peer NIC path: concurrent
 	// writes to a new peer NIC make one endpoint, while an unreachable
 	// peer holds up only the writes to it.
@@ -56,6 +65,21 @@ type mcTable struct {
 }
 
 var errEndpointsClosed = errors.New("the transport is closing")
+
+// table is the endpoints' caps, made on first use. m.mu is held.
+func (m *mcTable) table() *connlimit.Table[*mcEndpoint] {
+	if m.lim == nil {
+		lim := m.limits
+		if lim.Total <= 0 {
+			lim.Total = DefaultMooncakeLimits.Total
+		}
+		if lim.PerSource <= 0 {
+			lim.PerSource = DefaultMooncakeLimits.PerSource
+		}
+		m.lim = connlimit.NewTable[*mcEndpoint](lim)
+	}
+	return m.lim
+}
 
 // get returns the endpoint to peer if its QPs are connected to gid and
 // lid. An endpoint is stored under the NIC path its initiator claimed, so
@@ -66,8 +90,6 @@ func (m *mcTable) get(peer string, gid [16]byte, lid uint16) *mcEndpoint {
 	if ep == nil || ep.gid != gid || ep.lid != lid {
 		return nil
 	}
-	m.tick++
-	ep.used = m.tick
 	return ep
 }
 
@@ -99,9 +121,12 @@ func (m *mcTable) unclaim(peer string) {
 	m.mu.Unlock()
 }
 
-// put installs ep, closing the endpoint it replaces or, in a full table,
-// the least recently used one. A closing transport refuses it.
-func (m *mcTable) put(ep *mcEndpoint) error {
+// put installs ep, connected for source (connlimit.Source of the
+// handshake's address; "" for an endpoint ferry dialed, which starts
+// proven), closing the endpoint of the same NIC path it replaces and, in
+// a full table, the one connlimit picks. A closing transport refuses it,
+// and so does the table when source holds its most.
+func (m *mcTable) put(ep *mcEndpoint, source string) error {
 	m.mu.Lock()
 	if m.closed {
 		m.mu.Unlock()
@@ -110,34 +135,46 @@ func (m *mcTable) put(ep *mcEndpoint) error {
 	if m.eps == nil {
 		m.eps = make(map[string]*mcEndpoint)
 	}
-	max := m.max
-	if max <= 0 {
-		max = maxMooncakeEndpoints
-	}
+	// A second handshake from a NIC path replaces its endpoint, whether
+	// or not the new one gets a place.
 	old := m.eps[ep.peer]
-	var evicted *mcEndpoint
-	if old == nil && len(m.eps) >= max {
-		for _, e := range m.eps {
-			if evicted == nil || e.used < evicted.used {
-				evicted = e
-			}
-		}
-		delete(m.eps, evicted.peer)
+	if old != nil {
+		delete(m.eps, old.peer)
+		old.m.Release()
 	}
-	m.tick++
-	ep.used = m.tick
-	m.eps[ep.peer] = ep
+	mem, evicted, err := m.table().Admit(source, ep)
+	if err == nil {
+		ep.m = mem
+		if source == "" {
+			mem.Prove()
+		}
+		m.eps[ep.peer] = ep
+		if evicted != nil {
+			delete(m.eps, evicted.Value.peer)
+		}
+	}
+	lim := m.lim.Limits()
 	m.mu.Unlock()
 	if old != nil {
 		old.close()
 	}
+	if err != nil {
+		return fmt.Errorf("%s already holds %d Mooncake endpoints here, the most one address may: this one is refused, its others stay", source, lim.PerSource)
+	}
 	if evicted != nil {
-		evicted.close()
-		if m.infof != nil {
-			m.infof("rdma: %d Mooncake endpoints, the most kept: closed the least recently used one, to %s, for %s", max, evicted.peer, ep.peer)
+		evicted.Value.close()
+		if m.log != nil {
+			m.log.Printf("rdma: %d Mooncake endpoints, the most kept: closed the one to %s, for %s", lim.Total, loglimit.Quote(evicted.Value.peer), loglimit.Quote(ep.peer))
 		}
 	}
 	return nil
+}
+
+// proven marks ep as carrying legitimate traffic: ferry wrote through it.
+func (m *mcTable) proven(ep *mcEndpoint) {
+	if ep.m != nil {
+		ep.m.Prove()
+	}
 }
 
 // drop removes ep if it is still the table's, and closes it.
@@ -145,6 +182,7 @@ func (m *mcTable) drop(ep *mcEndpoint) {
 	m.mu.Lock()
 	if m.eps[ep.peer] == ep {
 		delete(m.eps, ep.peer)
+		ep.m.Release()
 	}
 	m.mu.Unlock()
 	ep.close()
@@ -158,6 +196,16 @@ func (m *mcTable) closeAll() {
 	for _, ep := range eps {
 		ep.close()
 	}
+	if m.log != nil {
+		m.log.Stop()
+	}
+}
+
+// stats is what the table's caps did.
+func (m *mcTable) stats() connlimit.Stats {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	return m.table().Stats()
 }
 
 // close destroys the endpoint's QPs, waiting out writers on them.
@@ -259,14 +307,39 @@ func qpNums(lanes []*lane) []uint32 {
 	return q
 }
 
+// MooncakeHandshake is what the passive side of a Mooncake connection
+// handshake knows besides the request.
+type MooncakeHandshake struct {
+	Self string   // this side's segment name
+	From net.Addr // where the request came from, whose per-address cap it counts against
+	// MayFetch says whether this side may dial segment (an RPC port,
+	// "host:port") to fetch the initiator's descriptor, for a request
+	// without local_gid: a stranger must not make the daemon dial any
+	// address it names. Nil: none may be.
+	MayFetch func(segment string) bool
+}
+
+// MooncakeEndpointStats is what the Mooncake endpoint table's caps did.
+func (t *Transport) MooncakeEndpointStats() connlimit.Stats { return t.mc.stats() }
+
+// MooncakeProven marks the endpoints connected from addr's source as
+// legitimate (see DefaultMooncakeLimits): a notify from there completed
+// a receive slot, which takes a slot's address.
+func (t *Transport) MooncakeProven(addr net.Addr) {
+	t.mc.mu.Lock()
+	lim := t.mc.table()
+	t.mc.mu.Unlock()
+	lim.ProveSource(connlimit.Source(addr))
+}
+
 // AcceptMooncake answers a Mooncake connection handshake as its passive
-// side, within ctx: self is this side's segment name. It connects as many
-// QPs as the initiator offers (at most mooncake.MaxQPs) to them before
-// replying, replacing any endpoint of the same initiator NIC path. A
-// refusal is a reply with reply_msg set, which every Mooncake initiator
-// takes as one (the handshake server logs it, rate-limited). undo, nil for a refusal, drops the endpoint: for when the
-// reply cannot be sent.
-func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncake.HandshakeDesc) (reply mooncake.HandshakeDesc, undo func()) {
+// side, within ctx. It connects as many QPs as the initiator offers (at
+// most mooncake.MaxQPs) to them before replying, replacing any endpoint
+// of the same initiator NIC path. A refusal is a reply with reply_msg
+// set, which every Mooncake initiator takes as one (the handshake server
+// logs it, rate-limited). undo, nil for a refusal, drops the endpoint:
+// for when the reply cannot be sent.
+func (t *Transport) AcceptMooncake(ctx context.Context, h MooncakeHandshake, req mooncake.HandshakeDesc) (reply mooncake.HandshakeDesc, undo func()) {
 	reply = mooncake.HandshakeDesc{LocalNICPath: req.PeerNICPath, PeerNICPath: req.LocalNICPath}
 	refuse := func(format string, args ...any) (mooncake.HandshakeDesc, func()) {
 		reply.ReplyMsg = fmt.Sprintf(format, args...)
@@ -276,14 +349,14 @@ func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncak
 	if err != nil {
 		return refuse("%v", err)
 	}
-	mine := mooncake.NICPath(self, dev.Name)
+	mine := mooncake.NICPath(h.Self, dev.Name)
 	switch {
 	case req.PeerNICPath != mine:
 		return refuse("peer_nic_path %q names no NIC of this segment: its one NIC is %s", req.PeerNICPath, mine)
 	case len(req.QPNum) == 0 || len(req.QPNum) > mooncake.MaxQPs:
 		return refuse("%d QP numbers offered: want 1 to %d, the most this ferryd connects per endpoint (set the initiator's MC_NUM_QP_PER_EP to at most %d)", len(req.QPNum), mooncake.MaxQPs, mooncake.MaxQPs)
 	}
-	gid, lid, err := initiatorAddress(ctx, self, req)
+	gid, lid, err := initiatorAddress(ctx, h, req)
 	if err != nil {
 		return refuse("%v", err)
 	}
@@ -293,7 +366,7 @@ func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncak
 	}
 	ep, err := connectMooncake(req.LocalNICPath, lanes, gid, lid, req.QPNum, t.mooncakeMTU())
 	if err == nil {
-		err = t.mc.put(ep)
+		err = t.mc.put(ep, connlimit.Source(h.From))
 	}
 	if err != nil {
 		closeLanes(lanes)
@@ -306,8 +379,8 @@ func (t *Transport) AcceptMooncake(ctx context.Context, self string, req mooncak
 // initiatorAddress is the GID and LID of a connection's initiator: from
 // its request when it sends them (newer Mooncakes), else from the devices
 // of its segment descriptor, fetched from the segment its NIC path names
-// (older ones, which expect exactly that).
-func initiatorAddress(ctx context.Context, self string, req mooncake.HandshakeDesc) ([16]byte, uint16, error) {
+// (older ones, which expect exactly that), if h allows dialing it.
+func initiatorAddress(ctx context.Context, h MooncakeHandshake, req mooncake.HandshakeDesc) ([16]byte, uint16, error) {
 	if req.LocalGID != "" {
 		gid, err := mooncake.ParseGID(req.LocalGID)
 		return gid, req.LocalLID, err
@@ -316,7 +389,10 @@ func initiatorAddress(ctx context.Context, self string, req mooncake.HandshakeDe
 	if !ok {
 		return [16]byte{}, 0, fmt.Errorf("local_nic_path %q is not <segment>@<device>, and no local_gid came with it", req.LocalNICPath)
 	}
-	desc, err := mooncake.FetchSegment(ctx, seg, &mooncake.Segment{Name: self, Protocol: "rdma", Buffers: []mooncake.Buffer{}})
+	if h.MayFetch == nil || !h.MayFetch(seg) {
+		return [16]byte{}, 0, fmt.Errorf("no local_gid in the request, and this ferryd fetches an initiator's descriptor only from a Mooncake segment it has sent to, which %q is not: send local_gid and local_lid in the handshake (newer Mooncake releases do), or send to that segment from this ferryd first", seg)
+	}
+	desc, err := mooncake.FetchSegment(ctx, seg, &mooncake.Segment{Name: h.Self, Protocol: "rdma", Buffers: []mooncake.Buffer{}})
 	if err != nil {
 		return [16]byte{}, 0, fmt.Errorf("no local_gid in the request, and the initiator's descriptor: %w", err)
 	}
@@ -387,7 +463,7 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) 
 	}
 	ep, err := connectMooncake(tg.NICPath, lanes, want, tg.Device.LID, r.QPNum, t.mooncakeMTU())
 	if err == nil {
-		if err = t.mc.put(ep); err == nil {
+		if err = t.mc.put(ep, ""); err == nil {
 			return ep, nil
 		}
 	}
@@ -444,6 +520,7 @@ func (t *Transport) WriteMooncake(ctx context.Context, w mooncake.RDMAWrite) err
 		src.release()
 		return fmt.Errorf("rdma write of %d bytes to %#x on %s (rkey %#x): %w", len(w.Src), w.Remote, ep.peer, w.Target.RKey, err)
 	}
+	t.mc.proven(ep)
 	ep.free <- l
 	src.release()
 	return nil

@@ -6,21 +6,28 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
 	"time"
 
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // serveLane is the peer port's hook for RDMA control connections: it
 // connects a QP to the dialer's and serves the lane's writes until the
-// control connection ends or the transport closes.
-func (t *Transport) serveLane(c *net.TCPConn, _ uint64) {
+// control connection ends, the lane idles for the idle timeout, the port
+// closes the connection to make room, or the transport closes.
+func (t *Transport) serveLane(c *connlimit.Conn, _ uint64) {
 	peer := c.RemoteAddr().String()
-	l, err := t.acceptLane(c)
+	quiet := func() bool { return c.Dropped() || t.isClosing() }
+	l, err := t.acceptLane(c.TCPConn)
 	if err != nil {
-		if !t.isClosing() {
-			t.logf("rdma: lane from %s: %v", peer, err)
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			c.Closing(connlimit.ReasonTimeout)
+		}
+		if !quiet() {
+			t.tcp.Warnf("rdma: lane from %s: %v", peer, err)
 		}
 		return
 	}
@@ -38,11 +45,19 @@ func (t *Transport) serveLane(c *net.TCPConn, _ uint64) {
 		t.mu.Unlock()
 		l.close()
 	}()
-	r := receiver{t: t, l: l, peer: peer, hdrs: make(chan tcp.Header, 1), gone: make(chan struct{})}
-	if err := r.run(); err != nil && !t.isClosing() {
-		t.logf("rdma: lane from %s: %v", peer, err)
+	r := receiver{t: t, l: l, c: c, peer: peer, hdrs: make(chan tcp.Header, 1), gone: make(chan struct{})}
+	err = r.run()
+	switch {
+	case err == errIdle:
+		c.Closing(connlimit.ReasonIdle)
+		t.debugf("rdma: closed the lane from %s and its queue pair: no write for %s", peer, t.cfg.TCP.IdleTimeout)
+	case err != nil && !quiet():
+		t.tcp.Warnf("rdma: lane from %s: %v", peer, err)
 	}
 }
+
+// errIdle ends a lane that carried no write for the idle timeout.
+var errIdle = errors.New("idle")
 
 // acceptLane answers a dialer's connect: a new QP, receives posted,
 // connected to the dialer's QP, and described back.
@@ -108,6 +123,7 @@ func (t *Transport) region() peerRegion {
 type receiver struct {
 	t       *Transport
 	l       *lane
+	c       *connlimit.Conn // l.ctrl, and its place on the peer port
 	peer    string
 	hdrs    chan tcp.Header // from read
 	gone    chan struct{}   // closed by read when the control connection ends
@@ -124,10 +140,11 @@ type granted struct {
 	done func(error)
 }
 
-// run serves headers and completions until the control connection ends
-// or the transport closes. When either happens with writes granted, the
-// QP is broken and its completions drained: writes that completed before
-// are still delivered, anything later is flushed.
+// run serves headers and completions until the control connection ends,
+// the transport closes, or the lane idles with nothing granted for the
+// idle timeout (errIdle). When either of the first two happens with
+// writes granted, the QP is broken and its completions drained: writes
+// that completed before are still delivered, anything later is flushed.
 func (r *receiver) run() error {
 	l, t := r.l, r.t
 	l.use.RLock()
@@ -135,18 +152,31 @@ func (r *receiver) run() error {
 	go r.read()
 	gone, closing := r.gone, t.closing
 	var drained <-chan time.Time
+	idle := time.NewTimer(t.cfg.TCP.IdleTimeout)
+	defer idle.Stop()
 	for {
-		hdrs, stopping := r.hdrs, closing
+		hdrs, stopping, idled := r.hdrs, closing, idle.C
 		if len(r.granted) == recvDepth || drained != nil {
 			hdrs = nil // every posted receive is spoken for
 		}
 		if len(r.granted) == 0 {
 			stopping = nil // Close ends the lane, and read sees it
+		} else {
+			idled = nil
 		}
 		select {
 		case h := <-hdrs:
+			if len(r.granted) == 0 && !r.c.Busy() {
+				// The port took this idle lane's place a moment ago, and
+				// closed it: the header goes unanswered, as if it came
+				// after the close.
+				return nil
+			}
 			if err := r.serve(h); err != nil {
 				return r.fail(err)
+			}
+			if len(r.granted) == 0 {
+				r.c.Idle() // refused: still idle
 			}
 		case c := <-l.wcs:
 			if err := r.complete(c, drained != nil); err != nil {
@@ -156,6 +186,11 @@ func (r *receiver) run() error {
 				<-r.gone
 				return r.readErr
 			}
+			if len(r.granted) == 0 {
+				r.c.Idle()
+			}
+		case <-idled:
+			return errIdle
 		case <-gone:
 			if len(r.granted) == 0 {
 				return r.readErr
@@ -173,6 +208,9 @@ func (r *receiver) run() error {
 		case <-l.polled:
 			l.qp.Break()
 			return r.fail(l.failure())
+		}
+		if len(r.granted) == 0 {
+			idle.Reset(t.cfg.TCP.IdleTimeout)
 		}
 	}
 }
@@ -268,6 +306,7 @@ func (r *receiver) complete(c completion, draining bool) error {
 	r.granted = r.granted[1:]
 	g.tg.finish(true)
 	g.done(nil)
+	r.c.Prove() // it held a live slot's key
 	if draining {
 		return nil
 	}

@@ -146,26 +146,38 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("rdma write to %s: %w", s.peer, err)
 	}
-	l, err := s.lane(ctx)
-	switch {
-	case err == pool.ErrClosed:
-		return fmt.Errorf("rdma write to %s: %w", s.peer, transport.ErrClosed)
-	case errors.Is(err, pool.ErrClosed):
-		return fmt.Errorf("rdma write to %s: opening a lane: %w: %w", s.peer, transport.ErrClosed, err)
-	case err != nil && err == ctx.Err():
-		return fmt.Errorf("rdma write to %s: waiting for a lane: %w", s.peer, err)
-	case err != nil:
-		return fmt.Errorf("rdma write to %s: opening a lane: %w", s.peer, err)
+	for {
+		l, err := s.lane(ctx)
+		switch {
+		case err == pool.ErrClosed:
+			return fmt.Errorf("rdma write to %s: %w", s.peer, transport.ErrClosed)
+		case errors.Is(err, pool.ErrClosed):
+			return fmt.Errorf("rdma write to %s: opening a lane: %w: %w", s.peer, transport.ErrClosed, err)
+		case err != nil && err == ctx.Err():
+			return fmt.Errorf("rdma write to %s: waiting for a lane: %w", s.peer, err)
+		case err != nil:
+			return fmt.Errorf("rdma write to %s: opening a lane: %w", s.peer, err)
+		}
+		stale := l.answered.Load()
+		err = s.write(ctx, l, &w)
+		// A receiver closes a lane it finds idle (or needs the room for)
+		// without a word, and the close can cross a header just sent:
+		// that write was never granted, nothing of it was posted, so it
+		// goes again on another lane rather than fail. Each retry drops a
+		// pooled lane, so a freshly opened one ends the loop.
+		if err == nil || !stale || !l.unanswered.Load() {
+			return err
+		}
 	}
-	return s.write(ctx, l, &w)
 }
 
 // lane takes a lane from the pool, dropping those that a write which
-// had let go of them found broken.
+// had let go of them found broken, and those whose receiver has closed
+// their control connection meanwhile.
 func (s *session) lane(ctx context.Context) (*lane, error) {
 	for {
 		l, err := s.pool.Get(ctx)
-		if err != nil || !l.broken.Load() {
+		if err != nil || !l.broken.Load() && !l.ended() {
 			return l, err
 		}
 		s.pool.Drop(l)
@@ -298,7 +310,13 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *fl
 		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
 	case err != nil:
 		l.broken.Store(true)
+		if err == errDead && l.lastWord.flags&flagFailed == 0 && transport.PeerGone(l.ansErr) && transport.ContextErr(ctx) == nil {
+			l.unanswered.Store(true)
+		}
 		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+	}
+	l.answered.Store(true)
+	switch {
 	case a.code != transport.OK:
 		return nil, a.flags&tcp.FlagClose == 0, &transport.Refusal{Code: a.code, Message: a.msg}
 	}

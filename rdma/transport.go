@@ -21,6 +21,8 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
@@ -41,7 +43,8 @@ type Config struct {
 	// benchmarking switch; the daemon's --rdma-registration per-send).
 	PerSend bool
 	// Infof hears routine events worth a line (a Mooncake endpoint
-	// evicted from a full table); TCP.Logf hears the failures.
+	// evicted from a full table, at most loglimit.Burst a second);
+	// TCP.Logf hears the failures.
 	Infof func(format string, args ...any)
 	// MooncakeMTU is the path MTU cap Mooncake peers use, in bytes (their
 	// MC_MTU; 0, or a size no MTU enum has, is mooncake.DefaultMTU).
@@ -150,7 +153,9 @@ func listen(cfg Config, n nic) (*Transport, error) {
 		sessions: make(map[*session]struct{}),
 		accepted: make(map[*lane]struct{}),
 	}
-	t.mc.infof = cfg.Infof
+	if cfg.Infof != nil {
+		t.mc.log = loglimit.New("rdma", cfg.Infof)
+	}
 	t.registerShared()
 	tc := cfg.TCP
 	tc.RDMA = t.serveLane
@@ -210,6 +215,10 @@ func (t *Transport) Name() string { return "rdma" }
 
 func (t *Transport) Addr() net.Addr { return t.tcp.Addr() }
 
+// PortStats is what the peer port's caps and timeouts did, its RDMA
+// lanes included.
+func (t *Transport) PortStats() connlimit.Stats { return t.tcp.PortStats() }
+
 // Registration says how Memory is registered.
 func (t *Transport) Registration() Registration { return t.reg }
 
@@ -231,6 +240,12 @@ func (t *Transport) Stats() Stats {
 func (t *Transport) logf(format string, args ...any) {
 	if t.cfg.TCP.Logf != nil {
 		t.cfg.TCP.Logf(format, args...)
+	}
+}
+
+func (t *Transport) debugf(format string, args ...any) {
+	if t.cfg.TCP.Debugf != nil {
+		t.cfg.TCP.Debugf(format, args...)
 	}
 }
 

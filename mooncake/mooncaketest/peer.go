@@ -157,10 +157,11 @@ func (p *Peer) Segment() *mooncake.Segment {
 	return s
 }
 
-func (p *Peer) notify(n mooncake.NotifyDesc) {
+func (p *Peer) notify(_ net.Addr, n mooncake.NotifyDesc) error {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.notifies = append(p.notifies, n)
+	return nil
 }
 
 func (p *Peer) span(addr, n uint64) ([]byte, error) {

@@ -3,6 +3,7 @@ package mooncaketest
 import (
 	"context"
 	"fmt"
+	"net"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -75,11 +76,14 @@ func (p *Peer) rdmaSegment(s *mooncake.Segment) {
 	}
 }
 
-func (p *Peer) connect(ctx context.Context, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
+// connect answers a connection handshake; like Mooncake's passive side
+// it fetches the descriptor of whatever segment an initiator without
+// local_gid names.
+func (p *Peer) connect(ctx context.Context, from net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
 	p.mu.Lock()
 	p.connects++
 	p.mu.Unlock()
-	return p.rdma.AcceptMooncake(ctx, p.name, req)
+	return p.rdma.AcceptMooncake(ctx, rdma.MooncakeHandshake{Self: p.name, From: from, MayFetch: func(string) bool { return true }}, req)
 }
 
 // Connects counts the connection handshakes the peer answered.

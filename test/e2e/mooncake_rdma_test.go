@@ -159,3 +159,34 @@ func TestMooncakeRDMAPerSendRegistration(t *testing.T) {
 		t.Errorf("status %+v, %v; want one per-send registration", st.Registration, err)
 	}
 }
+
+// Notifies naming no receive slot, as fast as a stranger can send them,
+// each with a 64 KiB notify_msg: at most 10 WARN lines a second, each
+// with the message cut to 256 bytes, and summaries counting the rest.
+func TestMooncakeRDMANotifyWarningsAreLimited(t *testing.T) {
+	requireRDMA(t)
+	rcv, seg := startMooncakeSegment(t, "--transport", "rdma")
+	ctx := ctxT(t)
+	long := strings.Repeat("7", 64<<10)
+	const flood = 100
+	start := time.Now()
+	for range flood {
+		if err := mooncake.SendNotify(ctx, seg, mooncake.NotifyDesc{Name: "stranger", NotifyMsg: long}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	elapsed := time.Since(start)
+	refused := logSays("warn", "completed no receive slot")
+	logged, suppressed := rcv.log.waitAccounted(t, "mooncake", flood, refused)
+	if windows := int(elapsed/time.Second) + 2; logged > 10*windows || suppressed == 0 {
+		t.Fatalf("%d notifies naming no slot in %s: %d WARN lines, %d suppressed; want at most %d lines", flood, elapsed, logged, suppressed, 10*windows)
+	}
+	for _, m := range rcv.log.snapshot() {
+		if m != nil && refused(m) {
+			if s := m["message"].(string); len(s) > 1024 || !strings.Contains(s, "(65536 bytes)") {
+				t.Fatalf("a %d-byte WARN line %.300q: want the notify_msg cut to 256 bytes, naming its length", len(s), s)
+			}
+		}
+	}
+	rcv.alive(t)
+}

@@ -6,9 +6,11 @@ import (
 	"io"
 	"net"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
@@ -374,4 +376,101 @@ func acceptedWelcome(a []byte, withSecret bool, owed [proofSize]byte) ([]byte, b
 		return nil, false
 	}
 	return a[nonceSize+verdictSize:], true
+}
+
+// FuzzPeerPortFlood drives the peer port as a crowd of unauthenticated
+// clients: 1 to 8 connections at once from up to 4 loopback addresses,
+// each sending (after a valid hello, if asked) the fuzzed bytes repeated
+// 1 to 64 times (many headers per connection), then half-closing, against
+// a receiver whose port holds 4 connections, 2 per address. The port
+// must never hold more than its cap, answer with well-formed records
+// only (a connection refused or closed to make room may get none), close
+// every connection and end its goroutine, finish every write it
+// accepted, never touch memory outside the slots, and still serve a
+// peer's session afterwards. KEY1 and KEY2 in the bytes stand for the
+// slots' keys.
+func FuzzPeerPortFlood(f *testing.F) {
+	slots := transporttest.NewSlots(fuzzMem)
+	keys := [2]transport.Key{slots.Add(fuzzSlot1, fuzzSize1), slots.Add(fuzzSlot2, fuzzSize2)}
+	lim := connlimit.Limits{Total: 4, PerSource: 2}
+	rx := listen(f, Config{Sink: slots, IOTimeout: 2 * time.Second, HandshakeTimeout: 2 * time.Second, MaxWrite: fuzzMaxWrite, Limits: lim})
+	tx := listen(f, Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 5 * time.Second, IOTimeout: 5 * time.Second})
+	header := func(addr, n uint64, key string) []byte {
+		b := binary.LittleEndian.AppendUint64(nil, addr)
+		b = binary.LittleEndian.AppendUint64(b, n)
+		b = append(b, key...)
+		return binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32(b, 7), 0)
+	}
+	f.Add(uint8(8), uint8(1), true, []byte{})                                             // hello-only crowd
+	f.Add(uint8(8), uint8(64), false, []byte("GET / HTTP/1.1\r\n\r\n"))                   // scanners
+	f.Add(uint8(4), uint8(16), true, append(header(fuzzSlot1, 8, "KEY1"), "8 bytes!"...)) // a slot written again and again
+	f.Add(uint8(6), uint8(20), true, header(fuzzSlot2, 4, "KEY9"))                        // guessed keys, bodies cut short
+	f.Fuzz(func(t *testing.T, conns, reps uint8, hello bool, data []byte) {
+		for i, mark := range fuzzKeyMarks {
+			data = bytes.ReplaceAll(data, mark, keys[i][:])
+		}
+		msg := bytes.Repeat(data, int(reps)%64+1)
+		if len(msg) > 1<<20 {
+			msg = msg[:1<<20]
+		}
+		if hello {
+			msg = append(helloBytes(version), msg...)
+		}
+		n := int(conns)%8 + 1
+		outs := make([][]byte, n)
+		clean := make([]bool, n)
+		var wg sync.WaitGroup
+		for i := range n {
+			d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.IPv4(127, 0, 0, byte(2+i%4))}}
+			nc, err := d.Dial("tcp", rx.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			wg.Go(func() {
+				defer nc.Close()
+				// Far beyond the receiver's timeouts: it must close first.
+				nc.SetDeadline(time.Now().Add(10 * time.Second))
+				go func() {
+					nc.Write(msg) // the receiver may close before taking it all
+					nc.(*net.TCPConn).CloseWrite()
+				}()
+				out, err := io.ReadAll(nc)
+				if err != nil && !transport.PeerGone(err) {
+					t.Errorf("connection %d: reading the receiver's answers: %v (it did not close the connection)", i, err)
+				}
+				outs[i], clean[i] = out, err == nil
+			})
+			if open := rx.PortStats().Open; open > lim.Total {
+				t.Fatalf("the port holds %d connections, over its cap of %d", open, lim.Total)
+			}
+		}
+		wg.Wait()
+		served(t, rx)
+		for i, out := range outs {
+			// A connection the port refused, or closed to make room, may
+			// have no welcome at all.
+			out = checkHandshake(t, out, false, clean[i])
+			checkReplies(t, out, clean[i])
+		}
+		if err := slots.Err(); err != nil {
+			t.Fatal(err)
+		}
+		if p := slots.Pending(); p != 0 {
+			t.Fatalf("%d accepted writes were never finished", p)
+		}
+		for _, gap := range [][2]int{{fuzzSlot1 + fuzzSize1, fuzzSlot2}, {fuzzSlot2 + fuzzSize2, fuzzMem}} {
+			if i := bytes.IndexFunc(slots.Mem[gap[0]:gap[1]], func(r rune) bool { return r != 0 }); i >= 0 {
+				t.Fatalf("byte %#x outside every slot was written", gap[0]+i)
+			}
+		}
+		s, err := tx.Dial(ctxFor(t, 10*time.Second), rx.Addr().String())
+		if err != nil {
+			t.Fatalf("a peer's dial after the flood: %v", err)
+		}
+		defer s.Close()
+		w := transport.Write{Src: make([]byte, 64), Remote: fuzzSlot2 + fuzzSize2 - 64, Key: keys[1], Tag: 0xf1}
+		if err := s.Write(ctxFor(t, 10*time.Second), w); err != nil && !transport.IsRefusal(err) {
+			t.Fatalf("a peer's write after the flood: %v", err)
+		}
+	})
 }

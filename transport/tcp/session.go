@@ -9,6 +9,8 @@ import (
 	"os"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ferry-project/ferry/internal/pool"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -106,7 +108,13 @@ func (t *Transport) dialErr(ctx, hctx context.Context, step string, err error) e
 // conn is one dialed connection and the buffers a write on it needs, so
 // a write allocates no buffers of its own.
 type conn struct {
-	nc   *net.TCPConn
+	nc *net.TCPConn
+	// reused is set once a write on nc has completed: from then on nc
+	// waits in the pool between writes, where the receiver may close it
+	// (idle, or to make room).
+	reused   bool
+	answered bool // the last readReply got a byte
+
 	hdr  [HeaderSize]byte
 	rep  [ReplySize]byte
 	bufs [2][]byte
@@ -238,22 +246,62 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 	if err := ctx.Err(); err != nil {
 		return fmt.Errorf("tcp write to %s: %w", s.peer, err)
 	}
-	c, err := s.get(ctx)
-	if err != nil {
-		return err
+	for {
+		c, err := s.get(ctx)
+		if err != nil {
+			return err
+		}
+		stale := c.reused
+		reuse, unanswered, err := s.send(ctx, c, &w)
+		if reuse {
+			c.reused = true
+			s.pool.Put(c)
+		} else {
+			s.pool.Drop(c)
+		}
+		// A receiver closes a pooled connection it finds idle (or needs
+		// the room for) without a word, and the close can cross a write
+		// just sent on it: such a write took nothing, so it goes again on
+		// another connection rather than fail. Each retry drops a pooled
+		// connection, so a freshly opened one ends the loop.
+		if !stale || !unanswered {
+			return err
+		}
 	}
-	reuse, err := s.send(ctx, c, &w)
-	if reuse {
-		s.pool.Put(c)
-	} else {
-		s.pool.Drop(c)
-	}
-	return err
 }
 
 // get takes an idle connection, or opens one while the session is under
-// its limit, or waits for one to come back.
+// its limit, or waits for one to come back. A pooled connection the
+// receiver has closed meanwhile is dropped, and another taken.
 func (s *session) get(ctx context.Context) (*conn, error) {
+	for {
+		c, err := s.getAny(ctx)
+		if err != nil || !c.reused || c.alive() {
+			return c, err
+		}
+		s.pool.Drop(c)
+	}
+}
+
+// alive reports whether a pooled connection is still open and in step:
+// between writes the receiver sends nothing, so an end of stream, a
+// reset or an unasked byte waiting means it cannot carry a write.
+func (c *conn) alive() bool {
+	rc, err := c.nc.SyscallConn()
+	if err != nil {
+		return false
+	}
+	alive := false
+	rc.Read(func(fd uintptr) bool {
+		var b [1]byte
+		_, _, err := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		alive = err == unix.EAGAIN
+		return true // one look, never wait
+	})
+	return alive
+}
+
+func (s *session) getAny(ctx context.Context) (*conn, error) {
 	c, err := s.pool.Get(ctx)
 	switch {
 	case err == nil:
@@ -280,8 +328,10 @@ func (s *session) open(ctx context.Context) (*conn, error) {
 }
 
 // send runs one write on c: header and body out, reply in. reuse reports
-// whether c is still in step and may carry another write.
-func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse bool, err error) {
+// whether c is still in step and may carry another write; unanswered,
+// that the receiver closed c without a byte of reply while the caller
+// was still waiting for it (so the write may go again elsewhere).
+func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse, unanswered bool, err error) {
 	if ctx.Done() != nil {
 		stop := context.AfterFunc(ctx, func() { c.nc.Close() })
 		defer func() {
@@ -312,23 +362,32 @@ func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse 
 			// A receiver that refuses a write outright replies first and
 			// then closes; that reply says why the body could not go.
 			c.nc.SetReadDeadline(time.Now().Add(lateReplyWait))
-			if code, _, msg, rerr := c.readReply(); rerr == nil && code != transport.OK {
-				return false, &transport.Refusal{Code: code, Message: msg}
+			code, _, msg, rerr := c.readReply()
+			if rerr == nil && code != transport.OK {
+				return false, false, &transport.Refusal{Code: code, Message: msg}
 			}
+			unanswered = s.closedUnanswered(ctx, c, rerr)
 		}
-		return false, s.fail(ctx, err, fmt.Sprintf("after %d of %d bytes", sent, len(body)))
+		return false, unanswered, s.fail(ctx, err, fmt.Sprintf("after %d of %d bytes", sent, len(body)))
 	}
 
 	c.nc.SetReadDeadline(s.deadline(ctx))
 	code, flags, msg, err := c.readReply()
 	if err != nil {
-		return false, s.fail(ctx, err, fmt.Sprintf("waiting for the completion of %d bytes", len(body)))
+		return false, s.closedUnanswered(ctx, c, err), s.fail(ctx, err, fmt.Sprintf("waiting for the completion of %d bytes", len(body)))
 	}
 	reuse = flags&FlagClose == 0
 	if code != transport.OK {
-		return reuse, &transport.Refusal{Code: code, Message: msg}
+		return reuse, false, &transport.Refusal{Code: code, Message: msg}
 	}
-	return reuse, nil
+	return reuse, false, nil
+}
+
+// closedUnanswered says whether a reply's read failed because the
+// receiver closed c before the reply's first byte, while the write was
+// neither canceled nor its session closed.
+func (s *session) closedUnanswered(ctx context.Context, c *conn, err error) bool {
+	return !c.answered && transport.PeerGone(err) && transport.ContextErr(ctx) == nil && !s.isClosed()
 }
 
 // deadline is IOTimeout from now, or ctx's deadline if sooner.
@@ -355,8 +414,11 @@ func (s *session) fail(ctx context.Context, err error, where string) error {
 	return fmt.Errorf("tcp write to %s: failed %s: %w", s.peer, where, err)
 }
 
+// readReply reads a reply; c.answered says whether any byte of it came.
 func (c *conn) readReply() (code transport.Code, flags uint16, msg string, err error) {
-	if _, err := io.ReadFull(c.nc, c.rep[:]); err != nil {
+	got, err := io.ReadFull(c.nc, c.rep[:])
+	c.answered = got > 0
+	if err != nil {
 		return 0, 0, "", err
 	}
 	code, flags, n, err := DecodeReply(&c.rep)

@@ -11,9 +11,12 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"os"
 	"sync"
 	"time"
 
+	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -35,22 +38,48 @@ type Config struct {
 	// HandshakeTimeout bounds opening a connection, in both directions.
 	// Default 5s.
 	HandshakeTimeout time.Duration
+	// IdleTimeout closes an accepted connection (a data connection, an
+	// RDMA lane with its queue pair) that carried no write for this long;
+	// its sender opens a new one when it next writes. Default
+	// DefaultIdleTimeout.
+	IdleTimeout time.Duration
+	// Limits caps the connections the peer port holds, in total and per
+	// source address (connlimit). Zero fields take DefaultLimits'.
+	Limits connlimit.Limits
 	// MaxWrite is the largest write accepted; a bigger one is refused and
 	// its connection closed. Default 1<<36.
 	MaxWrite uint64
 	// Logf, if set, hears about connections that failed on the listening
-	// side, where no caller is there to return an error to.
+	// side, where no caller is there to return an error to. What a remote
+	// party can cause reaches it through a rate limit (Warnf).
 	Logf func(format string, args ...any)
+	// Debugf, if set, hears about connections closed idle or to make
+	// room.
+	Debugf func(format string, args ...any)
 	// RDMA, if set, serves the control connections of RDMA sessions
 	// (hellos of kind rdma): it owns c until it returns, and Close closes
 	// c and waits for it. Without it such a hello is answered "no RDMA
 	// here", and the dialer falls back to data connections.
-	RDMA func(c *net.TCPConn, peerInstance uint64)
+	RDMA func(c *connlimit.Conn, peerInstance uint64)
 	// Secret, if set, is the peer secret (at least MinSecret bytes): every
 	// connection, both ways, then proves that both ends hold it, and a
 	// peer that cannot is refused (wire.go's handshake).
 	Secret []byte
 }
+
+// DefaultLimits caps the peer port. A peer daemon needs at most
+// MaxConnsPerPeer (8) connections per session, so 64 per address leaves
+// room for several daemons behind one address and for redials; 1024 in
+// all is 128 such peers at full width, at a few hundred KiB of kernel
+// buffers each (and on RDMA a queue pair each). Past them a stranger's
+// connections that carried no write go first (connlimit).
+var DefaultLimits = connlimit.Limits{Total: 1024, PerSource: 64}
+
+// DefaultIdleTimeout closes connections idle this long: long past the
+// gaps between a busy peer's writes, short enough that peers gone quiet
+// give back what they hold. A sender finds its connection closed and
+// opens another without failing a write (session.get).
+const DefaultIdleTimeout = 2 * time.Minute
 
 // ioChunk is how much of a body moves under one deadline, so a long
 // write that keeps making progress never times out.
@@ -66,14 +95,13 @@ var keepAlive = net.KeepAliveConfig{Enable: true, Idle: 15 * time.Second, Interv
 // peers. It implements transport.Transport.
 type Transport struct {
 	cfg  Config
-	ln   net.Listener
+	port *connlimit.Listener
+	warn *loglimit.Limiter
 	done chan struct{} // closed by Close
 
 	mu       sync.Mutex
 	closed   bool
-	conns    map[*net.TCPConn]struct{} // accepted
 	sessions map[*session]struct{}
-	wg       sync.WaitGroup // the accept loop and one per accepted conn
 }
 
 var _ transport.Transport = (*Transport)(nil)
@@ -100,6 +128,15 @@ func Listen(cfg Config) (*Transport, error) {
 	if cfg.HandshakeTimeout <= 0 {
 		cfg.HandshakeTimeout = 5 * time.Second
 	}
+	if cfg.IdleTimeout <= 0 {
+		cfg.IdleTimeout = DefaultIdleTimeout
+	}
+	if cfg.Limits.Total <= 0 {
+		cfg.Limits.Total = DefaultLimits.Total
+	}
+	if cfg.Limits.PerSource <= 0 {
+		cfg.Limits.PerSource = DefaultLimits.PerSource
+	}
 	if cfg.MaxWrite == 0 {
 		cfg.MaxWrite = 1 << 36
 	}
@@ -110,19 +147,24 @@ func Listen(cfg Config) (*Transport, error) {
 	}
 	t := &Transport{
 		cfg:      cfg,
-		ln:       ln,
 		done:     make(chan struct{}),
-		conns:    make(map[*net.TCPConn]struct{}),
 		sessions: make(map[*session]struct{}),
 	}
-	t.wg.Add(1)
-	go t.acceptLoop()
+	logf := cfg.Logf
+	if logf == nil {
+		logf = func(string, ...any) {}
+	}
+	t.warn = loglimit.New("peer port", logf)
+	t.port = connlimit.Listen(ln, connlimit.Config{
+		Limits: cfg.Limits, Name: "peer port", HandshakeTimeout: cfg.HandshakeTimeout,
+		Serve: t.serve, Warnf: t.warn.Printf, Debugf: cfg.Debugf,
+	})
 	return t, nil
 }
 
 func (t *Transport) Name() string { return "tcp" }
 
-func (t *Transport) Addr() net.Addr { return t.ln.Addr() }
+func (t *Transport) Addr() net.Addr { return t.port.Addr() }
 
 // Instance is the identity this daemon announces to its peers.
 func (t *Transport) Instance() uint64 { return t.cfg.Instance }
@@ -130,33 +172,30 @@ func (t *Transport) Instance() uint64 { return t.cfg.Instance }
 // Config is the configuration in force, defaults filled in.
 func (t *Transport) Config() Config { return t.cfg }
 
+// PortStats is what the peer port's caps and timeouts did.
+func (t *Transport) PortStats() connlimit.Stats { return t.port.Stats() }
+
 // Close stops the listener, closes every accepted and dialed connection so
 // writes in flight fail on both sides, and waits for the connections'
 // goroutines to end (so for any Sink.Accept call in progress to return).
 func (t *Transport) Close() error {
 	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		t.wg.Wait()
-		return nil
-	}
-	t.closed = true
-	close(t.done)
-	err := t.ln.Close()
-	for c := range t.conns {
-		c.Close()
+	if !t.closed {
+		t.closed = true
+		close(t.done)
 	}
 	sessions := make([]*session, 0, len(t.sessions))
 	for s := range t.sessions {
 		sessions = append(sessions, s)
 	}
 	t.mu.Unlock()
+	err := t.port.Close()
 	for _, s := range sessions {
 		s.Close()
 	}
-	t.wg.Wait()
+	t.warn.Stop()
 	if err != nil {
-		return fmt.Errorf("tcp close %s: %w", t.ln.Addr(), err)
+		return fmt.Errorf("tcp close %s: %w", t.port.Addr(), err)
 	}
 	return nil
 }
@@ -170,73 +209,46 @@ func (t *Transport) isClosed() bool {
 	}
 }
 
-func (t *Transport) logf(format string, args ...any) {
-	if t.cfg.Logf != nil {
-		t.cfg.Logf(format, args...)
+func (t *Transport) debugf(format string, args ...any) {
+	if t.cfg.Debugf != nil {
+		t.cfg.Debugf(format, args...)
 	}
 }
 
-func (t *Transport) acceptLoop() {
-	defer t.wg.Done()
-	var backoff time.Duration
-	for {
-		nc, err := t.ln.Accept()
-		if err != nil {
-			if t.isClosed() {
-				return
-			}
-			// Usually out of file descriptors: wait for some to free up
-			// rather than spin.
-			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
-			t.logf("tcp: accept on %s: %v; retrying in %s", t.ln.Addr(), err, backoff)
-			select {
-			case <-t.done:
-				return
-			case <-time.After(backoff):
-			}
-			continue
-		}
-		backoff = 0
-		c := nc.(*net.TCPConn)
-		t.mu.Lock()
-		if t.closed {
-			t.mu.Unlock()
-			c.Close()
-			return
-		}
-		t.conns[c] = struct{}{}
-		t.wg.Add(1)
-		t.mu.Unlock()
-		go t.serve(c)
-	}
-}
+// Warnf logs a failure a remote party can cause at will (a handshake
+// that failed, a connection that broke), rate-limited together with the
+// peer port's others: the rdma transport logs its lanes' through it.
+func (t *Transport) Warnf(format string, args ...any) { t.warn.Printf(format, args...) }
 
-func (t *Transport) serve(c *net.TCPConn) {
-	defer t.wg.Done()
-	defer func() {
-		c.Close()
-		t.mu.Lock()
-		delete(t.conns, c)
-		t.mu.Unlock()
-	}()
-	tune(c)
-	h, err := t.welcome(c)
+// quiet says whether c's failure is no news: the port closed it (to
+// make room, or closing), or the transport is closing.
+func (t *Transport) quiet(c *connlimit.Conn) bool { return c.Dropped() || t.isClosed() }
+
+func (t *Transport) serve(c *connlimit.Conn) {
+	tune(c.TCPConn)
+	h, err := t.welcome(c.TCPConn)
 	if err != nil {
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			c.Closing(connlimit.ReasonTimeout)
+		}
 		// A bare connect and close is a port probe, and a dialer that
 		// finds no RDMA here falls back and says so: neither is worth a
 		// line.
-		if err != io.EOF && err != errNoRDMAHere && !t.isClosed() {
-			t.logf("tcp: handshake from %s: %v", c.RemoteAddr(), err)
+		if err != io.EOF && err != errNoRDMAHere && !t.quiet(c) {
+			t.Warnf("tcp: handshake from %s: %v", c.RemoteAddr(), err)
 		}
 		return
+	}
+	if t.cfg.Secret != nil {
+		c.Prove() // only a holder of the secret gets here
 	}
 	if h.kind == kindRDMA {
 		t.cfg.RDMA(c, h.instance)
 		return
 	}
 	r := receiver{t: t, c: c}
-	if err := r.run(); err != nil && !t.isClosed() {
-		t.logf("tcp: connection from %s: %v", c.RemoteAddr(), err)
+	if err := r.run(); err != nil && !t.quiet(c) {
+		t.Warnf("tcp: connection from %s: %v", c.RemoteAddr(), err)
 	}
 }
 
@@ -316,10 +328,13 @@ func (t *Transport) verify(c *net.TCPConn, h hello, server party) error {
 	return verr
 }
 
+// errIdle ends a connection that carried no write for IdleTimeout.
+var errIdle = errors.New("idle")
+
 // receiver serves the writes arriving on one accepted connection.
 type receiver struct {
 	t   *Transport
-	c   *net.TCPConn
+	c   *connlimit.Conn
 	hdr [HeaderSize]byte
 	rep [ReplySize + MaxMessage]byte
 	bin []byte // for bodies that are refused; allocated on first use
@@ -328,28 +343,41 @@ type receiver struct {
 }
 
 // run serves writes until the connection ends; a clean close between
-// writes returns nil.
+// writes, or one idle for IdleTimeout, returns nil.
 func (r *receiver) run() error {
 	for {
 		var h Header
 		if err := r.readHeader(&h); err != nil {
-			if err == io.EOF {
+			switch err {
+			case io.EOF:
+				return nil
+			case errIdle:
+				r.c.Closing(connlimit.ReasonIdle)
+				r.t.debugf("tcp: closed the connection from %s: no write for %s", r.c.RemoteAddr(), r.t.cfg.IdleTimeout)
 				return nil
 			}
 			return err
 		}
-		if err := r.serveWrite(&h); err != nil {
+		if !r.c.Busy() {
+			return nil // the port closed it to make room just now
+		}
+		err := r.serveWrite(&h)
+		r.c.Idle()
+		if err != nil {
 			return err
 		}
 	}
 }
 
 func (r *receiver) readHeader(h *Header) error {
-	// A pooled connection may sit idle between writes for as long as its
-	// sender likes; only a header that has begun must finish in time.
-	r.c.SetReadDeadline(time.Time{})
+	// A pooled connection may sit idle between writes up to IdleTimeout;
+	// a header that has begun must finish within IOTimeout.
+	r.c.SetReadDeadline(time.Now().Add(r.t.cfg.IdleTimeout))
 	n, err := io.ReadAtLeast(r.c, r.hdr[:], 1)
 	if err != nil {
+		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+			return errIdle
+		}
 		return err
 	}
 	if n < HeaderSize {
@@ -392,6 +420,7 @@ func (r *receiver) serveWrite(h *Header) error {
 		return err
 	}
 	done(nil)
+	r.c.Prove() // it held a live slot's key
 	return r.reply(transport.OK, 0, "")
 }
 

@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
@@ -89,9 +90,7 @@ func served(t *testing.T, tr *Transport) {
 	t.Helper()
 	deadline := time.Now().Add(10 * time.Second)
 	for {
-		tr.mu.Lock()
-		n := len(tr.conns)
-		tr.mu.Unlock()
+		n := tr.PortStats().Open
 		if n == 0 {
 			return
 		}
@@ -585,7 +584,7 @@ func TestDialRDMA(t *testing.T) {
 			line     string
 		}
 		calls := make(chan call, 1)
-		rx := listen(t, Config{Sink: transporttest.NewSlots(0), RDMA: func(c *net.TCPConn, instance uint64) {
+		rx := listen(t, Config{Sink: transporttest.NewSlots(0), RDMA: func(c *connlimit.Conn, instance uint64) {
 			line, _ := io.ReadAll(io.LimitReader(c, 5))
 			calls <- call{instance, string(line)}
 			c.Write([]byte("bye"))

@@ -1,4 +1,4 @@
-package mooncake
+package loglimit
 
 import (
 	"fmt"
@@ -8,7 +8,7 @@ import (
 	"time"
 )
 
-// lines records what a logLimit passes on, and says when one holds a word.
+// lines records what a Limiter passes on, and says when one holds a word.
 type lines struct {
 	mu  sync.Mutex
 	got []string
@@ -32,19 +32,19 @@ func (r *lines) all() []string {
 }
 
 // TestLogLimitCounts: within a window the first max lines pass, the rest
-// are counted, and stop says how many.
+// are counted, and Stop says how many, under the limiter's name.
 func TestLogLimitCounts(t *testing.T) {
 	var r lines
-	l := &logLimit{logf: r.logf, max: 3, window: time.Hour}
+	l := &Limiter{name: "test", logf: r.logf, max: 3, window: time.Hour}
 	for i := range 10 {
-		l.printf("malformed request %d", i)
+		l.Printf("malformed request %d", i)
 	}
 	if got := r.all(); len(got) != 3 || got[0] != "malformed request 0" || got[2] != "malformed request 2" {
 		t.Fatalf("within one window: %q, want the first 3 lines", got)
 	}
-	l.stop()
+	l.Stop()
 	got := r.all()
-	if len(got) != 4 || !strings.Contains(got[3], "suppressed 7 more lines") || !strings.Contains(got[3], "at most 3 per 1h0m0s") {
+	if len(got) != 4 || !strings.HasPrefix(got[3], "test: suppressed 7 more lines") || !strings.Contains(got[3], "at most 3 per 1h0m0s") {
 		t.Fatalf("after stop: %q, want a 4th line saying 7 were suppressed and what the limit is", got)
 	}
 }
@@ -54,13 +54,13 @@ func TestLogLimitCounts(t *testing.T) {
 // line after that always passes.
 func TestLogLimitSummaryAtWindowEnd(t *testing.T) {
 	r := lines{ch: make(chan string, 100)}
-	l := &logLimit{logf: r.logf, max: 1, window: 20 * time.Millisecond}
-	defer l.stop()
+	l := &Limiter{name: "test", logf: r.logf, max: 1, window: 20 * time.Millisecond}
+	defer l.Stop()
 	deadline := time.After(10 * time.Second)
 	// Log until one line is suppressed (a stalled machine may start a new
 	// window between two lines).
 	for dropped := 0; dropped == 0; {
-		l.printf("refused a write")
+		l.Printf("refused a write")
 		l.mu.Lock()
 		dropped = l.dropped
 		l.mu.Unlock()
@@ -81,8 +81,23 @@ func TestLogLimitSummaryAtWindowEnd(t *testing.T) {
 		}
 		break
 	}
-	l.printf("after a quiet window")
+	l.Printf("after a quiet window")
 	if got := r.all(); got[len(got)-1] != "after a quiet window" {
 		t.Fatalf("the first line after the summary was not logged: %q", got)
+	}
+}
+
+// TestQuoteCuts: a remote party's text is kept (quoted) whole up to
+// MaxQuoted bytes, and past that cut with its length.
+func TestQuoteCuts(t *testing.T) {
+	if got := Clip(strings.Repeat("b", 300)); got != strings.Repeat("b", 256)+"... (300 bytes)" {
+		t.Errorf("Clip of 300 bytes: %q", got)
+	}
+	if got := Quote("0x7f00"); got != `"0x7f00"` {
+		t.Errorf("Quote of a short text: %s", got)
+	}
+	got := Quote(strings.Repeat("a", 1<<20))
+	if len(got) > MaxQuoted+32 || !strings.HasSuffix(got, "... (1048576 bytes)") {
+		t.Errorf("Quote of 1 MiB: %d bytes ending %q, want at most %d bytes naming the length", len(got), got[len(got)-24:], MaxQuoted+32)
 	}
 }

@@ -1,0 +1,81 @@
+package daemon
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+
+	"github.com/ferry-project/ferry/internal/connlimit"
+)
+
+// limitsCollector reports what the caps on the ports anyone may reach
+// did (the peer port, the Mooncake RPC and data ports), and the Mooncake
+// endpoint table's, read at scrape time. Labels are the port and the
+// reason: never an address. The endpoint table's series read 0 on a
+// daemon without a Mooncake RDMA segment, so one dashboard fits every host.
+type limitsCollector struct {
+	ports     map[string]func() connlimit.Stats // by port label
+	endpoints func() connlimit.Stats            // nil: no Mooncake RDMA segment
+}
+
+var (
+	portConnsDesc = prometheus.NewDesc("ferry_port_connections",
+		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data.",
+		[]string{"port"}, nil)
+	portRefusedDesc = prometheus.NewDesc("ferry_port_refused_connections_total",
+		"Connections a port closed at once for want of a place, by reason: per_source (its address held the most one address may), total (every place held by a connection in use).",
+		[]string{"port", "reason"}, nil)
+	portClosedDesc = prometheus.NewDesc("ferry_port_closed_connections_total",
+		"Connections a port closed itself, by reason: evicted (to make room for a newcomer: one that carried no traffic first, then the least recently used), idle (no write for the idle timeout; not on the Mooncake ports), handshake (it did not say what it wanted in time).",
+		[]string{"port", "reason"}, nil)
+	endpointsDesc = prometheus.NewDesc("ferry_mooncake_endpoints",
+		"Mooncake RDMA endpoints (QPs to one peer NIC) this daemon holds.", nil, nil)
+	endpointsEvictedDesc = prometheus.NewDesc("ferry_mooncake_endpoints_evicted_total",
+		"Mooncake RDMA endpoints closed to make room for a new one in a full table.", nil, nil)
+	endpointsRefusedDesc = prometheus.NewDesc("ferry_mooncake_endpoints_refused_total",
+		"Mooncake connection handshakes refused because their address held the most endpoints one address may.", nil, nil)
+)
+
+func (c *limitsCollector) Describe(ch chan<- *prometheus.Desc) {
+	ch <- portConnsDesc
+	ch <- portRefusedDesc
+	ch <- portClosedDesc
+	ch <- endpointsDesc
+	ch <- endpointsEvictedDesc
+	ch <- endpointsRefusedDesc
+}
+
+func (c *limitsCollector) Collect(ch chan<- prometheus.Metric) {
+	counter := func(d *prometheus.Desc, v uint64, labels ...string) {
+		ch <- prometheus.MustNewConstMetric(d, prometheus.CounterValue, float64(v), labels...)
+	}
+	for port, read := range c.ports {
+		st := read()
+		ch <- prometheus.MustNewConstMetric(portConnsDesc, prometheus.GaugeValue, float64(st.Open), port)
+		counter(portRefusedDesc, st.RefusedPerSource, port, connlimit.ReasonPerSource)
+		counter(portRefusedDesc, st.RefusedTotal, port, connlimit.ReasonTotal)
+		counter(portClosedDesc, st.Evicted, port, connlimit.ReasonEvicted)
+		counter(portClosedDesc, st.Idle, port, connlimit.ReasonIdle)
+		counter(portClosedDesc, st.Timeout, port, connlimit.ReasonTimeout)
+	}
+	var st connlimit.Stats
+	if c.endpoints != nil {
+		st = c.endpoints()
+	}
+	ch <- prometheus.MustNewConstMetric(endpointsDesc, prometheus.GaugeValue, float64(st.Open))
+	counter(endpointsEvictedDesc, st.Evicted)
+	counter(endpointsRefusedDesc, st.RefusedPerSource)
+}
+
+// limits is the collector over this daemon's ports.
+func (d *Daemon) limits() *limitsCollector {
+	// Both transports, tcp and rdma, serve the peer port.
+	peer := d.dp.tr.(interface{ PortStats() connlimit.Stats })
+	c := &limitsCollector{ports: map[string]func() connlimit.Stats{"peer": peer.PortStats}}
+	if m := d.mooncake; m != nil {
+		c.ports["mooncake_rpc"] = m.hs.Stats
+		c.ports["mooncake_data"] = m.data.Stats
+		if m.seg.Protocol == "rdma" {
+			c.endpoints = d.dp.rdma.MooncakeEndpointStats
+		}
+	}
+	return c
+}

@@ -1,0 +1,290 @@
+package connlimit
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+)
+
+func admit(t *testing.T, tb *Table[string], source, name string) (*Member[string], string) {
+	t.Helper()
+	m, ev, err := tb.Admit(source, name)
+	if err != nil {
+		t.Fatalf("admitting %s from %q: %v", name, source, err)
+	}
+	if ev == nil {
+		return m, ""
+	}
+	return m, ev.Value
+}
+
+// TestEvictionOrder: at the total cap the newcomer takes the place of an
+// unproven member before any proven one, of the source holding the most
+// first, then of the least recently used; members in use are never
+// taken, and with only those left the newcomer is refused.
+func TestEvictionOrder(t *testing.T) {
+	tb := NewTable[string](Limits{Total: 4})
+	legit, _ := admit(t, tb, "10.0.0.1", "legit")
+	legit.Prove()
+	admit(t, tb, "10.0.0.9", "stranger-1")
+	admit(t, tb, "10.0.0.9", "stranger-2")
+	admit(t, tb, "10.0.0.5", "lone")
+	// The stranger holds the most; then lone, the newcomers and lone
+	// hold one each, and the least recently used of them goes.
+	for i, want := range []string{"stranger-1", "stranger-2", "lone"} {
+		if _, ev := admit(t, tb, fmt.Sprintf("10.0.1.%d", i), fmt.Sprintf("new-%d", i)); ev != want {
+			t.Fatalf("newcomer %d evicted %q, want %q", i, ev, want)
+		}
+	}
+	// Only the proven one and three newcomers are left.
+	if _, ev := admit(t, tb, "10.0.2.1", "late"); ev != "new-0" {
+		t.Fatalf("evicted %q, want new-0, the oldest unproven", ev)
+	}
+	for _, m := range tb.Members() {
+		if !m.Busy() {
+			t.Fatalf("%s was evicted", m.Value)
+		}
+	}
+	_, _, err := tb.Admit("10.0.3.1", "refused")
+	var r *Refusal
+	if !errors.As(err, &r) || r.Reason != ReasonTotal || !strings.Contains(err.Error(), "all 4 places are in use") {
+		t.Fatalf("a newcomer into a table in use: %v, want a refusal naming the cap", err)
+	}
+	legit.Idle()
+	if _, ev := admit(t, tb, "10.0.3.1", "taker"); ev != "legit" {
+		t.Fatalf("evicted %q, want legit, the only member not in use", ev)
+	}
+	st := tb.Stats()
+	if st.Open != 4 || st.Evicted != 5 || st.RefusedTotal != 1 {
+		t.Fatalf("stats %+v, want 4 open, 5 evicted, 1 refused", st)
+	}
+}
+
+// TestPerSourceCap: a source at its cap is refused, not let displace its
+// own or anyone else's; the daemon's own members ("") are not capped.
+func TestPerSourceCap(t *testing.T) {
+	tb := NewTable[string](Limits{Total: 10, PerSource: 2})
+	a1, _ := admit(t, tb, "10.0.0.9", "a1")
+	admit(t, tb, "10.0.0.9", "a2")
+	_, _, err := tb.Admit("10.0.0.9", "a3")
+	var r *Refusal
+	if !errors.As(err, &r) || r.Reason != ReasonPerSource || !strings.Contains(err.Error(), "already holds 2") {
+		t.Fatalf("a third from one source: %v, want a per-source refusal", err)
+	}
+	for i := range 5 {
+		admit(t, tb, "", fmt.Sprint("own-", i))
+	}
+	if !a1.Release() || a1.Release() {
+		t.Fatal("Release reports a member twice")
+	}
+	admit(t, tb, "10.0.0.9", "a3")
+	if st := tb.Stats(); st.RefusedPerSource != 1 || st.Open != 7 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
+// TestProveSource: a source that proved itself keeps its members past
+// unproven ones.
+func TestProveSource(t *testing.T) {
+	tb := NewTable[string](Limits{Total: 2})
+	admit(t, tb, "10.0.0.1", "quiet-legit")
+	admit(t, tb, "10.0.0.9", "stranger")
+	tb.ProveSource("10.0.0.1")
+	if _, ev := admit(t, tb, "10.0.0.8", "new"); ev != "stranger" {
+		t.Fatalf("evicted %q, want the stranger", ev)
+	}
+}
+
+func TestSource(t *testing.T) {
+	for _, c := range []struct{ addr, want string }{
+		{"10.1.2.3:5", "10.1.2.3"},
+		{"[::ffff:10.1.2.3]:5", "10.1.2.3"},
+		{"[2001:db8:1:2:3:4:5:6]:5", "2001:db8:1:2::/64"},
+	} {
+		a, err := net.ResolveTCPAddr("tcp", c.addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if got := Source(a); got != c.want {
+			t.Errorf("Source(%s) = %s, want %s", c.addr, got, c.want)
+		}
+	}
+}
+
+// logs collects log lines.
+type logs struct {
+	mu    sync.Mutex
+	lines []string
+}
+
+func (l *logs) logf(format string, args ...any) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	l.lines = append(l.lines, fmt.Sprintf(format, args...))
+}
+
+func (l *logs) has(s string) bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	for _, line := range l.lines {
+		if strings.Contains(line, s) {
+			return true
+		}
+	}
+	return false
+}
+
+// dialFrom connects to addr from the loopback address src (127.0.0.0/8
+// is all this host's), so one test plays several sources.
+func dialFrom(t *testing.T, src, addr string) net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: 5 * time.Second}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// closedByServer waits for c's server to close it, failing after 10 s.
+func closedByServer(t *testing.T, c net.Conn, what string) {
+	t.Helper()
+	c.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, net.ErrClosed) || isTimeout(err) {
+		t.Fatalf("%s: read %v, want the server to close the connection", what, err)
+	}
+}
+
+func isTimeout(err error) bool {
+	var ne net.Error
+	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// listenT runs a Listener whose connections echo a byte back for each
+// one read, busy in between, and say which connections it saw.
+func listenT(t *testing.T, cfg Config) (*Listener, chan *Conn) {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	seen := make(chan *Conn, 100)
+	cfg.Serve = func(c *Conn) {
+		seen <- c
+		var b [1]byte
+		for {
+			if _, err := c.Read(b[:]); err != nil {
+				if isTimeout(err) {
+					c.Closing(ReasonTimeout)
+				}
+				return
+			}
+			c.SetDeadline(time.Time{})
+			if !c.Busy() {
+				return
+			}
+			c.Write(b[:])
+			c.Prove()
+			c.Idle()
+		}
+	}
+	if cfg.HandshakeTimeout == 0 {
+		cfg.HandshakeTimeout = 10 * time.Second
+	}
+	l := Listen(ln, cfg)
+	t.Cleanup(func() { l.Close() })
+	return l, seen
+}
+
+func echo(t *testing.T, c net.Conn) {
+	t.Helper()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := c.Write([]byte{7}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+		t.Fatalf("no echo: %v", err)
+	}
+	c.SetDeadline(time.Time{})
+}
+
+// TestListenerCaps: a source over its cap is refused at once (closed,
+// counted, a WARN line), and at the total cap a newcomer from elsewhere
+// takes the place of a stranger's idle connection, never of one that
+// carried traffic; the port keeps serving.
+func TestListenerCaps(t *testing.T) {
+	var warn, debug logs
+	l, seen := listenT(t, Config{Limits: Limits{Total: 3, PerSource: 2}, Name: "test port", Warnf: warn.logf, Debugf: debug.logf})
+	addr := l.Addr().String()
+	legit := dialFrom(t, "127.0.0.1", addr)
+	<-seen
+	echo(t, legit)
+	s1 := dialFrom(t, "127.0.0.2", addr)
+	dialFrom(t, "127.0.0.2", addr)
+	<-seen
+	<-seen
+	over := dialFrom(t, "127.0.0.2", addr)
+	closedByServer(t, over, "the third connection from one source")
+	if !warn.has("test port: refused a connection from 127.0.0.2:") || !warn.has("already holds 2") {
+		t.Fatalf("no WARN line for the refusal: %q", warn.lines)
+	}
+	fresh := dialFrom(t, "127.0.0.3", addr)
+	<-seen
+	closedByServer(t, s1, "the stranger's oldest idle connection")
+	echo(t, fresh)
+	echo(t, legit)
+	if !debug.has("closed an idle connection from 127.0.0.2:") {
+		t.Fatalf("no debug line for the eviction: %q", debug.lines)
+	}
+	st := l.Stats()
+	if st.Open != 3 || st.RefusedPerSource != 1 || st.Evicted != 1 {
+		t.Fatalf("stats %+v, want 3 open, 1 refused per source, 1 evicted", st)
+	}
+}
+
+// TestListenerHandshakeDeadline: a connection that says nothing is
+// closed after the handshake timeout, whatever Serve does.
+func TestListenerHandshakeDeadline(t *testing.T) {
+	l, seen := listenT(t, Config{Name: "test port", HandshakeTimeout: 50 * time.Millisecond, Warnf: t.Logf})
+	c := dialFrom(t, "127.0.0.1", l.Addr().String())
+	<-seen
+	closedByServer(t, c, "a silent connection")
+	deadline := time.Now().Add(10 * time.Second)
+	for l.Stats().Timeout != 1 || l.Stats().Open != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("stats %+v, want 1 handshake timeout and none open", l.Stats())
+		}
+		time.Sleep(time.Millisecond) // a poll: the count has no event
+	}
+}
+
+// TestListenerClose: Close closes every connection, marks them dropped
+// and waits for their goroutines.
+func TestListenerClose(t *testing.T) {
+	l, seen := listenT(t, Config{Name: "test port", Warnf: t.Logf})
+	var conns []*Conn
+	for range 3 {
+		dialFrom(t, "127.0.0.1", l.Addr().String())
+		conns = append(conns, <-seen)
+	}
+	if err := l.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range conns {
+		if !c.Dropped() {
+			t.Fatal("a connection Close ended is not marked dropped")
+		}
+	}
+	if n := l.Stats().Open; n != 0 {
+		t.Fatalf("%d connections left after Close", n)
+	}
+	if l.Context().Err() == nil {
+		t.Fatal("Context did not end with Close")
+	}
+}

@@ -1,0 +1,193 @@
+package connlimit
+
+import (
+	"context"
+	"errors"
+	"net"
+	"sync"
+	"sync/atomic"
+	"time"
+)
+
+// Config is a Listener's setup. Serve and HandshakeTimeout are required.
+type Config struct {
+	Limits
+	// Name is the port in log lines, e.g. "peer port".
+	Name string
+	// HandshakeTimeout is the deadline every connection starts with, on
+	// reads and writes: Serve moves or lifts it once the peer has said
+	// who it is, so nobody holds a place by connecting and saying nothing.
+	HandshakeTimeout time.Duration
+	// Serve serves one admitted connection; the listener closes it after.
+	Serve func(c *Conn)
+	// Warnf hears of refused connections and failed accepts, which
+	// strangers can cause at will: give it a rate-limited logger.
+	Warnf func(format string, args ...any)
+	// Debugf, if set, hears of connections evicted to make room.
+	Debugf func(format string, args ...any)
+}
+
+// Listener accepts connections under Limits and serves each on its own
+// goroutine. Accepting never waits for a place: a newcomer takes an idle
+// connection's (see Table.Admit) or is refused at once.
+type Listener struct {
+	ln    net.Listener
+	cfg   Config
+	table *Table[*Conn]
+	ctx   context.Context
+	stop  context.CancelFunc
+	wg    sync.WaitGroup
+
+	mu     sync.Mutex
+	closed bool
+}
+
+// Conn is an accepted TCP connection and its place in the listener's
+// table.
+type Conn struct {
+	*net.TCPConn
+	m       *Member[*Conn]
+	ctx     context.Context // the listener's
+	dropped atomic.Bool
+}
+
+// Listen serves ln's connections until Close.
+func Listen(ln net.Listener, cfg Config) *Listener {
+	l := &Listener{ln: ln, cfg: cfg, table: NewTable[*Conn](cfg.Limits)}
+	l.ctx, l.stop = context.WithCancel(context.Background())
+	l.wg.Add(1)
+	go l.accept()
+	return l
+}
+
+// Addr is the listening address.
+func (l *Listener) Addr() net.Addr { return l.ln.Addr() }
+
+// Context ends when Close has closed every connection, for work a
+// connection started beyond itself (an outbound handshake).
+func (l *Listener) Context() context.Context { return l.ctx }
+
+// Context is the listener's (see Listener.Context).
+func (c *Conn) Context() context.Context { return c.ctx }
+
+// Stats is what the listener's caps did.
+func (l *Listener) Stats() Stats { return l.table.Stats() }
+
+// closing reports whether Close has begun.
+func (l *Listener) closing() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.closed
+}
+
+// Close stops accepting, closes every connection (work in flight fails),
+// ends Context and waits for the connections' goroutines.
+func (l *Listener) Close() error {
+	l.mu.Lock()
+	if l.closed {
+		l.mu.Unlock()
+		l.wg.Wait()
+		return nil
+	}
+	l.closed = true
+	err := l.ln.Close()
+	for _, m := range l.table.Members() {
+		m.Value.drop()
+	}
+	l.mu.Unlock()
+	l.stop()
+	l.wg.Wait()
+	return err
+}
+
+func (l *Listener) accept() {
+	defer l.wg.Done()
+	var backoff time.Duration
+	for {
+		nc, err := l.ln.Accept()
+		if err != nil {
+			if errors.Is(err, net.ErrClosed) || l.closing() {
+				return
+			}
+			// Usually out of file descriptors: wait for some to free up
+			// rather than spin.
+			backoff = min(max(2*backoff, 5*time.Millisecond), time.Second)
+			l.cfg.Warnf("%s: accept on %s: %v; retrying in %s", l.cfg.Name, l.ln.Addr(), err, backoff)
+			select {
+			case <-l.ctx.Done():
+				return
+			case <-time.After(backoff):
+			}
+			continue
+		}
+		backoff = 0
+		tc, ok := nc.(*net.TCPConn)
+		if !ok {
+			nc.Close()
+			l.cfg.Warnf("%s: accepted a %T, not a TCP connection: closed it", l.cfg.Name, nc)
+			continue
+		}
+		c := &Conn{TCPConn: tc, ctx: l.ctx}
+		l.mu.Lock()
+		if l.closed {
+			l.mu.Unlock()
+			tc.Close()
+			return
+		}
+		m, evicted, err := l.table.Admit(Source(tc.RemoteAddr()), c)
+		if err != nil {
+			l.mu.Unlock()
+			tc.Close()
+			l.cfg.Warnf("%s: refused a connection from %s: %v", l.cfg.Name, tc.RemoteAddr(), err)
+			continue
+		}
+		c.m = m
+		l.wg.Add(1)
+		l.mu.Unlock()
+		if evicted != nil {
+			evicted.Value.drop()
+			if l.cfg.Debugf != nil {
+				l.cfg.Debugf("%s: closed an idle connection from %s to make room for one from %s (%d connections, the most kept)",
+					l.cfg.Name, evicted.Value.RemoteAddr(), tc.RemoteAddr(), l.cfg.Total)
+			}
+		}
+		tc.SetDeadline(time.Now().Add(l.cfg.HandshakeTimeout))
+		go l.serve(c)
+	}
+}
+
+func (l *Listener) serve(c *Conn) {
+	defer l.wg.Done()
+	defer func() {
+		c.Close()
+		c.m.Release()
+	}()
+	l.cfg.Serve(c)
+}
+
+// drop closes c for the listener (an eviction, or Close).
+func (c *Conn) drop() {
+	c.dropped.Store(true)
+	c.Close()
+}
+
+// Dropped reports whether the listener closed c (to make room, or
+// closing): whatever error that caused its Serve is no news.
+func (c *Conn) Dropped() bool { return c.dropped.Load() }
+
+// Busy marks c in use (a request under way), so it is not evicted; false
+// means it was evicted already and its Serve should stop.
+func (c *Conn) Busy() bool { return c.m.Busy() }
+
+// Idle marks c between requests: it may be evicted, the least recently
+// used first.
+func (c *Conn) Idle() { c.m.Idle() }
+
+// Prove marks c as having carried successful traffic (an authenticated
+// handshake, a write that landed): it is evicted after every connection
+// that has not.
+func (c *Conn) Prove() { c.m.Prove() }
+
+// Closing counts why Serve is about to return: ReasonIdle or
+// ReasonTimeout.
+func (c *Conn) Closing(reason string) { c.m.Closing(reason) }

@@ -1,0 +1,259 @@
+// Package connlimit bounds what strangers can make the daemon hold
+// through a port anyone may reach: the connections each port accepted
+// (Listener), and the Mooncake endpoints set up through one (a Table of
+// its own). Members are capped in total and per source address. At the
+// total cap a newcomer takes the place of the member a stranger most
+// likely holds, never of one in use; with none to take, it is refused.
+//
+// Which member goes (Table.Admit): first those that have carried no
+// successful traffic yet (a connection that only said hello, an endpoint
+// nobody wrote through), then those from the source that holds the most,
+// then the least recently used. A source at its own cap is refused rather
+// than let it displace anyone. So a stranger flooding the port pushes out
+// its own and other strangers' members before any peer that has done
+// real work, and one address cannot take more than its share.
+package connlimit
+
+import (
+	"fmt"
+	"net"
+	"sync"
+)
+
+// Limits caps a table. Zero means no cap.
+type Limits struct {
+	Total     int // members at once
+	PerSource int // members at once from one source (see Source)
+}
+
+// Reasons a member is refused or closed early, as metrics label them.
+const (
+	ReasonTotal     = "total"      // refused: the table is full of members in use
+	ReasonPerSource = "per_source" // refused: its source is at its cap
+	ReasonEvicted   = "evicted"    // closed to make room for a newcomer
+	ReasonIdle      = "idle"       // closed by its port's idle timeout
+	ReasonTimeout   = "handshake"  // closed: it did not say who it is in time
+)
+
+// Refusal is Admit's answer to a newcomer it has no room for.
+type Refusal struct {
+	Reason string // ReasonTotal or ReasonPerSource
+	Limit  int
+}
+
+func (r *Refusal) Error() string {
+	if r.Reason == ReasonPerSource {
+		return fmt.Sprintf("its address already holds %d, the most one address may", r.Limit)
+	}
+	return fmt.Sprintf("all %d places are in use", r.Limit)
+}
+
+// Stats counts what a table did.
+type Stats struct {
+	Open             int
+	RefusedTotal     uint64
+	RefusedPerSource uint64
+	Evicted          uint64
+	Idle             uint64 // closed by an idle timeout (Member.Closing)
+	Timeout          uint64 // closed by a handshake deadline (Member.Closing)
+}
+
+// Table holds members of type V under Limits.
+type Table[V any] struct {
+	lim Limits
+
+	mu    sync.Mutex
+	all   map[*Member[V]]struct{}
+	per   map[string]int
+	tick  uint64
+	stats Stats
+}
+
+// Member is one admitted V.
+type Member[V any] struct {
+	Value  V
+	t      *Table[V]
+	source string
+	proven bool   // has carried successful traffic
+	busy   bool   // in use: never evicted
+	used   uint64 // the table's tick when last used
+	gone   bool   // released or evicted
+}
+
+// NewTable makes a table under lim.
+func NewTable[V any](lim Limits) *Table[V] {
+	return &Table[V]{lim: lim, all: make(map[*Member[V]]struct{}), per: make(map[string]int)}
+}
+
+// Limits is the table's caps.
+func (t *Table[V]) Limits() Limits { return t.lim }
+
+// Admit adds v from source ("" for members the daemon itself made, which
+// no per-source cap binds). At the total cap it evicts a member (see the
+// package comment) and returns it, already out of the table, for the
+// caller to close. A newcomer it has no room for gets a *Refusal.
+func (t *Table[V]) Admit(source string, v V) (m *Member[V], evicted *Member[V], err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if source != "" && t.lim.PerSource > 0 && t.per[source] >= t.lim.PerSource {
+		t.stats.RefusedPerSource++
+		return nil, nil, &Refusal{Reason: ReasonPerSource, Limit: t.lim.PerSource}
+	}
+	if t.lim.Total > 0 && len(t.all) >= t.lim.Total {
+		if evicted = t.victim(); evicted == nil {
+			t.stats.RefusedTotal++
+			return nil, nil, &Refusal{Reason: ReasonTotal, Limit: t.lim.Total}
+		}
+		t.remove(evicted)
+		t.stats.Evicted++
+	}
+	t.tick++
+	m = &Member[V]{Value: v, t: t, source: source, used: t.tick}
+	t.all[m] = struct{}{}
+	t.per[source]++
+	return m, evicted, nil
+}
+
+// victim is the member to evict: not in use; unproven before proven;
+// then from the source holding the most; then the least recently used.
+// t.mu is held.
+func (t *Table[V]) victim() *Member[V] {
+	var v *Member[V]
+	for m := range t.all {
+		if m.busy {
+			continue
+		}
+		if v == nil || m.proven != v.proven && !m.proven {
+			v = m
+			continue
+		}
+		if m.proven != v.proven {
+			continue
+		}
+		if a, b := t.per[m.source], t.per[v.source]; a != b {
+			if a > b {
+				v = m
+			}
+			continue
+		}
+		if m.used < v.used {
+			v = m
+		}
+	}
+	return v
+}
+
+// remove takes m out of the table. t.mu is held.
+func (t *Table[V]) remove(m *Member[V]) {
+	m.gone = true
+	delete(t.all, m)
+	if t.per[m.source]--; t.per[m.source] == 0 {
+		delete(t.per, m.source)
+	}
+}
+
+// Members returns the members now in the table.
+func (t *Table[V]) Members() []*Member[V] {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	out := make([]*Member[V], 0, len(t.all))
+	for m := range t.all {
+		out = append(out, m)
+	}
+	return out
+}
+
+// ProveSource marks every member from source proven and used now: its
+// owner did something only a legitimate peer can (a Mooncake notify that
+// completed a receive slot, for endpoints ferry cannot watch).
+func (t *Table[V]) ProveSource(source string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for m := range t.all {
+		if m.source == source {
+			t.tick++
+			m.proven, m.used = true, t.tick
+		}
+	}
+}
+
+// Stats is what the table did so far, and how many members it holds.
+func (t *Table[V]) Stats() Stats {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	s := t.stats
+	s.Open = len(t.all)
+	return s
+}
+
+// Busy marks m in use, so it is not evicted, and reports false when it
+// was evicted already (its owner should stop).
+func (m *Member[V]) Busy() bool {
+	t := m.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if m.gone {
+		return false
+	}
+	t.tick++
+	m.busy, m.used = true, t.tick
+	return true
+}
+
+// Idle marks m no longer in use, and used now.
+func (m *Member[V]) Idle() {
+	t := m.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.tick++
+	m.busy, m.used = false, t.tick
+}
+
+// Prove marks m as having carried successful traffic, and used now.
+func (m *Member[V]) Prove() {
+	t := m.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	t.tick++
+	m.proven, m.used = true, t.tick
+}
+
+// Closing counts why m's owner closes it, for ReasonIdle or
+// ReasonTimeout.
+func (m *Member[V]) Closing(reason string) {
+	t := m.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	switch reason {
+	case ReasonIdle:
+		t.stats.Idle++
+	case ReasonTimeout:
+		t.stats.Timeout++
+	}
+}
+
+// Release takes m out of the table, if it is still there. It reports
+// whether it was (false: it was evicted, or released before).
+func (m *Member[V]) Release() bool {
+	t := m.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if m.gone {
+		return false
+	}
+	t.remove(m)
+	return true
+}
+
+// Source is the key per-source caps count a peer address under: an IPv4
+// address, or an IPv6 address's /64 (one host may hold a whole /64).
+func Source(a net.Addr) string {
+	ta, ok := a.(*net.TCPAddr)
+	if !ok {
+		return a.String()
+	}
+	if ip4 := ta.IP.To4(); ip4 != nil {
+		return ip4.String()
+	}
+	return ta.IP.Mask(net.CIDRMask(64, 128)).String() + "/64"
+}

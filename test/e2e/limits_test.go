@@ -1,0 +1,278 @@
+package e2e
+
+import (
+	"bufio"
+	"encoding/binary"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/mooncake/mooncaketest"
+)
+
+// The ports anyone may reach (the peer port, the Mooncake RPC and data
+// ports) hold a bounded number of connections whatever strangers do, a
+// legitimate peer still gets through, and what strangers make them log
+// is rate-limited. Strangers connect from other loopback addresses than
+// the daemons (127.0.0.0/8 is all this host's), as from other hosts.
+
+// The peer port's caps (transport/tcp.DefaultLimits).
+const (
+	peerPortTotal     = 1024
+	peerPortPerSource = 64
+)
+
+// raiseFileLimit lets this process hold n more descriptors than it has.
+func raiseFileLimit(t *testing.T, n uint64) {
+	t.Helper()
+	var lim unix.Rlimit
+	if err := unix.Getrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	if lim.Cur >= n {
+		return
+	}
+	if lim.Max < n {
+		t.Skipf("RLIMIT_NOFILE's hard limit is %d; this test needs %d descriptors", lim.Max, n)
+	}
+	old := lim.Cur
+	lim.Cur = n
+	if err := unix.Setrlimit(unix.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		lim.Cur = old
+		unix.Setrlimit(unix.RLIMIT_NOFILE, &lim)
+	})
+}
+
+// openFDs counts a process's open file descriptors.
+func openFDs(t *testing.T, pid int) int {
+	t.Helper()
+	ents, err := os.ReadDir(fmt.Sprintf("/proc/%d/fd", pid))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return len(ents)
+}
+
+// dialFrom connects to addr from the loopback address src; the
+// connection closes at the end of the test.
+func dialFrom(t *testing.T, src, addr string) net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: 10 * time.Second}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatalf("connecting to %s from %s: %v", addr, src, err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
+
+// peerHello is a ferry hello of protocol version 4 for a data
+// connection (transport/tcp/wire.go), written from the notes.
+func peerHello() []byte {
+	b := []byte("FERY")
+	b = binary.LittleEndian.AppendUint32(b, 4)
+	b = binary.LittleEndian.AppendUint64(b, 0x5eed)
+	b = binary.LittleEndian.AppendUint32(b, 0) // kind: data
+	return binary.LittleEndian.AppendUint32(b, 0)
+}
+
+// metric reads one series of the daemon's /metrics, e.g.
+// `ferry_port_connections{port="peer"}`; -1 when it is not there.
+func (d *daemon) metric(t *testing.T, series string) float64 {
+	t.Helper()
+	hc := &http.Client{Transport: &http.Transport{DialContext: client.UnixDialer(d.socket), DisableKeepAlives: true}}
+	resp, err := hc.Get("http://ferryd/metrics")
+	if err != nil {
+		t.Fatalf("reading ferryd's metrics: %v", err)
+	}
+	defer resp.Body.Close()
+	sc := bufio.NewScanner(resp.Body)
+	for sc.Scan() {
+		if v, ok := strings.CutPrefix(sc.Text(), series+" "); ok {
+			f, _ := strconv.ParseFloat(v, 64)
+			return f
+		}
+	}
+	return -1
+}
+
+// TestPeerPortLimitsIdleConnections: 2,000 connections that say hello
+// and nothing more, from 40 addresses, leave ferryd holding at most the
+// peer port's cap of them (its open files say so), and a peer's send
+// still goes through within a second.
+func TestPeerPortLimitsIdleConnections(t *testing.T) {
+	raiseFileLimit(t, 8192)
+	snd, rcv := pair(t)
+	pid := rcv.cmd.Process.Pid
+	base := openFDs(t, pid)
+	hello := peerHello()
+	const strangers, perAddr = 2000, 50 // under the per-address cap
+	for i := range strangers {
+		c := dialFrom(t, fmt.Sprintf("127.0.0.%d", 2+i/perAddr), rcv.listen)
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		c.Write(hello)
+		// The welcome, or the end of a connection ferryd closed to make
+		// room: either way ferryd has taken this one in.
+		io.ReadFull(c, make([]byte, 28))
+	}
+	fds := openFDs(t, pid)
+	t.Logf("ferryd's open files: %d before, %d with %d idle strangers connected", base, fds, strangers)
+	if fds > base+peerPortTotal+16 {
+		t.Fatalf("ferryd holds %d open files with %d idle connections to its peer port, %d before: more than the port's cap of %d",
+			fds, strangers, base, peerPortTotal)
+	}
+
+	ctx := ctxT(t)
+	req := slotFor(t, rcv, "limits-legit", embBytes)
+	stageOn(t, snd, "limits-legit", embBytes, 51)
+	start := time.Now()
+	if _, err := snd.c.Send(ctx, "limits-legit", req); err != nil {
+		t.Fatalf("a peer's send to a port full of strangers: %v", err)
+	}
+	if took := time.Since(start); took > time.Second {
+		t.Fatalf("a peer's send to a port full of strangers took %s, want under a second", took)
+	}
+	if ev := rcv.metric(t, `ferry_port_closed_connections_total{port="peer",reason="evicted"}`); ev < strangers-peerPortTotal {
+		t.Fatalf("ferry_port_closed_connections_total{evicted} = %v, want at least %d", ev, strangers-peerPortTotal)
+	}
+	if open := rcv.metric(t, `ferry_port_connections{port="peer"}`); open > peerPortTotal {
+		t.Fatalf("ferry_port_connections{port=\"peer\"} = %v, over the cap", open)
+	}
+	rcv.alive(t)
+}
+
+// TestPeerPortLimitsPerAddress: one address gets at most its share of
+// the peer port; the rest of its connections are closed at once and
+// counted, with a (rate-limited) WARN line.
+func TestPeerPortLimitsPerAddress(t *testing.T) {
+	rcv := startDaemon(t, t.TempDir(), "rcv")
+	for range peerPortPerSource + 5 {
+		c := dialFrom(t, "127.0.0.2", rcv.listen)
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		c.Write(peerHello())
+		io.ReadFull(c, make([]byte, 28))
+	}
+	rcv.log.wait(t, 5*time.Second, "the refusal's WARN line", logSays("warn", "peer port: refused a connection from 127.0.0.2", "the most one address may"))
+	if n := rcv.metric(t, `ferry_port_refused_connections_total{port="peer",reason="per_source"}`); n != 5 {
+		t.Fatalf("ferry_port_refused_connections_total{per_source} = %v, want 5", n)
+	}
+}
+
+// countLines counts the daemon's log lines match accepts so far.
+func (l *logLines) count(match func(map[string]any) bool) int {
+	n := 0
+	for _, m := range l.snapshot() {
+		if m != nil && match(m) {
+			n++
+		}
+	}
+	return n
+}
+
+// suppressed sums the "N more lines" of the summary lines of limiter
+// name ("peer port", "mooncake") logged so far.
+func (l *logLines) suppressed(name string) int {
+	total := 0
+	for _, m := range l.snapshot() {
+		s, _ := m["message"].(string)
+		var n int
+		if _, err := fmt.Sscanf(s, name+": suppressed %d more lines", &n); err == nil {
+			total += n
+		}
+	}
+	return total
+}
+
+// waitAccounted waits (10 s at most) until logged and suppressed lines
+// add up to want, and returns the logged ones.
+func (l *logLines) waitAccounted(t *testing.T, name string, want int, match func(map[string]any) bool) (logged, suppressed int) {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		l.mu.Lock()
+		ch := l.changed
+		l.mu.Unlock()
+		logged, suppressed = l.count(match), l.suppressed(name)
+		if logged+suppressed >= want {
+			return logged, suppressed
+		}
+		select {
+		case <-ch:
+		case <-deadline:
+			t.Fatalf("%d lines logged and %d suppressed, want %d in all", logged, suppressed, want)
+		}
+	}
+}
+
+// TestPeerPortLimitsHandshakeWarnings: 500 connections that fail the
+// handshake (a scanner, a broken peer) are WARN lines at most 10 a
+// second; the summary lines account for the rest.
+func TestPeerPortLimitsHandshakeWarnings(t *testing.T) {
+	rcv := startDaemon(t, t.TempDir(), "rcv")
+	const probes = 500
+	start := time.Now()
+	for range probes {
+		c := dialFrom(t, "127.0.0.2", rcv.listen)
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		c.Write([]byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"))
+		io.Copy(io.Discard, c) // ferryd refuses and closes
+		c.Close()
+	}
+	elapsed := time.Since(start)
+	failed := logSays("warn", "tcp: handshake from 127.0.0.2")
+	logged, suppressed := rcv.log.waitAccounted(t, "peer port", probes, failed)
+	if windows := int(elapsed/time.Second) + 2; logged > 10*windows || suppressed == 0 {
+		t.Fatalf("%d failed handshakes in %s: %d WARN lines, %d suppressed; want at most %d lines (10 a second) and a summary of the rest",
+			probes, elapsed, logged, suppressed, 10*windows)
+	}
+	rcv.alive(t)
+}
+
+// TestMooncakeLimitsIdleConnectionsDoNotStallAWrite: strangers holding
+// idle connections to both Mooncake ports (more than a data port's
+// former 32 workers and an RPC port's 64) do not hold up a Mooncake
+// initiator: its descriptor fetch and WRITE go through at once.
+func TestMooncakeLimitsIdleConnectionsDoNotStallAWrite(t *testing.T) {
+	rcv, seg := startMooncakeSegment(t)
+	ctx := ctxT(t)
+	st, err := rcv.c.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	host, _, _ := net.SplitHostPort(seg)
+	data := net.JoinHostPort(host, strconv.Itoa(st.Mooncake.DataPort))
+	for i := range 40 {
+		dialFrom(t, "127.0.0.2", data)
+		dialFrom(t, fmt.Sprintf("127.0.0.%d", 3+i%2), seg)
+		dialFrom(t, fmt.Sprintf("127.0.0.%d", 5+i%2), seg)
+	}
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mc-idle", NBytes: embBytes, Mooncake: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	bytes := randomBytes(embBytes, 52)
+	start := time.Now()
+	if _, err := mooncaketest.WriteTo(ctx, seg, slot.BufferAddress, bytes, false); err != nil {
+		t.Fatalf("a Mooncake write past idle connections: %v", err)
+	}
+	if took := time.Since(start); took > 2*time.Second {
+		t.Fatalf("a Mooncake write past idle connections took %s: they stalled it", took)
+	}
+	if _, err := rcv.c.Wait(ctx, "mc-idle", 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	rcv.alive(t)
+}

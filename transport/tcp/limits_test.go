@@ -1,0 +1,239 @@
+package tcp
+
+import (
+	"fmt"
+	"io"
+	"net"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/transporttest"
+)
+
+// lineWaiter collects log lines and wakes a test waiting for one.
+type lineWaiter struct {
+	mu    sync.Mutex
+	lines []string
+	ch    chan string
+}
+
+func newLineWaiter() *lineWaiter { return &lineWaiter{ch: make(chan string, 4096)} }
+
+func (l *lineWaiter) logf(format string, args ...any) {
+	line := fmt.Sprintf(format, args...)
+	l.mu.Lock()
+	l.lines = append(l.lines, line)
+	l.mu.Unlock()
+	select {
+	case l.ch <- line:
+	default:
+	}
+}
+
+// wait waits up to 10 s for a line containing s.
+func (l *lineWaiter) wait(t *testing.T, s string) string {
+	t.Helper()
+	deadline := time.After(10 * time.Second)
+	for {
+		select {
+		case line := <-l.ch:
+			if strings.Contains(line, s) {
+				return line
+			}
+		case <-deadline:
+			t.Fatalf("no log line with %q within 10s", s)
+		}
+	}
+}
+
+func (l *lineWaiter) all() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.lines...)
+}
+
+// TestIdleConnectionReapedSenderRedials: the receiver closes a data
+// connection that carried no write for IdleTimeout; the sender's next
+// write finds its pooled connection closed and goes on a new one without
+// failing.
+func TestIdleConnectionReapedSenderRedials(t *testing.T) {
+	debug := newLineWaiter()
+	slots := transporttest.NewSlots(1 << 16)
+	rx := listen(t, Config{Sink: slots, IdleTimeout: 100 * time.Millisecond, Debugf: debug.logf})
+	tx := listen(t, Config{Sink: transporttest.NewSlots(0)})
+	ctx := ctxFor(t, 10*time.Second)
+	s, err := tx.Dial(ctx, rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for i := range 3 {
+		addr := uint64(i * 4096)
+		w := transport.Write{Src: []byte(fmt.Sprintf("write %d", i)), Remote: addr, Key: slots.Add(addr, 7), Tag: uint32(i)}
+		if err := s.Write(ctx, w); err != nil {
+			t.Fatalf("write %d (after %d idle closes): %v", i, i, err)
+		}
+		if i < 2 {
+			debug.wait(t, "no write for 100ms")
+		}
+	}
+	if st := rx.PortStats(); st.Idle != 2 {
+		t.Fatalf("the receiver closed %d connections idle, want 2", st.Idle)
+	}
+}
+
+// TestReapCrossingAWriteIsRetried: a receiver that closes a pooled
+// connection just as a write goes out on it (its idle close crossing the
+// header) has taken nothing; the write goes again on a new connection.
+// A fresh connection closed the same way fails the write: no loop.
+func TestReapCrossingAWriteIsRetried(t *testing.T) {
+	tx := listen(t, Config{Sink: transporttest.NewSlots(0)})
+	var mu sync.Mutex
+	conns := 0
+	addr := fakePeer(t, func(c net.Conn) {
+		mu.Lock()
+		conns++
+		n := conns
+		mu.Unlock()
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		welcomeAs(version, statusOK)(c)
+		// Connection 1 completes one write and closes under the second,
+		// unanswered; connection 2 completes whatever comes; 3 closes
+		// under its first.
+		for i := 0; ; i++ {
+			var hb [HeaderSize]byte
+			if _, err := io.ReadFull(c, hb[:]); err != nil {
+				return
+			}
+			var h Header
+			h.Decode(&hb)
+			if n == 1 && i == 1 || n == 3 {
+				return
+			}
+			if _, err := io.CopyN(io.Discard, c, int64(h.Len)); err != nil {
+				return
+			}
+			var rb [ReplySize + MaxMessage]byte
+			c.Write(EncodeReply(&rb, transport.OK, 0, ""))
+		}
+	})
+	ctx := ctxFor(t, 10*time.Second)
+	s, err := tx.Dial(ctx, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	w := transport.Write{Src: []byte("bytes"), Key: transport.Key{1}}
+	for i := range 2 {
+		if err := s.Write(ctx, w); err != nil {
+			t.Fatalf("write %d: %v", i, err)
+		}
+	}
+	mu.Lock()
+	if conns != 2 {
+		t.Fatalf("the sender opened %d connections, want 2 (the second write went again on a new one)", conns)
+	}
+	mu.Unlock()
+
+	// A session whose fresh connection is closed unanswered fails.
+	s2, err := tx.Dial(ctx, addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s2.Close()
+	if err := s2.Write(ctx, w); err == nil || !strings.Contains(err.Error(), "peer closed the connection") {
+		t.Fatalf("a write on a fresh connection closed under it: %v, want it to fail naming the close", err)
+	}
+}
+
+// TestHandshakeWarningsAreRateLimited: 500 failed handshakes (a scanner,
+// a broken peer) give at most a burst of WARN lines a second and a line
+// saying how many more there were, all 500 accounted for.
+func TestHandshakeWarningsAreRateLimited(t *testing.T) {
+	var l logs
+	rx := listen(t, Config{Sink: transporttest.NewSlots(0), Logf: l.logf})
+	start := time.Now()
+	for range 500 {
+		c, err := net.Dial("tcp", rx.Addr().String())
+		if err != nil {
+			t.Fatal(err)
+		}
+		c.SetDeadline(time.Now().Add(10 * time.Second))
+		c.Write([]byte("GET / HTTP/1.1\r\n\r\nxxxxxx"))
+		io.Copy(io.Discard, c) // the receiver closes after its refusal
+		c.Close()
+	}
+	served(t, rx)
+	elapsed := time.Since(start)
+	rx.Close() // says what is still suppressed
+	logged, suppressed := 0, 0
+	for _, line := range l.lines {
+		var n int
+		switch {
+		case strings.HasPrefix(line, "tcp: handshake from"):
+			logged++
+		case strings.HasPrefix(line, "peer port: suppressed "):
+			fmt.Sscanf(line, "peer port: suppressed %d more lines", &n)
+			suppressed += n
+		default:
+			t.Errorf("unexpected line %q", line)
+		}
+	}
+	windows := int(elapsed/time.Second) + 1
+	if logged > 10*windows || suppressed == 0 || logged+suppressed != 500 {
+		t.Fatalf("500 failed handshakes in %s: %d lines logged, %d counted as suppressed; want at most %d logged (10 a second) and the rest suppressed",
+			elapsed, logged, suppressed, 10*windows)
+	}
+}
+
+// TestFullPortStillServesPeers: strangers that fill the peer port with
+// connections that only said hello lose their places to a peer's new
+// connection, and one address cannot take more than its share.
+func TestFullPortStillServesPeers(t *testing.T) {
+	warn := newLineWaiter()
+	slots := transporttest.NewSlots(1 << 16)
+	rx := listen(t, Config{Sink: slots, Limits: connlimit.Limits{Total: 4, PerSource: 2}, Logf: warn.logf})
+	for _, src := range []string{"127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"} {
+		helloFrom(t, src, rx)
+	}
+	over := dialFrom(t, "127.0.0.2", rx.Addr().String())
+	over.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := over.Read(make([]byte, 1)); n != 0 || err == nil {
+		t.Fatalf("a third connection from one address: read %d, %v; want it closed at once", n, err)
+	}
+	warn.wait(t, "peer port: refused a connection from 127.0.0.2")
+	stillServes(t, rx, slots)
+	st := rx.PortStats()
+	if st.Evicted != 1 || st.RefusedPerSource != 1 || st.Open > 4 {
+		t.Fatalf("port stats %+v: want one stranger evicted for the peer, one refused", st)
+	}
+}
+
+// helloFrom opens a connection from src that completes the handshake and
+// then says nothing; it closes at the end of the test.
+func helloFrom(t *testing.T, src string, rx *Transport) {
+	t.Helper()
+	c := dialFrom(t, src, rx.Addr().String())
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	c.Write(helloBytes(version))
+	if _, err := io.ReadFull(c, make([]byte, welcomeSize)); err != nil {
+		t.Fatalf("hello from %s: %v", src, err)
+	}
+}
+
+// dialFrom connects to addr from the loopback address src (127.0.0.0/8
+// is all this host's), so one test plays several sources.
+func dialFrom(t *testing.T, src, addr string) net.Conn {
+	t.Helper()
+	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: 5 * time.Second}
+	c, err := d.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	return c
+}
