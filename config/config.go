@@ -60,6 +60,7 @@ type Settings struct {
 	MooncakeListen   string               `toml:"mooncake_listen"`
 	MooncakeQPs      int                  `toml:"mooncake_qps_per_endpoint"`
 	MooncakeMTU      int                  `toml:"mooncake_mtu"`
+	MooncakeFetch    []string             `toml:"mooncake_fetch_allow"`
 	RDMADevice       string               `toml:"rdma_device"`
 	RDMAGIDIndex     int                  `toml:"rdma_gid_index"`
 	RDMARegistration api.RegistrationMode `toml:"rdma_registration"`
@@ -173,6 +174,8 @@ var options = []option{
 			}
 			return nil
 		}},
+	{"mooncake_fetch_allow", "", "Mooncake `segments` (IP addresses or CIDR prefixes, comma-separated) whose descriptor ferryd may fetch when their engine's RDMA handshake carries no local_gid (older Mooncake releases), besides the segments it has sent to (empty: only those)",
+		func(s *Settings) value { return (*prefixes)(&s.MooncakeFetch) }, nil},
 	{"device", string(DeviceAuto), "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N",
 		func(s *Settings) value { return (*text)(&s.Device) },
 		func(s *Settings) error { _, err := s.Device.Ordinal(); return err }},

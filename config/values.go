@@ -2,6 +2,7 @@ package config
 
 import (
 	"fmt"
+	"net/netip"
 	"slices"
 	"strconv"
 	"strings"
@@ -147,3 +148,37 @@ func (l *ids) String() string {
 	return strings.Join(parts, ",")
 }
 func (l *ids) want() string { return "a list of numeric ids, e.g. [1000, 1001]" }
+
+// prefixes is a list of IP addresses and CIDR prefixes: a TOML array of
+// strings, or comma-separated as a flag or variable.
+type prefixes []string
+
+func (l *prefixes) Set(s string) error {
+	out := prefixes{}
+	for _, f := range strings.FieldsFunc(s, func(r rune) bool { return r == ',' || r == ' ' }) {
+		if _, err := ParsePrefix(f); err != nil {
+			return err
+		}
+		out = append(out, f)
+	}
+	*l = out
+	return nil
+}
+
+func (l *prefixes) String() string { return strings.Join(*l, ",") }
+func (l *prefixes) want() string {
+	return `a list of IP addresses or CIDR prefixes, e.g. ["10.0.0.0/24", "10.0.1.7"]`
+}
+
+// ParsePrefix reads an IP address (a prefix of its full length) or a
+// CIDR prefix.
+func ParsePrefix(s string) (netip.Prefix, error) {
+	if p, err := netip.ParsePrefix(s); err == nil {
+		return p.Masked(), nil
+	}
+	a, err := netip.ParseAddr(s)
+	if err != nil {
+		return netip.Prefix{}, fmt.Errorf("%q is neither an IP address nor a CIDR prefix (e.g. 10.0.1.7 or 10.0.0.0/24)", s)
+	}
+	return netip.PrefixFrom(a, a.BitLen()), nil
+}

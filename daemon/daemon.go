@@ -10,7 +10,9 @@ import (
 	"fmt"
 	"net"
 	"net/http"
+	"net/netip"
 	"os"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -134,7 +136,7 @@ func New(cfg Config) (*Daemon, error) {
 	d.sessions = newSessions(d.tr, mc)
 	if cfg.MooncakeListen != "" {
 		host, _, _ := net.SplitHostPort(d.advertise)
-		d.mooncake, err = openMooncake(cfg, d.reg, d.dp.rdma, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.sessions.sentToMooncake, d.log)
+		d.mooncake, err = openMooncake(cfg, d.reg, d.dp.rdma, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.mayFetchMooncake(), d.log)
 		if err != nil {
 			return nil, err
 		}
@@ -179,6 +181,24 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	ok = true
 	return d, nil
+}
+
+// mayFetchMooncake says which Mooncake segments ferryd may dial to fetch
+// a descriptor a handshake did not carry: those it has sent to, and those
+// on mooncake_fetch_allow. A stranger naming another address gets no dial.
+func (d *Daemon) mayFetchMooncake() func(segment string) bool {
+	var allow []netip.Prefix
+	for _, s := range d.cfg.MooncakeFetch {
+		p, _ := config.ParsePrefix(s) // checked when the setting was read
+		allow = append(allow, p)
+	}
+	return func(segment string) bool {
+		if d.sessions.sentToMooncake(segment) {
+			return true
+		}
+		ap, err := netip.ParseAddrPort(segment)
+		return err == nil && slices.ContainsFunc(allow, func(p netip.Prefix) bool { return p.Contains(ap.Addr().Unmap()) })
+	}
 }
 
 func randomInstance() uint64 {

@@ -161,3 +161,18 @@ func TestFailedFirstDialLeavesNoOrphan(t *testing.T) {
 		t.Fatal("removing the peer did not tear down the second dial's session")
 	}
 }
+
+// ferryd dials a Mooncake segment for a descriptor a handshake lacked only
+// when it sent there, or the segment is on mooncake_fetch_allow.
+func TestMayFetchMooncake(t *testing.T) {
+	d, _ := serveTestDaemon(t, t.TempDir(), "mf", func(c *Config) { c.MooncakeFetch = []string{"10.0.0.0/24", "fd00::7"} })
+	may := d.mayFetchMooncake()
+	for seg, want := range map[string]bool{
+		"10.0.0.9:15302": true, "10.0.1.9:15302": false, "[fd00::7]:15302": true, "[fd00::8]:15302": false,
+		"[::ffff:10.0.0.3]:1": true, "not-an-address": false,
+	} {
+		if got := may(seg); got != want {
+			t.Errorf("may fetch from %s: %t, want %t", seg, got, want)
+		}
+	}
+}

@@ -390,7 +390,7 @@ func initiatorAddress(ctx context.Context, h MooncakeHandshake, req mooncake.Han
 		return [16]byte{}, 0, fmt.Errorf("local_nic_path %q is not <segment>@<device>, and no local_gid came with it", req.LocalNICPath)
 	}
 	if h.MayFetch == nil || !h.MayFetch(seg) {
-		return [16]byte{}, 0, fmt.Errorf("no local_gid in the request, and this ferryd fetches an initiator's descriptor only from a Mooncake segment it has sent to, which %q is not: send local_gid and local_lid in the handshake (newer Mooncake releases do), or send to that segment from this ferryd first", seg)
+		return [16]byte{}, 0, fmt.Errorf("no local_gid in the request, and this ferryd fetches an initiator's descriptor only from a Mooncake segment it has sent to or was told to trust, which %q is not: send local_gid and local_lid in the handshake (newer Mooncake releases do), or send to that segment from this ferryd first", seg)
 	}
 	desc, err := mooncake.FetchSegment(ctx, seg, &mooncake.Segment{Name: h.Self, Protocol: "rdma", Buffers: []mooncake.Buffer{}})
 	if err != nil {
