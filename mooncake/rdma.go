@@ -124,7 +124,7 @@ func ConnectQPs(ctx context.Context, rpc string, req HandshakeDesc) (HandshakeDe
 		return fail("the peer refused it (a null reply: Mooncake's setup failed; its log says why, e.g. an unknown device, a QP count other than %d, or a stale endpoint)", len(req.QPNum))
 	}
 	var r HandshakeDesc
-	if err := json.Unmarshal(raw, &r); err != nil {
+	if err := decodeStrict(raw, &r); err != nil {
 		return fail("the reply is not a connection descriptor: %v", err)
 	}
 	switch {

@@ -7,6 +7,8 @@ import (
 	"net"
 	"strconv"
 	"strings"
+
+	"github.com/ferry-project/ferry/internal/strictjson"
 )
 
 // Segment is a Mooncake segment descriptor, the reply to a metadata
@@ -49,7 +51,7 @@ type Priority map[string][][]string
 // DecodeSegment parses a descriptor and checks what a sender relies on.
 func DecodeSegment(b []byte) (*Segment, error) {
 	var s Segment
-	if err := json.Unmarshal(b, &s); err != nil {
+	if err := decodeStrict(b, &s); err != nil {
 		return nil, fmt.Errorf("segment descriptor is not valid JSON of a Mooncake segment: %w", err)
 	}
 	if err := s.check(); err != nil {
@@ -149,4 +151,14 @@ type NotifyDesc struct {
 // ProbeReply is the body of a probe (type 3) reply.
 type ProbeReply struct {
 	Status string `json:"status"`
+}
+
+// decodeStrict decodes a JSON message from a peer, refusing one with a key
+// twice (in any case): encoding/json would keep the last, and a peer could
+// show one value to a log or proxy and another to ferry.
+func decodeStrict(b []byte, v any) error {
+	if err := strictjson.NoDuplicateKeys(b); err != nil {
+		return err
+	}
+	return json.Unmarshal(b, v)
 }

@@ -146,7 +146,7 @@ func (s *Server) answer(ctx context.Context, from net.Addr, t MsgType, body []by
 		return ProbeReply{Status: "success"}, nil, nil
 	case Notify:
 		var n NotifyDesc
-		if err := json.Unmarshal(body, &n); err != nil {
+		if err := decodeStrict(body, &n); err != nil {
 			return nil, nil, fmt.Errorf("not a notify message ({\"name\",\"notify_msg\"}): %w", err)
 		}
 		if s.h.Notify != nil {
@@ -157,7 +157,7 @@ func (s *Server) answer(ctx context.Context, from net.Addr, t MsgType, body []by
 		return NotifyDesc{NotifyMsg: "success"}, nil, nil
 	case Connect:
 		var d HandshakeDesc
-		if err := json.Unmarshal(body, &d); err != nil {
+		if err := decodeStrict(body, &d); err != nil {
 			return nil, nil, fmt.Errorf("not a connection handshake (local_nic_path, qp_num, ...): %w", err)
 		}
 		if s.h.Connect == nil {

@@ -185,6 +185,7 @@ func TestServerRefusesMalformedHandshakes(t *testing.T) {
 		{lenPrefix(3, []byte{9, '{', '}'}), "unknown message type 9"},
 		{lenPrefix(50, []byte{1, '{', '}'}), "announces 50 bytes"},
 		{lenPrefix(3, []byte{1, '{', '"'}), "not valid JSON"},
+		{mooncake.AppendFrame(nil, mooncake.Notify, []byte(`{"name":"x","notify_msg":"1","NOTIFY_MSG":"2"}`)), `"NOTIFY_MSG" comes twice`},
 	} {
 		// A close, clean or a reset (the server left bytes unread).
 		if n, err := sendRaw(t, seg.Name, c.raw); err != nil && !errors.Is(err, syscall.ECONNRESET) || len(n) != 0 {

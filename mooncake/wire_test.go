@@ -128,6 +128,7 @@ func TestDecodeSegment(t *testing.T) {
 		t.Fatalf("RDMA fields: %+v", r)
 	}
 	for _, bad := range []string{`{"protocol":"tcp"}`, `{"name":"a:1","protocol":"tcp","tcp_data_port":0}`, `[1]`,
+		`{"name":"a:1","protocol":"tcp","tcp_data_port":1,"Tcp_Data_Port":2}`,
 		`{"name":"a:1","protocol":"tcp","tcp_data_port":1,"buffers":[{"addr":18446744073709551615,"length":2}]}`} {
 		if _, err := DecodeSegment([]byte(bad)); err == nil {
 			t.Errorf("DecodeSegment(%s) succeeded", bad)
