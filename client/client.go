@@ -216,6 +216,13 @@ func (c *Client) ReceiveWith(ctx context.Context, req api.ReceiveRequest) (api.R
 	return call[api.ReceiveSlot](ctx, c, "POST", "/v1/receives", req)
 }
 
+// CompleteReceive tells ferryd that a slot made for Mooncake senders
+// holds its data, written by one-sided RDMA WRITEs without a notify
+// (Mooncake's transfer_sync_write), which ferryd cannot see.
+func (c *Client) CompleteReceive(ctx context.Context, reqID string) (api.Receive, error) {
+	return call[api.Receive](ctx, c, "POST", "/v1/receives/"+esc(reqID)+"/complete", nil)
+}
+
 // Receives lists receive slots.
 func (c *Client) Receives(ctx context.Context) ([]api.Receive, error) {
 	return call[[]api.Receive](ctx, c, "GET", "/v1/receives", nil)

@@ -62,6 +62,7 @@ func (d *Daemon) routes() http.Handler {
 		"GET /v1/receives":                    d.handleListReceives,
 		"GET /v1/receives/{req_id}":           d.handleGetReceive,
 		"DELETE /v1/receives/{req_id}":        d.handleDeleteReceive,
+		"POST /v1/receives/{req_id}/complete": d.handleCompleteReceive,
 		"GET /v1/sessions":                    d.handleListSessions,
 		"DELETE /v1/sessions/{id}":            d.handleDeleteSession,
 	} {
@@ -493,6 +494,25 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 		slot.MooncakeSession = d.mooncake.name
 	}
 	writeJSON(w, http.StatusCreated, slot)
+	return nil
+}
+
+// handleCompleteReceive marks a Mooncake slot written in full, on its
+// client's word, and answers with the slot as GET ?format=json does.
+func (d *Daemon) handleCompleteReceive(w http.ResponseWriter, r *http.Request) error {
+	id, err := reqID(r)
+	if err != nil {
+		return err
+	}
+	if err := d.reg.completeReceive(id); err != nil {
+		return err
+	}
+	desc, _, _, err := d.reg.waitSlot(r.Context(), id, 0, false)
+	if err != nil {
+		return err
+	}
+	desc.Session, desc.ArenaFile, desc.CUDAIPC = d.advertise, d.mem.Path(), d.mem.ipc()
+	writeJSON(w, http.StatusOK, desc)
 	return nil
 }
 

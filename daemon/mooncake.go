@@ -144,13 +144,7 @@ func (r *registry) deliverNotified(msg string) (reqID string, nbytes int64, err 
 		return "", 0, fmt.Errorf("no live receive slot open to Mooncake writers starts at %#x: it was freed, timed out, made without \"mooncake\": true, or never existed; whatever was written there is not delivered", addr)
 	}
 	reqID, nbytes = s.reqID, int64(s.nbytes)
-	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key.Tag())
-	r.mu.Unlock()
-	if err != nil {
-		return reqID, nbytes, err
-	}
-	done(nil)
-	return reqID, nbytes, nil
+	return reqID, nbytes, r.completeWhole(s)
 }
 
 // self is the descriptor ferry sends with its own metadata requests:

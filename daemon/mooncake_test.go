@@ -7,6 +7,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -128,5 +129,35 @@ func TestMooncakeSelfHasNoKeys(t *testing.T) {
 	}
 	if len(m.seg.Buffers) != 1 || m.seg.Buffers[0].RKey[0] != 0x1234 {
 		t.Error("self changed the segment's own descriptor")
+	}
+}
+
+// The receiving client completes a Mooncake slot that one-sided writes
+// filled without a notify; a keyed slot, a slot that arrived, or none
+// at all are refused, each with its code.
+func TestCompleteReceive(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	mc, err := r.newSlot("mc", 4096, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.newSlot("keyed", 4096, false); err != nil {
+		t.Fatal(err)
+	}
+	for id, code := range map[string]string{"keyed": api.CodeBadRequest, "none": api.CodeNotFound} {
+		if err := r.completeReceive(id); !isCode(err, code) {
+			t.Errorf("complete %s: %v, want %s", id, err, code)
+		}
+	}
+	if err := r.completeReceive("mc"); err != nil {
+		t.Fatal(err)
+	}
+	desc, _, release, err := r.waitSlot(context.Background(), "mc", 0, false)
+	if err != nil || !desc.Arrived || desc.Received != 4096 || desc.Tag != mc.key.Tag() {
+		t.Fatalf("completed slot: %+v, %v", desc, err)
+	}
+	release()
+	if err := r.completeReceive("mc"); !isCode(err, api.CodeExists) {
+		t.Errorf("complete twice: %v, want %s", err, api.CodeExists)
 	}
 }

@@ -475,6 +475,44 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32) ([]byte, func(error
 	return dst, done, nil
 }
 
+// completeWhole takes an out-of-band word (a Mooncake notify, or the
+// receiving client's POST .../complete) that every byte of s was
+// written, by one-sided writes ferry cannot see: s arrives, whole, once
+// no write to it is landing. Callers hold mu; completeWhole releases it.
+func (r *registry) completeWhole(s *slot) error {
+	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key.Tag())
+	r.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	done(nil)
+	return nil
+}
+
+// completeReceive is the receiving client's word that the slot of reqID
+// holds its data: for a slot Mooncake senders write into with one-sided
+// RDMA WRITEs and no notify (transfer_sync_write), which ferry cannot see.
+func (r *registry) completeReceive(reqID string) error {
+	r.mu.Lock()
+	s, ok := r.slots[reqID]
+	switch {
+	case r.stopping:
+		r.mu.Unlock()
+		return errStopping
+	case !ok:
+		r.mu.Unlock()
+		return apiErr(api.CodeNotFound, "no receive slot for req_id %s: POST /v1/receives first (it may have been freed or timed out)", reqID)
+	case !s.mooncake:
+		r.mu.Unlock()
+		return apiErr(api.CodeBadRequest,
+			"req_id %s: only a slot made with \"mooncake\": true is completed by its client; a ferry sender's write completes its slot itself", reqID)
+	case s.arrived:
+		r.mu.Unlock()
+		return apiErr(api.CodeExists, "req_id %s: its receive slot already holds its data", reqID)
+	}
+	return r.completeWhole(s)
+}
+
 // unpin drops a hold on s and returns its memory once it is freed and
 // unheld; callers hold mu.
 func (r *registry) unpin(s *slot) {

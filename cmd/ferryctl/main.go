@@ -37,6 +37,7 @@ Commands:
   wait REQ_ID -o FILE [--for 30s] [--keep]
                                       wait for the data, write it, free the slot
   rm REQ_ID [--recv]                  delete a staged embedding (or free a receive slot)
+  complete REQ_ID                     a Mooncake slot holds its data (its sender sent no notify)
   ls                                  staged embeddings and receive slots
   sessions [--teardown ID]            sessions to peer daemons
 
@@ -175,6 +176,7 @@ var commands = map[string]command{
 	"recv":     cmdRecv,
 	"wait":     cmdWait,
 	"rm":       cmdRm,
+	"complete": cmdComplete,
 	"ls":       cmdLs,
 	"sessions": cmdSessions,
 }
@@ -436,6 +438,22 @@ func cmdRm(fs *flag.FlagSet) func(context.Context, *env) error {
 		}
 		return e.print(map[string]string{"req_id": id, "removed": what}, func(w io.Writer) {
 			fmt.Fprintf(w, "removed %s %s\n", what, id)
+		})
+	}
+}
+
+func cmdComplete(fs *flag.FlagSet) func(context.Context, *env) error {
+	return func(ctx context.Context, e *env) error {
+		id, err := e.reqID()
+		if err != nil {
+			return err
+		}
+		info, err := e.c.CompleteReceive(ctx, id)
+		if err != nil {
+			return err
+		}
+		return e.print(info, func(w io.Writer) {
+			fmt.Fprintf(w, "completed %s: %d bytes, arrived=%t\n", id, info.NBytes, info.Arrived)
 		})
 	}
 }

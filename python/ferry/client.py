@@ -259,6 +259,13 @@ class Client:
         """Frees a receive slot."""
         self._json("DELETE", f"/v1/receives/{_id(req_id)}")
 
+    def complete(self, req_id):
+        """Tells ferryd that the slot of req_id, made with mooncake=True,
+        holds its data: a Mooncake sender's one-sided RDMA writes without a
+        notify (transfer_sync_write) raise no event ferryd can see. Returns
+        the slot's description."""
+        return self._json("POST", f"/v1/receives/{_id(req_id)}/complete")
+
     # --- sessions
 
     def sessions(self):

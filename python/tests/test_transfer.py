@@ -172,3 +172,22 @@ def test_status_and_metrics(pair, tx):
     assert st["pid"] == pair[0].pid and st["memory"]["kind"] == "host" and st["memory"]["size"] == 64 << 20
     assert st["transport"]["advertise"] == pair[0].advertise
     assert "ferry_transfers_total" in tx.metrics()
+
+
+def test_complete_a_mooncake_slot_on_the_clients_word(rx, req_id):
+    # A Mooncake sender's one-sided RDMA writes without a notify raise no
+    # event: the receiving client, told by its framework, completes the slot.
+    rx.receive(req_id, 4096, mooncake=True)
+    assert rx.slot_info(req_id)["arrived"] is False
+    info = rx.complete(req_id)
+    assert info["arrived"] is True and info["received"] == 4096
+    assert len(rx.wait(req_id, 0)) == 4096
+    with pytest.raises(ferry.Exists):
+        rx.complete(req_id)
+    rx.free(req_id)
+    rx.receive(req_id, 4096)
+    with pytest.raises(ferry.BadRequest, match='only a slot made with "mooncake": true'):
+        rx.complete(req_id)
+    rx.free(req_id)
+    with pytest.raises(ferry.NotFound):
+        rx.complete(req_id)

@@ -190,3 +190,31 @@ func TestMooncakeRDMANotifyWarningsAreLimited(t *testing.T) {
 	}
 	rcv.alive(t)
 }
+
+// Mooncake → ferry over RDMA without a notify, as transfer_sync_write
+// sends none: the slot stays pending until its receiving client, told by
+// its own channel, completes it; then the bytes are the written ones.
+func TestMooncakeRDMAWriteCompletedByTheReceivingClient(t *testing.T) {
+	requireRDMA(t)
+	rcv, seg := startMooncakeSegment(t, "--transport", "rdma")
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 4 << 20})
+	ctx := ctxT(t)
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mcr-nonotify", NBytes: embBytes, Mooncake: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := randomBytes(embBytes, 42)
+	if _, err := peer.WriteRDMA(ctx, seg, slot.BufferAddress, data, ""); err != nil {
+		t.Fatal(err)
+	}
+	if info, err := rcv.c.WaitInfo(ctx, "mcr-nonotify", 0); err != nil || info.Arrived {
+		t.Fatalf("the slot arrived with no notify and no word from its client: %+v %v", info, err)
+	}
+	if info, err := rcv.c.CompleteReceive(ctx, "mcr-nonotify"); err != nil || !info.Arrived {
+		t.Fatalf("completing the slot: %+v %v", info, err)
+	}
+	got, err := rcv.c.Wait(ctx, "mcr-nonotify", 10*time.Second)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("the completed slot: %v, equal=%t", err, bytes.Equal(got, data))
+	}
+}
