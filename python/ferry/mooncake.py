@@ -1,0 +1,255 @@
+"""A drop-in for Mooncake's Python ``TransferEngine``, backed by ferryd.
+
+sglang's encoder and vLLM's Mooncake connector call a handful of the
+engine's methods; this class has them, with Mooncake's return
+conventions (0 on success, a negative int on failure), so that moving to
+ferry is one import::
+
+    from ferry.mooncake import TransferEngine      # was: from mooncake.engine import TransferEngine
+
+Transfers go through the local ferryd (the socket from ``FERRY_SOCKET``,
+else /run/ferry/ferryd.sock), which writes them into the peer's segment
+over Mooncake's wire: a ferry receive slot made with ``mooncake=True``
+(its ``mooncake_session`` and ``buffer_address``), or a real Mooncake
+segment. On failure the method returns -1 as Mooncake's does, logs the
+failure with its session, nbytes and ferryd's ``ret``, and keeps it in
+``last_failure``; ``TransferEngine(raise_on_failure=True)`` raises
+``ferry.TransferFailed`` (or the error ferryd answered with) instead.
+
+This release moves host memory, copying it to ferryd (an upload per
+transfer): CUDA device memory and zero-copy caller-owned regions need
+ferryd's region API, which is not there yet (docs/python.md).
+"""
+
+import bisect
+import ctypes
+import itertools
+import logging
+import os
+import threading
+from dataclasses import dataclass
+
+from .client import Client, Slot
+from .errors import BadRequest, FerryError
+
+__all__ = ["TransferEngine", "Failure"]
+
+log = logging.getLogger("ferry.mooncake")
+
+# What Mooncake's engine returns for a failure; sglang and vLLM test < 0.
+FAILED = -1
+
+
+@dataclass
+class Failure:
+    """The last failed call: what Mooncake's -1 does not say."""
+    method: str
+    session: str
+    nbytes: int
+    ret: str      # ferryd's ret (an errno name, a verbs status, "rejected", ...) or why no transfer was tried
+    message: str  # the whole sentence
+
+
+class TransferEngine:
+    """The Mooncake TransferEngine methods sglang and vLLM call, on ferry."""
+
+    def __init__(self, raise_on_failure=False, socket_path=None):
+        self.raise_on_failure = raise_on_failure
+        self.last_failure = None
+        self._client = None
+        self._socket_path = socket_path
+        self._ids = itertools.count()
+        self._lock = threading.Condition()
+        self._regions = []     # sorted (start, end)
+        self._in_flight = {}   # region start -> transfers reading it now
+
+    # --- set-up
+
+    def initialize(self, local_hostname, metadata_server, protocol, device_name):
+        """Connects to the local ferryd. The arguments are Mooncake's
+        (sglang passes "P2PHANDSHAKE" and "rdma" or "tcp"); ferryd's own
+        configuration decides the transport. Returns 0, or -1 when ferryd
+        cannot be reached."""
+        try:
+            self._need_client().status()
+        except FerryError as e:
+            return self._fail("initialize", "", 0, e)
+        return 0
+
+    def get_rpc_port(self):
+        """The RPC port of ferryd's Mooncake segment (--mooncake-listen):
+        peers write into this host at f"{hostname}:{port}". -1 when ferryd
+        serves no segment."""
+        try:
+            seg = self._need_client().status().get("mooncake")
+        except FerryError as e:
+            return self._fail("get_rpc_port", "", 0, e)
+        if not seg:
+            return self._fail("get_rpc_port", "", 0, BadRequest(
+                "ferryd serves no Mooncake segment: start it with --mooncake-listen HOST:PORT", code="bad_request"))
+        return int(seg["segment"].rsplit(":", 1)[1])
+
+    # --- memory
+
+    def register_memory(self, ptr, length):
+        """Registers [ptr, ptr+length) of this process's host memory as a
+        source of transfers. Returns 0, or -1 for device memory or a range
+        that overlaps one registered before."""
+        if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
+            return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
+        if _is_device_pointer(ptr):
+            return self._refuse("register_memory", length,
+                                f"register_memory({ptr:#x}, {length}): CUDA device memory is not supported by ferry's "
+                                "Mooncake engine yet (host memory only; it needs ferryd's region API)")
+        with self._lock:
+            i = bisect.bisect_left(self._regions, (ptr, ptr + length))
+            near = self._regions[max(i - 1, 0):i + 1]
+            if any(s < ptr + length and ptr < e for s, e in near):
+                return self._refuse("register_memory", length,
+                                    f"register_memory({ptr:#x}, {length}): overlaps a registered range: unregister it first")
+            self._regions.insert(i, (ptr, ptr + length))
+        return 0
+
+    def batch_register_memory(self, ptrs, lengths):
+        """register_memory for each pair; 0, or -1 at the first refusal
+        (the ranges registered before it stay registered, as in Mooncake)."""
+        if len(ptrs) != len(lengths):
+            return self._refuse("batch_register_memory", 0, f"{len(ptrs)} addresses but {len(lengths)} lengths")
+        for p, n in zip(ptrs, lengths):
+            if self.register_memory(p, n) != 0:
+                return FAILED
+        return 0
+
+    def unregister_memory(self, ptr):
+        """Forgets the range registered at ptr, once no transfer reads it.
+        Returns 0, or -1 when nothing is registered there."""
+        with self._lock:
+            i = bisect.bisect_left(self._regions, (ptr, 0))
+            if i == len(self._regions) or self._regions[i][0] != ptr:
+                return self._refuse("unregister_memory", 0, f"unregister_memory({ptr:#x}): no range is registered there")
+            self._lock.wait_for(lambda: not self._in_flight.get(ptr))
+            del self._regions[i]
+        return 0
+
+    # --- transfers
+
+    def transfer_sync_write(self, session_id, buffer, peer_buffer_address, length):
+        """Writes length bytes at buffer (inside a registered range) to
+        peer_buffer_address in the segment session_id ("ip:rpcport"), and
+        returns once they are there: 0, or -1."""
+        return self.batch_transfer_sync_write(session_id, [buffer], [peer_buffer_address], [length],
+                                              method="transfer_sync_write")
+
+    def batch_transfer_sync_write(self, session_id, buffers, peer_buffer_addresses, lengths,
+                                  method="batch_transfer_sync_write"):
+        """Writes every (buffer, peer address, length) piece, pieces that
+        are adjacent at both ends merged into one write. Returns 0 once all
+        are there, or -1 at the first that fails (the pieces written before
+        it stay written)."""
+        if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
+            return self._refuse(method, sum(lengths),
+                                f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
+        pieces = _merge(list(zip(buffers, peer_buffer_addresses, lengths)))
+        session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
+        for src, dst, n in pieces:
+            region = self._hold(src, n)
+            if region is None:
+                return self._refuse(method, n, f"{method} to {session_id}: [{src:#x}, +{n}) lies in no registered "
+                                               "range: register_memory it first")
+            try:
+                self._write(session, src, dst, n)
+            except FerryError as e:
+                return self._fail(method, session_id, n, e)
+            finally:
+                self._release(region)
+        return 0
+
+    def _write(self, session, src, dst, n):
+        client = self._need_client()
+        req_id = f"mooncake-{os.getpid()}-{next(self._ids)}"
+        client.stage(req_id, ctypes.string_at(src, n))
+        try:
+            client.send(req_id, Slot(session=session, buffer_address=dst))
+        except FerryError:
+            # A failed send keeps its entry for a retry; this engine does
+            # not retry, so it goes (a failure here is the send's to tell).
+            try:
+                client.delete(req_id)
+            except FerryError:
+                pass
+            raise
+
+    def _hold(self, src, n):
+        """The start of the registered range holding [src, src+n), counted
+        as read until _release; None when there is none."""
+        with self._lock:
+            i = bisect.bisect_right(self._regions, (src, float("inf"))) - 1
+            if i < 0 or not (self._regions[i][0] <= src and src + n <= self._regions[i][1]):
+                return None
+            start = self._regions[i][0]
+            self._in_flight[start] = self._in_flight.get(start, 0) + 1
+            return start
+
+    def _release(self, start):
+        with self._lock:
+            self._in_flight[start] -= 1
+            self._lock.notify_all()
+
+    def _need_client(self):
+        if self._client is None:
+            self._client = Client(self._socket_path)
+        return self._client
+
+    # --- failures, Mooncake's way (-1) or raised
+
+    def _fail(self, method, session, nbytes, err):
+        ret = getattr(err, "ret", None) or err.code or type(err).__name__
+        self.last_failure = Failure(method, session, nbytes, ret, str(err))
+        log.warning("ferry.mooncake: %s failed (session=%s, nbytes=%d, ret=%s): %s", method, session, nbytes, ret, err)
+        if self.raise_on_failure:
+            raise err
+        return FAILED
+
+    def _refuse(self, method, nbytes, message):
+        return self._fail(method, "", nbytes, BadRequest(message, code="bad_request"))
+
+
+def _merge(pieces):
+    """Joins pieces adjacent at both ends, in the order given."""
+    out = []
+    for src, dst, n in pieces:
+        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
+        else:
+            out.append((src, dst, n))
+    return out
+
+
+_CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
+_CU_MEMORYTYPE_DEVICE = 2
+
+
+_cuda = None
+
+
+def _driver():
+    """The CUDA driver, initialised, or None without one."""
+    global _cuda
+    if _cuda is None:
+        try:
+            lib = ctypes.CDLL("libcuda.so.1")
+            _cuda = lib if lib.cuInit(0) == 0 else False
+        except OSError:
+            _cuda = False
+    return _cuda or None
+
+
+def _is_device_pointer(ptr):
+    """Whether the CUDA driver knows ptr as device memory; False without a
+    driver. Reading such a pointer from the host would crash the process."""
+    cuda = _driver()
+    if cuda is None:
+        return False
+    kind = ctypes.c_uint(0)
+    ok = cuda.cuPointerGetAttribute(ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)) == 0
+    return ok and kind.value == _CU_MEMORYTYPE_DEVICE

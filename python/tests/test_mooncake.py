@@ -1,0 +1,102 @@
+"""ferry.mooncake.TransferEngine replaying the calls sglang's encoder and
+vLLM's Mooncake connector make, into a ferry receive slot's Mooncake
+segment (the receiving ferryd runs --mooncake-listen)."""
+
+import ctypes
+import logging
+import os
+import random
+
+import pytest
+
+import ferry
+from ferry.mooncake import TransferEngine
+
+torch = pytest.importorskip("torch", reason="Debian's python3-torch (make test-python installs it)")
+
+
+@pytest.fixture
+def engine(pair):
+    e = TransferEngine(socket_path=pair[0].socket)
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    return e
+
+
+def test_the_encoders_call_sequence_delivers_the_embedding(engine, rx, req_id):
+    # sglang's encoder: register the embedding, transfer_sync_write it into
+    # the slot the receiver handed out, unregister it, raise on ret < 0.
+    emb = torch.randn(16, 4096, dtype=torch.bfloat16)
+    ptr, nbytes = emb.data_ptr(), emb.numel() * emb.element_size()
+    slot = rx.receive(req_id, nbytes, mooncake=True)
+    assert engine.register_memory(ptr, nbytes) == 0
+    ret = engine.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address, nbytes)
+    assert ret == 0, engine.last_failure
+    assert engine.unregister_memory(ptr) == 0
+    got = rx.wait(req_id, 10)
+    assert got == ctypes.string_at(ptr, nbytes)
+    rx.free(req_id)
+
+
+def test_a_batch_of_scattered_pages_fills_one_slot(engine, rx, req_id):
+    # vLLM's and sglang's KV path: registered once, many (src, dst, len)
+    # pieces in one batch_transfer_sync_write, in any order.
+    rng = random.Random(7)
+    sizes = [rng.choice([4096, 16384, 65536]) for _ in range(64)]
+    total = sum(sizes)
+    src = (ctypes.c_char * total).from_buffer_copy(os.urandom(total))
+    base = ctypes.addressof(src)
+    assert engine.batch_register_memory([base], [total]) == 0
+    slot = rx.receive(req_id, total, mooncake=True)
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    order = list(range(len(sizes)))
+    rng.shuffle(order)
+    ret = engine.batch_transfer_sync_write(slot.mooncake_session, [base + offsets[i] for i in order],
+                                           [slot.buffer_address + offsets[i] for i in order], [sizes[i] for i in order])
+    assert ret == 0, engine.last_failure
+    assert rx.wait(req_id, 10) == bytes(src)
+    assert engine.unregister_memory(base) == 0
+    rx.free(req_id)
+
+
+def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
+    buf = ctypes.create_string_buffer(4096)
+    ptr = ctypes.addressof(buf)
+    slot = rx.receive(req_id, 4096, mooncake=True)
+    # Not registered: refused before any transfer, as Mooncake refuses it.
+    assert engine.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address, 4096) == -1
+    assert "register_memory it first" in engine.last_failure.message
+    assert engine.register_memory(ptr, 4096) == 0
+    assert engine.register_memory(ptr + 100, 10) == -1  # overlaps
+    # Outside every Mooncake slot of the receiver: ferryd's transfer_failed,
+    # logged and recorded with session, nbytes and ret.
+    with caplog.at_level(logging.WARNING, logger="ferry.mooncake"):
+        assert engine.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address + 8192, 4096) == -1
+    f = engine.last_failure
+    assert (f.method, f.session, f.nbytes, f.ret) == ("transfer_sync_write", slot.mooncake_session, 4096, "rejected")
+    assert "ret=rejected" in caplog.text and slot.mooncake_session in caplog.text
+    # The staged copy of the failed write does not linger in ferryd.
+    assert not [e for e in engine._need_client().embeddings() if e["req_id"].startswith("mooncake-")]
+    # Opt-in: raise instead.
+    raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path)
+    assert raising.register_memory(ptr, 4096) == 0
+    with pytest.raises(ferry.TransferFailed) as e:
+        raising.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address + 8192, 4096)
+    assert e.value.ret == "rejected" and e.value.nbytes == 4096
+    assert engine.unregister_memory(ptr) == 0 and engine.unregister_memory(ptr) == -1
+    rx.free(req_id)
+
+
+def test_rpc_port_is_the_segments(pair):
+    tx, rx = pair
+    engine = TransferEngine(socket_path=rx.socket)
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    segment = rx.client().status()["mooncake"]["segment"]
+    assert engine.get_rpc_port() == int(segment.rsplit(":", 1)[1])
+    no_segment = TransferEngine(socket_path=tx.socket)
+    assert no_segment.get_rpc_port() == -1 and "--mooncake-listen" in no_segment.last_failure.message
+
+
+def test_an_unreachable_ferryd_fails_initialize(tmp_path):
+    engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
+    assert engine.initialize("h", "P2PHANDSHAKE", "tcp", "") == -1
+    assert engine.last_failure.ret == "unreachable"
