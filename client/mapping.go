@@ -21,8 +21,7 @@ import (
 // zero-copy staging (write a reserved slice in place, then commit) and for
 // reading arrived data in place.
 type Mapping struct {
-	info api.Arena
-	mem  []byte
+	mem []byte
 }
 
 // maxArenaAnswer bounds the answer to GET /v1/arena: a short JSON object.
@@ -86,7 +85,7 @@ func (c *Client) MapArena(ctx context.Context) (*Mapping, error) {
 	if err != nil {
 		return nil, fmt.Errorf("mapping ferryd's arena (%s, %d bytes): %w", info.ArenaFile, info.Size, err)
 	}
-	return &Mapping{info: info, mem: mem}, nil
+	return &Mapping{mem: mem}, nil
 }
 
 // readWithRights reads c to its end, keeping the descriptors that came
