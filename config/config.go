@@ -92,9 +92,9 @@ type option struct {
 // ArenaAlign is the arena's allocation alignment, so also the smallest arena.
 const ArenaAlign = 256
 
-// MaxSendRetries bounds send_retries: retries re-dial at once, so more of
+// maxSendRetries bounds send_retries: retries re-dial at once, so more of
 // them recover nothing that fewer would not.
-const MaxSendRetries = 10
+const maxSendRetries = 10
 
 // options is every setting, in the order --print-config writes them.
 var options = []option{
@@ -188,7 +188,7 @@ var options = []option{
 	{"slow_threshold", "200ms", "log transfers slower than this `duration` (0: every transfer; reloaded on SIGHUP)",
 		func(s *Settings) value { return &s.SlowThreshold }, nil},
 	{"send_retries", "1", "re-dial and retry a failed write this many `times` (0 to 10)",
-		func(s *Settings) value { return (*number)(&s.SendRetries) }, intWithin(func(s *Settings) int { return s.SendRetries }, 0, MaxSendRetries)},
+		func(s *Settings) value { return (*number)(&s.SendRetries) }, intWithin(func(s *Settings) int { return s.SendRetries }, 0, maxSendRetries)},
 	{"send_timeout", "1m", "bound (a `duration`) on one send, retries included",
 		func(s *Settings) value { return &s.SendTimeout }, positive(func(s *Settings) Duration { return s.SendTimeout })},
 	{"stage_ttl", "10m", "drop staged entries not sent or deleted after this `duration` (logged at WARN)",
