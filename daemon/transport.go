@@ -11,6 +11,7 @@ import (
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
+	peerport "github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
 
@@ -28,7 +29,7 @@ type dataPlane struct {
 // (--transport rdma, failing with what is missing) or when auto finds a
 // usable port, else TCP; mem is the arena, registered once with the NIC.
 func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte, log zerolog.Logger) (*dataPlane, error) {
-	tc := tcp.Config{
+	pc := peerport.Config{
 		Addr: cfg.Listen, Sink: sink, Instance: instance,
 		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Bytes()),
 		// The peer port rate-limits what a remote party can make it log.
@@ -44,12 +45,12 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 		if err != nil {
 			return nil, fmt.Errorf("--peer-secret-file: %w", err)
 		}
-		tc.Secret = secret
+		pc.Secret = secret
 		log.Info().Str("peer_secret_file", cfg.PeerSecretFile).Msg("peer authentication on: peers must prove they hold the same secret")
 	}
 	dp := &dataPlane{reason: "--transport tcp"}
 	if cfg.Transport != config.TransportTCP {
-		err := dp.openRDMA(cfg, tc, mem, log)
+		err := dp.openRDMA(cfg, pc, mem, log)
 		if err != nil && cfg.Transport == config.TransportRDMA {
 			return nil, fmt.Errorf("--transport rdma: %w; run with --transport auto or tcp to go without RDMA", err)
 		}
@@ -58,7 +59,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 		}
 	}
 	if dp.tr == nil {
-		tr, err := tcp.Listen(tc)
+		tr, err := tcp.Listen(pc)
 		if err != nil {
 			return nil, fmt.Errorf("peer port %s: %w", cfg.Listen, err)
 		}
@@ -71,7 +72,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 
 // openRDMA discovers the NICs, chooses a port and GID, and starts the
 // RDMA transport over them.
-func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog.Logger) error {
+func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem []byte, log zerolog.Logger) error {
 	inv, err := rdma.Discover()
 	dp.nics = &api.RDMAStatus{NICs: append([]api.NIC{}, inv.NICs...), Why: inv.Why}
 	if err != nil {
@@ -87,7 +88,7 @@ func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog
 	infof := func(format string, args ...any) {
 		log.Info().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 	}
-	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == api.RegistrationPerSend, Infof: infof, MooncakeMTU: cfg.MooncakeMTU}, choice)
+	rt, err := rdma.Listen(rdma.Config{Peer: pc, TCP: overTCP, Memory: mem, PerSend: cfg.RDMARegistration == api.RegistrationPerSend, Infof: infof, MooncakeMTU: cfg.MooncakeMTU}, choice)
 	if err != nil {
 		return err
 	}
@@ -97,6 +98,9 @@ func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog
 		choice.LinkLayer, choice.GIDIndex, choice.GID, choice.Why)
 	return nil
 }
+
+// overTCP serves the peers without RDMA on the RDMA transport's port.
+func overTCP(p *peerport.Port) rdma.Fallback { return tcp.Over(p) }
 
 // advertisedIP is the address peers reach this daemon on, which picks
 // the RoCE GID: the --advertise or --listen host, or for a wildcard the

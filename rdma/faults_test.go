@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -135,7 +135,7 @@ func newFaultPair(t *testing.T, size int) *faultPair {
 		p.src[i] = byte(i%251) + 1
 	}
 	p.tx = listenHooked(t, p.f, Config{Memory: p.src}, p.txh)
-	p.rx = listenHooked(t, p.f, Config{TCP: tcp.Config{Sink: p.slots, Logf: p.logs.logf}, Memory: p.slots.Mem}, p.rxh)
+	p.rx = listenHooked(t, p.f, Config{Peer: peer.Config{Sink: p.slots, Logf: p.logs.logf}, Memory: p.slots.Mem}, p.rxh)
 	p.dial(t)
 	return p
 }

@@ -441,7 +441,7 @@ func (t *Transport) mooncakeEndpoint(ctx context.Context, w mooncake.RDMAWrite) 
 	if err != nil {
 		return nil, err
 	}
-	hctx, cancel := context.WithTimeout(ctx, t.cfg.TCP.HandshakeTimeout)
+	hctx, cancel := context.WithTimeout(ctx, t.cfg.Peer.HandshakeTimeout)
 	defer cancel()
 	r, err := mooncake.ConnectQPs(hctx, rpc, mooncake.HandshakeDesc{
 		LocalNICPath: mooncake.NICPath(self, dev.Name), PeerNICPath: tg.NICPath,
@@ -567,14 +567,14 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, w mooncake.RDMAWr
 				return err
 			}
 		}
-		deadline := time.Now().Add(t.cfg.TCP.IOTimeout)
+		deadline := time.Now().Add(t.cfg.Peer.IOTimeout)
 		if cd, ok := ctx.Deadline(); ok && cd.Before(deadline) {
 			deadline = cd
 		}
 		wc, err := wait(l, l.wcs, deadline, ctx.Done())
 		switch {
 		case err == errNoProgress:
-			return fmt.Errorf("the peer made no progress for %s with %d work requests in flight", t.cfg.TCP.IOTimeout, posted-retired)
+			return fmt.Errorf("the peer made no progress for %s with %d work requests in flight", t.cfg.Peer.IOTimeout, posted-retired)
 		case err == errCanceled:
 			return transport.ContextErr(ctx)
 		case err != nil:

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -27,8 +27,8 @@ func TestLaneCarriesSeveralWrites(t *testing.T) {
 	slots := mappedSlots(t, n*size)
 	accepted := make(chan struct{}, n)
 	sink := &watch{Slots: slots, accepted: accepted}
-	tx := listenT(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1}, Memory: src})
-	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: sink}, Memory: slots.Mem})
+	tx := listenT(t, f, Config{Peer: peer.Config{MaxConnsPerPeer: 1}, Memory: src})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: sink}, Memory: slots.Mem})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -103,8 +103,8 @@ func TestWriteCompletedAtPostArmsNothing(t *testing.T) {
 	const size, n = 4096, 32
 	src := mapT(t, size)
 	slots := mappedSlots(t, n*size)
-	tx := listenFake(t, f, testConfig(t, Config{TCP: tcp.Config{MaxConnsPerPeer: 1}, Memory: src}))
-	rx := listenFake(t, f, testConfig(t, Config{TCP: tcp.Config{Sink: slots}, Memory: slots.Mem}))
+	tx := listenFake(t, f, testConfig(t, Config{Peer: peer.Config{MaxConnsPerPeer: 1}, Memory: src}))
+	rx := listenFake(t, f, testConfig(t, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem}))
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -140,7 +140,7 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	var logs logLines
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
-	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
 	l, _, region, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -171,8 +171,8 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 // end calls too (a failing check lets the held work go first).
 func heldLane(t *testing.T, f *fabric, src []byte, sink transport.Sink, mem []byte, logf func(string, ...any)) (s transport.Session, rx *Transport, release func()) {
 	t.Helper()
-	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: logf}, Memory: src})
-	rx = listenFake(t, f, Config{TCP: tcp.Config{Sink: sink, Logf: t.Logf}, Memory: mem})
+	tx := listenFake(t, f, Config{Peer: peer.Config{MaxConnsPerPeer: 1, Logf: logf}, Memory: src})
+	rx = listenFake(t, f, Config{Peer: peer.Config{Sink: sink, Logf: t.Logf}, Memory: mem})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
@@ -19,7 +20,7 @@ import (
 func pairOver(t *testing.T, f *fabric, src []byte, slots *transporttest.Slots, perSend bool) (tx, rx *Transport, s transport.Session) {
 	t.Helper()
 	tx = listenT(t, f, Config{Memory: src, PerSend: perSend})
-	rx = listenT(t, f, Config{TCP: tcp.Config{Sink: slots}, Memory: slots.Mem, PerSend: perSend})
+	rx = listenT(t, f, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem, PerSend: perSend})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -139,7 +140,7 @@ func TestSharedRegistrationFails(t *testing.T) {
 		}
 	}
 	slots := mappedSlots(t, 1<<20)
-	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: slots}, Memory: slots.Mem})
+	rx := listenFake(t, f, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem})
 	s, err := tr.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -162,7 +163,7 @@ func TestPeerQPBrokenMidWrite(t *testing.T) {
 	granted := make(chan struct{}, 1)
 	sink := &watch{Slots: slots, accepted: granted}
 	tx := listenT(t, f, Config{Memory: src})
-	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: sink}, Memory: slots.Mem})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: sink}, Memory: slots.Mem})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -254,19 +255,19 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 	var logs logLines
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
-	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
 	l, _, _, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.close()
 	key := slots.Add(0, 4096)
-	h := tcp.Header{Addr: 0, Len: 4096, Key: key, Tag: 0x11}
-	var hb [tcp.HeaderSize]byte
+	h := peer.Header{Addr: 0, Len: 4096, Key: key, Tag: 0x11}
+	var hb [peer.HeaderSize]byte
 	h.Encode(&hb)
 	l.ctrl.Write(hb[:])
 	a, err := wait(l, l.answers, time.Now().Add(30*time.Second), nil)
-	if err != nil || a.code != transport.OK {
+	if err != nil || a.Code != transport.OK {
 		t.Fatalf("grant: %+v, %v", a, err)
 	}
 	g := a.grant
@@ -290,7 +291,7 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 	if _, err := wait[answer](l, nil, time.Now().Add(30*time.Second), nil); err != errDead {
 		t.Fatalf("waiting for the receiver's word: %v", err)
 	}
-	if w := l.lastWord; w.code != transport.Internal || w.flags&flagFailed == 0 || !strings.Contains(w.msg, "does not match its grant") {
+	if w := l.lastWord; w.Code != transport.Internal || w.Flags&flagFailed == 0 || !strings.Contains(w.Msg, "does not match its grant") {
 		t.Errorf("the sender heard %+v, want the rejection", w)
 	}
 }
@@ -299,9 +300,9 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 // "no RDMA here"; the session goes over TCP, and the log says so.
 func TestFallbackToTCP(t *testing.T) {
 	var logs logLines
-	tx := listenT(t, newFabric(), Config{TCP: tcp.Config{Logf: logs.logf}})
+	tx := listenT(t, newFabric(), Config{Peer: peer.Config{Logf: logs.logf}})
 	slots := mappedSlots(t, 1<<20)
-	rx, err := tcp.Listen(tcp.Config{Addr: "127.0.0.1:0", Sink: slots})
+	rx, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: slots})
 	if err != nil {
 		t.Fatal(err)
 	}

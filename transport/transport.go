@@ -3,8 +3,10 @@
 // (remote address, key) on a session with a peer daemon, carrying a 32-bit
 // tag (the width of an RDMA immediate) that the receiver sees on completion.
 // The receiver accepts a write only into the live receive slot whose key it
-// carries (a 128-bit Key), and only inside that slot. Implementations: transport/tcp (everywhere) and rdma (verbs). Each
-// must pass the conformance suite in transport/transporttest.
+// carries (a 128-bit Key), and only inside that slot. Implementations:
+// transport/tcp (everywhere) and rdma (verbs), both over the peer
+// protocol of transport/peer. Each must pass the conformance suite in
+// transport/transporttest.
 package transport
 
 import (

@@ -10,6 +10,7 @@ import (
 
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
@@ -40,7 +41,8 @@ func (p *Peer) startRDMA() error {
 	if err != nil {
 		return fmt.Errorf("mapping the buffer: %w", err)
 	}
-	tr, err := rdma.Listen(rdma.Config{Memory: buf, TCP: tcp.Config{Addr: "127.0.0.1:0", Sink: transporttest.NewSlots(0)}}, choice)
+	tr, err := rdma.Listen(rdma.Config{Memory: buf, Peer: peer.Config{Addr: "127.0.0.1:0", Sink: transporttest.NewSlots(0)},
+		TCP: func(p *peer.Port) rdma.Fallback { return tcp.Over(p) }}, choice)
 	if err != nil {
 		unix.Munmap(buf)
 		return err

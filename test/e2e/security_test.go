@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
 
@@ -15,7 +16,7 @@ import (
 // cluster's would: the tcp transport as a library, in this process.
 func strangerSession(t *testing.T, d *daemon) transport.Session {
 	t.Helper()
-	me, err := tcp.Listen(tcp.Config{Addr: "127.0.0.1:0", Sink: nobody{}, MaxConnsPerPeer: 1})
+	me, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: nobody{}, MaxConnsPerPeer: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
