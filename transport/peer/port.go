@@ -136,12 +136,7 @@ func Listen(cfg Config) (*Port, error) {
 	if cfg.IdleTimeout <= 0 {
 		cfg.IdleTimeout = DefaultIdleTimeout
 	}
-	if cfg.Limits.Total <= 0 {
-		cfg.Limits.Total = DefaultLimits.Total
-	}
-	if cfg.Limits.PerSource <= 0 {
-		cfg.Limits.PerSource = DefaultLimits.PerSource
-	}
+	cfg.Limits = cfg.Limits.Or(DefaultLimits)
 	if cfg.MaxWrite == 0 {
 		cfg.MaxWrite = 1 << 36
 	}
