@@ -54,14 +54,19 @@ func FakePeer(t testing.TB, answer func(c net.Conn)) string {
 
 // Logs collects log lines: its Logf goes where a Logf is configured.
 type Logs struct {
-	mu    sync.Mutex
-	lines []string
+	mu      sync.Mutex
+	lines   []string
+	changed chan struct{} // closed at the next line; nil: nobody waits
 }
 
 func (l *Logs) Logf(format string, args ...any) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	l.lines = append(l.lines, fmt.Sprintf(format, args...))
+	if l.changed != nil {
+		close(l.changed)
+		l.changed = nil
+	}
 }
 
 // Lines is every line so far.
@@ -74,17 +79,44 @@ func (l *Logs) Lines() []string {
 // Has fails t unless a line contains every one of want.
 func (l *Logs) Has(t testing.TB, want ...string) {
 	t.Helper()
-	lines := l.Lines()
-	for _, line := range lines {
+	if !l.has(want) {
+		t.Errorf("no log line has all of %q; got %q", want, l.Lines())
+	}
+}
+
+// Wait waits, 30 s at most, for a line that contains every one of want.
+func (l *Logs) Wait(t testing.TB, want ...string) {
+	t.Helper()
+	deadline := time.After(30 * time.Second)
+	for {
+		l.mu.Lock()
+		if l.changed == nil {
+			l.changed = make(chan struct{})
+		}
+		changed := l.changed
+		l.mu.Unlock()
+		if l.has(want) {
+			return
+		}
+		select {
+		case <-changed:
+		case <-deadline:
+			t.Fatalf("no log line has all of %q within 30s; got %q", want, l.Lines())
+		}
+	}
+}
+
+func (l *Logs) has(want []string) bool {
+	for _, line := range l.Lines() {
 		found := true
 		for _, w := range want {
 			found = found && strings.Contains(line, w)
 		}
 		if found {
-			return
+			return true
 		}
 	}
-	t.Errorf("no log line has all of %q; got %q", want, lines)
+	return false
 }
 
 // None fails t for every line that contains about.
