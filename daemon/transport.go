@@ -9,6 +9,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 	peerport "github.com/ferry-project/ferry/transport/peer"
@@ -18,12 +19,17 @@ import (
 // dataPlane is the transport the daemon runs, why, and what status and
 // metrics say about it.
 type dataPlane struct {
-	tr     transport.Transport
-	rdma   *rdma.Transport // nil on TCP
-	reason string
-	nics   *api.RDMAStatus // nil with --transport tcp
-	reg    rdma.Registration
+	tr       transport.Transport
+	rdma     *rdma.Transport    // nil on TCP
+	mooncake *mooncakeEndpoints // on rdma's NIC; nil on TCP
+	reason   string
+	nics     *api.RDMAStatus // nil with --transport tcp
+	reg      rdma.Registration
 }
+
+// mooncakeEndpoints are the RDMA endpoints to Mooncake NICs, made on the
+// RDMA transport's.
+type mooncakeEndpoints = mooncake.Endpoints[*rdma.MooncakeQP]
 
 // openTransport starts the data plane on cfg.Listen: RDMA when asked for
 // (--transport rdma, failing with what is missing) or when auto finds a
@@ -88,15 +94,25 @@ func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem []byte, log ze
 	infof := func(format string, args ...any) {
 		log.Info().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 	}
-	rt, err := rdma.Listen(rdma.Config{Peer: pc, TCP: overTCP, Memory: mem, PerSend: cfg.RDMARegistration == api.RegistrationPerSend, Infof: infof, MooncakeMTU: cfg.MooncakeMTU}, choice)
+	rt, err := rdma.Listen(rdma.Config{Peer: pc, TCP: overTCP, Memory: mem, PerSend: cfg.RDMARegistration == api.RegistrationPerSend}, choice)
 	if err != nil {
 		return err
 	}
 	dp.tr, dp.rdma, dp.reg = rt, rt, rt.Registration()
+	dp.mooncake = mooncake.NewEndpoints(rt, mooncake.EndpointConfig{MTU: cfg.MooncakeMTU, Infof: infof})
 	dp.nics.Chosen = &choice
 	dp.reason = fmt.Sprintf("--transport %s: %s port %d (%s), GID %d %s: %s", cfg.Transport, choice.Device, choice.Port,
 		choice.LinkLayer, choice.GIDIndex, choice.GID, choice.Why)
 	return nil
+}
+
+// close closes the Mooncake endpoints, whose queue pairs are the
+// transport's, then the transport.
+func (dp *dataPlane) close() error {
+	if dp.mooncake != nil {
+		dp.mooncake.Close()
+	}
+	return dp.tr.Close()
 }
 
 // overTCP serves the peers without RDMA on the RDMA transport's port.

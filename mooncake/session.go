@@ -34,10 +34,9 @@ type RDMAWrite struct {
 }
 
 // RDMAWriter carries writes into segments whose descriptor says protocol
-// "rdma": the connection handshake and plain RDMA WRITEs (package rdma's
-// Transport).
+// "rdma": the connection handshake and plain RDMA WRITEs (Endpoints).
 type RDMAWriter interface {
-	WriteMooncake(ctx context.Context, w RDMAWrite) error
+	WriteRDMA(ctx context.Context, w RDMAWrite) error
 }
 
 // RPCAddr returns the handshake address of a "mooncake://host:port"
@@ -188,7 +187,7 @@ func (s *Session) Write(ctx context.Context, w transport.Write) error {
 	if seg.Protocol == "rdma" {
 		tg, _, err := seg.RDMATarget(w.Remote, n)
 		if err == nil {
-			err = s.d.RDMA.WriteMooncake(ctx, RDMAWrite{Self: s.d.Self.Name, RPC: s.rpc, Target: tg, Remote: w.Remote, Src: w.Src, QPs: s.d.QPs})
+			err = s.d.RDMA.WriteRDMA(ctx, RDMAWrite{Self: s.d.Self.Name, RPC: s.rpc, Target: tg, Remote: w.Remote, Src: w.Src, QPs: s.d.QPs})
 		}
 		if err != nil {
 			return s.fail(ctx, err)

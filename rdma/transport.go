@@ -24,7 +24,6 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/internal/connlimit"
-	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
 )
@@ -46,13 +45,6 @@ type Config struct {
 	// Memory registers its range for that write (a debugging and
 	// benchmarking switch; the daemon's --rdma-registration per-send).
 	PerSend bool
-	// Infof hears routine events worth a line (a Mooncake endpoint
-	// evicted from a full table, at most loglimit.Burst a second);
-	// Peer.Logf hears the failures.
-	Infof func(format string, args ...any)
-	// MooncakeMTU is the path MTU cap Mooncake peers use, in bytes (their
-	// MC_MTU; 0, or a size no MTU enum has, is mooncake.DefaultMTU).
-	MooncakeMTU int
 }
 
 // Fallback is the data plane for peers without RDMA, on the same port:
@@ -136,8 +128,8 @@ type Transport struct {
 	mu        sync.Mutex
 	closed    bool
 	sessions  map[*session]struct{}
-	accepted  map[*lane]struct{} // served by serveLane
-	mc        mcTable            // Mooncake endpoints (mooncake.go)
+	accepted  map[*lane]struct{}       // served by serveLane
+	mooncake  map[*MooncakeQP]struct{} // open (mcqp.go)
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -169,9 +161,7 @@ func listen(cfg Config, n nic) (*Transport, error) {
 		closing:  make(chan struct{}),
 		sessions: make(map[*session]struct{}),
 		accepted: make(map[*lane]struct{}),
-	}
-	if cfg.Infof != nil {
-		t.mc.log = loglimit.New("rdma", cfg.Infof)
+		mooncake: make(map[*MooncakeQP]struct{}),
 	}
 	t.registerShared()
 	var err error
@@ -293,11 +283,18 @@ func (t *Transport) Close() error {
 		for l := range t.accepted {
 			l.abort()
 		}
+		mooncake := make([]*MooncakeQP, 0, len(t.mooncake))
+		for q := range t.mooncake {
+			mooncake = append(mooncake, q)
+		}
 		t.mu.Unlock()
 		for _, s := range sessions {
 			s.Close()
 		}
-		t.mc.closeAll()
+		// Those of endpoints their owner left open.
+		for _, q := range mooncake {
+			q.Close()
+		}
 		errs := []error{t.tcp.Close()}
 		if t.shared != nil {
 			errs = append(errs, t.shared.Close())

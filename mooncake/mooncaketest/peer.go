@@ -42,6 +42,7 @@ type Peer struct {
 	data *mooncake.DataServer
 	ts   string
 	rdma *rdma.Transport // Config.RDMA
+	eps  *mooncake.Endpoints[*rdma.MooncakeQP]
 
 	mu         sync.Mutex
 	registered bool

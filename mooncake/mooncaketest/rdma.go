@@ -47,17 +47,19 @@ func (p *Peer) startRDMA() error {
 		unix.Munmap(buf)
 		return err
 	}
-	if _, _, ok := tr.MooncakeKeys(); !ok {
+	if _, _, ok := tr.SharedKeys(); !ok {
 		tr.Close()
 		unix.Munmap(buf)
 		return fmt.Errorf("the buffer has no shared registration: %v", tr.Registration().Err)
 	}
 	p.rdma, p.buf, p.base = tr, buf, uint64(uintptr(unsafe.Pointer(&buf[0])))
+	p.eps = mooncake.NewEndpoints(tr, mooncake.EndpointConfig{})
 	return nil
 }
 
 func (p *Peer) closeRDMA() {
 	if p.rdma != nil {
+		p.eps.Close()
 		p.rdma.Close()
 		unix.Munmap(p.buf)
 	}
@@ -65,8 +67,8 @@ func (p *Peer) closeRDMA() {
 
 // rdmaSegment fills in what an rdma descriptor adds.
 func (p *Peer) rdmaSegment(s *mooncake.Segment) {
-	dev, _ := p.rdma.MooncakeDevice()
-	rk, lk, _ := p.rdma.MooncakeKeys()
+	dev, _ := p.eps.Device()
+	rk, lk, _ := p.eps.Keys()
 	if p.wrongRKey {
 		rk++
 	}
@@ -85,7 +87,7 @@ func (p *Peer) connect(ctx context.Context, from net.Addr, req mooncake.Handshak
 	p.mu.Lock()
 	p.connects++
 	p.mu.Unlock()
-	return p.rdma.AcceptMooncake(ctx, rdma.MooncakeHandshake{Self: p.name, From: from, MayFetch: func(string) bool { return true }}, req)
+	return p.eps.Accept(ctx, mooncake.Handshake{Self: p.name, From: from, MayFetch: func(string) bool { return true }}, req)
 }
 
 // Connects counts the connection handshakes the peer answered.
@@ -132,7 +134,7 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 	}
 	src := p.buf[:len(data)]
 	copy(src, data)
-	if err := p.rdma.WriteMooncake(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
+	if err := p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
 		return seg, err
 	}
 	if notify != "" {
@@ -147,5 +149,5 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 func (p *Peer) WriteRawRDMA(ctx context.Context, rpc string, tg mooncake.RDMATarget, addr uint64, data []byte) error {
 	src := p.buf[:len(data)]
 	copy(src, data)
-	return p.rdma.WriteMooncake(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src})
+	return p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src})
 }
