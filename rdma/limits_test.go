@@ -32,9 +32,9 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // failing.
 func TestIdleLaneReapedSenderRedials(t *testing.T) {
 	f := newFabric()
-	var debug logLines
+	var debug transporttest.Logs
 	slots := mappedSlots(t, 1<<16)
-	rx := listenT(t, f, Config{Memory: slots.Mem, Peer: peer.Config{Sink: slots, IdleTimeout: 200 * time.Millisecond, Debugf: debug.logf}})
+	rx := listenT(t, f, Config{Memory: slots.Mem, Peer: peer.Config{Sink: slots, IdleTimeout: 200 * time.Millisecond, Debugf: debug.Logf}})
 	tx := listenT(t, f, Config{Memory: mapT(t, 4096)})
 	fake, _ := rx.nic.(*fakeNIC)
 	opened := func() int {
@@ -63,7 +63,7 @@ func TestIdleLaneReapedSenderRedials(t *testing.T) {
 		if i > 0 {
 			break
 		}
-		debug.wait(t, "rdma: closed the lane from", "no write for 200ms")
+		debug.Wait(t, "rdma: closed the lane from", "no write for 200ms")
 		waitFor(t, "the idle lane's end", func() bool {
 			rx.mu.Lock()
 			defer rx.mu.Unlock()

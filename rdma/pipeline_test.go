@@ -137,10 +137,10 @@ func TestWriteCompletedAtPostArmsNothing(t *testing.T) {
 func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	f := newFabric()
 	slots := mappedSlots(t, 1<<20)
-	var logs logLines
+	var logs transporttest.Logs
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
-	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.Logf}, Memory: slots.Mem})
 	l, _, region, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -152,7 +152,7 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	logs.wait(t, "rejected a completion with no write granted", "immediate 0x33")
+	logs.Wait(t, "rejected a completion with no write granted", "immediate 0x33")
 	if got := rx.Stats().Rejected; got != 1 {
 		t.Errorf("rejected completions counted: %d, want 1", got)
 	}
@@ -386,8 +386,8 @@ func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
 	outside := mapT(t, big) // not the transport's memory: copied through the bounce ring, bounceSlots messages at a time
 	slots := mappedSlots(t, small+big)
 	accepted := make(chan struct{}, 2)
-	var logs logLines
-	s, _, release := heldLane(t, f, src, &watch{Slots: slots, accepted: accepted}, slots.Mem, logs.logf)
+	var logs transporttest.Logs
+	s, _, release := heldLane(t, f, src, &watch{Slots: slots, accepted: accepted}, slots.Mem, logs.Logf)
 	f.posted = make(chan struct{}, 2)
 	write := func(ctx context.Context, w transport.Write) chan error {
 		res := make(chan error, 1)
@@ -406,7 +406,7 @@ func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
 	posting := write(ctx, transport.Write{Src: outside, Remote: small, Key: slots.Add(small, big), Tag: 2})
 	cancel()
 	// Still on the wire, the flying write holds the lane together.
-	logs.wait(t, "canceled with 4 of its 5 messages posted", "once the writes flying on it (1) complete")
+	logs.Wait(t, "canceled with 4 of its 5 messages posted", "once the writes flying on it (1) complete")
 	release()
 	if err := <-posting; !errors.Is(err, context.Canceled) {
 		t.Fatalf("canceled write: %v, want context.Canceled", err)

@@ -2,9 +2,7 @@ package rdma
 
 import (
 	"bytes"
-	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -252,10 +250,10 @@ func (w *watch) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, f
 func TestRejectsMismatchedCompletion(t *testing.T) {
 	f := newFabric()
 	slots := mappedSlots(t, 1<<20)
-	var logs logLines
+	var logs transporttest.Logs
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
-	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.Logf}, Memory: slots.Mem})
 	l, _, _, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -286,7 +284,7 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 	if got := rx.Stats().Rejected; got != 1 {
 		t.Errorf("rejected completions counted: %d, want 1", got)
 	}
-	logs.wait(t, "rejected a completion that does not match its grant", "immediate 0x22", "granted tag 0x11")
+	logs.Wait(t, "rejected a completion that does not match its grant", "immediate 0x22", "granted tag 0x11")
 	// The sender hears why, then the lane ends.
 	if _, err := wait[answer](l, nil, time.Now().Add(30*time.Second), nil); err != errDead {
 		t.Fatalf("waiting for the receiver's word: %v", err)
@@ -299,8 +297,8 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 // TestFallbackToTCP: a peer without RDMA answers the lane's hello with
 // "no RDMA here"; the session goes over TCP, and the log says so.
 func TestFallbackToTCP(t *testing.T) {
-	var logs logLines
-	tx := listenT(t, newFabric(), Config{Peer: peer.Config{Logf: logs.logf}})
+	var logs transporttest.Logs
+	tx := listenT(t, newFabric(), Config{Peer: peer.Config{Logf: logs.Logf}})
 	slots := mappedSlots(t, 1<<20)
 	rx, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: slots})
 	if err != nil {
@@ -312,59 +310,11 @@ func TestFallbackToTCP(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	logs.wait(t, rx.Addr().String(), "serves no RDMA", "falls back to TCP")
+	logs.Wait(t, rx.Addr().String(), "serves no RDMA", "falls back to TCP")
 	if s.Transport() != "tcp" {
 		t.Errorf("fallback session runs on %q, want tcp", s.Transport())
 	}
 	writeAll(t, s, slots, make([]byte, 1<<20), []int{1 << 20})
-}
-
-// logLines collects a transport's log lines.
-type logLines struct {
-	mu      sync.Mutex
-	lines   []string
-	changed chan struct{}
-}
-
-func (l *logLines) logf(format string, args ...any) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.lines = append(l.lines, fmt.Sprintf(format, args...))
-	if l.changed != nil {
-		close(l.changed)
-		l.changed = nil
-	}
-}
-
-// wait waits (30 s at most) for a line holding every one of words.
-func (l *logLines) wait(t *testing.T, words ...string) {
-	t.Helper()
-	deadline := time.After(30 * time.Second)
-	for {
-		l.mu.Lock()
-		for _, line := range l.lines {
-			all := true
-			for _, w := range words {
-				all = all && strings.Contains(line, w)
-			}
-			if all {
-				l.mu.Unlock()
-				return
-			}
-		}
-		if l.changed == nil {
-			l.changed = make(chan struct{})
-		}
-		ch := l.changed
-		l.mu.Unlock()
-		select {
-		case <-ch:
-		case <-deadline:
-			l.mu.Lock()
-			defer l.mu.Unlock()
-			t.Fatalf("no log line with %q; got %q", words, l.lines)
-		}
-	}
 }
 
 func TestGrantOutsideTheSharedRegistration(t *testing.T) {
