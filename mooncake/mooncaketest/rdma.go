@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -20,8 +19,8 @@ import (
 // descriptor says protocol "rdma" with the device, the buffer's rkey and
 // lkey and a priority matrix, and its RPC port answers connection
 // handshakes by connecting QPs (the passive side). As an initiator it
-// connects QPs by a handshake and posts plain RDMA WRITEs. The verbs work
-// is package rdma's Mooncake-facing code.
+// connects QPs by a handshake and posts plain RDMA WRITEs. The endpoints
+// are package mooncake's, on package rdma's queue pairs.
 
 // location is the buffer's memory location, as Mooncake names it and
 // keys the priority matrix by.
@@ -37,7 +36,7 @@ func (p *Peer) startRDMA() error {
 	if err != nil {
 		return err
 	}
-	buf, err := unix.Mmap(-1, 0, p.cfg.BufferSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	buf, err := unix.Mmap(-1, 0, len(p.buf), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		return fmt.Errorf("mapping the buffer: %w", err)
 	}
@@ -52,7 +51,7 @@ func (p *Peer) startRDMA() error {
 		unix.Munmap(buf)
 		return fmt.Errorf("the buffer has no shared registration: %v", tr.Registration().Err)
 	}
-	p.rdma, p.buf, p.base = tr, buf, uint64(uintptr(unsafe.Pointer(&buf[0])))
+	p.rdma, p.buf = tr, buf
 	p.eps = mooncake.NewEndpoints(tr, mooncake.EndpointConfig{})
 	return nil
 }
@@ -87,7 +86,7 @@ func (p *Peer) connect(ctx context.Context, from net.Addr, req mooncake.Handshak
 	p.mu.Lock()
 	p.connects++
 	p.mu.Unlock()
-	return p.eps.Accept(ctx, mooncake.Handshake{Self: p.name, From: from, MayFetch: func(string) bool { return true }}, req)
+	return p.eps.Accept(ctx, mooncake.Handshake{Self: p.Name(), From: from, MayFetch: func(string) bool { return true }}, req)
 }
 
 // Connects counts the connection handshakes the peer answered.
@@ -113,7 +112,7 @@ func (p *Peer) AdvertiseWrongRKey(on bool) {
 // handshake (or reuses); then it sends the notify.
 func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []byte, notify string) (*mooncake.Segment, error) {
 	if p.rdma == nil {
-		return nil, fmt.Errorf("mooncake test peer %s was started without RDMA", p.name)
+		return nil, fmt.Errorf("mooncake test peer %s was started without RDMA", p.Name())
 	}
 	seg, err := mooncake.FetchSegment(ctx, rpc, p.Segment())
 	if err != nil {
@@ -134,11 +133,11 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 	}
 	src := p.buf[:len(data)]
 	copy(src, data)
-	if err := p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
+	if err := p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.Name(), RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
 		return seg, err
 	}
 	if notify != "" {
-		return seg, mooncake.SendNotify(ctx, rpc, mooncake.NotifyDesc{Name: p.name, NotifyMsg: notify})
+		return seg, mooncake.SendNotify(ctx, rpc, mooncake.NotifyDesc{Name: p.Name(), NotifyMsg: notify})
 	}
 	return seg, nil
 }
@@ -149,5 +148,5 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 func (p *Peer) WriteRawRDMA(ctx context.Context, rpc string, tg mooncake.RDMATarget, addr uint64, data []byte) error {
 	src := p.buf[:len(data)]
 	copy(src, data)
-	return p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src})
+	return p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.Name(), RPC: rpc, Target: tg, Remote: addr, Src: src})
 }
