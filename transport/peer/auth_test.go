@@ -72,12 +72,7 @@ func TestAuthRefused(t *testing.T) {
 // the welcome and the server's nonce.
 func rawAuth(t *testing.T, tr *Port) (net.Conn, party, party) {
 	t.Helper()
-	nc, err := net.Dial("tcp", tr.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { nc.Close() })
-	nc.SetDeadline(time.Now().Add(10 * time.Second))
+	nc := transporttest.Dial(t, tr.Addr().String())
 	client := party{instance: 42, nonce: newNonce()}
 	var hb [helloSize]byte
 	h := ours(client.instance, KindData, secretA)

@@ -99,12 +99,7 @@ func stillServes(t *testing.T, tr *Transport, slots *transporttest.Slots) {
 // handshake opens a raw connection to tr through the handshake.
 func handshake(t *testing.T, tr *Transport) net.Conn {
 	t.Helper()
-	nc, err := net.Dial("tcp", tr.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { nc.Close() })
-	nc.SetDeadline(time.Now().Add(10 * time.Second))
+	nc := transporttest.Dial(t, tr.Addr().String())
 	nc.Write(helloBytes(version))
 	var b [welcomeSize]byte
 	if _, err := io.ReadFull(nc, b[:]); err != nil {

@@ -52,6 +52,19 @@ func FakePeer(t testing.TB, answer func(c net.Conn)) string {
 	return ln.Addr().String()
 }
 
+// Dial connects to addr for a test that writes and reads the bytes
+// itself: the connection has 10 s to do its work, and closes when t ends.
+func Dial(t testing.TB, addr string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("tcp", addr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	return c
+}
+
 // Logs collects log lines: its Logf goes where a Logf is configured.
 type Logs struct {
 	mu      sync.Mutex
