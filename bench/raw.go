@@ -95,7 +95,8 @@ func RawWrite(ctx context.Context, cfg RawConfig) ([]Row, error) {
 	for _, sz := range cfg.Sizes {
 		for _, c := range cfg.Concurrency {
 			write := func(w int) error {
-				return sess.Write(ctx, transport.Write{Src: src.Host()[:sz], Remote: uint64(w) * uint64(sz), Key: rawKey, Tag: uint32(w)})
+				_, err := sess.Write(ctx, transport.Write{Src: src.Host()[:sz], Remote: uint64(w) * uint64(sz), Key: rawKey, Tag: uint32(w)})
+				return err
 			}
 			if warm := hammer(ctx, c, Limit{Iterations: max(cfg.Warmup, c)}, write); warm.firstErr != nil {
 				return rows, fmt.Errorf("raw write warm-up, size %s x%d: %w", size.Format(sz), c, warm.firstErr)

@@ -102,7 +102,7 @@ func isClosed(t *testing.T, sess transport.Session) bool {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	err := sess.Write(ctx, transport.Write{Src: []byte{1}, Remote: 1, Key: transport.Key{1}})
+	_, err := sess.Write(ctx, transport.Write{Src: []byte{1}, Remote: 1, Key: transport.Key{1}})
 	return errors.Is(err, transport.ErrClosed)
 }
 

@@ -221,9 +221,3 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 			Help: "Granted RDMA writes the receiver gave up on (a receive completed in error, a rejected completion, the lane closing first), each closing its lane; never delivered.",
 		}, func() float64 { return float64(stats().Failed) })}
 }
-
-// sharedMR reports whether a write from src needs no registration of its
-// own: true on transports that register nothing.
-func (dp *dataPlane) sharedMR(src []byte) bool {
-	return dp.rdma == nil || dp.rdma.SharedMR(src)
-}

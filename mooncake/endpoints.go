@@ -34,9 +34,11 @@ type QP interface {
 	Connect(gid [16]byte, lid uint16, qpn uint32, mtu int) error
 	// Write writes src to remote under rkey with plain RDMA WRITEs and
 	// returns once the peer's NIC has placed every byte, within ctx and
-	// the NIC's I/O timeout. posted says whether anything went to the NIC:
-	// when it did and the write failed, the QP is closed.
-	Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (posted bool, err error)
+	// the NIC's I/O timeout. A write that failed once anything went to
+	// the NIC has closed the QP.
+	Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error)
+	// Closed reports whether the QP was closed.
+	Closed() bool
 	// Close destroys the QP, waiting out a write on it.
 	Close() error
 }
@@ -483,39 +485,39 @@ func (e *Endpoints[Q]) endpoint(ctx context.Context, w RDMAWrite) (*endpoint[Q],
 // w's target NIC, and returns once the peer's NIC has placed every byte.
 // A failed write (an error completion, no progress within the I/O
 // timeout) drops the endpoint, so the next write handshakes afresh.
-func (e *Endpoints[Q]) WriteRDMA(ctx context.Context, w RDMAWrite) error {
+func (e *Endpoints[Q]) WriteRDMA(ctx context.Context, w RDMAWrite) (transport.Report, error) {
 	if e.isClosed() {
-		return fmt.Errorf("rdma write to %s: %w", w.Target.NICPath, transport.ErrClosed)
+		return transport.Report{}, fmt.Errorf("rdma write to %s: %w", w.Target.NICPath, transport.ErrClosed)
 	}
 	if len(w.Src) == 0 {
-		return nil
+		return transport.Report{}, nil
 	}
 	if w.QPs <= 0 {
 		w.QPs = DefaultQPs
 	}
 	ep, err := e.endpoint(ctx, w)
 	if err != nil {
-		return err
+		return transport.Report{}, err
 	}
 	var q Q
 	select {
 	case q = <-ep.free:
 	case <-ctx.Done():
-		return fmt.Errorf("waiting for a queue pair to %s: %w", ep.peer, transport.ContextErr(ctx))
+		return transport.Report{}, fmt.Errorf("waiting for a queue pair to %s: %w", ep.peer, transport.ContextErr(ctx))
 	}
-	posted, err := q.Write(ctx, w.Src, w.Remote, w.Target.RKey)
+	rep, err := q.Write(ctx, w.Src, w.Remote, w.Target.RKey)
 	switch {
 	case err == nil:
 		// ferry wrote through it: legitimate traffic.
 		ep.m.Prove()
 		ep.free <- q
-		return nil
-	case !posted && ep.isClosed():
-		return fmt.Errorf("the endpoint to %s was torn down: %w", ep.peer, err)
-	case !posted:
+		return rep, nil
+	case !q.Closed(): // nothing went to the NIC
 		ep.free <- q
-		return err
+		return transport.Report{}, err
+	case ep.isClosed(): // dropped under the write
+		return transport.Report{}, fmt.Errorf("the endpoint to %s was torn down: %w", ep.peer, err)
 	}
 	e.drop(ep)
-	return fmt.Errorf("rdma write of %d bytes to %#x on %s (rkey %#x): %w", len(w.Src), w.Remote, ep.peer, w.Target.RKey, err)
+	return transport.Report{}, fmt.Errorf("rdma write of %d bytes to %#x on %s (rkey %#x): %w", len(w.Src), w.Remote, ep.peer, w.Target.RKey, err)
 }

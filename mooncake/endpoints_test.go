@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -88,26 +89,32 @@ func (q *fakeQP) Connect(gid [16]byte, _ uint16, qpn uint32, mtu int) error {
 // Write lands src when the QP's peer is a live QP at the GID it was
 // connected to, connected back to it, and rkey and range are that NIC's;
 // else it fails as a NIC does, closing the QP.
-func (q *fakeQP) Write(_ context.Context, src []byte, remote uint64, rkey uint32) (bool, error) {
+func (q *fakeQP) Write(_ context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error) {
 	f := q.v.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	if q.closed {
-		return false, errors.New("lane closed")
+		return transport.Report{}, errors.New("lane closed")
 	}
 	p := f.qps[q.dqpn]
 	if p == nil || p.v.gid() != q.dgid || p.dqpn != q.num {
 		q.close()
-		return true, errors.New("RETRY_EXC_ERR: no queue pair answers")
+		return transport.Report{}, errors.New("RETRY_EXC_ERR: no queue pair answers")
 	}
 	m := p.v
 	off := remote - m.base()
 	if rkey != m.rkey() || remote < m.base() || off > uint64(len(m.mem)) || uint64(len(src)) > uint64(len(m.mem))-off {
 		q.close()
-		return true, errors.New("REM_ACCESS_ERR")
+		return transport.Report{}, errors.New("REM_ACCESS_ERR")
 	}
 	copy(m.mem[off:], src)
-	return true, nil
+	return transport.Report{Registration: transport.RegisteredShared}, nil
+}
+
+func (q *fakeQP) Closed() bool {
+	q.v.f.mu.Lock()
+	defer q.v.f.mu.Unlock()
+	return q.closed
 }
 
 func (q *fakeQP) Close() error {
@@ -200,7 +207,8 @@ func (s *segment) write(t *testing.T, dst *segment, off int, data []byte) error 
 	if !ok || err != nil {
 		t.Fatalf("target of %d bytes at %#x: %v %v", len(data), addr, ok, err)
 	}
-	return s.eps.WriteRDMA(ctx, RDMAWrite{Self: s.name, RPC: dst.name, Target: tg, Remote: addr, Src: data, QPs: s.qps})
+	_, err = s.eps.WriteRDMA(ctx, RDMAWrite{Self: s.name, RPC: dst.name, Target: tg, Remote: addr, Src: data, QPs: s.qps})
+	return err
 }
 
 func (s *segment) endpoint(peer string) *endpoint[*fakeQP] {
@@ -433,7 +441,10 @@ func TestHandshakeUnreachablePeer(t *testing.T) {
 	firstCtx, cancelFirst := context.WithCancel(ctx)
 	defer cancelFirst()
 	first := make(chan error, 1)
-	go func() { first <- ferry.eps.WriteRDMA(firstCtx, toSilent) }()
+	go func() {
+		_, err := ferry.eps.WriteRDMA(firstCtx, toSilent)
+		first <- err
+	}()
 	var conn net.Conn
 	select {
 	case conn = <-accepted:
@@ -460,7 +471,7 @@ func TestHandshakeUnreachablePeer(t *testing.T) {
 
 	canceled, cancel := context.WithCancel(ctx)
 	cancel()
-	if err := ferry.eps.WriteRDMA(canceled, toSilent); !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "waiting for the handshake") {
+	if _, err := ferry.eps.WriteRDMA(canceled, toSilent); !errors.Is(err, context.Canceled) || !strings.Contains(err.Error(), "waiting for the handshake") {
 		t.Fatalf("a second write to the silent segment with a canceled context: %v, want it to stop waiting for the first's handshake", err)
 	}
 	select {

@@ -128,7 +128,7 @@ func (r *rig) writeN(b *testing.B, size, total int, wrote []bool) {
 					return
 				}
 				w := transport.Write{Src: r.src, Remote: uint64(i % *lanes * size), Tag: uint32(i)}
-				if err := r.sess.Write(context.Background(), w); err != nil {
+				if _, err := r.sess.Write(context.Background(), w); err != nil {
 					errs <- err
 					return
 				}

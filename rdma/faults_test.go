@@ -163,7 +163,8 @@ func (p *faultPair) slot(n int) transport.Write {
 }
 
 func (p *faultPair) write(t *testing.T, w transport.Write) error {
-	return p.s.Write(ctxFor(t, 60*time.Second), w)
+	_, err := p.s.Write(ctxFor(t, 60*time.Second), w)
+	return err
 }
 
 // landed checks that w was delivered once, byte-exact.
@@ -312,7 +313,7 @@ func TestPeerQPFailsMidStream(t *testing.T) {
 			case c.name == "Destroyed" && statusIn(err.Error()) == "" && !strings.Contains(err.Error(), "closed the control connection"):
 				t.Fatalf("%v; want the verbs status or the closed control connection", err)
 			}
-			t.Logf("after %d bytes placed, in %s: %v (ret %q)", half, took.Round(time.Millisecond), err, StatusName(err))
+			t.Logf("after %d bytes placed, in %s: %v (ret %q)", half, took.Round(time.Millisecond), err, transport.StatusName(err))
 			p.undelivered(t, w)
 			if c.logs {
 				p.logs.Wait(t, "rdma: lane from", "tagged", "WR_FLUSH_ERR")
@@ -369,7 +370,7 @@ func TestInvalidRKey(t *testing.T) {
 	})
 	err := p.write(t, w)
 	close(gate)
-	if name := StatusName(err); name != "REM_ACCESS_ERR" {
+	if name := transport.StatusName(err); name != "REM_ACCESS_ERR" {
 		t.Fatalf("write under a wrong rkey: %v (ret %q); want REM_ACCESS_ERR", err, name)
 	}
 	t.Logf("write under a wrong rkey: %v", err)

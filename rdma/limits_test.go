@@ -54,7 +54,7 @@ func TestIdleLaneReapedSenderRedials(t *testing.T) {
 	for i := range 2 {
 		addr := uint64(i * 4096)
 		w := transport.Write{Src: tx.cfg.Memory[:100], Remote: addr, Key: slots.Add(addr, 100), Tag: uint32(0x100 + i)}
-		if err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
+		if _, err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 		if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
@@ -118,7 +118,7 @@ func TestLaneClosedUnderAHeaderIsRetried(t *testing.T) {
 		addr := uint64(i * 4096)
 		w := transport.Write{Src: tx.cfg.Memory[:64], Remote: addr, Key: slots.Add(addr, 64), Tag: uint32(0x200 + i)}
 		sink.armed.Store(i == 1)
-		if err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
+		if _, err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 		if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
@@ -151,7 +151,7 @@ func TestEvictedLaneRedials(t *testing.T) {
 		t.Helper()
 		addr := uint64(i * 4096)
 		w := transport.Write{Src: tx.cfg.Memory[:32], Remote: addr, Key: slots.Add(addr, 32), Tag: uint32(0x300 + i)}
-		if err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
+		if _, err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 		if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {

@@ -86,31 +86,41 @@ func (q *MooncakeQP) Connect(gid [16]byte, lid uint16, qpn uint32, mtu int) erro
 // Write writes src to remote under rkey in chunks, every one signaled, at
 // most sendDepth (bounceSlots from a bounce ring) in flight, and returns
 // once their completions say the peer's NIC has placed every byte, or
-// none came for the I/O timeout. posted says whether anything went to the
-// NIC: a write that did and failed closes the QP.
-func (q *MooncakeQP) Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (posted bool, err error) {
+// none came for the I/O timeout. A write that failed once its source was
+// on its way to the NIC closes the QP.
+func (q *MooncakeQP) Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error) {
 	t, l := q.t, q.l
 	s, err := t.source(src)
 	if err != nil {
-		return false, err
+		return transport.Report{}, err
 	}
+	defer s.release()
 	l.use.Lock()
 	select {
 	case <-l.quit: // closed meanwhile
 		l.use.Unlock()
-		s.release()
-		return false, errLaneClosed
+		return transport.Report{}, errLaneClosed
 	default:
 	}
 	err = t.mooncakePost(ctx, l, src, remote, rkey, s)
 	l.use.Unlock()
 	if err != nil {
-		// The QP goes before the source's registration: until then the
-		// NIC may still read it.
+		// The QP goes before the source's registration (deferred): until
+		// then the NIC may still read it.
 		q.Close()
+		return transport.Report{}, err
 	}
-	s.release()
-	return true, err
+	return s.kind.report(len(src)), nil
+}
+
+// Closed reports whether the QP was closed.
+func (q *MooncakeQP) Closed() bool {
+	select {
+	case <-q.l.quit:
+		return true
+	default:
+		return false
+	}
 }
 
 // Close destroys the QP, waiting out a write on it.

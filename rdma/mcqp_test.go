@@ -6,6 +6,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/ferry-project/ferry/transport"
 )
 
 // The queue pairs of Mooncake endpoints, on the fake fabric or the real
@@ -71,18 +73,18 @@ func TestMooncakeQPWrite(t *testing.T) {
 	data := bytes.Repeat([]byte("mooncake "), 1000)
 	copy(a.mem, data)
 	ctx := ctxFor(t, 30*time.Second)
-	if posted, err := a.qp.Write(ctx, a.mem[:len(data)], addrOf(b.mem)+512, rkey); err != nil || !posted {
-		t.Fatalf("write: posted %v, %v", posted, err)
+	rep, err := a.qp.Write(ctx, a.mem[:len(data)], addrOf(b.mem)+512, rkey)
+	if want := (transport.Report{Registration: transport.RegisteredShared}); err != nil || rep != want {
+		t.Fatalf("write: %+v, %v; want %+v", rep, err, want)
 	}
 	if !bytes.Equal(b.mem[512:512+len(data)], data) {
 		t.Fatal("the peer's memory does not hold the bytes written")
 	}
-	posted, err := a.qp.Write(ctx, a.mem[:64], addrOf(b.mem), rkey+1)
-	if err == nil || !posted || !strings.Contains(err.Error(), "REM_ACCESS_ERR") {
-		t.Fatalf("a write under a wrong rkey: posted %v, %v; want REM_ACCESS_ERR", posted, err)
+	if _, err := a.qp.Write(ctx, a.mem[:64], addrOf(b.mem), rkey+1); err == nil || !a.qp.Closed() || !strings.Contains(err.Error(), "REM_ACCESS_ERR") {
+		t.Fatalf("a write under a wrong rkey: %v (QP closed: %v); want REM_ACCESS_ERR, the QP closed", err, a.qp.Closed())
 	}
-	if posted, err := a.qp.Write(ctx, a.mem[:64], addrOf(b.mem), rkey); posted || !errors.Is(err, errLaneClosed) {
-		t.Fatalf("a write on the QP the failed one closed: posted %v, %v", posted, err)
+	if _, err := a.qp.Write(ctx, a.mem[:64], addrOf(b.mem), rkey); !errors.Is(err, errLaneClosed) {
+		t.Fatalf("a write on the QP the failed one closed: %v", err)
 	}
 }
 
@@ -107,9 +109,9 @@ func TestMooncakeQPRefusesRead(t *testing.T) {
 	}
 	if c.Status != wcRemInvReqErr && c.Status != wcRemAccessErr {
 		t.Fatalf("an RDMA READ of ferry's arena over a Mooncake QP: completion %+v (%s), want REM_INV_REQ_ERR or REM_ACCESS_ERR",
-			c, StatusName(&CompletionError{Status: c.Status}))
+			c, c.Status.String())
 	}
-	t.Logf("the read was refused with %s", StatusName(&CompletionError{Status: c.Status}))
+	t.Logf("the read was refused with %s", c.Status.String())
 	if !isZero(peer.mem[:4096]) {
 		t.Error("a refused read brought ferry's bytes back")
 	}

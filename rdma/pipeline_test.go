@@ -48,7 +48,10 @@ func TestLaneCarriesSeveralWrites(t *testing.T) {
 			part[j] = byte(j*7 + i)
 		}
 		w := transport.Write{Src: part, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(100 + i)}
-		go func() { res <- s.Write(ctxFor(t, 60*time.Second), w) }()
+		go func() {
+			_, err := s.Write(ctxFor(t, 60*time.Second), w)
+			res <- err
+		}()
 	}
 	if hold {
 		for i := range flyingMax + 1 {
@@ -113,7 +116,10 @@ func TestWriteCompletedAtPostArmsNothing(t *testing.T) {
 	res := make(chan error, n)
 	for i := range n {
 		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(100 + i)}
-		go func() { res <- s.Write(ctxFor(t, 60*time.Second), w) }()
+		go func() {
+			_, err := s.Write(ctxFor(t, 60*time.Second), w)
+			res <- err
+		}()
 	}
 	for range n {
 		if err := <-res; err != nil {
@@ -198,7 +204,10 @@ func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
 	write := func(ctx context.Context, i int) chan error {
 		res := make(chan error, 1)
 		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
-		go func() { res <- s.Write(ctx, w) }()
+		go func() {
+			_, err := s.Write(ctx, w)
+			res <- err
+		}()
 		select {
 		case <-accepted:
 		case <-time.After(30 * time.Second):
@@ -264,7 +273,10 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 
 	flying := make(chan error, 1)
 	w1 := transport.Write{Src: src, Remote: 0, Key: slots.Add(0, size), Tag: 1}
-	go func() { flying <- s.Write(ctxFor(t, 30*time.Second), w1) }()
+	go func() {
+		_, err := s.Write(ctxFor(t, 30*time.Second), w1)
+		flying <- err
+	}()
 	select {
 	case <-accepted:
 	case <-time.After(30 * time.Second):
@@ -276,7 +288,10 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 	defer cancel()
 	canceled := make(chan error, 1)
 	w2 := transport.Write{Src: src, Remote: size, Key: slots.Add(size, size), Tag: 2}
-	go func() { canceled <- s.Write(ctx, w2) }()
+	go func() {
+		_, err := s.Write(ctx, w2)
+		canceled <- err
+	}()
 	select {
 	case <-sink.reached:
 	case <-time.After(30 * time.Second):
@@ -297,7 +312,7 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 	answer()
 	// The grant made for the canceled write ends with its lane.
 	onlyFlyingLanded(t, flying, slots, "which posted nothing")
-	if err := s.Write(ctxFor(t, 30*time.Second), w2); err != nil {
+	if _, err := s.Write(ctxFor(t, 30*time.Second), w2); err != nil {
 		t.Fatalf("resending the canceled write: %v", err)
 	}
 	if err := slots.Wait(ctxFor(t, 30*time.Second), 2); err != nil {
@@ -330,7 +345,10 @@ func TestCanceledHeldWriteSparesItsLane(t *testing.T) {
 	write := func(ctx context.Context, i int) chan error {
 		res := make(chan error, 1)
 		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
-		go func() { res <- s.Write(ctx, w) }()
+		go func() {
+			_, err := s.Write(ctx, w)
+			res <- err
+		}()
 		for _, c := range []chan struct{}{accepted, f.posted} {
 			select {
 			case <-c:
@@ -391,7 +409,10 @@ func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
 	f.posted = make(chan struct{}, 2)
 	write := func(ctx context.Context, w transport.Write) chan error {
 		res := make(chan error, 1)
-		go func() { res <- s.Write(ctx, w) }()
+		go func() {
+			_, err := s.Write(ctx, w)
+			res <- err
+		}()
 		for _, c := range []chan struct{}{accepted, f.posted} {
 			select {
 			case <-c:

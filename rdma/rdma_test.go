@@ -362,7 +362,7 @@ func TestRemoteReadRefused(t *testing.T) {
 	// the registration first refuses the access.
 	if c := lp.wait(t, lp.a); c.Status != wcRemInvReqErr && c.Status != wcRemAccessErr {
 		t.Fatalf("an RDMA READ of the peer's registered memory: completion %+v (%s), want REM_INV_REQ_ERR or REM_ACCESS_ERR",
-			c, StatusName(&CompletionError{Status: c.Status}))
+			c, c.Status.String())
 	}
 	if !isZero(lp.abuf) {
 		t.Error("a refused read brought the peer's bytes back")
@@ -389,7 +389,7 @@ func TestWrongRKey(t *testing.T) {
 			t.Errorf("%q does not say %q", msg, want)
 		}
 	}
-	if StatusName(fmt.Errorf("wrapped: %w", &CompletionError{Status: c.Status})) != "REM_ACCESS_ERR" {
+	if transport.StatusName(fmt.Errorf("wrapped: %w", &CompletionError{Status: c.Status})) != "REM_ACCESS_ERR" {
 		t.Error("StatusName does not find the status through wrapping")
 	}
 	if !isZero(lp.bbuf) {

@@ -125,14 +125,16 @@ func (s *session) open(ctx context.Context) (*lane, error) {
 	return l, nil
 }
 
-func (s *session) Write(ctx context.Context, w transport.Write) error {
+// Write carries w on a lane; its report says how the source reached the
+// NIC (memory.go).
+func (s *session) Write(ctx context.Context, w transport.Write) (transport.Report, error) {
 	if err := s.Begin(ctx, s.pool.Closed()); err != nil {
-		return err
+		return transport.Report{}, err
 	}
 	for {
 		l, err := s.lane(ctx)
 		if err != nil {
-			return s.Take(ctx, err, "lane")
+			return transport.Report{}, s.Take(ctx, err, "lane")
 		}
 		stale := l.answered.Load()
 		err = s.write(ctx, l, &w)
@@ -141,9 +143,15 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 		// that write was never granted, nothing of it was posted, so it
 		// goes again on another lane rather than fail. Each retry drops a
 		// pooled lane, so a freshly opened one ends the loop.
-		if err == nil || !stale || !l.unanswered.Load() {
-			return err
+		if err != nil && stale && l.unanswered.Load() {
+			continue
 		}
+		if err != nil {
+			return transport.Report{}, err
+		}
+		rep := s.t.kindOf(w.Src).report(len(w.Src))
+		rep.Messages = peer.Messages
+		return rep, nil
 	}
 }
 

@@ -9,6 +9,9 @@
 // kind rdma) plus an RC QP set up over it (wire.go). A peer without RDMA
 // answers the hello with "no RDMA here", and the session falls back to
 // TCP data connections, which the port serves too (Config.TCP).
+//
+// It also makes the queue pairs of Mooncake's RDMA endpoints (mcqp.go),
+// which package mooncake keeps.
 package rdma
 
 import (
@@ -228,12 +231,6 @@ func (t *Transport) PortStats() connlimit.Stats { return t.port.Stats() }
 
 // Registration says how Memory is registered.
 func (t *Transport) Registration() Registration { return t.reg }
-
-// SharedMR reports whether src lies inside the shared registration, so
-// writing it needs no registration of its own.
-func (t *Transport) SharedMR(src []byte) bool {
-	return t.shared != nil && within(t.cfg.Memory, src)
-}
 
 // Stats returns the transport's counters.
 func (t *Transport) Stats() Stats {

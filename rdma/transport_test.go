@@ -42,7 +42,9 @@ func mappedSlots(t *testing.T, n int) *transporttest.Slots {
 
 // writeAll writes src[:n] for each n in sizes to consecutive slots and
 // checks that each landed byte-exact.
-func writeAll(t *testing.T, s transport.Session, slots *transporttest.Slots, src []byte, sizes []int) {
+// writeAll writes each of sizes from src into slots, one after another,
+// each reporting want.
+func writeAll(t *testing.T, s transport.Session, slots *transporttest.Slots, src []byte, sizes []int, want transport.Report) {
 	t.Helper()
 	addr := uint64(0)
 	for i, n := range sizes {
@@ -51,8 +53,12 @@ func writeAll(t *testing.T, s transport.Session, slots *transporttest.Slots, src
 		}
 		key := slots.Add(addr, uint64(n))
 		tag := uint32(500 + i)
-		if err := s.Write(ctxFor(t, 60*time.Second), transport.Write{Src: src[:n], Remote: addr, Key: key, Tag: tag}); err != nil {
+		rep, err := s.Write(ctxFor(t, 60*time.Second), transport.Write{Src: src[:n], Remote: addr, Key: key, Tag: tag})
+		if err != nil {
 			t.Fatalf("%d-byte write: %v", n, err)
+		}
+		if rep != want {
+			t.Errorf("%d-byte write reported %+v, want %+v", n, rep, want)
 		}
 		if err := slots.Wait(ctxFor(t, 30*time.Second), tag); err != nil {
 			t.Fatal(err)
@@ -80,22 +86,25 @@ func modeTotal() int {
 func TestSharedRegistration(t *testing.T) {
 	f := newFabric()
 	src := mapT(t, 16<<20)
-	slots := mappedSlots(t, modeTotal())
+	slots := mappedSlots(t, modeTotal()+4096)
 	tx, rx, s := pairOver(t, f, src, slots, false)
 	for _, tr := range []*Transport{tx, rx} {
 		if r := tr.Registration(); r.Mode != "shared" || r.Err != nil || r.Took <= 0 {
 			t.Errorf("registration %+v, want shared with its time", r)
 		}
 	}
-	if !tx.SharedMR(src[100:200]) || tx.SharedMR(make([]byte, 10)) {
-		t.Error("SharedMR does not tell the shared registration from other memory")
-	}
-	writeAll(t, s, slots, src, modeSizes)
+	writeAll(t, s, slots, src, modeSizes, transport.Report{Registration: transport.RegisteredShared, Messages: 2})
 	if st := tx.Stats(); st != (Stats{}) {
 		t.Errorf("sender stats %+v, want no per-send registration or copy", st)
 	}
 	if st := rx.Stats(); st != (Stats{}) {
 		t.Errorf("receiver stats %+v, want no per-receive registration or copy", st)
+	}
+	// Memory outside the registration goes through a bounce buffer.
+	addr := uint64(modeTotal())
+	rep, err := s.Write(ctxFor(t, 60*time.Second), transport.Write{Src: make([]byte, 10), Remote: addr, Key: slots.Add(addr, 10), Tag: 9})
+	if want := (transport.Report{Registration: transport.RegisteredNone, Copied: 10, Messages: 2}); err != nil || rep != want {
+		t.Errorf("a write from Go memory: %+v, %v; want %+v", rep, err, want)
 	}
 }
 
@@ -106,10 +115,10 @@ func TestPerSendRegistration(t *testing.T) {
 	src := mapT(t, 16<<20)
 	slots := mappedSlots(t, modeTotal())
 	tx, rx, s := pairOver(t, f, src, slots, true)
-	if r := tx.Registration(); r.Mode != "per-send" || tx.SharedMR(src) {
+	if r := tx.Registration(); r.Mode != "per-send" {
 		t.Errorf("registration %+v, want per-send", r)
 	}
-	writeAll(t, s, slots, src, modeSizes)
+	writeAll(t, s, slots, src, modeSizes, transport.Report{Registration: transport.RegisteredPerSend, Messages: 2})
 	n := uint64(len(modeSizes))
 	if st := tx.Stats(); st.PerSend != n || st.Bounced != 0 {
 		t.Errorf("sender stats %+v, want %d per-send registrations", st, n)
@@ -144,7 +153,7 @@ func TestSharedRegistrationFails(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	writeAll(t, s, slots, mem[:1<<20], []int{1 << 20})
+	writeAll(t, s, slots, mem[:1<<20], []int{1 << 20}, transport.Report{Registration: transport.RegisteredPerSend, Messages: 2})
 	if st := tr.Stats(); st.PerSend != 1 {
 		t.Errorf("stats %+v, want the write registered per send", st)
 	}
@@ -175,7 +184,10 @@ func TestPeerQPBrokenMidWrite(t *testing.T) {
 	}
 	w := transport.Write{Src: src, Remote: 0, Key: slots.Add(0, size), Tag: 1}
 	res := make(chan error, 1)
-	go func() { res <- s.Write(ctxFor(t, 60*time.Second), w) }()
+	go func() {
+		_, err := s.Write(ctxFor(t, 60*time.Second), w)
+		res <- err
+	}()
 	select {
 	case <-granted:
 	case <-time.After(30 * time.Second):
@@ -216,7 +228,7 @@ func TestPeerQPBrokenMidWrite(t *testing.T) {
 	}
 	defer s2.Close()
 	w.Remote, w.Key, w.Tag = size, slots.Add(size, size), 2
-	if err := s2.Write(ctxFor(t, 60*time.Second), w); err != nil {
+	if _, err := s2.Write(ctxFor(t, 60*time.Second), w); err != nil {
 		t.Fatalf("retry on a fresh session: %v", err)
 	}
 	if err := slots.Wait(ctxFor(t, 30*time.Second), 2); err != nil {
@@ -314,7 +326,7 @@ func TestFallbackToTCP(t *testing.T) {
 	if s.Transport() != "tcp" {
 		t.Errorf("fallback session runs on %q, want tcp", s.Transport())
 	}
-	writeAll(t, s, slots, make([]byte, 1<<20), []int{1 << 20})
+	writeAll(t, s, slots, make([]byte, 1<<20), []int{1 << 20}, transport.Report{Messages: 2})
 }
 
 func TestGrantOutsideTheSharedRegistration(t *testing.T) {

@@ -133,7 +133,7 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 	}
 	src := p.buf[:len(data)]
 	copy(src, data)
-	if err := p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.Name(), RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
+	if _, err := p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.Name(), RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
 		return seg, err
 	}
 	if notify != "" {
@@ -148,5 +148,6 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 func (p *Peer) WriteRawRDMA(ctx context.Context, rpc string, tg mooncake.RDMATarget, addr uint64, data []byte) error {
 	src := p.buf[:len(data)]
 	copy(src, data)
-	return p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.Name(), RPC: rpc, Target: tg, Remote: addr, Src: src})
+	_, err := p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.Name(), RPC: rpc, Target: tg, Remote: addr, Src: src})
+	return err
 }

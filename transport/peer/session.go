@@ -13,6 +13,10 @@ import (
 	"github.com/ferry-project/ferry/transport"
 )
 
+// Messages is how many messages of the protocol a write exchanges with
+// its receiver besides its bytes: its header and the reply.
+const Messages = 2
+
 // Session is what a session of either transport keeps of its peer, and
 // how the writes on it fail: each transport's session embeds one.
 type Session struct {

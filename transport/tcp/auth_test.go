@@ -29,7 +29,7 @@ func TestAuthSameSecret(t *testing.T) {
 	defer s.Close()
 	src := bytes.Repeat([]byte("ferry"), 1000)
 	key := slots.Add(4096, uint64(len(src)))
-	if err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: src, Remote: 4096, Key: key, Tag: 9}); err != nil {
+	if _, err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: src, Remote: 4096, Key: key, Tag: 9}); err != nil {
 		t.Fatalf("write: %v", err)
 	}
 	if !bytes.Equal(slots.Mem[4096:4096+len(src)], src) {

@@ -288,7 +288,7 @@ func FuzzPeerPortFlood(f *testing.F) {
 		}
 		defer s.Close()
 		w := transport.Write{Src: make([]byte, 64), Remote: fuzzSlot2 + fuzzSize2 - 64, Key: keys[1], Tag: 0xf1}
-		if err := s.Write(ctxFor(t, 10*time.Second), w); err != nil && !transport.IsRefusal(err) {
+		if _, err := s.Write(ctxFor(t, 10*time.Second), w); err != nil && !transport.IsRefusal(err) {
 			t.Fatalf("a peer's write after the flood: %v", err)
 		}
 	})

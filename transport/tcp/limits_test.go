@@ -75,7 +75,7 @@ func TestIdleConnectionReapedSenderRedials(t *testing.T) {
 	for i := range 3 {
 		addr := uint64(i * 4096)
 		w := transport.Write{Src: []byte(fmt.Sprintf("write %d", i)), Remote: addr, Key: slots.Add(addr, 7), Tag: uint32(i)}
-		if err := s.Write(ctx, w); err != nil {
+		if _, err := s.Write(ctx, w); err != nil {
 			t.Fatalf("write %d (after %d idle closes): %v", i, i, err)
 		}
 		if i < 2 {
@@ -130,7 +130,7 @@ func TestReapCrossingAWriteIsRetried(t *testing.T) {
 	defer s.Close()
 	w := transport.Write{Src: []byte("bytes"), Key: transport.Key{1}}
 	for i := range 2 {
-		if err := s.Write(ctx, w); err != nil {
+		if _, err := s.Write(ctx, w); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 	}
@@ -146,7 +146,7 @@ func TestReapCrossingAWriteIsRetried(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s2.Close()
-	if err := s2.Write(ctx, w); err == nil || !strings.Contains(err.Error(), "peer closed the connection") {
+	if _, err := s2.Write(ctx, w); err == nil || !strings.Contains(err.Error(), "peer closed the connection") {
 		t.Fatalf("a write on a fresh connection closed under it: %v, want it to fail naming the close", err)
 	}
 }

@@ -77,14 +77,16 @@ func (s *session) Close() error {
 
 func (s *session) isClosed() bool { return s.pool.Closed() }
 
-func (s *session) Write(ctx context.Context, w transport.Write) error {
+// Write carries w on a connection of its own; the kernel reads the
+// source where it lies.
+func (s *session) Write(ctx context.Context, w transport.Write) (transport.Report, error) {
 	if err := s.Begin(ctx, s.isClosed()); err != nil {
-		return err
+		return transport.Report{}, err
 	}
 	for {
 		c, err := s.get(ctx)
 		if err != nil {
-			return err
+			return transport.Report{}, err
 		}
 		stale := c.reused
 		reuse, unanswered, err := s.send(ctx, c, &w)
@@ -99,9 +101,13 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 		// just sent on it: such a write took nothing, so it goes again on
 		// another connection rather than fail. Each retry drops a pooled
 		// connection, so a freshly opened one ends the loop.
-		if !stale || !unanswered {
-			return err
+		if err != nil && stale && unanswered {
+			continue
 		}
+		if err != nil {
+			return transport.Report{}, err
+		}
+		return transport.Report{Messages: peer.Messages}, nil
 	}
 }
 

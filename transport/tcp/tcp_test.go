@@ -91,7 +91,7 @@ func stillServes(t *testing.T, tr *Transport, slots *transporttest.Slots) {
 	defer s.Close()
 	addr := uint64(len(slots.Mem) - 4096)
 	w := transport.Write{Src: make([]byte, 4096), Remote: addr, Key: slots.Add(addr, 4096), Tag: 0xfe44}
-	if err := s.Write(ctxFor(t, 10*time.Second), w); err != nil {
+	if _, err := s.Write(ctxFor(t, 10*time.Second), w); err != nil {
 		t.Fatalf("write after hostile clients: %v", err)
 	}
 }
@@ -157,13 +157,13 @@ func TestOversizedWrite(t *testing.T) {
 	// after its body; 64 MiB does not, so the receiver closes on it
 	// mid-body and the sender finds the reply after its write fails.
 	for i, n := range []int{2 << 20, 64 << 20} {
-		err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: make([]byte, n), Remote: 0, Key: key, Tag: uint32(i)})
+		_, err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: make([]byte, n), Remote: 0, Key: key, Tag: uint32(i)})
 		var r *transport.Refusal
 		if !errors.As(err, &r) || r.Code != transport.OutOfBounds || !strings.Contains(r.Message, "limit") {
 			t.Errorf("%d-byte write: got %v, want an out_of_bounds refusal naming the limit", n, err)
 		}
 	}
-	if err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: make([]byte, limit), Remote: 0, Key: key, Tag: 9}); err != nil {
+	if _, err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: make([]byte, limit), Remote: 0, Key: key, Tag: 9}); err != nil {
 		t.Errorf("write at the limit: %v", err)
 	}
 	stillServes(t, rx, slots)
@@ -220,7 +220,7 @@ func TestWrongKeyFloodClosesConnection(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	if err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: []byte("real"), Remote: 0, Key: key, Tag: 9}); err != nil {
+	if _, err := s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: []byte("real"), Remote: 0, Key: key, Tag: 9}); err != nil {
 		t.Fatalf("the key's holder: %v", err)
 	}
 }
@@ -270,7 +270,7 @@ func TestHostileReply(t *testing.T) {
 				t.Fatal(err)
 			}
 			defer s.Close()
-			err = s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: make([]byte, 10)})
+			_, err = s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: make([]byte, 10)})
 			if err == nil || transport.IsRefusal(err) != c.refusal || !strings.Contains(err.Error(), c.want) {
 				t.Errorf("got %v, want an error naming %q (refusal: %v)", err, c.want, c.refusal)
 			}
@@ -301,7 +301,7 @@ func TestStalledPeer(t *testing.T) {
 		{4096, "waiting for the completion of 4096"}, // stuck waiting for the reply
 	} {
 		start := time.Now()
-		err := s.Write(context.Background(), transport.Write{Src: make([]byte, c.n)})
+		_, err := s.Write(context.Background(), transport.Write{Src: make([]byte, c.n)})
 		if took := time.Since(start); took > timeout+5*time.Second {
 			t.Errorf("%d-byte write took %s with IOTimeout %s", c.n, took, timeout)
 		}
@@ -323,7 +323,7 @@ func TestPeerGoneMidBody(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	err = s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: make([]byte, 64<<20)})
+	_, err = s.Write(ctxFor(t, 10*time.Second), transport.Write{Src: make([]byte, 64<<20)})
 	want := "tcp write to " + addr + ": peer closed the connection after "
 	if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "of 67108864 bytes") {
 		t.Errorf("got %v, want %q… of 67108864 bytes", err, want)
@@ -338,7 +338,7 @@ func BenchmarkWrite(b *testing.B) {
 			s, ws := benchSession(b, size, 1)
 			b.ReportAllocs()
 			for b.Loop() {
-				if err := s.Write(b.Context(), ws[0]); err != nil {
+				if _, err := s.Write(b.Context(), ws[0]); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -356,7 +356,7 @@ func BenchmarkWriteConcurrent(b *testing.B) {
 			b.RunParallel(func(pb *testing.PB) {
 				w := ws[next.Add(1)-1]
 				for pb.Next() {
-					if err := s.Write(b.Context(), w); err != nil {
+					if _, err := s.Write(b.Context(), w); err != nil {
 						b.Error(err)
 						return
 					}
