@@ -10,6 +10,7 @@ import (
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
 
@@ -51,7 +52,7 @@ func RawSink(ctx context.Context, dir string, n int64, ready func(addr string)) 
 		return err
 	}
 	defer mem.Close()
-	tr, err := tcp.Listen(tcp.Config{Addr: "127.0.0.1:0", Sink: rawSink{mem.Host()}, MaxWrite: uint64(n)})
+	tr, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: rawSink{mem.Host()}, MaxWrite: uint64(n)})
 	if err != nil {
 		return err
 	}
@@ -78,7 +79,7 @@ func RawWrite(ctx context.Context, cfg RawConfig) ([]Row, error) {
 	}
 	defer src.Close()
 	copy(src.Host(), pattern(maxSize))
-	snd, err := tcp.Listen(tcp.Config{Addr: "127.0.0.1:0", Sink: rawSink{}, MaxConnsPerPeer: maxConc})
+	snd, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: rawSink{}, MaxConnsPerPeer: maxConc})
 	if err != nil {
 		return nil, err
 	}
@@ -94,7 +95,8 @@ func RawWrite(ctx context.Context, cfg RawConfig) ([]Row, error) {
 	for _, sz := range cfg.Sizes {
 		for _, c := range cfg.Concurrency {
 			write := func(w int) error {
-				return sess.Write(ctx, transport.Write{Src: src.Host()[:sz], Remote: uint64(w) * uint64(sz), Key: rawKey, Tag: uint32(w)})
+				_, err := sess.Write(ctx, transport.Write{Src: src.Host()[:sz], Remote: uint64(w) * uint64(sz), Key: rawKey, Tag: uint32(w)})
+				return err
 			}
 			if warm := hammer(ctx, c, Limit{Iterations: max(cfg.Warmup, c)}, write); warm.firstErr != nil {
 				return rows, fmt.Errorf("raw write warm-up, size %s x%d: %w", size.Format(sz), c, warm.firstErr)

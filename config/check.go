@@ -12,7 +12,7 @@ import (
 	"strings"
 
 	"github.com/ferry-project/ferry/internal/size"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // Check says what is wrong with the settings' values, one error per
@@ -170,7 +170,7 @@ const maxSecretFile = 4 << 10
 
 // ReadPeerSecret reads the peer secret from path: a file only its owner
 // may read (a secret others can read is no secret), holding at least
-// tcp.MinSecret bytes. Trailing whitespace is dropped so that a file
+// peer.MinSecret bytes. Trailing whitespace is dropped so that a file
 // written by echo works.
 func ReadPeerSecret(path string) ([]byte, error) {
 	f, err := os.Open(path)
@@ -196,7 +196,7 @@ func ReadPeerSecret(path string) ([]byte, error) {
 		return nil, fmt.Errorf("%s is over %d bytes: it should hold one secret, e.g. from head -c 32 /dev/urandom | base64", path, maxSecretFile)
 	}
 	secret := bytes.TrimRight(b, " \t\r\n")
-	if err := tcp.CheckSecret(secret); err != nil {
+	if err := peer.CheckSecret(secret); err != nil {
 		return nil, err
 	}
 	return secret, nil

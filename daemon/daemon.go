@@ -130,13 +130,13 @@ func New(cfg Config) (*Daemon, error) {
 	}
 	mc := &mooncake.Dialer{IOTimeout: cfg.IOTimeout.D(), MaxConns: cfg.MaxConns, QPs: cfg.MooncakeQPs,
 		Self: &mooncake.Segment{Name: d.advertise, Protocol: "tcp", Buffers: []mooncake.Buffer{}}}
-	if d.dp.rdma != nil {
-		mc.RDMA = d.dp.rdma
+	if d.dp.mooncake != nil {
+		mc.RDMA = d.dp.mooncake
 	}
 	d.sessions = newSessions(d.tr, mc)
 	if cfg.MooncakeListen != "" {
 		host, _, _ := net.SplitHostPort(d.advertise)
-		d.mooncake, err = openMooncake(cfg, d.reg, d.dp.rdma, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.mayFetchMooncake(), d.log)
+		d.mooncake, err = openMooncake(cfg, d.reg, d.dp, d.arena.Addr(arena.Slice{}), d.mem.Size(), host, d.mayFetchMooncake(), d.log)
 		if err != nil {
 			return nil, err
 		}
@@ -311,8 +311,8 @@ func (d *Daemon) closeAll() {
 	if d.mooncake != nil {
 		d.mooncake.close()
 	}
-	if d.tr != nil {
-		_ = d.tr.Close()
+	if d.dp != nil {
+		_ = d.dp.close()
 	}
 	if d.control != nil {
 		_ = d.control.Close() // unlinks the socket file, unless systemd passed it

@@ -74,7 +74,7 @@ func (d *Daemon) limits() *limitsCollector {
 		c.ports["mooncake_rpc"] = m.hs.Stats
 		c.ports["mooncake_data"] = m.data.Stats
 		if m.seg.Protocol == "rdma" {
-			c.endpoints = d.dp.rdma.MooncakeEndpointStats
+			c.endpoints = d.dp.mooncake.Stats
 		}
 	}
 	return c

@@ -10,9 +10,9 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
-	"github.com/ferry-project/ferry/rdma"
 )
 
 // mooncakeSegment is ferryd serving as a Mooncake segment
@@ -32,11 +32,12 @@ type mooncakeSegment struct {
 }
 
 // openMooncake listens on cfg.MooncakeListen and a data port on the same
-// host. base and size are the arena's addresses, as receive slots name
-// them; advertiseHost stands in for a wildcard listen host. sentTo says
+// host; over dp's Mooncake endpoints, when it has them, it speaks RDMA.
+// base and size are the arena's addresses, as receive slots name them;
+// advertiseHost stands in for a wildcard listen host. sentTo says
 // whether this daemon has sent to a Mooncake segment: only such a
 // segment is dialed back for an RDMA initiator's descriptor.
-func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, size int64, advertiseHost string, sentTo func(segment string) bool, log zerolog.Logger) (*mooncakeSegment, error) {
+func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size int64, advertiseHost string, sentTo func(segment string) bool, log zerolog.Logger) (*mooncakeSegment, error) {
 	// Anyone may reach these ports: the packages rate-limit their WARNs.
 	logf := func(format string, args ...any) {
 		log.Warn().Str("component", "mooncake").Msg(fmt.Sprintf(format, args...))
@@ -74,8 +75,8 @@ func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, si
 			return nil
 		},
 	}
-	if rt != nil {
-		if err := m.serveRDMA(rt, reg, &h, sentTo, log); err != nil {
+	if dp.mooncake != nil {
+		if err := m.serveRDMA(dp.mooncake, dp.reg.Mode, reg, &h, sentTo, log); err != nil {
 			log.Warn().Str("component", "mooncake").Err(err).Msg("the Mooncake segment speaks TCP only")
 		}
 	}
@@ -89,13 +90,14 @@ func openMooncake(cfg Config, reg *registry, rt *rdma.Transport, base uint64, si
 // the key of its priority matrix.
 const mooncakeLocation = "cpu:0"
 
-// serveRDMA makes the segment an rdma one over rt.
-func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *mooncake.Handlers, sentTo func(string) bool, log zerolog.Logger) error {
-	rkey, lkey, ok := rt.MooncakeKeys()
+// serveRDMA makes the segment an rdma one over eps; mode is the arena's
+// registration.
+func (m *mooncakeSegment) serveRDMA(eps *mooncakeEndpoints, mode api.RegistrationMode, reg *registry, h *mooncake.Handlers, sentTo func(string) bool, log zerolog.Logger) error {
+	rkey, lkey, ok := eps.Keys()
 	if !ok {
-		return fmt.Errorf("the arena has no shared RDMA registration (%s mode), so Mooncake peers have no rkey to write with", rt.Registration().Mode)
+		return fmt.Errorf("the arena has no shared RDMA registration (%s mode), so Mooncake peers have no rkey to write with", mode)
 	}
-	dev, err := rt.MooncakeDevice()
+	dev, err := eps.Device()
 	if err != nil {
 		return err
 	}
@@ -105,7 +107,7 @@ func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *moonca
 	b := &m.seg.Buffers[0]
 	b.Name, b.RKey, b.LKey = mooncakeLocation, []uint32{rkey}, []uint32{lkey}
 	h.Connect = func(ctx context.Context, from net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
-		return rt.AcceptMooncake(ctx, rdma.MooncakeHandshake{Self: m.name, From: from, MayFetch: sentTo}, req)
+		return eps.Accept(ctx, mooncake.Handshake{Self: m.name, From: from, MayFetch: sentTo}, req)
 	}
 	h.Notify = func(from net.Addr, n mooncake.NotifyDesc) error {
 		reqID, nbytes, err := reg.deliverNotified(n.NotifyMsg)
@@ -115,7 +117,7 @@ func (m *mooncakeSegment) serveRDMA(rt *rdma.Transport, reg *registry, h *moonca
 		}
 		// Only a sender that knows a live slot's address gets here: its
 		// address's endpoints stay before strangers' in a full table.
-		rt.MooncakeProven(from)
+		eps.Proven(from)
 		log.Debug().Str("component", "mooncake").Stringer("addr", from).Str("from", loglimit.Clip(n.Name)).Str("req_id", reqID).Int64("nbytes", nbytes).
 			Msg("a Mooncake notify completed a receive slot")
 		return nil

@@ -15,7 +15,6 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/mooncake"
-	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -74,7 +73,6 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	}
 	defer releaseSrc()
 	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag()}
-	res.SharedMR = d.dp.sharedMR(w.Src)
 	start := time.Now()
 	var lastErr error
 	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
@@ -87,7 +85,9 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		sess, p, err := d.sessions.get(ctx, req.Session)
 		if err == nil {
 			res.Transport = sess.Transport()
-			err = sess.Write(ctx, w)
+			var rep transport.Report
+			rep, err = sess.Write(ctx, w)
+			res.SharedMR = sharedMR(rep)
 			if ctx.Err() == nil { // a send its own deadline or client ended says nothing of the session
 				p.outcome(err)
 			}
@@ -158,6 +158,14 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	return res, nil
 }
 
+// sharedMR says a write took no memory of its own for the NIC: it went
+// from where its source lay, inside the shared registration or with
+// nothing to register (TCP). A per-send registration or a copy through a
+// bounce buffer is what the seeds' log line is for.
+func sharedMR(r transport.Report) bool {
+	return r.Registration != transport.RegisteredPerSend && r.Copied == 0
+}
+
 // failed counts a send that did not deliver; took is zero when no write
 // was attempted.
 func (d *Daemon) failed(reason, outcome string, took time.Duration) {
@@ -190,8 +198,8 @@ func retCode(err error) string {
 	switch {
 	case err == nil:
 		return "0"
-	case rdma.StatusName(err) != "":
-		return rdma.StatusName(err)
+	case transport.StatusName(err) != "":
+		return transport.StatusName(err)
 	case mooncake.IsRejected(err):
 		return "rejected"
 	case errors.As(err, &errno):

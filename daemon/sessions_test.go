@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
+	peerport "github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
 
@@ -22,7 +23,7 @@ type gatedPeer struct {
 
 func newGatedPeer(t *testing.T) *gatedPeer {
 	t.Helper()
-	peer, err := tcp.Listen(tcp.Config{Addr: "127.0.0.1:0", Sink: newTestRegistry(t, 1<<16)})
+	peer, err := tcp.Listen(peerport.Config{Addr: "127.0.0.1:0", Sink: newTestRegistry(t, 1<<16)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -74,7 +75,7 @@ func newGatedPeer(t *testing.T) *gatedPeer {
 
 func newTestSessions(t *testing.T) *sessions {
 	t.Helper()
-	tr, err := tcp.Listen(tcp.Config{Addr: "127.0.0.1:0", Sink: newTestRegistry(t, 1<<16), HandshakeTimeout: 10 * time.Second})
+	tr, err := tcp.Listen(peerport.Config{Addr: "127.0.0.1:0", Sink: newTestRegistry(t, 1<<16), HandshakeTimeout: 10 * time.Second})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -101,7 +102,7 @@ func isClosed(t *testing.T, sess transport.Session) bool {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	err := sess.Write(ctx, transport.Write{Src: []byte{1}, Remote: 1, Key: transport.Key{1}})
+	_, err := sess.Write(ctx, transport.Write{Src: []byte{1}, Remote: 1, Key: transport.Key{1}})
 	return errors.Is(err, transport.ErrClosed)
 }
 

@@ -9,26 +9,33 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
+	peerport "github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // dataPlane is the transport the daemon runs, why, and what status and
 // metrics say about it.
 type dataPlane struct {
-	tr     transport.Transport
-	rdma   *rdma.Transport // nil on TCP
-	reason string
-	nics   *api.RDMAStatus // nil with --transport tcp
-	reg    rdma.Registration
+	tr       transport.Transport
+	rdma     *rdma.Transport    // nil on TCP
+	mooncake *mooncakeEndpoints // on rdma's NIC; nil on TCP
+	reason   string
+	nics     *api.RDMAStatus // nil with --transport tcp
+	reg      rdma.Registration
 }
+
+// mooncakeEndpoints are the RDMA endpoints to Mooncake NICs, made on the
+// RDMA transport's.
+type mooncakeEndpoints = mooncake.Endpoints[*rdma.MooncakeQP]
 
 // openTransport starts the data plane on cfg.Listen: RDMA when asked for
 // (--transport rdma, failing with what is missing) or when auto finds a
 // usable port, else TCP; mem is the arena, registered once with the NIC.
 func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte, log zerolog.Logger) (*dataPlane, error) {
-	tc := tcp.Config{
+	pc := peerport.Config{
 		Addr: cfg.Listen, Sink: sink, Instance: instance,
 		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Bytes()),
 		// The peer port rate-limits what a remote party can make it log.
@@ -44,12 +51,12 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 		if err != nil {
 			return nil, fmt.Errorf("--peer-secret-file: %w", err)
 		}
-		tc.Secret = secret
+		pc.Secret = secret
 		log.Info().Str("peer_secret_file", cfg.PeerSecretFile).Msg("peer authentication on: peers must prove they hold the same secret")
 	}
 	dp := &dataPlane{reason: "--transport tcp"}
 	if cfg.Transport != config.TransportTCP {
-		err := dp.openRDMA(cfg, tc, mem, log)
+		err := dp.openRDMA(cfg, pc, mem, log)
 		if err != nil && cfg.Transport == config.TransportRDMA {
 			return nil, fmt.Errorf("--transport rdma: %w; run with --transport auto or tcp to go without RDMA", err)
 		}
@@ -58,7 +65,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 		}
 	}
 	if dp.tr == nil {
-		tr, err := tcp.Listen(tc)
+		tr, err := tcp.Listen(pc)
 		if err != nil {
 			return nil, fmt.Errorf("peer port %s: %w", cfg.Listen, err)
 		}
@@ -71,7 +78,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 
 // openRDMA discovers the NICs, chooses a port and GID, and starts the
 // RDMA transport over them.
-func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog.Logger) error {
+func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem []byte, log zerolog.Logger) error {
 	inv, err := rdma.Discover()
 	dp.nics = &api.RDMAStatus{NICs: append([]api.NIC{}, inv.NICs...), Why: inv.Why}
 	if err != nil {
@@ -87,16 +94,29 @@ func (dp *dataPlane) openRDMA(cfg Config, tc tcp.Config, mem []byte, log zerolog
 	infof := func(format string, args ...any) {
 		log.Info().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 	}
-	rt, err := rdma.Listen(rdma.Config{TCP: tc, Memory: mem, PerSend: cfg.RDMARegistration == api.RegistrationPerSend, Infof: infof, MooncakeMTU: cfg.MooncakeMTU}, choice)
+	rt, err := rdma.Listen(rdma.Config{Peer: pc, TCP: overTCP, Memory: mem, PerSend: cfg.RDMARegistration == api.RegistrationPerSend}, choice)
 	if err != nil {
 		return err
 	}
 	dp.tr, dp.rdma, dp.reg = rt, rt, rt.Registration()
+	dp.mooncake = mooncake.NewEndpoints(rt, mooncake.EndpointConfig{MTU: cfg.MooncakeMTU, Infof: infof})
 	dp.nics.Chosen = &choice
 	dp.reason = fmt.Sprintf("--transport %s: %s port %d (%s), GID %d %s: %s", cfg.Transport, choice.Device, choice.Port,
 		choice.LinkLayer, choice.GIDIndex, choice.GID, choice.Why)
 	return nil
 }
+
+// close closes the Mooncake endpoints, whose queue pairs are the
+// transport's, then the transport.
+func (dp *dataPlane) close() error {
+	if dp.mooncake != nil {
+		dp.mooncake.Close()
+	}
+	return dp.tr.Close()
+}
+
+// overTCP serves the peers without RDMA on the RDMA transport's port.
+func overTCP(p *peerport.Port) rdma.Fallback { return tcp.Over(p) }
 
 // advertisedIP is the address peers reach this daemon on, which picks
 // the RoCE GID: the --advertise or --listen host, or for a wildcard the
@@ -200,10 +220,4 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 			Name: "ferry_failed_receives_total",
 			Help: "Granted RDMA writes the receiver gave up on (a receive completed in error, a rejected completion, the lane closing first), each closing its lane; never delivered.",
 		}, func() float64 { return float64(stats().Failed) })}
-}
-
-// sharedMR reports whether a write from src needs no registration of its
-// own: true on transports that register nothing.
-func (dp *dataPlane) sharedMR(src []byte) bool {
-	return dp.rdma == nil || dp.rdma.SharedMR(src)
 }

@@ -1,8 +1,9 @@
 // Package mooncake speaks the wire protocol of Mooncake's Transfer Engine
 // (kvcache-ai/Mooncake), so ferryd can write into Mooncake segments and
 // serve as one: the handshake on the RPC port (framing, segment
-// descriptor, metadata/probe/notify and the seam for the RDMA QP setup),
-// and the TCP transport's data plane (header, v2 status word). It is
+// descriptor, metadata/probe/notify), the TCP transport's data plane
+// (header, v2 status word), and the RDMA transport's endpoints (their
+// QP setup and table, over queue pairs package rdma makes: Verbs). It is
 // written from the facts in the protocol notes, not from Mooncake's code.
 //
 // Handshake framing, one request and one reply per connection:

@@ -6,32 +6,14 @@ import (
 	"fmt"
 	"net"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/mooncake/mooncaketest"
+	"github.com/ferry-project/ferry/transport/transporttest"
 )
-
-// lines collects log lines.
-type lines struct {
-	mu  sync.Mutex
-	got []string
-}
-
-func (l *lines) logf(format string, args ...any) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.got = append(l.got, fmt.Sprintf(format, args...))
-}
-
-func (l *lines) all() []string {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	return append([]string(nil), l.got...)
-}
 
 // TestDataPortKeepsPooledConnections: no timer closes a data connection
 // idle between requests (a Mooncake connection pool reuses them); only
@@ -43,9 +25,9 @@ func TestDataPortKeepsPooledConnections(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var debug lines
+	var debug transporttest.Logs
 	srv := mooncake.ServeData(ln, p, mooncake.DataConfig{
-		Limits: connlimit.Limits{Total: 3, PerSource: 3}, HandshakeTimeout: 100 * time.Millisecond, Debugf: debug.logf, Logf: t.Logf,
+		Limits: connlimit.Limits{Total: 3, PerSource: 3}, HandshakeTimeout: 100 * time.Millisecond, Debugf: debug.Logf, Logf: t.Logf,
 	})
 	defer srv.Close()
 	data := srv.Addr().String()
@@ -111,13 +93,13 @@ func TestDataPortKeepsPooledConnections(t *testing.T) {
 		t.Fatalf("port stats %+v: want 2 evicted, 3 open", st)
 	}
 	found := 0
-	for _, line := range debug.all() {
+	for _, line := range debug.Lines() {
 		if strings.Contains(line, "mooncake data port: closed an idle connection from 127.0.0.") {
 			found++
 		}
 	}
 	if found != 2 {
-		t.Fatalf("debug lines %q: want one per connection closed to make room", debug.all())
+		t.Fatalf("debug lines %q: want one per connection closed to make room", debug.Lines())
 	}
 }
 
@@ -129,13 +111,13 @@ func TestNotifyWarningsAreLimited(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	var warn lines
+	var warn transporttest.Logs
 	srv := mooncake.Serve(ln, mooncake.Handlers{
 		Segment: func() *mooncake.Segment { return &mooncake.Segment{} },
 		Notify: func(net.Addr, mooncake.NotifyDesc) error {
 			return fmt.Errorf("completed no receive slot")
 		},
-	}, mooncake.ServerConfig{Logf: warn.logf})
+	}, mooncake.ServerConfig{Logf: warn.Logf})
 	long := strings.Repeat("9", 64<<10)
 	start := time.Now()
 	const flood = 50
@@ -147,7 +129,7 @@ func TestNotifyWarningsAreLimited(t *testing.T) {
 	elapsed := time.Since(start)
 	srv.Close()
 	logged, suppressed := 0, 0
-	for _, line := range warn.all() {
+	for _, line := range warn.Lines() {
 		var n int
 		if _, err := fmt.Sscanf(line, "mooncake: suppressed %d more lines", &n); err == nil {
 			suppressed += n

@@ -69,12 +69,7 @@ func Serve(ln net.Listener, h Handlers, cfg ServerConfig) *Server {
 	if cfg.ReceiveTimeout <= 0 {
 		cfg.ReceiveTimeout = HandshakeTimeout
 	}
-	if cfg.Limits.Total <= 0 {
-		cfg.Limits.Total = DefaultServerLimits.Total
-	}
-	if cfg.Limits.PerSource <= 0 {
-		cfg.Limits.PerSource = DefaultServerLimits.PerSource
-	}
+	cfg.Limits = cfg.Limits.Or(DefaultServerLimits)
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}

@@ -34,10 +34,9 @@ type RDMAWrite struct {
 }
 
 // RDMAWriter carries writes into segments whose descriptor says protocol
-// "rdma": the connection handshake and plain RDMA WRITEs (package rdma's
-// Transport).
+// "rdma": the connection handshake and plain RDMA WRITEs (Endpoints).
 type RDMAWriter interface {
-	WriteMooncake(ctx context.Context, w RDMAWrite) error
+	WriteRDMA(ctx context.Context, w RDMAWrite) (transport.Report, error)
 }
 
 // RPCAddr returns the handshake address of a "mooncake://host:port"
@@ -164,19 +163,19 @@ func (s *Session) refresh(ctx context.Context) (*Segment, error) {
 // place on Mooncake's wire). A range outside every buffer of the segment,
 // even after fetching its descriptor again, is a Refusal naming the
 // range and the buffers.
-func (s *Session) Write(ctx context.Context, w transport.Write) error {
+func (s *Session) Write(ctx context.Context, w transport.Write) (transport.Report, error) {
 	if s.ctx.Err() != nil {
-		return fmt.Errorf("mooncake write to %s: %w", s.peer, transport.ErrClosed)
+		return transport.Report{}, fmt.Errorf("mooncake write to %s: %w", s.peer, transport.ErrClosed)
 	}
 	n := uint64(len(w.Src))
 	seg := s.segment()
 	if _, ok := seg.Buffer(w.Remote, n); !ok {
 		var err error
 		if seg, err = s.refresh(ctx); err != nil {
-			return fmt.Errorf("mooncake write to %s: the range is outside the cached descriptor, and fetching it again failed: %w", s.peer, err)
+			return transport.Report{}, fmt.Errorf("mooncake write to %s: the range is outside the cached descriptor, and fetching it again failed: %w", s.peer, err)
 		}
 		if _, ok := seg.Buffer(w.Remote, n); !ok {
-			return &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf(
+			return transport.Report{}, &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf(
 				"[%#x, %#x) (%d bytes) lies in none of the buffers of Mooncake segment %s: %s; use a buffer_address the receiver registered",
 				w.Remote, w.Remote+n, n, seg.Name, seg.DescribeBuffers())}
 		}
@@ -187,25 +186,31 @@ func (s *Session) Write(ctx context.Context, w transport.Write) error {
 	defer stop()
 	if seg.Protocol == "rdma" {
 		tg, _, err := seg.RDMATarget(w.Remote, n)
+		var rep transport.Report
 		if err == nil {
-			err = s.d.RDMA.WriteMooncake(ctx, RDMAWrite{Self: s.d.Self.Name, RPC: s.rpc, Target: tg, Remote: w.Remote, Src: w.Src, QPs: s.d.QPs})
+			rep, err = s.d.RDMA.WriteRDMA(ctx, RDMAWrite{Self: s.d.Self.Name, RPC: s.rpc, Target: tg, Remote: w.Remote, Src: w.Src, QPs: s.d.QPs})
 		}
 		if err != nil {
-			return s.fail(ctx, err)
+			return transport.Report{}, s.fail(ctx, err)
 		}
-		return nil
+		return rep, nil
 	}
 	select {
 	case s.sem <- struct{}{}:
 	case <-ctx.Done():
-		return s.fail(ctx, fmt.Errorf("waiting for a data connection: %w", ctx.Err()))
+		return transport.Report{}, s.fail(ctx, fmt.Errorf("waiting for a data connection: %w", ctx.Err()))
 	}
 	defer func() { <-s.sem }()
-	err := Write(ctx, Request{Data: seg.DataAddr(s.rpc), Addr: w.Remote, Buf: w.Src, V2: seg.TCPProtoVersion >= 2, IOTimeout: s.d.IOTimeout})
-	if err != nil {
-		return s.fail(ctx, err)
+	v2 := seg.TCPProtoVersion >= 2
+	if err := Write(ctx, Request{Data: seg.DataAddr(s.rpc), Addr: w.Remote, Buf: w.Src, V2: v2, IOTimeout: s.d.IOTimeout}); err != nil {
+		return transport.Report{}, s.fail(ctx, err)
 	}
-	return nil
+	// The header, and in v2 the status word.
+	rep := transport.Report{Messages: 1}
+	if v2 {
+		rep.Messages = 2
+	}
+	return rep, nil
 }
 
 func (s *Session) fail(ctx context.Context, err error) error {

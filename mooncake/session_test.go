@@ -62,18 +62,23 @@ func TestSessionWritesByteExactV1AndV2(t *testing.T) {
 		}
 		var wg sync.WaitGroup
 		errs := make([]error, 4)
+		reps := make([]transport.Report, 4)
 		for i := range errs {
 			wg.Add(1)
 			go func() {
 				defer wg.Done()
 				addr := p.Base() + uint64(i)*(2<<20)
-				errs[i] = s.Write(ctxT(t), transport.Write{Src: noise(2<<20-7, uint64(i)), Remote: addr})
+				reps[i], errs[i] = s.Write(ctxT(t), transport.Write{Src: noise(2<<20-7, uint64(i)), Remote: addr})
 			}()
 		}
 		wg.Wait()
 		for i, err := range errs {
 			if err != nil {
 				t.Fatalf("v%d write %d: %v", v, i, err)
+			}
+			// The header, and in v2 the status word; nothing registered.
+			if want := (transport.Report{Messages: v}); reps[i] != want {
+				t.Errorf("v%d write %d reported %+v, want %+v", v, i, reps[i], want)
 			}
 			if !bytes.Equal(p.Bytes(p.Base()+uint64(i)*(2<<20), 2<<20-7), noise(2<<20-7, uint64(i))) {
 				t.Fatalf("v%d write %d: bytes differ", v, i)
@@ -85,7 +90,7 @@ func TestSessionWritesByteExactV1AndV2(t *testing.T) {
 func TestSessionRefusesARangeOutsideTheBuffersNamingThem(t *testing.T) {
 	p := startPeer(t, mooncaketest.Config{BufferSize: 1 << 20})
 	s := dial(t, p)
-	err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 16), Remote: p.Base() + 1<<20 - 8})
+	_, err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 16), Remote: p.Base() + 1<<20 - 8})
 	var rf *transport.Refusal
 	if !errors.As(err, &rf) || rf.Code != transport.OutOfBounds {
 		t.Fatalf("want an out_of_bounds refusal, got %v", err)
@@ -105,7 +110,7 @@ func TestPeerRejectionIsReported(t *testing.T) {
 		p := startPeer(t, mooncaketest.Config{ProtoVersion: v, BufferSize: 1 << 20})
 		s := dial(t, p)
 		p.Unregister() // the cached descriptor still lists the buffer
-		err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 64<<10), Remote: p.Base()})
+		_, err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 64<<10), Remote: p.Base()})
 		if !mooncake.IsRejected(err) || transport.IsRefusal(err) {
 			t.Fatalf("v%d: want the peer's rejection, got %v", v, err)
 		}
@@ -129,7 +134,7 @@ func TestSessionFollowsARestartedPeer(t *testing.T) {
 	if _, ok := s.Segment().Buffer(addr, 4096); ok {
 		t.Skip("the new buffer overlaps the old one; the fetch-again path is not exercised")
 	}
-	if err := s.Write(ctxT(t), transport.Write{Src: data, Remote: addr}); err != nil {
+	if _, err := s.Write(ctxT(t), transport.Write{Src: data, Remote: addr}); err != nil {
 		t.Fatal(err)
 	}
 	if !bytes.Equal(p2.Bytes(addr, 4096), data) {
@@ -144,7 +149,7 @@ func TestClosedSessionFailsWithErrClosed(t *testing.T) {
 	p := startPeer(t, mooncaketest.Config{})
 	s := dial(t, p)
 	s.Close()
-	if err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 8), Remote: p.Base()}); !errors.Is(err, transport.ErrClosed) {
+	if _, err := s.Write(ctxT(t), transport.Write{Src: make([]byte, 8), Remote: p.Base()}); !errors.Is(err, transport.ErrClosed) {
 		t.Fatalf("got %v", err)
 	}
 }

@@ -73,12 +73,7 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	if cfg.MaxSize == 0 {
 		cfg.MaxSize = 1 << 36
 	}
-	if cfg.Limits.Total <= 0 {
-		cfg.Limits.Total = DefaultDataLimits.Total
-	}
-	if cfg.Limits.PerSource <= 0 {
-		cfg.Limits.PerSource = DefaultDataLimits.PerSource
-	}
+	cfg.Limits = cfg.Limits.Or(DefaultDataLimits)
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}

@@ -11,7 +11,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // Benchmarks of the real verbs path. test/rxevm runs them in the
@@ -72,8 +72,8 @@ func newRig(b *testing.B, size int, perSend bool) *rig {
 		src[i] = byte(i * 7)
 	}
 	sink := &benchSink{mem: mapT(b, *lanes*size)}
-	tx := listenT(b, nil, Config{TCP: tcp.Config{MaxConnsPerPeer: *lanes}, Memory: src, PerSend: perSend})
-	rx := listenT(b, nil, Config{TCP: tcp.Config{Sink: sink}, Memory: sink.mem, PerSend: perSend})
+	tx := listenT(b, nil, Config{Peer: peer.Config{MaxConnsPerPeer: *lanes}, Memory: src, PerSend: perSend})
+	rx := listenT(b, nil, Config{Peer: peer.Config{Sink: sink}, Memory: sink.mem, PerSend: perSend})
 	s, err := tx.Dial(context.Background(), rx.Addr().String())
 	if err != nil {
 		b.Fatal(err)
@@ -128,7 +128,7 @@ func (r *rig) writeN(b *testing.B, size, total int, wrote []bool) {
 					return
 				}
 				w := transport.Write{Src: r.src, Remote: uint64(i % *lanes * size), Tag: uint32(i)}
-				if err := r.sess.Write(context.Background(), w); err != nil {
+				if _, err := r.sess.Write(context.Background(), w); err != nil {
 					errs <- err
 					return
 				}

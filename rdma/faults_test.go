@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -121,7 +121,7 @@ type faultPair struct {
 	slots    *transporttest.Slots
 	tx, rx   *Transport
 	txh, rxh *hook
-	logs     *logLines
+	logs     *transporttest.Logs
 	s        transport.Session
 	nextAddr uint64
 	tags     uint32
@@ -129,13 +129,13 @@ type faultPair struct {
 
 func newFaultPair(t *testing.T, size int) *faultPair {
 	t.Helper()
-	p := &faultPair{f: newFabric(), src: mapT(t, size), slots: mappedSlots(t, 4*size), txh: &hook{}, rxh: &hook{}, logs: &logLines{}}
+	p := &faultPair{f: newFabric(), src: mapT(t, size), slots: mappedSlots(t, 4*size), txh: &hook{}, rxh: &hook{}, logs: &transporttest.Logs{}}
 	// Every byte non-zero: a landed byte shows.
 	for i := range p.src {
 		p.src[i] = byte(i%251) + 1
 	}
 	p.tx = listenHooked(t, p.f, Config{Memory: p.src}, p.txh)
-	p.rx = listenHooked(t, p.f, Config{TCP: tcp.Config{Sink: p.slots, Logf: p.logs.logf}, Memory: p.slots.Mem}, p.rxh)
+	p.rx = listenHooked(t, p.f, Config{Peer: peer.Config{Sink: p.slots, Logf: p.logs.Logf}, Memory: p.slots.Mem}, p.rxh)
 	p.dial(t)
 	return p
 }
@@ -163,7 +163,8 @@ func (p *faultPair) slot(n int) transport.Write {
 }
 
 func (p *faultPair) write(t *testing.T, w transport.Write) error {
-	return p.s.Write(ctxFor(t, 60*time.Second), w)
+	_, err := p.s.Write(ctxFor(t, 60*time.Second), w)
+	return err
 }
 
 // landed checks that w was delivered once, byte-exact.
@@ -237,11 +238,9 @@ func (p *faultPair) waitLanded(t *testing.T, addr uint64, want []byte) {
 	}
 }
 
-// each logs what the receiver logged so far.
-func (l *logLines) each(t *testing.T) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	for _, line := range l.lines {
+// logEach logs what the receiver logged so far.
+func logEach(t *testing.T, l *transporttest.Logs) {
+	for _, line := range l.Lines() {
 		t.Logf("receiver: %s", line)
 	}
 }
@@ -314,12 +313,12 @@ func TestPeerQPFailsMidStream(t *testing.T) {
 			case c.name == "Destroyed" && statusIn(err.Error()) == "" && !strings.Contains(err.Error(), "closed the control connection"):
 				t.Fatalf("%v; want the verbs status or the closed control connection", err)
 			}
-			t.Logf("after %d bytes placed, in %s: %v (ret %q)", half, took.Round(time.Millisecond), err, StatusName(err))
+			t.Logf("after %d bytes placed, in %s: %v (ret %q)", half, took.Round(time.Millisecond), err, transport.StatusName(err))
 			p.undelivered(t, w)
 			if c.logs {
-				p.logs.wait(t, "rdma: lane from", "tagged", "WR_FLUSH_ERR")
+				p.logs.Wait(t, "rdma: lane from", "tagged", "WR_FLUSH_ERR")
 			}
-			p.logs.each(t)
+			logEach(t, p.logs)
 			p.waitAccepted(t, 0)
 			if st := p.rx.Stats(); st.Failed != 1 {
 				t.Errorf("receiver stats %+v, want the failed write counted", st)
@@ -371,7 +370,7 @@ func TestInvalidRKey(t *testing.T) {
 	})
 	err := p.write(t, w)
 	close(gate)
-	if name := StatusName(err); name != "REM_ACCESS_ERR" {
+	if name := transport.StatusName(err); name != "REM_ACCESS_ERR" {
 		t.Fatalf("write under a wrong rkey: %v (ret %q); want REM_ACCESS_ERR", err, name)
 	}
 	t.Logf("write under a wrong rkey: %v", err)
@@ -379,12 +378,12 @@ func TestInvalidRKey(t *testing.T) {
 	if !isZero(p.slots.Mem[w.Remote : w.Remote+size]) {
 		t.Error("a write the receiver's NIC refused changed the slot")
 	}
-	p.logs.wait(t, "rdma: lane from", "receive completed with", "tagged")
+	p.logs.Wait(t, "rdma: lane from", "receive completed with", "tagged")
 	p.waitAccepted(t, 0)
 	if st := p.rx.Stats(); st.Failed != 1 || st.Rejected != 0 {
 		t.Errorf("receiver stats %+v, want the failed write counted, and no completion rejected", st)
 	}
-	p.logs.each(t)
+	logEach(t, p.logs)
 
 	// Both sides go on, on new lanes of the same session.
 	if err := p.write(t, w); err != nil {

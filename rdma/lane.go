@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // busyPoll is how long a CQ is polled before its completion channel is
@@ -83,7 +83,7 @@ type lane struct {
 	answers  chan answer
 	dead     chan struct{}
 	ansErr   error
-	lastWord reply // a reply with flagFailed: why the receiver gave up
+	lastWord peer.Reply // a reply with flagFailed: why the receiver gave up
 
 	// The sender's bounce buffer, mapped and registered on first use.
 	bounce    []byte
@@ -304,7 +304,7 @@ func (l *lane) unroute(seq uint32) {
 
 // answer is a receiver's reply on a dialed lane, with its grant.
 type answer struct {
-	reply
+	peer.Reply
 	grant grant
 }
 
@@ -314,7 +314,7 @@ type answer struct {
 func (l *lane) readAnswers() {
 	defer close(l.dead)
 	// Buffered: a reply and its grant usually come in one read.
-	in := bufio.NewReaderSize(l.ctrl, tcp.ReplySize+tcp.MaxMessage+grantSize)
+	in := bufio.NewReaderSize(l.ctrl, peer.ReplySize+peer.MaxMessage+grantSize)
 	for {
 		var gb [grantSize]byte
 		r, err := readReply(in, gb[:])
@@ -322,12 +322,12 @@ func (l *lane) readAnswers() {
 			l.ansErr = err
 			return
 		}
-		if r.flags&flagFailed != 0 {
+		if r.Flags&flagFailed != 0 {
 			l.lastWord = r
 			return
 		}
-		a := answer{reply: r}
-		if r.code == transport.OK {
+		a := answer{Reply: r}
+		if r.Code == transport.OK {
 			a.grant.decode(&gb)
 		}
 		select {

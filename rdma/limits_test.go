@@ -8,7 +8,7 @@ import (
 
 	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -32,9 +32,9 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 // failing.
 func TestIdleLaneReapedSenderRedials(t *testing.T) {
 	f := newFabric()
-	var debug logLines
+	var debug transporttest.Logs
 	slots := mappedSlots(t, 1<<16)
-	rx := listenT(t, f, Config{Memory: slots.Mem, TCP: tcp.Config{Sink: slots, IdleTimeout: 200 * time.Millisecond, Debugf: debug.logf}})
+	rx := listenT(t, f, Config{Memory: slots.Mem, Peer: peer.Config{Sink: slots, IdleTimeout: 200 * time.Millisecond, Debugf: debug.Logf}})
 	tx := listenT(t, f, Config{Memory: mapT(t, 4096)})
 	fake, _ := rx.nic.(*fakeNIC)
 	opened := func() int {
@@ -54,7 +54,7 @@ func TestIdleLaneReapedSenderRedials(t *testing.T) {
 	for i := range 2 {
 		addr := uint64(i * 4096)
 		w := transport.Write{Src: tx.cfg.Memory[:100], Remote: addr, Key: slots.Add(addr, 100), Tag: uint32(0x100 + i)}
-		if err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
+		if _, err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 		if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
@@ -63,7 +63,7 @@ func TestIdleLaneReapedSenderRedials(t *testing.T) {
 		if i > 0 {
 			break
 		}
-		debug.wait(t, "rdma: closed the lane from", "no write for 200ms")
+		debug.Wait(t, "rdma: closed the lane from", "no write for 200ms")
 		waitFor(t, "the idle lane's end", func() bool {
 			rx.mu.Lock()
 			defer rx.mu.Unlock()
@@ -73,7 +73,7 @@ func TestIdleLaneReapedSenderRedials(t *testing.T) {
 			waitFor(t, "the idle lane's queue pair destroyed", func() bool { return opened() == before })
 		}
 	}
-	if st := rx.tcp.PortStats(); st.Idle != 1 {
+	if st := rx.PortStats(); st.Idle != 1 {
 		t.Fatalf("port stats %+v: want one lane closed idle", st)
 	}
 }
@@ -106,7 +106,7 @@ func TestLaneClosedUnderAHeaderIsRetried(t *testing.T) {
 	f := newFabric()
 	slots := mappedSlots(t, 1<<16)
 	sink := &closingSink{Slots: slots}
-	rx := listenT(t, f, Config{Memory: slots.Mem, TCP: tcp.Config{Sink: sink}})
+	rx := listenT(t, f, Config{Memory: slots.Mem, Peer: peer.Config{Sink: sink}})
 	sink.rx = rx
 	tx := listenT(t, f, Config{Memory: mapT(t, 4096)})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
@@ -118,7 +118,7 @@ func TestLaneClosedUnderAHeaderIsRetried(t *testing.T) {
 		addr := uint64(i * 4096)
 		w := transport.Write{Src: tx.cfg.Memory[:64], Remote: addr, Key: slots.Add(addr, 64), Tag: uint32(0x200 + i)}
 		sink.armed.Store(i == 1)
-		if err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
+		if _, err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 		if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
@@ -140,7 +140,7 @@ func TestLaneClosedUnderAHeaderIsRetried(t *testing.T) {
 func TestEvictedLaneRedials(t *testing.T) {
 	f := newFabric()
 	slots := mappedSlots(t, 1<<16)
-	rx := listenT(t, f, Config{Memory: slots.Mem, TCP: tcp.Config{Sink: slots, Limits: connlimit.Limits{Total: 1, PerSource: 1}}})
+	rx := listenT(t, f, Config{Memory: slots.Mem, Peer: peer.Config{Sink: slots, Limits: connlimit.Limits{Total: 1, PerSource: 1}}})
 	tx := listenT(t, f, Config{Memory: mapT(t, 4096)})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
@@ -151,7 +151,7 @@ func TestEvictedLaneRedials(t *testing.T) {
 		t.Helper()
 		addr := uint64(i * 4096)
 		w := transport.Write{Src: tx.cfg.Memory[:32], Remote: addr, Key: slots.Add(addr, 32), Tag: uint32(0x300 + i)}
-		if err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
+		if _, err := s.Write(ctxFor(t, 30*time.Second), w); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 		if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
@@ -175,7 +175,7 @@ func TestEvictedLaneRedials(t *testing.T) {
 	if _, err := stranger.Read(make([]byte, 1)); err == nil {
 		t.Fatal("the stranger's connection was not closed for the peer's new lane")
 	}
-	if st := rx.tcp.PortStats(); st.Evicted != 2 {
+	if st := rx.PortStats(); st.Evicted != 2 {
 		t.Fatalf("port stats %+v: want 2 evictions (the lane, then the stranger)", st)
 	}
 }

@@ -52,8 +52,8 @@ import "C"
 import "fmt"
 
 // mooncakeQP is a queue pair that can connect the way Mooncake's RDMA
-// transport does: the verbs QP, and the fake NIC's for the endpoint
-// table's logic; the real exchange runs in the soft-RoCE VM.
+// transport does: the verbs QP, and the fake NIC's (mcqp_test.go); the
+// real exchange runs in the soft-RoCE VM.
 type mooncakeQP interface {
 	connectMooncake(remote endpoint) error
 }

@@ -5,6 +5,8 @@ import (
 	"unsafe"
 
 	"golang.org/x/sys/unix"
+
+	"github.com/ferry-project/ferry/transport"
 )
 
 // Memory the NIC touches is never Go heap memory (the collector owns it
@@ -60,15 +62,38 @@ type source struct {
 	reg  region // fromPerSend: the registration to drop after the write
 }
 
+// kindOf says how src reaches the NIC.
+func (t *Transport) kindOf(src []byte) sourceKind {
+	switch {
+	case len(src) == 0 || t.shared != nil && within(t.cfg.Memory, src):
+		return fromShared
+	case within(t.cfg.Memory, src):
+		return fromPerSend
+	}
+	return fromBounce
+}
+
+// report is what a write of n bytes from a source of kind k takes.
+func (k sourceKind) report(n int) transport.Report {
+	switch k {
+	case fromShared:
+		return transport.Report{Registration: transport.RegisteredShared}
+	case fromPerSend:
+		return transport.Report{Registration: transport.RegisteredPerSend}
+	}
+	return transport.Report{Registration: transport.RegisteredNone, Copied: int64(n)}
+}
+
 // source finds how src reaches the NIC, registering it when it lies in
 // the declared memory without a shared registration.
 func (t *Transport) source(src []byte) (source, error) {
-	switch {
-	case len(src) == 0:
-		return source{kind: fromShared}, nil
-	case t.shared != nil && within(t.cfg.Memory, src):
+	switch t.kindOf(src) {
+	case fromShared:
+		if len(src) == 0 {
+			return source{kind: fromShared}, nil
+		}
 		return source{kind: fromShared, lkey: t.shared.LKey()}, nil
-	case within(t.cfg.Memory, src):
+	case fromPerSend:
 		reg, err := t.nic.Register(src)
 		if err != nil {
 			return source{}, fmt.Errorf("per-send registration of %d bytes: %w", len(src), err)

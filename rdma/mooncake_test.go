@@ -12,6 +12,7 @@ import (
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/mooncake/mooncaketest"
 	"github.com/ferry-project/ferry/rdma"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // These run where an RDMA device exists (the soft-RoCE VM): two Mooncake
@@ -97,7 +98,7 @@ func TestMooncakeRDMARemoteAccessError(t *testing.T) {
 	}
 	end := tg.Buffer.Addr + tg.Buffer.Length
 	err = a.WriteRawRDMA(ctx, b.Name(), tg, end-100, random(4096))
-	if rdma.StatusName(err) != "REM_ACCESS_ERR" {
+	if transport.StatusName(err) != "REM_ACCESS_ERR" {
 		t.Fatalf("a write across the end of B's registration: %v, want REM_ACCESS_ERR", err)
 	}
 	if !strings.Contains(err.Error(), "4096 bytes") || !strings.Contains(err.Error(), "@") {

@@ -9,7 +9,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -27,8 +27,8 @@ func TestLaneCarriesSeveralWrites(t *testing.T) {
 	slots := mappedSlots(t, n*size)
 	accepted := make(chan struct{}, n)
 	sink := &watch{Slots: slots, accepted: accepted}
-	tx := listenT(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1}, Memory: src})
-	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: sink}, Memory: slots.Mem})
+	tx := listenT(t, f, Config{Peer: peer.Config{MaxConnsPerPeer: 1}, Memory: src})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: sink}, Memory: slots.Mem})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -48,7 +48,10 @@ func TestLaneCarriesSeveralWrites(t *testing.T) {
 			part[j] = byte(j*7 + i)
 		}
 		w := transport.Write{Src: part, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(100 + i)}
-		go func() { res <- s.Write(ctxFor(t, 60*time.Second), w) }()
+		go func() {
+			_, err := s.Write(ctxFor(t, 60*time.Second), w)
+			res <- err
+		}()
 	}
 	if hold {
 		for i := range flyingMax + 1 {
@@ -103,8 +106,8 @@ func TestWriteCompletedAtPostArmsNothing(t *testing.T) {
 	const size, n = 4096, 32
 	src := mapT(t, size)
 	slots := mappedSlots(t, n*size)
-	tx := listenFake(t, f, testConfig(t, Config{TCP: tcp.Config{MaxConnsPerPeer: 1}, Memory: src}))
-	rx := listenFake(t, f, testConfig(t, Config{TCP: tcp.Config{Sink: slots}, Memory: slots.Mem}))
+	tx := listenFake(t, f, testConfig(t, Config{Peer: peer.Config{MaxConnsPerPeer: 1}, Memory: src}))
+	rx := listenFake(t, f, testConfig(t, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem}))
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -113,7 +116,10 @@ func TestWriteCompletedAtPostArmsNothing(t *testing.T) {
 	res := make(chan error, n)
 	for i := range n {
 		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(100 + i)}
-		go func() { res <- s.Write(ctxFor(t, 60*time.Second), w) }()
+		go func() {
+			_, err := s.Write(ctxFor(t, 60*time.Second), w)
+			res <- err
+		}()
 	}
 	for range n {
 		if err := <-res; err != nil {
@@ -137,10 +143,10 @@ func TestWriteCompletedAtPostArmsNothing(t *testing.T) {
 func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	f := newFabric()
 	slots := mappedSlots(t, 1<<20)
-	var logs logLines
+	var logs transporttest.Logs
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
-	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.Logf}, Memory: slots.Mem})
 	l, _, region, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -152,7 +158,7 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	logs.wait(t, "rejected a completion with no write granted", "immediate 0x33")
+	logs.Wait(t, "rejected a completion with no write granted", "immediate 0x33")
 	if got := rx.Stats().Rejected; got != 1 {
 		t.Errorf("rejected completions counted: %d, want 1", got)
 	}
@@ -171,8 +177,8 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 // end calls too (a failing check lets the held work go first).
 func heldLane(t *testing.T, f *fabric, src []byte, sink transport.Sink, mem []byte, logf func(string, ...any)) (s transport.Session, rx *Transport, release func()) {
 	t.Helper()
-	tx := listenFake(t, f, Config{TCP: tcp.Config{MaxConnsPerPeer: 1, Logf: logf}, Memory: src})
-	rx = listenFake(t, f, Config{TCP: tcp.Config{Sink: sink, Logf: t.Logf}, Memory: mem})
+	tx := listenFake(t, f, Config{Peer: peer.Config{MaxConnsPerPeer: 1, Logf: logf}, Memory: src})
+	rx = listenFake(t, f, Config{Peer: peer.Config{Sink: sink, Logf: t.Logf}, Memory: mem})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -198,7 +204,10 @@ func TestCanceledWriteInFlightSparesItsLane(t *testing.T) {
 	write := func(ctx context.Context, i int) chan error {
 		res := make(chan error, 1)
 		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
-		go func() { res <- s.Write(ctx, w) }()
+		go func() {
+			_, err := s.Write(ctx, w)
+			res <- err
+		}()
 		select {
 		case <-accepted:
 		case <-time.After(30 * time.Second):
@@ -264,7 +273,10 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 
 	flying := make(chan error, 1)
 	w1 := transport.Write{Src: src, Remote: 0, Key: slots.Add(0, size), Tag: 1}
-	go func() { flying <- s.Write(ctxFor(t, 30*time.Second), w1) }()
+	go func() {
+		_, err := s.Write(ctxFor(t, 30*time.Second), w1)
+		flying <- err
+	}()
 	select {
 	case <-accepted:
 	case <-time.After(30 * time.Second):
@@ -276,7 +288,10 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 	defer cancel()
 	canceled := make(chan error, 1)
 	w2 := transport.Write{Src: src, Remote: size, Key: slots.Add(size, size), Tag: 2}
-	go func() { canceled <- s.Write(ctx, w2) }()
+	go func() {
+		_, err := s.Write(ctx, w2)
+		canceled <- err
+	}()
 	select {
 	case <-sink.reached:
 	case <-time.After(30 * time.Second):
@@ -297,7 +312,7 @@ func TestCanceledWaitForGrantSparesFlyingWrites(t *testing.T) {
 	answer()
 	// The grant made for the canceled write ends with its lane.
 	onlyFlyingLanded(t, flying, slots, "which posted nothing")
-	if err := s.Write(ctxFor(t, 30*time.Second), w2); err != nil {
+	if _, err := s.Write(ctxFor(t, 30*time.Second), w2); err != nil {
 		t.Fatalf("resending the canceled write: %v", err)
 	}
 	if err := slots.Wait(ctxFor(t, 30*time.Second), 2); err != nil {
@@ -330,7 +345,10 @@ func TestCanceledHeldWriteSparesItsLane(t *testing.T) {
 	write := func(ctx context.Context, i int) chan error {
 		res := make(chan error, 1)
 		w := transport.Write{Src: src, Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(i + 1)}
-		go func() { res <- s.Write(ctx, w) }()
+		go func() {
+			_, err := s.Write(ctx, w)
+			res <- err
+		}()
 		for _, c := range []chan struct{}{accepted, f.posted} {
 			select {
 			case <-c:
@@ -386,12 +404,15 @@ func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
 	outside := mapT(t, big) // not the transport's memory: copied through the bounce ring, bounceSlots messages at a time
 	slots := mappedSlots(t, small+big)
 	accepted := make(chan struct{}, 2)
-	var logs logLines
-	s, _, release := heldLane(t, f, src, &watch{Slots: slots, accepted: accepted}, slots.Mem, logs.logf)
+	var logs transporttest.Logs
+	s, _, release := heldLane(t, f, src, &watch{Slots: slots, accepted: accepted}, slots.Mem, logs.Logf)
 	f.posted = make(chan struct{}, 2)
 	write := func(ctx context.Context, w transport.Write) chan error {
 		res := make(chan error, 1)
-		go func() { res <- s.Write(ctx, w) }()
+		go func() {
+			_, err := s.Write(ctx, w)
+			res <- err
+		}()
 		for _, c := range []chan struct{}{accepted, f.posted} {
 			select {
 			case <-c:
@@ -406,7 +427,7 @@ func TestCanceledPostingWriteSparesFlyingWrites(t *testing.T) {
 	posting := write(ctx, transport.Write{Src: outside, Remote: small, Key: slots.Add(small, big), Tag: 2})
 	cancel()
 	// Still on the wire, the flying write holds the lane together.
-	logs.wait(t, "canceled with 4 of its 5 messages posted", "once the writes flying on it (1) complete")
+	logs.Wait(t, "canceled with 4 of its 5 messages posted", "once the writes flying on it (1) complete")
 	release()
 	if err := <-posting; !errors.Is(err, context.Canceled) {
 		t.Fatalf("canceled write: %v, want context.Canceled", err)

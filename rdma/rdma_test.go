@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
@@ -81,24 +82,28 @@ func listenT(t testing.TB, f *fabric, cfg Config) *Transport {
 }
 
 // testConfig fills in what the tests leave out of cfg: a loopback port,
-// a Sink, the test's log, and timeouts long enough for the VM.
+// a Sink, the TCP fallback, the test's log, and timeouts long enough for
+// the VM.
 func testConfig(t testing.TB, cfg Config) Config {
-	if cfg.TCP.Addr == "" {
-		cfg.TCP.Addr = "127.0.0.1:0"
+	if cfg.TCP == nil {
+		cfg.TCP = overTCP
 	}
-	if cfg.TCP.Sink == nil {
-		cfg.TCP.Sink = transporttest.NewSlots(0)
+	if cfg.Peer.Addr == "" {
+		cfg.Peer.Addr = "127.0.0.1:0"
 	}
-	if cfg.TCP.Logf == nil {
-		cfg.TCP.Logf = t.Logf
+	if cfg.Peer.Sink == nil {
+		cfg.Peer.Sink = transporttest.NewSlots(0)
+	}
+	if cfg.Peer.Logf == nil {
+		cfg.Peer.Logf = t.Logf
 	}
 	// A loaded machine running the VM under TCG can take seconds for a
 	// handshake; the tests bound their own waits.
-	if cfg.TCP.HandshakeTimeout == 0 {
-		cfg.TCP.HandshakeTimeout = 30 * time.Second
+	if cfg.Peer.HandshakeTimeout == 0 {
+		cfg.Peer.HandshakeTimeout = 30 * time.Second
 	}
-	if cfg.TCP.IOTimeout == 0 {
-		cfg.TCP.IOTimeout = 30 * time.Second
+	if cfg.Peer.IOTimeout == 0 {
+		cfg.Peer.IOTimeout = 30 * time.Second
 	}
 	return cfg
 }
@@ -106,11 +111,14 @@ func testConfig(t testing.TB, cfg Config) Config {
 // listenFake is listenT on a fake NIC whatever the machine has.
 func listenFake(t testing.TB, f *fabric, cfg Config) *Transport {
 	t.Helper()
-	if cfg.TCP.Addr == "" {
-		cfg.TCP.Addr = "127.0.0.1:0"
+	if cfg.Peer.Addr == "" {
+		cfg.Peer.Addr = "127.0.0.1:0"
 	}
-	if cfg.TCP.Sink == nil {
-		cfg.TCP.Sink = transporttest.NewSlots(0)
+	if cfg.Peer.Sink == nil {
+		cfg.Peer.Sink = transporttest.NewSlots(0)
+	}
+	if cfg.TCP == nil {
+		cfg.TCP = overTCP
 	}
 	tr, err := listen(cfg, f.nic(1))
 	if err != nil {
@@ -119,6 +127,9 @@ func listenFake(t testing.TB, f *fabric, cfg Config) *Transport {
 	closeAtEnd(t, tr)
 	return tr
 }
+
+// overTCP is the daemon's TCP fallback: transport/tcp on the port.
+func overTCP(p *peer.Port) Fallback { return tcp.Over(p) }
 
 // closeAtEnd closes tr when t ends, failing t if Close reports a leak.
 func closeAtEnd(t testing.TB, tr *Transport) {
@@ -138,7 +149,7 @@ func ctxFor(t *testing.T, d time.Duration) context.Context {
 func TestConformance(t *testing.T) {
 	f := newFabric()
 	transporttest.Run(t, func(t *testing.T, sink transport.Sink) transport.Transport {
-		return listenT(t, f, Config{TCP: tcp.Config{Sink: sink}})
+		return listenT(t, f, Config{Peer: peer.Config{Sink: sink}})
 	})
 }
 
@@ -351,7 +362,7 @@ func TestRemoteReadRefused(t *testing.T) {
 	// the registration first refuses the access.
 	if c := lp.wait(t, lp.a); c.Status != wcRemInvReqErr && c.Status != wcRemAccessErr {
 		t.Fatalf("an RDMA READ of the peer's registered memory: completion %+v (%s), want REM_INV_REQ_ERR or REM_ACCESS_ERR",
-			c, StatusName(&CompletionError{Status: c.Status}))
+			c, c.Status.String())
 	}
 	if !isZero(lp.abuf) {
 		t.Error("a refused read brought the peer's bytes back")
@@ -378,7 +389,7 @@ func TestWrongRKey(t *testing.T) {
 			t.Errorf("%q does not say %q", msg, want)
 		}
 	}
-	if StatusName(fmt.Errorf("wrapped: %w", &CompletionError{Status: c.Status})) != "REM_ACCESS_ERR" {
+	if transport.StatusName(fmt.Errorf("wrapped: %w", &CompletionError{Status: c.Status})) != "REM_ACCESS_ERR" {
 		t.Error("StatusName does not find the status through wrapping")
 	}
 	if !isZero(lp.bbuf) {

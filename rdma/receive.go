@@ -11,7 +11,7 @@ import (
 
 	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // serveLane is the peer port's hook for RDMA control connections: it
@@ -19,7 +19,7 @@ import (
 // control connection ends, the lane idles for the idle timeout, the port
 // closes the connection to make room, or the transport closes.
 func (t *Transport) serveLane(c *connlimit.Conn, _ uint64) {
-	peer := c.RemoteAddr().String()
+	from := c.RemoteAddr().String()
 	quiet := func() bool { return c.Dropped() || t.isClosing() }
 	l, err := t.acceptLane(c.TCPConn)
 	if err != nil {
@@ -27,7 +27,7 @@ func (t *Transport) serveLane(c *connlimit.Conn, _ uint64) {
 			c.Closing(connlimit.ReasonTimeout)
 		}
 		if !quiet() {
-			t.tcp.Warnf("rdma: lane from %s: %v", peer, err)
+			t.port.Warnf("rdma: lane from %s: %v", from, err)
 		}
 		return
 	}
@@ -45,14 +45,14 @@ func (t *Transport) serveLane(c *connlimit.Conn, _ uint64) {
 		t.mu.Unlock()
 		l.close()
 	}()
-	r := receiver{t: t, l: l, c: c, peer: peer, hdrs: make(chan tcp.Header, 1), gone: make(chan struct{})}
+	r := receiver{t: t, l: l, c: c, gate: t.port.Gate("lane"), hdrs: make(chan peer.Header, 1), gone: make(chan struct{})}
 	err = r.run()
 	switch {
 	case err == errIdle:
 		c.Closing(connlimit.ReasonIdle)
-		t.debugf("rdma: closed the lane from %s and its queue pair: no write for %s", peer, t.cfg.TCP.IdleTimeout)
+		t.debugf("rdma: closed the lane from %s and its queue pair: no write for %s", from, t.cfg.Peer.IdleTimeout)
 	case err != nil && !quiet():
-		t.tcp.Warnf("rdma: lane from %s: %v", peer, err)
+		t.port.Warnf("rdma: lane from %s: %v", from, err)
 	}
 }
 
@@ -62,7 +62,7 @@ var errIdle = errors.New("idle")
 // acceptLane answers a dialer's connect: a new QP, receives posted,
 // connected to the dialer's QP, and described back.
 func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
-	c.SetDeadline(time.Now().Add(t.cfg.TCP.HandshakeTimeout))
+	c.SetDeadline(time.Now().Add(t.cfg.Peer.HandshakeTimeout))
 	var b [endpointSize]byte
 	if n, err := io.ReadFull(c, b[:]); err != nil {
 		return nil, fmt.Errorf("read %d of the %d-byte connect: %w", n, endpointSize, err)
@@ -124,18 +124,16 @@ type receiver struct {
 	t       *Transport
 	l       *lane
 	c       *connlimit.Conn // l.ctrl, and its place on the peer port
-	peer    string
-	hdrs    chan tcp.Header // from read
-	gone    chan struct{}   // closed by read when the control connection ends
-	readErr error           // why, set before gone closes; nil for a clean close
-	granted []granted       // outstanding, oldest first
-
-	unmatched int // headers refused for matching no slot
+	gate    *peer.Gate
+	hdrs    chan peer.Header // from read
+	gone    chan struct{}    // closed by read when the control connection ends
+	readErr error            // why, set before gone closes; nil for a clean close
+	granted []granted        // outstanding, oldest first
 }
 
 // granted is a write granted and not yet completed.
 type granted struct {
-	h    tcp.Header
+	h    peer.Header
 	tg   *target
 	done func(error)
 }
@@ -152,7 +150,7 @@ func (r *receiver) run() error {
 	go r.read()
 	gone, closing := r.gone, t.closing
 	var drained <-chan time.Time
-	idle := time.NewTimer(t.cfg.TCP.IdleTimeout)
+	idle := time.NewTimer(t.cfg.Peer.IdleTimeout)
 	defer idle.Stop()
 	for {
 		hdrs, stopping, idled := r.hdrs, closing, idle.C
@@ -210,7 +208,7 @@ func (r *receiver) run() error {
 			return r.fail(l.failure())
 		}
 		if len(r.granted) == 0 {
-			idle.Reset(t.cfg.TCP.IdleTimeout)
+			idle.Reset(t.cfg.Peer.IdleTimeout)
 		}
 	}
 }
@@ -220,15 +218,15 @@ func (r *receiver) run() error {
 // may grant another.
 func (r *receiver) read() {
 	defer close(r.gone)
-	var b [tcp.HeaderSize]byte
+	var b [peer.HeaderSize]byte
 	for {
 		if n, err := io.ReadFull(r.l.ctrl, b[:]); err != nil {
 			if n > 0 || err != io.EOF {
-				r.readErr = fmt.Errorf("read %d of a %d-byte write header: %w", n, tcp.HeaderSize, err)
+				r.readErr = fmt.Errorf("read %d of a %d-byte write header: %w", n, peer.HeaderSize, err)
 			}
 			return
 		}
-		var h tcp.Header
+		var h peer.Header
 		h.Decode(&b)
 		select {
 		case r.hdrs <- h:
@@ -239,32 +237,21 @@ func (r *receiver) read() {
 }
 
 func (r *receiver) reply(code transport.Code, flags uint16, msg string, body []byte) error {
-	r.l.ctrl.SetWriteDeadline(time.Now().Add(r.t.cfg.TCP.IOTimeout))
+	r.l.ctrl.SetWriteDeadline(time.Now().Add(r.t.cfg.Peer.IOTimeout))
 	return writeReply(r.l.ctrl, code, flags, msg, body)
 }
 
 // serve answers one header: a refusal, or a grant. An error ends the
 // lane.
-func (r *receiver) serve(h tcp.Header) error {
+func (r *receiver) serve(h peer.Header) error {
 	t := r.t
-	if h.Len > t.cfg.TCP.MaxWrite {
-		r.reply(transport.OutOfBounds, tcp.FlagClose, fmt.Sprintf("write of %d bytes exceeds this receiver's limit of %d bytes", h.Len, t.cfg.TCP.MaxWrite), nil)
-		return fmt.Errorf("refused a write of %d bytes (limit %d) and closed the lane", h.Len, t.cfg.TCP.MaxWrite)
-	}
-	dst, done, err := t.cfg.TCP.Sink.Accept(h.Addr, h.Len, h.Key, h.Tag)
-	if err == nil && uint64(len(dst)) != h.Len {
-		err = fmt.Errorf("sink gave %d bytes of memory for a %d-byte write", len(dst), h.Len)
-		done(err)
-	}
-	if err != nil {
-		code, msg := tcp.Refusal(err)
-		if code == transport.NoSlot {
-			if r.unmatched++; r.unmatched >= tcp.MaxUnmatched {
-				r.reply(code, tcp.FlagClose, msg, nil)
-				return tcp.ErrUnmatched
-			}
+	dst, done, no := r.gate.Admit(&h)
+	if no != nil {
+		if no.End != nil {
+			r.reply(no.Code, no.Flags(), no.Msg, nil)
+			return no.End
 		}
-		return r.reply(code, 0, msg, nil)
+		return r.reply(no.Code, 0, no.Msg, nil)
 	}
 	tg, err := t.target(dst)
 	if err != nil {
@@ -334,6 +321,6 @@ func (r *receiver) fail(err error) error {
 	if r.t.isClosing() {
 		code = transport.ShuttingDown
 	}
-	r.reply(code, tcp.FlagClose|flagFailed, err.Error(), nil)
+	r.reply(code, peer.FlagClose|flagFailed, err.Error(), nil)
 	return err
 }

@@ -4,16 +4,12 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand/v2"
-	"net"
-	"os"
-	"syscall"
 	"time"
 
 	"github.com/ferry-project/ferry/internal/pool"
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // Dial opens a session to the peer daemon at addr with one lane. A peer
@@ -24,15 +20,15 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, transport.ErrClosed)
 	}
 	l, instance, region, err := t.dialLane(ctx, addr)
-	if errors.Is(err, tcp.ErrNoRDMA) {
+	if errors.Is(err, peer.ErrNoRDMA) {
 		t.logf("rdma: %s serves no RDMA (it runs the tcp transport, or has no usable RDMA port): this session falls back to TCP", addr)
 		return t.tcp.Dial(ctx, addr)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, err)
 	}
-	s := &session{t: t, peer: addr, instance: instance, region: region}
-	s.pool = pool.New(t.cfg.TCP.MaxConnsPerPeer, s.open, func(l *lane) { l.close() })
+	s := &session{Session: peer.NewSession("rdma", "control connection", addr, instance, t.cfg.Peer.IOTimeout), t: t, region: region}
+	s.pool = pool.New(t.cfg.Peer.MaxConnsPerPeer, s.open, func(l *lane) { l.close() })
 	s.pool.Add(l)
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -47,7 +43,7 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 // dialLane opens a control connection to addr and connects a new QP over
 // it. It returns the peer's instance and what it says of its memory.
 func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instance uint64, _ peerRegion, err error) {
-	c, instance, err := t.tcp.DialRDMA(ctx, addr)
+	c, instance, err := t.port.Dial(ctx, addr, peer.KindRDMA)
 	if err != nil {
 		return nil, 0, peerRegion{}, err
 	}
@@ -62,7 +58,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 			c.Close()
 		}
 	}()
-	hctx, cancel := context.WithTimeout(ctx, t.cfg.TCP.HandshakeTimeout)
+	hctx, cancel := context.WithTimeout(ctx, t.cfg.Peer.HandshakeTimeout)
 	defer cancel()
 	stop := context.AfterFunc(hctx, func() { c.Close() })
 	deadline, _ := hctx.Deadline()
@@ -74,21 +70,15 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 	var b [endpointSize]byte
 	local.encode(b[:])
 	var ab [acceptSize]byte
-	var r reply
+	var r peer.Reply
 	if _, err = c.Write(b[:]); err == nil {
 		r, err = readReply(c, ab[:])
 	}
 	if err != nil {
-		if cerr := transport.ContextErr(ctx); cerr != nil {
-			return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w: %w", cerr, err)
-		}
-		if transport.ContextErr(hctx) != nil {
-			return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: no answer within %s: %w", t.cfg.TCP.HandshakeTimeout, err)
-		}
-		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", err)
+		return nil, 0, peerRegion{}, t.port.DialErr(ctx, hctx, "connecting a queue pair", err)
 	}
-	if r.code != transport.OK {
-		return nil, 0, peerRegion{}, fmt.Errorf("the peer could not open a lane (%s): %s", r.code, r.msg)
+	if r.Code != transport.OK {
+		return nil, 0, peerRegion{}, fmt.Errorf("the peer could not open a lane (%s): %s", r.Code, r.Msg)
 	}
 	var a accept
 	a.decode(&ab)
@@ -107,18 +97,11 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 // the pool may open more, and share them (one posting, several waiting
 // for their completions) once it is full.
 type session struct {
-	t        *Transport
-	peer     string
-	instance uint64
-	region   peerRegion // the peer's shared registration, from the connect
-	pool     *pool.Pool[*lane]
+	peer.Session
+	t      *Transport
+	region peerRegion // the peer's shared registration, from the connect
+	pool   *pool.Pool[*lane]
 }
-
-func (s *session) Transport() string { return "rdma" }
-
-func (s *session) Peer() string { return s.peer }
-
-func (s *session) PeerInstance() uint64 { return s.instance }
 
 // Close destroys every lane of the session; writes in flight fail.
 func (s *session) Close() error {
@@ -131,32 +114,27 @@ func (s *session) Close() error {
 
 // open dials one more lane, to the same peer process as the first.
 func (s *session) open(ctx context.Context) (*lane, error) {
-	l, instance, _, err := s.t.dialLane(ctx, s.peer)
-	if err == nil && instance != s.instance {
-		l.close()
-		err = fmt.Errorf("peer restarted (instance %#x, session opened with %#x); open a new session", instance, s.instance)
+	l, instance, _, err := s.t.dialLane(ctx, s.Peer())
+	if err != nil {
+		return nil, err
 	}
-	return l, err
+	if err := s.Restarted(instance); err != nil {
+		l.close()
+		return nil, err
+	}
+	return l, nil
 }
 
-func (s *session) Write(ctx context.Context, w transport.Write) error {
-	if s.pool.Closed() {
-		return fmt.Errorf("rdma write to %s: %w", s.peer, transport.ErrClosed)
-	}
-	if err := ctx.Err(); err != nil {
-		return fmt.Errorf("rdma write to %s: %w", s.peer, err)
+// Write carries w on a lane; its report says how the source reached the
+// NIC (memory.go).
+func (s *session) Write(ctx context.Context, w transport.Write) (transport.Report, error) {
+	if err := s.Begin(ctx, s.pool.Closed()); err != nil {
+		return transport.Report{}, err
 	}
 	for {
 		l, err := s.lane(ctx)
-		switch {
-		case err == pool.ErrClosed:
-			return fmt.Errorf("rdma write to %s: %w", s.peer, transport.ErrClosed)
-		case errors.Is(err, pool.ErrClosed):
-			return fmt.Errorf("rdma write to %s: opening a lane: %w: %w", s.peer, transport.ErrClosed, err)
-		case err != nil && err == ctx.Err():
-			return fmt.Errorf("rdma write to %s: waiting for a lane: %w", s.peer, err)
-		case err != nil:
-			return fmt.Errorf("rdma write to %s: opening a lane: %w", s.peer, err)
+		if err != nil {
+			return transport.Report{}, s.Take(ctx, err, "lane")
 		}
 		stale := l.answered.Load()
 		err = s.write(ctx, l, &w)
@@ -165,9 +143,15 @@ func (s *session) Write(ctx context.Context, w transport.Write) error {
 		// that write was never granted, nothing of it was posted, so it
 		// goes again on another lane rather than fail. Each retry drops a
 		// pooled lane, so a freshly opened one ends the loop.
-		if err == nil || !stale || !l.unanswered.Load() {
-			return err
+		if err != nil && stale && l.unanswered.Load() {
+			continue
 		}
+		if err != nil {
+			return transport.Report{}, err
+		}
+		rep := s.t.kindOf(w.Src).report(len(w.Src))
+		rep.Messages = peer.Messages
+		return rep, nil
 	}
 }
 
@@ -287,21 +271,21 @@ type flight struct {
 func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *flight, reuse bool, err error) {
 	src, err := s.t.source(w.Src)
 	if err != nil {
-		return nil, true, fmt.Errorf("rdma write to %s: %w", s.peer, err)
+		return nil, true, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 	}
 	defer func() {
 		if err != nil {
 			src.release()
 		}
 	}()
-	h := tcp.Header{Addr: w.Remote, Len: uint64(len(w.Src)), Key: w.Key, Tag: w.Tag}
-	var hb [tcp.HeaderSize]byte
+	h := peer.Header{Addr: w.Remote, Len: uint64(len(w.Src)), Key: w.Key, Tag: w.Tag}
+	var hb [peer.HeaderSize]byte
 	h.Encode(&hb)
-	l.ctrl.SetWriteDeadline(s.deadline(ctx))
+	l.ctrl.SetWriteDeadline(s.Deadline(ctx))
 	if _, err := l.ctrl.Write(hb[:]); err != nil {
 		return nil, false, s.fail(ctx, err, fmt.Sprintf("sending the header of %d bytes", len(w.Src)))
 	}
-	a, err := wait(l, l.answers, s.deadline(ctx), ctx.Done())
+	a, err := wait(l, l.answers, s.Deadline(ctx), ctx.Done())
 	switch {
 	case gaveUp(ctx, err):
 		// The caller gave up, not the lane: nothing is posted, and the
@@ -310,24 +294,24 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *fl
 		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
 	case err != nil:
 		l.broken.Store(true)
-		if err == errDead && l.lastWord.flags&flagFailed == 0 && transport.PeerGone(l.ansErr) && transport.ContextErr(ctx) == nil {
+		if err == errDead && l.lastWord.Flags&flagFailed == 0 && transport.PeerGone(l.ansErr) && transport.ContextErr(ctx) == nil {
 			l.unanswered.Store(true)
 		}
 		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
 	}
 	l.answered.Store(true)
 	switch {
-	case a.code != transport.OK:
-		return nil, a.flags&tcp.FlagClose == 0, &transport.Refusal{Code: a.code, Message: a.msg}
+	case a.Code != transport.OK:
+		return nil, a.Flags&peer.FlagClose == 0, &transport.Refusal{Code: a.Code, Message: a.Msg}
 	}
 	if err := s.region.check(a.grant, uint64(len(w.Src))); err != nil {
-		return nil, false, fmt.Errorf("rdma write to %s: %w", s.peer, err)
+		return nil, false, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 	}
 	f := &flight{n: len(w.Src), count: chunks(len(w.Src)), every: signalEvery, window: sendDepth, g: a.grant, w: w, src: src}
 	if src.kind == fromBounce {
 		f.every, f.window = 1, bounceSlots
 		if f.ring, f.ringKey, err = l.bounceBuffer(s.t.nic); err != nil {
-			return nil, false, fmt.Errorf("rdma write to %s: %w", s.peer, err)
+			return nil, false, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 		}
 	}
 	l.seq++
@@ -380,13 +364,13 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 		if len(ops) > 0 {
 			if err := l.qp.Post(ops); err != nil {
 				s.drain(l, f, f.posted-len(ops))
-				return fmt.Errorf("rdma write to %s: %w", s.peer, err)
+				return fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 			}
 		}
 		if !all && f.posted == f.count {
 			return nil
 		}
-		wc, err := l.completion(f.wcs, s.deadline(ctx), ctx.Done())
+		wc, err := l.completion(f.wcs, s.Deadline(ctx), ctx.Done())
 		if gaveUp(ctx, err) && f.posted == f.count && s.settle(l, f) {
 			// Everything was posted and the write completed after all:
 			// the lane and its other writes carry on.
@@ -405,7 +389,7 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 		}
 		if wc.Status != wcSuccess {
 			l.broken.Store(true)
-			return fmt.Errorf("rdma write to %s (%d bytes to %#x, rkey %#x): %w", s.peer, f.n, f.g.Addr, f.g.RKey,
+			return fmt.Errorf("rdma write to %s (%d bytes to %#x, rkey %#x): %w", s.Peer(), f.n, f.g.Addr, f.g.RKey,
 				&CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma write"})
 		}
 		f.retired = int(wc.WRID&0xffffffff) + 1
@@ -456,7 +440,7 @@ func (s *session) land(l *lane, f *flight) {
 		return
 	}
 	s.t.logf("rdma: a %d-byte write to %s was canceled with %d of its %d messages posted: its lane breaks once the writes flying on it (%d) complete, or after %s",
-		f.n, s.peer, f.posted, f.count, n, drainWait)
+		f.n, s.Peer(), f.posted, f.count, n, drainWait)
 	deadline := time.Now().Add(drainWait)
 	for l.flying.Load() != 0 {
 		if _, err := wait(l, l.landed, deadline, nil); err != nil {
@@ -486,46 +470,26 @@ func (s *session) settle(l *lane, f *flight) bool {
 // broken explains a wait on l that ended without what it waited for.
 func (s *session) broken(ctx context.Context, l *lane, err error, where string) error {
 	switch {
-	case err == errDead && l.lastWord.flags&flagFailed != 0:
+	case err == errDead && l.lastWord.Flags&flagFailed != 0:
 		// The receiver gave up on the lane's writes (its QP failed, it is
 		// stopping) and said why.
-		return fmt.Errorf("rdma write to %s: the receiver failed the lane's writes %s (%s): %s", s.peer, where, l.lastWord.code, l.lastWord.msg)
+		return fmt.Errorf("rdma write to %s: the receiver failed the lane's writes %s (%s): %s", s.Peer(), where, l.lastWord.Code, l.lastWord.Msg)
 	case err == errDead:
 		return s.fail(ctx, l.ansErr, where)
 	case err == errLaneClosed && !s.pool.Closed():
 		// Another write on the lane failed and dropped it.
-		return fmt.Errorf("rdma write to %s: the lane broke under another write and closed %s", s.peer, where)
+		return fmt.Errorf("rdma write to %s: the lane broke under another write and closed %s", s.Peer(), where)
 	case err == errLaneClosed || s.pool.Closed():
-		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ErrClosed, where)
+		return fmt.Errorf("rdma write to %s: %w %s", s.Peer(), transport.ErrClosed, where)
 	case transport.ContextErr(ctx) != nil:
-		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ContextErr(ctx), where)
+		return fmt.Errorf("rdma write to %s: %w %s", s.Peer(), transport.ContextErr(ctx), where)
 	case err == errNoProgress:
-		return fmt.Errorf("rdma write to %s: the peer made no progress for %s %s", s.peer, s.t.cfg.TCP.IOTimeout, where)
+		return fmt.Errorf("rdma write to %s: the peer made no progress for %s %s", s.Peer(), s.t.cfg.Peer.IOTimeout, where)
 	}
-	return fmt.Errorf("rdma write to %s: polling the completion queue %s: %w", s.peer, where, err)
-}
-
-// deadline is IOTimeout from now, or ctx's deadline if sooner.
-func (s *session) deadline(ctx context.Context) time.Time {
-	d := time.Now().Add(s.t.cfg.TCP.IOTimeout)
-	if cd, ok := ctx.Deadline(); ok && cd.Before(d) {
-		return cd
-	}
-	return d
+	return fmt.Errorf("rdma write to %s: polling the completion queue %s: %w", s.Peer(), where, err)
 }
 
 // fail explains a broken control connection: whose doing it was.
 func (s *session) fail(ctx context.Context, err error, where string) error {
-	switch {
-	case s.pool.Closed():
-		return fmt.Errorf("rdma write to %s: %w %s: %w", s.peer, transport.ErrClosed, where, err)
-	case transport.ContextErr(ctx) != nil:
-		return fmt.Errorf("rdma write to %s: %w %s", s.peer, transport.ContextErr(ctx), where)
-	case errors.Is(err, os.ErrDeadlineExceeded):
-		return fmt.Errorf("rdma write to %s: peer made no progress for %s %s: %w", s.peer, s.t.cfg.TCP.IOTimeout, where, err)
-	case errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, syscall.ECONNRESET) ||
-		errors.Is(err, syscall.EPIPE) || errors.Is(err, net.ErrClosed):
-		return fmt.Errorf("rdma write to %s: peer closed the control connection %s: %w", s.peer, where, err)
-	}
-	return fmt.Errorf("rdma write to %s: failed %s: %w", s.peer, where, err)
+	return s.Fail(ctx, s.pool.Closed(), err, where)
 }

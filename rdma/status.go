@@ -1,7 +1,6 @@
 package rdma
 
 import (
-	"errors"
 	"fmt"
 )
 
@@ -51,16 +50,9 @@ func (e *CompletionError) Error() string {
 	return fmt.Sprintf("%s completed with %s (status %d, vendor error %#x): %s", e.Op, e.Status, uint32(e.Status), e.VendorErr, meaning)
 }
 
-// StatusName is the ibv_wc_status name of the completion error in err's
-// chain ("RETRY_EXC_ERR"), or "" when there is none. The daemon reports it
-// as a failed transfer's ret.
-func StatusName(err error) string {
-	var ce *CompletionError
-	if errors.As(err, &ce) {
-		return ce.Status.String()
-	}
-	return ""
-}
+// StatusName is the completion's ibv_wc_status name ("RETRY_EXC_ERR"),
+// which transport.StatusName finds in an error's chain.
+func (e *CompletionError) StatusName() string { return e.Status.String() }
 
 // mtu is a path MTU as verbs encode it (enum ibv_mtu: 1 is 256 bytes ... 5
 // is 4096).

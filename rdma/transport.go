@@ -4,13 +4,18 @@
 // whose sessions are pools of RC queue pairs carrying RDMA WRITE WITH IMM,
 // the immediate being the write's tag.
 //
-// The transport shares the peer port and its handshake with transport/tcp:
-// an RDMA lane is a TCP control connection (hello of kind rdma) plus an RC
-// QP set up over it (wire.go). A peer without RDMA answers the hello with
-// "no RDMA here", and the session falls back to TCP data connections.
+// The transport shares the peer port and its handshake (package peer)
+// with transport/tcp: an RDMA lane is a TCP control connection (hello of
+// kind rdma) plus an RC QP set up over it (wire.go). A peer without RDMA
+// answers the hello with "no RDMA here", and the session falls back to
+// TCP data connections, which the port serves too (Config.TCP).
+//
+// It also makes the queue pairs of Mooncake's RDMA endpoints (mcqp.go),
+// which package mooncake keeps.
 package rdma
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -22,17 +27,18 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/internal/connlimit"
-	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // Config configures a Transport.
 type Config struct {
-	// TCP is the peer port: address, Sink, instance, timeouts, and
-	// MaxConnsPerPeer, which bounds each session's lanes. Its RDMA hook is
-	// the transport's own.
-	TCP tcp.Config
+	// Peer is the peer port: address, Sink, instance, timeouts, and
+	// MaxConnsPerPeer, which bounds each session's lanes.
+	Peer peer.Config
+	// TCP makes the data plane for peers without RDMA on the port
+	// (transport/tcp's Over), which it owns from then on. Required.
+	TCP func(*peer.Port) Fallback
 	// Memory is the daemon's NIC-safe memory (its mmap'd arena, never Go
 	// heap), registered once at start as the shared registration. Writes
 	// from and into it go straight through the NIC; anything else is
@@ -42,13 +48,15 @@ type Config struct {
 	// Memory registers its range for that write (a debugging and
 	// benchmarking switch; the daemon's --rdma-registration per-send).
 	PerSend bool
-	// Infof hears routine events worth a line (a Mooncake endpoint
-	// evicted from a full table, at most loglimit.Burst a second);
-	// TCP.Logf hears the failures.
-	Infof func(format string, args ...any)
-	// MooncakeMTU is the path MTU cap Mooncake peers use, in bytes (their
-	// MC_MTU; 0, or a size no MTU enum has, is mooncake.DefaultMTU).
-	MooncakeMTU int
+}
+
+// Fallback is the data plane for peers without RDMA, on the same port:
+// it serves the data connections the port accepts, and dials sessions
+// of data connections to a peer that answers "no RDMA here".
+type Fallback interface {
+	ServeData(c *connlimit.Conn, peerInstance uint64)
+	Dial(ctx context.Context, addr string) (transport.Session, error)
+	Close() error
 }
 
 // Queue depths. A write keeps at most sendDepth work requests in flight;
@@ -112,7 +120,8 @@ type counters struct {
 // Transport is the RDMA data plane. It implements transport.Transport.
 type Transport struct {
 	cfg    Config
-	tcp    *tcp.Transport
+	port   *peer.Port
+	tcp    Fallback
 	nic    nic
 	shared region
 	reg    Registration
@@ -122,8 +131,8 @@ type Transport struct {
 	mu        sync.Mutex
 	closed    bool
 	sessions  map[*session]struct{}
-	accepted  map[*lane]struct{} // served by serveLane
-	mc        mcTable            // Mooncake endpoints (mooncake.go)
+	accepted  map[*lane]struct{}       // served by serveLane
+	mooncake  map[*MooncakeQP]struct{} // open (mcqp.go)
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -147,26 +156,27 @@ func Listen(cfg Config, choice Choice) (*Transport, error) {
 
 // listen runs a Transport over n, which it owns from here on.
 func listen(cfg Config, n nic) (*Transport, error) {
+	if cfg.TCP == nil {
+		return nil, errors.New("rdma: Config.TCP is required")
+	}
 	t := &Transport{
 		cfg: cfg, nic: n,
 		closing:  make(chan struct{}),
 		sessions: make(map[*session]struct{}),
 		accepted: make(map[*lane]struct{}),
-	}
-	if cfg.Infof != nil {
-		t.mc.log = loglimit.New("rdma", cfg.Infof)
+		mooncake: make(map[*MooncakeQP]struct{}),
 	}
 	t.registerShared()
-	tc := cfg.TCP
-	tc.RDMA = t.serveLane
 	var err error
-	if t.tcp, err = tcp.Listen(tc); err != nil {
+	if t.port, err = peer.Listen(cfg.Peer); err != nil {
 		if t.shared != nil {
 			t.shared.Close()
 		}
 		return nil, fmt.Errorf("rdma: %w", err)
 	}
-	t.cfg.TCP = t.tcp.Config()
+	t.cfg.Peer = t.port.Config()
+	t.tcp = cfg.TCP(t.port)
+	t.port.Serve(peer.Handlers{Data: t.tcp.ServeData, RDMA: t.serveLane})
 	return t, nil
 }
 
@@ -213,20 +223,14 @@ func memlockAdvice(err error, n int) error {
 
 func (t *Transport) Name() string { return "rdma" }
 
-func (t *Transport) Addr() net.Addr { return t.tcp.Addr() }
+func (t *Transport) Addr() net.Addr { return t.port.Addr() }
 
 // PortStats is what the peer port's caps and timeouts did, its RDMA
 // lanes included.
-func (t *Transport) PortStats() connlimit.Stats { return t.tcp.PortStats() }
+func (t *Transport) PortStats() connlimit.Stats { return t.port.Stats() }
 
 // Registration says how Memory is registered.
 func (t *Transport) Registration() Registration { return t.reg }
-
-// SharedMR reports whether src lies inside the shared registration, so
-// writing it needs no registration of its own.
-func (t *Transport) SharedMR(src []byte) bool {
-	return t.shared != nil && within(t.cfg.Memory, src)
-}
 
 // Stats returns the transport's counters.
 func (t *Transport) Stats() Stats {
@@ -238,14 +242,14 @@ func (t *Transport) Stats() Stats {
 }
 
 func (t *Transport) logf(format string, args ...any) {
-	if t.cfg.TCP.Logf != nil {
-		t.cfg.TCP.Logf(format, args...)
+	if t.cfg.Peer.Logf != nil {
+		t.cfg.Peer.Logf(format, args...)
 	}
 }
 
 func (t *Transport) debugf(format string, args ...any) {
-	if t.cfg.TCP.Debugf != nil {
-		t.cfg.TCP.Debugf(format, args...)
+	if t.cfg.Peer.Debugf != nil {
+		t.cfg.Peer.Debugf(format, args...)
 	}
 }
 
@@ -271,16 +275,23 @@ func (t *Transport) Close() error {
 			sessions = append(sessions, s)
 		}
 		// Accepted lanes stop at once (their receives flush); their
-		// goroutines end with their control connections, which the TCP
-		// side closes and waits out.
+		// goroutines end with their control connections, which the port
+		// closes and waits out (the TCP side's Close closes it).
 		for l := range t.accepted {
 			l.abort()
+		}
+		mooncake := make([]*MooncakeQP, 0, len(t.mooncake))
+		for q := range t.mooncake {
+			mooncake = append(mooncake, q)
 		}
 		t.mu.Unlock()
 		for _, s := range sessions {
 			s.Close()
 		}
-		t.mc.closeAll()
+		// Those of endpoints their owner left open.
+		for _, q := range mooncake {
+			q.Close()
+		}
 		errs := []error{t.tcp.Close()}
 		if t.shared != nil {
 			errs = append(errs, t.shared.Close())

@@ -2,13 +2,12 @@ package rdma
 
 import (
 	"bytes"
-	"fmt"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
@@ -19,7 +18,7 @@ import (
 func pairOver(t *testing.T, f *fabric, src []byte, slots *transporttest.Slots, perSend bool) (tx, rx *Transport, s transport.Session) {
 	t.Helper()
 	tx = listenT(t, f, Config{Memory: src, PerSend: perSend})
-	rx = listenT(t, f, Config{TCP: tcp.Config{Sink: slots}, Memory: slots.Mem, PerSend: perSend})
+	rx = listenT(t, f, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem, PerSend: perSend})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -43,7 +42,9 @@ func mappedSlots(t *testing.T, n int) *transporttest.Slots {
 
 // writeAll writes src[:n] for each n in sizes to consecutive slots and
 // checks that each landed byte-exact.
-func writeAll(t *testing.T, s transport.Session, slots *transporttest.Slots, src []byte, sizes []int) {
+// writeAll writes each of sizes from src into slots, one after another,
+// each reporting want.
+func writeAll(t *testing.T, s transport.Session, slots *transporttest.Slots, src []byte, sizes []int, want transport.Report) {
 	t.Helper()
 	addr := uint64(0)
 	for i, n := range sizes {
@@ -52,8 +53,12 @@ func writeAll(t *testing.T, s transport.Session, slots *transporttest.Slots, src
 		}
 		key := slots.Add(addr, uint64(n))
 		tag := uint32(500 + i)
-		if err := s.Write(ctxFor(t, 60*time.Second), transport.Write{Src: src[:n], Remote: addr, Key: key, Tag: tag}); err != nil {
+		rep, err := s.Write(ctxFor(t, 60*time.Second), transport.Write{Src: src[:n], Remote: addr, Key: key, Tag: tag})
+		if err != nil {
 			t.Fatalf("%d-byte write: %v", n, err)
+		}
+		if rep != want {
+			t.Errorf("%d-byte write reported %+v, want %+v", n, rep, want)
 		}
 		if err := slots.Wait(ctxFor(t, 30*time.Second), tag); err != nil {
 			t.Fatal(err)
@@ -81,22 +86,25 @@ func modeTotal() int {
 func TestSharedRegistration(t *testing.T) {
 	f := newFabric()
 	src := mapT(t, 16<<20)
-	slots := mappedSlots(t, modeTotal())
+	slots := mappedSlots(t, modeTotal()+4096)
 	tx, rx, s := pairOver(t, f, src, slots, false)
 	for _, tr := range []*Transport{tx, rx} {
 		if r := tr.Registration(); r.Mode != "shared" || r.Err != nil || r.Took <= 0 {
 			t.Errorf("registration %+v, want shared with its time", r)
 		}
 	}
-	if !tx.SharedMR(src[100:200]) || tx.SharedMR(make([]byte, 10)) {
-		t.Error("SharedMR does not tell the shared registration from other memory")
-	}
-	writeAll(t, s, slots, src, modeSizes)
+	writeAll(t, s, slots, src, modeSizes, transport.Report{Registration: transport.RegisteredShared, Messages: 2})
 	if st := tx.Stats(); st != (Stats{}) {
 		t.Errorf("sender stats %+v, want no per-send registration or copy", st)
 	}
 	if st := rx.Stats(); st != (Stats{}) {
 		t.Errorf("receiver stats %+v, want no per-receive registration or copy", st)
+	}
+	// Memory outside the registration goes through a bounce buffer.
+	addr := uint64(modeTotal())
+	rep, err := s.Write(ctxFor(t, 60*time.Second), transport.Write{Src: make([]byte, 10), Remote: addr, Key: slots.Add(addr, 10), Tag: 9})
+	if want := (transport.Report{Registration: transport.RegisteredNone, Copied: 10, Messages: 2}); err != nil || rep != want {
+		t.Errorf("a write from Go memory: %+v, %v; want %+v", rep, err, want)
 	}
 }
 
@@ -107,10 +115,10 @@ func TestPerSendRegistration(t *testing.T) {
 	src := mapT(t, 16<<20)
 	slots := mappedSlots(t, modeTotal())
 	tx, rx, s := pairOver(t, f, src, slots, true)
-	if r := tx.Registration(); r.Mode != "per-send" || tx.SharedMR(src) {
+	if r := tx.Registration(); r.Mode != "per-send" {
 		t.Errorf("registration %+v, want per-send", r)
 	}
-	writeAll(t, s, slots, src, modeSizes)
+	writeAll(t, s, slots, src, modeSizes, transport.Report{Registration: transport.RegisteredPerSend, Messages: 2})
 	n := uint64(len(modeSizes))
 	if st := tx.Stats(); st.PerSend != n || st.Bounced != 0 {
 		t.Errorf("sender stats %+v, want %d per-send registrations", st, n)
@@ -139,13 +147,13 @@ func TestSharedRegistrationFails(t *testing.T) {
 		}
 	}
 	slots := mappedSlots(t, 1<<20)
-	rx := listenFake(t, f, Config{TCP: tcp.Config{Sink: slots}, Memory: slots.Mem})
+	rx := listenFake(t, f, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem})
 	s, err := tr.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	writeAll(t, s, slots, mem[:1<<20], []int{1 << 20})
+	writeAll(t, s, slots, mem[:1<<20], []int{1 << 20}, transport.Report{Registration: transport.RegisteredPerSend, Messages: 2})
 	if st := tr.Stats(); st.PerSend != 1 {
 		t.Errorf("stats %+v, want the write registered per send", st)
 	}
@@ -162,7 +170,7 @@ func TestPeerQPBrokenMidWrite(t *testing.T) {
 	granted := make(chan struct{}, 1)
 	sink := &watch{Slots: slots, accepted: granted}
 	tx := listenT(t, f, Config{Memory: src})
-	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: sink}, Memory: slots.Mem})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: sink}, Memory: slots.Mem})
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -176,7 +184,10 @@ func TestPeerQPBrokenMidWrite(t *testing.T) {
 	}
 	w := transport.Write{Src: src, Remote: 0, Key: slots.Add(0, size), Tag: 1}
 	res := make(chan error, 1)
-	go func() { res <- s.Write(ctxFor(t, 60*time.Second), w) }()
+	go func() {
+		_, err := s.Write(ctxFor(t, 60*time.Second), w)
+		res <- err
+	}()
 	select {
 	case <-granted:
 	case <-time.After(30 * time.Second):
@@ -217,7 +228,7 @@ func TestPeerQPBrokenMidWrite(t *testing.T) {
 	}
 	defer s2.Close()
 	w.Remote, w.Key, w.Tag = size, slots.Add(size, size), 2
-	if err := s2.Write(ctxFor(t, 60*time.Second), w); err != nil {
+	if _, err := s2.Write(ctxFor(t, 60*time.Second), w); err != nil {
 		t.Fatalf("retry on a fresh session: %v", err)
 	}
 	if err := slots.Wait(ctxFor(t, 30*time.Second), 2); err != nil {
@@ -251,22 +262,22 @@ func (w *watch) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, f
 func TestRejectsMismatchedCompletion(t *testing.T) {
 	f := newFabric()
 	slots := mappedSlots(t, 1<<20)
-	var logs logLines
+	var logs transporttest.Logs
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
-	rx := listenT(t, f, Config{TCP: tcp.Config{Sink: slots, Logf: logs.logf}, Memory: slots.Mem})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.Logf}, Memory: slots.Mem})
 	l, _, _, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.close()
 	key := slots.Add(0, 4096)
-	h := tcp.Header{Addr: 0, Len: 4096, Key: key, Tag: 0x11}
-	var hb [tcp.HeaderSize]byte
+	h := peer.Header{Addr: 0, Len: 4096, Key: key, Tag: 0x11}
+	var hb [peer.HeaderSize]byte
 	h.Encode(&hb)
 	l.ctrl.Write(hb[:])
 	a, err := wait(l, l.answers, time.Now().Add(30*time.Second), nil)
-	if err != nil || a.code != transport.OK {
+	if err != nil || a.Code != transport.OK {
 		t.Fatalf("grant: %+v, %v", a, err)
 	}
 	g := a.grant
@@ -285,12 +296,12 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 	if got := rx.Stats().Rejected; got != 1 {
 		t.Errorf("rejected completions counted: %d, want 1", got)
 	}
-	logs.wait(t, "rejected a completion that does not match its grant", "immediate 0x22", "granted tag 0x11")
+	logs.Wait(t, "rejected a completion that does not match its grant", "immediate 0x22", "granted tag 0x11")
 	// The sender hears why, then the lane ends.
 	if _, err := wait[answer](l, nil, time.Now().Add(30*time.Second), nil); err != errDead {
 		t.Fatalf("waiting for the receiver's word: %v", err)
 	}
-	if w := l.lastWord; w.code != transport.Internal || w.flags&flagFailed == 0 || !strings.Contains(w.msg, "does not match its grant") {
+	if w := l.lastWord; w.Code != transport.Internal || w.Flags&flagFailed == 0 || !strings.Contains(w.Msg, "does not match its grant") {
 		t.Errorf("the sender heard %+v, want the rejection", w)
 	}
 }
@@ -298,10 +309,10 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 // TestFallbackToTCP: a peer without RDMA answers the lane's hello with
 // "no RDMA here"; the session goes over TCP, and the log says so.
 func TestFallbackToTCP(t *testing.T) {
-	var logs logLines
-	tx := listenT(t, newFabric(), Config{TCP: tcp.Config{Logf: logs.logf}})
+	var logs transporttest.Logs
+	tx := listenT(t, newFabric(), Config{Peer: peer.Config{Logf: logs.Logf}})
 	slots := mappedSlots(t, 1<<20)
-	rx, err := tcp.Listen(tcp.Config{Addr: "127.0.0.1:0", Sink: slots})
+	rx, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: slots})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -311,59 +322,11 @@ func TestFallbackToTCP(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s.Close()
-	logs.wait(t, rx.Addr().String(), "serves no RDMA", "falls back to TCP")
+	logs.Wait(t, rx.Addr().String(), "serves no RDMA", "falls back to TCP")
 	if s.Transport() != "tcp" {
 		t.Errorf("fallback session runs on %q, want tcp", s.Transport())
 	}
-	writeAll(t, s, slots, make([]byte, 1<<20), []int{1 << 20})
-}
-
-// logLines collects a transport's log lines.
-type logLines struct {
-	mu      sync.Mutex
-	lines   []string
-	changed chan struct{}
-}
-
-func (l *logLines) logf(format string, args ...any) {
-	l.mu.Lock()
-	defer l.mu.Unlock()
-	l.lines = append(l.lines, fmt.Sprintf(format, args...))
-	if l.changed != nil {
-		close(l.changed)
-		l.changed = nil
-	}
-}
-
-// wait waits (30 s at most) for a line holding every one of words.
-func (l *logLines) wait(t *testing.T, words ...string) {
-	t.Helper()
-	deadline := time.After(30 * time.Second)
-	for {
-		l.mu.Lock()
-		for _, line := range l.lines {
-			all := true
-			for _, w := range words {
-				all = all && strings.Contains(line, w)
-			}
-			if all {
-				l.mu.Unlock()
-				return
-			}
-		}
-		if l.changed == nil {
-			l.changed = make(chan struct{})
-		}
-		ch := l.changed
-		l.mu.Unlock()
-		select {
-		case <-ch:
-		case <-deadline:
-			l.mu.Lock()
-			defer l.mu.Unlock()
-			t.Fatalf("no log line with %q; got %q", words, l.lines)
-		}
-	}
+	writeAll(t, s, slots, make([]byte, 1<<20), []int{1 << 20}, transport.Report{Messages: 2})
 }
 
 func TestGrantOutsideTheSharedRegistration(t *testing.T) {

@@ -1,8 +1,8 @@
 package rdma
 
 // The control connection of an RDMA lane. It opens with the peer port's
-// handshake (transport/tcp/wire.go, a hello of kind rdma, and with a peer
-// secret its challenge-response), then goes on here. Integers are
+// handshake (transport/peer/wire.go, a hello of kind rdma, and with a
+// peer secret its challenge-response), then goes on here. Integers are
 // little-endian.
 //
 // Connect, once:
@@ -15,7 +15,7 @@ package rdma
 //	 26  mtu       u8      the port's active MTU (enum ibv_mtu)
 //	 27  reserved  [5]byte
 //
-//	server → client  a reply (tcp.EncodeReply): code 0, or a code and a
+//	server → client  a reply (peer.EncodeReply): code 0, or a code and a
 //	                 message saying why no lane (no QP, shutting down);
 //	                 after code 0, 56 bytes:
 //	  0  endpoint  32 bytes, the server QP's, as above
@@ -30,7 +30,7 @@ package rdma
 //
 // Then any number of writes, several in flight per lane:
 //
-//	client → server  tcp.Header, 40 bytes (addr, len, key, tag)
+//	client → server  peer.Header, 40 bytes (addr, len, key, tag)
 //	server → client  a reply: a refusal (transport.Code and message, as on
 //	                 a TCP data connection), or code 0 and a grant, 16
 //	                 bytes:
@@ -98,7 +98,7 @@ import (
 	"net"
 
 	"github.com/ferry-project/ferry/transport"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 const (
@@ -194,18 +194,10 @@ func (g *grant) decode(b *[grantSize]byte) {
 	g.RKey = binary.LittleEndian.Uint32(b[8:])
 }
 
-// reply is a reply's code and message, and the fixed record that follows
-// an OK one.
-type reply struct {
-	code  transport.Code
-	flags uint16
-	msg   string
-}
-
 // writeReply sends a reply, followed by body when the code is OK.
 func writeReply(c net.Conn, code transport.Code, flags uint16, msg string, body []byte) error {
-	var b [tcp.ReplySize + tcp.MaxMessage + acceptSize]byte
-	n := len(tcp.EncodeReply((*[tcp.ReplySize + tcp.MaxMessage]byte)(b[:tcp.ReplySize+tcp.MaxMessage]), code, flags, msg))
+	var b [peer.ReplySize + peer.MaxMessage + acceptSize]byte
+	n := len(peer.EncodeReply((*[peer.ReplySize + peer.MaxMessage]byte)(b[:peer.ReplySize+peer.MaxMessage]), code, flags, msg))
 	if code == transport.OK {
 		n += copy(b[n:], body)
 	}
@@ -216,27 +208,8 @@ func writeReply(c net.Conn, code transport.Code, flags uint16, msg string, body 
 }
 
 // readReply reads a reply; after an OK one it fills body.
-func readReply(c io.Reader, body []byte) (reply, error) {
-	var b [tcp.ReplySize]byte
-	if _, err := io.ReadFull(c, b[:]); err != nil {
-		return reply{}, err
-	}
-	code, flags, n, err := tcp.DecodeReply(&b)
-	if err != nil {
-		return reply{}, err
-	}
-	r := reply{code: code, flags: flags}
-	if n > 0 {
-		msg := make([]byte, n)
-		if _, err := io.ReadFull(c, msg); err != nil {
-			return reply{}, err
-		}
-		r.msg = string(msg)
-	}
-	if code == transport.OK {
-		if _, err := io.ReadFull(c, body); err != nil {
-			return reply{}, err
-		}
-	}
-	return r, nil
+func readReply(c io.Reader, body []byte) (peer.Reply, error) {
+	var b [peer.ReplySize]byte
+	r, _, err := peer.ReadReply(c, &b, body)
+	return r, err
 }

@@ -3,8 +3,10 @@
 // (remote address, key) on a session with a peer daemon, carrying a 32-bit
 // tag (the width of an RDMA immediate) that the receiver sees on completion.
 // The receiver accepts a write only into the live receive slot whose key it
-// carries (a 128-bit Key), and only inside that slot. Implementations: transport/tcp (everywhere) and rdma (verbs). Each
-// must pass the conformance suite in transport/transporttest.
+// carries (a 128-bit Key), and only inside that slot. Implementations:
+// transport/tcp (everywhere) and rdma (verbs), both over the peer
+// protocol of transport/peer. Each must pass the conformance suite in
+// transport/transporttest.
 package transport
 
 import (
@@ -64,14 +66,46 @@ type Session interface {
 	// the peer restarts.
 	PeerInstance() uint64
 	// Write returns once the peer has placed every byte (a completion),
-	// or with an error. ctx bounds the whole write; the error wraps
-	// ctx.Err() when ctx ended it, and ErrClosed when the session or
-	// transport was closed. An error that is not a Refusal does not prove
-	// the bytes did not land (the completion may be what was lost), so a
-	// retry can meet a slot that already holds its data.
-	Write(ctx context.Context, w Write) error
+	// with what the write took, or with an error. ctx bounds the whole
+	// write; the error wraps ctx.Err() when ctx ended it, and ErrClosed
+	// when the session or transport was closed. An error that is not a
+	// Refusal does not prove the bytes did not land (the completion may be
+	// what was lost), so a retry can meet a slot that already holds its
+	// data.
+	Write(ctx context.Context, w Write) (Report, error)
 	Close() error
 }
+
+// Report is what a completed write took on the sending side.
+type Report struct {
+	// Registration is how the NIC reached the source.
+	Registration Registration
+	// Copied is the bytes the CPU copied for the write (through a bounce
+	// buffer registered once): 0 when the NIC or the kernel read the
+	// source where it lay.
+	Copied int64
+	// Messages is how many messages of its transport's protocol the write
+	// exchanged with the receiver besides its bytes: a header and its
+	// reply on ferry's peer protocol, a header and a status word on
+	// Mooncake's TCP (the header alone in its version 1), none on
+	// Mooncake's RDMA.
+	Messages int
+}
+
+// Registration is how a write's source reached the NIC.
+type Registration uint8
+
+const (
+	// RegisteredNone: the write registered nothing (a TCP write, or a
+	// copy through a buffer registered once).
+	RegisteredNone Registration = iota
+	// RegisteredShared: the source lies inside the registration made
+	// once for the daemon's memory.
+	RegisteredShared
+	// RegisteredPerSend: the source was registered for this write, and
+	// deregistered after it.
+	RegisteredPerSend
+)
 
 // Code is a receiver's answer to a write, as carried on the wire.
 type Code uint32
@@ -139,6 +173,18 @@ func IsRefusal(err error) bool {
 func PeerGone(err error) bool {
 	return errors.Is(err, io.EOF) || errors.Is(err, io.ErrUnexpectedEOF) ||
 		errors.Is(err, syscall.EPIPE) || errors.Is(err, syscall.ECONNRESET)
+}
+
+// StatusName is the name the NIC gave the failure in err's chain (a verbs
+// completion status, "RETRY_EXC_ERR"), or "" when none did. A transport's
+// error carries one by a StatusName method; the daemon reports it as a
+// failed transfer's ret.
+func StatusName(err error) string {
+	var named interface{ StatusName() string }
+	if errors.As(err, &named) {
+		return named.StatusName()
+	}
+	return ""
 }
 
 // ContextErr is ctx.Err(), but also DeadlineExceeded once the deadline has

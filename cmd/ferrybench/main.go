@@ -22,7 +22,7 @@ import (
 	"github.com/ferry-project/ferry/bench"
 	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/internal/size"
-	"github.com/ferry-project/ferry/mooncake/mooncaketest"
+	"github.com/ferry-project/ferry/mooncake"
 )
 
 const usage = `ferrybench measures ferry.
@@ -399,7 +399,7 @@ func cmdMooncakePeer(ctx context.Context, args []string, o *out) error {
 	if err := parse(fs, args, nil); err != nil {
 		return err
 	}
-	p, err := mooncaketest.Start(mooncaketest.Config{BufferSize: *n})
+	p, err := mooncake.StartMemorySegment(mooncake.MemoryConfig{Buf: make([]byte, *n)})
 	if err != nil {
 		return err
 	}

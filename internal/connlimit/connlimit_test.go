@@ -288,3 +288,9 @@ func TestListenerClose(t *testing.T) {
 		t.Fatal("Context did not end with Close")
 	}
 }
+
+func TestLimitsOr(t *testing.T) {
+	if got, want := (Limits{PerSource: 3}).Or(Limits{Total: 10, PerSource: 5}), (Limits{Total: 10, PerSource: 3}); got != want {
+		t.Fatalf("Or gave %+v, want %+v: a cap set stays, a missing one takes the default", got, want)
+	}
+}

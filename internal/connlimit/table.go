@@ -26,6 +26,18 @@ type Limits struct {
 	PerSource int // members at once from one source (see Source)
 }
 
+// Or is l with d's caps where l has none: a configuration's limits over
+// its defaults.
+func (l Limits) Or(d Limits) Limits {
+	if l.Total <= 0 {
+		l.Total = d.Total
+	}
+	if l.PerSource <= 0 {
+		l.PerSource = d.PerSource
+	}
+	return l
+}
+
 // Reasons a member is refused or closed early, as metrics label them.
 const (
 	ReasonTotal     = "total"      // refused: the table is full of members in use

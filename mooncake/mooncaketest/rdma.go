@@ -4,12 +4,12 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"unsafe"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
@@ -19,8 +19,8 @@ import (
 // descriptor says protocol "rdma" with the device, the buffer's rkey and
 // lkey and a priority matrix, and its RPC port answers connection
 // handshakes by connecting QPs (the passive side). As an initiator it
-// connects QPs by a handshake and posts plain RDMA WRITEs. The verbs work
-// is package rdma's Mooncake-facing code.
+// connects QPs by a handshake and posts plain RDMA WRITEs. The endpoints
+// are package mooncake's, on package rdma's queue pairs.
 
 // location is the buffer's memory location, as Mooncake names it and
 // keys the priority matrix by.
@@ -36,26 +36,29 @@ func (p *Peer) startRDMA() error {
 	if err != nil {
 		return err
 	}
-	buf, err := unix.Mmap(-1, 0, p.cfg.BufferSize, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
+	buf, err := unix.Mmap(-1, 0, len(p.buf), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_PRIVATE|unix.MAP_ANONYMOUS)
 	if err != nil {
 		return fmt.Errorf("mapping the buffer: %w", err)
 	}
-	tr, err := rdma.Listen(rdma.Config{Memory: buf, TCP: tcp.Config{Addr: "127.0.0.1:0", Sink: transporttest.NewSlots(0)}}, choice)
+	tr, err := rdma.Listen(rdma.Config{Memory: buf, Peer: peer.Config{Addr: "127.0.0.1:0", Sink: transporttest.NewSlots(0)},
+		TCP: func(p *peer.Port) rdma.Fallback { return tcp.Over(p) }}, choice)
 	if err != nil {
 		unix.Munmap(buf)
 		return err
 	}
-	if _, _, ok := tr.MooncakeKeys(); !ok {
+	if _, _, ok := tr.SharedKeys(); !ok {
 		tr.Close()
 		unix.Munmap(buf)
 		return fmt.Errorf("the buffer has no shared registration: %v", tr.Registration().Err)
 	}
-	p.rdma, p.buf, p.base = tr, buf, uint64(uintptr(unsafe.Pointer(&buf[0])))
+	p.rdma, p.buf = tr, buf
+	p.eps = mooncake.NewEndpoints(tr, mooncake.EndpointConfig{})
 	return nil
 }
 
 func (p *Peer) closeRDMA() {
 	if p.rdma != nil {
+		p.eps.Close()
 		p.rdma.Close()
 		unix.Munmap(p.buf)
 	}
@@ -63,8 +66,8 @@ func (p *Peer) closeRDMA() {
 
 // rdmaSegment fills in what an rdma descriptor adds.
 func (p *Peer) rdmaSegment(s *mooncake.Segment) {
-	dev, _ := p.rdma.MooncakeDevice()
-	rk, lk, _ := p.rdma.MooncakeKeys()
+	dev, _ := p.eps.Device()
+	rk, lk, _ := p.eps.Keys()
 	if p.wrongRKey {
 		rk++
 	}
@@ -83,7 +86,7 @@ func (p *Peer) connect(ctx context.Context, from net.Addr, req mooncake.Handshak
 	p.mu.Lock()
 	p.connects++
 	p.mu.Unlock()
-	return p.rdma.AcceptMooncake(ctx, rdma.MooncakeHandshake{Self: p.name, From: from, MayFetch: func(string) bool { return true }}, req)
+	return p.eps.Accept(ctx, mooncake.Handshake{Self: p.Name(), From: from, MayFetch: func(string) bool { return true }}, req)
 }
 
 // Connects counts the connection handshakes the peer answered.
@@ -109,7 +112,7 @@ func (p *Peer) AdvertiseWrongRKey(on bool) {
 // handshake (or reuses); then it sends the notify.
 func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []byte, notify string) (*mooncake.Segment, error) {
 	if p.rdma == nil {
-		return nil, fmt.Errorf("mooncake test peer %s was started without RDMA", p.name)
+		return nil, fmt.Errorf("mooncake test peer %s was started without RDMA", p.Name())
 	}
 	seg, err := mooncake.FetchSegment(ctx, rpc, p.Segment())
 	if err != nil {
@@ -130,11 +133,11 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 	}
 	src := p.buf[:len(data)]
 	copy(src, data)
-	if err := p.rdma.WriteMooncake(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
+	if _, err := p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.Name(), RPC: rpc, Target: tg, Remote: addr, Src: src}); err != nil {
 		return seg, err
 	}
 	if notify != "" {
-		return seg, mooncake.SendNotify(ctx, rpc, mooncake.NotifyDesc{Name: p.name, NotifyMsg: notify})
+		return seg, mooncake.SendNotify(ctx, rpc, mooncake.NotifyDesc{Name: p.Name(), NotifyMsg: notify})
 	}
 	return seg, nil
 }
@@ -145,5 +148,6 @@ func (p *Peer) WriteRDMA(ctx context.Context, rpc string, addr uint64, data []by
 func (p *Peer) WriteRawRDMA(ctx context.Context, rpc string, tg mooncake.RDMATarget, addr uint64, data []byte) error {
 	src := p.buf[:len(data)]
 	copy(src, data)
-	return p.rdma.WriteMooncake(ctx, mooncake.RDMAWrite{Self: p.name, RPC: rpc, Target: tg, Remote: addr, Src: src})
+	_, err := p.eps.WriteRDMA(ctx, mooncake.RDMAWrite{Self: p.Name(), RPC: rpc, Target: tg, Remote: addr, Src: src})
+	return err
 }

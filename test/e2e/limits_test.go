@@ -26,7 +26,7 @@ import (
 // is rate-limited. Strangers connect from other loopback addresses than
 // the daemons (127.0.0.0/8 is all this host's), as from other hosts.
 
-// The peer port's caps (transport/tcp.DefaultLimits).
+// The peer port's caps (transport/peer.DefaultLimits).
 const (
 	peerPortTotal     = 1024
 	peerPortPerSource = 64
@@ -80,7 +80,7 @@ func dialFrom(t *testing.T, src, addr string) net.Conn {
 }
 
 // peerHello is a ferry hello of protocol version 4 for a data
-// connection (transport/tcp/wire.go), written from the notes.
+// connection (transport/peer/wire.go), written from the notes.
 func peerHello() []byte {
 	b := []byte("FERY")
 	b = binary.LittleEndian.AppendUint32(b, 4)

@@ -16,7 +16,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/rdma"
-	"github.com/ferry-project/ferry/transport/tcp"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // The RDMA tests need a usable RDMA port: the soft-RoCE VM (make
@@ -272,12 +272,12 @@ func grantWhileSenderStopped(t *testing.T, snd, rcv *daemon) func() {
 	_, port, _ := net.SplitHostPort(rcv.listen)
 	p, _ := strconv.ParseUint(port, 10, 16)
 	waitTCPQueue(t, "the write's header queued at the stopped receiver", func(local, remote uint16, queued int) bool {
-		return local == uint16(p) && queued >= tcp.HeaderSize
+		return local == uint16(p) && queued >= peer.HeaderSize
 	})
 	snd.pause(t)
 	rcv.signal(syscall.SIGCONT)
 	waitTCPQueue(t, "the grant queued at the stopped sender", func(local, remote uint16, queued int) bool {
-		return remote == uint16(p) && queued >= tcp.ReplySize+16
+		return remote == uint16(p) && queued >= peer.ReplySize+16
 	})
 	return func() { snd.signal(syscall.SIGCONT) }
 }

@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/tcp"
 )
 
@@ -15,7 +16,7 @@ import (
 // cluster's would: the tcp transport as a library, in this process.
 func strangerSession(t *testing.T, d *daemon) transport.Session {
 	t.Helper()
-	me, err := tcp.Listen(tcp.Config{Addr: "127.0.0.1:0", Sink: nobody{}, MaxConnsPerPeer: 1})
+	me, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: nobody{}, MaxConnsPerPeer: 1})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -48,7 +49,7 @@ func TestWrongKeyFloodIsRefusedUniformlyAndCounted(t *testing.T) {
 	for i := range guesses {
 		guess := transport.NewKey()
 		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
-		err := s.Write(ctx, transport.Write{Src: bytes.Repeat([]byte{'!'}, 4096), Remote: slot.BufferAddress, Key: guess, Tag: guess.Tag()})
+		_, err := s.Write(ctx, transport.Write{Src: bytes.Repeat([]byte{'!'}, 4096), Remote: slot.BufferAddress, Key: guess, Tag: guess.Tag()})
 		cancel()
 		var rf *transport.Refusal
 		if !errors.As(err, &rf) || rf.Code != transport.NoSlot {
@@ -93,10 +94,10 @@ func TestPartialWriteNeverArrives(t *testing.T) {
 	slot := slotFor(t, rcv, "part", 2048)
 	s := strangerSession(t, rcv) // a peer holding the key: the sender
 	ctx := ctxT(t)
-	if err := s.Write(ctx, transport.Write{Src: make([]byte, 16), Remote: slot.BufferAddress + 1024, Key: slot.Key, Tag: slot.Key.Tag()}); err != nil {
+	if _, err := s.Write(ctx, transport.Write{Src: make([]byte, 16), Remote: slot.BufferAddress + 1024, Key: slot.Key, Tag: slot.Key.Tag()}); err != nil {
 		t.Fatal(err)
 	}
-	err := s.Write(ctx, transport.Write{Src: nil, Remote: slot.BufferAddress, Key: slot.Key, Tag: slot.Key.Tag()})
+	_, err := s.Write(ctx, transport.Write{Src: nil, Remote: slot.BufferAddress, Key: slot.Key, Tag: slot.Key.Tag()})
 	if rf := (*transport.Refusal)(nil); !errors.As(err, &rf) || rf.Code != transport.OutOfBounds {
 		t.Errorf("an empty write: %v, want an out_of_bounds refusal", err)
 	}
@@ -104,7 +105,7 @@ func TestPartialWriteNeverArrives(t *testing.T) {
 		t.Fatalf("after 16 of 2048 bytes: %+v, %v", info, err)
 	}
 	rest := bytes.Repeat([]byte{'r'}, 2048)
-	if err := s.Write(ctx, transport.Write{Src: rest, Remote: slot.BufferAddress, Key: slot.Key, Tag: slot.Key.Tag()}); err != nil {
+	if _, err := s.Write(ctx, transport.Write{Src: rest, Remote: slot.BufferAddress, Key: slot.Key, Tag: slot.Key.Tag()}); err != nil {
 		t.Fatal(err)
 	}
 	if got, err := rcv.c.Wait(ctx, "part", 10*time.Second); err != nil || !bytes.Equal(got, rest) {

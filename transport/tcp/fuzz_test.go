@@ -12,81 +12,9 @@ import (
 
 	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
-
-// FuzzWireRecords decodes the same bytes as every record of the wire
-// protocol. Fixed-size records must encode back to the bytes they were
-// decoded from, the hello check must agree with the magic and version,
-// and a reply is accepted exactly when its message fits and an OK carries
-// none. Seeds: testdata/fuzz/FuzzWireRecords.
-func FuzzWireRecords(f *testing.F) {
-	f.Fuzz(func(t *testing.T, data []byte) {
-		var raw [ReplySize + MaxMessage]byte
-		copy(raw[:], data)
-
-		var h hello
-		h.decode((*[helloSize]byte)(raw[:helloSize]))
-		var hb [helloSize]byte
-		h.encode(&hb)
-		if !bytes.Equal(hb[:], raw[:helloSize]) {
-			t.Fatalf("hello %x re-encodes as %x", raw[:helloSize], hb)
-		}
-		status, err := h.check()
-		kind := binary.LittleEndian.Uint32(raw[16:])
-		good := string(raw[:4]) == magic && binary.LittleEndian.Uint32(raw[4:]) == version && (kind == kindData || kind == kindRDMA)
-		if good != (err == nil) || good != (status == statusOK) {
-			t.Fatalf("hello %x: check() = %d, %v", raw[:helloSize], status, err)
-		}
-
-		var w welcome
-		w.decode((*[welcomeSize]byte)(raw[:welcomeSize]))
-		var wb [welcomeSize]byte
-		w.encode(&wb)
-		if !bytes.Equal(wb[:], raw[:welcomeSize]) {
-			t.Fatalf("welcome %x re-encodes as %x", raw[:welcomeSize], wb)
-		}
-
-		var v verdict
-		v.decode((*[verdictSize]byte)(raw[:verdictSize]))
-		var vb [verdictSize]byte
-		v.encode(&vb)
-		if !bytes.Equal(vb[:], raw[:verdictSize]) {
-			t.Fatalf("verdict %x re-encodes as %x", raw[:verdictSize], vb)
-		}
-
-		var hd Header
-		hd.Decode((*[HeaderSize]byte)(raw[:HeaderSize]))
-		var hdb [HeaderSize]byte
-		hd.Encode(&hdb)
-		// The last 4 bytes are reserved: ignored, and sent as zeros.
-		if !bytes.Equal(hdb[:HeaderSize-4], raw[:HeaderSize-4]) || binary.LittleEndian.Uint32(hdb[HeaderSize-4:]) != 0 {
-			t.Fatalf("header %x re-encodes as %x", raw[:HeaderSize], hdb)
-		}
-
-		code, flags, n, err := DecodeReply((*[ReplySize]byte)(raw[:ReplySize]))
-		wantCode := transport.Code(binary.LittleEndian.Uint32(raw[0:]))
-		wantLen := int(binary.LittleEndian.Uint16(raw[6:]))
-		valid := wantLen <= MaxMessage && (wantCode != transport.OK || wantLen == 0)
-		if valid != (err == nil) {
-			t.Fatalf("reply %x: DecodeReply error %v, want valid=%v", raw[:ReplySize], err, valid)
-		}
-		if err != nil {
-			return
-		}
-		if code != wantCode || n != wantLen || flags != binary.LittleEndian.Uint16(raw[4:]) {
-			t.Fatalf("reply %x decodes as %d %d %d", raw[:ReplySize], code, flags, n)
-		}
-		// What a receiver sends, a sender reads back unchanged.
-		var out [ReplySize + MaxMessage]byte
-		msg := string(raw[ReplySize : ReplySize+n])
-		b := EncodeReply(&out, code, flags, msg)
-		c2, f2, n2, err := DecodeReply((*[ReplySize]byte)(b[:ReplySize]))
-		if err != nil || c2 != code || f2 != flags || string(b[ReplySize:ReplySize+n2]) != msg {
-			t.Fatalf("reply %d %d %q round-trips as %d %d %q, %v", code, flags, msg, c2, f2, b[ReplySize:], err)
-		}
-	})
-}
 
 // The receive slots FuzzAcceptedConn writes into: two slots with gaps
 // around them, so a byte landing outside a slot shows.
@@ -124,10 +52,12 @@ const (
 func FuzzAcceptedConn(f *testing.F) {
 	slots := transporttest.NewSlots(fuzzMem)
 	keys := [2]transport.Key{slots.Add(fuzzSlot1, fuzzSize1), slots.Add(fuzzSlot2, fuzzSize2)}
-	cfg := Config{Sink: slots, IOTimeout: 2 * time.Second, HandshakeTimeout: 2 * time.Second, MaxWrite: fuzzMaxWrite}
+	cfg := peer.Config{Sink: slots, IOTimeout: 2 * time.Second, HandshakeTimeout: 2 * time.Second, MaxWrite: fuzzMaxWrite}
 	open := listen(f, cfg)
 	cfg.Secret = fuzzSecret
 	locked := listen(f, cfg)
+	// The dialer of the authenticated handshakes.
+	authed := listen(f, peer.Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 10 * time.Second, Secret: fuzzSecret})
 	f.Fuzz(func(t *testing.T, mode uint8, data []byte) {
 		for i, mark := range fuzzKeyMarks {
 			data = bytes.ReplaceAll(data, mark, keys[i][:])
@@ -140,7 +70,13 @@ func FuzzAcceptedConn(f *testing.F) {
 		if mode == fuzzAfterHello {
 			data = append(helloBytes(version), data...)
 		}
-		nc, err := net.Dial("tcp", rx.Addr().String())
+		var nc net.Conn
+		var err error
+		if mode == fuzzAfterAuth {
+			nc, _, err = authed.port.Dial(ctxFor(t, 10*time.Second), rx.Addr().String(), peer.KindData)
+		} else {
+			nc, err = net.Dial("tcp", rx.Addr().String())
+		}
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -148,13 +84,6 @@ func FuzzAcceptedConn(f *testing.F) {
 		// The receiver must close within its timeouts once the sender
 		// has nothing more to say; 10 s is far beyond them.
 		nc.SetDeadline(time.Now().Add(10 * time.Second))
-		if mode == fuzzAfterAuth {
-			c := &conn{nc: nc.(*net.TCPConn)}
-			if _, err := c.greet(ctxFor(t, 10*time.Second), 42, kindData, fuzzSecret); err != nil {
-				t.Fatalf("authenticated handshake: %v", err)
-			}
-			nc.SetDeadline(time.Now().Add(10 * time.Second))
-		}
 		go func() {
 			nc.Write(data) // the receiver may close before taking it all
 			nc.(*net.TCPConn).CloseWrite()
@@ -163,7 +92,7 @@ func FuzzAcceptedConn(f *testing.F) {
 		if err != nil && !transport.PeerGone(err) {
 			t.Fatalf("reading the receiver's answers: %v (it did not close the connection)", err)
 		}
-		served(t, rx)
+		transporttest.Served(t, rx.PortStats)
 		// A receiver that closes with unread bytes resets the connection,
 		// which can cut what it sent short: then only whole records count.
 		if mode != fuzzAfterAuth {
@@ -186,7 +115,8 @@ func FuzzAcceptedConn(f *testing.F) {
 
 // checkHandshake parses a receiver's side of the handshake at the start
 // of out (a welcome, owed for a whole hello; a nonce when it holds a
-// secret; a verdict when the client announced one too) and returns what
+// secret; a verdict when the client announced one too), reading the
+// records as peer/wire.go's notes lay them out, and returns what
 // follows. Unless complete, the last record may be cut short.
 func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 	t.Helper()
@@ -199,15 +129,15 @@ func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 	if len(out) < welcomeSize {
 		t.Fatalf("receiver sent %d bytes, less than a welcome: %x", len(out), out)
 	}
-	var w welcome
-	w.decode((*[welcomeSize]byte)(out[:welcomeSize]))
 	// A refused hello's welcome echoes the kind asked for, known or not:
 	// only magic and version must be the receiver's own.
-	if string(w.magic[:]) != magic || w.version != version {
-		t.Fatalf("receiver's welcome is malformed: magic %q, version %d", w.magic[:], w.version)
+	if string(out[:4]) != "FERY" || binary.LittleEndian.Uint32(out[4:]) != version {
+		t.Fatalf("receiver's welcome is malformed: magic %q, version %d", out[:4], binary.LittleEndian.Uint32(out[4:]))
 	}
+	auth := binary.LittleEndian.Uint32(out[20:])&flagAuth != 0
+	status := binary.LittleEndian.Uint32(out[24:])
 	out = out[welcomeSize:]
-	if w.auth() {
+	if auth {
 		if len(out) < nonceSize {
 			if complete {
 				t.Fatalf("receiver sent %d bytes of its %d-byte nonce", len(out), nonceSize)
@@ -216,13 +146,13 @@ func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 		}
 		out = out[nonceSize:]
 	}
-	if w.status != statusOK {
+	if status != statusOK {
 		if len(out) > 0 {
-			t.Fatalf("receiver refused the handshake (status %d) yet sent %d more bytes", w.status, len(out))
+			t.Fatalf("receiver refused the handshake (status %d) yet sent %d more bytes", status, len(out))
 		}
 		return nil
 	}
-	if !w.auth() {
+	if !auth {
 		return out
 	}
 	// A client that sent no whole nonce and proof gets no verdict.
@@ -232,11 +162,11 @@ func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 		}
 		return nil
 	}
-	var v verdict
-	v.decode((*[verdictSize]byte)(out[:verdictSize]))
+	verdict := out[:verdictSize]
 	out = out[verdictSize:]
-	if v.status != statusOK && (v.status != statusBadProof || v.proof != [proofSize]byte{} || len(out) > 0) {
-		t.Fatalf("receiver's refusal is malformed: verdict %+v and %d more bytes", v, len(out))
+	vstatus := binary.LittleEndian.Uint32(verdict)
+	if vstatus != statusOK && (vstatus != statusBadProof || bytes.ContainsFunc(verdict[4:], func(r rune) bool { return r != 0 }) || len(out) > 0) {
+		t.Fatalf("receiver's refusal is malformed: verdict %x and %d more bytes", verdict, len(out))
 	}
 	return out
 }
@@ -246,136 +176,25 @@ func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 func checkReplies(t *testing.T, out []byte, complete bool) {
 	t.Helper()
 	for len(out) > 0 {
-		if !complete && (len(out) < ReplySize || len(out) < ReplySize+int(binary.LittleEndian.Uint16(out[6:]))) {
+		if !complete && (len(out) < peer.ReplySize || len(out) < peer.ReplySize+int(binary.LittleEndian.Uint16(out[6:]))) {
 			return
 		}
-		if len(out) < ReplySize {
+		if len(out) < peer.ReplySize {
 			t.Fatalf("receiver sent a %d-byte fragment of a reply: %x", len(out), out)
 		}
-		code, flags, n, err := DecodeReply((*[ReplySize]byte)(out[:ReplySize]))
-		if err != nil || len(out) < ReplySize+n {
+		code, flags, n, err := peer.DecodeReply((*[peer.ReplySize]byte)(out[:peer.ReplySize]))
+		if err != nil || len(out) < peer.ReplySize+n {
 			t.Fatalf("receiver sent a malformed reply %x: %v", out, err)
 		}
-		msg := string(out[ReplySize : ReplySize+n])
+		msg := string(out[peer.ReplySize : peer.ReplySize+n])
 		if code != transport.OK && (msg == "" || !strings.ContainsFunc(msg, func(r rune) bool { return r != ' ' })) {
 			t.Fatalf("refusal %s carries no message", code)
 		}
-		out = out[ReplySize+n:]
-		if flags&FlagClose != 0 && len(out) > 0 {
+		out = out[peer.ReplySize+n:]
+		if flags&peer.FlagClose != 0 && len(out) > 0 {
 			t.Fatalf("receiver sent %d bytes after a reply that closes the connection", len(out))
 		}
 	}
-}
-
-// fuzzProofMark in a FuzzDialedConn seed stands for the proof a server
-// holding fuzzSecret owes the dialer, over the nonces of the connection.
-var fuzzProofMark = []byte("PROOF")
-
-// FuzzDialedConn is the other direction: a peer answers a dial with
-// arbitrary bytes, as its welcome (and, when the dialer holds a secret,
-// its nonce and verdict) and then as the reply to one write. The dialer
-// must neither hang nor panic, and report success only when those bytes
-// hold an OK welcome of this version for the kind asked, the server's
-// valid proof when they authenticate, and an OK reply. Seeds:
-// testdata/fuzz/FuzzDialedConn.
-func FuzzDialedConn(f *testing.F) {
-	plain := listen(f, Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 2 * time.Second, IOTimeout: 2 * time.Second})
-	authed := listen(f, Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 2 * time.Second, IOTimeout: 2 * time.Second, Secret: fuzzSecret})
-	f.Fuzz(func(t *testing.T, withSecret bool, answer []byte) {
-		tx := plain
-		if withSecret {
-			tx = authed
-		}
-		// What the fake peer sent, and the proof it owed.
-		type answered struct {
-			bytes []byte
-			proof [proofSize]byte
-		}
-		sent := make(chan answered, 1)
-		addr := fakePeer(t, func(c net.Conn) {
-			c.SetDeadline(time.Now().Add(10 * time.Second))
-			var hb [helloSize]byte
-			if _, err := io.ReadFull(c, hb[:]); err != nil {
-				return
-			}
-			var h hello
-			h.decode(&hb)
-			a := answered{bytes: answer}
-			if h.auth() && len(answer) >= welcomeSize+nonceSize {
-				// The welcome and nonce first, then, once the dialer's
-				// nonce is in, the rest with the proof that nonce asks.
-				c.Write(answer[:welcomeSize+nonceSize])
-				var nb [nonceSize + proofSize]byte
-				if _, err := io.ReadFull(c, nb[:]); err != nil {
-					sent <- a
-					return
-				}
-				client := party{instance: h.instance, nonce: [nonceSize]byte(nb[:nonceSize])}
-				server := party{instance: binary.LittleEndian.Uint64(answer[8:]), nonce: [nonceSize]byte(answer[welcomeSize:])}
-				a.proof = proof(fuzzSecret, roleServer, h.kind, client, server)
-				head := answer[: welcomeSize+nonceSize : welcomeSize+nonceSize]
-				a.bytes = append(head, bytes.Replace(answer[len(head):], fuzzProofMark, a.proof[:], 1)...)
-				c.Write(a.bytes[welcomeSize+nonceSize:])
-			} else {
-				c.Write(answer)
-			}
-			sent <- a
-			// Nothing more to say: the dialer sees the end at once rather
-			// than after a timeout. Then take what it sends until it closes.
-			c.(*net.TCPConn).CloseWrite()
-			io.Copy(io.Discard, c)
-		})
-		ctx := ctxFor(t, 10*time.Second)
-		s, err := tx.Dial(ctx, addr)
-		if err != nil {
-			if !strings.Contains(err.Error(), "tcp dial "+addr) {
-				t.Fatalf("dial error does not name the peer: %v", err)
-			}
-			return
-		}
-		defer s.Close()
-		a := <-sent
-		reply, ok := acceptedWelcome(a.bytes, withSecret, a.proof)
-		if !ok {
-			t.Fatalf("dial (secret %v) succeeded on the answer %x", withSecret, a.bytes)
-		}
-		err = s.Write(ctx, transport.Write{Src: make([]byte, 16), Remote: 0, Key: transport.Key{1}, Tag: 1})
-		okReply := len(reply) >= ReplySize && binary.LittleEndian.Uint32(reply) == uint32(transport.OK) && binary.LittleEndian.Uint16(reply[6:]) == 0
-		if err == nil && !okReply {
-			t.Fatalf("write succeeded on the reply %x", reply)
-		}
-		if err != nil && !strings.Contains(err.Error(), addr) && !transport.IsRefusal(err) {
-			t.Fatalf("write error does not name the peer: %v", err)
-		}
-	})
-}
-
-// acceptedWelcome says whether a dialer may take answer as a server's
-// handshake (an OK welcome for a data connection, flagAuth exactly when
-// the dialer holds a secret, and then an OK verdict with the proof owed),
-// and returns what follows it.
-func acceptedWelcome(a []byte, withSecret bool, owed [proofSize]byte) ([]byte, bool) {
-	if len(a) < welcomeSize {
-		return nil, false
-	}
-	var w welcome
-	w.decode((*[welcomeSize]byte)(a[:welcomeSize]))
-	if _, err := w.check(); err != nil || w.status != statusOK || w.kind != kindData || w.auth() != withSecret {
-		return nil, false
-	}
-	a = a[welcomeSize:]
-	if !withSecret {
-		return a, true
-	}
-	if len(a) < nonceSize+verdictSize {
-		return nil, false
-	}
-	var v verdict
-	v.decode((*[verdictSize]byte)(a[nonceSize:]))
-	if v.status != statusOK || v.proof != owed {
-		return nil, false
-	}
-	return a[nonceSize+verdictSize:], true
 }
 
 // FuzzPeerPortFlood drives the peer port as a crowd of unauthenticated
@@ -393,8 +212,8 @@ func FuzzPeerPortFlood(f *testing.F) {
 	slots := transporttest.NewSlots(fuzzMem)
 	keys := [2]transport.Key{slots.Add(fuzzSlot1, fuzzSize1), slots.Add(fuzzSlot2, fuzzSize2)}
 	lim := connlimit.Limits{Total: 4, PerSource: 2}
-	rx := listen(f, Config{Sink: slots, IOTimeout: 2 * time.Second, HandshakeTimeout: 2 * time.Second, MaxWrite: fuzzMaxWrite, Limits: lim})
-	tx := listen(f, Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 5 * time.Second, IOTimeout: 5 * time.Second})
+	rx := listen(f, peer.Config{Sink: slots, IOTimeout: 2 * time.Second, HandshakeTimeout: 2 * time.Second, MaxWrite: fuzzMaxWrite, Limits: lim})
+	tx := listen(f, peer.Config{Sink: transporttest.NewSlots(0), HandshakeTimeout: 5 * time.Second, IOTimeout: 5 * time.Second})
 	header := func(addr, n uint64, key string) []byte {
 		b := binary.LittleEndian.AppendUint64(nil, addr)
 		b = binary.LittleEndian.AppendUint64(b, n)
@@ -445,7 +264,7 @@ func FuzzPeerPortFlood(f *testing.F) {
 			}
 		}
 		wg.Wait()
-		served(t, rx)
+		transporttest.Served(t, rx.PortStats)
 		for i, out := range outs {
 			// A connection the port refused, or closed to make room, may
 			// have no welcome at all.
@@ -469,7 +288,7 @@ func FuzzPeerPortFlood(f *testing.F) {
 		}
 		defer s.Close()
 		w := transport.Write{Src: make([]byte, 64), Remote: fuzzSlot2 + fuzzSize2 - 64, Key: keys[1], Tag: 0xf1}
-		if err := s.Write(ctxFor(t, 10*time.Second), w); err != nil && !transport.IsRefusal(err) {
+		if _, err := s.Write(ctxFor(t, 10*time.Second), w); err != nil && !transport.IsRefusal(err) {
 			t.Fatalf("a peer's write after the flood: %v", err)
 		}
 	})

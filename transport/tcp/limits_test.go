@@ -11,6 +11,7 @@ import (
 
 	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -63,8 +64,8 @@ func (l *lineWaiter) all() []string {
 func TestIdleConnectionReapedSenderRedials(t *testing.T) {
 	debug := newLineWaiter()
 	slots := transporttest.NewSlots(1 << 16)
-	rx := listen(t, Config{Sink: slots, IdleTimeout: 100 * time.Millisecond, Debugf: debug.logf})
-	tx := listen(t, Config{Sink: transporttest.NewSlots(0)})
+	rx := listen(t, peer.Config{Sink: slots, IdleTimeout: 100 * time.Millisecond, Debugf: debug.logf})
+	tx := listen(t, peer.Config{Sink: transporttest.NewSlots(0)})
 	ctx := ctxFor(t, 10*time.Second)
 	s, err := tx.Dial(ctx, rx.Addr().String())
 	if err != nil {
@@ -74,7 +75,7 @@ func TestIdleConnectionReapedSenderRedials(t *testing.T) {
 	for i := range 3 {
 		addr := uint64(i * 4096)
 		w := transport.Write{Src: []byte(fmt.Sprintf("write %d", i)), Remote: addr, Key: slots.Add(addr, 7), Tag: uint32(i)}
-		if err := s.Write(ctx, w); err != nil {
+		if _, err := s.Write(ctx, w); err != nil {
 			t.Fatalf("write %d (after %d idle closes): %v", i, i, err)
 		}
 		if i < 2 {
@@ -91,10 +92,10 @@ func TestIdleConnectionReapedSenderRedials(t *testing.T) {
 // header) has taken nothing; the write goes again on a new connection.
 // A fresh connection closed the same way fails the write: no loop.
 func TestReapCrossingAWriteIsRetried(t *testing.T) {
-	tx := listen(t, Config{Sink: transporttest.NewSlots(0)})
+	tx := listen(t, peer.Config{Sink: transporttest.NewSlots(0)})
 	var mu sync.Mutex
 	conns := 0
-	addr := fakePeer(t, func(c net.Conn) {
+	addr := transporttest.FakePeer(t, func(c net.Conn) {
 		mu.Lock()
 		conns++
 		n := conns
@@ -105,11 +106,11 @@ func TestReapCrossingAWriteIsRetried(t *testing.T) {
 		// unanswered; connection 2 completes whatever comes; 3 closes
 		// under its first.
 		for i := 0; ; i++ {
-			var hb [HeaderSize]byte
+			var hb [peer.HeaderSize]byte
 			if _, err := io.ReadFull(c, hb[:]); err != nil {
 				return
 			}
-			var h Header
+			var h peer.Header
 			h.Decode(&hb)
 			if n == 1 && i == 1 || n == 3 {
 				return
@@ -117,8 +118,8 @@ func TestReapCrossingAWriteIsRetried(t *testing.T) {
 			if _, err := io.CopyN(io.Discard, c, int64(h.Len)); err != nil {
 				return
 			}
-			var rb [ReplySize + MaxMessage]byte
-			c.Write(EncodeReply(&rb, transport.OK, 0, ""))
+			var rb [peer.ReplySize + peer.MaxMessage]byte
+			c.Write(peer.EncodeReply(&rb, transport.OK, 0, ""))
 		}
 	})
 	ctx := ctxFor(t, 10*time.Second)
@@ -129,7 +130,7 @@ func TestReapCrossingAWriteIsRetried(t *testing.T) {
 	defer s.Close()
 	w := transport.Write{Src: []byte("bytes"), Key: transport.Key{1}}
 	for i := range 2 {
-		if err := s.Write(ctx, w); err != nil {
+		if _, err := s.Write(ctx, w); err != nil {
 			t.Fatalf("write %d: %v", i, err)
 		}
 	}
@@ -145,7 +146,7 @@ func TestReapCrossingAWriteIsRetried(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer s2.Close()
-	if err := s2.Write(ctx, w); err == nil || !strings.Contains(err.Error(), "peer closed the connection") {
+	if _, err := s2.Write(ctx, w); err == nil || !strings.Contains(err.Error(), "peer closed the connection") {
 		t.Fatalf("a write on a fresh connection closed under it: %v, want it to fail naming the close", err)
 	}
 }
@@ -154,8 +155,8 @@ func TestReapCrossingAWriteIsRetried(t *testing.T) {
 // a broken peer) give at most a burst of WARN lines a second and a line
 // saying how many more there were, all 500 accounted for.
 func TestHandshakeWarningsAreRateLimited(t *testing.T) {
-	var l logs
-	rx := listen(t, Config{Sink: transporttest.NewSlots(0), Logf: l.logf})
+	var l transporttest.Logs
+	rx := listen(t, peer.Config{Sink: transporttest.NewSlots(0), Logf: l.Logf})
 	start := time.Now()
 	for range 500 {
 		c, err := net.Dial("tcp", rx.Addr().String())
@@ -167,11 +168,11 @@ func TestHandshakeWarningsAreRateLimited(t *testing.T) {
 		io.Copy(io.Discard, c) // the receiver closes after its refusal
 		c.Close()
 	}
-	served(t, rx)
+	transporttest.Served(t, rx.PortStats)
 	elapsed := time.Since(start)
 	rx.Close() // says what is still suppressed
 	logged, suppressed := 0, 0
-	for _, line := range l.lines {
+	for _, line := range l.Lines() {
 		var n int
 		switch {
 		case strings.HasPrefix(line, "tcp: handshake from"):
@@ -196,7 +197,7 @@ func TestHandshakeWarningsAreRateLimited(t *testing.T) {
 func TestFullPortStillServesPeers(t *testing.T) {
 	warn := newLineWaiter()
 	slots := transporttest.NewSlots(1 << 16)
-	rx := listen(t, Config{Sink: slots, Limits: connlimit.Limits{Total: 4, PerSource: 2}, Logf: warn.logf})
+	rx := listen(t, peer.Config{Sink: slots, Limits: connlimit.Limits{Total: 4, PerSource: 2}, Logf: warn.logf})
 	for _, src := range []string{"127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"} {
 		helloFrom(t, src, rx)
 	}

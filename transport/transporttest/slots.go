@@ -1,5 +1,6 @@
 // Package transporttest is the conformance suite every ferry transport
-// must pass, and Slots, the reference transport.Sink it runs against.
+// must pass, Slots, the reference transport.Sink it runs against, and
+// helpers the tests of the peer port and its transports share.
 package transporttest
 
 import (

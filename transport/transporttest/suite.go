@@ -137,7 +137,7 @@ func testSizes(t *testing.T, f Factory) {
 		src := data()[i*4099:][:n]
 		key := slots.Add(addr, uint64(n))
 		tag := uint32(100 + i)
-		if err := s.Write(timeout(t, bulk(n)), transport.Write{Src: src, Remote: addr, Key: key, Tag: tag}); err != nil {
+		if _, err := s.Write(timeout(t, bulk(n)), transport.Write{Src: src, Remote: addr, Key: key, Tag: tag}); err != nil {
 			t.Fatalf("%d-byte write: %v", n, err)
 		}
 		landed(t, slots, tag, addr, src)
@@ -165,7 +165,7 @@ func testRefusals(t *testing.T, f Factory) {
 		{"OutOfBounds", transport.Write{Src: data()[:4096], Remote: addr + mib - 100, Key: key, Tag: 3}, transport.OutOfBounds},
 		{"OutOfBoundsWhole", transport.Write{Src: data()[:mib+1], Remote: addr, Key: key, Tag: 4}, transport.OutOfBounds},
 	} {
-		err := s.Write(timeout(t, patience), c.w)
+		_, err := s.Write(timeout(t, patience), c.w)
 		var r *transport.Refusal
 		if !errors.As(err, &r) || r.Code != c.want {
 			t.Errorf("%s: got %v, want a %s refusal", c.name, err, c.want)
@@ -178,7 +178,7 @@ func testRefusals(t *testing.T, f Factory) {
 		}
 	}
 	src := data()[7:][:mib]
-	if err := s.Write(timeout(t, patience), transport.Write{Src: src, Remote: addr, Key: key, Tag: 5}); err != nil {
+	if _, err := s.Write(timeout(t, patience), transport.Write{Src: src, Remote: addr, Key: key, Tag: 5}); err != nil {
 		t.Fatalf("write after refusals: %v", err)
 	}
 	landed(t, slots, 5, addr, src)
@@ -203,7 +203,10 @@ func testConcurrent(t *testing.T, f Factory) {
 	ctx := timeout(t, bulk(n*stride))
 	errs := make(chan error, n)
 	for _, w := range writes {
-		go func() { errs <- s.Write(ctx, w) }()
+		go func() {
+			_, err := s.Write(ctx, w)
+			errs <- err
+		}()
 	}
 	for range n {
 		if err := <-errs; err != nil {
@@ -270,11 +273,14 @@ func testNoHeadOfLineBlocking(t *testing.T, f Factory) {
 	ctx := timeout(t, bulk(128*mib))
 	bigErrs := make(chan error, len(big))
 	for _, w := range big {
-		go func() { bigErrs <- s.Write(ctx, w) }()
+		go func() {
+			_, err := s.Write(ctx, w)
+			bigErrs <- err
+		}()
 	}
 	g.arrived(t)
 	g.arrived(t)
-	if err := s.Write(ctx, small); err != nil {
+	if _, err := s.Write(ctx, small); err != nil {
 		t.Fatalf("small write behind two big ones: %v", err)
 	}
 	landed(t, slots, small.Tag, small.Remote, small.Src)
@@ -300,7 +306,10 @@ func testPeerClosedMidWrite(t *testing.T, f Factory) {
 	w := transport.Write{Src: data()[:64*mib], Remote: 0, Key: slots.Add(0, 64*mib), Tag: 1}
 	after := transport.Write{Src: data()[:4096], Remote: 64 * mib, Key: slots.Add(64*mib, 4096), Tag: 2}
 	res := make(chan error, 1)
-	go func() { res <- s.Write(timeout(t, patience), w) }()
+	go func() {
+		_, err := s.Write(timeout(t, patience), w)
+		res <- err
+	}()
 	g.arrived(t)
 	closed := make(chan error, 1)
 	go func() { closed <- rx.Close() }()
@@ -327,7 +336,7 @@ func testPeerClosedMidWrite(t *testing.T, f Factory) {
 	if n := slots.Delivered(w.Tag); n != 0 {
 		t.Errorf("interrupted write delivered %d times", n)
 	}
-	if err := s.Write(timeout(t, 5*time.Second), after); err == nil || transport.IsRefusal(err) {
+	if _, err := s.Write(timeout(t, 5*time.Second), after); err == nil || transport.IsRefusal(err) {
 		t.Errorf("write to a closed peer: got %v, want a broken-path error", err)
 	}
 }
@@ -338,7 +347,7 @@ func testStalledPeer(t *testing.T, f Factory) {
 	w := transport.Write{Src: data()[:mib], Remote: 0, Key: slots.Add(0, mib), Tag: 1}
 	const limit = 500 * time.Millisecond
 	start := time.Now()
-	err := s.Write(timeout(t, limit), w)
+	_, err := s.Write(timeout(t, limit), w)
 	if took := time.Since(start); took > limit+5*time.Second {
 		t.Errorf("write to a stalled peer took %s with a %s deadline", took, limit)
 	}
@@ -353,7 +362,10 @@ func testCancel(t *testing.T, f Factory) {
 	w := transport.Write{Src: data()[:mib], Remote: 0, Key: slots.Add(0, mib), Tag: 1}
 	ctx, cancel := context.WithCancel(t.Context())
 	res := make(chan error, 1)
-	go func() { res <- s.Write(ctx, w) }()
+	go func() {
+		_, err := s.Write(ctx, w)
+		res <- err
+	}()
 	g.arrived(t)
 	cancel()
 	select {
@@ -439,13 +451,13 @@ func testSessionClosed(t *testing.T, f Factory) {
 	slots := newSlots(t, 4096)
 	_, s := pair(t, f, slots)
 	w := transport.Write{Src: data()[:4096], Remote: 0, Key: slots.Add(0, 4096), Tag: 1}
-	if err := s.Write(timeout(t, patience), w); err != nil {
+	if _, err := s.Write(timeout(t, patience), w); err != nil {
 		t.Fatal(err)
 	}
 	if err := s.Close(); err != nil {
 		t.Errorf("Close: %v", err)
 	}
-	if err := s.Write(timeout(t, patience), w); !errors.Is(err, transport.ErrClosed) {
+	if _, err := s.Write(timeout(t, patience), w); !errors.Is(err, transport.ErrClosed) {
 		t.Errorf("write after Close: got %v, want ErrClosed", err)
 	}
 	if err := s.Close(); err != nil {
@@ -462,7 +474,7 @@ func testTransportClosed(t *testing.T, f Factory) {
 		t.Errorf("Close: %v", err)
 	}
 	w := transport.Write{Src: data()[:4096], Remote: 0, Key: slots.Add(0, 4096), Tag: 1}
-	if err := s.Write(timeout(t, patience), w); !errors.Is(err, transport.ErrClosed) {
+	if _, err := s.Write(timeout(t, patience), w); !errors.Is(err, transport.ErrClosed) {
 		t.Errorf("write on a closed transport's session: got %v, want ErrClosed", err)
 	}
 	if _, err := tx.Dial(timeout(t, patience), rx.Addr().String()); !errors.Is(err, transport.ErrClosed) {

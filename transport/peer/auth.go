@@ -1,4 +1,4 @@
-package tcp
+package peer
 
 import (
 	"crypto/hmac"
@@ -32,11 +32,11 @@ func newNonce() [nonceSize]byte {
 
 // proof is what the side in role sends to show it holds secret, bound to
 // everything this handshake fixed.
-func proof(secret []byte, role string, kind uint32, client, server party) [proofSize]byte {
+func proof(secret []byte, role string, kind Kind, client, server party) [proofSize]byte {
 	m := hmac.New(sha256.New, secret)
 	m.Write([]byte("ferry peer proof v3 " + role))
 	var b [4 + 2*(8+nonceSize)]byte
-	binary.LittleEndian.PutUint32(b[0:], kind)
+	binary.LittleEndian.PutUint32(b[0:], uint32(kind))
 	binary.LittleEndian.PutUint64(b[4:], client.instance)
 	copy(b[12:], client.nonce[:])
 	binary.LittleEndian.PutUint64(b[12+nonceSize:], server.instance)
@@ -48,7 +48,7 @@ func proof(secret []byte, role string, kind uint32, client, server party) [proof
 }
 
 // validProof says whether got is the proof role owes, in constant time.
-func validProof(got [proofSize]byte, secret []byte, role string, kind uint32, client, server party) bool {
+func validProof(got [proofSize]byte, secret []byte, role string, kind Kind, client, server party) bool {
 	want := proof(secret, role, kind, client, server)
 	return hmac.Equal(got[:], want[:])
 }

@@ -1,10 +1,10 @@
-package tcp
+package peer
 
 // Wire protocol of the peer port, version 4. Every integer is
 // little-endian; every record has a fixed size except the message that
-// may follow a reply. The rdma transport speaks the same handshake on the
-// same port (one port, one protocol), which is why Header and the reply
-// codec are exported.
+// may follow a reply. Both transports speak it on the one port:
+// transport/tcp on its data connections, rdma on its lanes' control
+// connections, whose exchange rdma/wire.go goes on with.
 //
 // Handshake, once when a connection opens:
 //
@@ -14,7 +14,7 @@ package tcp
 //	  8  instance  u64     the client daemon's process identity
 //	 16  kind      u32     what the connection is for: 0 a TCP data
 //	                       connection (below); 1 the control connection
-//	                       of an RDMA session (rdma/wire.go goes on)
+//	                       of an RDMA lane (rdma/wire.go goes on)
 //	 20  flags     u32     bit 0 (flagAuth): the sender holds a peer
 //	                       secret; other bits 0
 //
@@ -113,10 +113,12 @@ const (
 	MaxUnmatched = 16
 )
 
-// Connection kinds a hello asks for.
+// Kind is what a connection is for, as its hello asks.
+type Kind uint32
+
 const (
-	kindData = 0
-	kindRDMA = 1
+	KindData Kind = 0 // a TCP data connection (transport/tcp)
+	KindRDMA Kind = 1 // the control connection of an RDMA lane (rdma)
 )
 
 // Handshake statuses.
@@ -142,12 +144,12 @@ type hello struct {
 	magic    [4]byte
 	version  uint32
 	instance uint64
-	kind     uint32
+	kind     Kind
 	flags    uint32
 }
 
 // ours is the hello this daemon sends, and the start of its welcome.
-func ours(instance uint64, kind uint32, secret []byte) hello {
+func ours(instance uint64, kind Kind, secret []byte) hello {
 	h := hello{magic: [4]byte{magic[0], magic[1], magic[2], magic[3]}, version: version, instance: instance, kind: kind}
 	if secret != nil {
 		h.flags = flagAuth
@@ -161,7 +163,7 @@ func (h *hello) encode(b *[helloSize]byte) {
 	copy(b[0:4], h.magic[:])
 	binary.LittleEndian.PutUint32(b[4:], h.version)
 	binary.LittleEndian.PutUint64(b[8:], h.instance)
-	binary.LittleEndian.PutUint32(b[16:], h.kind)
+	binary.LittleEndian.PutUint32(b[16:], uint32(h.kind))
 	binary.LittleEndian.PutUint32(b[20:], h.flags)
 }
 
@@ -169,7 +171,7 @@ func (h *hello) decode(b *[helloSize]byte) {
 	copy(h.magic[:], b[0:4])
 	h.version = binary.LittleEndian.Uint32(b[4:])
 	h.instance = binary.LittleEndian.Uint64(b[8:])
-	h.kind = binary.LittleEndian.Uint32(b[16:])
+	h.kind = Kind(binary.LittleEndian.Uint32(b[16:]))
 	h.flags = binary.LittleEndian.Uint32(b[20:])
 }
 
@@ -256,7 +258,7 @@ func (h *hello) check() (status uint32, err error) {
 	if h.version != version {
 		return statusBadVersion, fmt.Errorf("protocol version mismatch: the peer speaks version %d, this daemon speaks version %d: upgrade the older daemon so both run the same ferry release", h.version, version)
 	}
-	if h.kind != kindData && h.kind != kindRDMA {
+	if h.kind != KindData && h.kind != KindRDMA {
 		return statusBadKind, fmt.Errorf("peer asks for connection kind %d, which this daemon does not know", h.kind)
 	}
 	return statusOK, nil

@@ -1,0 +1,193 @@
+package rdma
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+)
+
+// Queue pairs for Mooncake's RDMA transport. Package mooncake keeps the
+// endpoints they make up and speaks the handshake; what it needs of the
+// NIC is here: the device's address, the shared registration's keys, and
+// queue pairs that connect as Mooncake's do (PSN 0, mcverbs.go) and carry
+// plain RDMA WRITEs, every one signaled, with no immediate and nothing
+// posted on the target.
+
+// mooncakeNIC is a NIC that can name itself as Mooncake's descriptors
+// do; its queue pairs are mooncakeQPs.
+type mooncakeNIC interface {
+	nic
+	deviceName() string
+}
+
+var errNoVerbsDevice = errors.New("Mooncake's RDMA transport needs a verbs device")
+
+// MooncakeNIC is this transport's NIC as a Mooncake descriptor lists it:
+// the verbs device's name, and the port's LID and GID.
+func (t *Transport) MooncakeNIC() (device string, lid uint16, gid [16]byte, err error) {
+	n, ok := t.nic.(mooncakeNIC)
+	if !ok {
+		return "", 0, [16]byte{}, errNoVerbsDevice
+	}
+	e := n.Endpoint()
+	return n.deviceName(), e.LID, e.GID, nil
+}
+
+// SharedKeys are the shared registration's keys, which cover the whole
+// of Memory; ok is false without one (per-send mode).
+func (t *Transport) SharedKeys() (rkey, lkey uint32, ok bool) {
+	if t.shared == nil {
+		return 0, 0, false
+	}
+	return t.shared.RKey(), t.shared.LKey(), true
+}
+
+// MooncakeQP is a queue pair of a Mooncake endpoint. The transport
+// closes those still open when it closes.
+type MooncakeQP struct {
+	t *Transport
+	l *lane // ctrl is nil: Mooncake has no control connection
+}
+
+// NewMooncakeQP makes a queue pair for a Mooncake endpoint, in INIT.
+func (t *Transport) NewMooncakeQP() (*MooncakeQP, error) {
+	qp, err := t.nic.NewQP(sendDepth, 1)
+	if err != nil {
+		return nil, err
+	}
+	if _, ok := qp.(mooncakeQP); !ok {
+		qp.Close()
+		return nil, errNoVerbsDevice
+	}
+	q := &MooncakeQP{t: t, l: newLane(qp, nil, sendDepth)}
+	t.mu.Lock()
+	if t.closed {
+		t.mu.Unlock()
+		q.l.close()
+		return nil, fmt.Errorf("a Mooncake queue pair: %w", transport.ErrClosed)
+	}
+	t.mooncake[q] = struct{}{}
+	t.mu.Unlock()
+	return q, nil
+}
+
+func (q *MooncakeQP) QPN() uint32 { return q.l.qp.QPN() }
+
+// Connect connects the QP to the peer's queue pair qpn at gid and lid
+// with Mooncake's attributes, its path MTU at most mtu bytes (0, or a
+// size no MTU enum has: the port's).
+func (q *MooncakeQP) Connect(gid [16]byte, lid uint16, qpn uint32, mtu int) error {
+	return q.l.qp.(mooncakeQP).connectMooncake(endpoint{GID: gid, LID: lid, QPN: qpn, MTU: mtuOf(mtu)})
+}
+
+// Write writes src to remote under rkey in chunks, every one signaled, at
+// most sendDepth (bounceSlots from a bounce ring) in flight, and returns
+// once their completions say the peer's NIC has placed every byte, or
+// none came for the I/O timeout. A write that failed once its source was
+// on its way to the NIC closes the QP.
+func (q *MooncakeQP) Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error) {
+	t, l := q.t, q.l
+	s, err := t.source(src)
+	if err != nil {
+		return transport.Report{}, err
+	}
+	defer s.release()
+	l.use.Lock()
+	select {
+	case <-l.quit: // closed meanwhile
+		l.use.Unlock()
+		return transport.Report{}, errLaneClosed
+	default:
+	}
+	err = t.mooncakePost(ctx, l, src, remote, rkey, s)
+	l.use.Unlock()
+	if err != nil {
+		// The QP goes before the source's registration (deferred): until
+		// then the NIC may still read it.
+		q.Close()
+		return transport.Report{}, err
+	}
+	return s.kind.report(len(src)), nil
+}
+
+// Closed reports whether the QP was closed.
+func (q *MooncakeQP) Closed() bool {
+	select {
+	case <-q.l.quit:
+		return true
+	default:
+		return false
+	}
+}
+
+// Close destroys the QP, waiting out a write on it.
+func (q *MooncakeQP) Close() error {
+	q.t.mu.Lock()
+	delete(q.t.mooncake, q)
+	q.t.mu.Unlock()
+	return q.l.close()
+}
+
+// mooncakePost posts the write and waits for every completion.
+func (t *Transport) mooncakePost(ctx context.Context, l *lane, src []byte, remote uint64, rkey uint32, s source) error {
+	n := len(src)
+	window := sendDepth
+	var ring []byte
+	var ringKey uint32
+	if s.kind == fromBounce {
+		window = bounceSlots
+		var err error
+		if ring, ringKey, err = l.bounceBuffer(t.nic); err != nil {
+			return err
+		}
+	}
+	count := chunks(n)
+	l.seq++
+	base := uint64(l.seq) << 32
+	ops := make([]op, 0, min(count, window))
+	posted, retired := 0, 0
+	for retired < count {
+		ops = ops[:0]
+		for posted < count && posted-retired < window {
+			off := posted * chunk
+			m := min(chunk, n-off)
+			o := op{WRID: base | uint64(posted), Remote: remote + uint64(off), Len: uint32(m), RKey: rkey, Signaled: true}
+			if ring != nil {
+				slot := ring[(posted%bounceSlots)*chunk:][:m]
+				copy(slot, src[off:off+m])
+				o.Local, o.LKey = addrOf(slot), ringKey
+			} else {
+				o.Local, o.LKey = addrOf(src)+uint64(off), s.lkey
+			}
+			ops = append(ops, o)
+			posted++
+		}
+		if len(ops) > 0 {
+			if err := l.qp.Post(ops); err != nil {
+				return err
+			}
+		}
+		deadline := time.Now().Add(t.cfg.Peer.IOTimeout)
+		if cd, ok := ctx.Deadline(); ok && cd.Before(deadline) {
+			deadline = cd
+		}
+		wc, err := wait(l, l.wcs, deadline, ctx.Done())
+		switch {
+		case err == errNoProgress:
+			return fmt.Errorf("the peer made no progress for %s with %d work requests in flight", t.cfg.Peer.IOTimeout, posted-retired)
+		case err == errCanceled:
+			return transport.ContextErr(ctx)
+		case err != nil:
+			return err
+		case wc.WRID>>32 != base>>32:
+			continue // a stale completion; none are expected
+		case wc.Status != wcSuccess:
+			return &CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma write"}
+		}
+		retired++
+	}
+	return nil
+}

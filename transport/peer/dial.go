@@ -1,0 +1,159 @@
+package peer
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+)
+
+// ErrNoRDMA is Dial's answer, for a connection of kind rdma, from a peer
+// that serves no RDMA (it runs the tcp transport, or found no usable
+// NIC): use data connections.
+var ErrNoRDMA = errors.New("the peer serves no RDMA")
+
+// Dial opens one connection of the given kind to the peer port at addr
+// and runs the client side of the handshake, as this daemon: it returns
+// the connection, ready for the kind's own exchange, and the peer's
+// instance. The caller names addr in its errors; these name the step.
+func (p *Port) Dial(ctx context.Context, addr string, kind Kind) (*net.TCPConn, uint64, error) {
+	if p.Closed() {
+		return nil, 0, transport.ErrClosed
+	}
+	hctx, cancel := context.WithTimeout(ctx, p.cfg.HandshakeTimeout)
+	defer cancel()
+	d := net.Dialer{KeepAliveConfig: keepAlive}
+	nc, err := d.DialContext(hctx, "tcp", addr)
+	if err != nil {
+		// Keep the cause only: the caller names addr and the step already.
+		if op := (*net.OpError)(nil); errors.As(err, &op) {
+			err = op.Err
+		}
+		if sc := (*os.SyscallError)(nil); errors.As(err, &sc) {
+			err = sc.Err
+		}
+		return nil, 0, p.DialErr(ctx, hctx, "connect", err)
+	}
+	c := nc.(*net.TCPConn)
+	tune(c)
+	instance, err := greet(hctx, c, p.cfg.Instance, kind, p.cfg.Secret)
+	if err == ErrNoRDMA {
+		c.Close()
+		return nil, 0, err
+	}
+	if err != nil {
+		c.Close()
+		return nil, 0, p.DialErr(ctx, hctx, "handshake", err)
+	}
+	return c, instance, nil
+}
+
+// DialErr says whether the caller's ctx or hctx, the handshake timeout
+// derived from it, cut a step of opening a connection short, as the
+// socket error alone does not.
+func (p *Port) DialErr(ctx, hctx context.Context, step string, err error) error {
+	if cerr := transport.ContextErr(ctx); cerr != nil {
+		return fmt.Errorf("%s: %w: %w", step, cerr, err)
+	}
+	if transport.ContextErr(hctx) != nil {
+		return fmt.Errorf("%s: no answer within %s: %w", step, p.cfg.HandshakeTimeout, err)
+	}
+	return fmt.Errorf("%s: %w", step, err)
+}
+
+// greet runs the client side of the handshake on c within ctx.
+func greet(ctx context.Context, c *net.TCPConn, instance uint64, kind Kind, secret []byte) (uint64, error) {
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer stop()
+	deadline, _ := ctx.Deadline()
+	c.SetDeadline(deadline)
+	var hb [helloSize]byte
+	h := ours(instance, kind, secret)
+	h.encode(&hb)
+	if _, err := c.Write(hb[:]); err != nil {
+		return 0, fmt.Errorf("sending the hello: %w", err)
+	}
+	var wb [welcomeSize]byte
+	if err := read(c, wb[:], "welcome"); err != nil {
+		return 0, err
+	}
+	var w welcome
+	w.decode(&wb)
+	if _, err := w.check(); err != nil {
+		return 0, fmt.Errorf("%w: %v", transport.ErrIncompatible, err)
+	}
+	switch w.status {
+	case statusOK:
+	case statusNoRDMA:
+		return 0, ErrNoRDMA
+	case statusNeedSecret:
+		return 0, authErr("the peer requires a peer secret, and this daemon has none: give both daemons the same peer secret")
+	case statusNoSecret:
+		return 0, authErr("the peer has no peer secret, and this daemon requires one: give both daemons the same peer secret")
+	default:
+		return 0, fmt.Errorf("peer refused the handshake with status %d", w.status)
+	}
+	if w.kind != kind {
+		return 0, fmt.Errorf("peer welcomed connection kind %d, this daemon asked for kind %d", w.kind, kind)
+	}
+	if w.auth() != h.auth() {
+		// A server that skips the secret it should have checked is no
+		// ferryd of this version, or an impostor.
+		return 0, authErr("the peer accepted the handshake without the challenge both sides owe (peer flags %#x, ours %#x)", w.flags, h.flags)
+	}
+	if h.auth() {
+		if err := prove(c, secret, kind, instance, w.instance); err != nil {
+			return 0, err
+		}
+	}
+	if !stop() {
+		return 0, ctx.Err() // ctx ended just now, and closed the connection
+	}
+	c.SetDeadline(time.Time{})
+	return w.instance, nil
+}
+
+// prove answers the server's challenge with a challenge of its own and
+// checks the server's proof in turn.
+func prove(c *net.TCPConn, secret []byte, kind Kind, clientInstance, serverInstance uint64) error {
+	server := party{instance: serverInstance}
+	if err := read(c, server.nonce[:], "nonce"); err != nil {
+		return err
+	}
+	client := party{instance: clientInstance, nonce: newNonce()}
+	p := proof(secret, roleClient, kind, client, server)
+	if _, err := c.Write(append(client.nonce[:], p[:]...)); err != nil {
+		return fmt.Errorf("sending the nonce and proof: %w", err)
+	}
+	var vb [verdictSize]byte
+	if err := read(c, vb[:], "verdict"); err != nil {
+		return err
+	}
+	var v verdict
+	v.decode(&vb)
+	switch {
+	case v.status == statusBadProof:
+		return authErr("the peer refused this daemon's proof: the two daemons' peer secrets differ")
+	case v.status != statusOK:
+		return fmt.Errorf("peer refused the proof with status %d", v.status)
+	case !validProof(v.proof, secret, roleServer, kind, client, server):
+		return authErr("proof mismatch: the peer does not hold this daemon's secret")
+	}
+	return nil
+}
+
+// read reads one handshake record, naming it when the peer cuts it short.
+func read(c *net.TCPConn, b []byte, what string) error {
+	if n, err := io.ReadFull(c, b); err != nil {
+		if transport.PeerGone(err) {
+			return fmt.Errorf("peer closed the connection after %d of the %d-byte %s: %w", n, len(b), what, err)
+		}
+		return fmt.Errorf("read %d of the %d-byte %s: %w", n, len(b), what, err)
+	}
+	return nil
+}

@@ -1,0 +1,70 @@
+package peer
+
+import (
+	"fmt"
+
+	"github.com/ferry-project/ferry/transport"
+)
+
+// ErrUnmatched ends a connection that sent MaxUnmatched writes matching no
+// receive slot: a sender guessing keys, or one holding many stale slots.
+var ErrUnmatched = fmt.Errorf("closed the connection after %d writes that matched no receive slot (keys guessed, or slots long gone)", MaxUnmatched)
+
+// Gate admits the writes announced on one accepted connection: within
+// the size limit, and into what the Sink accepts. A connection that keeps
+// sending writes no slot matches is closed.
+type Gate struct {
+	sink      transport.Sink
+	maxWrite  uint64
+	what      string // the connection, as errors name it: "connection", "lane"
+	unmatched int    // writes refused for matching no slot
+}
+
+// Gate makes the gate of an accepted connection (what: "connection",
+// "lane").
+func (p *Port) Gate(what string) *Gate {
+	return &Gate{sink: p.cfg.Sink, maxWrite: p.cfg.MaxWrite, what: what}
+}
+
+// Refused is a write a gate turned away: the reply it gets and, when
+// End is set, why the connection closes after that reply (the reply
+// carries FlagClose).
+type Refused struct {
+	Code transport.Code
+	Msg  string
+	End  error
+}
+
+// Flags are the reply's flags.
+func (r *Refused) Flags() uint16 {
+	if r.End != nil {
+		return FlagClose
+	}
+	return 0
+}
+
+// Admit checks h. An accepted write gets the memory its bytes go to and
+// the done the Sink's Accept gave; a refused one, what to reply.
+func (g *Gate) Admit(h *Header) (dst []byte, done func(error), refused *Refused) {
+	if h.Len > g.maxWrite {
+		return nil, nil, &Refused{Code: transport.OutOfBounds,
+			Msg: fmt.Sprintf("write of %d bytes exceeds this receiver's limit of %d bytes", h.Len, g.maxWrite),
+			End: fmt.Errorf("refused a write of %d bytes (limit %d) and closed the %s", h.Len, g.maxWrite, g.what)}
+	}
+	dst, done, err := g.sink.Accept(h.Addr, h.Len, h.Key, h.Tag)
+	if err == nil && uint64(len(dst)) != h.Len {
+		err = fmt.Errorf("sink gave %d bytes of memory for a %d-byte write", len(dst), h.Len)
+		done(err)
+	}
+	if err == nil {
+		return dst, done, nil
+	}
+	code, msg := Refusal(err)
+	r := &Refused{Code: code, Msg: msg}
+	if code == transport.NoSlot {
+		if g.unmatched++; g.unmatched >= MaxUnmatched {
+			r.End = ErrUnmatched
+		}
+	}
+	return nil, nil, r
+}
