@@ -1,22 +1,18 @@
 package e2e
 
 import (
-	"bufio"
 	"encoding/binary"
 	"fmt"
 	"io"
 	"net"
-	"net/http"
 	"os"
 	"strconv"
-	"strings"
 	"testing"
 	"time"
 
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
-	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/mooncake/mooncaketest"
 )
 
@@ -93,18 +89,8 @@ func peerHello() []byte {
 // `ferry_port_connections{port="peer"}`; -1 when it is not there.
 func (d *daemon) metric(t *testing.T, series string) float64 {
 	t.Helper()
-	hc := &http.Client{Transport: &http.Transport{DialContext: client.UnixDialer(d.socket), DisableKeepAlives: true}}
-	resp, err := hc.Get("http://ferryd/metrics")
-	if err != nil {
-		t.Fatalf("reading ferryd's metrics: %v", err)
-	}
-	defer resp.Body.Close()
-	sc := bufio.NewScanner(resp.Body)
-	for sc.Scan() {
-		if v, ok := strings.CutPrefix(sc.Text(), series+" "); ok {
-			f, _ := strconv.ParseFloat(v, 64)
-			return f
-		}
+	if v, ok := d.metrics(t)[series]; ok {
+		return v
 	}
 	return -1
 }
