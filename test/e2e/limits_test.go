@@ -14,6 +14,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/mooncake/mooncaketest"
+	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
 // The ports anyone may reach (the peer port, the Mooncake RPC and data
@@ -62,19 +63,6 @@ func openFDs(t *testing.T, pid int) int {
 	return len(ents)
 }
 
-// dialFrom connects to addr from the loopback address src; the
-// connection closes at the end of the test.
-func dialFrom(t *testing.T, src, addr string) net.Conn {
-	t.Helper()
-	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: 10 * time.Second}
-	c, err := d.Dial("tcp", addr)
-	if err != nil {
-		t.Fatalf("connecting to %s from %s: %v", addr, src, err)
-	}
-	t.Cleanup(func() { c.Close() })
-	return c
-}
-
 // peerHello is a ferry hello of protocol version 4 for a data
 // connection (transport/peer/wire.go), written from the notes.
 func peerHello() []byte {
@@ -107,7 +95,7 @@ func TestPeerPortLimitsIdleConnections(t *testing.T) {
 	hello := peerHello()
 	const strangers, perAddr = 2000, 50 // under the per-address cap
 	for i := range strangers {
-		c := dialFrom(t, fmt.Sprintf("127.0.0.%d", 2+i/perAddr), rcv.listen)
+		c := transporttest.DialFrom(t, fmt.Sprintf("127.0.0.%d", 2+i/perAddr), rcv.listen)
 		c.SetDeadline(time.Now().Add(10 * time.Second))
 		c.Write(hello)
 		// The welcome, or the end of a connection ferryd closed to make
@@ -146,7 +134,7 @@ func TestPeerPortLimitsIdleConnections(t *testing.T) {
 func TestPeerPortLimitsPerAddress(t *testing.T) {
 	rcv := startDaemon(t, t.TempDir(), "rcv")
 	for range peerPortPerSource + 5 {
-		c := dialFrom(t, "127.0.0.2", rcv.listen)
+		c := transporttest.DialFrom(t, "127.0.0.2", rcv.listen)
 		c.SetDeadline(time.Now().Add(10 * time.Second))
 		c.Write(peerHello())
 		io.ReadFull(c, make([]byte, 28))
@@ -211,7 +199,7 @@ func TestPeerPortLimitsHandshakeWarnings(t *testing.T) {
 	const probes = 500
 	start := time.Now()
 	for range probes {
-		c := dialFrom(t, "127.0.0.2", rcv.listen)
+		c := transporttest.DialFrom(t, "127.0.0.2", rcv.listen)
 		c.SetDeadline(time.Now().Add(10 * time.Second))
 		c.Write([]byte("GET / HTTP/1.1\r\nHost: x\r\n\r\n"))
 		io.Copy(io.Discard, c) // ferryd refuses and closes
@@ -241,9 +229,9 @@ func TestMooncakeLimitsIdleConnectionsDoNotStallAWrite(t *testing.T) {
 	host, _, _ := net.SplitHostPort(seg)
 	data := net.JoinHostPort(host, strconv.Itoa(st.Mooncake.DataPort))
 	for i := range 40 {
-		dialFrom(t, "127.0.0.2", data)
-		dialFrom(t, fmt.Sprintf("127.0.0.%d", 3+i%2), seg)
-		dialFrom(t, fmt.Sprintf("127.0.0.%d", 5+i%2), seg)
+		transporttest.DialFrom(t, "127.0.0.2", data)
+		transporttest.DialFrom(t, fmt.Sprintf("127.0.0.%d", 3+i%2), seg)
+		transporttest.DialFrom(t, fmt.Sprintf("127.0.0.%d", 5+i%2), seg)
 	}
 	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mc-idle", NBytes: embBytes, Mooncake: true})
 	if err != nil {

@@ -201,7 +201,7 @@ func TestFullPortStillServesPeers(t *testing.T) {
 	for _, src := range []string{"127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"} {
 		helloFrom(t, src, rx)
 	}
-	over := dialFrom(t, "127.0.0.2", rx.Addr().String())
+	over := transporttest.DialFrom(t, "127.0.0.2", rx.Addr().String())
 	over.SetReadDeadline(time.Now().Add(10 * time.Second))
 	if n, err := over.Read(make([]byte, 1)); n != 0 || err == nil {
 		t.Fatalf("a third connection from one address: read %d, %v; want it closed at once", n, err)
@@ -218,23 +218,10 @@ func TestFullPortStillServesPeers(t *testing.T) {
 // then says nothing; it closes at the end of the test.
 func helloFrom(t *testing.T, src string, rx *Transport) {
 	t.Helper()
-	c := dialFrom(t, src, rx.Addr().String())
+	c := transporttest.DialFrom(t, src, rx.Addr().String())
 	c.SetDeadline(time.Now().Add(10 * time.Second))
 	c.Write(helloBytes(version))
 	if _, err := io.ReadFull(c, make([]byte, welcomeSize)); err != nil {
 		t.Fatalf("hello from %s: %v", src, err)
 	}
-}
-
-// dialFrom connects to addr from the loopback address src (127.0.0.0/8
-// is all this host's), so one test plays several sources.
-func dialFrom(t *testing.T, src, addr string) net.Conn {
-	t.Helper()
-	d := net.Dialer{LocalAddr: &net.TCPAddr{IP: net.ParseIP(src)}, Timeout: 5 * time.Second}
-	c, err := d.Dial("tcp", addr)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { c.Close() })
-	return c
 }

@@ -56,9 +56,21 @@ func FakePeer(t testing.TB, answer func(c net.Conn)) string {
 // itself: the connection has 10 s to do its work, and closes when t ends.
 func Dial(t testing.TB, addr string) net.Conn {
 	t.Helper()
-	c, err := net.Dial("tcp", addr)
+	return DialFrom(t, "", addr)
+}
+
+// DialFrom is Dial from the local address src (any of 127.0.0.0/8 is
+// this host's), so one test plays several sources; "" lets the kernel
+// choose.
+func DialFrom(t testing.TB, src, addr string) net.Conn {
+	t.Helper()
+	d := net.Dialer{Timeout: 10 * time.Second}
+	if src != "" {
+		d.LocalAddr = &net.TCPAddr{IP: net.ParseIP(src)}
+	}
+	c, err := d.Dial("tcp", addr)
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("connecting to %s from %q: %v", addr, src, err)
 	}
 	t.Cleanup(func() { c.Close() })
 	c.SetDeadline(time.Now().Add(10 * time.Second))
