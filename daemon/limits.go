@@ -26,6 +26,9 @@ var (
 	portClosedDesc = prometheus.NewDesc("ferry_port_closed_connections_total",
 		"Connections a port closed itself, by reason: evicted (to make room for a newcomer: one that carried no traffic first, then the least recently used), idle (no write for the idle timeout; not on the Mooncake ports), handshake (it did not say what it wanted in time).",
 		[]string{"port", "reason"}, nil)
+	portFailuresDesc = prometheus.NewDesc("ferry_port_failures_total",
+		"Failures a remote party caused on a port anyone may reach (a failed or refused handshake, a malformed request, a refused write on a Mooncake port): each a WARN line, at most 10 a second logged.",
+		[]string{"port"}, nil)
 	endpointsDesc = prometheus.NewDesc("ferry_mooncake_endpoints",
 		"Mooncake RDMA endpoints (QPs to one peer NIC) this daemon holds.", nil, nil)
 	endpointsEvictedDesc = prometheus.NewDesc("ferry_mooncake_endpoints_evicted_total",
@@ -38,6 +41,7 @@ func (c *limitsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- portConnsDesc
 	ch <- portRefusedDesc
 	ch <- portClosedDesc
+	ch <- portFailuresDesc
 	ch <- endpointsDesc
 	ch <- endpointsEvictedDesc
 	ch <- endpointsRefusedDesc
@@ -55,6 +59,7 @@ func (c *limitsCollector) Collect(ch chan<- prometheus.Metric) {
 		counter(portClosedDesc, st.Evicted, port, connlimit.ReasonEvicted)
 		counter(portClosedDesc, st.Idle, port, connlimit.ReasonIdle)
 		counter(portClosedDesc, st.Timeout, port, connlimit.ReasonTimeout)
+		counter(portFailuresDesc, st.Failures, port)
 	}
 	var st connlimit.Stats
 	if c.endpoints != nil {

@@ -37,7 +37,11 @@ func openPort(ln net.Listener, name string, lim connlimit.Limits, handshake time
 func (p *port) Addr() net.Addr { return p.l.Addr() }
 
 // Stats is what the port's caps did.
-func (p *port) Stats() connlimit.Stats { return p.l.Stats() }
+func (p *port) Stats() connlimit.Stats {
+	s := p.l.Stats()
+	s.Failures = p.warn.Count()
+	return s
+}
 
 // Close stops accepting, closes every connection (work in flight fails)
 // and waits for their goroutines.

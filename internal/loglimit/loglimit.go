@@ -34,6 +34,7 @@ type Limiter struct {
 	start   time.Time // of the current window
 	passed  int       // lines logged in it
 	dropped int       // lines suppressed, not yet summarized
+	count   uint64    // lines asked for, logged or not
 	summary *time.Timer
 	stopped bool
 }
@@ -48,6 +49,7 @@ func New(name string, logf func(format string, args ...any)) *Limiter {
 func (l *Limiter) Printf(format string, args ...any) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	l.count++
 	now := time.Now()
 	if now.Sub(l.start) >= l.window {
 		l.start, l.passed = now, 0
@@ -66,6 +68,14 @@ func (l *Limiter) Printf(format string, args ...any) {
 			l.summarize()
 		})
 	}
+}
+
+// Count is how many lines were asked for since New, logged or
+// suppressed: each a failure a remote party caused, for /metrics.
+func (l *Limiter) Count() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.count
 }
 
 // summarize logs how many lines were suppressed since it last did.

@@ -42,6 +42,9 @@ func TestLogLimitCounts(t *testing.T) {
 	if got := r.all(); len(got) != 3 || got[0] != "malformed request 0" || got[2] != "malformed request 2" {
 		t.Fatalf("within one window: %q, want the first 3 lines", got)
 	}
+	if n := l.Count(); n != 10 {
+		t.Fatalf("Count() = %d after 10 lines asked for, 3 of them logged; want 10", n)
+	}
 	l.Stop()
 	got := r.all()
 	if len(got) != 4 || !strings.HasPrefix(got[3], "test: suppressed 7 more lines") || !strings.Contains(got[3], "at most 3 per 1h0m0s") {

@@ -212,6 +212,9 @@ func TestPeerPortLimitsHandshakeWarnings(t *testing.T) {
 		t.Fatalf("%d failed handshakes in %s: %d WARN lines, %d suppressed; want at most %d lines (10 a second) and a summary of the rest",
 			probes, elapsed, logged, suppressed, 10*windows)
 	}
+	if n := rcv.metric(t, `ferry_port_failures_total{port="peer"}`); n < probes {
+		t.Fatalf("ferry_port_failures_total{port=\"peer\"} = %v after %d failed handshakes", n, probes)
+	}
 	rcv.alive(t)
 }
 

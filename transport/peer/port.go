@@ -171,7 +171,11 @@ func (p *Port) Config() Config { return p.cfg }
 func (p *Port) Instance() uint64 { return p.cfg.Instance }
 
 // Stats is what the port's caps and timeouts did.
-func (p *Port) Stats() connlimit.Stats { return p.l.Stats() }
+func (p *Port) Stats() connlimit.Stats {
+	s := p.l.Stats()
+	s.Failures = p.warn.Count()
+	return s
+}
 
 // Warnf logs a failure a remote party can cause at will (a handshake
 // that failed, a connection that broke), rate-limited together with the
