@@ -128,6 +128,12 @@ func (l *logs) logf(format string, args ...any) {
 	l.lines = append(l.lines, fmt.Sprintf(format, args...))
 }
 
+func (l *logs) all() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]string(nil), l.lines...)
+}
+
 func (l *logs) has(s string) bool {
 	l.mu.Lock()
 	defer l.mu.Unlock()
@@ -232,7 +238,7 @@ func TestListenerCaps(t *testing.T) {
 	over := dialFrom(t, "127.0.0.2", addr)
 	closedByServer(t, over, "the third connection from one source")
 	if !warn.has("test port: refused a connection from 127.0.0.2:") || !warn.has("already holds 2") {
-		t.Fatalf("no WARN line for the refusal: %q", warn.lines)
+		t.Fatalf("no WARN line for the refusal: %q", warn.all())
 	}
 	fresh := dialFrom(t, "127.0.0.3", addr)
 	<-seen
@@ -240,7 +246,7 @@ func TestListenerCaps(t *testing.T) {
 	echo(t, fresh)
 	echo(t, legit)
 	if !debug.has("closed an idle connection from 127.0.0.2:") {
-		t.Fatalf("no debug line for the eviction: %q", debug.lines)
+		t.Fatalf("no debug line for the eviction: %q", debug.all())
 	}
 	st := l.Stats()
 	if st.Open != 3 || st.RefusedPerSource != 1 || st.Evicted != 1 {

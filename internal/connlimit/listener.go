@@ -137,19 +137,20 @@ func (l *Listener) accept() {
 		m, evicted, err := l.table.Admit(Source(tc.RemoteAddr()), c)
 		if err != nil {
 			l.mu.Unlock()
-			tc.Close()
+			// Logged before the close, so whoever sees the close finds the line.
 			l.cfg.Warnf("%s: refused a connection from %s: %v", l.cfg.Name, tc.RemoteAddr(), err)
+			tc.Close()
 			continue
 		}
 		c.m = m
 		l.wg.Add(1)
 		l.mu.Unlock()
 		if evicted != nil {
-			evicted.Value.drop()
 			if l.cfg.Debugf != nil {
 				l.cfg.Debugf("%s: closed an idle connection from %s to make room for one from %s (%d connections, the most kept)",
 					l.cfg.Name, evicted.Value.RemoteAddr(), tc.RemoteAddr(), l.cfg.Total)
 			}
+			evicted.Value.drop()
 		}
 		tc.SetDeadline(time.Now().Add(l.cfg.HandshakeTimeout))
 		go l.serve(c)
