@@ -18,6 +18,7 @@ import (
 
 	"github.com/rs/zerolog"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/mooncake"
@@ -53,6 +54,8 @@ type Daemon struct {
 	dp        *dataPlane
 	mooncake  *mooncakeSegment // --mooncake-listen, or nil
 	sessions  *sessions
+	transfers *transfers // batch transfers, running and recently ended
+	events    *eventLog  // arrivals and batch endings, for GET /v1/events
 	metrics   *metrics
 	control   net.Listener
 	http      *http.Server
@@ -115,6 +118,10 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d.reg = newRegistry(d.arena)
+	d.transfers, d.events = newTransfers(), newEventLog()
+	d.reg.arrived = func(reqID string, n int64) {
+		d.events.add(api.Event{Kind: api.EventArrived, ReqID: reqID, NBytes: n})
+	}
 	d.reg.discarded = func(reqID string, n uint64) {
 		d.log.Warn().Str("req_id", reqID).Uint64("nbytes", n).
 			Msg("a write finished landing in a receive slot freed meanwhile: its bytes were discarded, though its sender was told it completed")

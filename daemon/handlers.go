@@ -63,6 +63,9 @@ func (d *Daemon) routes() http.Handler {
 		"GET /v1/receives/{req_id}":           d.handleGetReceive,
 		"DELETE /v1/receives/{req_id}":        d.handleDeleteReceive,
 		"POST /v1/receives/{req_id}/complete": d.handleCompleteReceive,
+		"POST /v1/transfers":                  d.handleNewTransfer,
+		"GET /v1/transfers/{id}":              d.handleGetTransfer,
+		"GET /v1/events":                      d.handleEvents,
 		"GET /v1/sessions":                    d.handleListSessions,
 		"DELETE /v1/sessions/{id}":            d.handleDeleteSession,
 	} {
@@ -171,12 +174,18 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 // decodeJSON reads a JSON body of at most MaxBodyBytes that must hold
 // exactly one object of known fields, each given once.
 func (d *Daemon) decodeJSON(r *http.Request, v any) error {
-	body, err := io.ReadAll(http.MaxBytesReader(nil, r.Body, d.cfg.MaxBodyBytes.Bytes()))
+	return d.decodeJSONWithin(r, v, d.cfg.MaxBodyBytes.Bytes(),
+		fmt.Sprintf("request body is over %s (max_body_bytes): send less, or raise max_body_bytes", d.cfg.MaxBodyBytes))
+}
+
+// decodeJSONWithin is decodeJSON with its own bound on the body, and the
+// message a longer body gets.
+func (d *Daemon) decodeJSONWithin(r *http.Request, v any, most int64, tooLarge string) error {
+	body, err := io.ReadAll(http.MaxBytesReader(nil, r.Body, most))
 	if err != nil {
 		var mbe *http.MaxBytesError
 		if errors.As(err, &mbe) {
-			return apiErr(api.CodeTooLarge,
-				"request body is over %s (max_body_bytes): send less, or raise max_body_bytes", d.cfg.MaxBodyBytes)
+			return apiErr(api.CodeTooLarge, "%s", tooLarge)
 		}
 		return apiErr(api.CodeBadRequest, "reading the request body: %v", err)
 	}

@@ -28,6 +28,9 @@ type metrics struct {
 	staged           *prometheus.CounterVec
 	swept            *prometheus.CounterVec
 	peerRefusals     *prometheus.CounterVec
+	batches          *prometheus.CounterVec
+	batchItems       prometheus.Counter
+	batchWrites      prometheus.Counter
 
 	mu           sync.Mutex
 	sessionNames map[string]bool // sessions with a label of their own
@@ -48,6 +51,7 @@ var (
 	failureReasons = []string{"no_embedding", "no_slot", "out_of_bounds", "slot_busy", "shutting_down", "internal",
 		"timeout", "eof", "closed", "auth", "incompatible", "rejected", "error"}
 	peerRefusalReasons = []string{"no_slot", "out_of_bounds", "slot_busy"}
+	batchOutcomes      = []string{"ok", "failed"}
 )
 
 // gauges are the daemon's live state, read at scrape time.
@@ -69,7 +73,7 @@ func newMetrics(g gauges, transport string) *metrics {
 		}, []string{"transport", "outcome"}),
 		transferBytes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_transfer_bytes_total",
-			Help: "Bytes delivered by successful sends.",
+			Help: "Bytes delivered by successful sends and batch transfers.",
 		}, []string{"transport"}),
 		transferSeconds: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "ferry_transfer_duration_seconds",
@@ -104,8 +108,21 @@ func newMetrics(g gauges, transport string) *metrics {
 			Name: "ferry_peer_refusals_total",
 			Help: "Writes from peers this receiver refused, by reason: no_slot (no live slot with that address and key: a stale slot, or a guess), out_of_bounds, slot_busy.",
 		}, []string{"reason"}),
+		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ferry_batches_total",
+			Help: "Batch transfers (POST /v1/transfers) ended, by outcome (ok, failed).",
+		}, []string{"outcome"}),
+		batchItems: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ferry_batch_items_total",
+			Help: "Items of the batch transfers started.",
+		}),
+		batchWrites: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ferry_batch_writes_total",
+			Help: "Writes completed for batch transfers, after adjacent items were merged.",
+		}),
 	}
-	reg.MustRegister(m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
+	reg.MustRegister(m.batches, m.batchItems, m.batchWrites,
+		m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
 		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
@@ -135,6 +152,9 @@ func newMetrics(g gauges, transport string) *metrics {
 	}
 	for _, r := range peerRefusalReasons {
 		m.peerRefusals.WithLabelValues(r)
+	}
+	for _, o := range batchOutcomes {
+		m.batches.WithLabelValues(o)
 	}
 	for state, read := range map[string]func() int64{
 		"total": func() int64 { t, _, _ := g.arena(); return t },

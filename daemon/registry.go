@@ -82,6 +82,9 @@ type registry struct {
 	// discarded, if set, hears of a write that finished landing in a slot
 	// freed meanwhile: its sender was told it completed. Called with mu held.
 	discarded func(reqID string, nbytes uint64)
+	// arrived, if set, hears of each slot whose data arrived. Called
+	// with mu held.
+	arrived func(reqID string, nbytes int64)
 	// onRefusal, if set, counts each write refused, by code. Called with
 	// mu held.
 	onRefusal func(transport.Code)
@@ -469,6 +472,9 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32) ([]byte, func(error
 		if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived && !s.freed {
 			s.arrived, s.received, s.tag = true, s.nbytes, s.fillTag
 			r.notify()
+			if r.arrived != nil {
+				r.arrived(s.reqID, s.nbytes)
+			}
 		}
 		r.unpin(s)
 	}

@@ -11,6 +11,7 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/rs/zerolog"
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
@@ -74,66 +75,27 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	defer releaseSrc()
 	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag()}
 	start := time.Now()
-	var lastErr error
-	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
-		res.Attempts = attempt
-		if attempt > 1 {
-			d.metrics.retries.Inc()
-		}
-		d.log.Debug().Str("req_id", reqID).Str("session", req.Session).Int64("nbytes", e.nbytes).
-			Int("attempt", attempt).Msg("send attempt")
-		sess, p, err := d.sessions.get(ctx, req.Session)
-		if err == nil {
-			res.Transport = sess.Transport()
-			var rep transport.Report
-			rep, err = sess.Write(ctx, w)
-			res.SharedMR = sharedMR(rep)
-			if ctx.Err() == nil { // a send its own deadline or client ended says nothing of the session
-				p.outcome(err)
-			}
-		}
-		if err == nil {
-			sent = true
-			break
-		}
-		lastErr = err
-		var rf *transport.Refusal
-		if errors.As(err, &rf) {
-			d.failed(rf.Code.String(), "refused", time.Since(start))
-			return res, apiErr(api.CodeRefused,
-				"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept%s",
-				reqID, req.Session, e.nbytes, req.BufferAddress, err, lostCompletion(err, attempt))
-		}
-		if ctx.Err() != nil {
-			// This send's own deadline, or its client gone: the session is
-			// not to blame, and tearing it down would break every other
-			// write on it.
-			break
-		}
-		if errors.Is(err, transport.ErrAuth) || errors.Is(err, transport.ErrIncompatible) {
-			break // the peers' secrets or versions differ: no re-dial can change that
-		}
-		d.metrics.sessionFailed(req.Session)
-		p.teardown(sess)
-		if attempt <= d.cfg.SendRetries {
-			d.log.Warn().Str("req_id", reqID).Str("session", req.Session).Int("attempt", attempt).
-				Str("ret", retCode(err)).Err(err).Msg("write failed; session torn down, re-dialing and retrying")
-		}
+	dl, lastErr := d.deliver(ctx, req.Session, w, d.log.With().Str("req_id", reqID).Logger())
+	res.Attempts = dl.attempts
+	if dl.transport != "" {
+		res.Transport = dl.transport
+	}
+	res.SharedMR = sharedMR(dl.report)
+	sent = lastErr == nil
+	var rf *transport.Refusal
+	if errors.As(lastErr, &rf) {
+		d.failed(rf.Code.String(), "refused", time.Since(start))
+		return res, apiErr(api.CodeRefused,
+			"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept%s",
+			reqID, req.Session, e.nbytes, req.BufferAddress, lastErr, lostCompletion(lastErr, dl.attempts))
 	}
 	elapsed := time.Since(start)
 	res.Millis = float64(elapsed.Microseconds()) / 1000
 	if !sent {
 		d.failed(retCode(lastErr), "failed", elapsed)
-		when := "when the peer is back"
-		switch {
-		case errors.Is(lastErr, transport.ErrAuth):
-			when = "once both daemons hold the same peer secret (--peer-secret-file)"
-		case errors.Is(lastErr, transport.ErrIncompatible):
-			when = "once both daemons run the same ferry release"
-		}
 		return res, apiErr(api.CodeTransferFailed,
 			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend %s, or DELETE /v1/embeddings/%s",
-			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, when, reqID)
+			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, whenToResend(lastErr), reqID)
 	}
 	if elapsed > 0 {
 		res.GBps = float64(e.nbytes) / elapsed.Seconds() / 1e9
@@ -156,6 +118,69 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			Int("attempts", res.Attempts).Msg(what)
 	}
 	return res, nil
+}
+
+// delivery is what writing one piece to a peer took.
+type delivery struct {
+	transport string // the data plane the last attempt ran on; "" if none was dialed
+	attempts  int
+	report    transport.Report
+}
+
+// deliver writes w on session: on a broken path it tears the session down,
+// re-dials and tries again, SendRetries times. A refusal, ctx's end, or a
+// peer no re-dial can fix (secrets or versions differ) ends it at once.
+// The error is the last attempt's.
+func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write, log zerolog.Logger) (delivery, error) {
+	var dl delivery
+	var err error
+	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
+		dl.attempts = attempt
+		if attempt > 1 {
+			d.metrics.retries.Inc()
+		}
+		log.Debug().Str("session", session).Int("nbytes", len(w.Src)).Int("attempt", attempt).Msg("write attempt")
+		var sess transport.Session
+		var p *peer
+		sess, p, err = d.sessions.get(ctx, session)
+		if err == nil {
+			dl.transport = sess.Transport()
+			dl.report, err = sess.Write(ctx, w)
+			if ctx.Err() == nil { // a write its own deadline or client ended says nothing of the session
+				p.outcome(err)
+			}
+		}
+		if err == nil || transport.IsRefusal(err) {
+			return dl, err
+		}
+		if ctx.Err() != nil {
+			// This write's own deadline, or its client gone: the session
+			// is not to blame, and tearing it down would break every
+			// other write on it.
+			return dl, err
+		}
+		if errors.Is(err, transport.ErrAuth) || errors.Is(err, transport.ErrIncompatible) {
+			return dl, err // the peers' secrets or versions differ: no re-dial can change that
+		}
+		d.metrics.sessionFailed(session)
+		p.teardown(sess)
+		if attempt <= d.cfg.SendRetries {
+			log.Warn().Str("session", session).Int("attempt", attempt).
+				Str("ret", retCode(err)).Err(err).Msg("write failed; session torn down, re-dialing and retrying")
+		}
+	}
+	return dl, err
+}
+
+// whenToResend says when sending again after err can work.
+func whenToResend(err error) string {
+	switch {
+	case errors.Is(err, transport.ErrAuth):
+		return "once both daemons hold the same peer secret (--peer-secret-file)"
+	case errors.Is(err, transport.ErrIncompatible):
+		return "once both daemons run the same ferry release"
+	}
+	return "when the peer is back"
 }
 
 // sharedMR says a write took no memory of its own for the NIC: it went

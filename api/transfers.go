@@ -1,0 +1,93 @@
+package api
+
+import "time"
+
+// TransferRequest: POST /v1/transfers. One call moves many pieces (a KV
+// cache's pages, scattered) and completes once; it is answered at once
+// with the transfer's id, and runs in the background.
+type TransferRequest struct {
+	// Sources are where pieces are read: staged req_ids (or regions).
+	Sources []TransferSource `json:"sources"`
+	// Destinations are receive slots, each as its receiver's
+	// POST /v1/receives gave it (session, buffer_address and key; the
+	// rest of the descriptor may come along and is checked against).
+	Destinations []ReceiveSlot `json:"destinations"`
+	// Items are the pieces, each five integers: [source index, source
+	// offset, destination index, destination offset, nbytes]. Arrays
+	// rather than objects keep a batch of thousands a small body.
+	Items [][]int64 `json:"items"`
+	// KeepSources leaves the staged sources staged after the transfer
+	// succeeds; by default they are freed, as a send frees its entry.
+	// A failed transfer always leaves them staged.
+	KeepSources bool `json:"keep_sources,omitempty"`
+}
+
+// TransferSource names one source of a transfer's pieces.
+type TransferSource struct {
+	ReqID string `json:"req_id"` // a staged embedding
+}
+
+// The fields of an item, in order.
+const (
+	ItemSource = iota
+	ItemSourceOffset
+	ItemDestination
+	ItemDestinationOffset
+	ItemNBytes
+	ItemFields
+)
+
+// Transfer states.
+const (
+	TransferRunning = "running"
+	TransferDone    = "done"
+	TransferFailed  = "failed"
+)
+
+// Transfer describes a batch transfer: POST /v1/transfers answers it
+// (state running), GET /v1/transfers/{id} and the event stream report it.
+type Transfer struct {
+	ID    string `json:"transfer_id"`
+	State string `json:"state"` // running, done, failed
+	Items int    `json:"items"`
+	// Writes is how many writes the items became once adjacent pieces
+	// (contiguous at both ends) were merged.
+	Writes     int     `json:"writes"`
+	WritesDone int     `json:"writes_done"`
+	NBytes     int64   `json:"nbytes"`
+	Millis     float64 `json:"ms,omitempty"` // from start to the end, once ended
+	// Error is why a failed transfer failed (its code is refused or
+	// transfer_failed); Item is the index of an item that failed.
+	Error *Error    `json:"error,omitempty"`
+	Item  *int      `json:"item,omitempty"`
+	Since time.Time `json:"since"`
+}
+
+// Event kinds on GET /v1/events.
+const (
+	EventArrived        = "arrived"         // a receive slot's data arrived
+	EventTransferDone   = "transfer_done"   // a batch transfer delivered every piece
+	EventTransferFailed = "transfer_failed" // a batch transfer failed
+)
+
+// Event is one thing that happened, in order of Seq.
+type Event struct {
+	Seq        uint64    `json:"seq"`
+	Kind       string    `json:"kind"`
+	ReqID      string    `json:"req_id,omitempty"`      // arrived
+	TransferID string    `json:"transfer_id,omitempty"` // transfer_*
+	NBytes     int64     `json:"nbytes"`
+	Error      *Error    `json:"error,omitempty"` // transfer_failed
+	Time       time.Time `json:"time"`
+}
+
+// Events answers GET /v1/events?after=N&wait=D: the events after seq N,
+// waiting up to D for the first. Next is the after= of the following
+// call. Missed counts events after N that are no longer kept (the daemon
+// keeps the most recent ones): a caller that missed some lists what it
+// waits for (GET /v1/receives, GET /v1/transfers/{id}) once.
+type Events struct {
+	Events []Event `json:"events"`
+	Next   uint64  `json:"next"`
+	Missed uint64  `json:"missed,omitempty"`
+}

@@ -1,0 +1,398 @@
+package daemon
+
+import (
+	"cmp"
+	"context"
+	"errors"
+	"net/http"
+	"slices"
+	"strconv"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/transport"
+)
+
+const (
+	// batchWindow is how many of one batch's writes are in flight at
+	// once: enough to keep a session's connections (or QPs) busy with
+	// page-sized pieces, few enough that one batch cannot starve the rest.
+	batchWindow = 16
+	// keptTransfers is how many ended batches GET /v1/transfers/{id} can
+	// still report; the oldest go first.
+	keptTransfers = 4096
+)
+
+// piece is one write of a batch: items contiguous at both ends merged.
+type piece struct {
+	item           int // the first item it covers, for error messages
+	src, dst       int
+	srcOff, dstOff int64
+	n              int64
+}
+
+// plan checks a batch's items against its sources' sizes and its
+// destinations, and merges adjacent items into pieces.
+func plan(req api.TransferRequest, sizes []int64) ([]piece, int64, error) {
+	if len(req.Items) == 0 {
+		return nil, 0, apiErr(api.CodeBadRequest, "the transfer has no items: give at least one [source, source_offset, destination, destination_offset, nbytes]")
+	}
+	ps := make([]piece, len(req.Items))
+	var total int64
+	for i, it := range req.Items {
+		if len(it) != api.ItemFields {
+			return nil, 0, apiErr(api.CodeBadRequest,
+				"item %d has %d fields, not the %d of [source, source_offset, destination, destination_offset, nbytes]", i, len(it), api.ItemFields)
+		}
+		p := piece{item: i, src: int(it[api.ItemSource]), srcOff: it[api.ItemSourceOffset],
+			dst: int(it[api.ItemDestination]), dstOff: it[api.ItemDestinationOffset], n: it[api.ItemNBytes]}
+		switch {
+		case it[api.ItemSource] < 0 || it[api.ItemSource] >= int64(len(sizes)):
+			return nil, 0, apiErr(api.CodeBadRequest, "item %d names source %d, but the transfer lists %d sources (indexes from 0)", i, it[api.ItemSource], len(sizes))
+		case it[api.ItemDestination] < 0 || it[api.ItemDestination] >= int64(len(req.Destinations)):
+			return nil, 0, apiErr(api.CodeBadRequest, "item %d names destination %d, but the transfer lists %d destinations (indexes from 0)", i, it[api.ItemDestination], len(req.Destinations))
+		case p.n <= 0:
+			return nil, 0, apiErr(api.CodeBadRequest, "item %d moves %d bytes: every item moves at least one", i, p.n)
+		case p.srcOff < 0 || p.srcOff > sizes[p.src]-p.n:
+			return nil, 0, apiErr(api.CodeBadRequest, "item %d reads %d bytes at offset %d of source %d (%s), which holds %d bytes",
+				i, p.n, p.srcOff, p.src, req.Sources[p.src].ReqID, sizes[p.src])
+		case p.dstOff < 0 || (req.Destinations[p.dst].NBytes > 0 && p.dstOff > req.Destinations[p.dst].NBytes-p.n):
+			return nil, 0, apiErr(api.CodeBadRequest, "item %d writes %d bytes at offset %d of destination %d, whose slot holds %d bytes",
+				i, p.n, p.dstOff, p.dst, req.Destinations[p.dst].NBytes)
+		}
+		ps[i] = p
+		total += p.n
+	}
+	slices.SortStableFunc(ps, func(a, b piece) int {
+		return cmp.Or(cmp.Compare(a.src, b.src), cmp.Compare(a.dst, b.dst), cmp.Compare(a.srcOff, b.srcOff))
+	})
+	merged := ps[:1]
+	for _, p := range ps[1:] {
+		last := &merged[len(merged)-1]
+		if p.src == last.src && p.dst == last.dst && p.srcOff == last.srcOff+last.n && p.dstOff == last.dstOff+last.n {
+			last.n += p.n
+			continue
+		}
+		merged = append(merged, p)
+	}
+	return merged, total, nil
+}
+
+// checkDestination checks one slot descriptor the way a send checks its own.
+func checkDestination(i int, s api.ReceiveSlot) error {
+	mc := false
+	if _, isMooncake, err := mooncake.RPCAddr(s.Session); isMooncake {
+		if err != nil {
+			return apiErr(api.CodeBadRequest, "destination %d: %v", i, err)
+		}
+		mc = true
+	} else if err := api.CheckSession(s.Session); err != nil {
+		return apiErr(api.CodeBadRequest, "destination %d: %v", i, err)
+	}
+	if s.BufferAddress == 0 {
+		return apiErr(api.CodeBadRequest, "destination %d: buffer_address is missing: pass the slot as the receiver's POST /v1/receives returned it", i)
+	}
+	if s.Key.IsZero() && !mc {
+		return apiErr(api.CodeBadRequest, "destination %d: key is missing: pass the slot as the receiver's POST /v1/receives returned it", i)
+	}
+	return nil
+}
+
+// batch is one running or ended transfer.
+type batch struct {
+	done chan struct{} // closed when it ends
+
+	mu sync.Mutex
+	t  api.Transfer
+}
+
+func (b *batch) describe() api.Transfer {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.t
+}
+
+// transfers is the table of batches, running and recently ended.
+type transfers struct {
+	mu    sync.Mutex
+	seq   uint64
+	byID  map[string]*batch
+	ended []string // ended ids, oldest first
+}
+
+func newTransfers() *transfers { return &transfers{byID: make(map[string]*batch)} }
+
+func (ts *transfers) add(t api.Transfer) *batch {
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	ts.seq++
+	t.ID = "t" + strconv.FormatUint(ts.seq, 10)
+	b := &batch{done: make(chan struct{}), t: t}
+	ts.byID[t.ID] = b
+	return b
+}
+
+func (ts *transfers) get(id string) (*batch, error) {
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	b, ok := ts.byID[id]
+	if !ok {
+		return nil, apiErr(api.CodeNotFound,
+			"no transfer %s: its id is not one POST /v1/transfers returned, or it ended long enough ago that ferryd keeps it no more (the newest %d ended ones are kept)", id, keptTransfers)
+	}
+	return b, nil
+}
+
+// retire keeps an ended batch reportable until keptTransfers newer ones ended.
+func (ts *transfers) retire(id string) {
+	ts.mu.Lock()
+	defer ts.mu.Unlock()
+	ts.ended = append(ts.ended, id)
+	if len(ts.ended) > keptTransfers {
+		delete(ts.byID, ts.ended[0])
+		ts.ended = ts.ended[1:]
+	}
+}
+
+// startTransfer checks a batch, claims its staged sources and starts it;
+// it answers at once. The batch runs as in-flight work a drain waits for.
+func (d *Daemon) startTransfer(req api.TransferRequest) (api.Transfer, error) {
+	if len(req.Sources) == 0 || len(req.Destinations) == 0 {
+		return api.Transfer{}, apiErr(api.CodeBadRequest, "a transfer lists its sources and its destinations: it has %d and %d", len(req.Sources), len(req.Destinations))
+	}
+	for i, s := range req.Destinations {
+		if err := checkDestination(i, s); err != nil {
+			return api.Transfer{}, err
+		}
+	}
+	entries := make([]*entry, 0, len(req.Sources))
+	started := false
+	defer func() {
+		if !started {
+			for _, e := range entries {
+				d.reg.finishSend(e, false)
+			}
+		}
+	}()
+	seen := make(map[string]int, len(req.Sources))
+	sizes := make([]int64, len(req.Sources))
+	for i, s := range req.Sources {
+		if err := api.CheckReqID(s.ReqID); err != nil {
+			return api.Transfer{}, apiErr(api.CodeBadRequest, "source %d: %v", i, err)
+		}
+		if j, dup := seen[s.ReqID]; dup {
+			return api.Transfer{}, apiErr(api.CodeBadRequest, "sources %d and %d are both req_id %s: list each source once and point items at it", j, i, s.ReqID)
+		}
+		seen[s.ReqID] = i
+		e, err := d.reg.takeForSend(context.Background(), s.ReqID, 0, nil)
+		if err != nil {
+			return api.Transfer{}, err
+		}
+		entries = append(entries, e)
+		sizes[i] = e.nbytes
+	}
+	pieces, total, err := plan(req, sizes)
+	if err != nil {
+		return api.Transfer{}, err
+	}
+	if !d.inflight.enter() {
+		return api.Transfer{}, errStopping
+	}
+	b := d.transfers.add(api.Transfer{State: api.TransferRunning, Items: len(req.Items), Writes: len(pieces), NBytes: total, Since: time.Now()})
+	started = true
+	d.metrics.batchItems.Add(float64(len(req.Items)))
+	go d.runTransfer(b, req, entries, pieces)
+	return b.describe(), nil
+}
+
+// runTransfer writes a batch's pieces, batchWindow at a time, each with
+// the send path's retries. The first failure stops the rest; the staged
+// sources stay staged then, and are freed (unless kept) once every piece
+// arrived.
+func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry, pieces []piece) {
+	defer d.inflight.leave()
+	ctx, cancel := context.WithCancel(d.reqCtx)
+	defer cancel()
+	log := d.log.With().Str("transfer_id", b.t.ID).Logger()
+	start := time.Now()
+
+	var (
+		next    atomic.Int64
+		written atomic.Int64
+		failMu  sync.Mutex
+		failed  error
+		failAt  int
+		wg      sync.WaitGroup
+	)
+	fail := func(p piece, err error) {
+		failMu.Lock()
+		defer failMu.Unlock()
+		if failed == nil {
+			failed, failAt = err, p.item
+			cancel()
+		}
+	}
+	for range min(batchWindow, len(pieces)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				i := int(next.Add(1)) - 1
+				if i >= len(pieces) {
+					return
+				}
+				p := pieces[i]
+				if err := d.writePiece(ctx, req, entries, p, log); err != nil {
+					fail(p, err)
+					return
+				}
+				d.metrics.batchWrites.Inc()
+				b.mu.Lock()
+				b.t.WritesDone++
+				b.mu.Unlock()
+				written.Add(p.n)
+			}
+		}()
+	}
+	wg.Wait()
+
+	ok := failed == nil
+	for _, e := range entries {
+		d.reg.finishSend(e, ok && !req.KeepSources)
+	}
+	took := time.Since(start)
+	b.mu.Lock()
+	b.t.Millis = float64(took.Microseconds()) / 1000
+	ev := api.Event{Kind: api.EventTransferDone, TransferID: b.t.ID, NBytes: b.t.NBytes}
+	if ok {
+		b.t.State = api.TransferDone
+	} else {
+		b.t.State = api.TransferFailed
+		ae := &apiError{code: api.CodeInternal, msg: failed.Error()}
+		errors.As(failed, &ae)
+		b.t.Error = &api.Error{Code: ae.code, Message: ae.msg}
+		b.t.Item = &failAt
+		ev.Kind, ev.Error = api.EventTransferFailed, b.t.Error
+	}
+	t := b.t
+	b.mu.Unlock()
+	close(b.done)
+	d.transfers.retire(t.ID)
+	d.events.add(ev)
+
+	outcome := "ok"
+	if !ok {
+		outcome = "failed"
+		log.Warn().Int("item", failAt).Str("code", t.Error.Code).Str("error", t.Error.Message).Msg("transfer failed; its staged sources are kept")
+	}
+	d.metrics.batches.WithLabelValues(outcome).Inc()
+	d.metrics.transferBytes.WithLabelValues(d.tr.Name()).Add(float64(written.Load()))
+	if took > d.slowThreshold() {
+		d.metrics.slowTransfers.WithLabelValues(d.tr.Name()).Inc()
+		log.Info().Int("items", t.Items).Int("writes", t.Writes).Int64("nbytes", t.NBytes).
+			Float64("ms", t.Millis).Str("state", t.State).Msg("slow transfer")
+	}
+}
+
+// writePiece writes one piece, with the send path's retries, bounded by
+// send_timeout; its error is the API error the batch ends with.
+func (d *Daemon) writePiece(ctx context.Context, req api.TransferRequest, entries []*entry, p piece, log zerolog.Logger) error {
+	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
+	defer cancel()
+	e := entries[p.src]
+	// A GPU arena's bytes are copied out to a host bounce buffer first.
+	src, release, err := d.arena.Readable(e.slice, p.srcOff, p.n)
+	if err != nil {
+		return apiErr(api.CodeInternal, "item %d: reading %d bytes of %s out of the arena failed: %v; the staged sources are kept",
+			p.item, p.n, e.reqID, err)
+	}
+	defer release()
+	dst := req.Destinations[p.dst]
+	w := transport.Write{Src: src, Remote: dst.BufferAddress + uint64(p.dstOff), Key: dst.Key, Tag: dst.Key.Tag()}
+	dl, err := d.deliver(ctx, dst.Session, w, log)
+	if err != nil {
+		return pieceError(p, dst, err, dl.attempts)
+	}
+	return nil
+}
+
+// pieceError phrases a piece's failure for the transfer's answer.
+func pieceError(p piece, dst api.ReceiveSlot, err error, attempts int) error {
+	if rf := (*transport.Refusal)(nil); errors.As(err, &rf) {
+		return apiErr(api.CodeRefused, "item %d: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged sources are kept",
+			p.item, dst.Session, p.n, dst.BufferAddress+uint64(p.dstOff), err)
+	}
+	return apiErr(api.CodeTransferFailed, "item %d: the write of %d bytes to session %s failed (ret=%s) after %d attempt(s): %v; the staged sources are kept: send again %s",
+		p.item, p.n, dst.Session, retCode(err), attempts, err, whenToResend(err))
+}
+
+// maxTransferBody bounds a POST /v1/transfers body: some 400,000 items.
+const maxTransferBody = 16 << 20
+
+// handleNewTransfer starts a batch: POST /v1/transfers, answered 202
+// with the transfer's id while it runs.
+func (d *Daemon) handleNewTransfer(w http.ResponseWriter, r *http.Request) error {
+	var req api.TransferRequest
+	if err := d.decodeJSONWithin(r, &req, maxTransferBody,
+		"the transfer's body is over 16 MiB: split it into several transfers"); err != nil {
+		return err
+	}
+	t, err := d.startTransfer(req)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusAccepted, t)
+	return nil
+}
+
+// handleGetTransfer reports a batch: GET /v1/transfers/{id}, with ?wait=
+// waiting that long for it to end (504 timeout if it has not).
+func (d *Daemon) handleGetTransfer(w http.ResponseWriter, r *http.Request) error {
+	id := r.PathValue("id")
+	wait, err := parseWait(r)
+	if err != nil {
+		return err
+	}
+	b, err := d.transfers.get(id)
+	if err != nil {
+		return err
+	}
+	if wait > 0 {
+		timer := time.NewTimer(wait)
+		defer timer.Stop()
+		select {
+		case <-b.done:
+		case <-timer.C:
+			t := b.describe()
+			return apiErr(api.CodeTimeout, "transfer %s is still running after waiting %s (%d of its %d writes done): wait again, or ask without wait for its progress",
+				id, wait, t.WritesDone, t.Writes)
+		case <-r.Context().Done():
+			return r.Context().Err()
+		}
+	}
+	writeJSON(w, http.StatusOK, b.describe())
+	return nil
+}
+
+// handleEvents serves the event stream as a long poll: GET
+// /v1/events?after=N&wait=D answers the events past seq N, waiting up
+// to D for the first.
+func (d *Daemon) handleEvents(w http.ResponseWriter, r *http.Request) error {
+	wait, err := parseWait(r)
+	if err != nil {
+		return err
+	}
+	var after uint64
+	if v := r.URL.Query().Get("after"); v != "" {
+		if after, err = strconv.ParseUint(v, 10, 64); err != nil {
+			return apiErr(api.CodeBadRequest, "after=%q is not a sequence number: pass the next of the previous answer, or 0", v)
+		}
+	}
+	writeJSON(w, http.StatusOK, d.events.after(r.Context(), after, wait))
+	return nil
+}
