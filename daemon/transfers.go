@@ -218,7 +218,8 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry
 	defer d.inflight.leave()
 	ctx, cancel := context.WithCancel(d.reqCtx)
 	defer cancel()
-	log := d.log.With().Str("transfer_id", b.t.ID).Logger()
+	id := b.t.ID // set before the batch was shared, and never again
+	log := d.log.With().Str("transfer_id", id).Logger()
 	start := time.Now()
 
 	var (
@@ -247,7 +248,7 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry
 					return
 				}
 				p := pieces[i]
-				if err := d.writePiece(ctx, req, entries, p, log); err != nil {
+				if err := d.writePiece(ctx, id, req, entries, p, log); err != nil {
 					fail(p, err)
 					return
 				}
@@ -268,7 +269,7 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry
 	took := time.Since(start)
 	b.mu.Lock()
 	b.t.Millis = float64(took.Microseconds()) / 1000
-	ev := api.Event{Kind: api.EventTransferDone, TransferID: b.t.ID, NBytes: b.t.NBytes}
+	ev := api.Event{Kind: api.EventTransferDone, TransferID: id, NBytes: b.t.NBytes}
 	if ok {
 		b.t.State = api.TransferDone
 	} else {
@@ -301,7 +302,7 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry
 
 // writePiece writes one piece, with the send path's retries, bounded by
 // send_timeout; its error is the API error the batch ends with.
-func (d *Daemon) writePiece(ctx context.Context, req api.TransferRequest, entries []*entry, p piece, log zerolog.Logger) error {
+func (d *Daemon) writePiece(ctx context.Context, id string, req api.TransferRequest, entries []*entry, p piece, log zerolog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
 	defer cancel()
 	e := entries[p.src]
@@ -316,19 +317,20 @@ func (d *Daemon) writePiece(ctx context.Context, req api.TransferRequest, entrie
 	w := transport.Write{Src: src, Remote: dst.BufferAddress + uint64(p.dstOff), Key: dst.Key, Tag: dst.Key.Tag()}
 	dl, err := d.deliver(ctx, dst.Session, w, log)
 	if err != nil {
-		return pieceError(p, dst, err, dl.attempts)
+		return pieceError(id, p, dst, err, dl.attempts)
 	}
 	return nil
 }
 
-// pieceError phrases a piece's failure for the transfer's answer.
-func pieceError(p piece, dst api.ReceiveSlot, err error, attempts int) error {
+// pieceError phrases a piece's failure for the transfer's answer, naming
+// the session, bytes and ret as a send's failure does.
+func pieceError(id string, p piece, dst api.ReceiveSlot, err error, attempts int) error {
 	if rf := (*transport.Refusal)(nil); errors.As(err, &rf) {
-		return apiErr(api.CodeRefused, "item %d: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged sources are kept",
-			p.item, dst.Session, p.n, dst.BufferAddress+uint64(p.dstOff), err)
+		return apiErr(api.CodeRefused, "transfer %s: item %d: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged sources are kept",
+			id, p.item, dst.Session, p.n, dst.BufferAddress+uint64(p.dstOff), err)
 	}
-	return apiErr(api.CodeTransferFailed, "item %d: the write of %d bytes to session %s failed (ret=%s) after %d attempt(s): %v; the staged sources are kept: send again %s",
-		p.item, p.n, dst.Session, retCode(err), attempts, err, whenToResend(err))
+	return apiErr(api.CodeTransferFailed, "transfer %s: item %d failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s): %v; the staged sources are kept: start the transfer again %s",
+		id, p.item, dst.Session, p.n, retCode(err), attempts, err, whenToResend(err))
 }
 
 // maxTransferBody bounds a POST /v1/transfers body: some 400,000 items.

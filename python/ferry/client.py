@@ -12,7 +12,7 @@ from urllib.parse import quote, urlencode
 from . import dtypes
 from ._http import Transport
 from .arena import map_arena
-from .errors import BadRequest, FerryError, GPUArenaNotSupported, Timeout, from_answer
+from .errors import BadRequest, FerryError, GPUArenaNotSupported, Timeout, error_for, from_answer
 
 DEFAULT_SOCKET = "/run/ferry/ferryd.sock"
 
@@ -265,6 +265,68 @@ class Client:
         notify (transfer_sync_write) raise no event ferryd can see. Returns
         the slot's description."""
         return self._json("POST", f"/v1/receives/{_id(req_id)}/complete")
+
+    # --- batches and events
+
+    @staticmethod
+    def _slot_dict(slot):
+        if isinstance(slot, Slot):
+            return slot.to_dict()
+        if not hasattr(slot, "keys"):
+            raise TypeError(f"a destination is a Slot or a dict as the receiver's receive gave it, not {type(slot).__name__}")
+        return Slot.from_dict(slot).to_dict()
+
+    def transfer(self, sources, destinations, items, keep_sources=False):
+        """Starts a batch transfer (POST /v1/transfers) and returns at once
+        with its description: ``transfer_id``, ``writes`` (items adjacent
+        at both ends are merged), ``state`` "running".
+
+        sources are staged req_ids; destinations are receive slots (Slot
+        or dict) as their receivers' ``receive`` gave them; each item is
+        ``(source index, source offset, destination index, destination
+        offset, nbytes)``. Once every piece arrived the sources are freed
+        (unless keep_sources); on a failure they stay staged.
+        ``wait_transfer`` waits for the end, ``events`` hears of it."""
+        payload = {
+            "sources": [{"req_id": s} if isinstance(s, str) else dict(s) for s in sources],
+            "destinations": [self._slot_dict(d) for d in destinations],
+            "items": [list(it) for it in items],
+        }
+        if keep_sources:
+            payload["keep_sources"] = True
+        # separators: a batch of thousands of items is mostly this body.
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        return _decode("POST", "/v1/transfers", self.request("POST", "/v1/transfers", body, "application/json"))
+
+    def transfer_status(self, transfer_id):
+        """A batch transfer's description now: state, writes_done, ..."""
+        return self._json("GET", f"/v1/transfers/{_id(transfer_id)}")
+
+    def wait_transfer(self, transfer_id, timeout):
+        """Waits up to timeout seconds for a batch transfer to end and
+        returns its description when it delivered every piece. A failed
+        transfer raises its error's class (TransferFailed, Refused, ...)
+        with ``.transfer`` set to the description; ferry.Timeout when it
+        is still running."""
+        q = urlencode({"wait": self._wait_query(timeout)})
+        t = self._json("GET", f"/v1/transfers/{_id(transfer_id)}?{q}", timeout=self.timeout + timeout)
+        if t.get("state") == "failed":
+            err = t.get("error") or {}
+            exc = error_for(err.get("code", "internal"), err.get("message", f"transfer {transfer_id} failed"))
+            exc.transfer = t
+            raise exc
+        return t
+
+    def transfer_sync(self, sources, destinations, items, timeout=120.0, keep_sources=False):
+        """``transfer`` and ``wait_transfer`` in one: the ended transfer's description."""
+        return self.wait_transfer(self.transfer(sources, destinations, items, keep_sources)["transfer_id"], timeout)
+
+    def events(self, after=0, timeout=0):
+        """The daemon's events past seq ``after`` (arrivals, batch endings),
+        waiting up to timeout seconds for the first: {events, next, missed}.
+        Pass ``next`` as the following call's ``after``."""
+        q = urlencode({"after": int(after), "wait": self._wait_query(timeout)})
+        return self._json("GET", f"/v1/events?{q}", timeout=self.timeout + timeout)
 
     # --- sessions
 

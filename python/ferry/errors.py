@@ -166,4 +166,11 @@ def from_answer(status, body):
     except (ValueError, KeyError, TypeError):
         text = body.decode("utf-8", "replace").strip() if isinstance(body, (bytes, bytearray)) else str(body)
         return FerryError(text or f"HTTP status {status} without a body", status, f"http_{status}")
+    return error_for(code, message, status)
+
+
+def error_for(code, message, status=None):
+    """The exception of an error envelope's code and message, wherever the
+    envelope came from: an answer (with its status), or a failed batch
+    transfer's description (status None)."""
     return _BY_CODE.get(code, FerryError)(message, status, code)

@@ -1,0 +1,86 @@
+"""Batch transfers between two real ferryd: many pieces in one call,
+completing once, heard of through the event stream."""
+
+import os
+import random
+
+import pytest
+
+import ferry
+
+
+def _scatter(nbytes, pieces, seed):
+    """Cuts nbytes into `pieces` pieces of 4..64 KiB and lays them into the
+    destination in a shuffled order: the items, and where each source
+    byte ends up (as the destination's bytes, given the source)."""
+    rng = random.Random(seed)
+    sizes = [rng.randint(4 << 10, 64 << 10) for _ in range(pieces)]
+    offsets, off = [], 0
+    for n in sizes:
+        offsets.append(off)
+        off += n
+    assert off <= nbytes
+    order = list(range(pieces))
+    rng.shuffle(order)
+    items, dst = [], 0
+    for i in order:
+        items.append((0, offsets[i], 0, dst, sizes[i]))
+        dst += sizes[i]
+    return items, dst
+
+
+def test_a_thousand_pieces_scattered_into_one_slot_arrive_once(tx, rx, req_id):
+    src = os.urandom(40 << 20)
+    items, total = _scatter(len(src), 1000, seed=5)
+    want = b"".join(src[so:so + n] for _, so, _, _, n in items)
+    after = rx.events()["next"]
+    tx.stage(req_id, src)
+    slot = rx.receive(req_id, total)
+    started = tx.transfer([req_id], [slot], items)
+    assert started["state"] in ("running", "done") and started["items"] == 1000
+    assert started["nbytes"] == total and started["writes"] <= 1000
+    done = tx.wait_transfer(started["transfer_id"], 60)
+    assert done["state"] == "done" and done["writes_done"] == started["writes"]
+    assert rx.wait(req_id, 10) == want
+    # The receiver heard of the slot once, whatever number of pieces filled it.
+    ev = rx.events(after, timeout=5)
+    assert [(e["kind"], e["req_id"], e["nbytes"]) for e in ev["events"]] == [("arrived", req_id, total)]
+    # The source is freed once every piece arrived.
+    assert req_id not in [e["req_id"] for e in tx.embeddings()]
+    rx.free(req_id)
+
+
+def test_a_failed_batch_raises_its_class_and_keeps_the_source(tx, rx, req_id):
+    tx.stage(req_id, b"s" * 8192)
+    slot = rx.receive(req_id, 4096).to_dict()
+    del slot["nbytes"]  # only the receiver can refuse, then
+    started = tx.transfer([req_id], [slot], [(0, 4096, 0, 0, 4096), (0, 0, 0, 4096, 4096)])
+    with pytest.raises(ferry.Refused) as e:
+        tx.wait_transfer(started["transfer_id"], 30)
+    assert e.value.transfer["state"] == "failed" and e.value.transfer["item"] == 1
+    assert started["transfer_id"] in str(e.value) and "item 1" in str(e.value)
+    assert tx.embedding(req_id)["state"] == "staged"
+    tx.delete(req_id)
+    rx.free(req_id)
+
+
+def test_a_bad_item_is_refused_before_anything_moves(tx, rx, req_id):
+    tx.stage(req_id, b"x" * 4096)
+    slot = rx.receive(req_id, 4096)
+    with pytest.raises(ferry.BadRequest, match="item 1"):
+        tx.transfer([req_id], [slot], [(0, 0, 0, 0, 2048), (0, 2048, 0, 2048, 4096)])
+    assert tx.embedding(req_id)["state"] == "staged"
+    done = tx.transfer_sync([req_id], [slot], [(0, 0, 0, 0, 2048), (0, 2048, 0, 2048, 2048)], timeout=30)
+    assert done["writes"] == 1  # adjacent at both ends: merged
+    assert rx.wait(req_id, 10) == b"x" * 4096
+    rx.free(req_id)
+
+
+def test_the_sender_hears_of_the_batch_ending(tx, rx, req_id):
+    after = tx.events()["next"]
+    tx.stage(req_id, b"e" * 4096)
+    t = tx.transfer([req_id], [rx.receive(req_id, 4096)], [(0, 0, 0, 0, 4096)])
+    ev = tx.events(after, timeout=30)
+    assert [(e["kind"], e["transfer_id"]) for e in ev["events"]] == [("transfer_done", t["transfer_id"])]
+    assert tx.transfer_status(t["transfer_id"])["state"] == "done"
+    rx.free(req_id)
