@@ -299,6 +299,11 @@ type ReceiveRequest struct {
 	// (with --mooncake-listen): their writes carry no key, so only a
 	// slot that asks for them takes them.
 	Mooncake bool `json:"mooncake,omitempty"`
+	// Region places the slot in a region the receiving client registered
+	// (POST /v1/regions), at RegionOffset, instead of in the arena: the
+	// bytes land in the client's own memory.
+	Region       string `json:"region,omitempty"`
+	RegionOffset int64  `json:"region_offset,omitempty"`
 }
 
 // ReceiveSlot is what a receiver hands to the sender out of band.
@@ -326,10 +331,13 @@ type Receive struct {
 	// WritesInFlight counts writes landing in the slot now. A slot freed
 	// meanwhile keeps its memory until they end, so a newer slot never
 	// receives their bytes.
-	WritesInFlight int       `json:"writes_in_flight"`
-	Offset         int64     `json:"offset"`
-	ArenaFile      string    `json:"arena_file"`
-	Since          time.Time `json:"since"`
+	WritesInFlight int `json:"writes_in_flight"`
+	// Offset is where the slot lies in the arena, or in Region when the
+	// slot is in a registered region.
+	Offset    int64     `json:"offset"`
+	Region    string    `json:"region,omitempty"`
+	ArenaFile string    `json:"arena_file"`
+	Since     time.Time `json:"since"`
 	*CUDAIPC
 }
 

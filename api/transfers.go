@@ -22,9 +22,11 @@ type TransferRequest struct {
 	KeepSources bool `json:"keep_sources,omitempty"`
 }
 
-// TransferSource names one source of a transfer's pieces.
+// TransferSource names one source of a transfer's pieces: a staged
+// req_id, or a region (exactly one of the two).
 type TransferSource struct {
-	ReqID string `json:"req_id"` // a staged embedding
+	ReqID  string `json:"req_id,omitempty"` // a staged embedding
+	Region string `json:"region,omitempty"` // a registered region
 }
 
 // The fields of an item, in order.
@@ -90,4 +92,26 @@ type Events struct {
 	Events []Event `json:"events"`
 	Next   uint64  `json:"next"`
 	Missed uint64  `json:"missed,omitempty"`
+}
+
+// RegionRequest registers memory a client owns: POST /v1/regions, with
+// the memory's file descriptor passed beside the request (SCM_RIGHTS on
+// the control socket): a memfd sealed against shrinking (F_SEAL_SHRINK),
+// so that no one can cut the mapping short under ferryd.
+type RegionRequest struct {
+	Name   string `json:"name"`
+	NBytes int64  `json:"nbytes"` // mapped from the file's start
+}
+
+// Region describes a registered region.
+type Region struct {
+	Name   string `json:"name"`
+	NBytes int64  `json:"nbytes"`
+	Kind   string `json:"kind"` // "host" (a memfd)
+	// Slots and Uses count the receive slots in it and the transfers and
+	// writes using it now; DELETE waits for Uses to end.
+	Slots   int       `json:"slots"`
+	Uses    int       `json:"uses"`
+	Closing bool      `json:"closing,omitempty"`
+	Since   time.Time `json:"since"`
 }

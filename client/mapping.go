@@ -32,22 +32,11 @@ const maxArenaAnswer = 64 << 10
 // control socket (GET /v1/arena, SCM_RIGHTS) to callers it admits, so a
 // caller its allow-lists refuse gets a forbidden error here and no memory.
 func (c *Client) MapArena(ctx context.Context) (*Mapping, error) {
-	conn, err := c.dial(ctx)
+	uc, done, err := c.rawConn(ctx, "mapping ferryd's arena")
 	if err != nil {
-		return nil, fmt.Errorf("%w at %s: %v (is ferryd running, and is that its control socket?)", ErrUnreachable, c.socket(), err)
+		return nil, err
 	}
-	defer conn.Close()
-	uc, ok := conn.(*net.UnixConn)
-	if !ok {
-		return nil, fmt.Errorf("mapping ferryd's arena takes a Unix socket connection, which carries its descriptor; this client dials a %T", conn)
-	}
-	if d, ok := ctx.Deadline(); ok {
-		uc.SetDeadline(d)
-	} else {
-		uc.SetDeadline(time.Now().Add(time.Minute))
-	}
-	stop := context.AfterFunc(ctx, func() { uc.SetDeadline(time.Now()) })
-	defer stop()
+	defer done()
 	if _, err := io.WriteString(uc, "GET /v1/arena HTTP/1.1\r\nHost: ferryd\r\nConnection: close\r\n\r\n"); err != nil {
 		return nil, fmt.Errorf("asking ferryd for its arena: %w", err)
 	}
@@ -86,6 +75,28 @@ func (c *Client) MapArena(ctx context.Context) (*Mapping, error) {
 		return nil, fmt.Errorf("mapping ferryd's arena (%s, %d bytes): %w", info.ArenaFile, info.Size, err)
 	}
 	return &Mapping{mem: mem}, nil
+}
+
+// rawConn dials a connection of its own for an exchange that passes a
+// descriptor (what, in errors), bounded by ctx (else a minute); done
+// closes it.
+func (c *Client) rawConn(ctx context.Context, what string) (*net.UnixConn, func(), error) {
+	conn, err := c.dial(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%w at %s: %v (is ferryd running, and is that its control socket?)", ErrUnreachable, c.socket(), err)
+	}
+	uc, ok := conn.(*net.UnixConn)
+	if !ok {
+		conn.Close()
+		return nil, nil, fmt.Errorf("%s takes a Unix socket connection, which carries a descriptor; this client dials a %T", what, conn)
+	}
+	if d, ok := ctx.Deadline(); ok {
+		uc.SetDeadline(d)
+	} else {
+		uc.SetDeadline(time.Now().Add(time.Minute))
+	}
+	stop := context.AfterFunc(ctx, func() { uc.SetDeadline(time.Now()) })
+	return uc, func() { stop(); uc.Close() }, nil
 }
 
 // readWithRights reads c to its end, keeping the descriptors that came

@@ -28,8 +28,10 @@ type callerKey struct{}
 
 // withCaller is the http.Server's ConnContext: it reads the credentials
 // once per connection.
+// The connection goes along too, for a handler that claims a descriptor
+// passed on it.
 func withCaller(ctx context.Context, c net.Conn) context.Context {
-	return context.WithValue(ctx, callerKey{}, readCaller(c))
+	return context.WithValue(context.WithValue(ctx, callerKey{}, readCaller(c)), connKey{}, c)
 }
 
 func callerOf(ctx context.Context) *caller {
@@ -40,7 +42,7 @@ func callerOf(ctx context.Context) *caller {
 }
 
 func readCaller(c net.Conn) *caller {
-	uc, ok := c.(*net.UnixConn)
+	uc, ok := unixConn(c)
 	if !ok {
 		return &caller{err: fmt.Errorf("%T is not a Unix socket connection", c)}
 	}

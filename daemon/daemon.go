@@ -100,7 +100,7 @@ func New(cfg Config) (*Daemon, error) {
 			return nil, err
 		}
 	}
-	d.control = ln
+	d.control = rightsListener{ln}
 	ok := false
 	defer func() {
 		if !ok {

@@ -8,7 +8,6 @@ import (
 	"fmt"
 	"io"
 	"log"
-	"net"
 	"net/http"
 	"os"
 	"path"
@@ -66,6 +65,9 @@ func (d *Daemon) routes() http.Handler {
 		"POST /v1/transfers":                  d.handleNewTransfer,
 		"GET /v1/transfers/{id}":              d.handleGetTransfer,
 		"GET /v1/events":                      d.handleEvents,
+		"POST /v1/regions":                    d.handleNewRegion,
+		"GET /v1/regions":                     d.handleListRegions,
+		"DELETE /v1/regions/{name}":           d.handleDeleteRegion,
 		"GET /v1/sessions":                    d.handleListSessions,
 		"DELETE /v1/sessions/{id}":            d.handleDeleteSession,
 	} {
@@ -290,7 +292,7 @@ func (d *Daemon) handleArena(w http.ResponseWriter, r *http.Request) error {
 		return fmt.Errorf("taking over the control connection to pass the arena: %w", err)
 	}
 	defer conn.Close()
-	uc, ok := conn.(*net.UnixConn)
+	uc, ok := unixConn(conn)
 	if !ok {
 		return nil // not a Unix socket: nothing can carry the descriptor, and the close says so
 	}
@@ -494,7 +496,19 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 		return apiErr(api.CodeBadRequest,
 			"%s: \"mooncake\": true asks for a slot Mooncake senders may write into, but this ferryd serves no Mooncake segment: start it with --mooncake-listen", req.ReqID)
 	}
-	s, err := d.reg.newSlot(req.ReqID, req.NBytes, req.Mooncake)
+	var s *slot
+	var err error
+	switch {
+	case req.Region != "" && req.Mooncake:
+		return apiErr(api.CodeBadRequest,
+			"%s: a slot in a region cannot be open to Mooncake senders (ferryd cannot see when their writes end, so it could not tell when the region's memory is free of them): use an arena slot", req.ReqID)
+	case req.Region != "":
+		s, err = d.reg.newSlotIn(req.ReqID, req.NBytes, req.Region, req.RegionOffset)
+	case req.RegionOffset != 0:
+		return apiErr(api.CodeBadRequest, "%s: region_offset without a region: name the region the slot goes in", req.ReqID)
+	default:
+		s, err = d.reg.newSlot(req.ReqID, req.NBytes, req.Mooncake)
+	}
 	if err != nil {
 		return err
 	}
@@ -520,15 +534,25 @@ func (d *Daemon) handleCompleteReceive(w http.ResponseWriter, r *http.Request) e
 	if err != nil {
 		return err
 	}
-	desc.Session, desc.ArenaFile, desc.CUDAIPC = d.advertise, d.mem.Path(), d.mem.ipc()
+	d.locate(&desc)
 	writeJSON(w, http.StatusOK, desc)
 	return nil
+}
+
+// locate completes a slot's description with this daemon's session and,
+// for an arena slot, how to reach the arena (a region's client has its
+// own mapping).
+func (d *Daemon) locate(desc *api.Receive) {
+	desc.Session = d.advertise
+	if desc.Region == "" {
+		desc.ArenaFile, desc.CUDAIPC = d.mem.Path(), d.mem.ipc()
+	}
 }
 
 func (d *Daemon) handleListReceives(w http.ResponseWriter, r *http.Request) error {
 	out := d.reg.receives()
 	for i := range out {
-		out[i].Session, out[i].ArenaFile, out[i].CUDAIPC = d.advertise, d.mem.Path(), d.mem.ipc()
+		d.locate(&out[i])
 	}
 	writeJSON(w, http.StatusOK, out)
 	return nil
@@ -552,7 +576,7 @@ func (d *Daemon) handleGetReceive(w http.ResponseWriter, r *http.Request) error 
 	}
 	defer release()
 	if asJSON {
-		desc.Session, desc.ArenaFile, desc.CUDAIPC = d.advertise, d.mem.Path(), d.mem.ipc()
+		d.locate(&desc)
 		writeJSON(w, http.StatusOK, desc)
 		return nil
 	}

@@ -59,6 +59,10 @@ type slot struct {
 	copyErr  error // the last write arrived but did not reach GPU memory
 	pieces   spans // the ranges writes have filled so far
 
+	// region, when set, holds the slot at regionOff instead of the arena.
+	region    *region
+	regionOff int64
+
 	// filled: writes covering every byte have landed; the slot arrives
 	// (with fillTag) once no write to it is still in flight, so a reader
 	// never meets bytes a duplicate is rewriting.
@@ -76,7 +80,8 @@ type registry struct {
 	slots    map[string]*slot
 	byKey    map[transport.Key]*slot
 	byTag    map[uint32]*slot // the tags writes carry name one live slot each
-	changed  chan struct{}    // closed and replaced on every change
+	regions  map[string]*region
+	changed  chan struct{} // closed and replaced on every change
 	stopping bool
 
 	// discarded, if set, hears of a write that finished landing in a slot
@@ -114,6 +119,7 @@ func newRegistry(a *arena.Arena) *registry {
 		slots:   make(map[string]*slot),
 		byKey:   make(map[transport.Key]*slot),
 		byTag:   make(map[uint32]*slot),
+		regions: make(map[string]*region),
 		changed: make(chan struct{}),
 		held:    make(map[*slot]func() bool),
 		afterFunc: func(d time.Duration, f func()) func() bool {
@@ -335,31 +341,75 @@ func (r *registry) embeddings() []api.Embedding {
 
 // --- receiving side ---
 
-// newSlot allocates a receive slot with a fresh random key whose tag no
-// live slot uses. Only a slot made with mooncake takes unkeyed writes.
+// newSlot allocates a receive slot in the arena with a fresh random key
+// whose tag no live slot uses. Only a slot made with mooncake takes
+// unkeyed writes.
 func (r *registry) newSlot(reqID string, n int64, mooncake bool) (*slot, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.stopping {
-		return nil, errStopping
-	}
-	if _, ok := r.slots[reqID]; ok {
-		return nil, apiErr(api.CodeExists,
-			"a receive slot for req_id %s already exists: DELETE /v1/receives/%s first or use another req_id", reqID, reqID)
+	if err := r.mayAddSlot(reqID); err != nil {
+		return nil, err
 	}
 	sl, err := r.alloc(reqID, n)
 	if err != nil {
 		return nil, err
 	}
+	return r.addSlot(&slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), mooncake: mooncake, nbytes: n}), nil
+}
+
+// newSlotIn makes a receive slot of n bytes at offset off of a registered
+// region: writes land in the client's own memory. It may not overlap a
+// live slot of that region.
+func (r *registry) newSlotIn(reqID string, n int64, name string, off int64) (*slot, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.mayAddSlot(reqID); err != nil {
+		return nil, err
+	}
+	g, err := r.useRegion(name, reqID)
+	if err != nil {
+		return nil, err
+	}
+	size := int64(len(g.mem))
+	if off < 0 || n > size || off > size-n {
+		r.unuseRegion(g)
+		return nil, apiErr(api.CodeBadRequest, "%s: %d bytes at region_offset %d do not fit region %s (%d bytes)", reqID, n, off, name, size)
+	}
+	for _, o := range r.slots {
+		if o.region == g && off < o.regionOff+o.nbytes && o.regionOff < off+n {
+			r.unuseRegion(g)
+			return nil, apiErr(api.CodeBadRequest, "%s: bytes %d..%d of region %s overlap the live receive slot of req_id %s (%d..%d): free it first, or place this one elsewhere",
+				reqID, off, off+n, name, o.reqID, o.regionOff, o.regionOff+o.nbytes)
+		}
+	}
+	g.slots++
+	return r.addSlot(&slot{reqID: reqID, region: g, regionOff: off, addr: g.addr() + uint64(off), nbytes: n}), nil
+}
+
+// mayAddSlot checks a new slot's req_id; callers hold mu.
+func (r *registry) mayAddSlot(reqID string) error {
+	if r.stopping {
+		return errStopping
+	}
+	if _, ok := r.slots[reqID]; ok {
+		return apiErr(api.CodeExists,
+			"a receive slot for req_id %s already exists: DELETE /v1/receives/%s first or use another req_id", reqID, reqID)
+	}
+	return nil
+}
+
+// addSlot gives s a fresh key whose tag no live slot uses and enters it
+// in the tables; callers hold mu.
+func (r *registry) addSlot(s *slot) *slot {
 	key := transport.NewKey()
 	for key.Tag() == 0 || r.byTag[key.Tag()] != nil {
 		key = transport.NewKey()
 	}
-	s := &slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), key: key, mooncake: mooncake, nbytes: n, since: time.Now()}
-	r.slots[reqID] = s
+	s.key, s.since = key, time.Now()
+	r.slots[s.reqID] = s
 	r.byKey[key] = s
 	r.byTag[key.Tag()] = s
-	return s, nil
+	return s
 }
 
 // Accept implements transport.Sink. A key that is no live slot's, or an
@@ -447,7 +497,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32) ([]byte, func(error
 	}
 	// For a GPU arena the bytes land in a host bounce buffer and are
 	// copied in before the slot counts as arrived.
-	dst, commit, err := r.arena.Writable(s.slice, int64(off), int64(n))
+	dst, commit, err := r.writable(s, int64(off), int64(n))
 	if err != nil {
 		return nil, nil, err
 	}
@@ -532,6 +582,10 @@ func (r *registry) unpin(s *slot) {
 // quarantine if one is set; callers hold mu. Once stopping, nothing can be
 // allocated any more, so the memory goes back at once.
 func (r *registry) release(s *slot) {
+	if s.region != nil {
+		r.unuseRegion(s.region) // a region slot's memory is its client's
+		return
+	}
 	if r.quarantine <= 0 || r.stopping {
 		r.free(s.slice)
 		return
@@ -547,11 +601,32 @@ func (r *registry) release(s *slot) {
 }
 
 func (r *registry) describeSlot(s *slot) api.Receive {
-	return api.Receive{
+	d := api.Receive{
 		ReceiveSlot: api.ReceiveSlot{ReqID: s.reqID, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes},
 		Arrived:     s.arrived, Received: s.received, Tag: s.tag, Mooncake: s.mooncake, Offset: s.slice.Offset, Since: s.since,
 		WritesInFlight: s.writes,
 	}
+	if s.region != nil {
+		d.Offset, d.Region = s.regionOff, s.region.name
+	}
+	return d
+}
+
+// writable is where a write of n bytes at off of s lands, and its commit
+// (a GPU arena's copy in from the bounce buffer).
+func (r *registry) writable(s *slot, off, n int64) ([]byte, func(bool) error, error) {
+	if s.region != nil {
+		return s.region.mem[s.regionOff+off : s.regionOff+off+n], func(bool) error { return nil }, nil
+	}
+	return r.arena.Writable(s.slice, off, n)
+}
+
+// readable is s's first n bytes where the host can read them.
+func (r *registry) readable(s *slot, n int64) ([]byte, func(), error) {
+	if s.region != nil {
+		return s.region.mem[s.regionOff : s.regionOff+n], func() {}, nil
+	}
+	return r.arena.Readable(s.slice, 0, n)
 }
 
 // waitSlot waits up to wait for reqID's data to arrive. With pin, the slot
@@ -597,7 +672,7 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 				r.unpin(s)
 			}
 			// Read outside the lock: for a GPU arena this is a copy out.
-			data, release, err := r.arena.Readable(s.slice, 0, desc.Received)
+			data, release, err := r.readable(s, desc.Received)
 			if err != nil {
 				unpin()
 				return desc, nil, nil, fmt.Errorf("req_id %s: reading its receive slot: %w", reqID, err)
@@ -623,6 +698,9 @@ func (r *registry) removeSlot(s *slot) {
 	delete(r.slots, s.reqID)
 	delete(r.byKey, s.key)
 	delete(r.byTag, s.key.Tag())
+	if s.region != nil {
+		s.region.slots--
+	}
 	s.freed = true
 	s.pins++
 	r.unpin(s)

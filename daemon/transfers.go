@@ -4,6 +4,7 @@ import (
 	"cmp"
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"slices"
 	"strconv"
@@ -38,7 +39,7 @@ type piece struct {
 
 // plan checks a batch's items against its sources' sizes and its
 // destinations, and merges adjacent items into pieces.
-func plan(req api.TransferRequest, sizes []int64) ([]piece, int64, error) {
+func plan(req api.TransferRequest, srcs []batchSource) ([]piece, int64, error) {
 	if len(req.Items) == 0 {
 		return nil, 0, apiErr(api.CodeBadRequest, "the transfer has no items: give at least one [source, source_offset, destination, destination_offset, nbytes]")
 	}
@@ -52,15 +53,15 @@ func plan(req api.TransferRequest, sizes []int64) ([]piece, int64, error) {
 		p := piece{item: i, src: int(it[api.ItemSource]), srcOff: it[api.ItemSourceOffset],
 			dst: int(it[api.ItemDestination]), dstOff: it[api.ItemDestinationOffset], n: it[api.ItemNBytes]}
 		switch {
-		case it[api.ItemSource] < 0 || it[api.ItemSource] >= int64(len(sizes)):
-			return nil, 0, apiErr(api.CodeBadRequest, "item %d names source %d, but the transfer lists %d sources (indexes from 0)", i, it[api.ItemSource], len(sizes))
+		case it[api.ItemSource] < 0 || it[api.ItemSource] >= int64(len(srcs)):
+			return nil, 0, apiErr(api.CodeBadRequest, "item %d names source %d, but the transfer lists %d sources (indexes from 0)", i, it[api.ItemSource], len(srcs))
 		case it[api.ItemDestination] < 0 || it[api.ItemDestination] >= int64(len(req.Destinations)):
 			return nil, 0, apiErr(api.CodeBadRequest, "item %d names destination %d, but the transfer lists %d destinations (indexes from 0)", i, it[api.ItemDestination], len(req.Destinations))
 		case p.n <= 0:
 			return nil, 0, apiErr(api.CodeBadRequest, "item %d moves %d bytes: every item moves at least one", i, p.n)
-		case p.srcOff < 0 || p.srcOff > sizes[p.src]-p.n:
+		case p.srcOff < 0 || p.srcOff > srcs[p.src].size()-p.n:
 			return nil, 0, apiErr(api.CodeBadRequest, "item %d reads %d bytes at offset %d of source %d (%s), which holds %d bytes",
-				i, p.n, p.srcOff, p.src, req.Sources[p.src].ReqID, sizes[p.src])
+				i, p.n, p.srcOff, p.src, srcs[p.src].name(), srcs[p.src].size())
 		case p.dstOff < 0 || (req.Destinations[p.dst].NBytes > 0 && p.dstOff > req.Destinations[p.dst].NBytes-p.n):
 			return nil, 0, apiErr(api.CodeBadRequest, "item %d writes %d bytes at offset %d of destination %d, whose slot holds %d bytes",
 				i, p.n, p.dstOff, p.dst, req.Destinations[p.dst].NBytes)
@@ -101,6 +102,64 @@ func checkDestination(i int, s api.ReceiveSlot) error {
 		return apiErr(api.CodeBadRequest, "destination %d: key is missing: pass the slot as the receiver's POST /v1/receives returned it", i)
 	}
 	return nil
+}
+
+// batchSource is one source of a batch: a staged entry it claimed (as a
+// send does), or a region it pins.
+type batchSource struct {
+	entry  *entry
+	region *region
+}
+
+func (s batchSource) size() int64 {
+	if s.region != nil {
+		return int64(len(s.region.mem))
+	}
+	return s.entry.nbytes
+}
+
+func (s batchSource) name() string {
+	if s.region != nil {
+		return "region " + s.region.name
+	}
+	return "req_id " + s.entry.reqID
+}
+
+// claimSource takes source i of a batch for its run.
+func (d *Daemon) claimSource(i int, s api.TransferSource) (batchSource, error) {
+	switch {
+	case (s.ReqID == "") == (s.Region == ""):
+		return batchSource{}, apiErr(api.CodeBadRequest, "source %d: give a req_id or a region, one of the two", i)
+	case s.Region != "":
+		g, err := d.reg.pinRegion(s.Region, fmt.Sprintf("source %d", i))
+		return batchSource{region: g}, err
+	}
+	if err := api.CheckReqID(s.ReqID); err != nil {
+		return batchSource{}, apiErr(api.CodeBadRequest, "source %d: %v", i, err)
+	}
+	e, err := d.reg.takeForSend(context.Background(), s.ReqID, 0, nil)
+	return batchSource{entry: e}, err
+}
+
+// releaseSources ends a batch's hold on its sources: staged entries are
+// freed when sent, else left staged; regions are unpinned.
+func (d *Daemon) releaseSources(srcs []batchSource, sent bool) {
+	for _, s := range srcs {
+		if s.region != nil {
+			d.reg.unpinRegion(s.region)
+		} else {
+			d.reg.finishSend(s.entry, sent)
+		}
+	}
+}
+
+// readSource is n bytes at off of s where the host can read them: a GPU
+// arena's are copied out to a host bounce buffer first.
+func (d *Daemon) readSource(s batchSource, off, n int64) ([]byte, func(), error) {
+	if s.region != nil {
+		return s.region.mem[off : off+n], func() {}, nil
+	}
+	return d.arena.Readable(s.entry.slice, off, n)
 }
 
 // batch is one running or ended transfer.
@@ -170,33 +229,26 @@ func (d *Daemon) startTransfer(req api.TransferRequest) (api.Transfer, error) {
 			return api.Transfer{}, err
 		}
 	}
-	entries := make([]*entry, 0, len(req.Sources))
+	srcs := make([]batchSource, 0, len(req.Sources))
 	started := false
 	defer func() {
 		if !started {
-			for _, e := range entries {
-				d.reg.finishSend(e, false)
-			}
+			d.releaseSources(srcs, false)
 		}
 	}()
-	seen := make(map[string]int, len(req.Sources))
-	sizes := make([]int64, len(req.Sources))
+	seen := make(map[api.TransferSource]int, len(req.Sources))
 	for i, s := range req.Sources {
-		if err := api.CheckReqID(s.ReqID); err != nil {
-			return api.Transfer{}, apiErr(api.CodeBadRequest, "source %d: %v", i, err)
+		if j, dup := seen[s]; dup {
+			return api.Transfer{}, apiErr(api.CodeBadRequest, "sources %d and %d are the same: list each source once and point items at it", j, i)
 		}
-		if j, dup := seen[s.ReqID]; dup {
-			return api.Transfer{}, apiErr(api.CodeBadRequest, "sources %d and %d are both req_id %s: list each source once and point items at it", j, i, s.ReqID)
-		}
-		seen[s.ReqID] = i
-		e, err := d.reg.takeForSend(context.Background(), s.ReqID, 0, nil)
+		seen[s] = i
+		src, err := d.claimSource(i, s)
 		if err != nil {
 			return api.Transfer{}, err
 		}
-		entries = append(entries, e)
-		sizes[i] = e.nbytes
+		srcs = append(srcs, src)
 	}
-	pieces, total, err := plan(req, sizes)
+	pieces, total, err := plan(req, srcs)
 	if err != nil {
 		return api.Transfer{}, err
 	}
@@ -206,7 +258,7 @@ func (d *Daemon) startTransfer(req api.TransferRequest) (api.Transfer, error) {
 	b := d.transfers.add(api.Transfer{State: api.TransferRunning, Items: len(req.Items), Writes: len(pieces), NBytes: total, Since: time.Now()})
 	started = true
 	d.metrics.batchItems.Add(float64(len(req.Items)))
-	go d.runTransfer(b, req, entries, pieces)
+	go d.runTransfer(b, req, srcs, pieces)
 	return b.describe(), nil
 }
 
@@ -214,7 +266,7 @@ func (d *Daemon) startTransfer(req api.TransferRequest) (api.Transfer, error) {
 // the send path's retries. The first failure stops the rest; the staged
 // sources stay staged then, and are freed (unless kept) once every piece
 // arrived.
-func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry, pieces []piece) {
+func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSource, pieces []piece) {
 	defer d.inflight.leave()
 	ctx, cancel := context.WithCancel(d.reqCtx)
 	defer cancel()
@@ -248,7 +300,7 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry
 					return
 				}
 				p := pieces[i]
-				if err := d.writePiece(ctx, id, req, entries, p, log); err != nil {
+				if err := d.writePiece(ctx, id, req, srcs, p, log); err != nil {
 					fail(p, err)
 					return
 				}
@@ -263,9 +315,7 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry
 	wg.Wait()
 
 	ok := failed == nil
-	for _, e := range entries {
-		d.reg.finishSend(e, ok && !req.KeepSources)
-	}
+	d.releaseSources(srcs, ok && !req.KeepSources)
 	took := time.Since(start)
 	b.mu.Lock()
 	b.t.Millis = float64(took.Microseconds()) / 1000
@@ -302,15 +352,13 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, entries []*entry
 
 // writePiece writes one piece, with the send path's retries, bounded by
 // send_timeout; its error is the API error the batch ends with.
-func (d *Daemon) writePiece(ctx context.Context, id string, req api.TransferRequest, entries []*entry, p piece, log zerolog.Logger) error {
+func (d *Daemon) writePiece(ctx context.Context, id string, req api.TransferRequest, srcs []batchSource, p piece, log zerolog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
 	defer cancel()
-	e := entries[p.src]
-	// A GPU arena's bytes are copied out to a host bounce buffer first.
-	src, release, err := d.arena.Readable(e.slice, p.srcOff, p.n)
+	src, release, err := d.readSource(srcs[p.src], p.srcOff, p.n)
 	if err != nil {
-		return apiErr(api.CodeInternal, "item %d: reading %d bytes of %s out of the arena failed: %v; the staged sources are kept",
-			p.item, p.n, e.reqID, err)
+		return apiErr(api.CodeInternal, "transfer %s: item %d: reading %d bytes of source %d (%s) failed: %v; the staged sources are kept",
+			id, p.item, p.n, p.src, srcs[p.src].name(), err)
 	}
 	defer release()
 	dst := req.Destinations[p.dst]

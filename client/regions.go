@@ -1,0 +1,83 @@
+package client
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"fmt"
+	"net/http"
+	"os"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ferry-project/ferry/api"
+)
+
+// NewRegionFile makes memory to register as a region: a memfd of n bytes
+// sealed against shrinking, as ferryd requires. Map it (MAP_SHARED) to
+// use it; the file can be closed once registered and mapped.
+func NewRegionFile(name string, n int64) (*os.File, error) {
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		return nil, fmt.Errorf("memfd_create: %w", err)
+	}
+	f := os.NewFile(uintptr(fd), "memfd:"+name)
+	if err := f.Truncate(n); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("sizing the memfd to %d bytes: %w", n, err)
+	}
+	if _, err := unix.FcntlInt(f.Fd(), unix.F_ADD_SEALS, unix.F_SEAL_SHRINK); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("sealing the memfd against shrinking: %w", err)
+	}
+	return f, nil
+}
+
+// RegisterRegion lends ferryd nbytes of f (a memfd sealed against
+// shrinking, from NewRegionFile) as region name: transfers may then read
+// from it (a source {"region": name}) and receive slots may lie in it,
+// with no copy through the arena. The descriptor travels beside the
+// request (SCM_RIGHTS), on a connection of its own.
+func (c *Client) RegisterRegion(ctx context.Context, name string, f *os.File, nbytes int64) (api.Region, error) {
+	body, _ := json.Marshal(api.RegionRequest{Name: name, NBytes: nbytes})
+	var req bytes.Buffer
+	fmt.Fprintf(&req, "POST /v1/regions HTTP/1.1\r\nHost: ferryd\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n", len(body))
+	req.Write(body)
+
+	uc, done, err := c.rawConn(ctx, "registering a region")
+	if err != nil {
+		return api.Region{}, err
+	}
+	defer done()
+	if _, _, err := uc.WriteMsgUnix(req.Bytes(), unix.UnixRights(int(f.Fd())), nil); err != nil {
+		return api.Region{}, fmt.Errorf("passing region %s to ferryd: %w", name, err)
+	}
+	resp, err := http.ReadResponse(bufio.NewReader(uc), nil)
+	if err != nil {
+		return api.Region{}, fmt.Errorf("ferryd's answer to registering region %s: %w", name, err)
+	}
+	defer resp.Body.Close()
+	if resp.StatusCode >= 300 {
+		return api.Region{}, errorOf(resp)
+	}
+	var out api.Region
+	if err := json.NewDecoder(resp.Body).Decode(&out); err != nil {
+		return out, fmt.Errorf("decoding ferryd's answer to registering region %s: %w", name, err)
+	}
+	return out, nil
+}
+
+// Regions lists the registered regions.
+func (c *Client) Regions(ctx context.Context) ([]api.Region, error) {
+	return call[[]api.Region](ctx, c, "GET", "/v1/regions", nil)
+}
+
+// UnregisterRegion takes a region back: it returns once ferryd has ended
+// every transfer and write using it and unmapped it (waiting up to wait),
+// after which the memory is the caller's alone. Receive slots in it must
+// be freed first.
+func (c *Client) UnregisterRegion(ctx context.Context, name string, wait time.Duration) error {
+	return c.noContent(ctx, "DELETE", "/v1/regions/"+esc(name)+"?"+waitQuery(wait))
+}

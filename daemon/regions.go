@@ -1,0 +1,240 @@
+package daemon
+
+import (
+	"fmt"
+	"net/http"
+	"sort"
+	"time"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ferry-project/ferry/api"
+)
+
+// region is memory a client owns and lent ferryd once: a memfd passed
+// over the control socket, mapped here, so transfers read from it and
+// receive slots land in it without a copy through the arena.
+type region struct {
+	name    string
+	mem     []byte
+	since   time.Time
+	slots   int  // live receive slots in it
+	uses    int  // pins: slots (live or freed with writes landing) and transfers reading it
+	closing bool // unregistered: no new use; unmapped once uses end
+	gone    chan struct{}
+}
+
+func (g *region) addr() uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(g.mem)))) }
+
+// mapRegion maps a client's memfd: it must be sealed against shrinking,
+// for a file cut short under a mapping kills the process that touches
+// the lost pages (SIGBUS), and hold at least n bytes.
+func mapRegion(fd int, name string, n int64) ([]byte, error) {
+	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
+	if err != nil {
+		return nil, apiErr(api.CodeBadRequest,
+			"region %s: the descriptor passed is not a memfd that allows sealing (F_GET_SEALS: %v): create it with memfd_create(name, MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK", name, err)
+	}
+	if seals&unix.F_SEAL_SHRINK == 0 {
+		return nil, apiErr(api.CodeBadRequest,
+			"region %s: the memfd is not sealed against shrinking: fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) after sizing it, so no one can cut it short under ferryd's mapping", name)
+	}
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return nil, apiErr(api.CodeBadRequest, "region %s: fstat of the descriptor passed: %v", name, err)
+	}
+	if st.Size < n {
+		return nil, apiErr(api.CodeBadRequest, "region %s: the memfd holds %d bytes, fewer than the %d asked for: size it (ftruncate) before sealing", name, st.Size, n)
+	}
+	mem, err := unix.Mmap(fd, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, apiErr(api.CodeBadRequest, "region %s: mapping %d bytes of the memfd read-write: %v (was it opened read-only, or sealed against writes?)", name, n, err)
+	}
+	return mem, nil
+}
+
+// addRegion registers a mapped region under its name.
+func (r *registry) addRegion(name string, mem []byte) (api.Region, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return api.Region{}, errStopping
+	}
+	if g, ok := r.regions[name]; ok {
+		if g.closing {
+			return api.Region{}, apiErr(api.CodeExists, "the region named %s is still closing (transfers or writes use it): wait for DELETE /v1/regions/%s, or choose another name", name, name)
+		}
+		return api.Region{}, apiErr(api.CodeExists, "a region named %s is registered already: unregister it first or choose another name", name)
+	}
+	g := &region{name: name, mem: mem, since: time.Now(), gone: make(chan struct{})}
+	r.regions[name] = g
+	return describeRegion(g), nil
+}
+
+func describeRegion(g *region) api.Region {
+	return api.Region{Name: g.name, NBytes: int64(len(g.mem)), Kind: "host", Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since}
+}
+
+// useRegion pins a registered region for a transfer or a slot; callers
+// hold mu.
+func (r *registry) useRegion(name, what string) (*region, error) {
+	g, ok := r.regions[name]
+	if !ok || g.closing {
+		return nil, apiErr(api.CodeNotFound, "%s: no region named %s is registered: POST /v1/regions first (GET /v1/regions lists them)", what, name)
+	}
+	g.uses++
+	return g, nil
+}
+
+// unuseRegion drops a pin, and unmaps a closing region once none is left;
+// callers hold mu.
+func (r *registry) unuseRegion(g *region) {
+	g.uses--
+	if g.closing && g.uses == 0 {
+		_ = unix.Munmap(g.mem)
+		delete(r.regions, g.name)
+		close(g.gone)
+	}
+}
+
+// pinRegion pins a registered region for a transfer reading it.
+func (r *registry) pinRegion(name, what string) (*region, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.useRegion(name, what)
+}
+
+func (r *registry) unpinRegion(g *region) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.unuseRegion(g)
+}
+
+// removeRegion closes a region to new use: it is unmapped once the
+// transfers reading it and the writes landing in it have ended. A region
+// with live receive slots is refused: the client frees them first.
+func (r *registry) removeRegion(name string) (*region, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	g, ok := r.regions[name]
+	if !ok {
+		return nil, apiErr(api.CodeNotFound, "no region named %s is registered (GET /v1/regions lists them)", name)
+	}
+	if g.closing {
+		return g, nil // a second DELETE waits for the same end
+	}
+	if g.slots > 0 {
+		var ids []string
+		for _, s := range r.slots {
+			if s.region == g {
+				ids = append(ids, s.reqID)
+			}
+		}
+		sort.Strings(ids)
+		return nil, apiErr(api.CodeBusy, "region %s still holds %d receive slot(s) (%s): free them (DELETE /v1/receives/{req_id}) before unregistering it",
+			name, len(ids), clipList(ids))
+	}
+	g.closing = true
+	g.uses++ // the removal's own pin, dropped at once so the last user unmaps
+	r.unuseRegion(g)
+	return g, nil
+}
+
+func (r *registry) listRegions() []api.Region {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	out := make([]api.Region, 0, len(r.regions))
+	for _, g := range r.regions {
+		out = append(out, describeRegion(g))
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
+	return out
+}
+
+// clipList names at most a few items of a list for a message.
+func clipList(ids []string) string {
+	if len(ids) > 5 {
+		return fmt.Sprintf("%v and %d more", ids[:5], len(ids)-5)
+	}
+	return fmt.Sprint(ids)
+}
+
+// handleNewRegion registers client memory: POST /v1/regions, the memfd's
+// descriptor passed beside the request.
+func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
+	fd := passedFD(r.Context())
+	if fd >= 0 {
+		defer unix.Close(fd) // the mapping keeps the memory; the descriptor is not needed past it
+	}
+	var req api.RegionRequest
+	if err := d.decodeJSON(r, &req); err != nil {
+		return err
+	}
+	if err := api.CheckReqID(req.Name); err != nil {
+		return apiErr(api.CodeBadRequest, "region name: %v", err)
+	}
+	if req.NBytes <= 0 {
+		return apiErr(api.CodeBadRequest, "region %s: nbytes %d must be positive", req.Name, req.NBytes)
+	}
+	if fd < 0 {
+		return apiErr(api.CodeBadRequest,
+			"region %s: no file descriptor came with the request: pass the memfd beside the request's bytes (sendmsg with SCM_RIGHTS on the control socket; the Go and Python clients do this)", req.Name)
+	}
+	mem, err := mapRegion(fd, req.Name, req.NBytes)
+	if err != nil {
+		return err
+	}
+	g, err := d.reg.addRegion(req.Name, mem)
+	if err != nil {
+		_ = unix.Munmap(mem)
+		return err
+	}
+	d.log.Info().Str("region", req.Name).Int64("nbytes", req.NBytes).Msg("region registered")
+	writeJSON(w, http.StatusCreated, g)
+	return nil
+}
+
+func (d *Daemon) handleListRegions(w http.ResponseWriter, r *http.Request) error {
+	writeJSON(w, http.StatusOK, d.reg.listRegions())
+	return nil
+}
+
+// handleDeleteRegion unregisters a region: DELETE /v1/regions/{name}
+// answers 204 once the writes and transfers using it have ended (up to
+// ?wait=, default 30s) and ferryd has unmapped it.
+func (d *Daemon) handleDeleteRegion(w http.ResponseWriter, r *http.Request) error {
+	name := r.PathValue("name")
+	wait, err := parseWait(r)
+	if err != nil {
+		return err
+	}
+	if r.URL.Query().Get("wait") == "" {
+		wait = 30 * time.Second
+	}
+	g, err := d.reg.removeRegion(name)
+	if err != nil {
+		return err
+	}
+	timer := time.NewTimer(wait)
+	defer timer.Stop()
+	select {
+	case <-g.gone:
+	case <-timer.C:
+		return d.regionBusy(g, wait)
+	case <-r.Context().Done():
+		return d.regionBusy(g, wait)
+	}
+	d.log.Info().Str("region", name).Msg("region unregistered")
+	w.WriteHeader(http.StatusNoContent)
+	return nil
+}
+
+func (d *Daemon) regionBusy(g *region, wait time.Duration) error {
+	d.reg.mu.Lock()
+	uses := g.uses
+	d.reg.mu.Unlock()
+	return apiErr(api.CodeTimeout,
+		"region %s is closing, but %d transfer(s) or write(s) still use it after %s: ferryd unmaps it when they end, and GET /v1/regions lists it (closing) until then; do not reuse its memory before",
+		g.name, uses, wait)
+}

@@ -1,0 +1,111 @@
+package daemon
+
+import (
+	"context"
+	"net"
+	"sync"
+
+	"golang.org/x/sys/unix"
+)
+
+// maxPassedFDs bounds the descriptors one control connection may hold
+// unclaimed: more are closed on arrival.
+const maxPassedFDs = 4
+
+// rightsListener accepts control connections that keep the descriptors a
+// client passes beside its request (SCM_RIGHTS), for the handler that
+// claims one (POST /v1/regions).
+type rightsListener struct{ net.Listener }
+
+func (l rightsListener) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if uc, ok := c.(*net.UnixConn); ok {
+		return &rightsConn{UnixConn: uc}, nil
+	}
+	return c, err
+}
+
+// rightsConn reads with recvmsg so that descriptors sent with the
+// request's bytes are kept, not dropped by the kernel.
+type rightsConn struct {
+	*net.UnixConn
+
+	mu  sync.Mutex
+	fds []int // passed and not yet claimed
+}
+
+func (c *rightsConn) Read(b []byte) (int, error) {
+	oob := make([]byte, unix.CmsgSpace(4*maxPassedFDs))
+	n, oobn, _, _, err := c.ReadMsgUnix(b, oob)
+	if oobn > 0 {
+		c.keep(oob[:oobn])
+	}
+	return n, err
+}
+
+// keep holds the descriptors of control messages, up to maxPassedFDs.
+func (c *rightsConn) keep(oob []byte) {
+	msgs, err := unix.ParseSocketControlMessage(oob)
+	if err != nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for _, m := range msgs {
+		fds, err := unix.ParseUnixRights(&m)
+		if err != nil {
+			continue
+		}
+		for _, fd := range fds {
+			if len(c.fds) < maxPassedFDs {
+				c.fds = append(c.fds, fd)
+			} else {
+				unix.Close(fd)
+			}
+		}
+	}
+}
+
+// take claims the oldest descriptor passed on this connection, or -1.
+func (c *rightsConn) take() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if len(c.fds) == 0 {
+		return -1
+	}
+	fd := c.fds[0]
+	c.fds = c.fds[1:]
+	return fd
+}
+
+func (c *rightsConn) Close() error {
+	c.mu.Lock()
+	for _, fd := range c.fds {
+		unix.Close(fd)
+	}
+	c.fds = nil
+	c.mu.Unlock()
+	return c.UnixConn.Close()
+}
+
+// unixConn is the Unix socket under a control connection.
+func unixConn(c net.Conn) (*net.UnixConn, bool) {
+	switch c := c.(type) {
+	case *rightsConn:
+		return c.UnixConn, true
+	case *net.UnixConn:
+		return c, true
+	}
+	return nil, false
+}
+
+type connKey struct{}
+
+// passedFD claims a descriptor the client passed on the request's
+// connection, or -1 when it passed none.
+func passedFD(ctx context.Context) int {
+	if c, ok := ctx.Value(connKey{}).(*rightsConn); ok {
+		return c.take()
+	}
+	return -1
+}

@@ -1,0 +1,222 @@
+package e2e
+
+import (
+	"bytes"
+	"encoding/json"
+	"net/http"
+	"os"
+	"strings"
+	"syscall"
+	"testing"
+	"time"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/client"
+)
+
+// regionMemory makes a sealed memfd of n bytes and maps it here.
+func regionMemory(t *testing.T, name string, n int64) (*os.File, []byte) {
+	t.Helper()
+	f, err := client.NewRegionFile(name, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	mem, err := unix.Mmap(int(f.Fd()), 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Munmap(mem) })
+	return f, mem
+}
+
+func TestRegionToRegionMovesClientMemoryWithoutTheArena(t *testing.T) {
+	snd, rcv := pair(t)
+	ctx := ctxT(t)
+	const n = 4 << 20
+	sf, smem := regionMemory(t, "kv-src", n)
+	rf, rmem := regionMemory(t, "kv-dst", n)
+	copy(smem, randomBytes(n, 41))
+	if g, err := snd.c.RegisterRegion(ctx, "kv", sf, n); err != nil || g.NBytes != n || g.Kind != "host" {
+		t.Fatalf("register: %+v, %v", g, err)
+	}
+	if _, err := rcv.c.RegisterRegion(ctx, "kv", rf, n); err != nil {
+		t.Fatal(err)
+	}
+	// Pages 0..63 of the sender's region land, reversed, in the second
+	// MiB of the receiver's, where its slot lies.
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "layer-3", NBytes: 64 * 4096, Region: "kv", RegionOffset: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var items [][]int64
+	for i := int64(0); i < 64; i++ {
+		items = append(items, []int64{0, i * 4096, 0, (63 - i) * 4096, 4096})
+	}
+	started, err := snd.c.StartTransfer(ctx, api.TransferRequest{
+		Sources: []api.TransferSource{{Region: "kv"}}, Destinations: []api.ReceiveSlot{slot}, Items: items,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done, err := snd.c.WaitTransfer(ctx, started.ID, 10*time.Second); err != nil || done.State != api.TransferDone {
+		t.Fatalf("transfer: %+v, %v", done, err)
+	}
+	info, err := rcv.c.WaitInfo(ctx, "layer-3", 10*time.Second)
+	if err != nil || !info.Arrived || info.Region != "kv" || info.Offset != 1<<20 || info.ArenaFile != "" {
+		t.Fatalf("slot: %+v, %v", info, err)
+	}
+	for i := 0; i < 64; i++ {
+		got := rmem[1<<20+(63-i)*4096 : 1<<20+(64-i)*4096]
+		if !bytes.Equal(got, smem[i*4096:(i+1)*4096]) {
+			t.Fatalf("page %d did not land in the receiver's own memory", i)
+		}
+	}
+	// The bytes went from one client's memory to the other's: neither
+	// arena held any of them.
+	for _, d := range []*daemon{snd, rcv} {
+		if st, err := d.c.Status(ctx); err != nil || st.Memory.Used != 0 {
+			t.Fatalf("arena used %d bytes (%v): a region transfer went through the arena", st.Memory.Used, err)
+		}
+	}
+	// The raw read serves the region's bytes too.
+	data, err := rcv.c.Wait(ctx, "layer-3", time.Second)
+	if err != nil || !bytes.Equal(data, rmem[1<<20:1<<20+64*4096]) {
+		t.Fatalf("GET of a region slot: %d bytes, %v", len(data), err)
+	}
+
+	// A region with a live slot is not taken back; once the slot is
+	// freed it is, and its name is free again.
+	wantErr(t, rcv.c.UnregisterRegion(ctx, "kv", time.Second), 409, api.CodeBusy, "layer-3")
+	if err := rcv.c.FreeReceive(ctx, "layer-3"); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []*daemon{snd, rcv} {
+		if err := d.c.UnregisterRegion(ctx, "kv", 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		if gs, err := d.c.Regions(ctx); err != nil || len(gs) != 0 {
+			t.Fatalf("regions after unregistering: %+v, %v", gs, err)
+		}
+	}
+	_, err = snd.c.StartTransfer(ctx, api.TransferRequest{
+		Sources: []api.TransferSource{{Region: "kv"}}, Destinations: []api.ReceiveSlot{slot}, Items: items,
+	})
+	wantErr(t, err, 404, api.CodeNotFound, "region named kv")
+}
+
+func TestRegionRefusesMemoryItCannotHoldSafely(t *testing.T) {
+	d := startDaemon(t, t.TempDir(), "d")
+	ctx := ctxT(t)
+	// A memfd not sealed against shrinking could be cut short under
+	// ferryd's mapping, killing it on the next touch.
+	fd, err := unix.MemfdCreate("unsealed", unix.MFD_CLOEXEC|unix.MFD_ALLOW_SEALING)
+	if err != nil {
+		t.Fatal(err)
+	}
+	unsealed := os.NewFile(uintptr(fd), "unsealed")
+	defer unsealed.Close()
+	unsealed.Truncate(1 << 20)
+	_, err = d.c.RegisterRegion(ctx, "u", unsealed, 1<<20)
+	wantErr(t, err, 400, api.CodeBadRequest, "F_SEAL_SHRINK")
+
+	// A plain file allows no seals at all.
+	plain, err := os.CreateTemp(t.TempDir(), "plain")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer plain.Close()
+	plain.Truncate(1 << 20)
+	_, err = d.c.RegisterRegion(ctx, "p", plain, 1<<20)
+	wantErr(t, err, 400, api.CodeBadRequest, "memfd_create")
+
+	// Asking for more than the memfd holds.
+	small, _ := regionMemory(t, "small", 4096)
+	_, err = d.c.RegisterRegion(ctx, "s", small, 8192)
+	wantErr(t, err, 400, api.CodeBadRequest, "4096 bytes")
+
+	// Without a descriptor, over the ordinary client.
+	_, err = d.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "x", NBytes: 1, Region: "none"})
+	wantErr(t, err, 404, api.CodeNotFound, "region named none")
+
+	// The one that is right, then a slot past its end and two that overlap.
+	ok, _ := regionMemory(t, "ok", 8192)
+	if _, err := d.c.RegisterRegion(ctx, "ok", ok, 8192); err != nil {
+		t.Fatal(err)
+	}
+	_, err = d.c.RegisterRegion(ctx, "ok", ok, 8192)
+	wantErr(t, err, 409, api.CodeExists, "ok")
+	_, err = d.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "past", NBytes: 4096, Region: "ok", RegionOffset: 4097})
+	wantErr(t, err, 400, api.CodeBadRequest, "do not fit region ok")
+	if _, err := d.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "a", NBytes: 4096, Region: "ok"}); err != nil {
+		t.Fatal(err)
+	}
+	_, err = d.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "b", NBytes: 4096, Region: "ok", RegionOffset: 2048})
+	wantErr(t, err, 400, api.CodeBadRequest, "overlap", "req_id a")
+	d.alive(t)
+}
+
+func TestUnregisterWaitsForTheWritesReadingTheRegion(t *testing.T) {
+	snd, rcv := pair(t)
+	ctx := ctxT(t)
+	const n = 1 << 20
+	sf, smem := regionMemory(t, "src", n)
+	copy(smem, randomBytes(n, 42))
+	if _, err := snd.c.RegisterRegion(ctx, "src", sf, n); err != nil {
+		t.Fatal(err)
+	}
+	slot, err := rcv.c.Receive(ctx, "held", n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// A receiver that takes no data: the transfer's write cannot complete.
+	rcv.pause(t)
+	started, err := snd.c.StartTransfer(ctx, api.TransferRequest{
+		Sources: []api.TransferSource{{Region: "src"}}, Destinations: []api.ReceiveSlot{slot}, Items: [][]int64{{0, 0, 0, 0, n}},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	wantErr(t, snd.c.UnregisterRegion(ctx, "src", 200*time.Millisecond), 504, api.CodeTimeout, "closing", "1 transfer")
+	gs, err := snd.c.Regions(ctx)
+	if err != nil || len(gs) != 1 || !gs[0].Closing || gs[0].Uses != 1 {
+		t.Fatalf("a region unregistered under a running transfer: %+v, %v; want it listed, closing, in use", gs, err)
+	}
+	// Closed to new use meanwhile.
+	_, err = snd.c.StartTransfer(ctx, api.TransferRequest{
+		Sources: []api.TransferSource{{Region: "src"}}, Destinations: []api.ReceiveSlot{slot}, Items: [][]int64{{0, 0, 0, 0, 1}},
+	})
+	wantErr(t, err, 404, api.CodeNotFound, "src")
+	rcv.signal(syscall.SIGCONT)
+	if done, err := snd.c.WaitTransfer(ctx, started.ID, 20*time.Second); err != nil || done.State != api.TransferDone {
+		t.Fatalf("transfer after the receiver resumed: %+v, %v", done, err)
+	}
+	// The transfer's end was the region's last use: it is unmapped and gone.
+	if gs, err := snd.c.Regions(ctx); err != nil || len(gs) != 0 {
+		t.Fatalf("regions once the transfer ended: %+v, %v", gs, err)
+	}
+	wantErr(t, snd.c.UnregisterRegion(ctx, "src", time.Second), 404, api.CodeNotFound, "src")
+	got, err := rcv.c.Wait(ctx, "held", 10*time.Second)
+	if err != nil || !bytes.Equal(got, smem) {
+		t.Fatalf("the held write's bytes: %d, %v", len(got), err)
+	}
+}
+
+func TestRegisterWithoutADescriptorSaysHow(t *testing.T) {
+	d := startDaemon(t, t.TempDir(), "d")
+	hc := http.Client{Transport: &http.Transport{DialContext: client.UnixDialer(d.socket)}}
+	resp, err := hc.Post("http://ferryd/v1/regions", "application/json", strings.NewReader(`{"name":"r","nbytes":4096}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	var env api.ErrorBody
+	if err := json.NewDecoder(resp.Body).Decode(&env); err != nil {
+		t.Fatal(err)
+	}
+	if resp.StatusCode != 400 || !strings.Contains(env.Error.Message, "SCM_RIGHTS") {
+		t.Fatalf("register without a descriptor: %d %+v", resp.StatusCode, env)
+	}
+}
