@@ -78,7 +78,7 @@ class _Recorded:
         return io.BytesIO(self._raw)
 
 
-def _read_with_rights(sock):
+def _read_with_rights(sock, what):
     """Reads sock to its end, with the descriptors that came beside the bytes."""
     raw, fds = bytearray(), []
     try:
@@ -86,47 +86,68 @@ def _read_with_rights(sock):
             data, got, flags, _ = socket.recv_fds(sock, 4096, 4, socket.MSG_CMSG_CLOEXEC)
             fds.extend(got)
             if flags & socket.MSG_CTRUNC:
-                raise FerryError("ferryd's answer to GET /v1/arena carried more descriptors than the arena's one")
+                raise FerryError(f"ferryd's answer to {what} carried more descriptors than expected")
             if not data:
                 return bytes(raw), fds
             raw += data
             if len(raw) > _MAX_ANSWER:
-                raise FerryError(f"ferryd's answer to GET /v1/arena is over {_MAX_ANSWER} bytes")
+                raise FerryError(f"ferryd's answer to {what} is over {_MAX_ANSWER} bytes")
     except BaseException:
         for fd in fds:
             os.close(fd)
         raise
 
 
-def map_arena(transport, timeout):
-    """Asks ferryd for its arena's descriptor and maps it (see Client.map_arena)."""
+def exchange_with_rights(transport, timeout, request, what, pass_fd=None):
+    """One request on a connection of its own that may pass a descriptor
+    (pass_fd, beside the request's bytes) or take some back (in the
+    answer): the answer's JSON and the descriptors it carried, which the
+    caller closes. An error answer raises its class."""
     sock = transport.dial()
     fds = []
     try:
         if sock.family != socket.AF_UNIX:
-            raise ValueError("mapping ferryd's arena takes a Unix socket connection, which carries its descriptor; "
+            raise ValueError(f"{what} takes a Unix socket connection, which carries a descriptor; "
                              f"this client's dial opened a {sock.family!r} socket")
         sock.settimeout(timeout)
         try:
-            sock.sendall(_REQUEST)
-            raw, fds = _read_with_rights(sock)
+            if pass_fd is None:
+                sock.sendall(request)
+            else:
+                socket.send_fds(sock, [request], [pass_fd])
+            raw, fds = _read_with_rights(sock, what)
         except socket.timeout:
-            raise NoAnswer(f"no answer from ferryd at {transport.socket_path} to GET /v1/arena within {timeout:g} s") from None
+            raise NoAnswer(f"no answer from ferryd at {transport.socket_path} to {what} within {timeout:g} s") from None
         except OSError as e:
-            raise NoAnswer(f"ferryd at {transport.socket_path} closed the connection before answering GET /v1/arena ({e!r})") from e
+            raise NoAnswer(f"ferryd at {transport.socket_path} closed the connection before answering {what} ({e!r})") from e
         resp = http.client.HTTPResponse(_Recorded(raw))
         try:
             resp.begin()
             body = resp.read()
         except http.client.HTTPException as e:
-            raise FerryError(f"ferryd's answer to GET /v1/arena is not HTTP ({e!r}): {raw[:200]!r}") from None
+            raise FerryError(f"ferryd's answer to {what} is not HTTP ({e!r}): {raw[:200]!r}") from None
         if resp.status >= 300:
             raise from_answer(resp.status, body)
         try:
             info = json.loads(body)
+        except ValueError as e:
+            raise FerryError(f"decoding ferryd's answer to {what}: {e!r}: {body[:200]!r}") from None
+        out, fds = (info, fds), []
+        return out
+    finally:
+        sock.close()
+        for fd in fds:
+            os.close(fd)
+
+
+def map_arena(transport, timeout):
+    """Asks ferryd for its arena's descriptor and maps it (see Client.map_arena)."""
+    info, fds = exchange_with_rights(transport, timeout, _REQUEST, "GET /v1/arena")
+    try:
+        try:
             size = int(info["size"])
-        except (ValueError, KeyError, TypeError) as e:
-            raise FerryError(f"decoding ferryd's answer to GET /v1/arena: {e!r}: {body[:200]!r}") from None
+        except (KeyError, TypeError, ValueError) as e:
+            raise FerryError(f"decoding ferryd's answer to GET /v1/arena: {e!r}: {info!r}") from None
         if len(fds) != 1:
             raise FerryError(f"ferryd's answer to GET /v1/arena carried {len(fds)} file descriptors, not the arena's one")
         try:
@@ -136,6 +157,5 @@ def map_arena(transport, timeout):
             raise OSError(e.errno, f"mapping ferryd's arena ({info.get('arena_file', '?')}, {size} bytes): {e.strerror}") from None
         return ArenaMapping(mm, info)
     finally:
-        sock.close()
         for fd in fds:
             os.close(fd)

@@ -12,6 +12,7 @@ from urllib.parse import quote, urlencode
 from . import dtypes
 from ._http import Transport
 from .arena import map_arena
+from .regions import Region, new_memfd, register_fd
 from .errors import BadRequest, FerryError, GPUArenaNotSupported, Timeout, error_for, from_answer
 
 DEFAULT_SOCKET = "/run/ferry/ferryd.sock"
@@ -78,6 +79,15 @@ def _decode(method, path, resp):
         return json.loads(resp.body)
     except ValueError as e:
         raise FerryError(f"decoding ferryd's answer to {method} {path}: {e}", resp.status) from None
+
+
+def _source(s):
+    """A transfer source as the API takes it: a req_id, a Region, or the dict."""
+    if isinstance(s, str):
+        return {"req_id": s}
+    if isinstance(s, Region):
+        return {"region": s.name}
+    return dict(s)
 
 
 def _id(req_id):
@@ -223,14 +233,20 @@ class Client:
 
     # --- receiving side
 
-    def receive(self, req_id, nbytes, mooncake=False):
+    def receive(self, req_id, nbytes, mooncake=False, region=None, region_offset=0):
         """Makes a receive slot of nbytes for req_id (``ferry.nbytes(shape,
         dtype)`` counts them) and returns it, to hand to the sender.
         ``mooncake=True`` opens it to Mooncake senders too (ferryd with
-        --mooncake-listen); the slot then carries ``mooncake_session``."""
+        --mooncake-listen); the slot then carries ``mooncake_session``.
+        ``region`` (a Region or its name) places the slot at
+        ``region_offset`` of a registered region: the bytes land there."""
         payload = {"req_id": req_id, "nbytes": nbytes}
         if mooncake:
             payload["mooncake"] = True
+        if region is not None:
+            payload["region"] = region if isinstance(region, str) else region.name
+            if region_offset:
+                payload["region_offset"] = int(region_offset)
         return Slot.from_dict(self._json("POST", "/v1/receives", payload))
 
     def receives(self):
@@ -281,14 +297,14 @@ class Client:
         with its description: ``transfer_id``, ``writes`` (items adjacent
         at both ends are merged), ``state`` "running".
 
-        sources are staged req_ids; destinations are receive slots (Slot
+        sources are staged req_ids or Regions; destinations are receive slots (Slot
         or dict) as their receivers' ``receive`` gave them; each item is
         ``(source index, source offset, destination index, destination
         offset, nbytes)``. Once every piece arrived the sources are freed
         (unless keep_sources); on a failure they stay staged.
         ``wait_transfer`` waits for the end, ``events`` hears of it."""
         payload = {
-            "sources": [{"req_id": s} if isinstance(s, str) else dict(s) for s in sources],
+            "sources": [_source(s) for s in sources],
             "destinations": [self._slot_dict(d) for d in destinations],
             "items": [list(it) for it in items],
         }
@@ -327,6 +343,40 @@ class Client:
         Pass ``next`` as the following call's ``after``."""
         q = urlencode({"after": int(after), "wait": self._wait_query(timeout)})
         return self._json("GET", f"/v1/events?{q}", timeout=self.timeout + timeout)
+
+    # --- regions
+
+    def register_region(self, name, nbytes):
+        """Makes nbytes of memory this process owns (a memfd sealed against
+        shrinking, mapped here) and lends it to ferryd as region ``name``:
+        a Region, to fill and read in place, send from and receive into.
+        ``Region.close`` takes it back."""
+        fd = new_memfd(name, nbytes)
+        try:
+            region = Region(self, name, fd, nbytes)
+            self.register_fd(name, fd, nbytes)
+        except BaseException:
+            os.close(fd)
+            raise
+        region.registered = True
+        return region
+
+    def register_fd(self, name, fd, nbytes):
+        """Lends ferryd nbytes of a memfd this process made (MFD_ALLOW_SEALING,
+        sized, then sealed with F_SEAL_SHRINK) as region ``name``: its description."""
+        return register_fd(self._transport, self.timeout, name, fd, nbytes)
+
+    def regions(self):
+        """Lists the registered regions (slots, uses, closing)."""
+        return self._json("GET", "/v1/regions")
+
+    def unregister_region(self, name, timeout=30.0):
+        """Takes a region back: returns once no transfer or write uses it and
+        ferryd unmapped it; ferry.Timeout if they outlast timeout (it is
+        then closing, and unmapped when they end), ferry.Busy while receive
+        slots lie in it."""
+        q = urlencode({"wait": self._wait_query(timeout)})
+        self._json("DELETE", f"/v1/regions/{_id(name)}?{q}", timeout=self.timeout + timeout)
 
     # --- sessions
 

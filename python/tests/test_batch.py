@@ -84,3 +84,37 @@ def test_the_sender_hears_of_the_batch_ending(tx, rx, req_id):
     assert [(e["kind"], e["transfer_id"]) for e in ev["events"]] == [("transfer_done", t["transfer_id"])]
     assert tx.transfer_status(t["transfer_id"])["state"] == "done"
     rx.free(req_id)
+
+
+def test_a_memfd_region_sends_and_receives_without_a_copy(tx, rx, req_id):
+    n = 4 << 20
+    with tx.register_region(req_id + "-src", n) as src, rx.register_region(req_id + "-dst", n) as dst:
+        src.view()[:] = os.urandom(n)
+        slot = rx.receive(req_id, n // 2, region=dst, region_offset=n // 4)
+        # Every other 64 KiB page of the source's first 4 MiB, packed into the slot.
+        page = 64 << 10
+        items = [(0, 2 * i * page, 0, i * page, page) for i in range(n // 2 // page)]
+        done = tx.transfer_sync([src], [slot], items, timeout=60)
+        assert done["state"] == "done" and done["writes"] == len(items)
+        info = rx.slot_info(req_id, timeout=10)
+        assert info["arrived"] and info["region"] == dst.name and info["offset"] == n // 4
+        for i in range(len(items)):
+            got = dst.view(n // 4 + i * page, page)
+            assert got == src.view(2 * i * page, page), f"page {i}"
+        # Neither arena held the bytes: they went from one process's memory to the other's.
+        assert tx.status()["memory"]["used"] == 0 and rx.status()["memory"]["used"] == 0
+        with pytest.raises(ferry.Busy, match=req_id):
+            rx.unregister_region(dst.name)
+        rx.free(req_id)
+        del got
+    assert dst.name not in [g["name"] for g in rx.regions()]
+
+
+def test_an_unsealed_memfd_is_refused(tx):
+    fd = os.memfd_create("unsealed", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+    try:
+        os.ftruncate(fd, 4096)
+        with pytest.raises(ferry.BadRequest, match="F_SEAL_SHRINK"):
+            tx.register_fd("unsealed", fd, 4096)
+    finally:
+        os.close(fd)
