@@ -16,9 +16,11 @@ failure with its session, nbytes and ferryd's ``ret``, and keeps it in
 ``last_failure``; ``TransferEngine(raise_on_failure=True)`` raises
 ``ferry.TransferFailed`` (or the error ferryd answered with) instead.
 
-This release moves host memory, copying it to ferryd (an upload per
-transfer): CUDA device memory and zero-copy caller-owned regions need
-ferryd's region API, which is not there yet (docs/python.md).
+This release moves host memory, copying it to ferryd: one upload and one
+batch transfer per call, however many pieces it carries. Memory Mooncake
+callers register is anonymous memory of theirs, which ferryd cannot map;
+zero-copy needs the memory in a region (``Client.register_region``), and
+CUDA device memory is not supported here yet (docs/python.md).
 """
 
 import bisect
@@ -151,28 +153,43 @@ class TransferEngine:
                                 f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
         pieces = _merge(list(zip(buffers, peer_buffer_addresses, lengths)))
         session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
-        for src, dst, n in pieces:
-            region = self._hold(src, n)
-            if region is None:
-                return self._refuse(method, n, f"{method} to {session_id}: [{src:#x}, +{n}) lies in no registered "
-                                               "range: register_memory it first")
-            try:
-                self._write(session, src, dst, n)
-            except FerryError as e:
-                return self._fail(method, session_id, n, e)
-            finally:
+        held = []
+        try:
+            for src, dst, n in pieces:
+                region = self._hold(src, n)
+                if region is None:
+                    return self._refuse(method, n, f"{method} to {session_id}: [{src:#x}, +{n}) lies in no registered "
+                                                   "range: register_memory it first")
+                held.append(region)
+            self._write(session, pieces)
+        except FerryError as e:
+            return self._fail(method, session_id, sum(n for _, _, n in pieces), e)
+        finally:
+            for region in held:
                 self._release(region)
         return 0
 
-    def _write(self, session, src, dst, n):
+    def _write(self, session, pieces):
+        """Copies the pieces into one staged entry (one upload) and writes
+        them with one batch transfer (one completion)."""
         client = self._need_client()
         req_id = f"mooncake-{os.getpid()}-{next(self._ids)}"
-        client.stage(req_id, ctypes.string_at(src, n))
+        total = sum(n for _, _, n in pieces)
+        staged = bytearray(total)
+        window = (ctypes.c_char * total).from_buffer(staged)
+        base = min(dst for _, dst, _ in pieces)
+        items, off = [], 0
+        for src, dst, n in pieces:
+            ctypes.memmove(ctypes.byref(window, off), src, n)
+            items.append((0, off, 0, dst - base, n))
+            off += n
+        del window
+        client.stage(req_id, staged)
         try:
-            client.send(req_id, Slot(session=session, buffer_address=dst))
+            client.transfer_sync([req_id], [Slot(session=session, buffer_address=base)], items, timeout=client.timeout)
         except FerryError:
-            # A failed send keeps its entry for a retry; this engine does
-            # not retry, so it goes (a failure here is the send's to tell).
+            # A failed transfer keeps its source for a retry; this engine
+            # does not retry, so it goes (the failure is the transfer's to tell).
             try:
                 client.delete(req_id)
             except FerryError:
