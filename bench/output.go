@@ -19,16 +19,19 @@ type Row struct {
 	// Op is what was timed: send (the daemon's send of staged data into
 	// a peer slot, as its client sees it), write (a bare transport write,
 	// no daemon), status, stage_send, register or deregister.
-	Op          string  `json:"op"`
-	Size        int64   `json:"size_bytes,omitempty"`
-	Concurrency int     `json:"concurrency,omitempty"`
-	Iterations  int     `json:"iterations"`
-	Seconds     float64 `json:"seconds"` // the measured time the rates divide by
-	GBps        float64 `json:"gb_per_s,omitempty"`
-	Gbitps      float64 `json:"gbit_per_s,omitempty"`
-	OpsPerSec   float64 `json:"ops_per_s"`
-	Latency     Summary `json:"latency"`
-	Errors      int     `json:"errors"`
+	Op          string `json:"op"`
+	Size        int64  `json:"size_bytes,omitempty"`
+	Concurrency int    `json:"concurrency,omitempty"`
+	// Batch is the items each timed operation of a batch sweep moved;
+	// the rates count items (OpsPerSec: items/s), the latency batches.
+	Batch      int     `json:"batch,omitempty"`
+	Iterations int     `json:"iterations"`
+	Seconds    float64 `json:"seconds"` // the measured time the rates divide by
+	GBps       float64 `json:"gb_per_s,omitempty"`
+	Gbitps     float64 `json:"gbit_per_s,omitempty"`
+	OpsPerSec  float64 `json:"ops_per_s"`
+	Latency    Summary `json:"latency"`
+	Errors     int     `json:"errors"`
 	// DaemonWrite is the transport write as the sending daemon timed it
 	// (its "ms"), without the control-socket round trip.
 	DaemonWrite *Summary `json:"daemon_write,omitempty"`
@@ -62,9 +65,10 @@ func (r *Row) finish(samples []time.Duration, wall time.Duration) {
 	r.Latency = Summarize(samples)
 	r.samples = samples
 	if wall > 0 {
-		r.OpsPerSec = float64(len(samples)) / wall.Seconds()
+		ops := float64(len(samples) * max(r.Batch, 1))
+		r.OpsPerSec = ops / wall.Seconds()
 		if r.Size > 0 {
-			r.GBps = float64(r.Size) * float64(len(samples)) / wall.Seconds() / 1e9
+			r.GBps = float64(r.Size) * ops / wall.Seconds() / 1e9
 			r.Gbitps = r.GBps * 8
 		}
 	}
@@ -88,6 +92,8 @@ var (
 		return size.Format(r.Size)
 	}}
 	colConc   = column{"conc", "concurrency", func(r Row) string { return strconv.Itoa(r.Concurrency) }}
+	colBatch  = column{"batch", "batch", func(r Row) string { return strconv.Itoa(r.Batch) }}
+	colItems  = column{"items/s", "items_per_s", func(r Row) string { return num(r.OpsPerSec, 0) }}
 	colIters  = column{"iters", "iterations", func(r Row) string { return strconv.Itoa(r.Iterations) }}
 	colGBps   = column{"GB/s", "gb_per_s", func(r Row) string { return num(r.GBps, 3) }}
 	colGbit   = column{"Gbit/s", "gbit_per_s", func(r Row) string { return num(r.Gbitps, 2) }}
@@ -116,6 +122,7 @@ var (
 var (
 	transferColumns = []column{colOp, colSize, colConc, colIters, colGBps, colGbit, colP50, colP90, colP99, colP999, colMax, colErrors, colWrite, colStage}
 	apiColumns      = []column{colOp, colSize, colConc, colIters, colRate, colP50, colP90, colP99, colP999, colMax, colErrors}
+	batchColumns    = []column{colOp, colSize, colBatch, colIters, colItems, colGBps, colGbit, colP50, colP90, colP99, colMax}
 )
 
 // Format names an output format.
@@ -177,6 +184,8 @@ func columnsFor(command string) []column {
 	switch command {
 	case "api":
 		return apiColumns
+	case "batch":
+		return batchColumns
 	}
 	return transferColumns
 }
@@ -185,14 +194,14 @@ func columnsFor(command string) []column {
 // the ratio of their throughputs (a over b), with both in MiB/s.
 func WriteRatios(w io.Writer, rows []Row, a, b string) {
 	type point struct {
-		size int64
-		c    int
+		size     int64
+		c, batch int
 	}
 	of := map[string]map[point]Row{a: {}, b: {}}
 	var order []point
 	for _, r := range rows {
 		if m, ok := of[r.Op]; ok {
-			p := point{r.Size, r.Concurrency}
+			p := point{r.Size, r.Concurrency, r.Batch}
 			if _, seen := of[a][p]; !seen && r.Op == a {
 				order = append(order, p)
 			}
@@ -204,7 +213,11 @@ func WriteRatios(w io.Writer, rows []Row, a, b string) {
 		if rb.GBps == 0 {
 			continue
 		}
-		fmt.Fprintf(w, "ratio %s/%s %s x%d = %.2f (%s %.0f MiB/s, %s %.0f MiB/s)\n", a, b, size.Format(p.size), p.c,
+		at := fmt.Sprintf("x%d", p.c)
+		if p.batch > 0 {
+			at = fmt.Sprintf("batch %d", p.batch)
+		}
+		fmt.Fprintf(w, "ratio %s/%s %s %s = %.2f (%s %.0f MiB/s, %s %.0f MiB/s)\n", a, b, size.Format(p.size), at,
 			ra.GBps/rb.GBps, a, ra.GBps*1e9/(1<<20), b, rb.GBps*1e9/(1<<20))
 	}
 }

@@ -14,6 +14,13 @@ func (c *Client) StartTransfer(ctx context.Context, req api.TransferRequest) (ap
 	return call[api.Transfer](ctx, c, "POST", "/v1/transfers", req)
 }
 
+// Transfer runs a batch transfer and waits up to wait for its end, in one
+// round trip: it describes the ended transfer (a failed one is described,
+// not an error; its Error says why), or errs with a timeout.
+func (c *Client) Transfer(ctx context.Context, req api.TransferRequest, wait time.Duration) (api.Transfer, error) {
+	return call[api.Transfer](ctx, c, "POST", "/v1/transfers?"+waitQuery(wait), req)
+}
+
 // WaitTransfer waits up to wait for a batch transfer to end and describes
 // it; a transfer that ended in failure is described, not an error (its
 // Error says why). With wait 0 it reports the transfer's progress.

@@ -392,22 +392,36 @@ func (d *Daemon) handleNewTransfer(w http.ResponseWriter, r *http.Request) error
 		"the transfer's body is over 16 MiB: split it into several transfers"); err != nil {
 		return err
 	}
+	wait, err := parseWait(r)
+	if err != nil {
+		return err
+	}
 	t, err := d.startTransfer(req)
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusAccepted, t)
-	return nil
+	if wait == 0 {
+		writeJSON(w, http.StatusAccepted, t)
+		return nil
+	}
+	// ?wait= makes it one round trip: the answer comes once the batch
+	// ended, as GET /v1/transfers/{id}?wait= gives it.
+	return d.answerTransfer(w, r, t.ID, wait)
 }
 
 // handleGetTransfer reports a batch: GET /v1/transfers/{id}, with ?wait=
 // waiting that long for it to end (504 timeout if it has not).
 func (d *Daemon) handleGetTransfer(w http.ResponseWriter, r *http.Request) error {
-	id := r.PathValue("id")
 	wait, err := parseWait(r)
 	if err != nil {
 		return err
 	}
+	return d.answerTransfer(w, r, r.PathValue("id"), wait)
+}
+
+// answerTransfer describes transfer id once it ended, waiting up to wait
+// (0: at once, ended or not).
+func (d *Daemon) answerTransfer(w http.ResponseWriter, r *http.Request, id string, wait time.Duration) error {
 	b, err := d.transfers.get(id)
 	if err != nil {
 		return err

@@ -33,6 +33,9 @@ Commands:
   transfer   sweep block sizes x concurrency through two daemons' send path
              (--raw: the bare transport write, no daemon; --mooncake: also
              into a Mooncake-protocol segment, side by side, with ratios)
+  batch      batch transfers (POST /v1/transfers) of N scattered items per call
+             through two daemons, beside the bare transport writing the same
+             items, side by side, with ratios (--python: also the Python client)
   api        control-plane round trips: status, and stage+send of a tiny embedding
 
 Daemons: --from SOCKET --to SOCKET measures two running ferryd; without them
@@ -66,13 +69,14 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 	}
 	cmd, ok := map[string]func(context.Context, []string, *out) error{
 		"transfer": cmdTransfer,
+		"batch":    cmdBatch,
 		"api":      cmdAPI,
 		"raw-sink": cmdRawSink,
 
 		"mooncake-peer": cmdMooncakePeer,
 	}[args[0]]
 	if !ok {
-		return fmt.Errorf("unknown command %q: use transfer or api (ferrybench -h)", args[0])
+		return fmt.Errorf("unknown command %q: use transfer, batch or api (ferrybench -h)", args[0])
 	}
 	return cmd(ctx, args[1:], &out{stdout: stdout, stderr: stderr})
 }
@@ -377,6 +381,80 @@ func cmdTransfer(ctx context.Context, args []string, o *out) error {
 			w = o.stderr
 		}
 		bench.WriteRatios(w, rep.Rows, "send", "send_mooncake")
+	}
+	return nil
+}
+
+func cmdBatch(ctx context.Context, args []string, o *out) error {
+	fs := newFlagSet("batch", o.stderr)
+	var d daemonFlags
+	var l limitFlags
+	d.register(fs)
+	l.register(fs, 2*time.Second)
+	o.register(fs)
+	item := fs.String("item-size", "64KiB", "`bytes` of each item")
+	batches := fs.String("batches", "1,16,256", "items per batch transfer, a `list`")
+	python := fs.String("python", "", "also time the batches through the Python client: the `command` that runs bench/batch.py (e.g. \"python3 bench/batch.py\", with the ferry package importable)")
+	if err := parse(fs, args, o); err != nil {
+		return err
+	}
+	sz, err := size.Parse(*item)
+	if err != nil || sz <= 0 {
+		return fmt.Errorf("--item-size %q: give a positive size, e.g. 64KiB", *item)
+	}
+	bs, err := parseInts("batches", *batches)
+	if err != nil {
+		return err
+	}
+	if d.transport != "tcp" {
+		return errors.New("batch compares the daemons with the bare tcp transport: only --transport tcp")
+	}
+	setup := baseSetup()
+	lim, err := l.limit(setup)
+	if err != nil {
+		return err
+	}
+	maxItems := slices.Max(bs)
+	need := sz * int64(maxItems)
+	p, stop, err := d.peers(ctx, fs, 2*need, 16, setup)
+	if err != nil {
+		return err
+	}
+	defer stop()
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	sink, err := bench.StartRawSink(ctx, self, d.arenaDirOrDefault(), need)
+	if err != nil {
+		return err
+	}
+	defer sink.Stop()
+	setup["raw_sink"] = fmt.Sprintf("pid %d", sink.PID())
+	cfg := bench.BatchConfig{ItemSize: sz, Batches: bs, Limit: lim, Sink: sink.Addr, ArenaDir: d.arenaDirOrDefault(), Progress: o.stderr}
+	if *python != "" {
+		cfg.Python = strings.Fields(*python)
+		setup["python"] = *python
+	}
+	rep := bench.Report{Command: "batch", Date: time.Now(), Setup: setup}
+	rep.Rows, err = bench.Batch(ctx, p, cfg)
+	if err != nil {
+		if len(rep.Rows) > 0 {
+			_ = o.report(rep)
+		}
+		return err
+	}
+	if err := o.report(rep); err != nil {
+		return err
+	}
+	w := o.stdout
+	if o.json || o.csv {
+		w = o.stderr
+	}
+	bench.WriteRatios(w, rep.Rows, bench.OpBatch, bench.OpWriteBatch)
+	if *python != "" {
+		// Go's rate over Python's: Python's time per batch over Go's.
+		bench.WriteRatios(w, rep.Rows, bench.OpBatch, bench.OpBatchPython)
 	}
 	return nil
 }

@@ -112,6 +112,29 @@ func TestRawSmoke(t *testing.T) {
 	}
 }
 
+// batch times the daemons' batches beside the bare transport writing the
+// same items, and checks each size's first batch byte for byte.
+func TestBatchSmoke(t *testing.T) {
+	out, _ := runBench(t, "batch", "--ferryd", ferryd, "--arena-dir", t.TempDir(),
+		"--item-size", "4KiB", "--batches", "1,8", "--iterations", "4", "--json")
+	var rep bench.Report
+	if err := json.Unmarshal([]byte(out), &rep); err != nil {
+		t.Fatalf("--json output does not parse: %v\n%s", err, out)
+	}
+	want := map[string]int{}
+	for _, r := range rep.Rows {
+		if r.Iterations != 4 || r.Errors != 0 || r.GBps <= 0 || r.Size != 4096 {
+			t.Errorf("unexpected row %+v", r)
+		}
+		want[fmt.Sprintf("%s/%d", r.Op, r.Batch)]++
+	}
+	for _, k := range []string{"batch/1", "batch/8", "write_batch/1", "write_batch/8"} {
+		if want[k] != 1 {
+			t.Errorf("rows: %v, want one %s", want, k)
+		}
+	}
+}
+
 func TestAPISmoke(t *testing.T) {
 	out, _ := runBench(t, "api", "--ferryd", ferryd, "--arena-dir", t.TempDir(),
 		"--concurrency", "2", "--iterations", "20", "--warmup", "2")

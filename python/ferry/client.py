@@ -292,7 +292,7 @@ class Client:
             raise TypeError(f"a destination is a Slot or a dict as the receiver's receive gave it, not {type(slot).__name__}")
         return Slot.from_dict(slot).to_dict()
 
-    def transfer(self, sources, destinations, items, keep_sources=False):
+    def transfer(self, sources, destinations, items, keep_sources=False, _wait=None):
         """Starts a batch transfer (POST /v1/transfers) and returns at once
         with its description: ``transfer_id``, ``writes`` (items adjacent
         at both ends are merged), ``state`` "running".
@@ -312,7 +312,10 @@ class Client:
             payload["keep_sources"] = True
         # separators: a batch of thousands of items is mostly this body.
         body = json.dumps(payload, separators=(",", ":")).encode()
-        return _decode("POST", "/v1/transfers", self.request("POST", "/v1/transfers", body, "application/json"))
+        path, timeout = "/v1/transfers", None
+        if _wait is not None:
+            path, timeout = f"/v1/transfers?{urlencode({'wait': self._wait_query(_wait)})}", self.timeout + _wait
+        return _decode("POST", path, self.request("POST", path, body, "application/json", timeout))
 
     def transfer_status(self, transfer_id):
         """A batch transfer's description now: state, writes_done, ..."""
@@ -325,17 +328,21 @@ class Client:
         with ``.transfer`` set to the description; ferry.Timeout when it
         is still running."""
         q = urlencode({"wait": self._wait_query(timeout)})
-        t = self._json("GET", f"/v1/transfers/{_id(transfer_id)}?{q}", timeout=self.timeout + timeout)
+        return self._ended(self._json("GET", f"/v1/transfers/{_id(transfer_id)}?{q}", timeout=self.timeout + timeout))
+
+    @staticmethod
+    def _ended(t):
+        """An ended transfer's description, or its failure raised."""
         if t.get("state") == "failed":
             err = t.get("error") or {}
-            exc = error_for(err.get("code", "internal"), err.get("message", f"transfer {transfer_id} failed"))
+            exc = error_for(err.get("code", "internal"), err.get("message", f"transfer {t.get('transfer_id')} failed"))
             exc.transfer = t
             raise exc
         return t
 
     def transfer_sync(self, sources, destinations, items, timeout=120.0, keep_sources=False):
         """``transfer`` and ``wait_transfer`` in one: the ended transfer's description."""
-        return self.wait_transfer(self.transfer(sources, destinations, items, keep_sources)["transfer_id"], timeout)
+        return self._ended(self.transfer(sources, destinations, items, keep_sources, _wait=timeout))
 
     def events(self, after=0, timeout=0):
         """The daemon's events past seq ``after`` (arrivals, batch endings),
