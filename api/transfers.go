@@ -1,6 +1,9 @@
 package api
 
-import "time"
+import (
+	"fmt"
+	"time"
+)
 
 // TransferRequest: POST /v1/transfers. One call moves many pieces (a KV
 // cache's pages, scattered) and completes once; it is answered at once
@@ -15,7 +18,7 @@ type TransferRequest struct {
 	// Items are the pieces, each five integers: [source index, source
 	// offset, destination index, destination offset, nbytes]. Arrays
 	// rather than objects keep a batch of thousands a small body.
-	Items [][]int64 `json:"items"`
+	Items Items `json:"items"`
 	// KeepSources leaves the staged sources staged after the transfer
 	// succeeds; by default they are freed, as a send frees its entry.
 	// A failed transfer always leaves them staged.
@@ -114,4 +117,113 @@ type Region struct {
 	Uses    int       `json:"uses"`
 	Closing bool      `json:"closing,omitempty"`
 	Since   time.Time `json:"since"`
+}
+
+// Items are a transfer's pieces, each an array of integers (ItemFields
+// of them; the daemon checks the count, naming the item).
+type Items [][]int64
+
+// UnmarshalJSON reads items with a parser of their one shape: the
+// reflection decoder spends about a microsecond an item, which for a
+// batch of thousands of pages is as long as moving them.
+func (it *Items) UnmarshalJSON(b []byte) error {
+	p := itemParser{b: b}
+	p.space()
+	if p.lit("null") {
+		*it = nil
+		return nil
+	}
+	if !p.byte('[') {
+		return p.fail("items must be an array of [source, source_offset, destination, destination_offset, nbytes] arrays")
+	}
+	out := Items{}
+	for first := true; ; first = false {
+		p.space()
+		if p.byte(']') {
+			break
+		}
+		if !first && !p.byte(',') {
+			return p.fail("items: a comma or ] must follow item %d", len(out)-1)
+		}
+		p.space()
+		if !p.byte('[') {
+			return p.fail("items: item %d is not an array of integers", len(out))
+		}
+		item := make([]int64, 0, ItemFields)
+		for f := 0; ; f++ {
+			p.space()
+			if p.byte(']') {
+				break
+			}
+			if f > 0 && !p.byte(',') {
+				return p.fail("items: item %d: a comma or ] must follow field %d", len(out), f-1)
+			}
+			p.space()
+			v, ok := p.int()
+			if !ok {
+				return p.fail("items: item %d: field %d is not an integer", len(out), f)
+			}
+			item = append(item, v)
+		}
+		out = append(out, item)
+	}
+	*it = out
+	return nil
+}
+
+// itemParser walks the JSON of Items.
+type itemParser struct {
+	b []byte
+	i int
+}
+
+func (p *itemParser) space() {
+	for p.i < len(p.b) && (p.b[p.i] == ' ' || p.b[p.i] == '\n' || p.b[p.i] == '\t' || p.b[p.i] == '\r') {
+		p.i++
+	}
+}
+
+func (p *itemParser) byte(c byte) bool {
+	if p.i < len(p.b) && p.b[p.i] == c {
+		p.i++
+		return true
+	}
+	return false
+}
+
+func (p *itemParser) lit(s string) bool {
+	if len(p.b)-p.i >= len(s) && string(p.b[p.i:p.i+len(s)]) == s {
+		p.i += len(s)
+		return true
+	}
+	return false
+}
+
+// int reads a JSON number that is a whole int64 (no fraction, no
+// exponent, no overflow).
+func (p *itemParser) int() (int64, bool) {
+	neg := p.byte('-')
+	start := p.i
+	var v uint64
+	for p.i < len(p.b) && p.b[p.i] >= '0' && p.b[p.i] <= '9' {
+		v = v*10 + uint64(p.b[p.i]-'0')
+		if v > 1<<63 {
+			return 0, false
+		}
+		p.i++
+	}
+	if p.i == start || p.i < len(p.b) && (p.b[p.i] == '.' || p.b[p.i] == 'e' || p.b[p.i] == 'E') {
+		return 0, false
+	}
+	if neg {
+		return -int64(v), true // -(1<<63) wraps to itself, the least int64
+	}
+	if v == 1<<63 {
+		return 0, false
+	}
+	return int64(v), true
+}
+
+func (p *itemParser) fail(format string, args ...any) error {
+	return fmt.Errorf(format+" (at byte %d of the items)", append(args, p.i)...)
 }

@@ -6,55 +6,82 @@
 package strictjson
 
 import (
-	"bytes"
 	"encoding/json"
-	"errors"
 	"fmt"
-	"io"
 	"strings"
 )
 
 // NoDuplicateKeys reports the first object in data that holds a key twice,
 // comparing keys without regard to case, at any depth. Syntax errors are
 // left to the decoder that reads data next.
+//
+// It walks the bytes itself rather than through json.Decoder.Token, which
+// allocates a token per value: a batch transfer's body is thousands of
+// numbers, and this check runs before every body is decoded.
 func NoDuplicateKeys(data []byte) error {
-	dec := json.NewDecoder(bytes.NewReader(data))
-	// Each open object's keys so far; nil marks an open array.
-	var open []map[string]bool
-	expectKey := func() bool { return len(open) > 0 && open[len(open)-1] != nil }
-	afterKey := false // the next token is the value of a key
-	for {
-		tok, err := dec.Token()
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return nil // malformed: the decoder says so
-		}
-		switch t := tok.(type) {
-		case json.Delim:
-			afterKey = false
-			switch t {
-			case '{':
-				open = append(open, map[string]bool{})
-			case '[':
-				open = append(open, nil)
-			default:
-				open = open[:len(open)-1]
+	// Each open object's keys so far (made on its first key); an open
+	// array is a nil entry with isObject false.
+	type open struct {
+		isObject bool
+		keys     map[string]bool
+	}
+	var stack []open
+	expectKey := false // the next string is an object's key
+	for i := 0; i < len(data); i++ {
+		switch data[i] {
+		case '{':
+			stack = append(stack, open{isObject: true})
+			expectKey = true
+		case '[':
+			stack = append(stack, open{})
+			expectKey = false
+		case '}', ']':
+			if len(stack) > 0 {
+				stack = stack[:len(stack)-1]
 			}
-		case string:
-			if expectKey() && !afterKey {
-				k := strings.ToLower(t)
-				if open[len(open)-1][k] {
-					return fmt.Errorf("the key %q comes twice in one object (keys are matched ignoring case): send each key once", t)
+			expectKey = false
+		case ',':
+			expectKey = len(stack) > 0 && stack[len(stack)-1].isObject
+		case ':':
+			expectKey = false
+		case '"':
+			end, escaped := stringEnd(data, i)
+			if end < 0 {
+				return nil // unterminated: the decoder says so
+			}
+			if expectKey {
+				key := string(data[i+1 : end])
+				if escaped && json.Unmarshal(data[i:end+1], &key) != nil {
+					return nil // a bad escape: the decoder says so
 				}
-				open[len(open)-1][k] = true
-				afterKey = true
-				continue
+				top := &stack[len(stack)-1]
+				if top.keys == nil {
+					top.keys = make(map[string]bool)
+				}
+				k := strings.ToLower(key)
+				if top.keys[k] {
+					return fmt.Errorf("the key %q comes twice in one object (keys are matched ignoring case): send each key once", key)
+				}
+				top.keys[k] = true
+				expectKey = false
 			}
-			afterKey = false
-		default:
-			afterKey = false
+			i = end
 		}
 	}
+	return nil
+}
+
+// stringEnd is the index of the quote closing the string that opens at
+// data[start], or -1; escaped says whether it holds a backslash.
+func stringEnd(data []byte, start int) (end int, escaped bool) {
+	for i := start + 1; i < len(data); i++ {
+		switch data[i] {
+		case '\\':
+			escaped = true
+			i++ // the escaped byte is never the closing quote
+		case '"':
+			return i, escaped
+		}
+	}
+	return -1, escaped
 }

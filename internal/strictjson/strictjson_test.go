@@ -33,3 +33,23 @@ func TestNoDuplicateKeys(t *testing.T) {
 		}
 	}
 }
+
+// Keys are compared as the decoder reads them: escapes unescaped, and a
+// quote or brace inside a string is not structure.
+func TestNoDuplicateKeysReadsStringsAsTheDecoder(t *testing.T) {
+	for bad, key := range map[string]string{
+		`{"a":1,"\u0061":2}`:             "a",
+		`{"s":"x\"}{,\"s\":","S":1}`:     "S",
+		`{"k":{"in":"{\"k\":1}"},"K":1}`: "K",
+	} {
+		err := NoDuplicateKeys([]byte(bad))
+		if err == nil || !strings.Contains(err.Error(), `"`+key+`"`) {
+			t.Errorf("%s: got %v, want the duplicate %q named", bad, err, key)
+		}
+	}
+	for _, ok := range []string{`{"s":"\"a\":1,\"a\":2"}`, `{"a\\":1,"a":2}`, `{"a":1` + "\n" + `,"b":2}`} {
+		if err := NoDuplicateKeys([]byte(ok)); err != nil {
+			t.Errorf("%s: %v", ok, err)
+		}
+	}
+}
