@@ -49,7 +49,8 @@ type conn struct {
 	// waits in the pool between writes, where the receiver may close it
 	// (idle, or to make room).
 	reused   bool
-	answered bool // the last readReply got a byte
+	answered bool      // the last readReply got a byte
+	idled    time.Time // when it went back to the pool
 
 	hdr  [peer.HeaderSize]byte
 	rep  [peer.ReplySize]byte
@@ -91,7 +92,7 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 		stale := c.reused
 		reuse, unanswered, err := s.send(ctx, c, &w)
 		if reuse {
-			c.reused = true
+			c.reused, c.idled = true, time.Now()
 			s.pool.Put(c)
 		} else {
 			s.pool.Drop(c)
@@ -117,12 +118,18 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 func (s *session) get(ctx context.Context) (*conn, error) {
 	for {
 		c, err := s.getAny(ctx)
-		if err != nil || !c.reused || c.alive() {
+		if err != nil || !c.reused || time.Since(c.idled) < freshIdle || c.alive() {
 			return c, err
 		}
 		s.pool.Drop(c)
 	}
 }
+
+// freshIdle is how long a connection back in the pool is taken again
+// without a look at its state (a syscall a write): a receiver closes
+// idle connections only after minutes, and a close that crosses a write
+// anyway is retried on another connection (see Write).
+const freshIdle = time.Second
 
 // alive reports whether a pooled connection is still open and in step:
 // between writes the receiver sends nothing, so an end of stream, a
