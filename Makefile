@@ -136,6 +136,7 @@ gpu-bundle: deps
 	$(GO) test -c -ldflags='-s -w' -o $(GPU_BUNDLE)/cuda.test ./cuda
 	$(GO) test -c -ldflags='-s -w' -o $(GPU_BUNDLE)/e2e.test ./test/e2e
 	cp scripts/gpu/test-gpu.sh scripts/gpu/*.py $(GPU_BUNDLE)/
+	cp -r python/ferry $(GPU_BUNDLE)/ && rm -rf $(GPU_BUNDLE)/ferry/__pycache__
 
 # The checks on a real GPU (NVIDIA driver, python3 with torch): builds the
 # bundle first where Go is installed.

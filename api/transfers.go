@@ -103,14 +103,26 @@ type Events struct {
 // so that no one can cut the mapping short under ferryd.
 type RegionRequest struct {
 	Name   string `json:"name"`
-	NBytes int64  `json:"nbytes"` // mapped from the file's start
+	NBytes int64  `json:"nbytes"` // from the memfd's start, or from CUDA.Offset
+	// CUDA, instead of a descriptor, lends GPU memory: an allocation on
+	// ferryd's GPU, by its IPC handle.
+	CUDA *RegionCUDA `json:"cuda,omitempty"`
+}
+
+// RegionCUDA names GPU memory a client lends: the allocation its IPC
+// handle (cuIpcGetMemHandle) names, from Offset in it (a tensor of a
+// caching allocator lies inside a larger allocation).
+type RegionCUDA struct {
+	Device    string `json:"device"`     // "cuda:N", ferryd's own GPU
+	IPCHandle []byte `json:"ipc_handle"` // the 64-byte CUipcMemHandle, base64 in JSON
+	Offset    int64  `json:"offset"`
 }
 
 // Region describes a registered region.
 type Region struct {
 	Name   string `json:"name"`
 	NBytes int64  `json:"nbytes"`
-	Kind   string `json:"kind"` // "host" (a memfd)
+	Kind   string `json:"kind"` // "host" (a memfd) or "cuda"
 	// Slots and Uses count the receive slots in it and the transfers and
 	// writes using it now; DELETE waits for Uses to end.
 	Slots   int       `json:"slots"`

@@ -60,8 +60,10 @@ func (a *Arena) Memory() Memory { return a.mem }
 // Bytes returns the host bytes of s, or nil when the memory is not
 // host-addressable. The capacity is s.Len, so an append cannot spill into a
 // neighbouring slice.
-func (a *Arena) Bytes(s Slice) []byte {
-	host := a.mem.Host()
+func (a *Arena) Bytes(s Slice) []byte { return bytesOf(a.mem, s) }
+
+func bytesOf(mem Memory, s Slice) []byte {
+	host := mem.Host()
 	if host == nil {
 		return nil
 	}
@@ -74,15 +76,21 @@ func (a *Arena) Bytes(s Slice) []byte {
 // copy in for a Copier; nothing for host memory, where dst is s itself),
 // commit(false) drops them.
 func (a *Arena) Writable(s Slice, off, n int64) (dst []byte, commit func(keep bool) error, err error) {
+	return Writable(a.mem, s, off, n)
+}
+
+// Writable is (*Arena).Writable for a slice of any Memory, such as a
+// region a client lent: s is then the bytes it is asked about.
+func Writable(mem Memory, s Slice, off, n int64) (dst []byte, commit func(keep bool) error, err error) {
 	if err := within(s, off, n); err != nil {
 		return nil, nil, err
 	}
-	if host := a.Bytes(s); host != nil {
+	if host := bytesOf(mem, s); host != nil {
 		return host[off : off+n], func(bool) error { return nil }, nil
 	}
-	c, ok := a.mem.(Copier)
+	c, ok := mem.(Copier)
 	if !ok {
-		return nil, nil, fmt.Errorf("arena: %s memory is closed", a.mem.Kind())
+		return nil, nil, fmt.Errorf("arena: %s memory is closed", mem.Kind())
 	}
 	buf, release := c.Bounce(n)
 	return buf, func(keep bool) error {
@@ -98,15 +106,20 @@ func (a *Arena) Writable(s Slice, off, n int64) (dst []byte, commit func(keep bo
 // them: s itself for host memory, a bounce buffer filled by a copy out for
 // a Copier. release must be called once when done with them.
 func (a *Arena) Readable(s Slice, off, n int64) (src []byte, release func(), err error) {
+	return Readable(a.mem, s, off, n)
+}
+
+// Readable is (*Arena).Readable for a slice of any Memory.
+func Readable(mem Memory, s Slice, off, n int64) (src []byte, release func(), err error) {
 	if err := within(s, off, n); err != nil {
 		return nil, nil, err
 	}
-	if host := a.Bytes(s); host != nil {
+	if host := bytesOf(mem, s); host != nil {
 		return host[off : off+n], func() {}, nil
 	}
-	c, ok := a.mem.(Copier)
+	c, ok := mem.(Copier)
 	if !ok {
-		return nil, nil, fmt.Errorf("arena: %s memory is closed", a.mem.Kind())
+		return nil, nil, fmt.Errorf("arena: %s memory is closed", mem.Kind())
 	}
 	buf, release := c.Bounce(n)
 	if err := c.CopyOut(buf, s.Offset+off); err != nil {

@@ -81,3 +81,11 @@ func (c *Client) Regions(ctx context.Context) ([]api.Region, error) {
 func (c *Client) UnregisterRegion(ctx context.Context, name string, wait time.Duration) error {
 	return c.noContent(ctx, "DELETE", "/v1/regions/"+esc(name)+"?"+waitQuery(wait))
 }
+
+// RegisterCUDARegion lends ferryd nbytes of GPU memory this process owns
+// as region name: the allocation ipcHandle names (cuIpcGetMemHandle), from
+// offset in it, on device ("cuda:N", which must be ferryd's GPU).
+func (c *Client) RegisterCUDARegion(ctx context.Context, name, device string, ipcHandle []byte, offset, nbytes int64) (api.Region, error) {
+	return call[api.Region](ctx, c, "POST", "/v1/regions", api.RegionRequest{Name: name, NBytes: nbytes,
+		CUDA: &api.RegionCUDA{Device: device, IPCHandle: ipcHandle, Offset: offset}})
+}

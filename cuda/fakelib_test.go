@@ -173,3 +173,62 @@ func TestFakeDriverWithoutDMABufExport(t *testing.T) {
 		t.Errorf("DMABuf = %d, %v", fd, err)
 	}
 }
+
+// A region opened by IPC handle copies in and out of the owner's
+// allocation, at its offset, through the real call path.
+func TestFakeDriverOpensARegionByIPCHandle(t *testing.T) {
+	d, err := load(buildFakeDriver(t, fakecuda.Working))
+	if err != nil {
+		t.Fatal(err)
+	}
+	dev, err := d.Open(0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Close()
+	owner, err := dev.Alloc(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Free(owner)
+	// The fake copies only into memory with SYNC_MEMOPS set, as the
+	// arena sets it on its own; here the owner does.
+	if err := dev.SetSyncMemops(owner); err != nil {
+		t.Fatal(err)
+	}
+	h, err := dev.IPCHandle(owner)
+	if err != nil {
+		t.Fatal(err)
+	}
+	bounce := func(n int64) ([]byte, func()) { return make([]byte, n), func() {} }
+	r, err := OpenRegion(dev, h, 4096, 64<<10, bounce)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := bytes.Repeat([]byte("region"), 1000)
+	if err := r.CopyIn(100, data); err != nil {
+		t.Fatal(err)
+	}
+	// The bytes are the owner's, at the region's offset.
+	got := make([]byte, len(data))
+	if err := dev.CopyDtoH(got, owner+4096+100); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("the owner's memory after CopyIn: %v", err)
+	}
+	back := make([]byte, len(data))
+	if err := r.CopyOut(back, 100); err != nil || !bytes.Equal(back, data) {
+		t.Fatalf("CopyOut: %v", err)
+	}
+	if err := r.CopyIn(64<<10-1, []byte("xx")); err == nil || !strings.Contains(err.Error(), "outside the 65536-byte CUDA region") {
+		t.Errorf("a copy past the region: %v", err)
+	}
+	if r.Base() != owner+4096 || r.Size() != 64<<10 || r.Kind() != "cuda" || r.Host() != nil {
+		t.Errorf("region base %#x size %d kind %s", r.Base(), r.Size(), r.Kind())
+	}
+	if err := r.Close(); err != nil {
+		t.Fatal(err)
+	}
+	var bad IPCHandle
+	if _, err := OpenRegion(dev, bad, 0, 1, bounce); err == nil || !strings.Contains(err.Error(), "opening the region's CUDA IPC handle") {
+		t.Errorf("a handle that names nothing: %v", err)
+	}
+}

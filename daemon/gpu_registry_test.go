@@ -87,3 +87,65 @@ func TestReceiveIntoDeviceMemoryThroughCopies(t *testing.T) {
 		t.Fatalf("%d bytes still allocated after the slot was freed", st.Used)
 	}
 }
+
+// A region of GPU memory (beneath the arena.Copier seam, as a CUDA
+// region is): a slot in it lands by a copy in at its offset, a transfer
+// reads it by a copy out, and unregistering closes it.
+func TestRegionOfDeviceMemoryMovesThroughCopies(t *testing.T) {
+	a, err := arena.New(&deviceMemory{mem: make([]byte, 8192)}, config.ArenaAlign)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRegistry(a)
+	dev := &deviceMemory{mem: make([]byte, 1<<16)}
+	if _, err := r.addRegion("kv", dev); err != nil {
+		t.Fatal(err)
+	}
+	s, err := r.newSlotIn("r1", 100, "kv", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.addr != dev.Base()+4096 {
+		t.Fatalf("slot address %#x, want the region's base + 4096", s.addr)
+	}
+	data := bytes.Repeat([]byte("kv!!"), 25)
+	dst, done, err := r.Accept(s.addr, 100, s.key, 7)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(dst, data)
+	done(nil)
+	if !bytes.Equal(dev.mem[4096:4196], data) {
+		t.Fatal("the write did not reach the region's memory at the slot's offset")
+	}
+	desc, got, release, err := r.waitSlot(context.Background(), "r1", 0, true)
+	if err != nil || !desc.Arrived || desc.Region != "kv" || desc.Offset != 4096 || !bytes.Equal(got, data) {
+		t.Fatalf("reading the slot back: %+v, %v", desc, err)
+	}
+	release()
+	g, err := r.pinRegion("kv", "test")
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, rel, err := arena.Readable(g.mem, arena.Slice{Len: g.size()}, 4096, 100)
+	if err != nil || !bytes.Equal(src, data) {
+		t.Fatalf("reading the region as a source: %v", err)
+	}
+	rel()
+	r.unpinRegion(g)
+	if _, err := r.removeRegion("kv"); !isCode(err, api.CodeBusy) {
+		t.Fatalf("unregistering a region with a live slot: %v", err)
+	}
+	if err := r.deleteSlot("r1"); err != nil {
+		t.Fatal(err)
+	}
+	g, err = r.removeRegion("kv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-g.gone:
+	default:
+		t.Fatal("a region nothing uses was not closed at once")
+	}
+}

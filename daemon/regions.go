@@ -10,14 +10,17 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/cuda"
 )
 
 // region is memory a client owns and lent ferryd once: a memfd passed
-// over the control socket, mapped here, so transfers read from it and
-// receive slots land in it without a copy through the arena.
+// over the control socket and mapped here, or a CUDA allocation opened by
+// its IPC handle, so transfers read from it and receive slots land in it
+// without a copy through the arena.
 type region struct {
 	name    string
-	mem     []byte
+	mem     arena.Memory
 	since   time.Time
 	slots   int  // live receive slots in it
 	uses    int  // pins: slots (live or freed with writes landing) and transfers reading it
@@ -25,12 +28,22 @@ type region struct {
 	gone    chan struct{}
 }
 
-func (g *region) addr() uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(g.mem)))) }
+func (g *region) addr() uint64 { return g.mem.Base() }
+func (g *region) size() int64  { return g.mem.Size() }
+
+// hostRegion is a memfd mapped here, as an arena.Memory.
+type hostRegion []byte
+
+func (h hostRegion) Base() uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.SliceData(h)))) }
+func (h hostRegion) Size() int64  { return int64(len(h)) }
+func (h hostRegion) Host() []byte { return h }
+func (h hostRegion) Kind() string { return "host" }
+func (h hostRegion) Close() error { return unix.Munmap(h) }
 
 // mapRegion maps a client's memfd: it must be sealed against shrinking,
 // for a file cut short under a mapping kills the process that touches
 // the lost pages (SIGBUS), and hold at least n bytes.
-func mapRegion(fd int, name string, n int64) ([]byte, error) {
+func mapRegion(fd int, name string, n int64) (arena.Memory, error) {
 	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
 	if err != nil {
 		return nil, apiErr(api.CodeBadRequest,
@@ -51,11 +64,37 @@ func mapRegion(fd int, name string, n int64) ([]byte, error) {
 	if err != nil {
 		return nil, apiErr(api.CodeBadRequest, "region %s: mapping %d bytes of the memfd read-write: %v (was it opened read-only, or sealed against writes?)", name, n, err)
 	}
+	return hostRegion(mem), nil
+}
+
+// openCUDARegion opens a client's GPU allocation by its IPC handle, on
+// ferryd's own GPU.
+func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
+	c := req.CUDA
+	switch {
+	case d.mem.dev == nil:
+		return nil, apiErr(api.CodeBadRequest,
+			"region %s: a CUDA region needs ferryd's arena on that GPU, and this ferryd's arena is %s memory: start it with --device %s", req.Name, d.mem.Kind(), c.Device)
+	case c.Device != d.mem.device:
+		return nil, apiErr(api.CodeBadRequest,
+			"region %s: the memory is on %s, but this ferryd works on %s: lend memory of %s, or use the ferryd of %s", req.Name, c.Device, d.mem.device, d.mem.device, c.Device)
+	case len(c.IPCHandle) != len(cuda.IPCHandle{}):
+		return nil, apiErr(api.CodeBadRequest,
+			"region %s: ipc_handle has %d bytes, not the %d of a CUipcMemHandle (base64 in JSON): pass what cuIpcGetMemHandle gave", req.Name, len(c.IPCHandle), len(cuda.IPCHandle{}))
+	case c.Offset < 0:
+		return nil, apiErr(api.CodeBadRequest, "region %s: offset %d is negative", req.Name, c.Offset)
+	}
+	var h cuda.IPCHandle
+	copy(h[:], c.IPCHandle)
+	mem, err := cuda.OpenRegion(d.mem.dev, h, c.Offset, req.NBytes, d.mem.gpu.Bounce)
+	if err != nil {
+		return nil, apiErr(api.CodeBadRequest, "region %s: %v", req.Name, err)
+	}
 	return mem, nil
 }
 
 // addRegion registers a mapped region under its name.
-func (r *registry) addRegion(name string, mem []byte) (api.Region, error) {
+func (r *registry) addRegion(name string, mem arena.Memory) (api.Region, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
@@ -73,7 +112,7 @@ func (r *registry) addRegion(name string, mem []byte) (api.Region, error) {
 }
 
 func describeRegion(g *region) api.Region {
-	return api.Region{Name: g.name, NBytes: int64(len(g.mem)), Kind: "host", Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since}
+	return api.Region{Name: g.name, NBytes: g.size(), Kind: g.mem.Kind(), Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since}
 }
 
 // useRegion pins a registered region for a transfer or a slot; callers
@@ -92,7 +131,7 @@ func (r *registry) useRegion(name, what string) (*region, error) {
 func (r *registry) unuseRegion(g *region) {
 	g.uses--
 	if g.closing && g.uses == 0 {
-		_ = unix.Munmap(g.mem)
+		_ = g.mem.Close()
 		delete(r.regions, g.name)
 		close(g.gone)
 	}
@@ -177,20 +216,28 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if req.NBytes <= 0 {
 		return apiErr(api.CodeBadRequest, "region %s: nbytes %d must be positive", req.Name, req.NBytes)
 	}
-	if fd < 0 {
+	var mem arena.Memory
+	var err error
+	switch {
+	case req.CUDA != nil && fd >= 0:
+		return apiErr(api.CodeBadRequest, "region %s: a descriptor and a CUDA handle came: lend a memfd or GPU memory, one per region", req.Name)
+	case req.CUDA != nil:
+		mem, err = d.openCUDARegion(req)
+	case fd < 0:
 		return apiErr(api.CodeBadRequest,
-			"region %s: no file descriptor came with the request: pass the memfd beside the request's bytes (sendmsg with SCM_RIGHTS on the control socket; the Go and Python clients do this)", req.Name)
+			"region %s: no file descriptor came with the request: pass the memfd beside the request's bytes (sendmsg with SCM_RIGHTS on the control socket; the Go and Python clients do this), or name GPU memory with \"cuda\"", req.Name)
+	default:
+		mem, err = mapRegion(fd, req.Name, req.NBytes)
 	}
-	mem, err := mapRegion(fd, req.Name, req.NBytes)
 	if err != nil {
 		return err
 	}
 	g, err := d.reg.addRegion(req.Name, mem)
 	if err != nil {
-		_ = unix.Munmap(mem)
+		_ = mem.Close()
 		return err
 	}
-	d.log.Info().Str("region", req.Name).Int64("nbytes", req.NBytes).Msg("region registered")
+	d.log.Info().Str("region", req.Name).Str("kind", g.Kind).Int64("nbytes", req.NBytes).Msg("region registered")
 	writeJSON(w, http.StatusCreated, g)
 	return nil
 }

@@ -370,7 +370,7 @@ func (r *registry) newSlotIn(reqID string, n int64, name string, off int64) (*sl
 	if err != nil {
 		return nil, err
 	}
-	size := int64(len(g.mem))
+	size := g.size()
 	if off < 0 || n > size || off > size-n {
 		r.unuseRegion(g)
 		return nil, apiErr(api.CodeBadRequest, "%s: %d bytes at region_offset %d do not fit region %s (%d bytes)", reqID, n, off, name, size)
@@ -616,7 +616,7 @@ func (r *registry) describeSlot(s *slot) api.Receive {
 // (a GPU arena's copy in from the bounce buffer).
 func (r *registry) writable(s *slot, off, n int64) ([]byte, func(bool) error, error) {
 	if s.region != nil {
-		return s.region.mem[s.regionOff+off : s.regionOff+off+n], func(bool) error { return nil }, nil
+		return arena.Writable(s.region.mem, arena.Slice{Offset: s.regionOff, Len: s.nbytes}, off, n)
 	}
 	return r.arena.Writable(s.slice, off, n)
 }
@@ -624,7 +624,7 @@ func (r *registry) writable(s *slot, off, n int64) ([]byte, func(bool) error, er
 // readable is s's first n bytes where the host can read them.
 func (r *registry) readable(s *slot, n int64) ([]byte, func(), error) {
 	if s.region != nil {
-		return s.region.mem[s.regionOff : s.regionOff+n], func() {}, nil
+		return arena.Readable(s.region.mem, arena.Slice{Offset: s.regionOff, Len: s.nbytes}, 0, n)
 	}
 	return r.arena.Readable(s.slice, 0, n)
 }

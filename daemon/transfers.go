@@ -15,6 +15,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -113,7 +114,7 @@ type batchSource struct {
 
 func (s batchSource) size() int64 {
 	if s.region != nil {
-		return int64(len(s.region.mem))
+		return s.region.size()
 	}
 	return s.entry.nbytes
 }
@@ -153,11 +154,12 @@ func (d *Daemon) releaseSources(srcs []batchSource, sent bool) {
 	}
 }
 
-// readSource is n bytes at off of s where the host can read them: a GPU
-// arena's are copied out to a host bounce buffer first.
+// readSource is n bytes at off of s where the host can read them: GPU
+// memory's (the arena's, a CUDA region's) are copied out to a host bounce
+// buffer first.
 func (d *Daemon) readSource(s batchSource, off, n int64) ([]byte, func(), error) {
 	if s.region != nil {
-		return s.region.mem[off : off+n], func() {}, nil
+		return arena.Readable(s.region.mem, arena.Slice{Len: s.region.size()}, off, n)
 	}
 	return d.arena.Readable(s.entry.slice, off, n)
 }

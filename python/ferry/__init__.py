@@ -14,6 +14,7 @@ docs/python.md has the rest. torch is optional: only the tensor helpers need it.
 
 from .arena import ArenaMapping
 from .client import DEFAULT_SOCKET, Client, Reservation, Response, Slot
+from .cuda import CUDARegion
 from .regions import Region, new_memfd
 from .dtypes import NAMES as DTYPES
 from .dtypes import nbytes
@@ -24,7 +25,7 @@ from .errors import (ArenaFull, BadRequest, Busy, Exists, FerryError, Forbidden,
 __version__ = "0.1.0"
 
 __all__ = [
-    "Client", "Slot", "Reservation", "Response", "ArenaMapping", "Region", "new_memfd", "nbytes", "DTYPES", "DEFAULT_SOCKET",
+    "Client", "Slot", "Reservation", "Response", "ArenaMapping", "Region", "CUDARegion", "new_memfd", "nbytes", "DTYPES", "DEFAULT_SOCKET",
     "FerryError", "BadRequest", "Refused", "Forbidden", "NoEmbedding", "NotFound", "MethodNotAllowed", "Exists",
     "Busy", "TooLarge", "Internal", "TransferFailed", "Unavailable", "Timeout", "ArenaFull", "Unreachable",
     "NoAnswer", "GPUArenaNotSupported",

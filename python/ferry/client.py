@@ -2,6 +2,7 @@
 client (client/client.go): every route, errors as exceptions by code, and
 the zero-copy helpers over a mapping of the arena."""
 
+import base64
 import contextlib
 import dataclasses
 import json
@@ -12,6 +13,7 @@ from urllib.parse import quote, urlencode
 from . import dtypes
 from ._http import Transport
 from .arena import map_arena
+from .cuda import CUDARegion, ipc_handle
 from .regions import Region, new_memfd, register_fd
 from .errors import BadRequest, FerryError, GPUArenaNotSupported, Timeout, error_for, from_answer
 
@@ -85,7 +87,7 @@ def _source(s):
     """A transfer source as the API takes it: a req_id, a Region, or the dict."""
     if isinstance(s, str):
         return {"req_id": s}
-    if isinstance(s, Region):
+    if isinstance(s, (Region, CUDARegion)):
         return {"region": s.name}
     return dict(s)
 
@@ -367,6 +369,19 @@ class Client:
             raise
         region.registered = True
         return region
+
+    def register_cuda_region(self, name, tensor):
+        """Lends ferryd the GPU memory of a contiguous CUDA tensor as region
+        ``name`` (by the IPC handle of the allocation holding it): a
+        CUDARegion. ferryd must work on the tensor's GPU (--device cuda:N)."""
+        dtypes.require_torch()
+        if not tensor.is_cuda or not tensor.is_contiguous():
+            raise ValueError("register_cuda_region takes a contiguous CUDA tensor")
+        nbytes = tensor.numel() * tensor.element_size()
+        handle, offset = ipc_handle(tensor.data_ptr())
+        self._json("POST", "/v1/regions", {"name": name, "nbytes": nbytes, "cuda": {
+            "device": f"cuda:{tensor.device.index}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}})
+        return CUDARegion(self, name, nbytes, tensor)
 
     def register_fd(self, name, fd, nbytes):
         """Lends ferryd nbytes of a memfd this process made (MFD_ALLOW_SEALING,

@@ -6,7 +6,9 @@
 #   1. the cuda package's GPU tests: devices, a multi-GiB arena timed per
 #      GiB, IPC round trips through a second process, dmabuf export;
 #   2. two ferryd on GPU memory over loopback TCP with the bytes verified,
-#      and a torch process staging and reading in place through IPC handles;
+#      a torch process staging and reading in place through IPC handles,
+#      and GPU memory of the test's own (Go, then torch through the ferry
+#      Python package) lent to both daemons as regions, a batch between them;
 #   3. ferry's host<->device copy bandwidth beside torch's, same sizes, run
 #      A B A B, quoted as ratios.
 # FERRY_REQUIRE_GPU=1 makes a missing GPU fail the tests instead of

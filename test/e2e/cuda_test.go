@@ -300,3 +300,93 @@ func TestGPUTorchClientStagesAndReadsInPlace(t *testing.T) {
 	snd.alive(t)
 	rcv.alive(t)
 }
+
+// GPU memory this process owns, lent to two ferryd as regions by its IPC
+// handle: one sends from it, the other receives into it, with no copy
+// through either arena.
+func TestGPURegionsSendAndReceiveTheOwnersMemory(t *testing.T) {
+	gpu := cudatest.Device(t)
+	snd, rcv := pair(t, "--device", "cuda:0", "--arena-size", "64MiB", "--bounce-size", "16MiB")
+	ctx := ctxT(t)
+	const n = 4 << 20
+	own, err := gpu.Alloc(2 * n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer gpu.Free(own)
+	h, err := gpu.IPCHandle(own)
+	if err != nil {
+		t.Fatal(err)
+	}
+	data := randomBytes(n, 51)
+	if err := gpu.CopyHtoD(own, data); err != nil {
+		t.Fatal(err)
+	}
+	// The first half is the sender's region, the second the receiver's.
+	if g, err := snd.c.RegisterCUDARegion(ctx, "src", "cuda:0", h[:], 0, n); err != nil || g.Kind != "cuda" {
+		t.Fatalf("register: %+v, %v", g, err)
+	}
+	if _, err := rcv.c.RegisterCUDARegion(ctx, "dst", "cuda:0", h[:], n, n); err != nil {
+		t.Fatal(err)
+	}
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "gpu-region", NBytes: n, Region: "dst"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	done, err := snd.c.Transfer(ctx, api.TransferRequest{Sources: []api.TransferSource{{Region: "src"}},
+		Destinations: []api.ReceiveSlot{slot}, Items: api.Items{{0, 0, 0, 0, n}}}, 30*time.Second)
+	if err != nil || done.State != api.TransferDone {
+		t.Fatalf("transfer: %+v, %v", done, err)
+	}
+	got := make([]byte, n)
+	if err := gpu.CopyDtoH(got, own+n); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("the receiver's region (the owner's second half) after the transfer: %v", err)
+	}
+	for _, d := range []*daemon{snd, rcv} {
+		if st, err := d.c.Status(ctx); err != nil || st.Memory.Used != 0 {
+			t.Fatalf("arena used %d bytes (%v): a region transfer went through the arena", st.Memory.Used, err)
+		}
+	}
+	if err := rcv.c.FreeReceive(ctx, "gpu-region"); err != nil {
+		t.Fatal(err)
+	}
+	for name, d := range map[string]*daemon{"src": snd, "dst": rcv} {
+		if err := d.c.UnregisterRegion(ctx, name, 10*time.Second); err != nil {
+			t.Fatal(err)
+		}
+	}
+}
+
+// The Python client lends torch tensors as GPU regions and moves a batch
+// between them (scripts/gpu/torch_region.py).
+func TestGPUTorchRegions(t *testing.T) {
+	cudatest.Require(t)
+	if out, err := exec.Command("python3", "-c", "import torch; assert torch.cuda.is_available()").CombinedOutput(); err != nil {
+		if cudatest.Required() {
+			t.Fatalf("python3 with CUDA-enabled torch is needed here: %v\n%s", err, out)
+		}
+		t.Skipf("python3 with CUDA-enabled torch is not installed: %s", bytes.TrimSpace(out))
+	}
+	snd, rcv := pair(t, "--device", "cuda:0", "--arena-size", "64MiB", "--bounce-size", "32MiB")
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, "python3", filepath.Join(scriptsDir(), "torch_region.py"), snd.socket, rcv.socket)
+	// The ferry package: beside the script in the GPU bundle, else in the tree.
+	cmd.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join(scriptsDir(), "..", "..", "python"))
+	out, err := cmd.CombinedOutput()
+	t.Logf("torch_region.py (pid %d):\n%s", cmd.Process.Pid, out)
+	if err != nil || !bytes.Contains(out, []byte("\nPASS")) {
+		t.Fatalf("the torch client failed: %v", err)
+	}
+	snd.alive(t)
+	rcv.alive(t)
+}
+
+// A host-memory ferryd cannot take GPU memory: it says what to do.
+func TestCUDARegionOnAHostArenaSaysWhy(t *testing.T) {
+	d := startDaemon(t, t.TempDir(), "d")
+	_, err := d.c.RegisterCUDARegion(ctxT(t), "g", "cuda:0", make([]byte, 64), 0, 4096)
+	wantErr(t, err, 400, api.CodeBadRequest, "region g", "--device cuda:0")
+	_, err = d.c.RegisterCUDARegion(ctxT(t), "g", "cuda:0", nil, 0, 4096)
+	wantErr(t, err, 400, api.CodeBadRequest, "region g")
+}

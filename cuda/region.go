@@ -1,0 +1,87 @@
+package cuda
+
+import (
+	"fmt"
+	"sync"
+
+	"github.com/ferry-project/ferry/arena"
+)
+
+// ipcDevice is what a Region needs from a GPU: *Device implements it.
+type ipcDevice interface {
+	Info() Info
+	OpenIPC(h IPCHandle) (uint64, error)
+	CloseIPC(p uint64) error
+	CopyHtoD(dst uint64, src []byte) error
+	CopyDtoH(dst []byte, src uint64) error
+}
+
+// Region is GPU memory another process owns and lends ferryd: its
+// allocation opened here by IPC handle, of which the region is size bytes
+// at offset. It is an arena.Memory and an arena.Copier, like the arena,
+// whose pinned bounce area its copies borrow (bounce).
+type Region struct {
+	dev    ipcDevice
+	opened uint64 // the allocation's base, as opened here
+	base   uint64
+	size   int64
+	bounce func(n int64) ([]byte, func())
+
+	closeOnce sync.Once
+	closeErr  error
+}
+
+// OpenRegion opens the allocation h names on dev and makes a region of
+// size bytes at offset in it. The allocation must be on dev.
+func OpenRegion(dev *Device, h IPCHandle, offset, size int64, bounce func(n int64) ([]byte, func())) (*Region, error) {
+	return openRegion(dev, h, offset, size, bounce)
+}
+
+func openRegion(dev ipcDevice, h IPCHandle, offset, size int64, bounce func(n int64) ([]byte, func())) (*Region, error) {
+	if offset < 0 || size <= 0 {
+		return nil, fmt.Errorf("a region of %d bytes at offset %d: the size must be positive and the offset not negative", size, offset)
+	}
+	p, err := dev.OpenIPC(h)
+	if err != nil {
+		return nil, fmt.Errorf("%v: opening the region's CUDA IPC handle: %w (is the allocation on this GPU, and is its process alive?)", dev.Info(), err)
+	}
+	return &Region{dev: dev, opened: p, base: p + uint64(offset), size: size, bounce: bounce}, nil
+}
+
+func (r *Region) Base() uint64 { return r.base }
+func (r *Region) Size() int64  { return r.size }
+func (r *Region) Host() []byte { return nil }
+func (r *Region) Kind() string { return "cuda" }
+
+func (r *Region) check(off, n int64) error {
+	if off < 0 || n < 0 || off+n > r.size || off+n < off {
+		return fmt.Errorf("range [%d, +%d) is outside the %d-byte CUDA region", off, n, r.size)
+	}
+	return nil
+}
+
+// CopyIn copies src to offset off of the region (cuMemcpyHtoD).
+func (r *Region) CopyIn(off int64, src []byte) error {
+	if err := r.check(off, int64(len(src))); err != nil {
+		return err
+	}
+	return r.dev.CopyHtoD(r.base+uint64(off), src)
+}
+
+// CopyOut copies len(dst) bytes at offset off of the region (cuMemcpyDtoH).
+func (r *Region) CopyOut(dst []byte, off int64) error {
+	if err := r.check(off, int64(len(dst))); err != nil {
+		return err
+	}
+	return r.dev.CopyDtoH(dst, r.base+uint64(off))
+}
+
+func (r *Region) Bounce(n int64) ([]byte, func()) { return r.bounce(n) }
+
+// Close unmaps the allocation from this process; its owner keeps it.
+func (r *Region) Close() error {
+	r.closeOnce.Do(func() { r.closeErr = r.dev.CloseIPC(r.opened) })
+	return r.closeErr
+}
+
+var _ arena.Copier = (*Region)(nil)
