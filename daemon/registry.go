@@ -56,8 +56,9 @@ type slot struct {
 	received int64
 	tag      uint32
 	freed    bool
-	copyErr  error // the last write arrived but did not reach GPU memory
-	pieces   spans // the ranges writes have filled so far
+	copyErr  error  // the last write arrived but did not reach GPU memory
+	pieces   spans  // the ranges writes have filled so far
+	credited uint64 // bytes direct writes placed (Arrived): counted, not placed by range
 
 	// region, when set, holds the slot at regionOff instead of the arena.
 	region    *region
@@ -104,8 +105,11 @@ type registry struct {
 	afterFunc  func(time.Duration, func()) func() bool // time.AfterFunc; tests fire it by hand
 }
 
+var _ transport.DirectSink = (*registry)(nil)
+
 // mooncakeQuarantine is the quarantine while Mooncake peers may write over
-// RDMA. ferry cannot see when their last WRITE is placed, and io_timeout
+// RDMA, or ferry peers may write directly (rdma's arena-rkey mode), which
+// nothing pins either. ferry cannot see when their last WRITE is placed, and io_timeout
 // bounds only ferry's own reads and writes, not a Mooncake sender's; 30 s
 // is far past the RC retry window of the queue pairs ferry connects for
 // Mooncake (timeout 14, 7 retries: about half a second per WRITE) and
@@ -459,6 +463,44 @@ func (r *registry) refused(code transport.Code) {
 	if r.onRefusal != nil {
 		r.onRefusal(code)
 	}
+}
+
+// Arrived implements transport.DirectSink: an RDMA write from an
+// authenticated peer landed in the arena without asking (rdma's
+// arena-rkey mode), and its completion names the slot by tag. Its range
+// is unknown here, so its bytes are counted: the slot arrives once they
+// reach its size. Nothing pins the slot while such a write flies, so a
+// late one meets a freed slot's memory in quarantine (see daemon.go).
+func (r *registry) Arrived(tag uint32, n uint64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return errRefuseStopping
+	}
+	s := r.byTag[tag]
+	switch {
+	case s == nil:
+		r.refused(transport.NoSlot)
+		return &transport.Refusal{Code: transport.NoSlot,
+			Message: fmt.Sprintf("no live receive slot has tag %#x: it was freed or timed out before the write's completion, or the receiver restarted", tag)}
+	case s.arrived:
+		r.refused(transport.SlotBusy)
+		return &transport.Refusal{Code: transport.SlotBusy,
+			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data", s.reqID)}
+	case n > uint64(s.nbytes)-s.credited:
+		r.refused(transport.OutOfBounds)
+		return &transport.Refusal{Code: transport.OutOfBounds,
+			Message: fmt.Sprintf("a direct write of %d bytes to the receive slot of req_id %s (%d bytes, %d credited) ran past its end: bytes may have landed beyond the slot", n, s.reqID, s.nbytes, s.credited)}
+	}
+	s.credited += n
+	if s.credited == uint64(s.nbytes) && !s.filled {
+		s.filled, s.fillTag = true, tag
+	}
+	if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived {
+		s.arrived, s.received, s.tag = true, s.nbytes, s.fillTag
+		r.notify()
+	}
+	return nil
 }
 
 // slotAt is the live slot holding addr, or nil; callers hold mu.

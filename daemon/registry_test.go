@@ -452,3 +452,44 @@ func TestStopEndsQuarantines(t *testing.T) {
 		t.Fatalf("the arena shows %d bytes used after stop, want 0", st.Used)
 	}
 }
+
+// Direct writes (rdma's arena-rkey mode) are heard of by tag and byte
+// count only: the slot arrives once its credits reach its size; a tag no
+// live slot has (one freed meanwhile), credits past the slot's size and
+// credits to a slot that holds its data already are refused and counted.
+func TestDirectArrivals(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	refusals := map[transport.Code]int{}
+	r.onRefusal = func(c transport.Code) { refusals[c]++ }
+	s, err := r.newSlot("direct", 2048, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	arrived := func() bool { return r.receives()[0].Arrived }
+	if err := r.Arrived(s.key.Tag(), 1024); err != nil || arrived() {
+		t.Fatalf("half the slot's bytes: %v, arrived %v; want credited, not arrived", err, arrived())
+	}
+	if err := r.Arrived(s.key.Tag(), 1025); refusalCode(t, err) != transport.OutOfBounds || !strings.Contains(err.Error(), "ran past its end") {
+		t.Fatalf("credits past the slot's size: %v", err)
+	}
+	if err := r.Arrived(s.key.Tag(), 1024); err != nil || !arrived() {
+		t.Fatalf("the rest of the slot's bytes: %v, arrived %v; want it arrived", err, arrived())
+	}
+	desc, _, release, err := r.waitSlot(context.Background(), "direct", 0, true)
+	if err != nil || desc.Received != 2048 || desc.Tag != s.key.Tag() {
+		t.Fatalf("the arrived slot: %+v, %v", desc, err)
+	}
+	release()
+	if err := r.Arrived(s.key.Tag(), 1); refusalCode(t, err) != transport.SlotBusy {
+		t.Fatalf("a direct write to a slot holding its data: %v", err)
+	}
+	if err := r.deleteSlot("direct"); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Arrived(s.key.Tag(), 2048); refusalCode(t, err) != transport.NoSlot || !strings.Contains(err.Error(), "freed") {
+		t.Fatalf("a direct write to a freed slot: %v", err)
+	}
+	if want := (map[transport.Code]int{transport.OutOfBounds: 1, transport.SlotBusy: 1, transport.NoSlot: 1}); fmt.Sprint(refusals) != fmt.Sprint(want) {
+		t.Errorf("refusals counted %v, want %v", refusals, want)
+	}
+}

@@ -33,6 +33,24 @@ type Sink interface {
 	Accept(addr, n uint64, key Key, tag uint32) (dst []byte, done func(error), err error)
 }
 
+// DirectSink is a Sink that also takes writes nothing announced: RDMA
+// WRITE WITH IMM straight into a slot, which rdma's arena-rkey mode lets
+// authenticated peers post without asking first. Accept never sees such
+// a write: its bytes are in place before the receiver hears of it, and
+// all it hears is the immediate (the tag, which must be the slot key's
+// Tag) and how many bytes the write placed. A slot's address must be the
+// address of its first byte in this process, where the NIC places it.
+type DirectSink interface {
+	Sink
+	// Arrived credits n bytes, already placed, to the live slot whose
+	// key's Tag is tag; the slot arrives once its credits reach its
+	// size. A Refusal says why the bytes count for nothing: no live slot
+	// has that tag (it was freed, or never was), the slot holds its data
+	// already, or the credits would pass its size (the write ran past
+	// it). Like Accept it must not block for long.
+	Arrived(tag uint32, n uint64) error
+}
+
 // Write is one one-sided write.
 type Write struct {
 	Src    []byte // local bytes to send
