@@ -56,9 +56,8 @@ type slot struct {
 	received int64
 	tag      uint32
 	freed    bool
-	copyErr  error  // the last write arrived but did not reach GPU memory
-	pieces   spans  // the ranges writes have filled so far
-	credited uint64 // bytes direct writes placed (Arrived): counted, not placed by range
+	copyErr  error // the last write arrived but did not reach GPU memory
+	pieces   spans // the ranges writes have filled so far
 
 	// region, when set, holds the slot at regionOff instead of the arena.
 	region    *region
@@ -465,12 +464,12 @@ func (r *registry) refused(code transport.Code) {
 	}
 }
 
-// Arrived implements transport.DirectSink: an RDMA write from an
-// authenticated peer landed in the arena without asking (rdma's
-// arena-rkey mode), and its completion names the slot by tag. Its range
-// is unknown here, so its bytes are counted: the slot arrives once they
-// reach its size. Nothing pins the slot while such a write flies, so a
-// late one meets a freed slot's memory in quarantine (see daemon.go).
+// Arrived implements transport.DirectSink: a send from an authenticated
+// peer landed in the arena without asking (rdma's arena-rkey mode), its
+// completion naming the slot by tag and saying how many bytes it placed,
+// all of the slot's or it is refused. Nothing pins the slot while such a
+// write flies, so a late one meets a freed slot's memory in quarantine
+// (see daemon.go).
 func (r *registry) Arrived(tag uint32, n uint64) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -487,13 +486,12 @@ func (r *registry) Arrived(tag uint32, n uint64) error {
 		r.refused(transport.SlotBusy)
 		return &transport.Refusal{Code: transport.SlotBusy,
 			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data", s.reqID)}
-	case n > uint64(s.nbytes)-s.credited:
+	case n != uint64(s.nbytes):
 		r.refused(transport.OutOfBounds)
 		return &transport.Refusal{Code: transport.OutOfBounds,
-			Message: fmt.Sprintf("a direct write of %d bytes to the receive slot of req_id %s (%d bytes, %d credited) ran past its end: bytes may have landed beyond the slot", n, s.reqID, s.nbytes, s.credited)}
+			Message: fmt.Sprintf("a direct write of %d bytes to the receive slot of req_id %s, which has %d: not its whole content (a longer one ran past its end)", n, s.reqID, s.nbytes)}
 	}
-	s.credited += n
-	if s.credited == uint64(s.nbytes) && !s.filled {
+	if !s.filled {
 		s.filled, s.fillTag = true, tag
 	}
 	if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived {

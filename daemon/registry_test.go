@@ -453,10 +453,11 @@ func TestStopEndsQuarantines(t *testing.T) {
 	}
 }
 
-// Direct writes (rdma's arena-rkey mode) are heard of by tag and byte
-// count only: the slot arrives once its credits reach its size; a tag no
-// live slot has (one freed meanwhile), credits past the slot's size and
-// credits to a slot that holds its data already are refused and counted.
+// Direct writes (rdma's arena-rkey mode) are heard of by tag and length
+// only, and must be their slot's whole content: the slot arrives at
+// once. A length that is not the slot's, a tag no live slot has (one
+// freed meanwhile) and a resend to a slot holding its data are refused
+// and counted.
 func TestDirectArrivals(t *testing.T) {
 	r := newTestRegistry(t, 1<<16)
 	refusals := map[transport.Code]int{}
@@ -466,22 +467,21 @@ func TestDirectArrivals(t *testing.T) {
 		t.Fatal(err)
 	}
 	arrived := func() bool { return r.receives()[0].Arrived }
-	if err := r.Arrived(s.key.Tag(), 1024); err != nil || arrived() {
-		t.Fatalf("half the slot's bytes: %v, arrived %v; want credited, not arrived", err, arrived())
+	for _, n := range []uint64{1024, 4096} {
+		if err := r.Arrived(s.key.Tag(), n); refusalCode(t, err) != transport.OutOfBounds || !strings.Contains(err.Error(), "not its whole content") || arrived() {
+			t.Fatalf("a direct write of %d bytes to a 2048-byte slot: %v, arrived %v", n, err, arrived())
+		}
 	}
-	if err := r.Arrived(s.key.Tag(), 1025); refusalCode(t, err) != transport.OutOfBounds || !strings.Contains(err.Error(), "ran past its end") {
-		t.Fatalf("credits past the slot's size: %v", err)
-	}
-	if err := r.Arrived(s.key.Tag(), 1024); err != nil || !arrived() {
-		t.Fatalf("the rest of the slot's bytes: %v, arrived %v; want it arrived", err, arrived())
+	if err := r.Arrived(s.key.Tag(), 2048); err != nil || !arrived() {
+		t.Fatalf("the slot's whole content: %v, arrived %v; want it arrived", err, arrived())
 	}
 	desc, _, release, err := r.waitSlot(context.Background(), "direct", 0, true)
 	if err != nil || desc.Received != 2048 || desc.Tag != s.key.Tag() {
 		t.Fatalf("the arrived slot: %+v, %v", desc, err)
 	}
 	release()
-	if err := r.Arrived(s.key.Tag(), 1); refusalCode(t, err) != transport.SlotBusy {
-		t.Fatalf("a direct write to a slot holding its data: %v", err)
+	if err := r.Arrived(s.key.Tag(), 2048); refusalCode(t, err) != transport.SlotBusy {
+		t.Fatalf("a direct write resent to a slot holding its data: %v", err)
 	}
 	if err := r.deleteSlot("direct"); err != nil {
 		t.Fatal(err)
@@ -489,7 +489,7 @@ func TestDirectArrivals(t *testing.T) {
 	if err := r.Arrived(s.key.Tag(), 2048); refusalCode(t, err) != transport.NoSlot || !strings.Contains(err.Error(), "freed") {
 		t.Fatalf("a direct write to a freed slot: %v", err)
 	}
-	if want := (map[transport.Code]int{transport.OutOfBounds: 1, transport.SlotBusy: 1, transport.NoSlot: 1}); fmt.Sprint(refusals) != fmt.Sprint(want) {
+	if want := (map[transport.Code]int{transport.OutOfBounds: 2, transport.SlotBusy: 1, transport.NoSlot: 1}); fmt.Sprint(refusals) != fmt.Sprint(want) {
 		t.Errorf("refusals counted %v, want %v", refusals, want)
 	}
 }

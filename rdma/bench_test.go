@@ -147,7 +147,7 @@ func (r *rig) writeN(b *testing.B, size, total int, wrote []bool) {
 				}
 				// A key whose tag names the writer's region.
 				key := transport.Key{0: byte(i), 1: byte(i >> 8), 15: 1}
-				w := transport.Write{Src: r.src, Remote: r.sink.base + uint64(i%*lanes*size), Key: key, Tag: key.Tag()}
+				w := transport.Write{Src: r.src, Remote: r.sink.base + uint64(i%*lanes*size), Key: key, Tag: key.Tag(), Whole: true}
 				if _, err := r.sess.Write(context.Background(), w); err != nil {
 					errs <- err
 					return

@@ -43,13 +43,13 @@ func newDirectPair(t *testing.T, f *fabric, srcSize, memSize int, secret []byte,
 	return p
 }
 
-// slot makes an n-byte slot and the write of src[:n] into it, tagged
-// with its key's tag, as the daemon sends.
+// slot makes an n-byte slot and the write of src[:n] into it, whole and
+// tagged with its key's tag, as the daemon sends.
 func (p *directPair) slot(n int) transport.Write {
 	off := p.next
 	p.next += uint64(n+4095) &^ 4095
 	key := p.slots.Add(off, uint64(n))
-	return transport.Write{Src: p.src[:n], Remote: p.slots.Base + off, Key: key, Tag: key.Tag()}
+	return transport.Write{Src: p.src[:n], Remote: p.slots.Base + off, Key: key, Tag: key.Tag(), Whole: true}
 }
 
 // landed checks that w arrived whole.
@@ -71,7 +71,7 @@ func fill(b []byte, seed int) {
 }
 
 // TestDirectWrites: between authenticated peers, a write from the shared
-// registration into a slot, tagged with its key's tag, goes as one
+// registration that fills a slot, tagged with its key's tag, goes as one
 // RDMA WRITE WITH IMM in one post, with no message on the control
 // connection, and its slot arrives when the receiver sees the
 // completion.
@@ -140,15 +140,26 @@ func TestDirectWritesConcurrently(t *testing.T) {
 }
 
 // TestDirectWritesAskWhenTheyMust: writes a direct write cannot carry
-// still go, each after a header and its grant: one whose tag is not its
-// key's (the receiver finds a direct write's slot by that tag), one from
-// memory outside the shared registration (copied through the bounce
-// buffer a chunk at a time), one whose peer did not authenticate.
+// still go, each after a header and its grant: pieces of a slot (a
+// resent piece must count once, which takes its range), one whose tag is
+// not its key's (the receiver finds a direct write's slot by that tag),
+// one from memory outside the shared registration (copied through the
+// bounce buffer a chunk at a time), one whose peer did not authenticate.
 func TestDirectWritesAskWhenTheyMust(t *testing.T) {
 	f := newFabric()
 	p := newDirectPair(t, f, 1<<20, 4<<20, testSecret, 1)
 	fill(p.src, 3)
-	w := p.slot(1 << 20)
+	w := p.slot(8192)
+	for _, piece := range []transport.Write{
+		{Src: w.Src[:4096], Remote: w.Remote, Key: w.Key, Tag: w.Tag},
+		{Src: w.Src[4096:], Remote: w.Remote + 4096, Key: w.Key, Tag: w.Tag},
+	} {
+		if rep, err := p.s.Write(ctxFor(t, 60*time.Second), piece); err != nil || rep.Messages != 2 {
+			t.Fatalf("a piece of a slot: %+v, %v; want it granted (2 messages)", rep, err)
+		}
+	}
+	p.landed(t, w)
+	w = p.slot(1 << 20)
 	w.Tag++
 	if rep, err := p.s.Write(ctxFor(t, 60*time.Second), w); err != nil || rep.Messages != 2 {
 		t.Fatalf("a write tagged apart from its key: %+v, %v; want it granted (2 messages)", rep, err)
@@ -162,8 +173,8 @@ func TestDirectWritesAskWhenTheyMust(t *testing.T) {
 		t.Fatalf("a write from Go memory: %+v, %v; want it granted and copied", rep, err)
 	}
 	p.landed(t, w)
-	if st := p.tx.Stats(); st.Direct != 0 || st.Sends != 2 || st.ControlMessages != 4 || st.CopiedBytes != 4096 {
-		t.Errorf("sender stats %+v, want 2 granted sends, 4 control messages, 4096 bytes copied", st)
+	if st := p.tx.Stats(); st.Direct != 0 || st.Sends != 4 || st.ControlMessages != 8 || st.CopiedBytes != 4096 {
+		t.Errorf("sender stats %+v, want 4 granted sends, 8 control messages, 4096 bytes copied", st)
 	}
 
 	q := newDirectPair(t, f, 1<<20, 1<<20, nil, 1)
@@ -182,7 +193,7 @@ func TestDirectWritesAskWhenTheyMust(t *testing.T) {
 // TestDirectWritesTheSinkDoesNotCredit: the receiver cannot refuse a
 // direct write before it lands, and its sender's write succeeds (its NIC
 // placed the bytes); the receiver counts and logs one that names no live
-// slot, or runs past its slot, and delivers nothing for it. The lane
+// slot, or is longer than its slot, and delivers nothing for it. The lane
 // carries on. A write past its slot's end is where the arena's rkey
 // protects nothing: its bytes land beyond the slot.
 func TestDirectWritesTheSinkDoesNotCredit(t *testing.T) {
@@ -203,7 +214,7 @@ func TestDirectWritesTheSinkDoesNotCredit(t *testing.T) {
 	if _, err := p.s.Write(ctxFor(t, 30*time.Second), over); err != nil {
 		t.Fatalf("a direct write past its slot: %v; want its sender told it completed", err)
 	}
-	p.logs.Wait(t, "direct write of 8192 bytes", fmt.Sprintf("tagged %#x", over.Tag), "counted for nothing", "more bytes for the slot")
+	p.logs.Wait(t, "direct write of 8192 bytes", fmt.Sprintf("tagged %#x", over.Tag), "counted for nothing", "not the whole of the slot")
 	if got := p.slots.Delivered(over.Tag); got != 0 {
 		t.Errorf("the overrun slot was delivered %d times, want none", got)
 	}

@@ -316,9 +316,10 @@ func (r *receiver) complete(c completion, draining bool) error {
 }
 
 // arrived takes a direct write's completion: its bytes are in place
-// already, so the Sink credits them to the slot the immediate names, or
-// says why they count for nothing, which is counted and logged (a remote
-// party can cause it: rate-limited); the lane carries on either way.
+// already, so the Sink takes them as the content of the slot the
+// immediate names, or says why they count for nothing, which is counted
+// and logged (a remote party can cause it: rate-limited); the lane
+// carries on either way.
 func (r *receiver) arrived(c completion, draining bool) error {
 	t := r.t
 	t.stats.directCompletions.Add(1)

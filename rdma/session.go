@@ -165,14 +165,16 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 }
 
 // directGrant is where w goes as a direct write (see wire.go), or nil
-// when it must ask first: the peer does not take direct writes, w's tag
-// is not its key's (the receiver finds the slot by that tag), w is too
-// long for one work request, its source is copied through the bounce
-// buffer (one chunk at a time), or it falls outside the peer's shared
-// registration (the peer's refusal then says what is wrong).
+// when it must ask first: the peer does not take direct writes, w is not
+// its slot's whole content (a piece resent must count once: the grant
+// path tracks ranges), w's tag is not its key's (the receiver finds the
+// slot by that tag), w is too long for one work request, its source is
+// copied through the bounce buffer (one chunk at a time), or it falls
+// outside the peer's shared registration (the peer's refusal then says
+// what is wrong).
 func (s *session) directGrant(w *transport.Write) *grant {
 	n := len(w.Src)
-	if !s.direct || w.Tag != w.Key.Tag() || n > directMax || s.t.kindOf(w.Src) == fromBounce {
+	if !s.direct || !w.Whole || w.Tag != w.Key.Tag() || n > directMax || s.t.kindOf(w.Src) == fromBounce {
 		return nil
 	}
 	g, ok := s.region.direct(w.Remote, uint64(n))

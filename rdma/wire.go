@@ -33,23 +33,23 @@ package rdma
 // Direct writes (arena-rkey mode). A server sets acceptDirect when the
 // port is authenticated (both daemons proved the peer secret), it has
 // the shared registration, and its Sink is a transport.DirectSink, whose
-// slot addresses are the addresses of their bytes: then base is what a
-// slot address means to the NIC. An authenticated client may then send
-// a write whose tag is its key's tag with no header at all: one RDMA
-// WRITE WITH IMM of the whole write (at most directMax bytes, from
-// registered memory) to the slot's address under the shared rkey, the
-// immediate the tag. The server learns of it from the receive completion
-// alone: the immediate names the slot, byte_len says how many bytes it
-// placed, and it credits them to the slot (Arrived), which arrives once
-// its credits reach its size. Nothing is refused before the bytes land,
-// and the client's success is its NIC's completion: the NIC placed the
-// bytes; whether the Sink counted them the client does not learn. A
-// completion that counts for nothing (no live slot has the tag, the
-// slot holds its data, the credits would pass its size) is counted and
-// logged, and the lane carries on: the bytes are in place already. Any
-// write the client cannot send so (another tag, a source it copies
-// through its bounce buffer, more than directMax bytes) asks first, as
-// below, on the same lane. The server tells them apart by order: a
+// slot addresses are the addresses of their bytes. An authenticated
+// client may then send a write that is its slot's whole content
+// (transport.Write.Whole) and whose tag is its key's tag with no header
+// at all: one RDMA WRITE WITH IMM of the whole write (at most directMax
+// bytes, from registered memory) to the slot's address under the shared
+// rkey, the immediate the tag. The server learns of it from the receive
+// completion alone: the immediate names the slot, byte_len says how
+// many bytes it placed, and the Sink takes them as the slot's content
+// (Arrived) when that is the slot's size. Nothing is refused before the
+// bytes land, and the client's success is its NIC's completion: the NIC
+// placed the bytes; whether the Sink took them the client does not
+// learn. A completion that counts for nothing (no live slot has the
+// tag, the slot holds its data already, the length is not the slot's)
+// is counted and logged, and the lane carries on: the bytes are in
+// place already. Any write the client cannot send so (a piece of a
+// slot, another tag, a source it copies through its bounce buffer, more
+// than directMax bytes) asks first, as below, on the same lane. The server tells them apart by order: a
 // completion that matches the oldest grant outstanding is that grant's;
 // any other is a direct write's.
 //
@@ -117,11 +117,11 @@ package rdma
 // whole arena. Memory windows bound per grant would close that gap.
 // Direct writes open it on purpose, between authenticated peers only:
 // what protects a slot then is the peer secret (only a daemon holding it
-// gets a lane), the tag check and byte count on completion (a write the
-// Sink does not credit is counted and logged, never delivered), and the
+// gets a lane), the tag and length check on completion (a write the
+// Sink does not take is counted and logged, never delivered), and the
 // receiver's quarantine of freed slots' memory (a late write lands in
 // memory no newer slot holds yet). A write past its slot's end lands in
-// whatever lies there before the count shows it.
+// whatever lies there before the length check shows it.
 
 import (
 	"encoding/binary"

@@ -16,9 +16,9 @@ import (
 // slots, each a range of Mem (addresses are Base plus offsets into Mem)
 // with its own random key. It admits one write at a time per slot, counts
 // each tag completed with done(nil), and records what breaks the Sink
-// contract. As a transport.DirectSink it credits the bytes of writes it
-// hears of only by their key's tag, and counts that tag once they fill
-// the slot.
+// contract. As a transport.DirectSink it counts the tag of a write it
+// hears of only by its key's tag and length, when the length is the
+// slot's.
 type Slots struct {
 	Mem []byte
 	// Base is the address of Mem[0]: 0 by default; a test of direct
@@ -37,7 +37,7 @@ type slot struct {
 	addr, size uint64
 	key        transport.Key
 	busy       bool
-	credited   uint64 // bytes of direct writes (Arrived)
+	filled     bool // by a direct write (Arrived)
 }
 
 var _ transport.DirectSink = (*Slots)(nil)
@@ -87,15 +87,15 @@ func (s *Slots) Arrived(tag uint32, n uint64) error {
 	switch {
 	case sl == nil:
 		return &transport.Refusal{Code: transport.NoSlot, Message: fmt.Sprintf("no receive slot has tag %#x", tag)}
-	case n > sl.size-sl.credited:
-		return &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf("%d more bytes for the slot [%#x, +%d), which has %d already", n, sl.addr, sl.size, sl.credited)}
+	case sl.filled:
+		return &transport.Refusal{Code: transport.SlotBusy, Message: fmt.Sprintf("the slot [%#x, +%d) holds its data already", sl.addr, sl.size)}
+	case n != sl.size:
+		return &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf("%d bytes are not the whole of the slot [%#x, +%d)", n, sl.addr, sl.size)}
 	}
-	sl.credited += n
-	if sl.credited == sl.size {
-		s.tags[tag]++
-		close(s.changed)
-		s.changed = make(chan struct{})
-	}
+	sl.filled = true
+	s.tags[tag]++
+	close(s.changed)
+	s.changed = make(chan struct{})
 	return nil
 }
 
