@@ -489,7 +489,18 @@ func TestDirectArrivals(t *testing.T) {
 	if err := r.Arrived(s.key.Tag(), 2048); refusalCode(t, err) != transport.NoSlot || !strings.Contains(err.Error(), "freed") {
 		t.Fatalf("a direct write to a freed slot: %v", err)
 	}
-	if want := (map[transport.Code]int{transport.OutOfBounds: 2, transport.SlotBusy: 1, transport.NoSlot: 1}); fmt.Sprint(refusals) != fmt.Sprint(want) {
+	// A slot in a region: a direct write into the arena cannot fill it.
+	if _, err := r.addRegion("lent", make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	in, err := r.newSlotIn("in-region", 4096, "lent", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Arrived(in.key.Tag(), 4096); refusalCode(t, err) != transport.OutOfBounds || !strings.Contains(err.Error(), "region lent") {
+		t.Fatalf("a direct write naming a slot in a region: %v", err)
+	}
+	if want := (map[transport.Code]int{transport.OutOfBounds: 3, transport.SlotBusy: 1, transport.NoSlot: 1}); fmt.Sprint(refusals) != fmt.Sprint(want) {
 		t.Errorf("refusals counted %v, want %v", refusals, want)
 	}
 }
