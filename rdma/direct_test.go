@@ -157,6 +157,11 @@ func TestDirectWritesAskWhenTheyMust(t *testing.T) {
 		if rep, err := p.s.Write(ctxFor(t, 60*time.Second), piece); err != nil || rep.Messages != 2 {
 			t.Fatalf("a piece of a slot: %+v, %v; want it granted (2 messages)", rep, err)
 		}
+		// Slots takes one write at a time per slot, and the receiver's
+		// part of a write may end after the sender's.
+		if err := p.slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
+			t.Fatal(err)
+		}
 	}
 	p.landed(t, w)
 	w = p.slot(1 << 20)
