@@ -357,7 +357,7 @@ func TestLinkDownMidTransfer(t *testing.T) {
 	req := slotFor(t, rcv, "down-1", 8<<20)
 	sent := sendAsync(t, snd, "down-1", req)
 	snd.log.wait(t, 10*time.Second, "the send attempt", func(m map[string]any) bool {
-		return m["message"] == "send attempt" && m["req_id"] == "down-1"
+		return m["message"] == "write attempt" && m["req_id"] == "down-1"
 	})
 	linkSet(t, h, "down")
 	t.Cleanup(func() { _ = run("ip", "-n", h.nsA, "link", "set", h.devA, "up") })
@@ -595,7 +595,7 @@ func TestAbandonedSendLeavesOthersAlone(t *testing.T) {
 	kept := stageOn(t, snd, "kept", 8<<20, 10)
 	sent := sendAsync(t, snd, "kept", slotFor(t, rcv, "kept", 8<<20))
 	snd.log.wait(t, 10*time.Second, "the first send's attempt", func(m map[string]any) bool {
-		return m["message"] == "send attempt" && m["req_id"] == "kept"
+		return m["message"] == "write attempt" && m["req_id"] == "kept"
 	})
 	stageOn(t, snd, "abandoned", 8<<20, 11)
 	actx, cancel := context.WithTimeout(ctx, 300*time.Millisecond)

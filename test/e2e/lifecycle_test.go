@@ -42,7 +42,7 @@ func sendToStalledPeer(t *testing.T, snd, rcv *daemon, reqID string, n int) (dat
 		ch <- sendResult{r, err}
 	}()
 	snd.log.wait(t, 10*time.Second, "the send attempt", func(m map[string]any) bool {
-		return m["message"] == "send attempt" && m["req_id"] == reqID
+		return m["message"] == "write attempt" && m["req_id"] == reqID
 	})
 	return data, req, ch
 }
