@@ -130,6 +130,11 @@ func New(cfg Config) (*Daemon, error) {
 	if err != nil {
 		return nil, err
 	}
+	if d.dp.direct() {
+		// Direct writes pin no slot: only time keeps a late one out of
+		// memory handed out anew.
+		d.reg.quarantineFreedSlots(mooncakeQuarantine)
+	}
 	d.tr = d.dp.tr
 	d.advertise = cfg.Advertise
 	if d.advertise == "" {

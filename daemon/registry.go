@@ -104,8 +104,11 @@ type registry struct {
 	afterFunc  func(time.Duration, func()) func() bool // time.AfterFunc; tests fire it by hand
 }
 
+var _ transport.DirectSink = (*registry)(nil)
+
 // mooncakeQuarantine is the quarantine while Mooncake peers may write over
-// RDMA. ferry cannot see when their last WRITE is placed, and io_timeout
+// RDMA, or ferry peers may write directly (rdma's arena-rkey mode), which
+// nothing pins either. ferry cannot see when their last WRITE is placed, and io_timeout
 // bounds only ferry's own reads and writes, not a Mooncake sender's; 30 s
 // is far past the RC retry window of the queue pairs ferry connects for
 // Mooncake (timeout 14, 7 retries: about half a second per WRITE) and
@@ -459,6 +462,49 @@ func (r *registry) refused(code transport.Code) {
 	if r.onRefusal != nil {
 		r.onRefusal(code)
 	}
+}
+
+// Arrived implements transport.DirectSink: a send from an authenticated
+// peer landed in the arena without asking (rdma's arena-rkey mode), its
+// completion naming the slot by tag and saying how many bytes it placed,
+// all of the slot's or it is refused. Nothing pins the slot while such a
+// write flies, so a late one meets a freed slot's memory in quarantine
+// (see daemon.go).
+func (r *registry) Arrived(tag uint32, n uint64) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return errRefuseStopping
+	}
+	s := r.byTag[tag]
+	switch {
+	case s == nil:
+		r.refused(transport.NoSlot)
+		return &transport.Refusal{Code: transport.NoSlot,
+			Message: fmt.Sprintf("no live receive slot has tag %#x: it was freed or timed out before the write's completion, or the receiver restarted", tag)}
+	case s.arrived:
+		r.refused(transport.SlotBusy)
+		return &transport.Refusal{Code: transport.SlotBusy,
+			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data", s.reqID)}
+	case s.region != nil:
+		// Its bytes are in a region, which direct writes (into the
+		// arena's registration) never reach.
+		r.refused(transport.OutOfBounds)
+		return &transport.Refusal{Code: transport.OutOfBounds,
+			Message: fmt.Sprintf("the receive slot of req_id %s lies in region %s, outside the arena a direct write lands in", s.reqID, s.region.name)}
+	case n != uint64(s.nbytes):
+		r.refused(transport.OutOfBounds)
+		return &transport.Refusal{Code: transport.OutOfBounds,
+			Message: fmt.Sprintf("a direct write of %d bytes to the receive slot of req_id %s, which has %d: not its whole content (a longer one ran past its end)", n, s.reqID, s.nbytes)}
+	}
+	if !s.filled {
+		s.filled, s.fillTag = true, tag
+	}
+	if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived {
+		s.arrived, s.received, s.tag = true, s.nbytes, s.fillTag
+		r.notify()
+	}
+	return nil
 }
 
 // slotAt is the live slot holding addr, or nil; callers hold mu.

@@ -452,3 +452,55 @@ func TestStopEndsQuarantines(t *testing.T) {
 		t.Fatalf("the arena shows %d bytes used after stop, want 0", st.Used)
 	}
 }
+
+// Direct writes (rdma's arena-rkey mode) are heard of by tag and length
+// only, and must be their slot's whole content: the slot arrives at
+// once. A length that is not the slot's, a tag no live slot has (one
+// freed meanwhile) and a resend to a slot holding its data are refused
+// and counted.
+func TestDirectArrivals(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	refusals := map[transport.Code]int{}
+	r.onRefusal = func(c transport.Code) { refusals[c]++ }
+	s, err := r.newSlot("direct", 2048, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	arrived := func() bool { return r.receives()[0].Arrived }
+	for _, n := range []uint64{1024, 4096} {
+		if err := r.Arrived(s.key.Tag(), n); refusalCode(t, err) != transport.OutOfBounds || !strings.Contains(err.Error(), "not its whole content") || arrived() {
+			t.Fatalf("a direct write of %d bytes to a 2048-byte slot: %v, arrived %v", n, err, arrived())
+		}
+	}
+	if err := r.Arrived(s.key.Tag(), 2048); err != nil || !arrived() {
+		t.Fatalf("the slot's whole content: %v, arrived %v; want it arrived", err, arrived())
+	}
+	desc, _, release, err := r.waitSlot(context.Background(), "direct", 0, true)
+	if err != nil || desc.Received != 2048 || desc.Tag != s.key.Tag() {
+		t.Fatalf("the arrived slot: %+v, %v", desc, err)
+	}
+	release()
+	if err := r.Arrived(s.key.Tag(), 2048); refusalCode(t, err) != transport.SlotBusy {
+		t.Fatalf("a direct write resent to a slot holding its data: %v", err)
+	}
+	if err := r.deleteSlot("direct"); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Arrived(s.key.Tag(), 2048); refusalCode(t, err) != transport.NoSlot || !strings.Contains(err.Error(), "freed") {
+		t.Fatalf("a direct write to a freed slot: %v", err)
+	}
+	// A slot in a region: a direct write into the arena cannot fill it.
+	if _, err := r.addRegion("lent", make([]byte, 4096)); err != nil {
+		t.Fatal(err)
+	}
+	in, err := r.newSlotIn("in-region", 4096, "lent", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Arrived(in.key.Tag(), 4096); refusalCode(t, err) != transport.OutOfBounds || !strings.Contains(err.Error(), "region lent") {
+		t.Fatalf("a direct write naming a slot in a region: %v", err)
+	}
+	if want := (map[transport.Code]int{transport.OutOfBounds: 3, transport.SlotBusy: 1, transport.NoSlot: 1}); fmt.Sprint(refusals) != fmt.Sprint(want) {
+		t.Errorf("refusals counted %v, want %v", refusals, want)
+	}
+}

@@ -73,7 +73,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
 	}
 	defer releaseSrc()
-	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag()}
+	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag(), Whole: true}
 	start := time.Now()
 	dl, lastErr := d.deliver(ctx, req.Session, w, d.log.With().Str("req_id", reqID).Logger())
 	res.Attempts = dl.attempts

@@ -106,6 +106,12 @@ func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem []byte, log ze
 	return nil
 }
 
+// direct reports whether peers write into the arena without asking
+// (rdma's arena-rkey mode, between authenticated peers).
+func (dp *dataPlane) direct() bool {
+	return dp.rdma != nil && dp.rdma.Mode() == rdma.ModeArenaRKey
+}
+
 // close closes the Mooncake endpoints, whose queue pairs are the
 // transport's, then the transport.
 func (dp *dataPlane) close() error {

@@ -82,6 +82,7 @@ type lane struct {
 	// ansErr or lastWord is set.
 	answers  chan answer
 	dead     chan struct{}
+	replies  *atomic.Uint64 // the transport's control message count
 	ansErr   error
 	lastWord peer.Reply // a reply with flagFailed: why the receiver gave up
 
@@ -106,9 +107,9 @@ func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
 // newDialedLane makes a session's lane, connected over ctrl: its writes
 // reap their own completions, and its poller sleeps on the completion
 // channel only for writes that wait longer (see completion).
-func newDialedLane(qp queuePair, ctrl *net.TCPConn) *lane {
+func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lane {
 	l := &lane{
-		qp: qp, ctrl: ctrl,
+		qp: qp, ctrl: ctrl, replies: replies,
 		quit:    make(chan struct{}),
 		polled:  make(chan struct{}),
 		routes:  make(map[uint32]chan completion),
@@ -322,6 +323,7 @@ func (l *lane) readAnswers() {
 			l.ansErr = err
 			return
 		}
+		l.replies.Add(1)
 		if r.Flags&flagFailed != 0 {
 			l.lastWord = r
 			return

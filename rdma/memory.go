@@ -2,6 +2,7 @@ package rdma
 
 import (
 	"fmt"
+	"sync/atomic"
 	"unsafe"
 
 	"golang.org/x/sys/unix"
@@ -136,6 +137,9 @@ type target struct {
 	reg   region // a registration made for this write
 	stage []byte // mapped for this write when dst is not NIC-safe memory
 	dst   []byte
+	// copied counts the bytes finish copies out of stage: the
+	// transport's CPU copy count.
+	copied *atomic.Uint64
 }
 
 // target finds where the NIC is to put a write meant for dst: dst itself
@@ -143,7 +147,7 @@ type target struct {
 // registered for this write), else a buffer mapped and registered for
 // this write and copied into dst once the write is complete.
 func (t *Transport) target(dst []byte) (*target, error) {
-	tg := &target{dst: dst}
+	tg := &target{dst: dst, copied: &t.stats.copied}
 	switch {
 	case len(dst) == 0:
 		return tg, nil
@@ -178,7 +182,7 @@ func (t *Transport) target(dst []byte) (*target, error) {
 // completed, or the lane's QP is in the error state.
 func (tg *target) finish(ok bool) {
 	if ok && tg.stage != nil {
-		copy(tg.dst, tg.stage)
+		tg.copied.Add(uint64(copy(tg.dst, tg.stage)))
 	}
 	if tg.reg != nil {
 		tg.reg.Close()

@@ -76,7 +76,7 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 	if t.isClosing() {
 		return nil, refuse(transport.ShuttingDown, errors.New("the receiver is shutting down"))
 	}
-	qp, err := t.nic.NewQP(1, recvDepth)
+	qp, err := t.nic.NewQP(1, recvPosted)
 	if err != nil {
 		return nil, refuse(transport.Internal, fmt.Errorf("creating a queue pair: %w", err))
 	}
@@ -85,7 +85,7 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 			qp.Close()
 		}
 	}()
-	if err := qp.PostRecvs(recvDepth); err != nil {
+	if err := qp.PostRecvs(recvPosted); err != nil {
 		return nil, refuse(transport.Internal, fmt.Errorf("posting receives: %w", err))
 	}
 	psn := rand.Uint32() & 0xffffff
@@ -93,6 +93,7 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 		return nil, refuse(transport.Internal, fmt.Errorf("connecting to queue pair %#x: %w", remote.QPN, err))
 	}
 	a := accept{endpoint: t.nic.Endpoint(), peerRegion: t.region()}
+	a.Direct = t.direct != nil
 	a.QPN, a.PSN = qp.QPN(), psn
 	var ab [acceptSize]byte
 	a.encode(&ab)
@@ -100,7 +101,7 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 		return nil, err
 	}
 	c.SetDeadline(time.Time{})
-	return newLane(qp, c, 1+recvDepth), nil
+	return newLane(qp, c, 1+recvPosted), nil
 }
 
 // region describes the shared registration to dialers.
@@ -226,6 +227,7 @@ func (r *receiver) read() {
 			}
 			return
 		}
+		r.t.stats.control.Add(1)
 		var h peer.Header
 		h.Decode(&b)
 		select {
@@ -238,6 +240,7 @@ func (r *receiver) read() {
 
 func (r *receiver) reply(code transport.Code, flags uint16, msg string, body []byte) error {
 	r.l.ctrl.SetWriteDeadline(time.Now().Add(r.t.cfg.Peer.IOTimeout))
+	r.t.stats.control.Add(1)
 	return writeReply(r.l.ctrl, code, flags, msg, body)
 }
 
@@ -268,13 +271,18 @@ func (r *receiver) serve(h peer.Header) error {
 }
 
 // complete takes one receive completion: the oldest grant's write when it
-// matches it, delivered. draining says the QP is broken: no receives are
+// matches it, delivered; else, on a lane that takes them, a direct
+// write's (see arrived). draining says the QP is broken: no receives are
 // replenished.
 func (r *receiver) complete(c completion, draining bool) error {
 	l, t := r.l, r.t
+	isImm := c.Status == wcSuccess && c.Opcode == opcodeRecvRDMAWithImm && c.HasImm
 	if len(r.granted) == 0 {
 		if c.Status != wcSuccess {
 			return fmt.Errorf("a receive completed with no write granted: %w", &CompletionError{Status: c.Status, VendorErr: c.VendorErr, Op: "receive"})
+		}
+		if isImm && t.direct != nil {
+			return r.arrived(c, draining)
 		}
 		t.stats.rejected.Add(1)
 		return fmt.Errorf("rejected a completion with no write granted (opcode %d, immediate %#x, %d bytes): nothing was delivered", c.Opcode, c.Imm, c.ByteLen)
@@ -285,7 +293,11 @@ func (r *receiver) complete(c completion, draining bool) error {
 		return fmt.Errorf("waiting for the %d-byte write tagged %d: %w", h.Len, h.Tag,
 			&CompletionError{Status: c.Status, VendorErr: c.VendorErr, Op: "receive"})
 	}
-	if c.Opcode != opcodeRecvRDMAWithImm || !c.HasImm || c.Imm != h.Tag || uint64(c.ByteLen) != lastChunk(h.Len) {
+	matches := isImm && c.Imm == h.Tag && uint64(c.ByteLen) == lastChunk(h.Len)
+	if !matches && isImm && t.direct != nil {
+		return r.arrived(c, draining)
+	}
+	if !matches {
 		t.stats.rejected.Add(1)
 		return fmt.Errorf("rejected a completion that does not match its grant (opcode %d, immediate %#x, last message of %d bytes; granted tag %#x, %d bytes at %#x, whose last message is %d bytes): nothing was delivered",
 			c.Opcode, c.Imm, c.ByteLen, h.Tag, h.Len, h.Addr, lastChunk(h.Len))
@@ -298,6 +310,29 @@ func (r *receiver) complete(c completion, draining bool) error {
 		return nil
 	}
 	if err := l.qp.PostRecvs(1); err != nil {
+		return fmt.Errorf("replenishing receives: %w", err)
+	}
+	return nil
+}
+
+// arrived takes a direct write's completion: its bytes are in place
+// already, so the Sink takes them as the content of the slot the
+// immediate names, or says why they count for nothing, which is counted
+// and logged (a remote party can cause it: rate-limited); the lane
+// carries on either way.
+func (r *receiver) arrived(c completion, draining bool) error {
+	t := r.t
+	t.stats.directCompletions.Add(1)
+	if err := t.direct.Arrived(c.Imm, uint64(c.ByteLen)); err != nil {
+		t.stats.directRefused.Add(1)
+		t.port.Warnf("rdma: lane from %s: a direct write of %d bytes tagged %#x counted for nothing: %v", r.c.RemoteAddr(), c.ByteLen, c.Imm, err)
+	} else {
+		r.c.Prove() // it wrote into a live slot
+	}
+	if draining {
+		return nil
+	}
+	if err := r.l.qp.PostRecvs(1); err != nil {
 		return fmt.Errorf("replenishing receives: %w", err)
 	}
 	return nil

@@ -28,6 +28,8 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, err)
 	}
 	s := &session{Session: peer.NewSession("rdma", "control connection", addr, instance, t.cfg.Peer.IOTimeout), t: t, region: region}
+	// Both ends proved the peer secret in the handshake, or it failed.
+	s.direct = t.cfg.Peer.Secret != nil && region.Direct
 	s.pool = pool.New(t.cfg.Peer.MaxConnsPerPeer, s.open, func(l *lane) { l.close() })
 	s.pool.Add(l)
 	t.mu.Lock()
@@ -89,7 +91,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", transport.ContextErr(hctx))
 	}
 	c.SetDeadline(time.Time{})
-	return newDialedLane(qp, c), instance, a.peerRegion, nil
+	return newDialedLane(qp, c, &t.stats.control), instance, a.peerRegion, nil
 }
 
 // session is a pool of lanes to one peer. A write holds a lane from its
@@ -100,6 +102,7 @@ type session struct {
 	peer.Session
 	t      *Transport
 	region peerRegion // the peer's shared registration, from the connect
+	direct bool       // the peer takes direct writes from this daemon
 	pool   *pool.Pool[*lane]
 }
 
@@ -131,13 +134,14 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	if err := s.Begin(ctx, s.pool.Closed()); err != nil {
 		return transport.Report{}, err
 	}
+	dg := s.directGrant(&w)
 	for {
 		l, err := s.lane(ctx)
 		if err != nil {
 			return transport.Report{}, s.Take(ctx, err, "lane")
 		}
 		stale := l.answered.Load()
-		err = s.write(ctx, l, &w)
+		err = s.write(ctx, l, &w, dg)
 		// A receiver closes a lane it finds idle (or needs the room for)
 		// without a word, and the close can cross a header just sent:
 		// that write was never granted, nothing of it was posted, so it
@@ -150,9 +154,34 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 			return transport.Report{}, err
 		}
 		rep := s.t.kindOf(w.Src).report(len(w.Src))
-		rep.Messages = peer.Messages
+		s.t.stats.sends.Add(1)
+		if dg != nil {
+			s.t.stats.direct.Add(1)
+		} else {
+			rep.Messages = peer.Messages
+		}
 		return rep, nil
 	}
+}
+
+// directGrant is where w goes as a direct write (see wire.go), or nil
+// when it must ask first: the peer does not take direct writes, w is not
+// its slot's whole content (a piece resent must count once: the grant
+// path tracks ranges), w's tag is not its key's (the receiver finds the
+// slot by that tag), w is too long for one work request, its source is
+// copied through the bounce buffer (one chunk at a time), or it falls
+// outside the peer's shared registration (the peer's refusal then says
+// what is wrong).
+func (s *session) directGrant(w *transport.Write) *grant {
+	n := len(w.Src)
+	if !s.direct || !w.Whole || w.Tag != w.Key.Tag() || n > directMax || s.t.kindOf(w.Src) == fromBounce {
+		return nil
+	}
+	g, ok := s.region.direct(w.Remote, uint64(n))
+	if !ok {
+		return nil
+	}
+	return &g
 }
 
 // lane takes a lane from the pool, dropping those that a write which
@@ -180,8 +209,8 @@ func (s *session) lane(ctx context.Context) (*lane, error) {
 // A write canceled while waiting for its answer leaves l out of step (the
 // answer still comes) but not broken: the writes flying on l may still
 // complete, so l retires, taking no more writes, and closes after them.
-func (s *session) write(ctx context.Context, l *lane, w *transport.Write) error {
-	held, reuse, err := s.run(ctx, l, w)
+func (s *session) write(ctx context.Context, l *lane, w *transport.Write, dg *grant) error {
+	held, reuse, err := s.run(ctx, l, w, dg)
 	switch {
 	case !held:
 		if l.flying.Add(-1) == 0 {
@@ -223,10 +252,10 @@ func (s *session) closeIfRetired(l *lane) {
 // another write as far as this one knows (a broken QP marks l broken:
 // a write that failed in transfer, canceled, whose completion came all
 // the same, leaves l fit).
-func (s *session) run(ctx context.Context, l *lane, w *transport.Write) (held, reuse bool, err error) {
+func (s *session) run(ctx context.Context, l *lane, w *transport.Write, dg *grant) (held, reuse bool, err error) {
 	l.use.RLock()
 	defer l.use.RUnlock()
-	f, reuse, err := s.start(ctx, l, w)
+	f, reuse, err := s.start(ctx, l, w, dg)
 	if err != nil {
 		return true, reuse, err
 	}
@@ -255,6 +284,7 @@ func (s *session) run(ctx context.Context, l *lane, w *transport.Write) (held, r
 type flight struct {
 	seq             uint32
 	n, count        int // bytes, work requests
+	wr              int // bytes per work request (the last one shorter)
 	posted, retired int
 	every, window   int
 	g               grant
@@ -266,9 +296,10 @@ type flight struct {
 }
 
 // start sends w's header on l, takes the receiver's answer, and posts the
-// body (waiting for completions while it needs the window). With an
+// body (waiting for completions while it needs the window); a direct
+// write (dg) goes without the header, in one work request. With an
 // error, reuse reports whether l may carry another write.
-func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *flight, reuse bool, err error) {
+func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *grant) (_ *flight, reuse bool, err error) {
 	src, err := s.t.source(w.Src)
 	if err != nil {
 		return nil, true, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
@@ -278,42 +309,74 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *fl
 			src.release()
 		}
 	}()
-	h := peer.Header{Addr: w.Remote, Len: uint64(len(w.Src)), Key: w.Key, Tag: w.Tag}
-	var hb [peer.HeaderSize]byte
-	h.Encode(&hb)
-	l.ctrl.SetWriteDeadline(s.Deadline(ctx))
-	if _, err := l.ctrl.Write(hb[:]); err != nil {
-		return nil, false, s.fail(ctx, err, fmt.Sprintf("sending the header of %d bytes", len(w.Src)))
-	}
-	a, err := wait(l, l.answers, s.Deadline(ctx), ctx.Done())
-	switch {
-	case gaveUp(ctx, err):
-		// The caller gave up, not the lane: nothing is posted, and the
-		// writes flying on l carry on (see write).
-		l.retiring.Store(true)
-		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
-	case err != nil:
-		l.broken.Store(true)
-		if err == errDead && l.lastWord.Flags&flagFailed == 0 && transport.PeerGone(l.ansErr) && transport.ContextErr(ctx) == nil {
-			l.unanswered.Store(true)
+	if dg != nil {
+		f := &flight{n: len(w.Src), count: 1, wr: max(1, len(w.Src)), every: 1, window: 1, g: *dg, w: w, src: src}
+		if err = s.post(ctx, l, f); err != nil {
+			return nil, false, err
 		}
-		return nil, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+		return f, true, nil
 	}
-	l.answered.Store(true)
-	switch {
-	case a.Code != transport.OK:
-		return nil, a.Flags&peer.FlagClose == 0, &transport.Refusal{Code: a.Code, Message: a.Msg}
+	g, reuse, err := s.ask(ctx, l, w)
+	if err != nil {
+		return nil, reuse, err
 	}
-	if err := s.region.check(a.grant, uint64(len(w.Src))); err != nil {
-		return nil, false, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
+	f := &flight{n: len(w.Src), count: chunks(len(w.Src)), wr: chunk, every: signalEvery, window: sendDepth, g: g, w: w, src: src}
+	// A write the window holds whole needs no completion before its last.
+	if f.count <= f.window {
+		f.every = f.count
 	}
-	f := &flight{n: len(w.Src), count: chunks(len(w.Src)), every: signalEvery, window: sendDepth, g: a.grant, w: w, src: src}
 	if src.kind == fromBounce {
 		f.every, f.window = 1, bounceSlots
 		if f.ring, f.ringKey, err = l.bounceBuffer(s.t.nic); err != nil {
 			return nil, false, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 		}
 	}
+	if err = s.post(ctx, l, f); err != nil {
+		return nil, false, err
+	}
+	return f, true, nil
+}
+
+// ask sends w's header on l and takes the receiver's answer: its grant,
+// or why not. With an error, reuse reports whether l may carry another
+// write.
+func (s *session) ask(ctx context.Context, l *lane, w *transport.Write) (_ grant, reuse bool, err error) {
+	h := peer.Header{Addr: w.Remote, Len: uint64(len(w.Src)), Key: w.Key, Tag: w.Tag}
+	var hb [peer.HeaderSize]byte
+	h.Encode(&hb)
+	l.ctrl.SetWriteDeadline(s.Deadline(ctx))
+	if _, err := l.ctrl.Write(hb[:]); err != nil {
+		return grant{}, false, s.fail(ctx, err, fmt.Sprintf("sending the header of %d bytes", len(w.Src)))
+	}
+	s.t.stats.control.Add(1)
+	a, err := wait(l, l.answers, s.Deadline(ctx), ctx.Done())
+	switch {
+	case gaveUp(ctx, err):
+		// The caller gave up, not the lane: nothing is posted, and the
+		// writes flying on l carry on (see write).
+		l.retiring.Store(true)
+		return grant{}, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+	case err != nil:
+		l.broken.Store(true)
+		if err == errDead && l.lastWord.Flags&flagFailed == 0 && transport.PeerGone(l.ansErr) && transport.ContextErr(ctx) == nil {
+			l.unanswered.Store(true)
+		}
+		return grant{}, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+	}
+	l.answered.Store(true)
+	switch {
+	case a.Code != transport.OK:
+		return grant{}, a.Flags&peer.FlagClose == 0, &transport.Refusal{Code: a.Code, Message: a.Msg}
+	}
+	if err := s.region.check(a.grant, uint64(len(w.Src))); err != nil {
+		return grant{}, false, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
+	}
+	return a.grant, true, nil
+}
+
+// post routes f's completions and posts its body; with every work
+// request posted it returns, the last completion to come.
+func (s *session) post(ctx context.Context, l *lane, f *flight) error {
 	l.seq++
 	f.seq = l.seq
 	// Room for every completion the write can have outstanding (flushes
@@ -322,9 +385,9 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write) (_ *fl
 	l.route(f.seq, f.wcs)
 	if err := s.transfer(ctx, l, f, false); err != nil {
 		l.unroute(f.seq)
-		return nil, false, err
+		return err
 	}
-	return f, true, nil
+	return nil
 }
 
 // chunks is how many messages carry n bytes.
@@ -334,11 +397,12 @@ func chunks(n int) int { return max(1, (n+chunk-1)/chunk) }
 // one WITH IMM, as its receive completion reports it.
 func lastChunk(n uint64) uint64 { return n - uint64(chunks(int(n))-1)*chunk }
 
-// transfer posts f's body to its grant in chunks, the last WITH IMM, and
-// waits for completions as the window needs, until every work request is
-// posted, or with all, until the last completed. Only every every-th
-// chunk (every chunk through a bounce buffer, whose slots it frees) is
-// signaled.
+// transfer posts f's body to its grant in chunks of f.wr bytes, the last
+// WITH IMM, and waits for completions as the window needs, until every
+// work request is posted, or with all, until the last completed. Only
+// the last chunk and every every-th are signaled (every chunk through a
+// bounce buffer, whose slots it frees). A write the window holds whole
+// goes in one post.
 func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) error {
 	base := uint64(f.seq) << 32
 	ops := make([]op, 0, min(f.count-f.posted, f.window))
@@ -346,12 +410,12 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 		ops = ops[:0]
 		for f.posted < f.count && f.posted-f.retired < f.window {
 			i := f.posted
-			off := i * chunk
-			m := min(chunk, f.n-off)
+			off := i * f.wr
+			m := min(f.wr, f.n-off)
 			o := op{WRID: base | uint64(i), Remote: f.g.Addr + uint64(off), Len: uint32(m), RKey: f.g.RKey, Imm: f.w.Tag}
 			if f.ring != nil {
 				slot := f.ring[(i%bounceSlots)*chunk:][:m]
-				copy(slot, f.w.Src[off:off+m])
+				s.t.stats.copied.Add(uint64(copy(slot, f.w.Src[off:off+m])))
 				o.Local, o.LKey = addrOf(slot), f.ringKey
 			} else {
 				o.Local, o.LKey = addrOf(f.w.Src)+uint64(off), f.src.lkey
@@ -362,7 +426,7 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 			f.posted++
 		}
 		if len(ops) > 0 {
-			if err := l.qp.Post(ops); err != nil {
+			if err := s.t.post(l.qp, ops); err != nil {
 				s.drain(l, f, f.posted-len(ops))
 				return fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 			}
@@ -492,4 +556,20 @@ func (s *session) broken(ctx context.Context, l *lane, err error, where string) 
 // fail explains a broken control connection: whose doing it was.
 func (s *session) fail(ctx context.Context, err error, where string) error {
 	return s.Fail(ctx, s.pool.Closed(), err, where)
+}
+
+// post hands ops to the NIC, counting the ibv_post_send calls (Post
+// makes one per maxPost work requests) and the work requests, signaled
+// and all.
+func (t *Transport) post(qp queuePair, ops []op) error {
+	signaled := 0
+	for _, o := range ops {
+		if o.Signaled {
+			signaled++
+		}
+	}
+	t.stats.posts.Add(uint64((len(ops) + maxPost - 1) / maxPost))
+	t.stats.wrs.Add(uint64(len(ops)))
+	t.stats.signaled.Add(uint64(signaled))
+	return qp.Post(ops)
 }

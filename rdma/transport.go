@@ -63,13 +63,21 @@ type Fallback interface {
 // besides the write holding a lane, up to flyingMax writes of at most
 // flyingChunks messages each may wait on it for their completions, so a
 // sending QP holds sendDepth+flyingMax*flyingChunks work requests. A
-// receiving lane keeps recvDepth receives posted for immediates and
-// grants at most that many writes at a time.
+// receiving lane grants at most recvDepth writes at a time, and keeps
+// recvPosted receives posted for immediates: room for the grants and for
+// direct writes, which nobody counts before they land. A sender has at
+// most flyingMax+1 writes in flight per lane, so the receiver may fall
+// that far short of recvPosted in reposting before a sender meets RNR.
 const (
 	sendDepth    = 64
 	flyingMax    = 7
 	flyingChunks = signalEvery
 	recvDepth    = 16
+	recvPosted   = 64
+	// directMax is the largest direct write: one work request, within
+	// every RDMA NIC's max_msg_sz (mlx5 1 GiB, soft-RoCE 2 GiB). A
+	// longer write asks for a grant and goes in chunks.
+	directMax = 1 << 30
 	// chunk is the size of a write's messages (the last one shorter),
 	// part of the protocol: the receiver checks the length of the last.
 	// signalEvery is how many go between signaled ones from registered
@@ -100,7 +108,7 @@ type Registration struct {
 	Err error `json:"-"`
 }
 
-// Stats counts how writes met the NIC.
+// Stats counts how writes met the NIC, each where the work is done.
 type Stats struct {
 	PerSend    uint64 `json:"per_send_registrations"`    // sources registered for one write
 	PerReceive uint64 `json:"per_receive_registrations"` // destinations registered for one write
@@ -111,10 +119,29 @@ type Stats struct {
 	// completed in error, a rejected completion, the lane or transport
 	// closing first): none delivered, each lane closed.
 	Failed uint64 `json:"failed_receives"`
+
+	// The sending side's work, per write it completed (Sends):
+	Sends  uint64 `json:"sends"`  // writes that completed, direct or granted
+	Direct uint64 `json:"direct"` // of them, direct writes (no header)
+	// ControlMessages is the messages on lanes' control connections for
+	// writes, both ways and both roles: a header and its reply each
+	// count one where they are sent and where they are read.
+	ControlMessages uint64 `json:"control_messages"`
+	Posts           uint64 `json:"posts"`         // ibv_post_send calls
+	WorkRequests    uint64 `json:"work_requests"` // work requests posted
+	Signaled        uint64 `json:"signaled"`      // of them, signaled
+	CopiedBytes     uint64 `json:"copied_bytes"`  // bytes the CPU copied: into bounce buffers, out of staging buffers
+
+	// The receiving side's direct writes: their completions, and those
+	// that counted for nothing (each also logged, rate-limited).
+	DirectCompletions uint64 `json:"direct_completions"`
+	DirectRefused     uint64 `json:"direct_refused"`
 }
 
 type counters struct {
 	perSend, perReceive, bounced, staged, rejected, failed atomic.Uint64
+	sends, direct, control, posts, wrs, signaled, copied   atomic.Uint64
+	directCompletions, directRefused                       atomic.Uint64
 }
 
 // Transport is the RDMA data plane. It implements transport.Transport.
@@ -126,6 +153,10 @@ type Transport struct {
 	shared region
 	reg    Registration
 	stats  counters
+	// direct is the Sink when this transport takes direct writes (see
+	// wire.go): the port authenticated, the shared registration, and a
+	// DirectSink. Nil otherwise.
+	direct transport.DirectSink
 
 	closing   chan struct{} // closed when Close starts
 	mu        sync.Mutex
@@ -175,6 +206,9 @@ func listen(cfg Config, n nic) (*Transport, error) {
 		return nil, fmt.Errorf("rdma: %w", err)
 	}
 	t.cfg.Peer = t.port.Config()
+	if ds, ok := cfg.Peer.Sink.(transport.DirectSink); ok && t.cfg.Peer.Secret != nil && t.shared != nil {
+		t.direct = ds
+	}
 	t.tcp = cfg.TCP(t.port)
 	t.port.Serve(peer.Handlers{Data: t.tcp.ServeData, RDMA: t.serveLane})
 	return t, nil
@@ -234,11 +268,34 @@ func (t *Transport) Registration() Registration { return t.reg }
 
 // Stats returns the transport's counters.
 func (t *Transport) Stats() Stats {
+	c := &t.stats
 	return Stats{
-		PerSend: t.stats.perSend.Load(), PerReceive: t.stats.perReceive.Load(),
-		Bounced: t.stats.bounced.Load(), Staged: t.stats.staged.Load(), Rejected: t.stats.rejected.Load(),
-		Failed: t.stats.failed.Load(),
+		PerSend: c.perSend.Load(), PerReceive: c.perReceive.Load(),
+		Bounced: c.bounced.Load(), Staged: c.staged.Load(), Rejected: c.rejected.Load(),
+		Failed: c.failed.Load(),
+		Sends:  c.sends.Load(), Direct: c.direct.Load(), ControlMessages: c.control.Load(),
+		Posts: c.posts.Load(), WorkRequests: c.wrs.Load(), Signaled: c.signaled.Load(), CopiedBytes: c.copied.Load(),
+		DirectCompletions: c.directCompletions.Load(), DirectRefused: c.directRefused.Load(),
 	}
+}
+
+// Protection modes: how a peer's write reaches a slot.
+const (
+	// ModeArenaRKey: direct writes under the arena's rkey, no message
+	// per write; between authenticated peers only (see wire.go).
+	ModeArenaRKey = "arena-rkey"
+	// ModeGrant: each write's header is answered with a grant first.
+	ModeGrant = "grant"
+)
+
+// Mode is how peers' writes reach this transport's slots: ModeArenaRKey
+// when it takes direct writes, else ModeGrant. A session's own writes
+// go direct when the peer's transport is in ModeArenaRKey.
+func (t *Transport) Mode() string {
+	if t.direct != nil {
+		return ModeArenaRKey
+	}
+	return ModeGrant
 }
 
 func (t *Transport) logf(format string, args ...any) {

@@ -13,7 +13,9 @@ package rdma
 //	 20  psn       u32     the first PSN the client sends
 //	 24  lid       u16     0 on RoCE
 //	 26  mtu       u8      the port's active MTU (enum ibv_mtu)
-//	 27  reserved  [5]byte
+//	 27  flags     u8      0 from the client; in the server's reply, bit 0
+//	                       (acceptDirect): it takes direct writes, below
+//	 28  reserved  [4]byte
 //
 //	server → client  a reply (peer.EncodeReply): code 0, or a code and a
 //	                 message saying why no lane (no QP, shutting down);
@@ -27,6 +29,29 @@ package rdma
 // Both sides then move their QP to RTS; the path MTU is the smaller of
 // the two. The dialer holds grants to the receiver's registration: one
 // that names the shared rkey must lie inside base and size.
+//
+// Direct writes (arena-rkey mode). A server sets acceptDirect when the
+// port is authenticated (both daemons proved the peer secret), it has
+// the shared registration, and its Sink is a transport.DirectSink, whose
+// slot addresses are the addresses of their bytes. An authenticated
+// client may then send a write that is its slot's whole content
+// (transport.Write.Whole) and whose tag is its key's tag with no header
+// at all: one RDMA WRITE WITH IMM of the whole write (at most directMax
+// bytes, from registered memory) to the slot's address under the shared
+// rkey, the immediate the tag. The server learns of it from the receive
+// completion alone: the immediate names the slot, byte_len says how
+// many bytes it placed, and the Sink takes them as the slot's content
+// (Arrived) when that is the slot's size. Nothing is refused before the
+// bytes land, and the client's success is its NIC's completion: the NIC
+// placed the bytes; whether the Sink took them the client does not
+// learn. A completion that counts for nothing (no live slot has the
+// tag, the slot holds its data already, the length is not the slot's)
+// is counted and logged, and the lane carries on: the bytes are in
+// place already. Any write the client cannot send so (a piece of a
+// slot, another tag, a source it copies through its bounce buffer, more
+// than directMax bytes) asks first, as below, on the same lane. The server tells them apart by order: a
+// completion that matches the oldest grant outstanding is that grant's;
+// any other is a direct write's.
 //
 // Then any number of writes, several in flight per lane:
 //
@@ -90,6 +115,13 @@ package rdma
 // several from grants outstanding at once) is stopped by the NIC only at
 // the registration's bounds: with the shared registration that is the
 // whole arena. Memory windows bound per grant would close that gap.
+// Direct writes open it on purpose, between authenticated peers only:
+// what protects a slot then is the peer secret (only a daemon holding it
+// gets a lane), the tag and length check on completion (a write the
+// Sink does not take is counted and logged, never delivered), and the
+// receiver's quarantine of freed slots' memory (a late write lands in
+// memory no newer slot holds yet). A write past its slot's end lands in
+// whatever lies there before the length check shows it.
 
 import (
 	"encoding/binary"
@@ -110,6 +142,10 @@ const (
 // flagFailed in a reply's flags: the reply reports the failure of the
 // write in flight, and the lane closes (FlagClose is set too).
 const flagFailed = 2
+
+// acceptDirect in a connect reply's flags: the server takes direct
+// writes.
+const acceptDirect = 1
 
 // Registration modes as the connect reply carries them.
 const (
@@ -140,6 +176,16 @@ type peerRegion struct {
 	Base, Size uint64
 	RKey       uint32
 	Mode       uint32
+	Direct     bool // acceptDirect
+}
+
+// direct finds where a direct write of n bytes to addr lands: inside the
+// shared registration, which the server offers to direct writes.
+func (r peerRegion) direct(addr, n uint64) (grant, bool) {
+	if !r.Direct || r.Mode != modeShared || n == 0 || addr < r.Base || addr-r.Base > r.Size || n > r.Size-(addr-r.Base) {
+		return grant{}, false
+	}
+	return grant{Addr: addr, RKey: r.RKey}, true
 }
 
 // check refuses a grant that names the shared registration's rkey for a
@@ -163,6 +209,9 @@ type accept struct {
 
 func (a *accept) encode(b *[acceptSize]byte) {
 	a.endpoint.encode(b[:endpointSize])
+	if a.Direct {
+		b[27] = acceptDirect
+	}
 	binary.LittleEndian.PutUint64(b[32:], a.Base)
 	binary.LittleEndian.PutUint64(b[40:], a.Size)
 	binary.LittleEndian.PutUint32(b[48:], a.RKey)
@@ -171,6 +220,7 @@ func (a *accept) encode(b *[acceptSize]byte) {
 
 func (a *accept) decode(b *[acceptSize]byte) {
 	a.endpoint.decode(b[:endpointSize])
+	a.Direct = b[27]&acceptDirect != 0
 	a.Base = binary.LittleEndian.Uint64(b[32:])
 	a.Size = binary.LittleEndian.Uint64(b[40:])
 	a.RKey = binary.LittleEndian.Uint32(b[48:])

@@ -33,12 +33,39 @@ type Sink interface {
 	Accept(addr, n uint64, key Key, tag uint32) (dst []byte, done func(error), err error)
 }
 
+// DirectSink is a Sink that also takes writes nothing announced: RDMA
+// WRITE WITH IMM straight into a slot, which rdma's arena-rkey mode lets
+// authenticated peers post without asking first, for a Write marked
+// Whole. Accept never sees such a write: its bytes are in place before
+// the receiver hears of it, and all it hears is the immediate (the tag,
+// which must be the slot key's Tag) and how many bytes the write placed.
+// A slot's address must be the address of its first byte in this
+// process, where the NIC places it.
+type DirectSink interface {
+	Sink
+	// Arrived takes n bytes, already placed from its first byte on, as
+	// the whole content of the live slot whose key's Tag is tag: the
+	// slot arrives. A Refusal says why the bytes count for nothing: no
+	// live slot has that tag (it was freed, or never was), the slot
+	// holds its data already (a resend), or n is not its size (a write
+	// longer than the slot ran past it). Like Accept it must not block
+	// for long.
+	Arrived(tag uint32, n uint64) error
+}
+
 // Write is one one-sided write.
 type Write struct {
 	Src    []byte // local bytes to send
 	Remote uint64 // destination address in the peer's arena
 	Key    Key    // the receive slot's key
 	Tag    uint32 // delivered to the receiver with the completion
+	// Whole is the caller's word that Src is its slot's whole content:
+	// Remote is the slot's address and Src as long as the slot (a send
+	// of a staged embedding). A transport may then carry it with no
+	// message per write (rdma's direct writes), the receiver knowing it
+	// only by its tag and length. Pieces of a slot leave it false: a
+	// resent piece must count once, which takes its range.
+	Whole bool
 }
 
 // Transport is one data plane: a listener on the peer port that delivers

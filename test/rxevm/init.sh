@@ -51,6 +51,9 @@ done
 echo "== rxe0 RoCE v2 GID index ${GIDX:-none}"
 [ -n "$GIDX" ] || FAIL=1
 ibv_devinfo -d rxe0 | grep -E 'state|active_mtu|link_layer'
+# What rxe0 says of memory windows (per-slot remote keys, not used yet):
+# its device capability flags for them, and how many it allows.
+ibv_devinfo -v -d rxe0 | grep -E 'MEM_WINDOW|max_mw' | tr -s ' \t' ' ' | sed 's/^/== rxe0 memory windows:/'
 
 # Host files on this kernel's tmpfs (its fallocate stops at a signal)
 # and hugetlbfs (a few 2 MiB pages).

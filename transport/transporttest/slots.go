@@ -13,11 +13,17 @@ import (
 )
 
 // Slots is a transport.Sink over one memory arena: a table of receive
-// slots, each a range of Mem (addresses are offsets into Mem) with its own
-// random key. It admits one write at a time per slot, counts each tag
-// completed with done(nil), and records what breaks the Sink contract.
+// slots, each a range of Mem (addresses are Base plus offsets into Mem)
+// with its own random key. It admits one write at a time per slot, counts
+// each tag completed with done(nil), and records what breaks the Sink
+// contract. As a transport.DirectSink it counts the tag of a write it
+// hears of only by its key's tag and length, when the length is the
+// slot's.
 type Slots struct {
 	Mem []byte
+	// Base is the address of Mem[0]: 0 by default; a test of direct
+	// writes sets Mem's own address, as a DirectSink's slots have.
+	Base uint64
 
 	mu      sync.Mutex
 	slots   []*slot
@@ -31,9 +37,10 @@ type slot struct {
 	addr, size uint64
 	key        transport.Key
 	busy       bool
+	filled     bool // by a direct write (Arrived)
 }
 
-var _ transport.Sink = (*Slots)(nil)
+var _ transport.DirectSink = (*Slots)(nil)
 
 // NewSlots returns a Sink with size bytes of zeroed memory and no slots.
 func NewSlots(size int) *Slots {
@@ -54,14 +61,52 @@ func (s *Slots) Add(addr, size uint64) (key transport.Key) {
 		}
 	}
 	sl := &slot{addr: addr, size: size, key: transport.NewKey()}
+	// Tags name one slot each, as a DirectSink needs.
+	for s.byTag(sl.key.Tag()) != nil {
+		sl.key = transport.NewKey()
+	}
 	s.slots = append(s.slots, sl)
 	return sl.key
+}
+
+// byTag is the slot whose key has tag, or nil; s.mu is held.
+func (s *Slots) byTag(tag uint32) *slot {
+	for _, o := range s.slots {
+		if o.key.Tag() == tag {
+			return o
+		}
+	}
+	return nil
+}
+
+// Arrived implements transport.DirectSink.
+func (s *Slots) Arrived(tag uint32, n uint64) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	sl := s.byTag(tag)
+	switch {
+	case sl == nil:
+		return &transport.Refusal{Code: transport.NoSlot, Message: fmt.Sprintf("no receive slot has tag %#x", tag)}
+	case sl.filled:
+		return &transport.Refusal{Code: transport.SlotBusy, Message: fmt.Sprintf("the slot [%#x, +%d) holds its data already", sl.addr, sl.size)}
+	case n != sl.size:
+		return &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf("%d bytes are not the whole of the slot [%#x, +%d)", n, sl.addr, sl.size)}
+	}
+	sl.filled = true
+	s.tags[tag]++
+	close(s.changed)
+	s.changed = make(chan struct{})
+	return nil
 }
 
 // Accept implements transport.Sink.
 func (s *Slots) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if addr < s.Base {
+		return nil, nil, &transport.Refusal{Code: transport.NoSlot, Message: fmt.Sprintf("no receive slot at %#x with that key", addr)}
+	}
+	addr -= s.Base
 	var sl *slot
 	for _, o := range s.slots {
 		if addr >= o.addr && addr-o.addr < o.size {
