@@ -14,6 +14,9 @@ import (
 	"github.com/ferry-project/ferry/cuda"
 )
 
+// maxRegions bounds the regions registered at once (each a mapping).
+const maxRegions = 1024
+
 // region is memory a client owns and lent ferryd once: a memfd passed
 // over the control socket and mapped here, or a CUDA allocation opened by
 // its IPC handle, so transfers read from it and receive slots land in it
@@ -99,6 +102,9 @@ func (r *registry) addRegion(name string, mem arena.Memory) (api.Region, error) 
 	defer r.mu.Unlock()
 	if r.stopping {
 		return api.Region{}, errStopping
+	}
+	if len(r.regions) >= maxRegions {
+		return api.Region{}, apiErr(api.CodeBusy, "%d regions are registered, this ferryd's limit: unregister some, or lend larger ones", len(r.regions))
 	}
 	if g, ok := r.regions[name]; ok {
 		if g.closing {

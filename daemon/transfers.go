@@ -28,6 +28,9 @@ const (
 	// keptTransfers is how many ended batches GET /v1/transfers/{id} can
 	// still report; the oldest go first.
 	keptTransfers = 4096
+	// maxRunning bounds the batches running at once: each holds up to
+	// batchWindow writes in flight and its sources claimed.
+	maxRunning = 256
 )
 
 // piece is one write of a batch: items contiguous at both ends merged.
@@ -180,22 +183,27 @@ func (b *batch) describe() api.Transfer {
 
 // transfers is the table of batches, running and recently ended.
 type transfers struct {
-	mu    sync.Mutex
-	seq   uint64
-	byID  map[string]*batch
-	ended []string // ended ids, oldest first
+	mu      sync.Mutex
+	seq     uint64
+	byID    map[string]*batch
+	running int
+	ended   []string // ended ids, oldest first
 }
 
 func newTransfers() *transfers { return &transfers{byID: make(map[string]*batch)} }
 
-func (ts *transfers) add(t api.Transfer) *batch {
+func (ts *transfers) add(t api.Transfer) (*batch, error) {
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
+	if ts.running >= maxRunning {
+		return nil, apiErr(api.CodeBusy, "%d transfers are running, this ferryd's limit: wait for some to end (GET /v1/events), or put more items in each", ts.running)
+	}
 	ts.seq++
+	ts.running++
 	t.ID = "t" + strconv.FormatUint(ts.seq, 10)
 	b := &batch{done: make(chan struct{}), t: t}
 	ts.byID[t.ID] = b
-	return b
+	return b, nil
 }
 
 func (ts *transfers) get(id string) (*batch, error) {
@@ -209,10 +217,12 @@ func (ts *transfers) get(id string) (*batch, error) {
 	return b, nil
 }
 
-// retire keeps an ended batch reportable until keptTransfers newer ones ended.
+// retire counts a batch ended, and keeps it reportable until
+// keptTransfers newer ones ended.
 func (ts *transfers) retire(id string) {
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
+	ts.running--
 	ts.ended = append(ts.ended, id)
 	if len(ts.ended) > keptTransfers {
 		delete(ts.byID, ts.ended[0])
@@ -257,7 +267,11 @@ func (d *Daemon) startTransfer(req api.TransferRequest) (api.Transfer, error) {
 	if !d.inflight.enter() {
 		return api.Transfer{}, errStopping
 	}
-	b := d.transfers.add(api.Transfer{State: api.TransferRunning, Items: len(req.Items), Writes: len(pieces), NBytes: total, Since: time.Now()})
+	b, err := d.transfers.add(api.Transfer{State: api.TransferRunning, Items: len(req.Items), Writes: len(pieces), NBytes: total, Since: time.Now()})
+	if err != nil {
+		d.inflight.leave()
+		return api.Transfer{}, err
+	}
 	started = true
 	d.metrics.batchItems.Add(float64(len(req.Items)))
 	go d.runTransfer(b, req, srcs, pieces)
