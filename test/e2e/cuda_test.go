@@ -281,6 +281,15 @@ func scriptsDir() string {
 // the sender's IPC handle and reads it in place on the receiver's arena
 // (scripts/gpu/torch_ipc.py).
 func TestGPUTorchClientStagesAndReadsInPlace(t *testing.T) {
+	runTorchClient(t, "torch_ipc.py", "256MiB", "64MiB")
+}
+
+// runTorchClient runs a torch client script of scripts/gpu against two
+// ferryd on cuda:0 (arena and bounce sizes as given); it must print PASS.
+// The ferry package is beside the script in the GPU bundle, else in the
+// tree.
+func runTorchClient(t *testing.T, script, arena, bounce string) {
+	t.Helper()
 	cudatest.Require(t)
 	if out, err := exec.Command("python3", "-c", "import torch; assert torch.cuda.is_available()").CombinedOutput(); err != nil {
 		if cudatest.Required() {
@@ -288,12 +297,13 @@ func TestGPUTorchClientStagesAndReadsInPlace(t *testing.T) {
 		}
 		t.Skipf("python3 with CUDA-enabled torch is not installed: %s", bytes.TrimSpace(out))
 	}
-	snd, rcv := pair(t, "--device", "cuda:0", "--arena-size", "256MiB", "--bounce-size", "64MiB")
+	snd, rcv := pair(t, "--device", "cuda:0", "--arena-size", arena, "--bounce-size", bounce)
 	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
 	defer cancel()
-	cmd := exec.CommandContext(ctx, "python3", filepath.Join(scriptsDir(), "torch_ipc.py"), snd.socket, rcv.socket)
+	cmd := exec.CommandContext(ctx, "python3", filepath.Join(scriptsDir(), script), snd.socket, rcv.socket)
+	cmd.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join(scriptsDir(), "..", "..", "python"))
 	out, err := cmd.CombinedOutput()
-	t.Logf("torch_ipc.py (pid %d):\n%s", cmd.Process.Pid, out)
+	t.Logf("%s (pid %d):\n%s", script, cmd.Process.Pid, out)
 	if err != nil || !bytes.Contains(out, []byte("\nPASS")) {
 		t.Fatalf("the torch client failed: %v", err)
 	}
@@ -360,26 +370,7 @@ func TestGPURegionsSendAndReceiveTheOwnersMemory(t *testing.T) {
 // The Python client lends torch tensors as GPU regions and moves a batch
 // between them (scripts/gpu/torch_region.py).
 func TestGPUTorchRegions(t *testing.T) {
-	cudatest.Require(t)
-	if out, err := exec.Command("python3", "-c", "import torch; assert torch.cuda.is_available()").CombinedOutput(); err != nil {
-		if cudatest.Required() {
-			t.Fatalf("python3 with CUDA-enabled torch is needed here: %v\n%s", err, out)
-		}
-		t.Skipf("python3 with CUDA-enabled torch is not installed: %s", bytes.TrimSpace(out))
-	}
-	snd, rcv := pair(t, "--device", "cuda:0", "--arena-size", "64MiB", "--bounce-size", "32MiB")
-	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, "python3", filepath.Join(scriptsDir(), "torch_region.py"), snd.socket, rcv.socket)
-	// The ferry package: beside the script in the GPU bundle, else in the tree.
-	cmd.Env = append(os.Environ(), "PYTHONPATH="+filepath.Join(scriptsDir(), "..", "..", "python"))
-	out, err := cmd.CombinedOutput()
-	t.Logf("torch_region.py (pid %d):\n%s", cmd.Process.Pid, out)
-	if err != nil || !bytes.Contains(out, []byte("\nPASS")) {
-		t.Fatalf("the torch client failed: %v", err)
-	}
-	snd.alive(t)
-	rcv.alive(t)
+	runTorchClient(t, "torch_region.py", "64MiB", "32MiB")
 }
 
 // A host-memory ferryd cannot take GPU memory: it says what to do.
