@@ -67,6 +67,7 @@ expected='./
 ./usr/share/doc/ferry/mooncake-rdma-wire.md
 ./usr/share/doc/ferry/operations.md
 ./usr/share/doc/ferry/python.md
+./usr/share/doc/ferry/rdma.md
 ./usr/share/doc/ferry/reliability.md
 ./usr/share/doc/ferry/security.md'
 got=$(dpkg-deb -c "$deb" | awk '{ print $6 }' | LC_ALL=C sort)
