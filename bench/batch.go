@@ -184,7 +184,7 @@ type rawWriter struct {
 }
 
 func newRawWriter(ctx context.Context, cfg BatchConfig, data []byte) (*rawWriter, error) {
-	tr, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: rawSink{}, MaxConnsPerPeer: rawInFlight})
+	tr, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: rawSink{}, MaxConnsPerPeer: rawInFlight, SendBuffer: peer.DefaultSendBuffer})
 	if err != nil {
 		return nil, err
 	}

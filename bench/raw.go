@@ -16,6 +16,7 @@ import (
 
 // RawConfig is a sweep of bare transport writes: no daemon, no control
 // socket, no staging; the floor the daemon's send is measured against.
+// Its connections have ferryd's default send buffer, as the daemons'.
 type RawConfig struct {
 	Sizes       []int64
 	Concurrency []int
@@ -52,7 +53,7 @@ func RawSink(ctx context.Context, dir string, n int64, ready func(addr string)) 
 		return err
 	}
 	defer mem.Close()
-	tr, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: rawSink{mem.Host()}, MaxWrite: uint64(n)})
+	tr, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: rawSink{mem.Host()}, MaxWrite: uint64(n), SendBuffer: peer.DefaultSendBuffer})
 	if err != nil {
 		return err
 	}
@@ -79,7 +80,7 @@ func RawWrite(ctx context.Context, cfg RawConfig) ([]Row, error) {
 	}
 	defer src.Close()
 	copy(src.Host(), pattern(maxSize))
-	snd, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: rawSink{}, MaxConnsPerPeer: maxConc})
+	snd, err := tcp.Listen(peer.Config{Addr: "127.0.0.1:0", Sink: rawSink{}, MaxConnsPerPeer: maxConc, SendBuffer: peer.DefaultSendBuffer})
 	if err != nil {
 		return nil, err
 	}

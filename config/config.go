@@ -25,7 +25,9 @@ import (
 	"github.com/pelletier/go-toml/v2"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // DefaultFile is read when no --config or FERRY_CONFIG names a file, and
@@ -54,6 +56,7 @@ type Settings struct {
 	Advertise        string               `toml:"advertise"`
 	Transport        Transport            `toml:"transport"`
 	IOTimeout        Duration             `toml:"io_timeout"`
+	TCPSendBuffer    Size                 `toml:"tcp_send_buffer"`
 	MaxConns         int                  `toml:"max_conns"`
 	MetricsListen    string               `toml:"metrics_listen"`
 	PeerSecretFile   string               `toml:"peer_secret_file"`
@@ -149,6 +152,8 @@ var options = []option{
 		}, nil},
 	{"io_timeout", "10s", "`deadline` on each network read and write; a stalled peer fails within it",
 		func(s *Settings) value { return &s.IOTimeout }, positive(func(s *Settings) Duration { return s.IOTimeout })},
+	{"tcp_send_buffer", size.Format(peer.DefaultSendBuffer), "kernel send buffer (`size`, SO_SNDBUF, which the kernel doubles) of each connection to a peer: small, so that the sender's copy and the receiver's overlap within one write; raise it for links whose bandwidth x round trip is larger (0: the kernel's autotuning)",
+		func(s *Settings) value { return &s.TCPSendBuffer }, sizeWithin(func(s *Settings) Size { return s.TCPSendBuffer }, 0, 1<<30)},
 	{"max_conns", "8", "`connections` per peer session (concurrent writes to one peer)",
 		func(s *Settings) value { return (*number)(&s.MaxConns) }, intWithin(func(s *Settings) int { return s.MaxConns }, 1, 1024)},
 	{"metrics_listen", "", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)",

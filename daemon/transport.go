@@ -38,6 +38,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 	pc := peerport.Config{
 		Addr: cfg.Listen, Sink: sink, Instance: instance,
 		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Bytes()),
+		SendBuffer: int(cfg.TCPSendBuffer.Bytes()),
 		// The peer port rate-limits what a remote party can make it log.
 		Logf: func(format string, args ...any) {
 			log.Warn().Str("component", "transport").Msg(fmt.Sprintf(format, args...))

@@ -40,7 +40,7 @@ func (p *Port) Dial(ctx context.Context, addr string, kind Kind) (*net.TCPConn, 
 		return nil, 0, p.DialErr(ctx, hctx, "connect", err)
 	}
 	c := nc.(*net.TCPConn)
-	tune(c)
+	p.tune(c)
 	instance, err := greet(hctx, c, p.cfg.Instance, kind, p.cfg.Secret)
 	if err == ErrNoRDMA {
 		c.Close()

@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/transporttest"
@@ -229,5 +231,35 @@ func TestClosedPortDialsNothing(t *testing.T) {
 	tx.Close()
 	if _, _, err := tx.Dial(ctxFor(t, 10*time.Second), rx.Addr().String(), KindData); !errors.Is(err, transport.ErrClosed) {
 		t.Fatalf("dial from a closed port: %v, want ErrClosed", err)
+	}
+}
+
+// A dialed connection gets the configured send buffer (the kernel keeps
+// twice what it is given); without one, the kernel's own.
+func TestDialSetsTheSendBuffer(t *testing.T) {
+	rx := listen(t, Config{}, nil)
+	sndbuf := func(cfg Config) int {
+		tx := listen(t, cfg, nil)
+		c, _, err := tx.Dial(ctxFor(t, 10*time.Second), rx.Addr().String(), KindData)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		raw, err := c.SyscallConn()
+		if err != nil {
+			t.Fatal(err)
+		}
+		var v int
+		raw.Control(func(fd uintptr) { v, err = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_SNDBUF) })
+		if err != nil {
+			t.Fatal(err)
+		}
+		return v
+	}
+	if got := sndbuf(Config{SendBuffer: 96 << 10}); got != 2*96<<10 {
+		t.Errorf("SO_SNDBUF with SendBuffer 96 KiB: %d, want %d", got, 2*96<<10)
+	}
+	if got := sndbuf(Config{}); got == 2*96<<10 {
+		t.Errorf("SO_SNDBUF without SendBuffer: %d, the configured size of another connection", got)
 	}
 }
