@@ -171,6 +171,11 @@ type RDMAStatus struct {
 	// Why says why NICs is empty.
 	Why    string     `json:"why,omitempty"`
 	Chosen *NICChoice `json:"chosen,omitempty"`
+	// WriteMode is how peers' writes reach this receiver's slots when
+	// the RDMA transport runs: "arena-rkey" (peers proving the peer
+	// secret write a whole slot directly, no control message) or
+	// "grant" (a header and a grant per write). docs/rdma.md.
+	WriteMode string `json:"write_mode,omitempty"`
 }
 
 // NIC is an RDMA device.
