@@ -292,7 +292,8 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSour
 
 	var (
 		next    atomic.Int64
-		written atomic.Int64
+		done    atomic.Int64 // pieces written
+		written atomic.Int64 // their bytes
 		failMu  sync.Mutex
 		failed  error
 		failAt  int
@@ -324,11 +325,18 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSour
 				b.mu.Lock()
 				b.t.WritesDone++
 				b.mu.Unlock()
+				done.Add(1)
 				written.Add(p.n)
 			}
 		}()
 	}
 	wg.Wait()
+	if failed == nil && done.Load() < int64(len(pieces)) {
+		// Nothing failed, yet pieces were left: the drain ran out.
+		failed = apiErr(api.CodeUnavailable, "transfer %s: ferryd is shutting down and its drain timeout ran out after %d of %d writes; the staged sources are kept until it exits: start the transfer again once it is back",
+			id, done.Load(), len(pieces))
+		failAt = -1 // no one item failed
+	}
 
 	ok := failed == nil
 	d.releaseSources(srcs, ok && !req.KeepSources)
@@ -343,7 +351,9 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSour
 		ae := &apiError{code: api.CodeInternal, msg: failed.Error()}
 		errors.As(failed, &ae)
 		b.t.Error = &api.Error{Code: ae.code, Message: ae.msg}
-		b.t.Item = &failAt
+		if failAt >= 0 {
+			b.t.Item = &failAt
+		}
 		ev.Kind, ev.Error = api.EventTransferFailed, b.t.Error
 	}
 	t := b.t
