@@ -16,22 +16,26 @@ failure with its session, nbytes and ferryd's ``ret``, and keeps it in
 ``last_failure``; ``TransferEngine(raise_on_failure=True)`` raises
 ``ferry.TransferFailed`` (or the error ferryd answered with) instead.
 
-This release moves host memory, copying it to ferryd: one upload and one
-batch transfer per call, however many pieces it carries. Memory Mooncake
-callers register is anonymous memory of theirs, which ferryd cannot map;
-zero-copy needs the memory in a region (``Client.register_region``), and
-CUDA device memory is not supported here yet (docs/python.md).
+Each call is one batch transfer (one completion), however many pieces it
+carries. CUDA device memory given to ``register_memory`` is lent to ferryd
+as a region by its IPC handle (ferryd must run on that GPU) and sent with
+no copy; host memory is the caller's anonymous memory, which ferryd cannot
+map, so its pieces are copied into one staged entry per call (one upload).
+The GPU path has not yet run on a GPU (make test-gpu has its test).
 """
 
+import base64
 import bisect
 import ctypes
 import itertools
+import json
 import logging
 import os
 import threading
 from dataclasses import dataclass
 
 from .client import Client, Slot
+from .cuda import ipc_handle
 from .errors import BadRequest, FerryError
 
 __all__ = ["TransferEngine", "Failure"]
@@ -64,6 +68,7 @@ class TransferEngine:
         self._lock = threading.Condition()
         self._regions = []     # sorted (start, end)
         self._in_flight = {}   # region start -> transfers reading it now
+        self._gpu = {}         # start of a GPU range -> the ferryd region lent for it
 
     # --- set-up
 
@@ -99,16 +104,26 @@ class TransferEngine:
         that overlaps one registered before."""
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
-        if _is_device_pointer(ptr):
-            return self._refuse("register_memory", length,
-                                f"register_memory({ptr:#x}, {length}): CUDA device memory is not supported by ferry's "
-                                "Mooncake engine yet (host memory only; it needs ferryd's region API)")
         with self._lock:
             i = bisect.bisect_left(self._regions, (ptr, ptr + length))
             near = self._regions[max(i - 1, 0):i + 1]
             if any(s < ptr + length and ptr < e for s, e in near):
                 return self._refuse("register_memory", length,
                                     f"register_memory({ptr:#x}, {length}): overlaps a registered range: unregister it first")
+            ordinal = _device_ordinal(ptr)
+            if ordinal is not None:
+                # GPU memory is lent to ferryd as a region: sent with no copy.
+                name = f"mooncake-{os.getpid()}-{ptr:x}"
+                try:
+                    handle, offset = ipc_handle(ptr)
+                    self._need_client().request("POST", "/v1/regions", json.dumps({
+                        "name": name, "nbytes": length, "cuda": {
+                            "device": f"cuda:{ordinal}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}).encode(),
+                        "application/json")
+                except (FerryError, ValueError, ImportError) as e:
+                    err = e if isinstance(e, FerryError) else BadRequest(f"register_memory({ptr:#x}, {length}): {e}", code="bad_request")
+                    return self._fail("register_memory", "", length, err)
+                self._gpu[ptr] = name
             self._regions.insert(i, (ptr, ptr + length))
         return 0
 
@@ -131,6 +146,12 @@ class TransferEngine:
                 return self._refuse("unregister_memory", 0, f"unregister_memory({ptr:#x}): no range is registered there")
             self._lock.wait_for(lambda: not self._in_flight.get(ptr))
             del self._regions[i]
+            name = self._gpu.pop(ptr, None)
+        if name is not None:
+            try:
+                self._need_client().unregister_region(name)
+            except FerryError as e:
+                return self._fail("unregister_memory", "", 0, e)
         return 0
 
     # --- transfers
@@ -161,7 +182,7 @@ class TransferEngine:
                     return self._refuse(method, n, f"{method} to {session_id}: [{src:#x}, +{n}) lies in no registered "
                                                    "range: register_memory it first")
                 held.append(region)
-            self._write(session, pieces)
+            self._write(session, pieces, held)
         except FerryError as e:
             return self._fail(method, session_id, sum(n for _, _, n in pieces), e)
         finally:
@@ -169,31 +190,45 @@ class TransferEngine:
                 self._release(region)
         return 0
 
-    def _write(self, session, pieces):
-        """Copies the pieces into one staged entry (one upload) and writes
-        them with one batch transfer (one completion)."""
+    def _write(self, session, pieces, starts):
+        """Writes the pieces with one batch transfer (one completion): those
+        in GPU ranges straight from their regions, the host ones copied
+        into one staged entry first (one upload). starts are the registered
+        ranges the pieces lie in."""
         client = self._need_client()
-        req_id = f"mooncake-{os.getpid()}-{next(self._ids)}"
-        total = sum(n for _, _, n in pieces)
-        staged = bytearray(total)
-        window = (ctypes.c_char * total).from_buffer(staged)
         base = min(dst for _, dst, _ in pieces)
-        items, off = [], 0
-        for src, dst, n in pieces:
-            ctypes.memmove(ctypes.byref(window, off), src, n)
-            items.append((0, off, 0, dst - base, n))
-            off += n
-        del window
-        client.stage(req_id, staged)
+        sources, items, staged, by_region = [], [], bytearray(), {}
+        host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in self._gpu]
+        req_id = None
+        if host:
+            req_id = f"mooncake-{os.getpid()}-{next(self._ids)}"
+            sources.append(req_id)
+            staged = bytearray(sum(n for _, _, n in host))
+            window = (ctypes.c_char * len(staged)).from_buffer(staged)
+            off = 0
+            for src, dst, n in host:
+                ctypes.memmove(ctypes.byref(window, off), src, n)
+                items.append((0, off, 0, dst - base, n))
+                off += n
+            del window
+        for (src, dst, n), st in zip(pieces, starts):
+            if st in self._gpu:
+                if st not in by_region:
+                    by_region[st] = len(sources)
+                    sources.append({"region": self._gpu[st]})
+                items.append((by_region[st], src - st, 0, dst - base, n))
+        if req_id is not None:
+            client.stage(req_id, staged)
         try:
-            client.transfer_sync([req_id], [Slot(session=session, buffer_address=base)], items, timeout=client.timeout)
+            client.transfer_sync(sources, [Slot(session=session, buffer_address=base)], items, timeout=client.timeout)
         except FerryError:
             # A failed transfer keeps its source for a retry; this engine
             # does not retry, so it goes (the failure is the transfer's to tell).
-            try:
-                client.delete(req_id)
-            except FerryError:
-                pass
+            if req_id is not None:
+                try:
+                    client.delete(req_id)
+                except FerryError:
+                    pass
             raise
 
     def _hold(self, src, n):
@@ -261,12 +296,21 @@ def _driver():
     return _cuda or None
 
 
-def _is_device_pointer(ptr):
-    """Whether the CUDA driver knows ptr as device memory; False without a
-    driver. Reading such a pointer from the host would crash the process."""
+_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
+
+
+def _device_ordinal(ptr):
+    """The GPU holding ptr when the CUDA driver knows it as device memory,
+    else None (also without a driver). Reading such a pointer from the
+    host would crash the process, so it is lent to ferryd as a region."""
     cuda = _driver()
     if cuda is None:
-        return False
-    kind = ctypes.c_uint(0)
-    ok = cuda.cuPointerGetAttribute(ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)) == 0
-    return ok and kind.value == _CU_MEMORYTYPE_DEVICE
+        return None
+    kind, ordinal = ctypes.c_uint(0), ctypes.c_int(-1)
+    if cuda.cuPointerGetAttribute(ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)) != 0:
+        return None
+    if kind.value != _CU_MEMORYTYPE_DEVICE:
+        return None
+    if cuda.cuPointerGetAttribute(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_uint64(ptr)) != 0:
+        return None
+    return ordinal.value

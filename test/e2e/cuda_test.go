@@ -285,10 +285,11 @@ func TestGPUTorchClientStagesAndReadsInPlace(t *testing.T) {
 }
 
 // runTorchClient runs a torch client script of scripts/gpu against two
-// ferryd on cuda:0 (arena and bounce sizes as given); it must print PASS.
+// ferryd on cuda:0 (arena and bounce sizes as given, then extra flags);
+// it must print PASS.
 // The ferry package is beside the script in the GPU bundle, else in the
 // tree.
-func runTorchClient(t *testing.T, script, arena, bounce string) {
+func runTorchClient(t *testing.T, script, arena, bounce string, extra ...string) {
 	t.Helper()
 	cudatest.Require(t)
 	if out, err := exec.Command("python3", "-c", "import torch; assert torch.cuda.is_available()").CombinedOutput(); err != nil {
@@ -297,7 +298,7 @@ func runTorchClient(t *testing.T, script, arena, bounce string) {
 		}
 		t.Skipf("python3 with CUDA-enabled torch is not installed: %s", bytes.TrimSpace(out))
 	}
-	snd, rcv := pair(t, "--device", "cuda:0", "--arena-size", arena, "--bounce-size", bounce)
+	snd, rcv := pair(t, append([]string{"--device", "cuda:0", "--arena-size", arena, "--bounce-size", bounce}, extra...)...)
 	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "python3", filepath.Join(scriptsDir(), script), snd.socket, rcv.socket)
@@ -370,7 +371,7 @@ func TestGPURegionsSendAndReceiveTheOwnersMemory(t *testing.T) {
 // The Python client lends torch tensors as GPU regions and moves a batch
 // between them (scripts/gpu/torch_region.py).
 func TestGPUTorchRegions(t *testing.T) {
-	runTorchClient(t, "torch_region.py", "64MiB", "32MiB")
+	runTorchClient(t, "torch_region.py", "64MiB", "32MiB", "--mooncake-listen", "127.0.0.1:0")
 }
 
 // A host-memory ferryd cannot take GPU memory: it says what to do.
