@@ -283,6 +283,11 @@ type SendRequest struct {
 	// WaitMS waits this long for the req_id to be staged, to cover a stage
 	// that races the send. 0 fails at once.
 	WaitMS int64 `json:"wait_ms,omitempty"`
+	// NBytes is the slot's size, as the receiver's POST /v1/receives gave
+	// it (optional): a staged embedding larger than it is refused before
+	// anything moves, and over RDMA between peers sharing the peer secret
+	// only a send that fills it exactly goes direct (docs/rdma.md).
+	NBytes int64 `json:"nbytes,omitempty"`
 }
 
 type SendResult struct {

@@ -120,7 +120,7 @@ func (t *transferRun) stageSendRound(ctx context.Context, c, n int) (timed, erro
 	defer cleanup()
 	if s := timedEach(c, n, func(i int) error {
 		r, err := t.p.To.Receive(ctx, ids[i], sz)
-		slots[i] = api.SendRequest{Session: r.Session, BufferAddress: r.BufferAddress, Key: r.Key}
+		slots[i] = api.SendRequest{Session: r.Session, BufferAddress: r.BufferAddress, Key: r.Key, NBytes: r.NBytes}
 		return err
 	}); s.errs > 0 {
 		return timed{}, fmt.Errorf("allocating receive slots: %w", s.firstErr)

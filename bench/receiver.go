@@ -32,7 +32,7 @@ func (f ferryReceiver) room(ctx context.Context) (int64, int64, error) {
 
 func (f ferryReceiver) slot(ctx context.Context, id string, _ int, sz int64) (api.SendRequest, error) {
 	s, err := f.c.Receive(ctx, id, sz)
-	return api.SendRequest{Session: s.Session, BufferAddress: s.BufferAddress, Key: s.Key}, err
+	return api.SendRequest{Session: s.Session, BufferAddress: s.BufferAddress, Key: s.Key, NBytes: s.NBytes}, err
 }
 
 func (f ferryReceiver) free(ctx context.Context, id string) error { return f.c.FreeReceive(ctx, id) }

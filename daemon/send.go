@@ -46,6 +46,9 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			"%s: key is missing: use the key the receiver's POST /v1/receives returned", reqID)
 	}
 	wait := time.Duration(req.WaitMS) * time.Millisecond
+	if req.NBytes < 0 {
+		return res, apiErr(api.CodeBadRequest, "%s: nbytes %d is negative: pass the slot's nbytes, or leave it out", reqID, req.NBytes)
+	}
 	if req.WaitMS < 0 || wait > maxWait {
 		return res, apiErr(api.CodeBadRequest, "%s: wait_ms %d is outside 0..%d", reqID, req.WaitMS, maxWait.Milliseconds())
 	}
@@ -63,6 +66,11 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	res.NBytes = e.nbytes
 	sent := false
 	defer func() { d.reg.finishSend(e, sent) }()
+	if req.NBytes > 0 && e.nbytes > req.NBytes {
+		return res, apiErr(api.CodeBadRequest,
+			"%s: the staged embedding has %d bytes, more than the %d of the receive slot at session %s: ask the receiver for a slot of %d bytes; the staged embedding is kept",
+			reqID, e.nbytes, req.NBytes, req.Session, e.nbytes)
+	}
 
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
 	defer cancel()
@@ -73,7 +81,10 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
 	}
 	defer releaseSrc()
-	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag(), Whole: true}
+	// Whole (a direct write's condition) only when the sender knows the
+	// slot is exactly this size: a longer direct write would run past the
+	// slot before the receiver could see it.
+	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag(), Whole: req.NBytes == e.nbytes}
 	start := time.Now()
 	dl, lastErr := d.deliver(ctx, req.Session, w, d.log.With().Str("req_id", reqID).Logger())
 	res.Attempts = dl.attempts

@@ -329,7 +329,7 @@ func cmdSend(fs *flag.FlagSet) func(context.Context, *env) error {
 			if err := json.Unmarshal(raw, &slot); err != nil {
 				return fmt.Errorf("%s is not a receive slot's JSON: %w", *slotFile, err)
 			}
-			req.Session, req.BufferAddress, req.Key = slot.Session, slot.BufferAddress, slot.Key
+			req.Session, req.BufferAddress, req.Key, req.NBytes = slot.Session, slot.BufferAddress, slot.Key, slot.NBytes
 		} else {
 			if req.BufferAddress, err = parseUint(*addr, "--addr", 64); err != nil {
 				return err

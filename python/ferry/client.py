@@ -225,6 +225,8 @@ class Client:
         payload = {"session": slot.session, "buffer_address": slot.buffer_address}
         if slot.key is not None:
             payload["key"] = slot.key
+        if slot.nbytes is not None:
+            payload["nbytes"] = slot.nbytes
         if wait_ms:
             payload["wait_ms"] = wait_ms
         return self._json("POST", f"/v1/embeddings/{_id(req_id)}/send", payload, self.timeout + wait_ms / 1000)

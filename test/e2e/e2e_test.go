@@ -455,3 +455,26 @@ func TestSecondDaemonOnSameSocketIsRefused(t *testing.T) {
 	}
 	d.alive(t)
 }
+
+// A send that names the slot's size is refused before anything moves when
+// the embedding is larger, and keeps it staged.
+func TestSendLargerThanTheNamedSlotIsRefused(t *testing.T) {
+	snd, rcv := pair(t)
+	ctx := ctxT(t)
+	data := randomBytes(8192, 61)
+	if _, err := snd.c.Stage(ctx, "big", []int64{8192}, "u8", bytes.NewReader(data), 8192); err != nil {
+		t.Fatal(err)
+	}
+	slot, err := rcv.c.Receive(ctx, "small", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = snd.c.Send(ctx, "big", api.SendRequest{Session: slot.Session, BufferAddress: slot.BufferAddress, Key: slot.Key, NBytes: slot.NBytes})
+	wantErr(t, err, 400, api.CodeBadRequest, "big", "8192 bytes", "4096", "kept")
+	if e, err := snd.c.Embedding(ctx, "big"); err != nil || e.State != "staged" {
+		t.Fatalf("after the refusal: %+v, %v", e, err)
+	}
+	if info, err := rcv.c.WaitInfo(ctx, "small", 0); err != nil || info.WritesInFlight != 0 || info.Arrived {
+		t.Fatalf("the slot after a refused send: %+v, %v", info, err)
+	}
+}
