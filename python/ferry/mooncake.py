@@ -35,7 +35,7 @@ import threading
 from dataclasses import dataclass
 
 from .client import Client, Slot
-from .cuda import ipc_handle
+from .cuda import device_ordinal, ipc_handle
 from .errors import BadRequest, FerryError
 
 __all__ = ["TransferEngine", "Failure"]
@@ -110,7 +110,7 @@ class TransferEngine:
             if any(s < ptr + length and ptr < e for s, e in near):
                 return self._refuse("register_memory", length,
                                     f"register_memory({ptr:#x}, {length}): overlaps a registered range: unregister it first")
-            ordinal = _device_ordinal(ptr)
+            ordinal = device_ordinal(ptr)
             if ordinal is not None:
                 # GPU memory is lent to ferryd as a region: sent with no copy.
                 name = f"mooncake-{os.getpid()}-{ptr:x}"
@@ -275,42 +275,3 @@ def _merge(pieces):
         else:
             out.append((src, dst, n))
     return out
-
-
-_CU_POINTER_ATTRIBUTE_MEMORY_TYPE = 2
-_CU_MEMORYTYPE_DEVICE = 2
-
-
-_cuda = None
-
-
-def _driver():
-    """The CUDA driver, initialised, or None without one."""
-    global _cuda
-    if _cuda is None:
-        try:
-            lib = ctypes.CDLL("libcuda.so.1")
-            _cuda = lib if lib.cuInit(0) == 0 else False
-        except OSError:
-            _cuda = False
-    return _cuda or None
-
-
-_CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL = 9
-
-
-def _device_ordinal(ptr):
-    """The GPU holding ptr when the CUDA driver knows it as device memory,
-    else None (also without a driver). Reading such a pointer from the
-    host would crash the process, so it is lent to ferryd as a region."""
-    cuda = _driver()
-    if cuda is None:
-        return None
-    kind, ordinal = ctypes.c_uint(0), ctypes.c_int(-1)
-    if cuda.cuPointerGetAttribute(ctypes.byref(kind), _CU_POINTER_ATTRIBUTE_MEMORY_TYPE, ctypes.c_uint64(ptr)) != 0:
-        return None
-    if kind.value != _CU_MEMORYTYPE_DEVICE:
-        return None
-    if cuda.cuPointerGetAttribute(ctypes.byref(ordinal), _CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL, ctypes.c_uint64(ptr)) != 0:
-        return None
-    return ordinal.value
