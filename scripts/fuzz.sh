@@ -19,6 +19,13 @@ for t in "${targets[@]}"; do
   echo "== fuzz ./$dir $name for $FUZZTIME"
   if go test -run '^$' -fuzz "^${name}\$" -fuzztime "$FUZZTIME" "./$dir" >"$log" 2>&1; then
     result=ok
+  elif grep -q 'context deadline exceeded' "$log" && ! grep -q 'Failing input written' "$log" &&
+    go test -run '^$' -fuzz "^${name}\$" -fuzztime "$FUZZTIME" "./$dir" >"$log" 2>&1; then
+    # Go's fuzzer can report its own -fuzztime deadline, hit while it
+    # minimised a new input, as a failure with no failing input: the
+    # target ran again, clean.
+    result=ok
+    echo "   (the first run ended on the fuzzer's own deadline with no failing input; a second ran clean)"
   else
     result=FAIL failed=1
     cat "$log"
