@@ -152,10 +152,11 @@ func TestFakeDriverVariantsFailAsTheirKind(t *testing.T) {
 	}
 }
 
-// Without cuMemGetHandleForAddressRange (drivers before CUDA 11.7) the
-// arena still works and says why there is no dmabuf.
-func TestFakeDriverWithoutDMABufExport(t *testing.T) {
-	d, err := load(buildFakeDriver(t, fakecuda.Old))
+// fakeDriverDevice opens cuda:0 of the variant of the fake driver, closed when
+// t ends.
+func fakeDriverDevice(t *testing.T, variant string) *Device {
+	t.Helper()
+	d, err := load(buildFakeDriver(t, variant))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -163,7 +164,14 @@ func TestFakeDriverWithoutDMABufExport(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer dev.Close()
+	t.Cleanup(func() { dev.Close() })
+	return dev
+}
+
+// Without cuMemGetHandleForAddressRange (drivers before CUDA 11.7) the
+// arena still works and says why there is no dmabuf.
+func TestFakeDriverWithoutDMABufExport(t *testing.T) {
+	dev := fakeDriverDevice(t, fakecuda.Old)
 	a, err := NewArena(dev, 2<<20, 1<<20)
 	if err != nil {
 		t.Fatal(err)
@@ -177,15 +185,7 @@ func TestFakeDriverWithoutDMABufExport(t *testing.T) {
 // A region opened by IPC handle copies in and out of the owner's
 // allocation, at its offset, through the real call path.
 func TestFakeDriverOpensARegionByIPCHandle(t *testing.T) {
-	d, err := load(buildFakeDriver(t, fakecuda.Working))
-	if err != nil {
-		t.Fatal(err)
-	}
-	dev, err := d.Open(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer dev.Close()
+	dev := fakeDriverDevice(t, fakecuda.Working)
 	owner, err := dev.Alloc(1 << 20)
 	if err != nil {
 		t.Fatal(err)

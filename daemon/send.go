@@ -29,21 +29,12 @@ const maxWait = 10 * time.Minute
 // any failure it stays staged for the client to retry or delete.
 func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (api.SendResult, error) {
 	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name()}
-	if _, isMooncake, err := mooncake.RPCAddr(req.Session); isMooncake {
-		if err != nil {
-			return res, apiErr(api.CodeBadRequest, "%s: %v", reqID, err)
-		}
+	isMooncake, err := checkSlot(reqID, req.Session, req.BufferAddress, req.Key)
+	if isMooncake {
 		res.Transport = mooncake.TransportName
-	} else if err := api.CheckSession(req.Session); err != nil {
-		return res, apiErr(api.CodeBadRequest, "%s: %v", reqID, err)
 	}
-	if req.BufferAddress == 0 {
-		return res, apiErr(api.CodeBadRequest,
-			"%s: buffer_address is missing: use the buffer_address the receiver's POST /v1/receives returned", reqID)
-	}
-	if req.Key.IsZero() && res.Transport != mooncake.TransportName {
-		return res, apiErr(api.CodeBadRequest,
-			"%s: key is missing: use the key the receiver's POST /v1/receives returned", reqID)
+	if err != nil {
+		return res, err
 	}
 	wait := time.Duration(req.WaitMS) * time.Millisecond
 	if req.NBytes < 0 {

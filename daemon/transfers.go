@@ -88,24 +88,28 @@ func plan(req api.TransferRequest, srcs []batchSource) ([]piece, int64, error) {
 	return merged, total, nil
 }
 
-// checkDestination checks one slot descriptor the way a send checks its own.
-func checkDestination(i int, s api.ReceiveSlot) error {
-	mc := false
-	if _, isMooncake, err := mooncake.RPCAddr(s.Session); isMooncake {
+// checkSlot checks a slot descriptor a client passes along (a send's, or
+// a batch's destination, named by who in errors): its session, and its
+// address and key as the receiver's POST /v1/receives gave them. A
+// Mooncake segment's slot has no key.
+func checkSlot(who, session string, addr uint64, key transport.Key) (isMooncake bool, err error) {
+	if _, mc, err := mooncake.RPCAddr(session); mc {
 		if err != nil {
-			return apiErr(api.CodeBadRequest, "destination %d: %v", i, err)
+			return true, apiErr(api.CodeBadRequest, "%s: %v", who, err)
 		}
-		mc = true
-	} else if err := api.CheckSession(s.Session); err != nil {
-		return apiErr(api.CodeBadRequest, "destination %d: %v", i, err)
+		isMooncake = true
+	} else if err := api.CheckSession(session); err != nil {
+		return false, apiErr(api.CodeBadRequest, "%s: %v", who, err)
 	}
-	if s.BufferAddress == 0 {
-		return apiErr(api.CodeBadRequest, "destination %d: buffer_address is missing: pass the slot as the receiver's POST /v1/receives returned it", i)
+	if addr == 0 {
+		return isMooncake, apiErr(api.CodeBadRequest,
+			"%s: buffer_address is missing: use the buffer_address the receiver's POST /v1/receives returned", who)
 	}
-	if s.Key.IsZero() && !mc {
-		return apiErr(api.CodeBadRequest, "destination %d: key is missing: pass the slot as the receiver's POST /v1/receives returned it", i)
+	if key.IsZero() && !isMooncake {
+		return isMooncake, apiErr(api.CodeBadRequest,
+			"%s: key is missing: use the key the receiver's POST /v1/receives returned", who)
 	}
-	return nil
+	return isMooncake, nil
 }
 
 // batchSource is one source of a batch: a staged entry it claimed (as a
@@ -237,7 +241,7 @@ func (d *Daemon) startTransfer(req api.TransferRequest) (api.Transfer, error) {
 		return api.Transfer{}, apiErr(api.CodeBadRequest, "a transfer lists its sources and its destinations: it has %d and %d", len(req.Sources), len(req.Destinations))
 	}
 	for i, s := range req.Destinations {
-		if err := checkDestination(i, s); err != nil {
+		if _, err := checkSlot(fmt.Sprintf("destination %d", i), s.Session, s.BufferAddress, s.Key); err != nil {
 			return api.Transfer{}, err
 		}
 	}
