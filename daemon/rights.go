@@ -30,15 +30,21 @@ func (l rightsListener) Accept() (net.Conn, error) {
 type rightsConn struct {
 	*net.UnixConn
 
+	// oob takes the control messages of one read; the HTTP server reads a
+	// connection from one goroutine at a time.
+	oob [64]byte
+
 	mu  sync.Mutex
 	fds []int // passed and not yet claimed
 }
 
+// Room in oob for the most descriptors one message may bring.
+var _ [64 - unix.SizeofCmsghdr - 4*maxPassedFDs]byte
+
 func (c *rightsConn) Read(b []byte) (int, error) {
-	oob := make([]byte, unix.CmsgSpace(4*maxPassedFDs))
-	n, oobn, _, _, err := c.ReadMsgUnix(b, oob)
+	n, oobn, _, _, err := c.ReadMsgUnix(b, c.oob[:])
 	if oobn > 0 {
-		c.keep(oob[:oobn])
+		c.keep(c.oob[:oobn])
 	}
 	return n, err
 }
