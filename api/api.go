@@ -154,6 +154,42 @@ type Registration struct {
 	// PerSend counts the writes that registered their own range (on
 	// either side) since start.
 	PerSend uint64 `json:"per_send_registrations"`
+	// GPU is how a GPU arena met the RDMA NIC; nil for a host arena or
+	// without RDMA.
+	GPU *GPURegistrationStatus `json:"gpu,omitempty"`
+}
+
+// GPURegistration is a way of registering a GPU arena with the RDMA NIC,
+// spelt the same in the gpu_registration setting, status and metric
+// labels.
+type GPURegistration string
+
+const (
+	GPURegistrationAuto    GPURegistration = "auto"    // the first of dmabuf, peermem, bounce that works
+	GPURegistrationDMABuf  GPURegistration = "dmabuf"  // the arena's dmabuf (ibv_reg_dmabuf_mr): NIC <-> GPU
+	GPURegistrationPeerMem GPURegistration = "peermem" // the device pointer (ibv_reg_mr, nvidia-peermem): NIC <-> GPU
+	GPURegistrationBounce  GPURegistration = "bounce"  // the pinned host bounce area: copies around each transfer
+)
+
+// GPURegistrationPaths are the paths in the order auto tries them.
+var GPURegistrationPaths = []GPURegistration{GPURegistrationDMABuf, GPURegistrationPeerMem, GPURegistrationBounce}
+
+// GPURegistrationStatus says which path registered a GPU arena and why
+// the others did not.
+type GPURegistrationStatus struct {
+	Asked GPURegistration `json:"asked"` // --gpu-registration
+	// Path is the one taken, "" when none worked (every write is then
+	// copied, and NotTaken says why).
+	Path     GPURegistration   `json:"path"`
+	NotTaken []GPUPathNotTaken `json:"not_taken"`
+}
+
+// GPUPathNotTaken is a registration path not taken and why: it failed
+// (with what to do), or it was not tried.
+type GPUPathNotTaken struct {
+	Path   GPURegistration `json:"path"`
+	Failed bool            `json:"failed"`
+	Reason string          `json:"reason"`
 }
 
 type TransportStatus struct {

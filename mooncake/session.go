@@ -167,6 +167,9 @@ func (s *Session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	if s.ctx.Err() != nil {
 		return transport.Report{}, fmt.Errorf("mooncake write to %s: %w", s.peer, transport.ErrClosed)
 	}
+	if w.Src == nil && w.Device.Len > 0 {
+		return transport.Report{}, fmt.Errorf("mooncake write to %s: %w", s.peer, transport.ErrHostOnly)
+	}
 	n := uint64(len(w.Src))
 	seg := s.segment()
 	if _, ok := seg.Buffer(w.Remote, n); !ok {

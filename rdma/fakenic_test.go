@@ -37,6 +37,13 @@ type fabric struct {
 	// inline, if set, has Post carry out its work requests before it
 	// returns, as soft-RoCE does on a loopback QP.
 	inline bool
+	// device is the memory tests declare to be a GPU's: RegisterDevice
+	// and RegisterDMABuf reach only it (the fake's stand-in for device
+	// memory is mapped host memory, as the fake CUDA driver's is).
+	// noDMABuf and noPeerMem, if set, are how those fail, as on a NIC
+	// without dmabuf support or a host without nvidia-peermem.
+	device              [][]byte
+	noDMABuf, noPeerMem error
 }
 
 func newFabric() *fabric {
@@ -78,6 +85,33 @@ func (n *fakeNIC) Register(mem []byte) (region, error) {
 	n.f.mrs[m.key] = m
 	n.hold(1)
 	return m, nil
+}
+
+func (n *fakeNIC) RegisterDevice(addr, size uint64) (region, error) {
+	if n.f.noPeerMem != nil {
+		return nil, fmt.Errorf("ibv_reg_mr of %d bytes of device memory at %#x: %w", size, addr, n.f.noPeerMem)
+	}
+	return n.registerDevice(addr, size)
+}
+
+func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64) (region, error) {
+	if n.f.noDMABuf != nil {
+		return nil, fmt.Errorf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d: %w", size, fd, n.f.noDMABuf)
+	}
+	return n.registerDevice(iova, size)
+}
+
+// registerDevice registers [addr, addr+size) of the declared device
+// memory; anything else is EFAULT, as ibv_reg_mr of an address nothing
+// maps.
+func (n *fakeNIC) registerDevice(addr, size uint64) (region, error) {
+	for _, d := range n.f.device {
+		if addr >= addrOf(d) && size <= uint64(len(d)) && addr-addrOf(d) <= uint64(len(d))-size {
+			off := addr - addrOf(d)
+			return n.Register(d[off : off+size])
+		}
+	}
+	return nil, fmt.Errorf("ibv_reg_mr of %d bytes at %#x: %w", size, addr, syscall.EFAULT)
 }
 
 // Close fails like ibv_dealloc_pd when something made from the NIC is

@@ -59,19 +59,43 @@ const (
 // source is a write's local side.
 type source struct {
 	kind sourceKind
+	addr uint64 // of its first byte, as the NIC reads it (not fromBounce)
 	lkey uint32
 	reg  region // fromPerSend: the registration to drop after the write
 }
 
-// kindOf says how src reaches the NIC.
-func (t *Transport) kindOf(src []byte) sourceKind {
+// kindOf says how w's source reaches the NIC: a device source only ever
+// from the shared registration (writeSource refuses any other).
+func (t *Transport) kindOf(w *transport.Write) sourceKind {
+	src := w.Src
 	switch {
-	case len(src) == 0 || t.shared != nil && within(t.cfg.Memory, src):
+	case src == nil && w.Device.Len > 0 || len(src) == 0 || t.shared != nil && within(t.mem, src):
 		return fromShared
-	case within(t.cfg.Memory, src):
+	case within(t.mem, src):
 		return fromPerSend
 	}
 	return fromBounce
+}
+
+// writeSource is source for w, whose source may be device memory: it
+// must lie in the GPU arena the NIC reaches itself.
+func (t *Transport) writeSource(w *transport.Write) (source, error) {
+	if w.Src != nil || w.Device.Len == 0 {
+		return t.source(w.Src)
+	}
+	d := w.Device
+	if t.dev.Len == 0 || d.Addr < t.dev.Addr || d.Addr-t.dev.Addr > t.dev.Len-d.Len || d.Len > t.dev.Len {
+		return source{}, fmt.Errorf("%d bytes of device memory at %#x lie outside the GPU arena the NIC reaches (%s): copy them to host memory first", d.Len, d.Addr, t.reachable())
+	}
+	return source{kind: fromShared, addr: d.Addr, lkey: t.shared.LKey()}, nil
+}
+
+// reachable names the device memory the NIC reaches, for errors.
+func (t *Transport) reachable() string {
+	if t.dev.Len == 0 {
+		return "none: no GPU arena registered by dmabuf or peer memory"
+	}
+	return fmt.Sprintf("%d bytes at %#x", t.dev.Len, t.dev.Addr)
 }
 
 // report is what a write of n bytes from a source of kind k takes.
@@ -88,19 +112,19 @@ func (k sourceKind) report(n int) transport.Report {
 // source finds how src reaches the NIC, registering it when it lies in
 // the declared memory without a shared registration.
 func (t *Transport) source(src []byte) (source, error) {
-	switch t.kindOf(src) {
+	switch t.kindOf(&transport.Write{Src: src}) {
 	case fromShared:
 		if len(src) == 0 {
 			return source{kind: fromShared}, nil
 		}
-		return source{kind: fromShared, lkey: t.shared.LKey()}, nil
+		return source{kind: fromShared, addr: addrOf(src), lkey: t.shared.LKey()}, nil
 	case fromPerSend:
 		reg, err := t.nic.Register(src)
 		if err != nil {
 			return source{}, fmt.Errorf("per-send registration of %d bytes: %w", len(src), err)
 		}
 		t.stats.perSend.Add(1)
-		return source{kind: fromPerSend, lkey: reg.LKey(), reg: reg}, nil
+		return source{kind: fromPerSend, addr: addrOf(src), lkey: reg.LKey(), reg: reg}, nil
 	}
 	t.stats.bounced.Add(1)
 	return source{kind: fromBounce}, nil
@@ -151,10 +175,10 @@ func (t *Transport) target(dst []byte) (*target, error) {
 	switch {
 	case len(dst) == 0:
 		return tg, nil
-	case t.shared != nil && within(t.cfg.Memory, dst):
+	case t.shared != nil && within(t.mem, dst):
 		tg.addr, tg.rkey = addrOf(dst), t.shared.RKey()
 		return tg, nil
-	case within(t.cfg.Memory, dst):
+	case within(t.mem, dst):
 		reg, err := t.nic.Register(dst)
 		if err != nil {
 			return nil, fmt.Errorf("per-receive registration of %d bytes: %w", len(dst), err)
@@ -175,6 +199,12 @@ func (t *Transport) target(dst []byte) (*target, error) {
 	t.stats.staged.Add(1)
 	tg.addr, tg.rkey, tg.reg, tg.stage = addrOf(stage), reg.RKey(), reg, stage
 	return tg, nil
+}
+
+// inPlace reports whether a write of n bytes at addr lands in the GPU
+// arena the NIC reaches itself.
+func (t *Transport) inPlace(addr, n uint64) bool {
+	return t.dev.Len > 0 && n > 0 && addr >= t.dev.Addr && n <= t.dev.Len && addr-t.dev.Addr <= t.dev.Len-n
 }
 
 // finish copies a staged write into place when it arrived (ok) and drops

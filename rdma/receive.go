@@ -107,10 +107,12 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 // region describes the shared registration to dialers.
 func (t *Transport) region() peerRegion {
 	switch {
+	case t.shared != nil && t.dev.Len > 0:
+		return peerRegion{Base: t.dev.Addr, Size: t.dev.Len, RKey: t.shared.RKey(), Mode: modeShared}
 	case t.shared != nil:
-		return peerRegion{Base: addrOf(t.cfg.Memory), Size: uint64(len(t.cfg.Memory)), RKey: t.shared.RKey(), Mode: modeShared}
-	case len(t.cfg.Memory) > 0:
-		return peerRegion{Base: addrOf(t.cfg.Memory), Size: uint64(len(t.cfg.Memory)), Mode: modePerSend}
+		return peerRegion{Base: addrOf(t.mem), Size: uint64(len(t.mem)), RKey: t.shared.RKey(), Mode: modeShared}
+	case len(t.mem) > 0:
+		return peerRegion{Base: addrOf(t.mem), Size: uint64(len(t.mem)), Mode: modePerSend}
 	}
 	return peerRegion{Mode: modeNone}
 }
@@ -248,18 +250,30 @@ func (r *receiver) reply(code transport.Code, flags uint16, msg string, body []b
 // lane.
 func (r *receiver) serve(h peer.Header) error {
 	t := r.t
-	dst, done, no := r.gate.Admit(&h)
+	var tg *target
+	var done func(error)
+	var no *peer.Refused
+	if sink, ok := t.cfg.Peer.Sink.(transport.InPlaceSink); ok && t.inPlace(h.Addr, h.Len) {
+		// Into the GPU arena the NIC reaches: straight to the slot.
+		if done, no = r.gate.AdmitInPlace(&h, sink); no == nil {
+			tg = &target{addr: h.Addr, rkey: t.shared.RKey()}
+		}
+	} else {
+		var dst []byte
+		if dst, done, no = r.gate.Admit(&h); no == nil {
+			var err error
+			if tg, err = t.target(dst); err != nil {
+				done(err)
+				return r.reply(transport.Internal, 0, fmt.Sprintf("the receiver could not make its memory reachable: %v", err), nil)
+			}
+		}
+	}
 	if no != nil {
 		if no.End != nil {
 			r.reply(no.Code, no.Flags(), no.Msg, nil)
 			return no.End
 		}
 		return r.reply(no.Code, 0, no.Msg, nil)
-	}
-	tg, err := t.target(dst)
-	if err != nil {
-		done(err)
-		return r.reply(transport.Internal, 0, fmt.Sprintf("the receiver could not make its memory reachable: %v", err), nil)
 	}
 	// Outstanding before the reply goes out: if part of it does, fail
 	// breaks the QP before letting go of the memory.

@@ -153,7 +153,7 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 		if err != nil {
 			return transport.Report{}, err
 		}
-		rep := s.t.kindOf(w.Src).report(len(w.Src))
+		rep := s.t.kindOf(&w).report(w.Len())
 		s.t.stats.sends.Add(1)
 		if dg != nil {
 			s.t.stats.direct.Add(1)
@@ -173,8 +173,8 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 // outside the peer's shared registration (the peer's refusal then says
 // what is wrong).
 func (s *session) directGrant(w *transport.Write) *grant {
-	n := len(w.Src)
-	if !s.direct || !w.Whole || w.Tag != w.Key.Tag() || n > directMax || s.t.kindOf(w.Src) == fromBounce {
+	n := w.Len()
+	if !s.direct || !w.Whole || w.Tag != w.Key.Tag() || n > directMax || s.t.kindOf(w) == fromBounce {
 		return nil
 	}
 	g, ok := s.region.direct(w.Remote, uint64(n))
@@ -300,7 +300,7 @@ type flight struct {
 // write (dg) goes without the header, in one work request. With an
 // error, reuse reports whether l may carry another write.
 func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *grant) (_ *flight, reuse bool, err error) {
-	src, err := s.t.source(w.Src)
+	src, err := s.t.writeSource(w)
 	if err != nil {
 		return nil, true, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 	}
@@ -310,7 +310,7 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *gr
 		}
 	}()
 	if dg != nil {
-		f := &flight{n: len(w.Src), count: 1, wr: max(1, len(w.Src)), every: 1, window: 1, g: *dg, w: w, src: src}
+		f := &flight{n: w.Len(), count: 1, wr: max(1, w.Len()), every: 1, window: 1, g: *dg, w: w, src: src}
 		if err = s.post(ctx, l, f); err != nil {
 			return nil, false, err
 		}
@@ -320,7 +320,7 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *gr
 	if err != nil {
 		return nil, reuse, err
 	}
-	f := &flight{n: len(w.Src), count: chunks(len(w.Src)), wr: chunk, every: signalEvery, window: sendDepth, g: g, w: w, src: src}
+	f := &flight{n: w.Len(), count: chunks(w.Len()), wr: chunk, every: signalEvery, window: sendDepth, g: g, w: w, src: src}
 	// A write the window holds whole needs no completion before its last.
 	if f.count <= f.window {
 		f.every = f.count
@@ -341,12 +341,12 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *gr
 // or why not. With an error, reuse reports whether l may carry another
 // write.
 func (s *session) ask(ctx context.Context, l *lane, w *transport.Write) (_ grant, reuse bool, err error) {
-	h := peer.Header{Addr: w.Remote, Len: uint64(len(w.Src)), Key: w.Key, Tag: w.Tag}
+	h := peer.Header{Addr: w.Remote, Len: uint64(w.Len()), Key: w.Key, Tag: w.Tag}
 	var hb [peer.HeaderSize]byte
 	h.Encode(&hb)
 	l.ctrl.SetWriteDeadline(s.Deadline(ctx))
 	if _, err := l.ctrl.Write(hb[:]); err != nil {
-		return grant{}, false, s.fail(ctx, err, fmt.Sprintf("sending the header of %d bytes", len(w.Src)))
+		return grant{}, false, s.fail(ctx, err, fmt.Sprintf("sending the header of %d bytes", w.Len()))
 	}
 	s.t.stats.control.Add(1)
 	a, err := wait(l, l.answers, s.Deadline(ctx), ctx.Done())
@@ -355,20 +355,20 @@ func (s *session) ask(ctx context.Context, l *lane, w *transport.Write) (_ grant
 		// The caller gave up, not the lane: nothing is posted, and the
 		// writes flying on l carry on (see write).
 		l.retiring.Store(true)
-		return grant{}, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+		return grant{}, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", w.Len()))
 	case err != nil:
 		l.broken.Store(true)
 		if err == errDead && l.lastWord.Flags&flagFailed == 0 && transport.PeerGone(l.ansErr) && transport.ContextErr(ctx) == nil {
 			l.unanswered.Store(true)
 		}
-		return grant{}, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", len(w.Src)))
+		return grant{}, false, s.broken(ctx, l, err, fmt.Sprintf("waiting for the receiver to take %d bytes", w.Len()))
 	}
 	l.answered.Store(true)
 	switch {
 	case a.Code != transport.OK:
 		return grant{}, a.Flags&peer.FlagClose == 0, &transport.Refusal{Code: a.Code, Message: a.Msg}
 	}
-	if err := s.region.check(a.grant, uint64(len(w.Src))); err != nil {
+	if err := s.region.check(a.grant, uint64(w.Len())); err != nil {
 		return grant{}, false, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 	}
 	return a.grant, true, nil
@@ -418,7 +418,7 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 				s.t.stats.copied.Add(uint64(copy(slot, f.w.Src[off:off+m])))
 				o.Local, o.LKey = addrOf(slot), f.ringKey
 			} else {
-				o.Local, o.LKey = addrOf(f.w.Src)+uint64(off), f.src.lkey
+				o.Local, o.LKey = f.src.addr+uint64(off), f.src.lkey
 			}
 			last := i == f.count-1
 			o.Signaled, o.WithImm = last || (i+1)%f.every == 0, last

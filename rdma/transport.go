@@ -44,6 +44,11 @@ type Config struct {
 	// from and into it go straight through the NIC; anything else is
 	// copied through buffers the transport maps.
 	Memory []byte
+	// Device is a GPU arena (Memory is then nil), registered once by the
+	// first path that works (gpu.go). Writes from it name their source
+	// by device address (transport.Write.Device), and a Sink that is a
+	// transport.InPlaceSink takes writes into it in place.
+	Device *DeviceMemory
 	// PerSend skips the shared registration, so that every write from
 	// Memory registers its range for that write (a debugging and
 	// benchmarking switch; the daemon's --rdma-registration per-send).
@@ -106,6 +111,8 @@ type Registration struct {
 	Took  time.Duration        `json:"took"` // the shared registration's time
 	// Err is why the shared registration failed, with the fix.
 	Err error `json:"-"`
+	// GPU is how a GPU arena (Config.Device) was registered.
+	GPU *GPURegistration `json:"-"`
 }
 
 // Stats counts how writes met the NIC, each where the work is done.
@@ -152,7 +159,12 @@ type Transport struct {
 	nic    nic
 	shared region
 	reg    Registration
-	stats  counters
+	// mem is the host memory writes reach the NIC from and land in
+	// without a copy: Config.Memory, or a GPU arena's bounce area. dev
+	// is a GPU arena the NIC reaches itself (dmabuf or peer memory).
+	mem   []byte
+	dev   transport.Range
+	stats counters
 	// direct is the Sink when this transport takes direct writes (see
 	// wire.go): the port authenticated, the shared registration, and a
 	// DirectSink. Nil otherwise.
@@ -197,8 +209,15 @@ func listen(cfg Config, n nic) (*Transport, error) {
 		accepted: make(map[*lane]struct{}),
 		mooncake: make(map[*MooncakeQP]struct{}),
 	}
-	t.registerShared()
 	var err error
+	if cfg.Device != nil {
+		err = t.registerDevice()
+	} else {
+		t.registerShared()
+	}
+	if err != nil {
+		return nil, fmt.Errorf("rdma: %w", err)
+	}
 	if t.port, err = peer.Listen(cfg.Peer); err != nil {
 		if t.shared != nil {
 			t.shared.Close()
@@ -206,7 +225,10 @@ func listen(cfg Config, n nic) (*Transport, error) {
 		return nil, fmt.Errorf("rdma: %w", err)
 	}
 	t.cfg.Peer = t.port.Config()
-	if ds, ok := cfg.Peer.Sink.(transport.DirectSink); ok && t.cfg.Peer.Secret != nil && t.shared != nil {
+	// Direct writes land at a slot's address under the shared rkey: not
+	// on a GPU arena's bounce area, which holds no slot.
+	slotsRegistered := t.shared != nil && (cfg.Device == nil || t.dev.Len > 0)
+	if ds, ok := cfg.Peer.Sink.(transport.DirectSink); ok && t.cfg.Peer.Secret != nil && slotsRegistered {
 		t.direct = ds
 	}
 	t.tcp = cfg.TCP(t.port)
@@ -218,6 +240,7 @@ func listen(cfg Config, n nic) (*Transport, error) {
 // transport in per-send mode with the reason and the fix.
 func (t *Transport) registerShared() {
 	mem := t.cfg.Memory
+	t.mem = mem
 	t.reg = Registration{Mode: api.RegistrationNone, Bytes: int64(len(mem))}
 	if len(mem) == 0 {
 		return
@@ -239,6 +262,11 @@ func (t *Transport) registerShared() {
 // memlockAdvice explains a failed shared registration: nearly always the
 // locked-memory limit, which the NIC's page pinning counts against.
 func memlockAdvice(err error, n int) error {
+	return fmt.Errorf("the shared registration of %d bytes failed with %s (%w); %s so the arena registers once; until then each send registers its range and deregisters it after (per-send mode)", n, errnoName(err), err, memlockLimit())
+}
+
+// memlockLimit says what the locked-memory limit is and how to lift it.
+func memlockLimit() string {
 	var lim unix.Rlimit
 	limit := "unknown"
 	if unix.Getrlimit(unix.RLIMIT_MEMLOCK, &lim) == nil {
@@ -247,12 +275,7 @@ func memlockAdvice(err error, n int) error {
 			limit = "unlimited"
 		}
 	}
-	name := "error"
-	var errno unix.Errno
-	if errors.As(err, &errno) {
-		name = unix.ErrnoName(errno)
-	}
-	return fmt.Errorf("the shared registration of %d bytes failed with %s (%w); the locked-memory limit (RLIMIT_MEMLOCK) is %s: set LimitMEMLOCK=infinity in ferryd's systemd unit (or ulimit -l unlimited) so the arena registers once; until then each send registers its range and deregisters it after (per-send mode)", n, name, err, limit)
+	return fmt.Sprintf("the locked-memory limit (RLIMIT_MEMLOCK) is %s: set LimitMEMLOCK=infinity in ferryd's systemd unit (or ulimit -l unlimited)", limit)
 }
 
 func (t *Transport) Name() string { return "rdma" }

@@ -255,6 +255,24 @@ func (n *verbsNIC) Register(mem []byte) (region, error) {
 	return &verbsMR{mr: mr}, nil
 }
 
+func (n *verbsNIC) RegisterDevice(addr, size uint64) (region, error) {
+	var mr *C.struct_ibv_mr
+	rc := C.fv_reg_addr(n.pd, C.uint64_t(addr), C.size_t(size), access, &mr)
+	if err := verbsErr(fmt.Sprintf("ibv_reg_mr of %d bytes of device memory at %#x", size, addr), rc); err != nil {
+		return nil, err
+	}
+	return &verbsMR{mr: mr}, nil
+}
+
+func (n *verbsNIC) RegisterDMABuf(fd int, offset, size, iova uint64) (region, error) {
+	var mr *C.struct_ibv_mr
+	rc := C.fv_reg_dmabuf(n.pd, C.uint64_t(offset), C.size_t(size), C.uint64_t(iova), C.int(fd), access, &mr)
+	if err := verbsErr(fmt.Sprintf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d", size, fd), rc); err != nil {
+		return nil, err
+	}
+	return &verbsMR{mr: mr}, nil
+}
+
 func (m *verbsMR) LKey() uint32 { return uint32(m.mr.lkey) }
 func (m *verbsMR) RKey() uint32 { return uint32(m.mr.rkey) }
 

@@ -53,9 +53,28 @@ type DirectSink interface {
 	Arrived(tag uint32, n uint64) error
 }
 
+// InPlaceSink is a Sink whose slots may lie in device memory the host
+// cannot address (a GPU arena) that the transport registered with its
+// NIC itself: rdma's GPU registration. A write there lands where it is
+// addressed, with no host memory in between.
+type InPlaceSink interface {
+	Sink
+	// AcceptInPlace is Accept for a write the NIC places at addr itself:
+	// the same checks and the same done, and no dst. A slot whose bytes
+	// are not the arena's (a region's) is refused: the transport reaches
+	// only the memory it registered.
+	AcceptInPlace(addr, n uint64, key Key, tag uint32) (done func(error), err error)
+}
+
 // Write is one one-sided write.
 type Write struct {
-	Src    []byte // local bytes to send
+	Src []byte // local bytes to send
+	// Device, when Src is nil, is the source in device memory the host
+	// cannot address (a GPU arena's): only a transport that registered
+	// that memory with its NIC reaches it (rdma's GPU registration); any
+	// other Session refuses it with ErrHostOnly, and the caller copies
+	// the bytes out to host memory first.
+	Device Range
 	Remote uint64 // destination address in the peer's arena
 	Key    Key    // the receive slot's key
 	Tag    uint32 // delivered to the receiver with the completion
@@ -67,6 +86,23 @@ type Write struct {
 	// resent piece must count once, which takes its range.
 	Whole bool
 }
+
+// Len is the number of bytes w carries.
+func (w *Write) Len() int {
+	if w.Src == nil {
+		return int(w.Device.Len)
+	}
+	return len(w.Src)
+}
+
+// Range is Len bytes of device memory at address Addr.
+type Range struct {
+	Addr, Len uint64
+}
+
+// ErrHostOnly is a write whose source is device memory (Write.Device) on
+// a session that reads host memory only.
+var ErrHostOnly = errors.New("this session reads host memory only: copy a device source out to host memory first")
 
 // Transport is one data plane: a listener on the peer port that delivers
 // incoming writes into its Sink, and a dialer of sessions to peers.

@@ -46,18 +46,44 @@ func (r *Refused) Flags() uint16 {
 // Admit checks h. An accepted write gets the memory its bytes go to and
 // the done the Sink's Accept gave; a refused one, what to reply.
 func (g *Gate) Admit(h *Header) (dst []byte, done func(error), refused *Refused) {
+	refused = g.admit(h, func() (err error) {
+		dst, done, err = g.sink.Accept(h.Addr, h.Len, h.Key, h.Tag)
+		if err == nil && uint64(len(dst)) != h.Len {
+			err = fmt.Errorf("sink gave %d bytes of memory for a %d-byte write", len(dst), h.Len)
+			done(err)
+		}
+		return err
+	})
+	if refused != nil {
+		return nil, nil, refused
+	}
+	return dst, done, nil
+}
+
+// AdmitInPlace is Admit for a write the transport's NIC places where h
+// addresses it, in memory the transport registered (sink's
+// AcceptInPlace): no host memory is handed out.
+func (g *Gate) AdmitInPlace(h *Header, sink transport.InPlaceSink) (done func(error), refused *Refused) {
+	refused = g.admit(h, func() (err error) {
+		done, err = sink.AcceptInPlace(h.Addr, h.Len, h.Key, h.Tag)
+		return err
+	})
+	if refused != nil {
+		return nil, refused
+	}
+	return done, nil
+}
+
+// admit checks h's size, then runs accept: nil, or what to reply.
+func (g *Gate) admit(h *Header, accept func() error) *Refused {
 	if h.Len > g.maxWrite {
-		return nil, nil, &Refused{Code: transport.OutOfBounds,
+		return &Refused{Code: transport.OutOfBounds,
 			Msg: fmt.Sprintf("write of %d bytes exceeds this receiver's limit of %d bytes", h.Len, g.maxWrite),
 			End: fmt.Errorf("refused a write of %d bytes (limit %d) and closed the %s", h.Len, g.maxWrite, g.what)}
 	}
-	dst, done, err := g.sink.Accept(h.Addr, h.Len, h.Key, h.Tag)
-	if err == nil && uint64(len(dst)) != h.Len {
-		err = fmt.Errorf("sink gave %d bytes of memory for a %d-byte write", len(dst), h.Len)
-		done(err)
-	}
+	err := accept()
 	if err == nil {
-		return dst, done, nil
+		return nil
 	}
 	code, msg := Refusal(err)
 	r := &Refused{Code: code, Msg: msg}
@@ -66,5 +92,5 @@ func (g *Gate) Admit(h *Header) (dst []byte, done func(error), refused *Refused)
 			r.End = ErrUnmatched
 		}
 	}
-	return nil, nil, r
+	return r
 }

@@ -84,6 +84,9 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	if err := s.Begin(ctx, s.isClosed()); err != nil {
 		return transport.Report{}, err
 	}
+	if w.Src == nil && w.Device.Len > 0 {
+		return transport.Report{}, fmt.Errorf("tcp write to %s: %w", s.Peer(), transport.ErrHostOnly)
+	}
 	for {
 		c, err := s.get(ctx)
 		if err != nil {

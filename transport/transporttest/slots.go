@@ -144,6 +144,14 @@ func (s *Slots) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, f
 	return s.Mem[addr : addr+n : addr+n], done, nil
 }
 
+// AcceptInPlace implements transport.InPlaceSink: Accept, the bytes
+// landing where they are addressed (Mem stands for the device memory a
+// transport registered).
+func (s *Slots) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) (func(error), error) {
+	_, done, err := s.Accept(addr, n, key, tag)
+	return done, err
+}
+
 // Delivered is how many writes tagged tag have completed.
 func (s *Slots) Delivered(tag uint32) int {
 	s.mu.Lock()
