@@ -67,6 +67,7 @@ type Settings struct {
 	RDMADevice       string               `toml:"rdma_device"`
 	RDMAGIDIndex     int                  `toml:"rdma_gid_index"`
 	RDMARegistration api.RegistrationMode `toml:"rdma_registration"`
+	GPURegistration  api.GPURegistration  `toml:"gpu_registration"`
 	Device           Device               `toml:"device"`
 	ArenaSize        Size                 `toml:"arena_size"`
 	BounceSize       Size                 `toml:"bounce_size"`
@@ -149,6 +150,10 @@ var options = []option{
 	{"rdma_registration", string(api.RegistrationShared), "`mode`: shared (register the arena once) or per-send (debugging: each send registers its range)",
 		func(s *Settings) value {
 			return choice[api.RegistrationMode]{&s.RDMARegistration, []api.RegistrationMode{api.RegistrationShared, api.RegistrationPerSend}}
+		}, nil},
+	{"gpu_registration", string(api.GPURegistrationAuto), "`path` by which a GPU arena is registered with the RDMA NIC once: auto (dmabuf, else peermem, else bounce; status says why each was not taken), dmabuf (ibv_reg_dmabuf_mr of the arena's dmabuf), peermem (ibv_reg_mr of the device pointer; needs nvidia-peermem) or bounce (the pinned bounce area, with a copy around each transfer); a forced path that fails stops the RDMA transport",
+		func(s *Settings) value {
+			return choice[api.GPURegistration]{&s.GPURegistration, append([]api.GPURegistration{api.GPURegistrationAuto}, api.GPURegistrationPaths...)}
 		}, nil},
 	{"io_timeout", "10s", "`deadline` on each network read and write; a stalled peer fails within it",
 		func(s *Settings) value { return &s.IOTimeout }, positive(func(s *Settings) Duration { return s.IOTimeout })},

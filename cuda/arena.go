@@ -54,6 +54,9 @@ type Arena struct {
 	bounce      []byte // pinned host memory
 	bounceAlloc *arena.Allocator
 	fallbacks   atomic.Int64
+	// Bytes copied into and out of the arena: what a NIC that reaches
+	// it directly spares.
+	copiedIn, copiedOut atomic.Int64
 
 	closeOnce sync.Once
 	closeErr  error
@@ -140,6 +143,10 @@ func (a *Arena) DMABuf() (fd int, offset int64, err error) {
 // a NIC registers once when it cannot reach GPU memory directly.
 func (a *Arena) BounceArea() []byte { return a.bounce }
 
+// CopiedBytes is the bytes copied into the arena (host to device) and
+// out of it (device to host) since it was made.
+func (a *Arena) CopiedBytes() (in, out int64) { return a.copiedIn.Load(), a.copiedOut.Load() }
+
 // BounceFallbacks counts copies staged in ordinary (pageable) memory
 // because the pinned area had no room; a steady rise says --bounce-size is
 // too small for the traffic.
@@ -158,7 +165,11 @@ func (a *Arena) CopyIn(off int64, src []byte) error {
 	if err := a.check(off, int64(len(src))); err != nil {
 		return err
 	}
-	return a.dev.CopyHtoD(a.base+uint64(off), src)
+	if err := a.dev.CopyHtoD(a.base+uint64(off), src); err != nil {
+		return err
+	}
+	a.copiedIn.Add(int64(len(src)))
+	return nil
 }
 
 // CopyOut copies len(dst) bytes at offset off into dst (cuMemcpyDtoH).
@@ -166,7 +177,11 @@ func (a *Arena) CopyOut(dst []byte, off int64) error {
 	if err := a.check(off, int64(len(dst))); err != nil {
 		return err
 	}
-	return a.dev.CopyDtoH(dst, a.base+uint64(off))
+	if err := a.dev.CopyDtoH(dst, a.base+uint64(off)); err != nil {
+		return err
+	}
+	a.copiedOut.Add(int64(len(dst)))
+	return nil
 }
 
 // Bounce lends n bytes of the pinned area, or of ordinary memory when the

@@ -126,7 +126,7 @@ func New(cfg Config) (*Daemon, error) {
 		d.log.Warn().Str("req_id", reqID).Uint64("nbytes", n).
 			Msg("a write finished landing in a receive slot freed meanwhile: its bytes were discarded, though its sender was told it completed")
 	}
-	d.dp, err = openTransport(cfg, d.reg, d.instance, d.mem.Host(), d.log)
+	d.dp, err = openTransport(cfg, d.reg, d.instance, d.mem, d.log)
 	if err != nil {
 		return nil, err
 	}
@@ -163,6 +163,7 @@ func New(cfg Config) (*Daemon, error) {
 		sessions: d.sessions.states,
 	}, d.tr.Name())
 	d.metrics.reg.MustRegister(d.dp.collectors()...)
+	d.metrics.reg.MustRegister(d.mem.collectors()...)
 	d.metrics.reg.MustRegister(d.limits())
 	d.reg.mu.Lock() // the peer port is open already
 	d.reg.onRefusal = func(c transport.Code) { d.metrics.peerRefusals.WithLabelValues(c.String()).Inc() }

@@ -6,12 +6,14 @@ import (
 	"os"
 	"path/filepath"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/cuda"
+	"github.com/ferry-project/ferry/rdma"
 )
 
 // memory is the arena's memory (--device): a host file clients map, or a
@@ -107,6 +109,13 @@ func (m *memory) dmabufErr() error {
 	return err
 }
 
+// nicView is the GPU arena as the RDMA transport registers it, by path.
+func (m *memory) nicView(path api.GPURegistration) *rdma.DeviceMemory {
+	fd, off, err := m.gpu.DMABuf()
+	return &rdma.DeviceMemory{Base: m.gpu.Base(), Size: uint64(m.gpu.Size()), DMABufFD: fd, DMABufOffset: uint64(off), DMABufErr: err,
+		Bounce: m.gpu.BounceArea(), Path: path}
+}
+
 // Path is the file clients map, "" for GPU memory.
 func (m *memory) Path() string {
 	if m.host == nil {
@@ -152,6 +161,35 @@ func (m *memory) status() *api.CUDAStatus {
 		st.DMABufReason = err.Error()
 	}
 	return st
+}
+
+// collectors are a GPU arena's copy counters, 0 for host memory (which
+// the host reads and writes in place): a NIC that reaches the arena
+// directly leaves them still during transfers.
+func (m *memory) collectors() []prometheus.Collector {
+	copied := func(to int) float64 {
+		if m.gpu == nil {
+			return 0
+		}
+		in, out := m.gpu.CopiedBytes()
+		return float64([]int64{in, out}[to])
+	}
+	const help = "Bytes copied between the GPU arena and host memory by direction (to_device: uploads and received writes staged in host memory; to_host: sends and reads staged in host memory); 0 for a host arena."
+	return []prometheus.Collector{
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_gpu_copied_bytes_total", Help: help, ConstLabels: prometheus.Labels{"direction": "to_device"}},
+			func() float64 { return copied(0) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_gpu_copied_bytes_total", Help: help, ConstLabels: prometheus.Labels{"direction": "to_host"}},
+			func() float64 { return copied(1) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ferry_gpu_bounce_fallbacks_total",
+			Help: "Copies to or from the GPU arena staged in pageable memory because the pinned bounce area was full (raise --bounce-size if it keeps rising); 0 for a host arena.",
+		}, func() float64 {
+			if m.gpu == nil {
+				return 0
+			}
+			return float64(m.gpu.BounceFallbacks())
+		}),
+	}
 }
 
 // close frees the memory, then lets go of the GPU.

@@ -429,7 +429,30 @@ func (r *registry) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte
 		r.refused(transport.NoSlot)
 		return nil, nil, errRefuseNoSlot
 	}
-	return r.land(s, addr, n, tag)
+	return r.land(s, addr, n, tag, false)
+}
+
+// AcceptInPlace implements transport.InPlaceSink: rdma places a write
+// into a GPU arena it registered itself, where the write is addressed.
+// A slot in a region is refused: its memory is not the arena's.
+func (r *registry) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) (func(error), error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return nil, errRefuseStopping
+	}
+	s := r.byKey[key]
+	if s == nil || addr < s.addr || addr >= s.addr+uint64(s.nbytes) {
+		r.refused(transport.NoSlot)
+		return nil, errRefuseNoSlot
+	}
+	if s.region != nil {
+		r.refused(transport.OutOfBounds)
+		return nil, &transport.Refusal{Code: transport.OutOfBounds,
+			Message: fmt.Sprintf("the receive slot of req_id %s lies in region %s, outside the GPU arena the NIC writes into", s.reqID, s.region.name)}
+	}
+	_, done, err := r.land(s, addr, n, tag, true)
+	return done, err
 }
 
 // AcceptUnkeyed takes a write that carries no key (a Mooncake peer's):
@@ -448,7 +471,7 @@ func (r *registry) AcceptUnkeyed(addr, n uint64) ([]byte, func(error), error) {
 		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
 			Message: fmt.Sprintf("no live receive slot open to Mooncake writers at address %#x: it was freed, timed out, made without \"mooncake\": true, or the receiver restarted; ask the receiver for a new slot", addr)}
 	}
-	return r.land(s, addr, n, s.key.Tag())
+	return r.land(s, addr, n, s.key.Tag(), false)
 }
 
 var (
@@ -518,10 +541,11 @@ func (r *registry) slotAt(addr uint64) *slot {
 }
 
 // land checks a write of n bytes at addr against s and pins s for it;
-// callers hold mu. Each write adds its range; the slot arrives once its
+// callers hold mu. inPlace says the bytes land (or are) where they are
+// addressed, with no host memory to hand out or copy in. Each write adds its range; the slot arrives once its
 // writes have covered every byte of it, so a reader never gets bytes no
 // write put there (an earlier tenant's).
-func (r *registry) land(s *slot, addr, n uint64, tag uint32) ([]byte, func(error), error) {
+func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]byte, func(error), error) {
 	end := addr + n
 	if n == 0 || addr < s.addr || end < addr || end > s.addr+uint64(s.nbytes) {
 		r.refused(transport.OutOfBounds)
@@ -541,11 +565,15 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32) ([]byte, func(error
 		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds,
 			Message: fmt.Sprintf("the receive slot of req_id %s already tracks %d separate pieces, this receiver's limit: send it in fewer, larger or contiguous pieces", s.reqID, maxPieces)}
 	}
-	// For a GPU arena the bytes land in a host bounce buffer and are
-	// copied in before the slot counts as arrived.
-	dst, commit, err := r.writable(s, int64(off), int64(n))
-	if err != nil {
-		return nil, nil, err
+	// Else for a GPU arena the bytes land in a host bounce buffer and
+	// are copied in before the slot counts as arrived.
+	var dst []byte
+	commit := func(bool) error { return nil }
+	if !inPlace {
+		var err error
+		if dst, commit, err = r.writable(s, int64(off), int64(n)); err != nil {
+			return nil, nil, err
+		}
 	}
 	s.pins++
 	s.writes++
@@ -582,7 +610,8 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32) ([]byte, func(error
 // written, by one-sided writes ferry cannot see: s arrives, whole, once
 // no write to it is landing. Callers hold mu; completeWhole releases it.
 func (r *registry) completeWhole(s *slot) error {
-	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key.Tag())
+	// The bytes are in place already: nothing to copy in.
+	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key.Tag(), true)
 	r.mu.Unlock()
 	if err != nil {
 		return err

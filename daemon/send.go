@@ -15,6 +15,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -65,17 +66,23 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
 	defer cancel()
-	// A GPU arena's bytes are copied out to a host bounce buffer first.
-	src, releaseSrc, err := d.arena.Readable(e.slice, 0, e.nbytes)
-	if err != nil {
-		return res, apiErr(api.CodeInternal,
-			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
-	}
-	defer releaseSrc()
 	// Whole (a direct write's condition) only when the sender knows the
 	// slot is exactly this size: a longer direct write would run past the
 	// slot before the receiver could see it.
-	w := transport.Write{Src: src, Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag(), Whole: req.NBytes == e.nbytes}
+	w := transport.Write{Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag(), Whole: req.NBytes == e.nbytes}
+	if d.dp.inPlace() {
+		// The NIC reads the GPU arena itself.
+		w.Device = transport.Range{Addr: d.arena.Addr(e.slice), Len: uint64(e.nbytes)}
+	} else {
+		// A GPU arena's bytes are copied out to a host bounce buffer first.
+		src, releaseSrc, err := d.arena.Readable(e.slice, 0, e.nbytes)
+		if err != nil {
+			return res, apiErr(api.CodeInternal,
+				"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
+		}
+		defer releaseSrc()
+		w.Src = src
+	}
 	start := time.Now()
 	dl, lastErr := d.deliver(ctx, req.Session, w, d.log.With().Str("req_id", reqID).Logger())
 	res.Attempts = dl.attempts
@@ -147,7 +154,7 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 		sess, p, err = d.sessions.get(ctx, session)
 		if err == nil {
 			dl.transport = sess.Transport()
-			dl.report, err = sess.Write(ctx, w)
+			dl.report, err = d.write(ctx, sess, w)
 			if ctx.Err() == nil { // a write its own deadline or client ended says nothing of the session
 				p.outcome(err)
 			}
@@ -172,6 +179,23 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 		}
 	}
 	return dl, err
+}
+
+// write is sess.Write, with a source in the GPU arena copied out to host
+// memory first for a session that reads host memory only (TCP to a peer
+// without RDMA, Mooncake's).
+func (d *Daemon) write(ctx context.Context, sess transport.Session, w transport.Write) (transport.Report, error) {
+	if w.Src != nil || w.Device.Len == 0 || sess.Transport() == d.dp.rdma.Name() {
+		return sess.Write(ctx, w)
+	}
+	n := int64(w.Device.Len)
+	src, release, err := d.arena.Readable(arena.Slice{Offset: int64(w.Device.Addr - d.arena.Memory().Base()), Len: n}, 0, n)
+	if err != nil {
+		return transport.Report{}, fmt.Errorf("copying %d bytes out of the GPU arena for a %s session: %w", n, sess.Transport(), err)
+	}
+	defer release()
+	w.Src, w.Device = src, transport.Range{}
+	return sess.Write(ctx, w)
 }
 
 // whenToResend says when sending again after err can work.

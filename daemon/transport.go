@@ -34,7 +34,7 @@ type mooncakeEndpoints = mooncake.Endpoints[*rdma.MooncakeQP]
 // openTransport starts the data plane on cfg.Listen: RDMA when asked for
 // (--transport rdma, failing with what is missing) or when auto finds a
 // usable port, else TCP; mem is the arena, registered once with the NIC.
-func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte, log zerolog.Logger) (*dataPlane, error) {
+func openTransport(cfg Config, sink transport.Sink, instance uint64, mem *memory, log zerolog.Logger) (*dataPlane, error) {
 	pc := peerport.Config{
 		Addr: cfg.Listen, Sink: sink, Instance: instance,
 		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Bytes()),
@@ -79,7 +79,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem []byte,
 
 // openRDMA discovers the NICs, chooses a port and GID, and starts the
 // RDMA transport over them.
-func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem []byte, log zerolog.Logger) error {
+func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem *memory, log zerolog.Logger) error {
 	inv, err := rdma.Discover()
 	dp.nics = &api.RDMAStatus{NICs: append([]api.NIC{}, inv.NICs...), Why: inv.Why}
 	if err != nil {
@@ -95,7 +95,11 @@ func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem []byte, log ze
 	infof := func(format string, args ...any) {
 		log.Info().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 	}
-	rt, err := rdma.Listen(rdma.Config{Peer: pc, TCP: overTCP, Memory: mem, PerSend: cfg.RDMARegistration == api.RegistrationPerSend}, choice)
+	rc := rdma.Config{Peer: pc, TCP: overTCP, Memory: mem.Host(), PerSend: cfg.RDMARegistration == api.RegistrationPerSend}
+	if mem.gpu != nil {
+		rc.Device = mem.nicView(cfg.GPURegistration)
+	}
+	rt, err := rdma.Listen(rc, choice)
 	if err != nil {
 		return err
 	}
@@ -112,6 +116,10 @@ func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem []byte, log ze
 func (dp *dataPlane) direct() bool {
 	return dp.rdma != nil && dp.rdma.Mode() == rdma.ModeArenaRKey
 }
+
+// inPlace reports whether the NIC reaches the GPU arena itself (dmabuf
+// or peer memory): sends from it name device addresses.
+func (dp *dataPlane) inPlace() bool { return dp.rdma != nil && dp.reg.GPU.InPlace() }
 
 // close closes the Mooncake endpoints, whose queue pairs are the
 // transport's, then the transport.
@@ -146,6 +154,22 @@ func (dp *dataPlane) logRegistration(log zerolog.Logger) {
 		return
 	}
 	r := dp.reg
+	if g := r.GPU; g != nil {
+		ev := log.Info()
+		if g.Path == "" {
+			ev = log.Warn().AnErr("error", r.Err)
+		}
+		for _, n := range g.NotTaken {
+			why := n.Reason
+			if n.Err != nil {
+				why = n.Err.Error()
+			}
+			ev = ev.Str(string(n.Path), why)
+		}
+		ev.Str("path", string(g.Path)).Str("asked", string(g.Asked)).Int64("bytes", r.Bytes).Dur("took", r.Took).
+			Msg("GPU arena registration with the NIC (the other paths: why not)")
+		return
+	}
 	switch {
 	case r.Mode == api.RegistrationShared:
 		log.Info().Str("mode", string(r.Mode)).Int64("bytes", r.Bytes).Dur("took", r.Took).Msg("arena registered with the NIC once")
@@ -177,7 +201,10 @@ func (dp *dataPlane) registration() api.Registration {
 	r := dp.reg
 	st := dp.rdma.Stats()
 	out := api.Registration{Mode: r.Mode, Bytes: r.Bytes, Millis: float64(r.Took.Microseconds()) / 1000, PerSend: st.PerSend + st.PerReceive}
+	out.GPU = gpuStatus(r.GPU)
 	switch {
+	case r.GPU != nil && r.Mode == api.RegistrationShared:
+		out.Reason = gpuReasons[r.GPU.Path]
 	case r.Mode == api.RegistrationShared:
 		out.Reason = "the arena was registered once at start"
 	case r.Err != nil:
@@ -186,6 +213,29 @@ func (dp *dataPlane) registration() api.Registration {
 		out.Reason = "--rdma-registration per-send: each send registers its range and deregisters it after"
 	}
 	return out
+}
+
+// gpuReasons say what each GPU registration path means for a transfer.
+var gpuReasons = map[api.GPURegistration]string{
+	api.GPURegistrationDMABuf:  "the GPU arena was registered once through its dmabuf: the NIC reads and writes GPU memory directly, no copy",
+	api.GPURegistrationPeerMem: "the GPU arena was registered once by its device pointer (peer memory): the NIC reads and writes GPU memory directly, no copy",
+	api.GPURegistrationBounce:  "the GPU arena's pinned bounce area was registered once: each transfer is copied between GPU and bounce area (cuMemcpy), never registered per write",
+}
+
+// gpuStatus is status's account of a GPU arena's registration.
+func gpuStatus(g *rdma.GPURegistration) *api.GPURegistrationStatus {
+	if g == nil {
+		return nil
+	}
+	st := &api.GPURegistrationStatus{Asked: g.Asked, Path: g.Path, NotTaken: make([]api.GPUPathNotTaken, 0, len(g.NotTaken))}
+	for _, n := range g.NotTaken {
+		nt := api.GPUPathNotTaken{Path: n.Path, Reason: n.Reason}
+		if n.Err != nil {
+			nt.Failed, nt.Reason = true, n.Err.Error()
+		}
+		st.NotTaken = append(st.NotTaken, nt)
+	}
+	return st
 }
 
 // collectors are the data plane's metrics. A TCP daemon shows the RDMA
@@ -199,6 +249,27 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		mode.WithLabelValues(string(m))
 	}
 	mode.WithLabelValues(string(dp.registration().Mode)).Set(1)
+	gpu := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "ferry_gpu_registration",
+		Help: "How a GPU arena met the RDMA NIC: 1 for each path's outcome (taken, failed, or not tried), 0 for the others; all 0 for a host arena or without RDMA. GET /v1/status says why.",
+	}, []string{"path", "outcome"})
+	for _, p := range api.GPURegistrationPaths {
+		for _, o := range []string{"taken", "failed", "not_tried"} {
+			gpu.WithLabelValues(string(p), o)
+		}
+	}
+	if g := dp.reg.GPU; g != nil {
+		if g.Path != "" {
+			gpu.WithLabelValues(string(g.Path), "taken").Set(1)
+		}
+		for _, n := range g.NotTaken {
+			outcome := "not_tried"
+			if n.Err != nil {
+				outcome = "failed"
+			}
+			gpu.WithLabelValues(string(n.Path), outcome).Set(1)
+		}
+	}
 	took := dp.reg.Took.Seconds()
 	shared := 0.0
 	if dp.rdma != nil && dp.reg.Mode == api.RegistrationShared {
@@ -211,7 +282,7 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		return dp.rdma.Stats()
 	}
 	const registrationsHelp = "Memory registrations with the NIC by mode: shared (the whole arena, once at start) or per-send."
-	out := []prometheus.Collector{mode,
+	out := []prometheus.Collector{mode, gpu,
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "ferry_registrations_total", ConstLabels: prometheus.Labels{"mode": string(api.RegistrationShared)}, Help: registrationsHelp,
 		}, func() float64 { return shared }),

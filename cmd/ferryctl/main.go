@@ -221,6 +221,16 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 				fmt.Fprintf(w, ", %s in %.1f ms", size.Format(reg.Bytes), reg.Millis)
 			}
 			fmt.Fprintf(w, ", %d per-send registrations\n", reg.PerSend)
+			if g := reg.GPU; g != nil {
+				path := string(g.Path)
+				if path == "" {
+					path = "none"
+				}
+				fmt.Fprintf(w, "gpu path   %s (--gpu-registration %s)\n", path, g.Asked)
+				for _, n := range g.NotTaken {
+					fmt.Fprintf(w, "  not %-7s %s\n", n.Path, n.Reason)
+				}
+			}
 			fmt.Fprintf(w, "staged     %d embeddings, %d receive slots, %d sessions\n", st.Staged, st.Receives, len(st.Sessions))
 		})
 	}
