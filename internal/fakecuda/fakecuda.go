@@ -22,11 +22,19 @@ const (
 	Broken   = "FAKE_BROKEN"
 )
 
+// PrebuiltEnv names a directory holding the Working variant built
+// already (libcuda.so.1), for a host without gcc: the soft-RoCE VM.
+const PrebuiltEnv = "FERRY_FAKECUDA"
+
 // Build compiles the variant into a new directory as libcuda.so.1 and
-// returns that directory. The test skips, saying why, without gcc or the
-// source (a test binary carried to another host).
+// returns that directory (for Working, $FERRY_FAKECUDA when set). The
+// test skips, saying why, without gcc or the source (a test binary
+// carried to another host).
 func Build(tb testing.TB, variant string) string {
 	tb.Helper()
+	if dir := os.Getenv(PrebuiltEnv); dir != "" && variant == Working {
+		return dir
+	}
 	gcc, err := exec.LookPath("gcc")
 	if err != nil {
 		tb.Skip("gcc is not installed (make deps installs it)")

@@ -108,6 +108,10 @@ if [[ $BENCH == 1 || ${RXEVM_PROFILE:-0} == 1 ]]; then
 fi
 [[ ${RXEVM_PROFILE:-0} == 1 ]] && cp "$R/opt/rdma.bench" "$CACHE/"
 if [[ -n ${RXEVM_BASE:-} ]]; then cp "$RXEVM_BASE" "$R/opt/base.bench"; fi
+# The stand-in CUDA driver for the GPU-arena tests (the VM has no gcc):
+# e2e finds it through FERRY_FAKECUDA (internal/fakecuda).
+mkdir -p "$R/opt/fakecuda"
+gcc -shared -fPIC -Wall -o "$R/opt/fakecuda/libcuda.so.1" internal/fakecuda/testdata/fakecuda.c
 say "binaries built${race:+ (tests with -race)}"
 
 # ---- initramfs -------------------------------------------------------------
@@ -136,7 +140,7 @@ copy /usr/bin/rdma /usr/bin/ibv_devices /usr/bin/ibv_devinfo /usr/bin/ib_write_b
 # namespaces and netem. They land where busybox would put its own, which
 # --install then leaves alone. tc reads netem's delay distributions.
 copy "$(command -v ip)" "$(command -v tc)" /usr/lib/x86_64-linux-gnu/tc/*.dist
-libs "$R"/opt/*.test "$R"/opt/bin/*
+libs "$R"/opt/*.test "$R"/opt/bin/* "$R"/opt/fakecuda/libcuda.so.1
 if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
   command -v perf >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends linux-perf
   copy "$(command -v perf)"
