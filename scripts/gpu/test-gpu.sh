@@ -9,6 +9,7 @@
 #      a torch process staging and reading in place through IPC handles,
 #      and GPU memory of the test's own (Go, then torch through the ferry
 #      Python package) lent to both daemons as regions, a batch between them;
+#      and the path the NIC registers a GPU arena by ("== GPU registration");
 #   3. ferry's host<->device copy bandwidth beside torch's, same sizes, run
 #      A B A B, quoted as ratios.
 # FERRY_REQUIRE_GPU=1 makes a missing GPU fail the tests instead of
@@ -40,6 +41,9 @@ run() {
 
 run cuda 100 ./cuda.test -test.v -test.count=1 -test.run '^TestGPU' -test.timeout 90s
 run e2e 120 ./e2e.test -test.v -test.count=1 -test.run '^TestGPU|^TestFerrydDoesNotLinkLibcuda' -test.timeout 110s
+# The path this host's NIC registers a GPU arena by (dmabuf, peermem or
+# bounce) and why not the others, or that there is no RDMA NIC here.
+grep -a '^== GPU registration' "$log/e2e.log" || echo "== GPU registration: not reported (TestGPURegistrationReport's output above says why)"
 
 echo "== copy bandwidth: ferry (pinned bounce area <-> device arena) beside torch (pinned tensor <-> device tensor)"
 for round in 1 2; do

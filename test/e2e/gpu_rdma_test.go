@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/cuda/cudatest"
 	"github.com/ferry-project/ferry/internal/fakecuda"
 )
 
@@ -51,14 +52,7 @@ func TestGPUArenaOverRDMA(t *testing.T) {
 				if g == nil || string(g.Path) != c.path || st.Registration.Mode != api.RegistrationShared || st.Transport.RDMA.WriteMode != c.mode {
 					t.Fatalf("registration %+v (gpu %+v), write mode %s; want %s, shared, %s", st.Registration, g, st.Transport.RDMA.WriteMode, c.path, c.mode)
 				}
-				var why []string
-				for _, n := range g.NotTaken {
-					outcome := "not tried"
-					if n.Failed {
-						outcome = "failed"
-					}
-					why = append(why, fmt.Sprintf("%s %s: %s", n.Path, outcome, strings.TrimPrefix(n.Reason, "not tried: ")))
-				}
+				why := notTaken(g)
 				for i, w := range c.notTaken {
 					if i >= len(why) || !strings.HasPrefix(why[i], w) {
 						t.Fatalf("paths not taken %q, want %q", why, c.notTaken)
@@ -68,7 +62,7 @@ func TestGPUArenaOverRDMA(t *testing.T) {
 					t.Errorf("dmabuf's reason %q says nothing of what to do", why[0])
 				}
 				if d == snd {
-					fmt.Printf("== GPU registration asked=%s path=%s (%s)\n", c.asked, g.Path, strings.Join(why, "; "))
+					fmt.Println(gpuRegistrationLine(st))
 				}
 				if v := d.metric(t, fmt.Sprintf(`ferry_gpu_registration{outcome="taken",path=%q}`, c.path)); v != 1 {
 					t.Errorf("ferry_gpu_registration taken %s = %v, want 1", c.path, v)
@@ -147,5 +141,60 @@ func TestGPUArenaOverRDMA(t *testing.T) {
 				}
 			}
 		})
+	}
+}
+
+// notTaken is each registration path not taken: "PATH failed: why" or
+// "PATH not tried: why".
+func notTaken(g *api.GPURegistrationStatus) []string {
+	var why []string
+	for _, n := range g.NotTaken {
+		outcome := "not tried"
+		if n.Failed {
+			outcome = "failed"
+		}
+		why = append(why, fmt.Sprintf("%s %s: %s", n.Path, outcome, strings.TrimPrefix(n.Reason, "not tried: ")))
+	}
+	return why
+}
+
+// gpuRegistrationLine is what make test-rdma and make test-gpu print of a
+// GPU arena's registration: the path taken and why the others were not,
+// or why there was nothing to register.
+func gpuRegistrationLine(st api.Status) string {
+	g := st.Registration.GPU
+	if g == nil {
+		return fmt.Sprintf("== GPU registration: none, transport %s (%s): %s", st.Transport.Name, st.Transport.Reason, st.Registration.Reason)
+	}
+	path := string(g.Path)
+	if path == "" {
+		path = "none"
+	}
+	return fmt.Sprintf("== GPU registration asked=%s path=%s (%s)", g.Asked, path, strings.Join(notTaken(g), "; "))
+}
+
+// TestGPURegistrationReport: what a GPU host's ferryd registers its arena
+// by, for make test-gpu's report: the path and why not the others, or,
+// with no RDMA NIC there, that there is none. On the real driver when
+// there is a GPU, else on the stand-in driver.
+func TestGPURegistrationReport(t *testing.T) {
+	var env []string
+	if cudatest.Probe() != nil && !cudatest.Required() {
+		env = []string{"env", "LD_LIBRARY_PATH=" + fakecuda.Build(t, fakecuda.Working)}
+	}
+	d := startDaemonIn(t, env, t.TempDir(), "d", "--device", "cuda:0", "--transport", "auto", "--arena-size", "64MiB", "--bounce-size", "16MiB")
+	st, err := d.c.Status(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	line := gpuRegistrationLine(st)
+	fmt.Println(line)
+	switch {
+	case st.Transport.Name == "tcp":
+		if st.Registration.GPU != nil || !strings.Contains(line, "no usable RDMA port") && !strings.Contains(line, "--transport") {
+			t.Errorf("no RDMA: %s", line)
+		}
+	case st.Registration.GPU == nil || len(st.Registration.GPU.NotTaken) != 2:
+		t.Errorf("RDMA with a GPU arena: %s", line)
 	}
 }
