@@ -311,7 +311,7 @@ func parseUint(s, what string, bits int) (uint64, error) {
 func cmdSend(fs *flag.FlagSet) func(context.Context, *env) error {
 	session := fs.String("session", "", "the receiver's session (host:port), or mooncake://host:port of a Mooncake segment")
 	addr := fs.String("addr", "", "the receiver's buffer_address")
-	key := fs.String("key", "", "the receive slot's key, 32 hex digits (none for a Mooncake segment)")
+	key := fs.String("key", "", "the receive slot's key, 40 hex digits (none for a Mooncake segment)")
 	slotFile := fs.String("slot", "", "a JSON file with session, buffer_address and key (ferryctl --json recv output)")
 	wait := fs.Duration("wait", 0, "wait this long for the req_id to be staged")
 	return func(ctx context.Context, e *env) error {
