@@ -107,6 +107,8 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 // region describes the shared registration to dialers.
 func (t *Transport) region() peerRegion {
 	switch {
+	case t.windows != nil:
+		return peerRegion{Base: addrOf(t.cfg.Memory), Size: uint64(len(t.cfg.Memory)), Mode: modeWindows}
 	case t.shared != nil:
 		return peerRegion{Base: addrOf(t.cfg.Memory), Size: uint64(len(t.cfg.Memory)), RKey: t.shared.RKey(), Mode: modeShared}
 	case len(t.cfg.Memory) > 0:
@@ -256,7 +258,7 @@ func (r *receiver) serve(h peer.Header) error {
 		}
 		return r.reply(no.Code, 0, no.Msg, nil)
 	}
-	tg, err := t.target(dst)
+	tg, err := t.target(dst, h.Key.Window())
 	if err != nil {
 		done(err)
 		return r.reply(transport.Internal, 0, fmt.Sprintf("the receiver could not make its memory reachable: %v", err), nil)

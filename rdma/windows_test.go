@@ -1,0 +1,111 @@
+package rdma
+
+import (
+	"bytes"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
+	"github.com/ferry-project/ferry/transport/transporttest"
+)
+
+// TestWindowsRefuse: in windows mode any peer, authenticated or not,
+// writes whole slots directly through their windows, and the receiver's
+// NIC itself refuses what lies outside a live slot's window: a write one
+// byte past the slot, a write after the slot was freed, and a write
+// under the arena's own rkey each fail at the sender with REM_ACCESS_ERR
+// and deliver nothing, and touch no byte. A good write after each goes
+// through on a fresh lane. Soft-RoCE bounds a write through a window
+// only by the registration under it (rxe_resp.c checks the MR's range):
+// there the write past the slot lands, which the test reports as a skip.
+func TestWindowsRefuse(t *testing.T) {
+	const size = 64 << 10
+	p := newPair(t, newFabric(), size+1, 8*size, nil, 2, true)
+	if m, why := p.rx.Mode(), p.rx.ModeWhy(); m != ModeWindows || why != "" {
+		t.Fatalf("receiver's mode %q (%s), want %q", m, why, ModeWindows)
+	}
+	fill(p.src, 3)
+	good := func(t *testing.T) {
+		t.Helper()
+		w := p.slot(size)
+		if _, err := p.s.Write(ctxFor(t, 60*time.Second), w); err != nil {
+			t.Fatalf("a good write: %v", err)
+		}
+		p.landed(t, w)
+	}
+	good(t)
+	for _, c := range []struct {
+		name string
+		bad  func(t *testing.T, w *transport.Write)
+	}{
+		{"one byte past the slot", func(t *testing.T, w *transport.Write) { w.Src = p.src[:size+1] }},
+		{"after the slot was freed", func(t *testing.T, w *transport.Write) {
+			if err := p.slots.Remove(w.Key); err != nil {
+				t.Fatal(err)
+			}
+		}},
+		{"under the arena's rkey", func(t *testing.T, w *transport.Write) { w.Key = w.Key.WithWindow(p.rx.shared.RKey()) }},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			defer good(t)
+			w := p.slot(size)
+			// The slot and the bytes after it, where a write past it lands.
+			off := w.Remote - p.slots.Base
+			before := bytes.Clone(p.slots.Mem[off : off+size+4096])
+			tag := w.Tag
+			c.bad(t, &w)
+			_, err := p.s.Write(ctxFor(t, 60*time.Second), w)
+			if dev := p.rx.nic.(mooncakeNIC).deviceName(); err == nil && len(w.Src) > size && strings.HasPrefix(dev, "rxe") {
+				t.Skipf("%s placed a write one byte past its window: soft-RoCE bounds a write through a window only by the registration under it", dev)
+			}
+			if got := transport.StatusName(err); got != "REM_ACCESS_ERR" {
+				t.Fatalf("a write %s: %v (status %q), want REM_ACCESS_ERR", c.name, err, got)
+			}
+			t.Logf("a write %s: %v", c.name, err)
+			if n := p.slots.Delivered(tag); n != 0 {
+				t.Errorf("a write %s was delivered %d times", c.name, n)
+			}
+			if !bytes.Equal(before, p.slots.Mem[off:off+size+4096]) {
+				t.Errorf("a write %s changed the receiver's memory", c.name)
+			}
+		})
+	}
+	if st := p.rx.Stats(); st.WindowBinds < 5 || st.WindowInvalidations < 2 {
+		t.Errorf("receiver stats %+v: want a bind per slot and an invalidation per free", st)
+	}
+	if st := p.tx.Stats(); st.ControlMessages != 0 {
+		t.Errorf("sender stats %+v: windows mode sent control messages", st)
+	}
+}
+
+// TestWindowsFallBack: without windows on the NIC, or with a Sink that
+// puts none over its slots, the receiver says why, and falls back to
+// direct writes under the arena's rkey between authenticated peers,
+// else to a grant per write.
+func TestWindowsFallBack(t *testing.T) {
+	for _, c := range []struct {
+		secret           []byte
+		nicWindows, sink bool
+		mode, why        string
+	}{
+		{nil, true, true, ModeWindows, ""},
+		{nil, false, true, ModeGrant, "no memory windows: the fake NIC has no memory windows; no direct writes under the arena's rkey without a peer secret"},
+		{testSecret, false, true, ModeArenaRKey, "no memory windows: the fake NIC has no memory windows"},
+		{testSecret, true, false, ModeArenaRKey, "no memory windows: the receiving Sink puts no windows over its slots"},
+	} {
+		f := newFabric()
+		f.windows = c.nicWindows
+		slots := mappedSlots(t, 4096)
+		slots.Base = addrOf(slots.Mem)
+		var sink transport.Sink = slots
+		if c.sink {
+			sink = transporttest.WindowSlots{Slots: slots}
+		}
+		rx := listenFake(t, f, Config{Peer: peer.Config{Sink: sink, Secret: c.secret}, Memory: slots.Mem})
+		if m, why := rx.Mode(), rx.ModeWhy(); m != c.mode || why != c.why {
+			t.Errorf("windows on the NIC %v, in the Sink %v, secret %v: mode %q (%s), want %q (%s)", c.nicWindows, c.sink, c.secret != nil, m, why, c.mode, c.why)
+		}
+	}
+}
