@@ -7,6 +7,8 @@ import (
 	"runtime"
 	"sync"
 	"time"
+
+	"github.com/ferry-project/ferry/transport"
 )
 
 // Windows mode: the arena is registered for local access and window
@@ -50,6 +52,7 @@ type windows struct {
 	made     int
 	seq      uint64
 	broken   error // a bind that failed or never completed: the QP is in an unknown state
+	closed   bool  // the transport closed: nothing writes through a window any more
 	counts   *counters
 }
 
@@ -112,7 +115,10 @@ func (w *windows) Open(addr, n uint64) (uint32, error) {
 	}
 	w.mu.Lock()
 	defer w.mu.Unlock()
-	if w.broken != nil {
+	switch {
+	case w.closed:
+		return 0, fmt.Errorf("memory windows: %w", transport.ErrClosed)
+	case w.broken != nil:
 		return 0, w.broken
 	}
 	if len(w.free) == 0 {
@@ -141,6 +147,9 @@ func (w *windows) Open(addr, n uint64) (uint32, error) {
 func (w *windows) Close(rkey uint32) error {
 	w.mu.Lock()
 	defer w.mu.Unlock()
+	if w.closed {
+		return nil // deallocated with the transport's queue pairs gone
+	}
 	mw := w.bound[rkey]
 	if mw == nil {
 		return fmt.Errorf("no memory window has rkey %#x", rkey)
@@ -217,7 +226,7 @@ func (w *windows) close() error {
 	for _, mw := range w.bound {
 		errs = append(errs, mw.Close())
 	}
-	w.free, w.bound = nil, nil
+	w.free, w.bound, w.closed = nil, nil, true
 	for _, q := range []queuePair{w.qp, w.loop} {
 		if q != nil {
 			errs = append(errs, q.Close())
