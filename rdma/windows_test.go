@@ -2,6 +2,7 @@ package rdma
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"strings"
 	"testing"
@@ -121,5 +122,27 @@ func TestWindowsFallBack(t *testing.T) {
 		if m, why := rx.Mode(), rx.ModeWhy(); m != c.mode || why != c.why {
 			t.Errorf("windows on the NIC %v, in the Sink %v, secret %v: mode %q (%s), want %q (%s)", c.nicWindows, c.sink, c.secret != nil, m, why, c.mode, c.why)
 		}
+	}
+}
+
+// TestWindowsAfterClose: once the transport closed (its windows
+// deallocated), opening a window fails with ErrClosed, and closing one
+// succeeds: nothing can write through it any more.
+func TestWindowsAfterClose(t *testing.T) {
+	f := newFabric()
+	f.windows = true
+	slots := mappedSlots(t, 4096)
+	slots.Base = addrOf(slots.Mem)
+	ws := transporttest.WindowSlots{Slots: slots}
+	rx := listenFake(t, f, Config{Peer: peer.Config{Sink: ws}, Memory: slots.Mem})
+	key := slots.Add(0, 4096)
+	if err := rx.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := slots.Remove(key); err != nil {
+		t.Fatalf("closing a window after the transport closed: %v", err)
+	}
+	if _, err := rx.windows.Open(slots.Base, 4096); !errors.Is(err, transport.ErrClosed) {
+		t.Fatalf("opening a window after the transport closed: %v, want ErrClosed", err)
 	}
 }
