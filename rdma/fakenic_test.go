@@ -30,8 +30,9 @@ type fabric struct {
 	mrs  map[uint32]*fakeMR
 	mws  map[uint32]*fakeMW // by their current rkey
 	next uint32
-	// windows gives the NICs type 1 memory windows.
-	windows bool
+	// windows gives the NICs type 1 memory windows; refuseBinds fails
+	// every bind, as a NIC that lists windows and cannot bind them.
+	windows, refuseBinds bool
 	// failRegister, if set, fails registrations of at least that many
 	// bytes, as a low RLIMIT_MEMLOCK does.
 	failRegister int
@@ -316,7 +317,7 @@ func (q *fakeQP) Bind(w window, r region, addr, n, wrid uint64) (uint32, error) 
 	mw.mr, mw.addr, mw.len = nil, 0, 0
 	if n > 0 {
 		m := r.(*fakeMR)
-		if !m.forWindows || addr < m.addr || addr-m.addr > uint64(len(m.mem)) || n > uint64(len(m.mem))-(addr-m.addr) {
+		if f.refuseBinds || !m.forWindows || addr < m.addr || addr-m.addr > uint64(len(m.mem)) || n > uint64(len(m.mem))-(addr-m.addr) {
 			q.complete(completion{WRID: wrid, Status: wcMWBindErr})
 			q.fail()
 			return mw.rkey, nil

@@ -170,8 +170,8 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 // when it must ask first: the peer does not take direct writes, w is not
 // its slot's whole content (a piece resent must count once: the grant
 // path tracks ranges), its key names no window in windows mode, w's tag
-// is not its key's (the receiver finds the
-// slot by that tag), w is too long for one work request, its source is
+// is not its key's (the receiver finds the slot by that tag), w is too
+// long for one work request, its source is
 // copied through the bounce buffer (one chunk at a time), or it falls
 // outside the peer's shared registration (the peer's refusal then says
 // what is wrong).

@@ -179,8 +179,9 @@ func (w *windows) bind(mw window, addr, n uint64) (uint32, error) {
 		if n == 0 {
 			what = "invalidating a memory window"
 		}
-		w.broken = fmt.Errorf("%s: %w (memory windows fail from now on: restart ferryd)", what, err)
-		return 0, w.broken
+		err = fmt.Errorf("%s: %w", what, err)
+		w.broken = fmt.Errorf("%w (no window binds since: restart ferryd)", err)
+		return 0, err
 	}
 	return rkey, nil
 }
