@@ -149,3 +149,33 @@ func TestWindowsAfterClose(t *testing.T) {
 		t.Fatalf("opening a window after the transport closed: %v, want ErrClosed", err)
 	}
 }
+
+// TestWindowsGrantedPieces: in windows mode a write that must ask first
+// (a piece of a slot) is granted under the slot's window, which the
+// grant names, and lands; the direct path carries none of it.
+func TestWindowsGrantedPieces(t *testing.T) {
+	const size = 64 << 10
+	p := newPair(t, newFabric(), size, 4*size, nil, 1, true)
+	fill(p.src, 5)
+	w := p.slot(size)
+	for _, half := range []int{0, size / 2} {
+		piece := w
+		piece.Whole, piece.Src, piece.Remote = false, p.src[half:half+size/2], w.Remote+uint64(half)
+		if _, err := p.s.Write(ctxFor(t, 60*time.Second), piece); err != nil {
+			t.Fatalf("the piece at %d: %v", half, err)
+		}
+	}
+	if err := p.slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
+		t.Fatal(err)
+	}
+	if n := p.slots.Delivered(w.Tag); n != 2 {
+		t.Fatalf("%d pieces delivered, want 2", n)
+	}
+	off := w.Remote - p.slots.Base
+	if !bytes.Equal(p.slots.Mem[off:off+size], p.src[:size]) {
+		t.Fatal("the pieces landed wrong")
+	}
+	if st := p.tx.Stats(); st.Direct != 0 || st.ControlMessages != 4 {
+		t.Errorf("sender stats %+v: want two granted writes (a header and a reply each), none direct", st)
+	}
+}
