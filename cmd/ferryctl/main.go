@@ -211,6 +211,13 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 					nics = append(nics, "none: "+r.Why)
 				}
 				fmt.Fprintf(w, "nics       %s\n", strings.Join(nics, ", "))
+				if r.WriteMode != "" {
+					fmt.Fprintf(w, "protection %s", r.WriteMode)
+					if r.WriteModeWhy != "" {
+						fmt.Fprintf(w, " (%s)", r.WriteModeWhy)
+					}
+					fmt.Fprintln(w)
+				}
 			}
 			if mc := st.Mooncake; mc != nil {
 				fmt.Fprintf(w, "mooncake   segment %s (handshake on %s, tcp data port %d)\n", mc.Segment, mc.RPC, mc.DataPort)

@@ -83,6 +83,10 @@ func TestRDMATransportChoice(t *testing.T) {
 	if r := st.Transport.RDMA; r.WriteMode != "windows" || r.WriteModeWhy != "" {
 		t.Errorf("write mode %q (%s), want windows", r.WriteMode, r.WriteModeWhy)
 	}
+	out, err := exec.Command(filepath.Join(bin, "ferryctl"), "--socket", d.socket, "status").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "protection windows\n") {
+		t.Errorf("ferryctl status: %v\n%s\nwant a line \"protection windows\"", err, out)
+	}
 	d.log.wait(t, 5*time.Second, "the registration line", msg("arena registered with the NIC once"))
 }
 
