@@ -208,10 +208,13 @@ type RDMAStatus struct {
 	Why    string     `json:"why,omitempty"`
 	Chosen *NICChoice `json:"chosen,omitempty"`
 	// WriteMode is how peers' writes reach this receiver's slots when
-	// the RDMA transport runs: "arena-rkey" (peers proving the peer
-	// secret write a whole slot directly, no control message) or
-	// "grant" (a header and a grant per write). docs/rdma.md.
-	WriteMode string `json:"write_mode,omitempty"`
+	// the RDMA transport runs, best first: "windows" (any peer writes a
+	// whole slot directly through a NIC-enforced memory window over it),
+	// "arena-rkey" (peers proving the peer secret write a whole slot
+	// directly under the arena's rkey) or "grant" (a header and a grant
+	// per write). docs/rdma.md. WriteModeWhy says why not a better one.
+	WriteMode    string `json:"write_mode,omitempty"`
+	WriteModeWhy string `json:"write_mode_why,omitempty"`
 }
 
 // NIC is an RDMA device.
@@ -314,7 +317,7 @@ type SendRequest struct {
 	Session       string `json:"session"`
 	BufferAddress uint64 `json:"buffer_address"`
 	// Key is the receive slot's key, passed along as the receiver's
-	// POST /v1/receives gave it (32 hex digits).
+	// POST /v1/receives gave it (40 hex digits).
 	Key transport.Key `json:"key"`
 	// WaitMS waits this long for the req_id to be staged, to cover a stage
 	// that races the send. 0 fails at once.
@@ -357,8 +360,10 @@ type ReceiveSlot struct {
 	ReqID         string `json:"req_id"`
 	Session       string `json:"session"`
 	BufferAddress uint64 `json:"buffer_address"`
-	// Key is the slot's capability: 128 random bits as 32 hex digits.
-	// Treat it as an opaque string and pass it to the sender unchanged.
+	// Key is the slot's key: its capability (128 random bits) and the
+	// rkey of the memory window over it (windows mode; else zeros), as
+	// 40 hex digits. Treat it as an opaque string and pass it to the
+	// sender unchanged.
 	Key    transport.Key `json:"key"`
 	NBytes int64         `json:"nbytes"`
 	// MooncakeSession is the receiver's Mooncake segment name

@@ -126,6 +126,10 @@ func New(cfg Config) (*Daemon, error) {
 		d.log.Warn().Str("req_id", reqID).Uint64("nbytes", n).
 			Msg("a write finished landing in a receive slot freed meanwhile: its bytes were discarded, though its sender was told it completed")
 	}
+	d.reg.windowLost = func(reqID string, err error) {
+		d.log.Error().Str("req_id", reqID).Err(err).
+			Msg("the memory window over a freed receive slot could not be invalidated: its memory stays out of use until ferryd restarts")
+	}
 	d.dp, err = openTransport(cfg, d.reg, d.instance, d.mem, d.log)
 	if err != nil {
 		return nil, err

@@ -47,7 +47,8 @@ type slot struct {
 	slice    arena.Slice
 	addr     uint64
 	key      transport.Key
-	mooncake bool // Mooncake peers, who carry no key, may write into it
+	window   uint32 // the rkey of the memory window over it (rdma's windows mode), or 0
+	mooncake bool   // Mooncake peers, who carry no key, may write into it
 	nbytes   int64
 	since    time.Time
 	pins     int // writes landing and reads in progress
@@ -102,9 +103,24 @@ type registry struct {
 	quarantine time.Duration
 	held       map[*slot]func() bool
 	afterFunc  func(time.Duration, func()) func() bool // time.AfterFunc; tests fire it by hand
+
+	// windows, when set, puts a NIC-enforced window over each arena slot
+	// (rdma's windows mode): opened as the slot is made, closed before
+	// its memory goes back. windowLost, if set, hears of a window that
+	// could not be closed: its slot's memory stays out of use. Called
+	// with mu held.
+	windows    transport.Windows
+	windowLost func(reqID string, err error)
 }
 
-var _ transport.DirectSink = (*registry)(nil)
+var _ transport.WindowSink = (*registry)(nil)
+
+// UseWindows implements transport.WindowSink.
+func (r *registry) UseWindows(w transport.Windows) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.windows = w
+}
 
 // mooncakeQuarantine is the quarantine while Mooncake peers may write over
 // RDMA, or ferry peers may write directly (rdma's arena-rkey mode), which
@@ -357,7 +373,14 @@ func (r *registry) newSlot(reqID string, n int64, mooncake bool) (*slot, error) 
 	if err != nil {
 		return nil, err
 	}
-	return r.addSlot(&slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), mooncake: mooncake, nbytes: n}), nil
+	s := &slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), mooncake: mooncake, nbytes: n}
+	if r.windows != nil {
+		if s.window, err = r.windows.Open(s.addr, uint64(n)); err != nil {
+			r.free(sl)
+			return nil, apiErr(api.CodeInternal, "%s: the NIC could not put a memory window over the receive slot: %v", reqID, err)
+		}
+	}
+	return r.addSlot(s), nil
 }
 
 // newSlotIn makes a receive slot of n bytes at offset off of a registered
@@ -408,6 +431,7 @@ func (r *registry) addSlot(s *slot) *slot {
 	for key.Tag() == 0 || r.byTag[key.Tag()] != nil {
 		key = transport.NewKey()
 	}
+	key = key.WithWindow(s.window)
 	s.key, s.since = key, time.Now()
 	r.slots[s.reqID] = s
 	r.byKey[key] = s
@@ -660,6 +684,16 @@ func (r *registry) release(s *slot) {
 	if s.region != nil {
 		r.unuseRegion(s.region) // a region slot's memory is its client's
 		return
+	}
+	if s.window != 0 {
+		// Nothing lands through the window from here on; a window still
+		// open keeps its memory from every newer slot.
+		if err := r.windows.Close(s.window); err != nil {
+			if r.windowLost != nil {
+				r.windowLost(s.reqID, err)
+			}
+			return
+		}
 	}
 	if r.quarantine <= 0 || r.stopping {
 		r.free(s.slice)

@@ -112,7 +112,10 @@ func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem *memory, log z
 }
 
 // direct reports whether peers write into the arena without asking
-// (rdma's arena-rkey mode, between authenticated peers).
+// under its rkey (rdma's arena-rkey mode, between authenticated peers),
+// which nothing but time keeps from a freed slot's memory. Writes
+// through windows need no quarantine: a slot's window is invalidated
+// before its memory goes back.
 func (dp *dataPlane) direct() bool {
 	return dp.rdma != nil && dp.rdma.Mode() == rdma.ModeArenaRKey
 }
@@ -188,7 +191,7 @@ func (dp *dataPlane) rdmaStatus() *api.RDMAStatus {
 	st := *dp.nics
 	st.NICs = rdma.WithCounters(st.NICs)
 	if dp.rdma != nil {
-		st.WriteMode = dp.rdma.Mode()
+		st.WriteMode, st.WriteModeWhy = dp.rdma.Mode(), dp.rdma.ModeWhy()
 	}
 	return &st
 }
@@ -309,7 +312,7 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		of         func(rdma.Stats) uint64
 	}{
 		{"ferry_rdma_sends_total", "RDMA writes this daemon completed as sender, direct or granted.", func(s rdma.Stats) uint64 { return s.Sends }},
-		{"ferry_rdma_direct_sends_total", "Of them, direct writes: no control message (peers holding the peer secret).", func(s rdma.Stats) uint64 { return s.Direct }},
+		{"ferry_rdma_direct_sends_total", "Of them, direct writes: no control message (through a window, or between peers holding the peer secret).", func(s rdma.Stats) uint64 { return s.Direct }},
 		{"ferry_rdma_control_messages_total", "Messages on RDMA lanes' control connections for writes, sent or read, in both roles.", func(s rdma.Stats) uint64 { return s.ControlMessages }},
 		{"ferry_rdma_posts_total", "ibv_post_send calls.", func(s rdma.Stats) uint64 { return s.Posts }},
 		{"ferry_rdma_work_requests_total", "RDMA work requests posted.", func(s rdma.Stats) uint64 { return s.WorkRequests }},
@@ -317,6 +320,8 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		{"ferry_rdma_copied_bytes_total", "Bytes the CPU copied for RDMA writes: into bounce buffers, out of staging buffers.", func(s rdma.Stats) uint64 { return s.CopiedBytes }},
 		{"ferry_rdma_direct_completions_total", "Receive completions of peers' direct writes.", func(s rdma.Stats) uint64 { return s.DirectCompletions }},
 		{"ferry_rdma_direct_refused_total", "Of them, those that counted for nothing (no live slot with that tag, a slot already full, a length not the slot's); each also logged, rate-limited.", func(s rdma.Stats) uint64 { return s.DirectRefused }},
+		{"ferry_rdma_window_binds_total", "Memory windows bound over receive slots (windows mode).", func(s rdma.Stats) uint64 { return s.WindowBinds }},
+		{"ferry_rdma_window_invalidations_total", "Memory windows invalidated as their slots were freed (windows mode).", func(s rdma.Stats) uint64 { return s.WindowInvalidations }},
 	} {
 		out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: c.name, Help: c.help},
 			func() float64 { return float64(c.of(stats())) }))

@@ -29,11 +29,22 @@ type directPair struct {
 }
 
 func newDirectPair(t *testing.T, f *fabric, srcSize, memSize int, secret []byte, lanes int) *directPair {
+	return newPair(t, f, srcSize, memSize, secret, lanes, false)
+}
+
+// newPair is newDirectPair whose receiver puts a window over each slot
+// when windows is set (its NIC has them: the fake's are turned on).
+func newPair(t *testing.T, f *fabric, srcSize, memSize int, secret []byte, lanes int, windows bool) *directPair {
 	t.Helper()
 	p := &directPair{src: mapT(t, srcSize), slots: mappedSlots(t, memSize), logs: &transporttest.Logs{}}
 	p.slots.Base = addrOf(p.slots.Mem)
+	var sink transport.Sink = p.slots
+	if windows {
+		f.windows = true
+		sink = transporttest.WindowSlots{Slots: p.slots}
+	}
 	p.tx = listenT(t, f, Config{Peer: peer.Config{Secret: secret, MaxConnsPerPeer: lanes}, Memory: p.src})
-	p.rx = listenT(t, f, Config{Peer: peer.Config{Sink: p.slots, Secret: secret, Logf: p.logs.Logf}, Memory: p.slots.Mem})
+	p.rx = listenT(t, f, Config{Peer: peer.Config{Sink: sink, Secret: secret, Logf: p.logs.Logf}, Memory: p.slots.Mem})
 	s, err := p.tx.Dial(ctxFor(t, 30*time.Second), p.rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
@@ -240,14 +251,52 @@ func TestDirectWritesTheSinkDoesNotCredit(t *testing.T) {
 }
 
 // TestDataplaneCounters is the data plane's account per send, after the
-// lanes are up, between authenticated peers on a host arena: no control
-// message, one ibv_post_send, one signaled work request, no per-send
-// registration, no CPU copy. test/rxevm prints its DATAPLANE line from
-// the soft-RoCE VM. A granted write's figures are checked beside it.
+// lanes are up, on a host arena: through windows between peers without
+// a secret, and under the arena's rkey between authenticated peers, no
+// control message, one ibv_post_send, one signaled work request, no
+// per-send registration, no CPU copy. test/rxevm prints its DATAPLANE
+// lines from the soft-RoCE VM. A granted write's figures are checked
+// beside them.
 func TestDataplaneCounters(t *testing.T) {
-	f := newFabric()
 	const sends, size, lanes = 64, 64 << 10, 4
-	p := newDirectPair(t, f, size, (sends+lanes)*size, testSecret, lanes)
+	for _, c := range []struct {
+		secret  []byte
+		windows bool
+		mode    string
+	}{{nil, true, ModeWindows}, {testSecret, false, ModeArenaRKey}} {
+		p := newPair(t, newFabric(), size, (sends+lanes)*size, c.secret, lanes, c.windows)
+		line := dataplane(t, p, sends, size, lanes)
+		fmt.Printf("== DATAPLANE %s\n", line)
+		if want := "arena=host mode=" + c.mode + " control_msgs_per_send=0.00 posts_per_send=1.00 signaled_per_send=1.00 reg_mr_per_send=0.00 cpu_copy_bytes_per_send=0"; line != want {
+			t.Errorf("DATAPLANE %s\nwant      %s", line, want)
+		}
+	}
+
+	// The same sends asking first: a header and a grant each.
+	f := newFabric()
+	q := newDirectPair(t, f, size, (sends+1)*size, nil, 1)
+	fill(q.src, 2)
+	if _, err := q.s.Write(ctxFor(t, 60*time.Second), q.slot(size)); err != nil {
+		t.Fatal(err)
+	}
+	before := q.tx.Stats()
+	for range sends {
+		if _, err := q.s.Write(ctxFor(t, 60*time.Second), q.slot(size)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	g := perSend(before, q.tx.Stats())
+	t.Logf("mode=%s %s", q.rx.Mode(), g)
+	if want := "control_msgs_per_send=2.00 posts_per_send=1.00 signaled_per_send=1.00 reg_mr_per_send=0.00 cpu_copy_bytes_per_send=0"; g.String() != want {
+		t.Errorf("granted sends: %s\nwant                 %s", g, want)
+	}
+}
+
+// dataplane sends size-byte slots over p, first one per lane so the
+// session has dialed them all, then sends more, and returns the sender's
+// figures per send of those.
+func dataplane(t *testing.T, p *directPair, sends, size, lanes int) string {
+	t.Helper()
 	fill(p.src, 1)
 	// Warm-up: one write per lane, so the session has dialed them all.
 	var wg sync.WaitGroup
@@ -276,30 +325,7 @@ func TestDataplaneCounters(t *testing.T) {
 	for _, w := range ws {
 		p.landed(t, w)
 	}
-	d := perSend(before, p.tx.Stats())
-	line := fmt.Sprintf("arena=host mode=%s %s", p.rx.Mode(), d)
-	fmt.Printf("== DATAPLANE %s\n", line)
-	if want := "arena=host mode=arena-rkey control_msgs_per_send=0.00 posts_per_send=1.00 signaled_per_send=1.00 reg_mr_per_send=0.00 cpu_copy_bytes_per_send=0"; line != want {
-		t.Errorf("DATAPLANE %s\nwant      %s", line, want)
-	}
-
-	// The same sends asking first: a header and a grant each.
-	q := newDirectPair(t, f, size, (sends+1)*size, nil, 1)
-	fill(q.src, 2)
-	if _, err := q.s.Write(ctxFor(t, 60*time.Second), q.slot(size)); err != nil {
-		t.Fatal(err)
-	}
-	before = q.tx.Stats()
-	for range sends {
-		if _, err := q.s.Write(ctxFor(t, 60*time.Second), q.slot(size)); err != nil {
-			t.Fatal(err)
-		}
-	}
-	g := perSend(before, q.tx.Stats())
-	t.Logf("mode=%s %s", q.rx.Mode(), g)
-	if want := "control_msgs_per_send=2.00 posts_per_send=1.00 signaled_per_send=1.00 reg_mr_per_send=0.00 cpu_copy_bytes_per_send=0"; g.String() != want {
-		t.Errorf("granted sends: %s\nwant                 %s", g, want)
-	}
+	return fmt.Sprintf("arena=host mode=%s %s", p.rx.Mode(), perSend(before, p.tx.Stats()))
 }
 
 // sendCosts is what each send cost between two readings of a sender's

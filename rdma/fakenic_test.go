@@ -15,7 +15,11 @@ import (
 // receive per WRITE WITH IMM (waiting while none is posted, as RNR
 // retries do), reports RETRY_EXC_ERR when the peer QP is gone, fails both
 // ends on a remote access error, refuses RDMA READs as ferry's QPs do
-// (REM_INV_REQ_ERR), and flushes posted work when a QP breaks. The real
+// (REM_INV_REQ_ERR), and flushes posted work when a QP breaks. With
+// windows set it has type 1 memory windows: a bind (on a QP in RTS)
+// gives a window a new rkey and a range of a registration made for
+// windows, whose own rkey allows no remote write; a write through a
+// window must lie inside its range, else REM_ACCESS_ERR. The real
 // verbs path runs the same tests inside the soft-RoCE VM (test/rxevm).
 
 // fabric joins the fake NICs of one test: QPs by number, registrations by
@@ -24,7 +28,11 @@ type fabric struct {
 	mu   sync.Mutex
 	qps  map[uint32]*fakeQP
 	mrs  map[uint32]*fakeMR
+	mws  map[uint32]*fakeMW // by their current rkey
 	next uint32
+	// windows gives the NICs type 1 memory windows; refuseBinds fails
+	// every bind, as a NIC that lists windows and cannot bind them.
+	windows, refuseBinds bool
 	// failRegister, if set, fails registrations of at least that many
 	// bytes, as a low RLIMIT_MEMLOCK does.
 	failRegister int
@@ -47,7 +55,7 @@ type fabric struct {
 }
 
 func newFabric() *fabric {
-	return &fabric{qps: make(map[uint32]*fakeQP), mrs: make(map[uint32]*fakeMR), next: 0x100}
+	return &fabric{qps: make(map[uint32]*fakeQP), mrs: make(map[uint32]*fakeMR), mws: make(map[uint32]*fakeMW), next: 0x100}
 }
 
 func (f *fabric) id() uint32 {
@@ -75,13 +83,17 @@ func (n *fakeNIC) hold(d int) {
 
 func (n *fakeNIC) Endpoint() endpoint { return endpoint{GID: n.gid, MTU: 3} }
 
-func (n *fakeNIC) Register(mem []byte) (region, error) {
+func (n *fakeNIC) Register(mem []byte) (region, error) { return n.register(mem, false) }
+
+func (n *fakeNIC) RegisterForWindows(mem []byte) (region, error) { return n.register(mem, true) }
+
+func (n *fakeNIC) register(mem []byte, forWindows bool) (region, error) {
 	n.f.mu.Lock()
 	defer n.f.mu.Unlock()
 	if n.f.failRegister > 0 && len(mem) >= n.f.failRegister {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes: %w", len(mem), syscall.ENOMEM)
 	}
-	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: addrOf(mem)}
+	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: addrOf(mem), forWindows: forWindows}
 	n.f.mrs[m.key] = m
 	n.hold(1)
 	return m, nil
@@ -126,11 +138,45 @@ func (n *fakeNIC) Close() error {
 }
 
 type fakeMR struct {
-	n      *fakeNIC
-	key    uint32
-	mem    []byte
-	addr   uint64
-	closed bool
+	n          *fakeNIC
+	key        uint32
+	mem        []byte
+	addr       uint64
+	forWindows bool // MW_BIND, no remote write under its own rkey
+	closed     bool
+}
+
+func (n *fakeNIC) Windows() error {
+	if !n.f.windows {
+		return errors.New("the fake NIC has no memory windows")
+	}
+	return nil
+}
+
+// fakeMW is a type 1 memory window: [addr, addr+len) of mr, len 0 when
+// unbound or invalidated.
+type fakeMW struct {
+	n         *fakeNIC
+	rkey      uint32
+	mr        *fakeMR
+	addr, len uint64
+}
+
+func (n *fakeNIC) AllocWindow() (window, error) {
+	n.f.mu.Lock()
+	defer n.f.mu.Unlock()
+	w := &fakeMW{n: n, rkey: n.f.id() << 8}
+	n.f.mws[w.rkey] = w
+	n.hold(1)
+	return w, nil
+}
+
+func (w *fakeMW) Close() error {
+	w.n.f.mu.Lock()
+	defer w.n.f.mu.Unlock()
+	delete(w.n.f.mws, w.rkey)
+	w.n.hold(-1)
+	return nil
 }
 
 func (m *fakeMR) LKey() uint32 { return m.key }
@@ -146,6 +192,25 @@ func (m *fakeMR) Close() error {
 	delete(m.n.f.mrs, m.key)
 	m.n.hold(-1)
 	return nil
+}
+
+// remote returns [addr, addr+n) of what rkey lets a peer write on nic
+// p: a window bound over that range, or a registration for remote
+// writes; false otherwise. f.mu is held.
+func (f *fabric) remote(p *fakeNIC, rkey uint32, addr uint64, n uint32) ([]byte, bool) {
+	if n == 0 {
+		return nil, true
+	}
+	if w := f.mws[rkey]; w != nil {
+		if w.n != p || w.mr == nil || addr < w.addr || addr-w.addr > w.len || uint64(n) > w.len-(addr-w.addr) {
+			return nil, false
+		}
+		return f.bytes(w.mr.key, addr, n)
+	}
+	if m := f.mrs[rkey]; m == nil || m.forWindows || m.n != p {
+		return nil, false // a key is its own NIC's: another NIC knows none
+	}
+	return f.bytes(rkey, addr, n)
 }
 
 // bytes returns [addr, addr+n) of the registration key names, or false
@@ -265,6 +330,36 @@ func (q *fakeQP) Post(ops []op) error {
 		}
 	}
 	return nil
+}
+
+// Bind binds at once, as a local operation, and completes signaled: a
+// window over a registration not made for windows, or outside it,
+// fails the bind (MW_BIND_ERR) and the QP.
+func (q *fakeQP) Bind(w window, r region, addr, n, wrid uint64) (uint32, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	if q.state != qpRTS {
+		return 0, fmt.Errorf("ibv_bind_mw: %w", syscall.EINVAL)
+	}
+	mw := w.(*fakeMW)
+	f := q.n.f
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	delete(f.mws, mw.rkey)
+	mw.rkey = mw.rkey&^0xff | (mw.rkey+1)&0xff
+	f.mws[mw.rkey] = mw
+	mw.mr, mw.addr, mw.len = nil, 0, 0
+	if n > 0 {
+		m := r.(*fakeMR)
+		if f.refuseBinds || !m.forWindows || addr < m.addr || addr-m.addr > uint64(len(m.mem)) || n > uint64(len(m.mem))-(addr-m.addr) {
+			q.complete(completion{WRID: wrid, Status: wcMWBindErr})
+			q.fail()
+			return mw.rkey, nil
+		}
+		mw.mr, mw.addr, mw.len = m, addr, n
+	}
+	q.complete(completion{WRID: wrid, Status: wcSuccess})
+	return mw.rkey, nil
 }
 
 func (q *fakeQP) PostRecvs(n int) error {
@@ -424,10 +519,7 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 		f.mu.Unlock()
 		return wcLocProtErr, 0
 	}
-	remote, ok := f.bytes(o.RKey, o.Remote, o.Len)
-	if m := f.mrs[o.RKey]; o.Len > 0 && m != nil && m.n != peer.n {
-		ok = false // a key is its own NIC's: another NIC knows none
-	}
+	remote, ok := f.remote(peer.n, o.RKey, o.Remote, o.Len)
 	if !ok {
 		f.mu.Unlock()
 		// An RC responder that NAKs an access goes to the error state.

@@ -70,6 +70,7 @@ func (t *Transport) registerDevice() error {
 	}
 	g := &GPURegistration{Asked: asked}
 	t.reg = Registration{Mode: api.RegistrationNone, Bytes: int64(d.Size), GPU: g}
+	t.noWindows = errors.New("windows go over a host arena's slots only, not yet over a GPU arena's")
 	for _, p := range api.GPURegistrationPaths {
 		if g.Path != "" || asked != api.GPURegistrationAuto && p != asked {
 			why := fmt.Sprintf("not tried: --gpu-registration %s", asked)

@@ -36,13 +36,31 @@ func (t *Transport) MooncakeNIC() (device string, lid uint16, gid [16]byte, err 
 	return n.deviceName(), e.LID, e.GID, nil
 }
 
-// SharedKeys are the shared registration's keys, which cover the whole
-// of Memory; ok is false without one (per-send mode).
+// SharedKeys are the keys of a registration that covers the whole of
+// Memory and lets Mooncake peers write it; ok is false without one
+// (per-send mode). Mooncake writes under the rkey of its segment's
+// descriptor, which cannot name a window per slot: in windows mode,
+// whose shared registration lets no peer write, the first call
+// registers Memory a second time, for remote writes, and its rkey goes
+// to Mooncake peers only (docs/security.md says what that exposes).
 func (t *Transport) SharedKeys() (rkey, lkey uint32, ok bool) {
 	if t.shared == nil {
 		return 0, 0, false
 	}
-	return t.shared.RKey(), t.shared.LKey(), true
+	if t.windows == nil {
+		return t.shared.RKey(), t.shared.LKey(), true
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	if t.mooncakeMR == nil {
+		reg, err := t.nic.Register(t.mem)
+		if err != nil {
+			t.logf("rdma: registering the arena for Mooncake peers' writes: %v", err)
+			return 0, 0, false
+		}
+		t.mooncakeMR = reg
+	}
+	return t.mooncakeMR.RKey(), t.mooncakeMR.LKey(), true
 }
 
 // MooncakeQP is a queue pair of a Mooncake endpoint. The transport

@@ -1,6 +1,7 @@
 package rdma
 
 import (
+	"errors"
 	"fmt"
 	"sync/atomic"
 	"unsafe"
@@ -167,13 +168,21 @@ type target struct {
 }
 
 // target finds where the NIC is to put a write meant for dst: dst itself
-// when it lies in the declared memory (under the shared registration, or
-// registered for this write), else a buffer mapped and registered for
-// this write and copied into dst once the write is complete.
-func (t *Transport) target(dst []byte) (*target, error) {
+// when it lies in the declared memory (under the shared registration,
+// or in windows mode under the window of dst's slot, which the Sink
+// checked the key of; or registered for this write), else a buffer
+// mapped and registered for this write and copied into dst once the
+// write is complete.
+func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	tg := &target{dst: dst, copied: &t.stats.copied}
 	switch {
 	case len(dst) == 0:
+		return tg, nil
+	case t.windows != nil && within(t.mem, dst):
+		if window == 0 {
+			return nil, errors.New("the slot has no memory window, and in windows mode nothing else lets a peer write the arena")
+		}
+		tg.addr, tg.rkey = addrOf(dst), window
 		return tg, nil
 	case t.shared != nil && within(t.mem, dst):
 		tg.addr, tg.rkey = addrOf(dst), t.shared.RKey()

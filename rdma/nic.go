@@ -23,6 +23,20 @@ type nic interface {
 	// NewQP makes an RC queue pair with its own completion queue and
 	// completion channel.
 	NewQP(sendDepth, recvDepth int) (queuePair, error)
+	// Windows is nil when the device binds type 1 memory windows, else
+	// why it does not.
+	Windows() error
+	// RegisterForWindows registers mem for local access and for binding
+	// windows only: its own rkey lets no peer write (windows.go).
+	RegisterForWindows(mem []byte) (region, error)
+	// AllocWindow allocates a type 1 memory window, bound to nothing.
+	AllocWindow() (window, error)
+	Close() error
+}
+
+// window is a type 1 memory window: what a peer may write through it is
+// what its last bind (queuePair.Bind) allowed.
+type window interface {
 	Close() error
 }
 
@@ -52,6 +66,11 @@ type queuePair interface {
 	// Wait returns errStopped once Stop has run.
 	Wait() error
 	Stop()
+	// Bind posts a signaled bind of w over [addr, addr+n) of r that
+	// allows remote writes, or with n 0 one that invalidates w; its
+	// completion carries wrid. It returns the rkey a write through w
+	// names from then on: the bind holds once it completed.
+	Bind(w window, r region, addr, n, wrid uint64) (uint32, error)
 	// Break moves the QP to the error state: the NIC stops working on it
 	// and completes whatever is posted with WR_FLUSH_ERR.
 	Break() error

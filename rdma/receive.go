@@ -107,6 +107,8 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 // region describes the shared registration to dialers.
 func (t *Transport) region() peerRegion {
 	switch {
+	case t.windows != nil:
+		return peerRegion{Base: addrOf(t.mem), Size: uint64(len(t.mem)), Mode: modeWindows}
 	case t.shared != nil && t.dev.Len > 0:
 		return peerRegion{Base: t.dev.Addr, Size: t.dev.Len, RKey: t.shared.RKey(), Mode: modeShared}
 	case t.shared != nil:
@@ -262,7 +264,7 @@ func (r *receiver) serve(h peer.Header) error {
 		var dst []byte
 		if dst, done, no = r.gate.Admit(&h); no == nil {
 			var err error
-			if tg, err = t.target(dst); err != nil {
+			if tg, err = t.target(dst, h.Key.Window()); err != nil {
 				done(err)
 				return r.reply(transport.Internal, 0, fmt.Sprintf("the receiver could not make its memory reachable: %v", err), nil)
 			}

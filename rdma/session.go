@@ -28,8 +28,10 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, err)
 	}
 	s := &session{Session: peer.NewSession("rdma", "control connection", addr, instance, t.cfg.Peer.IOTimeout), t: t, region: region}
-	// Both ends proved the peer secret in the handshake, or it failed.
-	s.direct = t.cfg.Peer.Secret != nil && region.Direct
+	// Through windows any peer writes directly, the NIC bounding each
+	// write to its slot; under the arena's rkey only between peers that
+	// proved the peer secret in the handshake (else it failed).
+	s.direct = region.Direct && (region.Mode == modeWindows || t.cfg.Peer.Secret != nil)
 	s.pool = pool.New(t.cfg.Peer.MaxConnsPerPeer, s.open, func(l *lane) { l.close() })
 	s.pool.Add(l)
 	t.mu.Lock()
@@ -167,8 +169,9 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 // directGrant is where w goes as a direct write (see wire.go), or nil
 // when it must ask first: the peer does not take direct writes, w is not
 // its slot's whole content (a piece resent must count once: the grant
-// path tracks ranges), w's tag is not its key's (the receiver finds the
-// slot by that tag), w is too long for one work request, its source is
+// path tracks ranges), its key names no window in windows mode, w's tag
+// is not its key's (the receiver finds the slot by that tag), w is too
+// long for one work request, its source is
 // copied through the bounce buffer (one chunk at a time), or it falls
 // outside the peer's shared registration (the peer's refusal then says
 // what is wrong).
@@ -177,7 +180,7 @@ func (s *session) directGrant(w *transport.Write) *grant {
 	if !s.direct || !w.Whole || w.Tag != w.Key.Tag() || n > directMax || s.t.kindOf(w) == fromBounce {
 		return nil
 	}
-	g, ok := s.region.direct(w.Remote, uint64(n))
+	g, ok := s.region.direct(w.Remote, uint64(n), w.Key.Window())
 	if !ok {
 		return nil
 	}

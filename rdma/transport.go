@@ -143,12 +143,17 @@ type Stats struct {
 	// that counted for nothing (each also logged, rate-limited).
 	DirectCompletions uint64 `json:"direct_completions"`
 	DirectRefused     uint64 `json:"direct_refused"`
+
+	// Windows mode: windows bound over slots, and invalidated.
+	WindowBinds         uint64 `json:"window_binds"`
+	WindowInvalidations uint64 `json:"window_invalidations"`
 }
 
 type counters struct {
 	perSend, perReceive, bounced, staged, rejected, failed atomic.Uint64
 	sends, direct, control, posts, wrs, signaled, copied   atomic.Uint64
 	directCompletions, directRefused                       atomic.Uint64
+	windowBinds, windowInvalidations                       atomic.Uint64
 }
 
 // Transport is the RDMA data plane. It implements transport.Transport.
@@ -165,9 +170,16 @@ type Transport struct {
 	mem   []byte
 	dev   transport.Range
 	stats counters
+	// windows binds the windows over slots in windows mode (windows.go);
+	// nil in the other modes, and noWindows says why.
+	windows   *windows
+	noWindows error
+	// mooncakeMR is Memory registered for Mooncake peers' writes in
+	// windows mode (SharedKeys); under mu.
+	mooncakeMR region
 	// direct is the Sink when this transport takes direct writes (see
-	// wire.go): the port authenticated, the shared registration, and a
-	// DirectSink. Nil otherwise.
+	// wire.go): the shared registration, a DirectSink, and windows or an
+	// authenticated port. Nil otherwise.
 	direct transport.DirectSink
 
 	closing   chan struct{} // closed when Close starts
@@ -209,54 +221,101 @@ func listen(cfg Config, n nic) (*Transport, error) {
 		accepted: make(map[*lane]struct{}),
 		mooncake: make(map[*MooncakeQP]struct{}),
 	}
+	ws, windowed := cfg.Peer.Sink.(transport.WindowSink)
 	var err error
 	if cfg.Device != nil {
 		err = t.registerDevice()
 	} else {
-		t.registerShared()
+		t.registerShared(windowed)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("rdma: %w", err)
 	}
 	if t.port, err = peer.Listen(cfg.Peer); err != nil {
-		if t.shared != nil {
-			t.shared.Close()
-		}
+		t.closeShared()
 		return nil, fmt.Errorf("rdma: %w", err)
 	}
 	t.cfg.Peer = t.port.Config()
-	// Direct writes land at a slot's address under the shared rkey: not
-	// on a GPU arena's bounce area, which holds no slot.
+	// Direct writes land at a slot's address under its window or the
+	// shared rkey: not on a GPU arena's bounce area, which holds no slot.
 	slotsRegistered := t.shared != nil && (cfg.Device == nil || t.dev.Len > 0)
-	if ds, ok := cfg.Peer.Sink.(transport.DirectSink); ok && t.cfg.Peer.Secret != nil && slotsRegistered {
+	if ds, ok := cfg.Peer.Sink.(transport.DirectSink); ok && slotsRegistered && (t.windows != nil || t.cfg.Peer.Secret != nil) {
 		t.direct = ds
+	}
+	if t.windows != nil {
+		ws.UseWindows(t.windows)
 	}
 	t.tcp = cfg.TCP(t.port)
 	t.port.Serve(peer.Handlers{Data: t.tcp.ServeData, RDMA: t.serveLane})
 	return t, nil
 }
 
-// registerShared registers Memory once, timing it. A failure leaves the
-// transport in per-send mode with the reason and the fix.
-func (t *Transport) registerShared() {
+// registerShared registers Memory once, timing it: for windows when
+// the Sink makes them (windowed) and the NIC has them, else for remote
+// writes. A failure leaves the transport in per-send mode with the
+// reason and the fix.
+func (t *Transport) registerShared(windowed bool) {
 	mem := t.cfg.Memory
 	t.mem = mem
 	t.reg = Registration{Mode: api.RegistrationNone, Bytes: int64(len(mem))}
+	t.noWindows = errors.New("the transport has no memory of its own to put windows over")
 	if len(mem) == 0 {
 		return
 	}
 	t.reg.Mode = api.RegistrationPerSend
+	t.noWindows = errors.New("windows need the memory registered once, and it is registered per send")
 	if t.cfg.PerSend {
 		return
 	}
 	start := time.Now()
-	reg, err := t.nic.Register(mem)
+	if windowed {
+		t.shared, t.windows, t.noWindows = t.registerWindowed(mem)
+	} else {
+		t.noWindows = errors.New("the receiving Sink puts no windows over its slots")
+	}
+	var err error
+	if t.shared == nil {
+		t.shared, err = t.nic.Register(mem)
+	}
 	t.reg.Took = time.Since(start)
 	if err != nil {
 		t.reg.Err = memlockAdvice(err, len(mem))
 		return
 	}
-	t.shared, t.reg.Mode = reg, api.RegistrationShared
+	t.reg.Mode = api.RegistrationShared
+}
+
+// registerWindowed registers mem for windows and makes the windows, or
+// says why not.
+func (t *Transport) registerWindowed(mem []byte) (region, *windows, error) {
+	if err := t.nic.Windows(); err != nil {
+		return nil, nil, err
+	}
+	reg, err := t.nic.RegisterForWindows(mem)
+	if err != nil {
+		return nil, nil, fmt.Errorf("registering the memory for windows (IBV_ACCESS_MW_BIND): %w", err)
+	}
+	w, err := newWindows(t.nic, reg, mem, &t.stats)
+	if err != nil {
+		reg.Close()
+		return nil, nil, err
+	}
+	return reg, w, nil
+}
+
+// closeShared drops the windows, then the registrations under them.
+func (t *Transport) closeShared() error {
+	var errs []error
+	if t.mooncakeMR != nil {
+		errs = append(errs, t.mooncakeMR.Close())
+	}
+	if t.windows != nil {
+		errs = append(errs, t.windows.close())
+	}
+	if t.shared != nil {
+		errs = append(errs, t.shared.Close())
+	}
+	return errors.Join(errs...)
 }
 
 // memlockAdvice explains a failed shared registration: nearly always the
@@ -299,11 +358,16 @@ func (t *Transport) Stats() Stats {
 		Sends:  c.sends.Load(), Direct: c.direct.Load(), ControlMessages: c.control.Load(),
 		Posts: c.posts.Load(), WorkRequests: c.wrs.Load(), Signaled: c.signaled.Load(), CopiedBytes: c.copied.Load(),
 		DirectCompletions: c.directCompletions.Load(), DirectRefused: c.directRefused.Load(),
+		WindowBinds: c.windowBinds.Load(), WindowInvalidations: c.windowInvalidations.Load(),
 	}
 }
 
 // Protection modes: how a peer's write reaches a slot.
 const (
+	// ModeWindows: each slot has a memory window over exactly its bytes,
+	// named in its key; any peer writes a whole slot directly through
+	// it, and the NIC refuses a byte outside it (windows.go).
+	ModeWindows = "windows"
 	// ModeArenaRKey: direct writes under the arena's rkey, no message
 	// per write; between authenticated peers only (see wire.go).
 	ModeArenaRKey = "arena-rkey"
@@ -311,14 +375,34 @@ const (
 	ModeGrant = "grant"
 )
 
-// Mode is how peers' writes reach this transport's slots: ModeArenaRKey
-// when it takes direct writes, else ModeGrant. A session's own writes
-// go direct when the peer's transport is in ModeArenaRKey.
+// Mode is how peers' writes reach this transport's slots: ModeWindows
+// when it has windows, else ModeArenaRKey when it takes direct writes,
+// else ModeGrant. A session's own writes go direct when the peer's
+// transport is in ModeWindows, or in ModeArenaRKey between
+// authenticated peers.
 func (t *Transport) Mode() string {
-	if t.direct != nil {
+	switch {
+	case t.windows != nil:
+		return ModeWindows
+	case t.direct != nil:
 		return ModeArenaRKey
 	}
 	return ModeGrant
+}
+
+// ModeWhy says why Mode is not a better one: "" in ModeWindows.
+func (t *Transport) ModeWhy() string {
+	switch {
+	case t.windows != nil:
+		return ""
+	case t.direct != nil:
+		return fmt.Sprintf("no memory windows: %v", t.noWindows)
+	case t.shared == nil:
+		return fmt.Sprintf("no memory windows: %v; no direct writes under the arena's rkey without a shared registration", t.noWindows)
+	case t.cfg.Device != nil && t.dev.Len == 0:
+		return fmt.Sprintf("no memory windows: %v; no direct writes: the NIC does not reach the GPU arena's slots (the bounce path asks for a grant per write)", t.noWindows)
+	}
+	return fmt.Sprintf("no memory windows: %v; no direct writes under the arena's rkey without a peer secret", t.noWindows)
 }
 
 func (t *Transport) logf(format string, args ...any) {
@@ -372,11 +456,7 @@ func (t *Transport) Close() error {
 		for _, q := range mooncake {
 			q.Close()
 		}
-		errs := []error{t.tcp.Close()}
-		if t.shared != nil {
-			errs = append(errs, t.shared.Close())
-		}
-		errs = append(errs, t.nic.Close())
+		errs := []error{t.tcp.Close(), t.closeShared(), t.nic.Close()}
 		if err := errors.Join(errs...); err != nil {
 			t.closeErr = fmt.Errorf("rdma close: %w", err)
 		}

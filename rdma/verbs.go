@@ -28,6 +28,7 @@ const (
 	wcLocAccessErr   = wcStatus(C.IBV_WC_LOC_ACCESS_ERR)
 	wcRemInvReqErr   = wcStatus(C.IBV_WC_REM_INV_REQ_ERR)
 	wcRemAccessErr   = wcStatus(C.IBV_WC_REM_ACCESS_ERR)
+	wcMWBindErr      = wcStatus(C.IBV_WC_MW_BIND_ERR)
 	wcRemOpErr       = wcStatus(C.IBV_WC_REM_OP_ERR)
 	wcRetryExcErr    = wcStatus(C.IBV_WC_RETRY_EXC_ERR)
 	wcRNRRetryExcErr = wcStatus(C.IBV_WC_RNR_RETRY_EXC_ERR)
@@ -49,6 +50,11 @@ const maxPost = C.FV_MAX_POST
 // the arena's rkey to whoever asks, so a readable registration would let
 // anyone who reaches the port read the whole arena.
 const access = C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE
+
+// windowAccess is the arena's registration in windows mode: the NIC
+// reads and writes it locally and binds windows over it; no peer writes
+// it under its own rkey (REM_ACCESS_ERR), only through a window.
+const windowAccess = C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_MW_BIND
 
 // verbsErr wraps a helper's errno with the verb that failed; 0 is nil.
 func verbsErr(verb string, rc C.int) error {
@@ -121,8 +127,10 @@ func (d *device) Close() error {
 }
 
 type deviceAttr struct {
-	ports int
-	fw    string
+	ports     int
+	fw        string
+	memWindow bool // type 1 memory windows
+	maxMW     int
 }
 
 func (d *device) query() (deviceAttr, error) {
@@ -130,7 +138,7 @@ func (d *device) query() (deviceAttr, error) {
 	if err := verbsErr("ibv_query_device "+d.name, C.fv_query_device(d.ctx, &a)); err != nil {
 		return deviceAttr{}, err
 	}
-	return deviceAttr{ports: int(a.ports), fw: C.GoString(&a.fw_ver[0])}, nil
+	return deviceAttr{ports: int(a.ports), fw: C.GoString(&a.fw_ver[0]), memWindow: a.mem_window != 0, maxMW: int(a.max_mw)}, nil
 }
 
 type portAttr struct {
@@ -188,6 +196,7 @@ func portStateName(s int) string {
 // made from it (registrations, queue pairs) must be closed first.
 type verbsNIC struct {
 	dev      *device
+	attr     deviceAttr
 	pd       *C.struct_ibv_pd
 	port     uint8
 	gidIndex int
@@ -206,6 +215,10 @@ func openNIC(c Choice) (n *verbsNIC, err error) {
 			dev.Close()
 		}
 	}()
+	da, err := dev.query()
+	if err != nil {
+		return nil, err
+	}
 	pa, err := dev.queryPort(c.Port)
 	if err != nil {
 		return nil, err
@@ -213,7 +226,7 @@ func openNIC(c Choice) (n *verbsNIC, err error) {
 	if pa.state != portActive {
 		return nil, fmt.Errorf("%s port %d is %s, not ACTIVE", c.Device, c.Port, portStateName(pa.state))
 	}
-	n = &verbsNIC{dev: dev, port: uint8(c.Port), gidIndex: c.GIDIndex, global: pa.linkLayer != linkLayerIB}
+	n = &verbsNIC{dev: dev, attr: da, port: uint8(c.Port), gidIndex: c.GIDIndex, global: pa.linkLayer != linkLayerIB}
 	n.local.LID, n.local.MTU = pa.lid, pa.activeMTU
 	g, ok, err := dev.queryGID(c.Port, c.GIDIndex)
 	if err != nil {
@@ -243,12 +256,18 @@ type verbsMR struct {
 	mr *C.struct_ibv_mr
 }
 
-func (n *verbsNIC) Register(mem []byte) (region, error) {
+func (n *verbsNIC) Register(mem []byte) (region, error) { return n.register(mem, access) }
+
+func (n *verbsNIC) RegisterForWindows(mem []byte) (region, error) {
+	return n.register(mem, windowAccess)
+}
+
+func (n *verbsNIC) register(mem []byte, acc C.int) (region, error) {
 	if len(mem) == 0 {
 		return nil, errors.New("ibv_reg_mr: nothing to register")
 	}
 	var mr *C.struct_ibv_mr
-	rc := C.fv_reg_mr(n.pd, unsafe.Pointer(unsafe.SliceData(mem)), C.size_t(len(mem)), access, &mr)
+	rc := C.fv_reg_mr(n.pd, unsafe.Pointer(unsafe.SliceData(mem)), C.size_t(len(mem)), acc, &mr)
 	if err := verbsErr(fmt.Sprintf("ibv_reg_mr of %d bytes", len(mem)), rc); err != nil {
 		return nil, err
 	}
@@ -272,6 +291,31 @@ func (n *verbsNIC) RegisterDMABuf(fd int, offset, size, iova uint64) (region, er
 	}
 	return &verbsMR{mr: mr}, nil
 }
+
+func (n *verbsNIC) Windows() error {
+	switch {
+	case !n.attr.memWindow:
+		return fmt.Errorf("%s does not report IBV_DEVICE_MEM_WINDOW (type 1 memory windows)", n.dev.name)
+	case n.attr.maxMW < minWindows:
+		return fmt.Errorf("%s allows %d memory windows, fewer than the %d preallocated", n.dev.name, n.attr.maxMW, minWindows)
+	}
+	return nil
+}
+
+// verbsMW is a type 1 memory window.
+type verbsMW struct {
+	mw *C.struct_ibv_mw
+}
+
+func (n *verbsNIC) AllocWindow() (window, error) {
+	var mw *C.struct_ibv_mw
+	if err := verbsErr("ibv_alloc_mw", C.fv_alloc_mw(n.pd, &mw)); err != nil {
+		return nil, err
+	}
+	return &verbsMW{mw: mw}, nil
+}
+
+func (w *verbsMW) Close() error { return verbsErr("ibv_dealloc_mw", C.ibv_dealloc_mw(w.mw)) }
 
 func (m *verbsMR) LKey() uint32 { return uint32(m.mr.lkey) }
 func (m *verbsMR) RKey() uint32 { return uint32(m.mr.rkey) }
@@ -364,6 +408,12 @@ func (q *verbsQP) Post(ops []op) error {
 		ops = ops[n:]
 	}
 	return nil
+}
+
+func (q *verbsQP) Bind(w window, r region, addr, n, wrid uint64) (uint32, error) {
+	var rkey C.uint32_t
+	rc := C.fv_bind_mw(q.qp, w.(*verbsMW).mw, r.(*verbsMR).mr, C.uint64_t(addr), C.uint64_t(n), C.uint64_t(wrid), &rkey)
+	return uint32(rkey), verbsErr("ibv_bind_mw", rc)
 }
 
 func (q *verbsQP) PostRecvs(n int) error {

@@ -33,6 +33,8 @@ static inline int fv_open(struct ibv_device *dev, struct ibv_context **ctx) {
 
 typedef struct {
 	uint8_t ports;
+	uint8_t mem_window;  // IBV_DEVICE_MEM_WINDOW: type 1 windows
+	int max_mw;
 	char fw_ver[64];
 } fv_device_attr;
 
@@ -41,6 +43,8 @@ static inline int fv_query_device(struct ibv_context *ctx, fv_device_attr *out) 
 	int rc = ibv_query_device(ctx, &a);
 	if (rc) return rc;
 	out->ports = a.phys_port_cnt;
+	out->mem_window = (a.device_cap_flags & IBV_DEVICE_MEM_WINDOW) != 0;
+	out->max_mw = a.max_mw;
 	memcpy(out->fw_ver, a.fw_ver, sizeof out->fw_ver);
 	out->fw_ver[sizeof out->fw_ver - 1] = 0;
 	return 0;
@@ -341,6 +345,35 @@ static inline int fv_post_recvs(struct ibv_qp *qp, uint64_t wr_id, int n) {
 		if (rc) return rc;
 	}
 	return 0;
+}
+
+// fv_alloc_mw allocates a type 1 memory window: PD-scoped, so a write
+// through it may come on any QP of the PD.
+static inline int fv_alloc_mw(struct ibv_pd *pd, struct ibv_mw **mw) {
+	errno = 0;
+	*mw = ibv_alloc_mw(pd, IBV_MW_TYPE_1);
+	return *mw ? 0 : fv_err();
+}
+
+// fv_bind_mw posts a signaled bind of mw over [addr, addr+len) of mr,
+// allowing remote writes; len 0 invalidates it. mr is named either way:
+// rxe's provider reads its lkey even for a zero-length bind. The
+// provider sets mw->rkey to the new rkey at once; the bind takes effect
+// when its completion (wr_id) comes.
+static inline int fv_bind_mw(struct ibv_qp *qp, struct ibv_mw *mw, struct ibv_mr *mr, uint64_t addr, uint64_t len, uint64_t wr_id, uint32_t *rkey) {
+	struct ibv_mw_bind b;
+	memset(&b, 0, sizeof b);
+	b.wr_id = wr_id;
+	b.send_flags = IBV_SEND_SIGNALED;
+	b.bind_info.mr = mr;
+	if (len) {
+		b.bind_info.addr = addr;
+		b.bind_info.length = len;
+		b.bind_info.mw_access_flags = IBV_ACCESS_REMOTE_WRITE;
+	}
+	int rc = ibv_bind_mw(qp, mw, &b);
+	*rkey = mw->rkey;
+	return rc;
 }
 
 #endif

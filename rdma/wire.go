@@ -23,22 +23,26 @@ package rdma
 //	  0  endpoint  32 bytes, the server QP's, as above
 //	 32  base      u64     the server's shared registration: its address,
 //	 40  size      u64     size and rkey (0, 0, 0 when it has none), and
-//	 48  rkey      u32
-//	 52  mode      u32     1 shared, 2 per-send, 0 none
+//	 48  rkey      u32     (0 in windows mode: the arena's rkey stays home)
+//	 52  mode      u32     1 shared, 2 per-send, 0 none, 3 windows (shared,
+//	                       for windows only: each slot's key carries the
+//	                       rkey of a window over it, transport.Key.Window)
 //
 // Both sides then move their QP to RTS; the path MTU is the smaller of
 // the two. The dialer holds grants to the receiver's registration: one
 // that names the shared rkey must lie inside base and size.
 //
-// Direct writes (arena-rkey mode). A server sets acceptDirect when the
-// port is authenticated (both daemons proved the peer secret), it has
-// the shared registration, and its Sink is a transport.DirectSink, whose
-// slot addresses are the addresses of their bytes. An authenticated
-// client may then send a write that is its slot's whole content
-// (transport.Write.Whole) and whose tag is its key's tag with no header
-// at all: one RDMA WRITE WITH IMM of the whole write (at most directMax
-// bytes, from registered memory) to the slot's address under the shared
-// rkey, the immediate the tag. The server learns of it from the receive
+// Direct writes. A server sets acceptDirect when it has the shared
+// registration, its Sink is a transport.DirectSink, whose slot addresses
+// are the addresses of their bytes, and either it has windows (mode 3,
+// windows.go) or the port is authenticated (both daemons proved the
+// peer secret: arena-rkey mode). A client may then send a write that is
+// its slot's whole content (transport.Write.Whole) and whose tag is its
+// key's tag with no header at all: one RDMA WRITE WITH IMM of the whole
+// write (at most directMax bytes, from registered memory) to the slot's
+// address, the immediate the tag, under the rkey of the slot's window
+// (its key's Window) in windows mode, any client; else, an
+// authenticated client only, under the shared rkey. The server learns of it from the receive
 // completion alone: the immediate names the slot, byte_len says how
 // many bytes it placed, and the Sink takes them as the slot's content
 // (Arrived) when that is the slot's size. Nothing is refused before the
@@ -107,7 +111,13 @@ package rdma
 //
 // What the NIC enforces: a write needs an rkey of the receiver's
 // protection domain with remote write access, must stay inside that
-// registration, and must come from the QP this lane connected. What
+// registration (or window), and must come from the QP this lane
+// connected. In windows mode the registration's own rkey allows no
+// remote write: every write, direct or granted (the grant names the
+// slot's window), goes through the window over its slot, so the NIC
+// bounds it to that slot's live bytes, and after the slot is freed
+// refuses it (REM_ACCESS_ERR at the sender); what follows is about the
+// other modes. What
 // ferry checks: the receiver grants only after its Sink accepted the
 // header (a live slot, its key, the bounds), and it delivers only a
 // completion that matches the oldest grant outstanding. A peer that
@@ -152,6 +162,7 @@ const (
 	modeNone    = 0
 	modeShared  = 1
 	modePerSend = 2
+	modeWindows = 3
 )
 
 func (e *endpoint) encode(b []byte) {
@@ -180,12 +191,19 @@ type peerRegion struct {
 }
 
 // direct finds where a direct write of n bytes to addr lands: inside the
-// shared registration, which the server offers to direct writes.
-func (r peerRegion) direct(addr, n uint64) (grant, bool) {
-	if !r.Direct || r.Mode != modeShared || n == 0 || addr < r.Base || addr-r.Base > r.Size || n > r.Size-(addr-r.Base) {
+// shared registration, which the server offers to direct writes, under
+// its rkey, or in windows mode under the slot's window (0: none).
+func (r peerRegion) direct(addr, n uint64, window uint32) (grant, bool) {
+	if !r.Direct || n == 0 || addr < r.Base || addr-r.Base > r.Size || n > r.Size-(addr-r.Base) {
 		return grant{}, false
 	}
-	return grant{Addr: addr, RKey: r.RKey}, true
+	switch {
+	case r.Mode == modeShared:
+		return grant{Addr: addr, RKey: r.RKey}, true
+	case r.Mode == modeWindows && window != 0:
+		return grant{Addr: addr, RKey: window}, true
+	}
+	return grant{}, false
 }
 
 // check refuses a grant that names the shared registration's rkey for a

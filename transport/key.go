@@ -7,20 +7,36 @@ import (
 	"fmt"
 )
 
-// KeySize is a receive slot key's size in bytes: 128 bits, so that no
-// peer can find a live slot by guessing at any rate a network allows.
-const KeySize = 16
+// KeySize is a receive slot key's size in bytes: a 128-bit capability,
+// so that no peer can find a live slot by guessing at any rate a
+// network allows, then the 32-bit rkey of the slot's memory window.
+const KeySize = 20
 
-// Key is a receive slot's capability: 128 random bits from crypto/rand,
-// fresh per slot. Whoever holds it may write into that slot, and only
-// into it. In JSON and on the command line it is 32 lower-case hex
-// digits, a string clients pass along as they got it.
+// capSize is the capability's part of a key.
+const capSize = 16
+
+// Key is a receive slot's key: a capability of 128 random bits from
+// crypto/rand, fresh per slot (whoever holds it may write into that
+// slot, and only into it), then the rkey of the NIC-enforced window over
+// the slot (rdma's windows mode; 0 without one). In JSON and on the
+// command line it is 40 lower-case hex digits, a string clients pass
+// along as they got it.
 type Key [KeySize]byte
 
-// NewKey draws a fresh random key.
+// NewKey draws a fresh random key, with no window.
 func NewKey() Key {
 	var k Key
-	_, _ = rand.Read(k[:]) // crypto/rand.Read never fails on Linux
+	_, _ = rand.Read(k[:capSize]) // crypto/rand.Read never fails on Linux
+	return k
+}
+
+// Window is the rkey of the memory window over the key's slot, through
+// which a sender writes it directly; 0 when the slot has none.
+func (k Key) Window() uint32 { return binary.LittleEndian.Uint32(k[capSize:]) }
+
+// WithWindow is k naming the window whose rkey is rkey.
+func (k Key) WithWindow(rkey uint32) Key {
+	binary.LittleEndian.PutUint32(k[capSize:], rkey)
 	return k
 }
 

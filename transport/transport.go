@@ -66,6 +66,30 @@ type InPlaceSink interface {
 	AcceptInPlace(addr, n uint64, key Key, tag uint32) (done func(error), err error)
 }
 
+// Windows makes NIC-enforced windows over receive slots (rdma's windows
+// mode): a peer writes a slot's bytes through its window's rkey, and the
+// NIC refuses any byte outside them, and any write once it is closed.
+type Windows interface {
+	// Open makes a window over [addr, addr+n) and returns its rkey once
+	// the NIC enforces it.
+	Open(addr, n uint64) (rkey uint32, err error)
+	// Close invalidates the window of rkey: once it returns, nothing
+	// lands through it, and its memory may be reused. After an error
+	// the window may still be open: keep its memory out of use.
+	Close(rkey uint32) error
+}
+
+// WindowSink is a DirectSink that puts a window over each slot: given
+// the transport's Windows (UseWindows, once, before any slot is made),
+// it opens one over every slot in the transport's memory as it makes
+// it, names it in the slot's key (Key.WithWindow), and closes it before
+// the slot's memory goes to another. A transport whose NIC has no
+// windows never calls UseWindows.
+type WindowSink interface {
+	DirectSink
+	UseWindows(Windows)
+}
+
 // Write is one one-sided write.
 type Write struct {
 	Src []byte // local bytes to send

@@ -211,6 +211,13 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 					nics = append(nics, "none: "+r.Why)
 				}
 				fmt.Fprintf(w, "nics       %s\n", strings.Join(nics, ", "))
+				if r.WriteMode != "" {
+					fmt.Fprintf(w, "protection %s", r.WriteMode)
+					if r.WriteModeWhy != "" {
+						fmt.Fprintf(w, " (%s)", r.WriteModeWhy)
+					}
+					fmt.Fprintln(w)
+				}
 			}
 			if mc := st.Mooncake; mc != nil {
 				fmt.Fprintf(w, "mooncake   segment %s (handshake on %s, tcp data port %d)\n", mc.Segment, mc.RPC, mc.DataPort)
@@ -321,7 +328,7 @@ func parseUint(s, what string, bits int) (uint64, error) {
 func cmdSend(fs *flag.FlagSet) func(context.Context, *env) error {
 	session := fs.String("session", "", "the receiver's session (host:port), or mooncake://host:port of a Mooncake segment")
 	addr := fs.String("addr", "", "the receiver's buffer_address")
-	key := fs.String("key", "", "the receive slot's key, 32 hex digits (none for a Mooncake segment)")
+	key := fs.String("key", "", "the receive slot's key, 40 hex digits (none for a Mooncake segment)")
 	slotFile := fs.String("slot", "", "a JSON file with session, buffer_address and key (ferryctl --json recv output)")
 	wait := fs.Duration("wait", 0, "wait this long for the req_id to be staged")
 	return func(ctx context.Context, e *env) error {

@@ -148,7 +148,7 @@ def test_transfer_failed_names_session_nbytes_and_ret(tx, req_id):
         closed.bind(("127.0.0.1", 0))
         session = f"127.0.0.1:{closed.getsockname()[1]}"
         tx.stage(req_id, b"t" * 100)
-        e = expect(ferry.TransferFailed, 502, tx.send, req_id, {"session": session, "buffer_address": 4096, "key": "ab" * 16})
+        e = expect(ferry.TransferFailed, 502, tx.send, req_id, {"session": session, "buffer_address": 4096, "key": "ab" * 20})
     assert (e.req_id, e.session, e.nbytes, e.ret) == (req_id, session, 100, "ECONNREFUSED")
     assert tx.embedding(req_id)["state"] == "staged"  # kept for a retry
     tx.delete(req_id)

@@ -18,7 +18,7 @@ def test_bytes_staged_by_upload_arrive_equal(tx, rx, req_id, kind):
     data = os.urandom(1 << 20)
     payload = {"bytes": data, "bytearray": bytearray(data), "memoryview": memoryview(data)}[kind]
     slot = rx.receive(req_id, len(data))
-    assert re.fullmatch(r"[0-9a-f]{32}", slot.key) and slot.nbytes == len(data) and slot.req_id == req_id
+    assert re.fullmatch(r"[0-9a-f]{40}", slot.key) and slot.nbytes == len(data) and slot.req_id == req_id
     entry = tx.stage(req_id, payload)
     assert (entry["state"], entry["shape"], entry["dtype"], entry["nbytes"]) == ("staged", [len(data)], "u8", len(data))
     res = tx.send(req_id, slot)

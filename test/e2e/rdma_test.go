@@ -79,6 +79,14 @@ func TestRDMATransportChoice(t *testing.T) {
 	if st.Registration.Mode != "shared" || st.Registration.Bytes != 64<<20 || st.Registration.Millis <= 0 {
 		t.Errorf("registration %+v, want the 64 MiB arena registered once, with its time", st.Registration)
 	}
+	// soft-RoCE has memory windows: every slot gets one.
+	if r := st.Transport.RDMA; r.WriteMode != "windows" || r.WriteModeWhy != "" {
+		t.Errorf("write mode %q (%s), want windows", r.WriteMode, r.WriteModeWhy)
+	}
+	out, err := exec.Command(filepath.Join(bin, "ferryctl"), "--socket", d.socket, "status").CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "protection windows\n") {
+		t.Errorf("ferryctl status: %v\n%s\nwant a line \"protection windows\"", err, out)
+	}
 	d.log.wait(t, 5*time.Second, "the registration line", msg("arena registered with the NIC once"))
 }
 
@@ -149,6 +157,11 @@ func TestRDMAPerSendRegistration(t *testing.T) {
 	st, err := snd.c.Status(ctx)
 	if err != nil || st.Registration.Mode != "per-send" || !strings.Contains(st.Registration.Reason, "per-send") {
 		t.Fatalf("status registration %+v, %v; want per-send with its reason", st.Registration, err)
+	}
+	// No shared registration, no windows and no direct writes: a grant
+	// per write, and status says why.
+	if r := st.Transport.RDMA; r.WriteMode != "grant" || !strings.Contains(r.WriteModeWhy, "registered per send") {
+		t.Errorf("write mode %q (%s), want grant, for want of a shared registration", r.WriteMode, r.WriteModeWhy)
 	}
 	data := randomBytes(embBytes, 13)
 	if _, err := snd.c.Stage(ctx, "rd-ps", embShape, "bf16", bytes.NewReader(data), int64(len(data))); err != nil {

@@ -177,7 +177,7 @@ func TestAuthDialOlderPeer(t *testing.T) {
 	tx := listen(t, Config{Secret: secretA}, nil)
 	addr := transporttest.FakePeer(t, welcomeAs(2, statusBadVersion))
 	_, _, err := tx.Dial(ctxFor(t, 10*time.Second), addr, KindData)
-	for _, w := range []string{"peer speaks version 2", "this daemon speaks version 4", "upgrade the older daemon"} {
+	for _, w := range []string{"peer speaks version 2", "this daemon speaks version 5", "upgrade the older daemon"} {
 		if err == nil || !strings.Contains(err.Error(), w) {
 			t.Errorf("dial error %v does not mention %q", err, w)
 		}

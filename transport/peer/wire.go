@@ -1,10 +1,11 @@
 package peer
 
-// Wire protocol of the peer port, version 4. Every integer is
-// little-endian; every record has a fixed size except the message that
-// may follow a reply. Both transports speak it on the one port:
-// transport/tcp on its data connections, rdma on its lanes' control
-// connections, whose exchange rdma/wire.go goes on with.
+// Wire protocol of the peer port, version 5 (5 grew the write header's
+// key by its window's rkey). Every integer is little-endian; every
+// record has a fixed size except the message that may follow a reply.
+// Both transports speak it on the one port: transport/tcp on its data
+// connections, rdma on its lanes' control connections, whose exchange
+// rdma/wire.go goes on with.
 //
 // Handshake, once when a connection opens:
 //
@@ -57,9 +58,9 @@ package peer
 //	client → server  header, 40 bytes, then len bytes of body
 //	  0  addr      u64     destination address in the server's arena
 //	  8  len       u64     body length, at least 1
-//	 16  key       [16]byte  the receive slot's key (128 bits)
-//	 32  tag       u32     delivered with the completion
-//	 36  reserved  u32     0
+//	 16  key       [20]byte  the receive slot's key (transport.Key: the
+//	                         128-bit capability, then its window's rkey)
+//	 36  tag       u32     delivered with the completion
 //
 //	server → client  reply, 8 bytes, then msglen bytes of message
 //	  0  code      u32     transport.Code; 0 (OK) once every byte is placed
@@ -87,7 +88,7 @@ import (
 
 const (
 	magic   = "FERY"
-	version = 4
+	version = 5
 
 	helloSize   = 24
 	welcomeSize = 28
@@ -202,16 +203,15 @@ type Header struct {
 func (h *Header) Encode(b *[HeaderSize]byte) {
 	binary.LittleEndian.PutUint64(b[0:], h.Addr)
 	binary.LittleEndian.PutUint64(b[8:], h.Len)
-	copy(b[16:32], h.Key[:])
-	binary.LittleEndian.PutUint32(b[32:], h.Tag)
-	binary.LittleEndian.PutUint32(b[36:], 0)
+	copy(b[16:36], h.Key[:])
+	binary.LittleEndian.PutUint32(b[36:], h.Tag)
 }
 
 func (h *Header) Decode(b *[HeaderSize]byte) {
 	h.Addr = binary.LittleEndian.Uint64(b[0:])
 	h.Len = binary.LittleEndian.Uint64(b[8:])
-	copy(h.Key[:], b[16:32])
-	h.Tag = binary.LittleEndian.Uint32(b[32:])
+	copy(h.Key[:], b[16:36])
+	h.Tag = binary.LittleEndian.Uint32(b[36:])
 }
 
 // EncodeReply writes a reply and its message into b and returns the bytes

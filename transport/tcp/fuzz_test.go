@@ -26,7 +26,7 @@ const (
 )
 
 // Placeholders a seed writes where a slot's key goes (4 bytes standing
-// for the 16 of a key): the keys are random.
+// for the 20 of a key): the keys are random.
 var fuzzKeyMarks = [2][]byte{[]byte("KEY1"), []byte("KEY2")}
 
 // fuzzSecret is the peer secret of the fuzzed receivers and dialers that
@@ -218,7 +218,7 @@ func FuzzPeerPortFlood(f *testing.F) {
 		b := binary.LittleEndian.AppendUint64(nil, addr)
 		b = binary.LittleEndian.AppendUint64(b, n)
 		b = append(b, key...)
-		return binary.LittleEndian.AppendUint32(binary.LittleEndian.AppendUint32(b, 7), 0)
+		return binary.LittleEndian.AppendUint32(b, 7)
 	}
 	f.Add(uint8(8), uint8(1), true, []byte{})                                             // hello-only crowd
 	f.Add(uint8(8), uint8(64), false, []byte("GET / HTTP/1.1\r\n\r\n"))                   // scanners

@@ -31,6 +31,7 @@ type Slots struct {
 	pending int            // accepted writes whose done has not run
 	changed chan struct{}  // closed and replaced on every done
 	errs    []error
+	windows transport.Windows // set through WindowSlots
 }
 
 type slot struct {
@@ -41,6 +42,20 @@ type slot struct {
 }
 
 var _ transport.DirectSink = (*Slots)(nil)
+
+// WindowSlots is Slots as a transport.WindowSink: once the transport
+// hands it windows, each slot Add makes gets one over its bytes (Base
+// must be Mem's own address), named in its key, which Remove closes.
+type WindowSlots struct{ *Slots }
+
+var _ transport.WindowSink = WindowSlots{}
+
+// UseWindows implements transport.WindowSink.
+func (w WindowSlots) UseWindows(ws transport.Windows) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.windows = ws
+}
 
 // NewSlots returns a Sink with size bytes of zeroed memory and no slots.
 func NewSlots(size int) *Slots {
@@ -65,8 +80,32 @@ func (s *Slots) Add(addr, size uint64) (key transport.Key) {
 	for s.byTag(sl.key.Tag()) != nil {
 		sl.key = transport.NewKey()
 	}
+	if s.windows != nil {
+		rkey, err := s.windows.Open(s.Base+addr, size)
+		if err != nil {
+			panic(fmt.Sprintf("transporttest: a window over the slot [%#x, +%d): %v", addr, size, err))
+		}
+		sl.key = sl.key.WithWindow(rkey)
+	}
 	s.slots = append(s.slots, sl)
 	return sl.key
+}
+
+// Remove frees the slot of key, closing its window when it has one.
+func (s *Slots) Remove(key transport.Key) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for i, o := range s.slots {
+		if o.key != key {
+			continue
+		}
+		s.slots = append(s.slots[:i], s.slots[i+1:]...)
+		if s.windows != nil {
+			return s.windows.Close(key.Window())
+		}
+		return nil
+	}
+	return fmt.Errorf("transporttest: no slot has key %s", key)
 }
 
 // byTag is the slot whose key has tag, or nil; s.mu is held.

@@ -1,0 +1,109 @@
+package daemon
+
+import (
+	"errors"
+	"fmt"
+	"testing"
+
+	"github.com/ferry-project/ferry/api"
+)
+
+// fakeWindows hands out rkeys and records which are open; fail makes
+// the next Open or Close fail.
+type fakeWindows struct {
+	next uint32
+	open map[uint32][2]uint64
+	fail error
+}
+
+func (w *fakeWindows) Open(addr, n uint64) (uint32, error) {
+	if err := w.fail; err != nil {
+		w.fail = nil
+		return 0, err
+	}
+	w.next += 0x100
+	w.open[w.next] = [2]uint64{addr, n}
+	return w.next, nil
+}
+
+func (w *fakeWindows) Close(rkey uint32) error {
+	if err := w.fail; err != nil {
+		w.fail = nil
+		return err
+	}
+	if _, ok := w.open[rkey]; !ok {
+		return fmt.Errorf("no window %#x", rkey)
+	}
+	delete(w.open, rkey)
+	return nil
+}
+
+// TestSlotWindows: with windows, each arena slot's key names a window
+// over exactly its bytes, closed when the slot's memory goes back; a
+// window that cannot be opened fails the slot (its memory back), and
+// one that cannot be closed keeps the slot's memory out of use.
+func TestSlotWindows(t *testing.T) {
+	r := newTestRegistry(t, 4096)
+	w := &fakeWindows{open: make(map[uint32][2]uint64)}
+	r.UseWindows(w)
+	var lost []string
+	r.windowLost = func(reqID string, err error) { lost = append(lost, reqID+": "+err.Error()) }
+
+	a, err := r.newSlot("a", 1024, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := w.open[a.key.Window()]; !ok || got != [2]uint64{a.addr, 1024} {
+		t.Fatalf("slot a's key names window %#x, open over %v; want one over [%#x, +1024)", a.key.Window(), got, a.addr)
+	}
+	_, done, err := r.Accept(a.addr, 1024, a.key, a.key.Tag())
+	if err != nil {
+		t.Fatalf("the slot's own key, window and all, is refused: %v", err)
+	}
+	if err := r.deleteSlot("a"); err != nil {
+		t.Fatal(err)
+	}
+	// The granted write still pins the slot: its window stays open until
+	// the write ends and the memory goes back.
+	if _, ok := w.open[a.key.Window()]; !ok {
+		t.Fatal("slot a's window was closed under a write still landing")
+	}
+	done(nil)
+	if _, ok := w.open[a.key.Window()]; ok {
+		t.Fatal("slot a's window is still open after its memory went back")
+	}
+
+	w.fail = errors.New("all windows over live slots")
+	if _, err := r.newSlot("b", 1024, false); !isCode(err, api.CodeInternal) {
+		t.Fatalf("a slot whose window could not be opened: %v, want an internal error", err)
+	}
+	// Its memory went back: four slots fit.
+	var cs []*slot
+	for i := range 4 {
+		c, err := r.newSlot(fmt.Sprintf("c%d", i), 1024, false)
+		if err != nil {
+			t.Fatalf("slot c%d: %v (the failed slot's memory did not come back)", i, err)
+		}
+		cs = append(cs, c)
+	}
+	w.fail = errors.New("the bind did not complete")
+	if err := r.deleteSlot("c0"); err != nil {
+		t.Fatal(err)
+	}
+	if len(lost) != 1 {
+		t.Fatalf("lost windows reported %q, want c0's", lost)
+	}
+	if err := r.deleteSlot("c1"); err != nil {
+		t.Fatal(err)
+	}
+	if _, ok := w.open[cs[1].key.Window()]; ok {
+		t.Fatal("c1's window is still open after its slot was freed")
+	}
+	// c1's memory came back; c0's, whose window may still be open, did not.
+	if _, err := r.newSlot("d", 1024, false); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.newSlot("e", 1024, false); !isCode(err, api.CodeArenaFull) {
+		t.Fatalf("another slot: %v; want arena_full, c0's memory held back", err)
+	}
+}
