@@ -338,6 +338,9 @@ type SendResult struct {
 	Transport string  `json:"transport"`
 	SharedMR  bool    `json:"shared_mr"`
 	Attempts  int     `json:"attempts"`
+	// Writes is how many writes carried the bytes: 1, or up to
+	// tcp_stripes pieces at once over TCP.
+	Writes int `json:"writes"`
 }
 
 // ReceiveRequest: POST /v1/receives.

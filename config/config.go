@@ -57,6 +57,7 @@ type Settings struct {
 	Transport        Transport            `toml:"transport"`
 	IOTimeout        Duration             `toml:"io_timeout"`
 	TCPSendBuffer    Size                 `toml:"tcp_send_buffer"`
+	TCPStripes       int                  `toml:"tcp_stripes"`
 	MaxConns         int                  `toml:"max_conns"`
 	MetricsListen    string               `toml:"metrics_listen"`
 	PeerSecretFile   string               `toml:"peer_secret_file"`
@@ -159,6 +160,8 @@ var options = []option{
 		func(s *Settings) value { return &s.IOTimeout }, positive(func(s *Settings) Duration { return s.IOTimeout })},
 	{"tcp_send_buffer", size.Format(peer.DefaultSendBuffer), "kernel send buffer (`size`, SO_SNDBUF, which the kernel doubles) of each connection to a peer: small, so that the sender's copy and the receiver's overlap within one write; raise it for links whose bandwidth x round trip is larger (0: the kernel's autotuning)",
 		func(s *Settings) value { return &s.TCPSendBuffer }, sizeWithin(func(s *Settings) Size { return s.TCPSendBuffer }, 0, 1<<30)},
+	{"tcp_stripes", "4", "`connections` one send over TCP spreads its bytes across at once, in pieces of at least 1 MiB (bounded by max_conns): one connection's copies run on one core each side, which caps a single stream well below a fast NIC (1: every send on one connection)",
+		func(s *Settings) value { return (*number)(&s.TCPStripes) }, intWithin(func(s *Settings) int { return s.TCPStripes }, 1, 64)},
 	{"max_conns", "8", "`connections` per peer session (concurrent writes to one peer)",
 		func(s *Settings) value { return (*number)(&s.MaxConns) }, intWithin(func(s *Settings) int { return s.MaxConns }, 1, 1024)},
 	{"metrics_listen", "", "also serve GET /metrics on this TCP `host:port` (empty: off; the control socket always serves it)",

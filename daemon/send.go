@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -8,6 +9,7 @@ import (
 	"net"
 	"os"
 	"strconv"
+	"sync"
 	"syscall"
 	"time"
 
@@ -16,6 +18,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -84,8 +87,12 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		w.Src = src
 	}
 	start := time.Now()
-	dl, lastErr := d.deliver(ctx, req.Session, w, d.log.With().Str("req_id", reqID).Logger())
-	res.Attempts = dl.attempts
+	stripes := 1
+	if !isMooncake && d.tr.Name() == string(config.TransportTCP) {
+		stripes = d.cfg.TCPStripes
+	}
+	dl, lastErr := d.deliverSend(ctx, req.Session, w, stripes, d.log.With().Str("req_id", reqID).Logger())
+	res.Attempts, res.Writes = dl.attempts, dl.writes
 	if dl.transport != "" {
 		res.Transport = dl.transport
 	}
@@ -133,6 +140,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 type delivery struct {
 	transport string // the data plane the last attempt ran on; "" if none was dialed
 	attempts  int
+	writes    int // pieces written at once (tcp_stripes), else 1
 	report    transport.Report
 }
 
@@ -196,6 +204,63 @@ func (d *Daemon) write(ctx context.Context, sess transport.Session, w transport.
 	defer release()
 	w.Src, w.Device = src, transport.Range{}
 	return sess.Write(ctx, w)
+}
+
+// stripeMin is the smallest piece a striped send puts on a connection:
+// below it a piece's header, reply and wake-ups cost more than the
+// parallel copies save.
+const stripeMin = 1 << 20
+
+// deliverSend is deliver for a send's whole embedding. Over TCP a large
+// one goes as up to tcp_stripes pieces at once, each on a connection of
+// its own with deliver's retries: a single connection's copies run on
+// one core at each end, which caps a stream well below a fast NIC. The
+// receiver counts the pieces' ranges, so the slot arrives once, whole;
+// a failed piece fails the send (the embedding stays staged), and a
+// resend writes every piece again. stripes is 1 for RDMA (a direct
+// write must be the slot's whole content) and Mooncake's segments.
+func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Write, stripes int, log zerolog.Logger) (delivery, error) {
+	n := len(w.Src)
+	k := min(stripes, d.cfg.MaxConns, n/stripeMin)
+	if k < 2 {
+		dl, err := d.deliver(ctx, session, w, log)
+		dl.writes = 1
+		return dl, err
+	}
+	per := (n + k - 1) / k
+	type result struct {
+		dl  delivery
+		err error
+	}
+	results := make([]result, k)
+	var wg sync.WaitGroup
+	for i := range k {
+		piece := w
+		piece.Whole = false
+		piece.Src = w.Src[i*per : min((i+1)*per, n)]
+		piece.Remote = w.Remote + uint64(i*per)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			dl, err := d.deliver(ctx, session, piece, log)
+			results[i] = result{dl, err}
+		}()
+	}
+	wg.Wait()
+	out := delivery{writes: k}
+	var err error
+	for _, r := range results {
+		out.transport = cmp.Or(out.transport, r.dl.transport)
+		out.attempts = max(out.attempts, r.dl.attempts)
+		out.report.Messages += r.dl.report.Messages
+		out.report.Copied += r.dl.report.Copied
+		// A refusal says most about why (no slot, a slot too small):
+		// report it before a broken path's error.
+		if r.err != nil && (err == nil || transport.IsRefusal(r.err) && !transport.IsRefusal(err)) {
+			err = r.err
+		}
+	}
+	return out, err
 }
 
 // whenToResend says when sending again after err can work.

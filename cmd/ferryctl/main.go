@@ -362,8 +362,8 @@ func cmdSend(fs *flag.FlagSet) func(context.Context, *env) error {
 			return err
 		}
 		return e.print(res, func(w io.Writer) {
-			fmt.Fprintf(w, "sent %s: %d bytes to %s in %.3f ms (%.2f GB/s, %.2f Gbit/s), %s, attempts %d, shared_mr=%t\n",
-				res.ReqID, res.NBytes, res.Session, res.Millis, res.GBps, res.GBps*8, res.Transport, res.Attempts, res.SharedMR)
+			fmt.Fprintf(w, "sent %s: %d bytes to %s in %.3f ms (%.2f GB/s, %.2f Gbit/s), %s, %d write(s), attempts %d, shared_mr=%t\n",
+				res.ReqID, res.NBytes, res.Session, res.Millis, res.GBps, res.GBps*8, res.Transport, res.Writes, res.Attempts, res.SharedMR)
 		})
 	}
 }

@@ -478,3 +478,48 @@ func TestSendLargerThanTheNamedSlotIsRefused(t *testing.T) {
 		t.Fatalf("the slot after a refused send: %+v, %v", info, err)
 	}
 }
+
+// TestLargeSendIsStriped: over TCP a send of several MiB goes as
+// tcp_stripes pieces at once, each on a connection of its own, and the
+// slot arrives once, whole and byte-exact; tcp_stripes 1 sends it whole.
+// A slot too small for the embedding refuses the pieces that do not fit,
+// the send fails with the refusal and the entry stays staged, and a
+// resend to a slot of the right size delivers it.
+func TestLargeSendIsStriped(t *testing.T) {
+	const n = 8<<20 + 4096 + 3 // not a multiple of the stripes
+	for _, tc := range []struct {
+		stripes string
+		writes  int
+	}{{"4", 4}, {"1", 1}} {
+		t.Run("tcp_stripes="+tc.stripes, func(t *testing.T) {
+			snd, rcv := pair(t, "--tcp-stripes", tc.stripes)
+			ctx := ctxT(t)
+			data := randomBytes(n, 7)
+			if _, err := snd.c.Stage(ctx, "big", []int64{n}, "u8", bytes.NewReader(data), n); err != nil {
+				t.Fatal(err)
+			}
+			if tc.writes > 1 {
+				// The first two pieces fit, the last two do not.
+				_, err := snd.c.Send(ctx, "big", slotFor(t, rcv, "small", n/2))
+				wantErr(t, err, 400, api.CodeRefused, "big", "out_of_bounds", "kept")
+				if _, err := snd.c.Embedding(ctx, "big"); err != nil {
+					t.Fatalf("the refused send's entry is gone: %v", err)
+				}
+			}
+			res, err := snd.c.Send(ctx, "big", slotFor(t, rcv, "big", n))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if res.Writes != tc.writes || res.NBytes != n {
+				t.Fatalf("send result %+v, want %d writes of %d bytes", res, tc.writes, n)
+			}
+			got, err := rcv.c.Wait(ctx, "big", 10*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !bytes.Equal(got, data) {
+				t.Fatal("received bytes differ from the staged ones")
+			}
+		})
+	}
+}
