@@ -428,8 +428,10 @@ func receiverKilledScenario(t *testing.T, start func(name string, extra ...strin
 	snd := start("snd", "--io-timeout", "5s", "--send-timeout", "20s")
 	rcv := start("rcv")
 	ctx := ctxT(t)
-	stageOn(t, snd, "pre", 4096, 3)
-	if _, err := snd.c.Send(ctx, "pre", slotFor(t, rcv, "pre", 4096)); err != nil {
+	// 4 MiB: over TCP the baseline then holds the connections a striped
+	// send keeps pooled (tcp_stripes).
+	stageOn(t, snd, "pre", 4<<20, 3)
+	if _, err := snd.c.Send(ctx, "pre", slotFor(t, rcv, "pre", 4<<20)); err != nil {
 		t.Fatal(err)
 	}
 	goroutines, fds := snd.idleResources(t)
