@@ -14,7 +14,6 @@ import (
 
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
-	"github.com/ferry-project/ferry/transport/tcp"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -127,9 +126,6 @@ func listenFake(t testing.TB, f *fabric, cfg Config) *Transport {
 	closeAtEnd(t, tr)
 	return tr
 }
-
-// overTCP is the daemon's TCP fallback: transport/tcp on the port.
-func overTCP(p *peer.Port) Fallback { return tcp.Over(p) }
 
 // closeAtEnd closes tr when t ends, failing t if Close reports a leak.
 func closeAtEnd(t testing.TB, tr *Transport) {
