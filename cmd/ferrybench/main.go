@@ -141,6 +141,27 @@ func (o *out) report(rep bench.Report) error {
 	return nil
 }
 
+// reportRun reports rep, or on err what was measured before it, and
+// returns err.
+func (o *out) reportRun(rep bench.Report, err error) error {
+	if err != nil {
+		if len(rep.Rows) > 0 {
+			_ = o.report(rep) // what was measured before the failure
+		}
+		return err
+	}
+	return o.report(rep)
+}
+
+// lines is where a command's summary lines go: after the table, or to
+// stderr beside --json and --csv, which keep stdout parseable.
+func (o *out) lines() io.Writer {
+	if o.json || o.csv {
+		return o.stderr
+	}
+	return o.stdout
+}
+
 // daemonFlags choose the daemons: running ones, or two of our own.
 type daemonFlags struct {
 	from, to          string
@@ -369,21 +390,11 @@ func cmdTransfer(ctx context.Context, args []string, o *out) error {
 		rep.Rows, err = bench.Transfer(ctx, p, bench.TransferConfig{Sizes: sz, Concurrency: cs, Limit: lim, Stage: *stage, Progress: o.stderr})
 		stop()
 	}
-	if err != nil {
-		if len(rep.Rows) > 0 {
-			_ = o.report(rep) // what was measured before the failure
-		}
-		return err
-	}
-	if err := o.report(rep); err != nil {
+	if err := o.reportRun(rep, err); err != nil {
 		return err
 	}
 	if *mc {
-		w := o.stdout
-		if o.json || o.csv {
-			w = o.stderr
-		}
-		bench.WriteRatios(w, rep.Rows, "send", "send_mooncake")
+		bench.WriteRatios(o.lines(), rep.Rows, "send", "send_mooncake")
 	}
 	return nil
 }
@@ -441,19 +452,10 @@ func cmdBatch(ctx context.Context, args []string, o *out) error {
 	}
 	rep := bench.Report{Command: "batch", Date: time.Now(), Setup: setup}
 	rep.Rows, err = bench.Batch(ctx, p, cfg)
-	if err != nil {
-		if len(rep.Rows) > 0 {
-			_ = o.report(rep)
-		}
+	if err := o.reportRun(rep, err); err != nil {
 		return err
 	}
-	if err := o.report(rep); err != nil {
-		return err
-	}
-	w := o.stdout
-	if o.json || o.csv {
-		w = o.stderr
-	}
+	w := o.lines()
 	bench.WriteRatios(w, rep.Rows, bench.OpBatch, bench.OpWriteBatch)
 	if *python != "" {
 		// Go's rate over Python's: Python's time per batch over Go's.
@@ -568,17 +570,10 @@ func cmdRDMACPU(ctx context.Context, args []string, o *out) error {
 	setup["nic"] = "simulated"
 	rep := bench.Report{Command: "rdma-cpu", Date: time.Now(), Setup: setup}
 	rep.Rows, err = bench.SendCPU(ctx, bench.SendCPUConfig{Size: n, Sends: *sends, Concurrency: cs, Lanes: *lanes, Modes: strings.Split(*modes, ","), Progress: o.stderr})
-	if err != nil {
+	if err := o.reportRun(rep, err); err != nil {
 		return err
 	}
-	if err := o.report(rep); err != nil {
-		return err
-	}
-	w := o.stdout
-	if o.json || o.csv {
-		w = o.stderr
-	}
-	bench.WriteCPU(w, rep.Rows)
+	bench.WriteCPU(o.lines(), rep.Rows)
 	return nil
 }
 
