@@ -35,6 +35,9 @@ type lane struct {
 	pollMu  sync.Mutex
 	pollErr error
 	reapMu  sync.Mutex // one reaper at a time: completions leave in CQ order
+	// reaped is reap's buffer, under reapMu: a local one escapes to the
+	// heap through the queuePair interface, an allocation per poll.
+	reaped [16]completion
 	// announced is set on an accepted lane whose every write is granted
 	// (its transport takes no direct writes): nothing arrives there
 	// unless granted counts it, so its poller busy-polls only then.
@@ -210,10 +213,10 @@ func (l *lane) pollForSleepers() {
 func (l *lane) reap() (int, error) {
 	l.reapMu.Lock()
 	defer l.reapMu.Unlock()
-	var buf [16]completion
+	buf := l.reaped[:]
 	taken := 0
 	for {
-		n, err := l.qp.Poll(buf[:])
+		n, err := l.qp.Poll(buf)
 		if err != nil {
 			return taken, err
 		}
