@@ -18,7 +18,8 @@ import (
 type Row struct {
 	// Op is what was timed: send (the daemon's send of staged data into
 	// a peer slot, as its client sees it), write (a bare transport write,
-	// no daemon), status, stage_send, register or deregister.
+	// no daemon), status, stage_send, register, deregister or send_cpu
+	// (ferry's own CPU per RDMA send, on the simulated NIC).
 	Op          string `json:"op"`
 	Size        int64  `json:"size_bytes,omitempty"`
 	Concurrency int    `json:"concurrency,omitempty"`
@@ -37,6 +38,10 @@ type Row struct {
 	DaemonWrite *Summary `json:"daemon_write,omitempty"`
 	// Stage is the staging that fed the sends, timed apart from them.
 	Stage *Stage `json:"stage,omitempty"`
+	// Lanes and CPU are a send_cpu row's: the RC QPs the sends shared,
+	// and their CPU per send.
+	Lanes int  `json:"lanes,omitempty"`
+	CPU   *CPU `json:"cpu,omitempty"`
 
 	samples []time.Duration // sorted, for the latency CDF
 }
@@ -118,11 +123,22 @@ var (
 	}}
 )
 
+// The columns of send_cpu rows, whose CPU is set.
+var (
+	colMode    = column{"mode", "mode", func(r Row) string { return r.CPU.Mode }}
+	colLanes   = column{"lanes", "lanes", func(r Row) string { return strconv.Itoa(r.Lanes) }}
+	colCPU     = column{"cpu µs/send", "cpu_us_per_send", func(r Row) string { return num(r.CPU.PerSend, 2) }}
+	colCopy    = column{"copy µs left out", "copy_us_left_out", func(r Row) string { return num(r.CPU.CopyLeftOut, 2) }}
+	colControl = column{"control/send", "control_per_send", func(r Row) string { return num(r.CPU.Control, 2) }}
+	colPosts   = column{"posts/send", "posts_per_send", func(r Row) string { return num(r.CPU.Posts, 2) }}
+)
+
 // Column sets per command. The size column shows bytes in the CSV.
 var (
 	transferColumns = []column{colOp, colSize, colConc, colIters, colGBps, colGbit, colP50, colP90, colP99, colP999, colMax, colErrors, colWrite, colStage}
 	apiColumns      = []column{colOp, colSize, colConc, colIters, colRate, colP50, colP90, colP99, colP999, colMax, colErrors}
 	batchColumns    = []column{colOp, colSize, colBatch, colIters, colItems, colGBps, colGbit, colP50, colP90, colP99, colMax}
+	cpuColumns      = []column{colMode, colSize, colConc, colLanes, colIters, colCPU, colCopy, colControl, colPosts}
 )
 
 // Format names an output format.
@@ -186,6 +202,8 @@ func columnsFor(command string) []column {
 		return apiColumns
 	case "batch":
 		return batchColumns
+	case "rdma-cpu":
+		return cpuColumns
 	}
 	return transferColumns
 }

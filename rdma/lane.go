@@ -35,6 +35,15 @@ type lane struct {
 	pollMu  sync.Mutex
 	pollErr error
 	reapMu  sync.Mutex // one reaper at a time: completions leave in CQ order
+	// reaped is reap's buffer, under reapMu: a local one escapes to the
+	// heap through the queuePair interface, an allocation per poll.
+	reaped [16]completion
+	// announced is set on an accepted lane whose every write is granted
+	// (its transport takes no direct writes): nothing arrives there
+	// unless granted counts it, so its poller busy-polls only then.
+	// granted is the receiver's writes granted and not yet completed.
+	announced bool
+	granted   atomic.Int32
 
 	// use is held shared by whoever works the lane (the writes on it, a
 	// receive loop); close takes it to wait them out before destroying
@@ -92,10 +101,10 @@ type lane struct {
 }
 
 // newLane makes a lane whose poller takes every completion to wcs (an
-// accepted lane, a Mooncake endpoint's).
-func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
+// accepted lane, a Mooncake endpoint's); announced as the field says.
+func newLane(qp queuePair, ctrl *net.TCPConn, depth int, announced bool) *lane {
 	l := &lane{
-		qp: qp, ctrl: ctrl,
+		qp: qp, ctrl: ctrl, announced: announced,
 		wcs:    make(chan completion, depth),
 		quit:   make(chan struct{}),
 		polled: make(chan struct{}),
@@ -124,7 +133,9 @@ func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lan
 }
 
 // poll moves completions from the CQ to wcs: busy-polling for a short
-// while after each one, then sleeping on the completion channel.
+// while after each one, then sleeping on the completion channel. A lane
+// whose writes are all announced sleeps at once when none is granted:
+// spinning then only waits out the sender's next header and its grant.
 func (l *lane) poll() {
 	defer close(l.polled)
 	last := time.Now()
@@ -138,7 +149,7 @@ func (l *lane) poll() {
 		switch {
 		case n > 0:
 			last, armed = time.Now(), false
-		case time.Since(last) < busyPoll:
+		case time.Since(last) < busyPoll && (!l.announced || l.granted.Load() > 0):
 			runtime.Gosched()
 		case !armed:
 			// Poll once more after arming: a completion that came in
@@ -202,10 +213,10 @@ func (l *lane) pollForSleepers() {
 func (l *lane) reap() (int, error) {
 	l.reapMu.Lock()
 	defer l.reapMu.Unlock()
-	var buf [16]completion
+	buf := l.reaped[:]
 	taken := 0
 	for {
-		n, err := l.qp.Poll(buf[:])
+		n, err := l.qp.Poll(buf)
 		if err != nil {
 			return taken, err
 		}

@@ -52,7 +52,7 @@ import "C"
 import "fmt"
 
 // mooncakeQP is a queue pair that can connect the way Mooncake's RDMA
-// transport does: the verbs QP, and the fake NIC's (mcqp_test.go); the
+// transport does: the verbs QP, and the simulated NIC's (simnic.go); the
 // real exchange runs in the soft-RoCE VM.
 type mooncakeQP interface {
 	connectMooncake(remote endpoint) error

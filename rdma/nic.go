@@ -3,8 +3,9 @@ package rdma
 import "errors"
 
 // The seam between the transport's logic and libibverbs. verbs.go
-// implements it over a real device; tests on hosts without RDMA put a fake
-// NIC beneath it, and the soft-RoCE VM runs the same tests on the real one.
+// implements it over a real device; simnic.go simulates one in memory, for
+// the tests on hosts without RDMA and for measuring ferry's own CPU per
+// send (SendCPU), and the soft-RoCE VM runs the same tests on the real one.
 
 // nic is one opened port of an RDMA device with its protection domain.
 type nic interface {

@@ -14,7 +14,6 @@ import (
 
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
-	"github.com/ferry-project/ferry/transport/tcp"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -127,9 +126,6 @@ func listenFake(t testing.TB, f *fabric, cfg Config) *Transport {
 	closeAtEnd(t, tr)
 	return tr
 }
-
-// overTCP is the daemon's TCP fallback: transport/tcp on the port.
-func overTCP(p *peer.Port) Fallback { return tcp.Over(p) }
 
 // closeAtEnd closes tr when t ends, failing t if Close reports a leak.
 func closeAtEnd(t testing.TB, tr *Transport) {
@@ -287,7 +283,7 @@ func newLoop(t *testing.T, size int) *loop {
 		t.Fatal(err)
 	}
 	ca, cb := tcpPair(t)
-	lp.a, lp.b = newLane(qa, ca, sendDepth+recvDepth), newLane(qb, cb, sendDepth+recvDepth)
+	lp.a, lp.b = newLane(qa, ca, sendDepth+recvDepth, false), newLane(qb, cb, sendDepth+recvDepth, false)
 	if lp.areg, err = n.Register(lp.abuf); err != nil {
 		t.Fatal(err)
 	}

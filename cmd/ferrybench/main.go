@@ -37,6 +37,8 @@ Commands:
              through two daemons, beside the bare transport writing the same
              items, side by side, with ratios (--python: also the Python client)
   api        control-plane round trips: status, and stage+send of a tiny embedding
+  rdma-cpu   ferry's own CPU per RDMA send, both ends in this process on a
+             simulated NIC (no device, no daemon), the NIC's copy left out
 
 Daemons: --from SOCKET --to SOCKET measures two running ferryd; without them
 ferrybench starts two ferryd on loopback (--ferryd PATH, default the one
@@ -71,12 +73,13 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) error {
 		"transfer": cmdTransfer,
 		"batch":    cmdBatch,
 		"api":      cmdAPI,
+		"rdma-cpu": cmdRDMACPU,
 		"raw-sink": cmdRawSink,
 
 		"mooncake-peer": cmdMooncakePeer,
 	}[args[0]]
 	if !ok {
-		return fmt.Errorf("unknown command %q: use transfer, batch or api (ferrybench -h)", args[0])
+		return fmt.Errorf("unknown command %q: use transfer, batch, api or rdma-cpu (ferrybench -h)", args[0])
 	}
 	return cmd(ctx, args[1:], &out{stdout: stdout, stderr: stderr})
 }
@@ -136,6 +139,27 @@ func (o *out) report(rep bench.Report) error {
 		fmt.Fprintf(o.stderr, "ferrybench: plot written to %s\n", o.plot)
 	}
 	return nil
+}
+
+// reportRun reports rep, or on err what was measured before it, and
+// returns err.
+func (o *out) reportRun(rep bench.Report, err error) error {
+	if err != nil {
+		if len(rep.Rows) > 0 {
+			_ = o.report(rep) // what was measured before the failure
+		}
+		return err
+	}
+	return o.report(rep)
+}
+
+// lines is where a command's summary lines go: after the table, or to
+// stderr beside --json and --csv, which keep stdout parseable.
+func (o *out) lines() io.Writer {
+	if o.json || o.csv {
+		return o.stderr
+	}
+	return o.stdout
 }
 
 // daemonFlags choose the daemons: running ones, or two of our own.
@@ -366,21 +390,11 @@ func cmdTransfer(ctx context.Context, args []string, o *out) error {
 		rep.Rows, err = bench.Transfer(ctx, p, bench.TransferConfig{Sizes: sz, Concurrency: cs, Limit: lim, Stage: *stage, Progress: o.stderr})
 		stop()
 	}
-	if err != nil {
-		if len(rep.Rows) > 0 {
-			_ = o.report(rep) // what was measured before the failure
-		}
-		return err
-	}
-	if err := o.report(rep); err != nil {
+	if err := o.reportRun(rep, err); err != nil {
 		return err
 	}
 	if *mc {
-		w := o.stdout
-		if o.json || o.csv {
-			w = o.stderr
-		}
-		bench.WriteRatios(w, rep.Rows, "send", "send_mooncake")
+		bench.WriteRatios(o.lines(), rep.Rows, "send", "send_mooncake")
 	}
 	return nil
 }
@@ -438,19 +452,10 @@ func cmdBatch(ctx context.Context, args []string, o *out) error {
 	}
 	rep := bench.Report{Command: "batch", Date: time.Now(), Setup: setup}
 	rep.Rows, err = bench.Batch(ctx, p, cfg)
-	if err != nil {
-		if len(rep.Rows) > 0 {
-			_ = o.report(rep)
-		}
+	if err := o.reportRun(rep, err); err != nil {
 		return err
 	}
-	if err := o.report(rep); err != nil {
-		return err
-	}
-	w := o.stdout
-	if o.json || o.csv {
-		w = o.stderr
-	}
+	w := o.lines()
 	bench.WriteRatios(w, rep.Rows, bench.OpBatch, bench.OpWriteBatch)
 	if *python != "" {
 		// Go's rate over Python's: Python's time per batch over Go's.
@@ -533,6 +538,43 @@ func cmdAPI(ctx context.Context, args []string, o *out) error {
 		return err
 	}
 	return o.report(rep)
+}
+
+// cmdRDMACPU measures ferry's own CPU per RDMA send (bench.SendCPU).
+func cmdRDMACPU(ctx context.Context, args []string, o *out) error {
+	fs := newFlagSet("rdma-cpu", o.stderr)
+	o.register(fs)
+	sz := fs.String("size", "64KiB", "`bytes` per send")
+	concs := fs.String("concurrency", "16", "sends in flight, a `list`")
+	lanes := fs.Int("lanes", 8, "lanes (RC QPs) the sends share, as ferryd's --max-conns")
+	sends := fs.Int("sends", 3000, "sends measured per point, after a warm-up round")
+	modes := fs.String("modes", bench.CPUDirect+","+bench.CPUGranted, "`list`: direct (authenticated peers, no control message per send), granted (a header and a grant per send)")
+	if err := parse(fs, args, o); err != nil {
+		return err
+	}
+	if o.plot != "" {
+		return errors.New("--plot: rdma-cpu has nothing to draw; use --json or --csv")
+	}
+	n, err := size.Parse(*sz)
+	if err != nil || n <= 0 {
+		return fmt.Errorf("--size %q: give a positive size, e.g. 64KiB", *sz)
+	}
+	cs, err := parseInts("concurrency", *concs)
+	if err != nil {
+		return err
+	}
+	if *lanes <= 0 || *sends <= 0 {
+		return errors.New("--lanes and --sends must be positive")
+	}
+	setup := baseSetup()
+	setup["nic"] = "simulated"
+	rep := bench.Report{Command: "rdma-cpu", Date: time.Now(), Setup: setup}
+	rep.Rows, err = bench.SendCPU(ctx, bench.SendCPUConfig{Size: n, Sends: *sends, Concurrency: cs, Lanes: *lanes, Modes: strings.Split(*modes, ","), Progress: o.stderr})
+	if err := o.reportRun(rep, err); err != nil {
+		return err
+	}
+	bench.WriteCPU(o.lines(), rep.Rows)
+	return nil
 }
 
 // cmdRawSink is the receiving process of transfer --raw; it prints

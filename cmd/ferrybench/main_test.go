@@ -145,6 +145,34 @@ func TestAPISmoke(t *testing.T) {
 	}
 }
 
+// rdma-cpu runs both modes on the simulated NIC, with no daemon; the
+// figures are timings and go unchecked, the counters are exact.
+func TestRDMACPUSmoke(t *testing.T) {
+	out, errOut := runBench(t, "rdma-cpu", "--sends", "50", "--concurrency", "4", "--lanes", "2", "--json")
+	var rep bench.Report
+	if err := json.Unmarshal([]byte(out), &rep); err != nil {
+		t.Fatalf("--json output does not parse: %v\n%s", err, out)
+	}
+	if len(rep.Rows) != 2 {
+		t.Fatalf("want a row per mode, got %d", len(rep.Rows))
+	}
+	for i, want := range []struct {
+		mode    string
+		control float64
+	}{{"arena-rkey", 0}, {"grant", 2}} {
+		r := rep.Rows[i]
+		if r.Op != bench.OpSendCPU || r.CPU == nil || r.CPU.Mode != want.mode || r.CPU.Control != want.control || r.CPU.Posts <= 0 ||
+			r.Iterations != 50 || r.Size != 64<<10 || r.Concurrency != 4 || r.Lanes != 2 {
+			t.Errorf("row %d: %+v (cpu %+v), want mode %s with %v control messages per send", i, r, r.CPU, want.mode, want.control)
+		}
+	}
+	for _, want := range []string{"rdma-cpu mode=arena-rkey size=64KiB in_flight=4 lanes=2 sends=50 cpu_us_per_send=", "rdma-cpu mode=grant "} {
+		if !strings.Contains(errOut, want) {
+			t.Errorf("stderr lacks %q:\n%s", want, errOut)
+		}
+	}
+}
+
 func TestBadInput(t *testing.T) {
 	for _, tc := range []struct {
 		args []string
@@ -160,6 +188,8 @@ func TestBadInput(t *testing.T) {
 		{[]string{"transfer", "--plot", "x.jpg"}, "name a .png or .svg"},
 		{[]string{"frobnicate"}, "unknown command"},
 		{[]string{"transfer", "--json", "--csv"}, "choose one"},
+		{[]string{"rdma-cpu", "--modes", "direct,windy"}, `mode "windy"`},
+		{[]string{"rdma-cpu", "--plot", "x.png"}, "nothing to draw"},
 	} {
 		var o, e bytes.Buffer
 		err := run(context.Background(), tc.args, &o, &e)

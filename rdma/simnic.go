@@ -8,8 +8,10 @@ import (
 	"syscall"
 )
 
-// A fake NIC beneath the nic seam, so the transport's logic runs on hosts
-// without RDMA (make unit). It does what an RC NIC does that the
+// A simulated NIC in memory beneath the nic seam, for measuring ferry's
+// own CPU per send (SendCPU, which ferrybench rdma-cpu runs) and for the
+// unit tests on hosts without RDMA (make unit). ferryd never uses it: it
+// opens a real device (verbs.go). It does what an RC NIC does that the
 // transport relies on: it checks lkeys and rkeys against registrations
 // and their bounds, moves bytes in order per QP, consumes a posted
 // receive per WRITE WITH IMM (waiting while none is posted, as RNR
@@ -19,11 +21,12 @@ import (
 // windows set it has type 1 memory windows: a bind (on a QP in RTS)
 // gives a window a new rkey and a range of a registration made for
 // windows, whose own rkey allows no remote write; a write through a
-// window must lie inside its range, else REM_ACCESS_ERR. The real
-// verbs path runs the same tests inside the soft-RoCE VM (test/rxevm).
+// window must lie inside its range, else REM_ACCESS_ERR. The knobs on
+// fabric below are the tests' faults. The real verbs path runs the same
+// tests inside the soft-RoCE VM (test/rxevm).
 
-// fabric joins the fake NICs of one test: QPs by number, registrations by
-// key.
+// fabric joins the simulated NICs of one run or test: QPs by number,
+// registrations by key.
 type fabric struct {
 	mu   sync.Mutex
 	qps  map[uint32]*fakeQP

@@ -1,0 +1,78 @@
+package bench
+
+import (
+	"context"
+	"fmt"
+	"io"
+
+	"github.com/ferry-project/ferry/internal/size"
+	"github.com/ferry-project/ferry/rdma"
+)
+
+// OpSendCPU is a row of ferry's own CPU per RDMA send (rdma.SendCPU).
+const OpSendCPU = "send_cpu"
+
+// SendCPU modes: how the sends reach the receiver's memory.
+const (
+	CPUDirect  = "direct"  // authenticated peers: under the arena's rkey, no control message (as in windows mode)
+	CPUGranted = "granted" // a header and its grant per send
+)
+
+// CPU is what a send cost the host's CPU, per send.
+type CPU struct {
+	Mode        string  `json:"mode"` // the receiver's protection mode: arena-rkey or grant
+	PerSend     float64 `json:"cpu_us_per_send"`
+	CopyLeftOut float64 `json:"copy_us_left_out"` // the simulated NIC's copy, not counted
+	Control     float64 `json:"control_per_send"` // the sender's control messages (headers sent, grants read)
+	Posts       float64 `json:"posts_per_send"`   // ibv_post_send calls
+}
+
+// SendCPUConfig is an rdma-cpu run: each mode at each concurrency.
+type SendCPUConfig struct {
+	Size        int64
+	Sends       int // measured per point, after a warm-up round
+	Concurrency []int
+	Lanes       int
+	Modes       []string  // CPUDirect, CPUGranted
+	Progress    io.Writer // a line per point; nil for none
+}
+
+// SendCPU measures ferry's own CPU per send over the simulated NIC (see
+// rdma.SendCPU): no device and no daemon, both transports in this
+// process, the NIC's copy left out.
+func SendCPU(ctx context.Context, cfg SendCPUConfig) ([]Row, error) {
+	for _, m := range cfg.Modes {
+		if m != CPUDirect && m != CPUGranted {
+			return nil, fmt.Errorf("mode %q: use %s or %s", m, CPUDirect, CPUGranted)
+		}
+	}
+	var rows []Row
+	for _, c := range cfg.Concurrency {
+		for _, m := range cfg.Modes {
+			if cfg.Progress != nil {
+				fmt.Fprintf(cfg.Progress, "rdma-cpu %s %s x%d over %d lanes: %d sends\n", m, size.Format(cfg.Size), c, cfg.Lanes, cfg.Sends)
+			}
+			r, err := rdma.SendCPU(ctx, rdma.CPUConfig{Size: int(cfg.Size), Sends: cfg.Sends, InFlight: c, Lanes: cfg.Lanes, Direct: m == CPUDirect})
+			if err != nil {
+				return rows, fmt.Errorf("rdma-cpu %s %s x%d: %w", m, size.Format(cfg.Size), c, err)
+			}
+			row := Row{Op: OpSendCPU, Size: cfg.Size, Concurrency: c, Lanes: cfg.Lanes,
+				CPU: &CPU{Mode: r.Mode, PerSend: r.CPU, CopyLeftOut: r.Copy, Control: r.Control, Posts: r.Posts}}
+			row.Iterations, row.Seconds = r.Sends, r.Wall.Seconds()
+			row.OpsPerSec = float64(r.Sends) / r.Wall.Seconds()
+			rows = append(rows, row)
+		}
+	}
+	return rows, nil
+}
+
+// WriteCPU prints a cpu_us_per_send= line per row of SendCPU.
+func WriteCPU(w io.Writer, rows []Row) {
+	for _, r := range rows {
+		if r.CPU == nil {
+			continue
+		}
+		fmt.Fprintf(w, "rdma-cpu mode=%s size=%s in_flight=%d lanes=%d sends=%d cpu_us_per_send=%.2f copy_us_left_out=%.2f control_per_send=%.2f posts_per_send=%.2f\n",
+			r.CPU.Mode, size.Format(r.Size), r.Concurrency, r.Lanes, r.Iterations, r.CPU.PerSend, r.CPU.CopyLeftOut, r.CPU.Control, r.CPU.Posts)
+	}
+}
