@@ -7,6 +7,8 @@ import (
 
 	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/rdma"
+	"github.com/ferry-project/ferry/transport/peer"
+	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // OpSendCPU is a row of ferry's own CPU per RDMA send (rdma.SendCPU).
@@ -52,7 +54,8 @@ func SendCPU(ctx context.Context, cfg SendCPUConfig) ([]Row, error) {
 			if cfg.Progress != nil {
 				fmt.Fprintf(cfg.Progress, "rdma-cpu %s %s x%d over %d lanes: %d sends\n", m, size.Format(cfg.Size), c, cfg.Lanes, cfg.Sends)
 			}
-			r, err := rdma.SendCPU(ctx, rdma.CPUConfig{Size: int(cfg.Size), Sends: cfg.Sends, InFlight: c, Lanes: cfg.Lanes, Direct: m == CPUDirect})
+			r, err := rdma.SendCPU(ctx, rdma.CPUConfig{Size: int(cfg.Size), Sends: cfg.Sends, InFlight: c, Lanes: cfg.Lanes, Direct: m == CPUDirect,
+				TCP: func(p *peer.Port) rdma.Fallback { return tcp.Over(p) }})
 			if err != nil {
 				return rows, fmt.Errorf("rdma-cpu %s %s x%d: %w", m, size.Format(cfg.Size), c, err)
 			}

@@ -151,7 +151,7 @@ func BenchmarkSendCPU(b *testing.B) {
 	for _, direct := range []bool{true, false} {
 		name := map[bool]string{true: "direct", false: "granted"}[direct]
 		b.Run(name, func(b *testing.B) {
-			r, err := SendCPU(b.Context(), CPUConfig{Size: 64 << 10, Sends: b.N, InFlight: 16, Lanes: 8, Direct: direct})
+			r, err := SendCPU(b.Context(), CPUConfig{Size: 64 << 10, Sends: b.N, InFlight: 16, Lanes: 8, Direct: direct, TCP: overTCP})
 			if err != nil {
 				b.Fatal(err)
 			}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
+	"github.com/ferry-project/ferry/transport/tcp"
 	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
@@ -394,3 +395,8 @@ func TestWrongRKey(t *testing.T) {
 }
 
 func isZero(b []byte) bool { return bytes.Count(b, []byte{0}) == len(b) }
+
+// overTCP is the daemon's TCP fallback: transport/tcp on the port. The
+// tests' pairs never use it (both peers have RDMA), but a transport
+// needs one, and its Close closes the port.
+func overTCP(p *peer.Port) Fallback { return tcp.Over(p) }

@@ -14,7 +14,6 @@ import (
 
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
-	"github.com/ferry-project/ferry/transport/tcp"
 )
 
 // SendCPU measures ferry's own CPU per send: two transports in this
@@ -36,6 +35,10 @@ type CPUConfig struct {
 	// message, as in windows mode. Otherwise each asks for a grant
 	// (ModeGrant).
 	Direct bool
+	// TCP is the transports' fallback for peers without RDMA
+	// (transport/tcp's Over, as Config.TCP): a simulated pair never uses
+	// it, but a transport needs one. Required.
+	TCP func(*peer.Port) Fallback
 }
 
 // CPUResult is what a SendCPU run measured, per send.
@@ -110,7 +113,7 @@ func simPair(ctx context.Context, c CPUConfig, secret []byte) (_ *sendPair, clos
 	}
 	f := newFabric()
 	start := func(id byte, sink *countSink, mem []byte) (*Transport, error) {
-		cfg := Config{Peer: peer.Config{Addr: "127.0.0.1:0", Sink: sink, Secret: secret, MaxConnsPerPeer: c.Lanes}, Memory: mem, TCP: overTCP}
+		cfg := Config{Peer: peer.Config{Addr: "127.0.0.1:0", Sink: sink, Secret: secret, MaxConnsPerPeer: c.Lanes}, Memory: mem, TCP: c.TCP}
 		t, err := listen(cfg, f.nic(id))
 		if err == nil {
 			closers = append(closers, t.Close)
@@ -190,11 +193,6 @@ func cpuPer(f func(), n int) float64 {
 	}
 	return (us(z) - us(a)) / float64(n)
 }
-
-// overTCP is the daemon's TCP fallback: transport/tcp on the port. A
-// simulated pair never uses it (both peers have RDMA), but a transport
-// needs one, and its Close closes the port.
-func overTCP(p *peer.Port) Fallback { return tcp.Over(p) }
 
 // sendPair is a sender's session to a receiver whose countSink takes
 // every send: writers goroutines send the same source bytes, writer i
