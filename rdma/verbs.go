@@ -2,6 +2,15 @@ package rdma
 
 /*
 #cgo LDFLAGS: -libverbs
+// The calls on a write's path keep no pointer they are given and call no
+// Go: said so, their arguments stay on the Go stack instead of moving to
+// the heap on every post and every poll (a write polls many times).
+#cgo noescape fv_post
+#cgo nocallback fv_post
+#cgo noescape fv_poll
+#cgo nocallback fv_poll
+#cgo noescape fv_bind_mw
+#cgo nocallback fv_bind_mw
 #include <stdlib.h>
 #include "verbs.h"
 */
