@@ -250,6 +250,31 @@ func TestDirectWritesTheSinkDoesNotCredit(t *testing.T) {
 	p.landed(t, w)
 }
 
+// TestDirectWritesGuessingTagsCloseTheLane: a lane whose direct writes
+// keep naming no live slot (a sender guessing tags) is closed at the
+// gate's limit, peer.MaxUnmatched, as a connection guessing keys is:
+// each guess counted and logged (rate-limited), and a lane per
+// MaxUnmatched guesses.
+func TestDirectWritesGuessingTagsCloseTheLane(t *testing.T) {
+	p := newDirectPair(t, newFabric(), 64<<10, 1<<20, testSecret, 1)
+	for range peer.MaxUnmatched {
+		stray := p.slot(4096)
+		stray.Key = transport.NewKey()
+		stray.Tag = stray.Key.Tag()
+		if _, err := p.s.Write(ctxFor(t, 30*time.Second), stray); err != nil {
+			t.Fatalf("a direct write with a tag no slot has: %v; want its sender told it completed", err)
+		}
+	}
+	waitFor(t, "the guessing lane's end", func() bool {
+		p.rx.mu.Lock()
+		defer p.rx.mu.Unlock()
+		return len(p.rx.accepted) == 0
+	})
+	if st := p.rx.Stats(); st.DirectRefused != peer.MaxUnmatched {
+		t.Errorf("receiver stats %+v, want %d direct writes refused", st, peer.MaxUnmatched)
+	}
+}
+
 // TestDataplaneCounters is the data plane's account per send, after the
 // lanes are up, on a host arena: through windows between peers without
 // a secret, and under the arena's rkey between authenticated peers, no

@@ -335,14 +335,18 @@ func (r *receiver) complete(c completion, draining bool) error {
 // arrived takes a direct write's completion: its bytes are in place
 // already, so the Sink takes them as the content of the slot the
 // immediate names, or says why they count for nothing, which is counted
-// and logged (a remote party can cause it: rate-limited); the lane
-// carries on either way.
+// and logged (a remote party can cause it: rate-limited). The lane
+// carries on, unless its direct writes keep naming no live slot: a
+// sender guessing tags (the gate's limit, as for announced writes).
 func (r *receiver) arrived(c completion, draining bool) error {
 	t := r.t
 	t.stats.directCompletions.Add(1)
 	if err := t.direct.Arrived(c.Imm, uint64(c.ByteLen)); err != nil {
 		t.stats.directRefused.Add(1)
 		t.port.Warnf("rdma: lane from %s: a direct write of %d bytes tagged %#x counted for nothing: %v", r.c.RemoteAddr(), c.ByteLen, c.Imm, err)
+		if end := r.gate.Unmatched(err); end != nil {
+			return end
+		}
 	} else {
 		r.c.Prove() // it wrote into a live slot
 	}

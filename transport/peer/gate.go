@@ -86,11 +86,19 @@ func (g *Gate) admit(h *Header, accept func() error) *Refused {
 		return nil
 	}
 	code, msg := Refusal(err)
-	r := &Refused{Code: code, Msg: msg}
-	if code == transport.NoSlot {
+	return &Refused{Code: code, Msg: msg, End: g.Unmatched(err)}
+}
+
+// Unmatched counts a write the Sink refused (err) when it matched no
+// slot, whether announced (Admit) or placed before the receiver heard of
+// it (rdma's direct writes): the MaxUnmatched-th ends the connection,
+// with ErrUnmatched, so a sender guessing keys or tags pays a connection
+// per MaxUnmatched guesses. Nil otherwise.
+func (g *Gate) Unmatched(err error) error {
+	if code, _ := Refusal(err); code == transport.NoSlot {
 		if g.unmatched++; g.unmatched >= MaxUnmatched {
-			r.End = ErrUnmatched
+			return ErrUnmatched
 		}
 	}
-	return r
+	return nil
 }
