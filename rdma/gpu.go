@@ -61,8 +61,11 @@ func (g *GPURegistration) InPlace() bool {
 
 // registerDevice registers cfg.Device by the paths it allows, recording
 // each failure with its fix. A forced path that fails is an error; with
-// auto, no path working leaves every write copied (mode none).
-func (t *Transport) registerDevice() error {
+// auto, no path working leaves every write copied (mode none). On the
+// paths where the NIC reaches the arena itself it registers for windows
+// when the Sink makes them (windowed) and the NIC binds them over that
+// memory, else for remote writes.
+func (t *Transport) registerDevice(windowed bool) error {
 	d := t.cfg.Device
 	asked := d.Path
 	if asked == "" {
@@ -70,7 +73,7 @@ func (t *Transport) registerDevice() error {
 	}
 	g := &GPURegistration{Asked: asked}
 	t.reg = Registration{Mode: api.RegistrationNone, Bytes: int64(d.Size), GPU: g}
-	t.noWindows = errors.New("windows go over a host arena's slots only, not yet over a GPU arena's")
+	t.noWindows = errors.New("the receiving Sink puts no windows over its slots")
 	for _, p := range api.GPURegistrationPaths {
 		if g.Path != "" || asked != api.GPURegistrationAuto && p != asked {
 			why := fmt.Sprintf("not tried: --gpu-registration %s", asked)
@@ -81,7 +84,14 @@ func (t *Transport) registerDevice() error {
 			continue
 		}
 		start := time.Now()
-		reg, err := t.registerPath(p)
+		var reg region
+		var err error
+		if windowed && p != api.GPURegistrationBounce {
+			reg, t.windows, t.noWindows = t.registerWindowed(func() (region, error) { return t.registerPath(p, true) }, d.Base, d.Size)
+		}
+		if reg == nil {
+			reg, err = t.registerPath(p, false)
+		}
 		if err != nil {
 			g.NotTaken = append(g.NotTaken, PathNotTaken{Path: p, Err: err})
 			continue
@@ -90,6 +100,7 @@ func (t *Transport) registerDevice() error {
 		t.shared, g.Path, t.reg.Mode = reg, p, api.RegistrationShared
 		if p == api.GPURegistrationBounce {
 			t.mem, t.reg.Bytes = d.Bounce, int64(len(d.Bounce))
+			t.noWindows = errors.New("the GPU arena's slots are out of the NIC's reach on the bounce path")
 		} else {
 			t.dev = transport.Range{Addr: d.Base, Len: d.Size}
 		}
@@ -111,22 +122,23 @@ func (t *Transport) registerDevice() error {
 	return nil
 }
 
-// registerPath registers the arena by path p, or says why it cannot and
-// what to do.
-func (t *Transport) registerPath(p api.GPURegistration) (region, error) {
+// registerPath registers the arena by path p, for windows (the bounce
+// area never is: it holds no slot) or for remote writes, or says why it
+// cannot and what to do.
+func (t *Transport) registerPath(p api.GPURegistration, forWindows bool) (region, error) {
 	d := t.cfg.Device
 	switch p {
 	case api.GPURegistrationDMABuf:
 		if d.DMABufFD < 0 {
 			return nil, fmt.Errorf("the arena is not exported as a dmabuf (%v): dmabuf needs Linux 5.12 or later and NVIDIA's open GPU kernel modules; else load nvidia-peermem, or run with --gpu-registration bounce", d.DMABufErr)
 		}
-		reg, err := t.nic.RegisterDMABuf(d.DMABufFD, d.DMABufOffset, d.Size, d.Base)
+		reg, err := t.nic.RegisterDMABuf(d.DMABufFD, d.DMABufOffset, d.Size, d.Base, forWindows)
 		if err != nil {
 			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), dmabufAdvice(err))
 		}
 		return reg, nil
 	case api.GPURegistrationPeerMem:
-		reg, err := t.nic.RegisterDevice(d.Base, d.Size)
+		reg, err := t.nic.RegisterDevice(d.Base, d.Size, forWindows)
 		if err != nil {
 			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), peermemAdvice(err))
 		}

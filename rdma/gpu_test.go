@@ -42,32 +42,47 @@ func TestGPURegistrationChoice(t *testing.T) {
 		t.Skip("the fake NIC's refusals; on soft-RoCE, TestGPUArenaWrites and the e2e TestGPUArenaOverRDMA show its own")
 	}
 	cases := []struct {
-		name                string
-		path                api.GPURegistration
-		noDMABuf, noPeerMem error
-		want                api.GPURegistration
-		mode                string
-		notTaken            map[api.GPURegistration]string
+		name                 string
+		path                 api.GPURegistration
+		noDMABuf, noPeerMem  error
+		windows, refuseBinds bool // the NIC's memory windows
+		want                 api.GPURegistration
+		mode, why            string
+		notTaken             map[api.GPURegistration]string
 	}{
-		{"dmabuf", "", nil, nil, api.GPURegistrationDMABuf, ModeArenaRKey, map[api.GPURegistration]string{
+		{name: "dmabuf with windows", windows: true, want: api.GPURegistrationDMABuf, mode: ModeWindows, notTaken: map[api.GPURegistration]string{
 			"peermem": "not tried: dmabuf was taken first", "bounce": "not tried: dmabuf was taken first"}},
-		{"no dmabuf", api.GPURegistrationAuto, syscall.EOPNOTSUPP, nil, api.GPURegistrationPeerMem, ModeArenaRKey, map[api.GPURegistration]string{
+		{name: "peermem with windows", noDMABuf: syscall.EOPNOTSUPP, windows: true, want: api.GPURegistrationPeerMem, mode: ModeWindows, notTaken: map[api.GPURegistration]string{
 			"dmabuf": "operation not supported (ENOTSUP)", "bounce": "not tried: peermem was taken first"}},
-		{"neither", "", syscall.EOPNOTSUPP, syscall.EFAULT, api.GPURegistrationBounce, ModeGrant, map[api.GPURegistration]string{
+		// A NIC that will not bind windows over the memory: the arena's
+		// rkey between authenticated peers, and why.
+		{name: "binds refused", windows: true, refuseBinds: true, want: api.GPURegistrationDMABuf, mode: ModeArenaRKey, why: "no memory windows: binding a memory window over", notTaken: map[api.GPURegistration]string{
+			"peermem": "not tried: dmabuf was taken first", "bounce": "not tried: dmabuf was taken first"}},
+		{name: "bounce with windows", noDMABuf: syscall.EOPNOTSUPP, noPeerMem: syscall.EFAULT, windows: true, want: api.GPURegistrationBounce, mode: ModeGrant, why: "no memory windows: the GPU arena's slots are out of the NIC's reach on the bounce path", notTaken: map[api.GPURegistration]string{
+			"dmabuf": "ENOTSUP", "peermem": "EFAULT"}},
+		{name: "dmabuf", want: api.GPURegistrationDMABuf, mode: ModeArenaRKey, notTaken: map[api.GPURegistration]string{
+			"peermem": "not tried: dmabuf was taken first", "bounce": "not tried: dmabuf was taken first"}},
+		{name: "no dmabuf", path: api.GPURegistrationAuto, noDMABuf: syscall.EOPNOTSUPP, want: api.GPURegistrationPeerMem, mode: ModeArenaRKey, notTaken: map[api.GPURegistration]string{
+			"dmabuf": "operation not supported (ENOTSUP)", "bounce": "not tried: peermem was taken first"}},
+		{name: "neither", noDMABuf: syscall.EOPNOTSUPP, noPeerMem: syscall.EFAULT, want: api.GPURegistrationBounce, mode: ModeGrant, notTaken: map[api.GPURegistration]string{
 			"dmabuf": "the NIC's driver does not register dmabufs", "peermem": "bad address (EFAULT): the NIC's driver cannot pin GPU memory: load nvidia-peermem"}},
-		{"forced bounce", api.GPURegistrationBounce, nil, nil, api.GPURegistrationBounce, ModeGrant, map[api.GPURegistration]string{
+		{name: "forced bounce", path: api.GPURegistrationBounce, want: api.GPURegistrationBounce, mode: ModeGrant, notTaken: map[api.GPURegistration]string{
 			"dmabuf": "not tried: --gpu-registration bounce", "peermem": "not tried: --gpu-registration bounce"}},
 	}
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			f := newFabric()
 			f.noDMABuf, f.noPeerMem = c.noDMABuf, c.noPeerMem
+			f.windows, f.refuseBinds = c.windows, c.refuseBinds
 			dev, _ := gpuArena(t, f, 4<<20, c.path)
-			tr := listenFake(t, f, Config{Peer: peer.Config{Secret: testSecret, Sink: mappedSlots(t, 4096)}, Device: dev})
+			tr := listenFake(t, f, Config{Peer: peer.Config{Secret: testSecret, Sink: transporttest.WindowSlots{Slots: mappedSlots(t, 4096)}}, Device: dev})
 			reg := tr.Registration()
 			g := reg.GPU
 			if g == nil || g.Path != c.want || reg.Mode != api.RegistrationShared || reg.Err != nil || tr.Mode() != c.mode {
-				t.Fatalf("registration %+v (gpu %+v), mode %s; want path %s, shared, mode %s", reg, g, tr.Mode(), c.want, c.mode)
+				t.Fatalf("registration %+v (gpu %+v), mode %s (%s); want path %s, shared, mode %s", reg, g, tr.Mode(), tr.ModeWhy(), c.want, c.mode)
+			}
+			if why := tr.ModeWhy(); c.why != "" && !strings.HasPrefix(why, c.why) {
+				t.Errorf("mode %s because %q, want %q", tr.Mode(), why, c.why)
 			}
 			if len(g.NotTaken) != 2 {
 				t.Fatalf("paths not taken %+v, want the other two", g.NotTaken)
@@ -97,58 +112,108 @@ func TestGPURegistrationChoice(t *testing.T) {
 }
 
 // TestGPUArenaWrites: between two GPU arenas registered by peer memory
-// (dmabuf refused), writes go NIC to NIC from and into device memory:
-// direct between authenticated peers, granted (AcceptInPlace) without a
-// secret, with no copy and no registration per write. On the fake NIC
-// and on soft-RoCE.
+// (dmabuf refused), writes go NIC to NIC from and into device memory
+// with no copy and no registration per write: whole slots direct
+// through each slot's window (windows mode, no secret needed), or under
+// the arena's rkey between authenticated peers, and granted
+// (AcceptInPlace) without either; a piece of a slot always granted,
+// under the slot's window in windows mode. On the fake NIC and on
+// soft-RoCE, whose NIC has windows: there every case but the Sink
+// without them is windows mode.
 func TestGPUArenaWrites(t *testing.T) {
-	for _, secret := range [][]byte{testSecret, nil} {
-		f := newFabric()
-		f.noDMABuf = syscall.EOPNOTSUPP
-		const size = 1 << 20
-		srcDev, src := gpuArena(t, f, 4<<20, "")
-		dstDev, dst := gpuArena(t, f, 4<<20, "")
-		slots := transporttest.NewSlots(0)
-		slots.Mem, slots.Base = dst, addrOf(dst)
-		tx := listenT(t, f, Config{Peer: peer.Config{Secret: secret}, Device: srcDev})
-		rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Secret: secret}, Device: dstDev})
-		for _, tr := range []*Transport{tx, rx} {
-			g := tr.Registration().GPU
-			if g.Path != api.GPURegistrationPeerMem || g.NotTaken[0].Path != api.GPURegistrationDMABuf || g.NotTaken[0].Err == nil {
-				t.Fatalf("registration %+v: want peermem, dmabuf refused with its reason", g)
+	for _, c := range []struct {
+		name    string
+		secret  []byte
+		windows bool
+		mode    string
+	}{
+		{"windows", nil, true, ModeWindows},
+		{"arena rkey", testSecret, false, ModeArenaRKey},
+		{"grant", nil, false, ModeGrant},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			f := newFabric()
+			f.noDMABuf, f.windows = syscall.EOPNOTSUPP, c.windows
+			const size = 1 << 20
+			srcDev, src := gpuArena(t, f, 4<<20, "")
+			dstDev, dst := gpuArena(t, f, 4<<20, "")
+			slots := transporttest.NewSlots(0)
+			slots.Mem, slots.Base = dst, addrOf(dst)
+			var sink transport.Sink = slots
+			if c.windows {
+				sink = transporttest.WindowSlots{Slots: slots}
 			}
-			t.Logf("dmabuf not taken: %v", g.NotTaken[0].Err)
-		}
-		s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
-		if err != nil {
-			t.Fatal(err)
-		}
-		fill(src, len(secret))
-		for i := range 3 {
-			off := uint64(i * size)
-			key := slots.Add(off, size)
-			w := transport.Write{Device: transport.Range{Addr: srcDev.Base + off, Len: size}, Remote: dstDev.Base + off, Key: key, Tag: key.Tag(), Whole: true}
-			rep, err := s.Write(ctxFor(t, 60*time.Second), w)
+			tx := listenT(t, f, Config{Peer: peer.Config{Secret: c.secret}, Device: srcDev})
+			rx := listenT(t, f, Config{Peer: peer.Config{Sink: sink, Secret: c.secret}, Device: dstDev})
+			for _, tr := range []*Transport{tx, rx} {
+				g := tr.Registration().GPU
+				if g.Path != api.GPURegistrationPeerMem || g.NotTaken[0].Path != api.GPURegistrationDMABuf || g.NotTaken[0].Err == nil {
+					t.Fatalf("registration %+v: want peermem, dmabuf refused with its reason", g)
+				}
+				t.Logf("dmabuf not taken: %v", g.NotTaken[0].Err)
+			}
+			if onDevice(t) && !c.windows {
+				t.Skip("soft-RoCE has windows: the fake NIC shows this mode")
+			}
+			if m := rx.Mode(); m != c.mode {
+				t.Fatalf("receiver in mode %s (%s), want %s", m, rx.ModeWhy(), c.mode)
+			}
+			if rkey, _, ok := rx.SharedKeys(); !ok || c.windows && rkey == 0 {
+				// Mooncake peers write under one rkey, not per slot: in
+				// windows mode the device memory is registered again.
+				t.Fatalf("keys for Mooncake peers: rkey %#x, ok %v", rkey, ok)
+			}
+			s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 			if err != nil {
 				t.Fatal(err)
 			}
-			if rep.Registration != transport.RegisteredShared || rep.Copied != 0 {
-				t.Errorf("report %+v, want the shared registration and no copy", rep)
+			defer s.Close()
+			fill(src, len(c.name))
+			write := func(w transport.Write) {
+				t.Helper()
+				rep, err := s.Write(ctxFor(t, 60*time.Second), w)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if rep.Registration != transport.RegisteredShared || rep.Copied != 0 {
+					t.Errorf("report %+v, want the shared registration and no copy", rep)
+				}
+				if err := slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
+					t.Fatal(err)
+				}
 			}
-			if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
-				t.Fatal(err)
+			for i := range 3 {
+				off := uint64(i * size)
+				key := slots.Add(off, size)
+				w := transport.Write{Device: transport.Range{Addr: srcDev.Base + off, Len: size}, Remote: dstDev.Base + off, Key: key, Tag: key.Tag(), Whole: true}
+				if i == 2 {
+					// Two pieces: each asks first, whatever the mode.
+					for _, half := range []uint64{0, size / 2} {
+						piece := w
+						piece.Whole, piece.Device, piece.Remote = false, transport.Range{Addr: w.Device.Addr + half, Len: size / 2}, w.Remote+half
+						write(piece)
+					}
+				} else {
+					write(w)
+				}
+				if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
+					t.Fatal(err)
+				}
+				if !bytes.Equal(dst[off:off+size], src[off:off+size]) {
+					t.Fatalf("write %d landed wrong", i)
+				}
 			}
-			if !bytes.Equal(dst[off:off+size], src[off:off+size]) {
-				t.Fatalf("write %d landed wrong", i)
+			st := tx.Stats()
+			wantDirect := uint64(2)
+			if c.mode == ModeGrant {
+				wantDirect = 0
 			}
-		}
-		s.Close()
-		st := tx.Stats()
-		if wantDirect := uint64(len(secret) / len(testSecret) * 3); st.Sends != 3 || st.Direct != wantDirect || st.CopiedBytes != 0 || st.PerSend != 0 || st.Bounced != 0 {
-			t.Errorf("sender stats %+v, want 3 sends (%d direct), no copy, no per-send registration", st, wantDirect)
-		}
-		if st := rx.Stats(); st.CopiedBytes != 0 || st.PerReceive != 0 || st.Staged != 0 {
-			t.Errorf("receiver stats %+v, want no copy, no per-receive registration, no staging", st)
-		}
+			if st.Sends != 4 || st.Direct != wantDirect || st.CopiedBytes != 0 || st.PerSend != 0 || st.Bounced != 0 {
+				t.Errorf("sender stats %+v, want 4 sends (%d direct), no copy, no per-send registration", st, wantDirect)
+			}
+			if st := rx.Stats(); st.CopiedBytes != 0 || st.PerReceive != 0 || st.Staged != 0 {
+				t.Errorf("receiver stats %+v, want no copy, no per-receive registration, no staging", st)
+			}
+		})
 	}
 }

@@ -53,7 +53,7 @@ func (t *Transport) SharedKeys() (rkey, lkey uint32, ok bool) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.mooncakeMR == nil {
-		reg, err := t.nic.Register(t.mem)
+		reg, err := t.registerForPeers()
 		if err != nil {
 			t.logf("rdma: registering the arena for Mooncake peers' writes: %v", err)
 			return 0, 0, false
@@ -61,6 +61,16 @@ func (t *Transport) SharedKeys() (rkey, lkey uint32, ok bool) {
 		t.mooncakeMR = reg
 	}
 	return t.mooncakeMR.RKey(), t.mooncakeMR.LKey(), true
+}
+
+// registerForPeers registers the memory under the windows a second
+// time, for peers' writes under its own rkey: the host arena, or the
+// GPU arena by the path that registered it.
+func (t *Transport) registerForPeers() (region, error) {
+	if g := t.reg.GPU; g != nil {
+		return t.registerPath(g.Path, false)
+	}
+	return t.nic.Register(t.mem)
 }
 
 // MooncakeQP is a queue pair of a Mooncake endpoint. The transport

@@ -178,14 +178,12 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	switch {
 	case len(dst) == 0:
 		return tg, nil
-	case t.windows != nil && within(t.mem, dst):
-		if window == 0 {
-			return nil, errors.New("the slot has no memory window, and in windows mode nothing else lets a peer write the arena")
-		}
-		tg.addr, tg.rkey = addrOf(dst), window
-		return tg, nil
 	case t.shared != nil && within(t.mem, dst):
-		tg.addr, tg.rkey = addrOf(dst), t.shared.RKey()
+		rkey, err := t.slotRKey(window)
+		if err != nil {
+			return nil, err
+		}
+		tg.addr, tg.rkey = addrOf(dst), rkey
 		return tg, nil
 	case within(t.mem, dst):
 		reg, err := t.nic.Register(dst)
@@ -208,6 +206,19 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	t.stats.staged.Add(1)
 	tg.addr, tg.rkey, tg.reg, tg.stage = addrOf(stage), reg.RKey(), reg, stage
 	return tg, nil
+}
+
+// slotRKey is the rkey a granted write into a slot of the shared
+// registration goes under: in windows mode the slot's window's (its
+// key's Window), else the registration's own.
+func (t *Transport) slotRKey(window uint32) (uint32, error) {
+	switch {
+	case t.windows == nil:
+		return t.shared.RKey(), nil
+	case window == 0:
+		return 0, errors.New("the slot has no memory window, and in windows mode nothing else lets a peer write the arena")
+	}
+	return window, nil
 }
 
 // inPlace reports whether a write of n bytes at addr lands in the GPU

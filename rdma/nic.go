@@ -16,11 +16,13 @@ type nic interface {
 	// memory (the NIC keeps its address): mmap'd or C memory only.
 	Register(mem []byte) (region, error)
 	// RegisterDevice registers size bytes of device memory at addr, which
-	// the host cannot address (peer memory: nvidia-peermem pins it).
-	RegisterDevice(addr, size uint64) (region, error)
+	// the host cannot address (peer memory: nvidia-peermem pins it); for
+	// windows as RegisterForWindows does, or for remote writes.
+	RegisterDevice(addr, size uint64, forWindows bool) (region, error)
 	// RegisterDMABuf registers size bytes at offset of dmabuf fd, reached
-	// at addresses from iova on (the device pointer of its first byte).
-	RegisterDMABuf(fd int, offset, size, iova uint64) (region, error)
+	// at addresses from iova on (the device pointer of its first byte);
+	// forWindows as for RegisterDevice.
+	RegisterDMABuf(fd int, offset, size, iova uint64, forWindows bool) (region, error)
 	// NewQP makes an RC queue pair with its own completion queue and
 	// completion channel.
 	NewQP(sendDepth, recvDepth int) (queuePair, error)

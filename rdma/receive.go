@@ -106,15 +106,17 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 
 // region describes the shared registration to dialers.
 func (t *Transport) region() peerRegion {
+	base, size := addrOf(t.mem), uint64(len(t.mem))
+	if t.dev.Len > 0 {
+		base, size = t.dev.Addr, t.dev.Len // the GPU arena, reached in place
+	}
 	switch {
 	case t.windows != nil:
-		return peerRegion{Base: addrOf(t.mem), Size: uint64(len(t.mem)), Mode: modeWindows}
-	case t.shared != nil && t.dev.Len > 0:
-		return peerRegion{Base: t.dev.Addr, Size: t.dev.Len, RKey: t.shared.RKey(), Mode: modeShared}
+		return peerRegion{Base: base, Size: size, Mode: modeWindows}
 	case t.shared != nil:
-		return peerRegion{Base: addrOf(t.mem), Size: uint64(len(t.mem)), RKey: t.shared.RKey(), Mode: modeShared}
+		return peerRegion{Base: base, Size: size, RKey: t.shared.RKey(), Mode: modeShared}
 	case len(t.mem) > 0:
-		return peerRegion{Base: addrOf(t.mem), Size: uint64(len(t.mem)), Mode: modePerSend}
+		return peerRegion{Base: base, Size: size, Mode: modePerSend}
 	}
 	return peerRegion{Mode: modeNone}
 }
@@ -256,20 +258,22 @@ func (r *receiver) serve(h peer.Header) error {
 	var tg *target
 	var done func(error)
 	var no *peer.Refused
+	var err error
 	if sink, ok := t.cfg.Peer.Sink.(transport.InPlaceSink); ok && t.inPlace(h.Addr, h.Len) {
 		// Into the GPU arena the NIC reaches: straight to the slot.
 		if done, no = r.gate.AdmitInPlace(&h, sink); no == nil {
-			tg = &target{addr: h.Addr, rkey: t.shared.RKey()}
+			tg = &target{addr: h.Addr}
+			tg.rkey, err = t.slotRKey(h.Key.Window())
 		}
 	} else {
 		var dst []byte
 		if dst, done, no = r.gate.Admit(&h); no == nil {
-			var err error
-			if tg, err = t.target(dst, h.Key.Window()); err != nil {
-				done(err)
-				return r.reply(transport.Internal, 0, fmt.Sprintf("the receiver could not make its memory reachable: %v", err), nil)
-			}
+			tg, err = t.target(dst, h.Key.Window())
 		}
+	}
+	if err != nil {
+		done(err)
+		return r.reply(transport.Internal, 0, fmt.Sprintf("the receiver could not make its memory reachable: %v", err), nil)
 	}
 	if no != nil {
 		if no.End != nil {

@@ -102,28 +102,28 @@ func (n *fakeNIC) register(mem []byte, forWindows bool) (region, error) {
 	return m, nil
 }
 
-func (n *fakeNIC) RegisterDevice(addr, size uint64) (region, error) {
+func (n *fakeNIC) RegisterDevice(addr, size uint64, forWindows bool) (region, error) {
 	if n.f.noPeerMem != nil {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes of device memory at %#x: %w", size, addr, n.f.noPeerMem)
 	}
-	return n.registerDevice(addr, size)
+	return n.registerDevice(addr, size, forWindows)
 }
 
-func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64) (region, error) {
+func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64, forWindows bool) (region, error) {
 	if n.f.noDMABuf != nil {
 		return nil, fmt.Errorf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d: %w", size, fd, n.f.noDMABuf)
 	}
-	return n.registerDevice(iova, size)
+	return n.registerDevice(iova, size, forWindows)
 }
 
 // registerDevice registers [addr, addr+size) of the declared device
 // memory; anything else is EFAULT, as ibv_reg_mr of an address nothing
 // maps.
-func (n *fakeNIC) registerDevice(addr, size uint64) (region, error) {
+func (n *fakeNIC) registerDevice(addr, size uint64, forWindows bool) (region, error) {
 	for _, d := range n.f.device {
 		if addr >= addrOf(d) && size <= uint64(len(d)) && addr-addrOf(d) <= uint64(len(d))-size {
 			off := addr - addrOf(d)
-			return n.Register(d[off : off+size])
+			return n.register(d[off:off+size], forWindows)
 		}
 	}
 	return nil, fmt.Errorf("ibv_reg_mr of %d bytes at %#x: %w", size, addr, syscall.EFAULT)

@@ -224,7 +224,7 @@ func listen(cfg Config, n nic) (*Transport, error) {
 	ws, windowed := cfg.Peer.Sink.(transport.WindowSink)
 	var err error
 	if cfg.Device != nil {
-		err = t.registerDevice()
+		err = t.registerDevice(windowed)
 	} else {
 		t.registerShared(windowed)
 	}
@@ -269,7 +269,7 @@ func (t *Transport) registerShared(windowed bool) {
 	}
 	start := time.Now()
 	if windowed {
-		t.shared, t.windows, t.noWindows = t.registerWindowed(mem)
+		t.shared, t.windows, t.noWindows = t.registerWindowed(func() (region, error) { return t.nic.RegisterForWindows(mem) }, addrOf(mem), uint64(len(mem)))
 	} else {
 		t.noWindows = errors.New("the receiving Sink puts no windows over its slots")
 	}
@@ -285,17 +285,17 @@ func (t *Transport) registerShared(windowed bool) {
 	t.reg.Mode = api.RegistrationShared
 }
 
-// registerWindowed registers mem for windows and makes the windows, or
-// says why not.
-func (t *Transport) registerWindowed(mem []byte) (region, *windows, error) {
+// registerWindowed registers the size bytes at base for windows
+// (register) and makes the windows, or says why not.
+func (t *Transport) registerWindowed(register func() (region, error), base, size uint64) (region, *windows, error) {
 	if err := t.nic.Windows(); err != nil {
 		return nil, nil, err
 	}
-	reg, err := t.nic.RegisterForWindows(mem)
+	reg, err := register()
 	if err != nil {
 		return nil, nil, fmt.Errorf("registering the memory for windows (IBV_ACCESS_MW_BIND): %w", err)
 	}
-	w, err := newWindows(t.nic, reg, mem, &t.stats)
+	w, err := newWindows(t.nic, reg, base, size, &t.stats)
 	if err != nil {
 		reg.Close()
 		return nil, nil, err

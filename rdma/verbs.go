@@ -283,18 +283,27 @@ func (n *verbsNIC) register(mem []byte, acc C.int) (region, error) {
 	return &verbsMR{mr: mr}, nil
 }
 
-func (n *verbsNIC) RegisterDevice(addr, size uint64) (region, error) {
+// accessFor is a registration's access: for binding windows, or for
+// peers' writes under its own rkey.
+func accessFor(forWindows bool) C.int {
+	if forWindows {
+		return windowAccess
+	}
+	return access
+}
+
+func (n *verbsNIC) RegisterDevice(addr, size uint64, forWindows bool) (region, error) {
 	var mr *C.struct_ibv_mr
-	rc := C.fv_reg_addr(n.pd, C.uint64_t(addr), C.size_t(size), access, &mr)
+	rc := C.fv_reg_addr(n.pd, C.uint64_t(addr), C.size_t(size), accessFor(forWindows), &mr)
 	if err := verbsErr(fmt.Sprintf("ibv_reg_mr of %d bytes of device memory at %#x", size, addr), rc); err != nil {
 		return nil, err
 	}
 	return &verbsMR{mr: mr}, nil
 }
 
-func (n *verbsNIC) RegisterDMABuf(fd int, offset, size, iova uint64) (region, error) {
+func (n *verbsNIC) RegisterDMABuf(fd int, offset, size, iova uint64, forWindows bool) (region, error) {
 	var mr *C.struct_ibv_mr
-	rc := C.fv_reg_dmabuf(n.pd, C.uint64_t(offset), C.size_t(size), C.uint64_t(iova), C.int(fd), access, &mr)
+	rc := C.fv_reg_dmabuf(n.pd, C.uint64_t(offset), C.size_t(size), C.uint64_t(iova), C.int(fd), accessFor(forWindows), &mr)
 	if err := verbsErr(fmt.Sprintf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d", size, fd), rc); err != nil {
 		return nil, err
 	}

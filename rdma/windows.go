@@ -56,9 +56,11 @@ type windows struct {
 	counts   *counters
 }
 
-// newWindows preallocates the windows over mr and connects the binding
-// QP, and binds and invalidates one window to prove the device does.
-func newWindows(n nic, mr region, mem []byte, c *counters) (_ *windows, err error) {
+// newWindows preallocates the windows over mr, which registers size
+// bytes at base, and connects the binding QP, and binds and invalidates
+// one window to prove the device does (on that memory: a NIC may bind
+// over host memory and refuse over a dmabuf's).
+func newWindows(n nic, mr region, base, size uint64, c *counters) (_ *windows, err error) {
 	w := &windows{nic: n, mr: mr, bound: make(map[uint32]window), counts: c}
 	defer func() {
 		if err != nil {
@@ -83,7 +85,7 @@ func newWindows(n nic, mr region, mem []byte, c *counters) (_ *windows, err erro
 	if err := w.grow(minWindows); err != nil {
 		return nil, err
 	}
-	rkey, err := w.Open(addrOf(mem), uint64(min(len(mem), 4096)))
+	rkey, err := w.Open(base, min(size, 4096))
 	if err != nil {
 		return nil, err
 	}

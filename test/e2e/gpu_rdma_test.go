@@ -15,11 +15,14 @@ import (
 // TestGPUArenaOverRDMA: two ferryd with GPU arenas on the stand-in driver
 // (whose device memory is host memory and whose dmabuf is /dev/null), over
 // soft-RoCE (make test-rdma). rdma_rxe registers no dmabuf, so auto falls
-// back to peer memory and says why; sends then go NIC to NIC from and
-// into device memory with no copy, direct between authenticated peers,
-// and test/rxevm prints their DATAPLANE line. --gpu-registration bounce
-// registers the pinned bounce area once: each transfer is copied to and
-// from it by the GPU, with no registration and no CPU copy per write.
+// back to peer memory and says why; each slot then gets a memory window
+// over its device memory, and sends go NIC to NIC from and into device
+// memory with no copy, direct through the slots' windows with no peer
+// secret, and test/rxevm prints their DATAPLANE line.
+// --gpu-registration bounce registers the pinned bounce area once: each
+// transfer is copied to and from it by the GPU, with no registration
+// and no CPU copy per write, and asks first even between authenticated
+// peers.
 func TestGPUArenaOverRDMA(t *testing.T) {
 	requireRDMA(t)
 	env := []string{"env", "LD_LIBRARY_PATH=" + fakecuda.Build(t, fakecuda.Working)}
@@ -28,18 +31,21 @@ func TestGPUArenaOverRDMA(t *testing.T) {
 	cases := []struct {
 		asked, path, mode, line string
 		notTaken                []string // the paths not taken, each failed or not tried
+		secret                  bool     // --peer-secret-file
 	}{
-		{"auto", "peermem", "arena-rkey",
+		{"auto", "peermem", "windows",
 			"control_msgs_per_send=0.00 posts_per_send=1.00 signaled_per_send=1.00 reg_mr_per_send=0.00 cpu_copy_bytes_per_send=0",
-			[]string{`dmabuf failed: ibv_reg_dmabuf_mr`, "bounce not tried: peermem was taken first"}},
+			[]string{`dmabuf failed: ibv_reg_dmabuf_mr`, "bounce not tried: peermem was taken first"}, false},
 		{"bounce", "bounce", "grant",
 			"control_msgs_per_send=2.00 posts_per_send=1.00 signaled_per_send=1.00 reg_mr_per_send=0.00 cpu_copy_bytes_per_send=0",
-			[]string{"dmabuf not tried: --gpu-registration bounce", "peermem not tried: --gpu-registration bounce"}},
+			[]string{"dmabuf not tried: --gpu-registration bounce", "peermem not tried: --gpu-registration bounce"}, true},
 	}
 	for _, c := range cases {
 		t.Run(c.asked, func(t *testing.T) {
-			args := []string{"--device", "cuda:0", "--transport", "rdma", "--peer-secret-file", secret,
-				"--gpu-registration", c.asked, "--bounce-size", "8MiB"}
+			args := []string{"--device", "cuda:0", "--transport", "rdma", "--gpu-registration", c.asked, "--bounce-size", "8MiB"}
+			if c.secret {
+				args = append(args, "--peer-secret-file", secret)
+			}
 			snd := startDaemonIn(t, env, dir, c.asked+"-snd", args...)
 			rcv := startDaemonIn(t, env, dir, c.asked+"-rcv", args...)
 			ctx := ctxT(t)
