@@ -174,6 +174,8 @@ type Transport struct {
 	// nil in the other modes, and noWindows says why.
 	windows   *windows
 	noWindows error
+	// lent is the clients' regions the daemon registered (regions.go).
+	lent lentRegions
 	// mooncakeMR is Memory registered for Mooncake peers' writes in
 	// windows mode (SharedKeys); under mu.
 	mooncakeMR region
@@ -270,6 +272,9 @@ func (t *Transport) registerShared(windowed bool) {
 	start := time.Now()
 	if windowed {
 		t.shared, t.windows, t.noWindows = t.registerWindowed(mem)
+		if t.windows != nil {
+			t.windows.lent = &t.lent // windows over slots in regions bind over theirs
+		}
 	} else {
 		t.noWindows = errors.New("the receiving Sink puts no windows over its slots")
 	}
@@ -303,7 +308,8 @@ func (t *Transport) registerWindowed(mem []byte) (region, *windows, error) {
 	return reg, w, nil
 }
 
-// closeShared drops the windows, then the registrations under them.
+// closeShared drops the windows, then the registrations under them:
+// regions' left registered, and the arena's.
 func (t *Transport) closeShared() error {
 	var errs []error
 	if t.mooncakeMR != nil {
@@ -312,6 +318,7 @@ func (t *Transport) closeShared() error {
 	if t.windows != nil {
 		errs = append(errs, t.windows.close())
 	}
+	errs = append(errs, t.lent.close())
 	if t.shared != nil {
 		errs = append(errs, t.shared.Close())
 	}

@@ -46,6 +46,7 @@ type windows struct {
 	mu       sync.Mutex
 	nic      nic
 	mr       region
+	lent     *lentRegions // windows over slots in them bind over their registrations; nil: none
 	qp, loop queuePair
 	free     []window          // oldest first: an rkey recurs only after every free window was rebound
 	bound    map[uint32]window // by rkey
@@ -107,8 +108,8 @@ func (w *windows) grow(n int) error {
 }
 
 // Open implements transport.Windows: a window over [addr, addr+n),
-// which must lie in the registration, enforced by the NIC once Open
-// returns its rkey.
+// which must lie in the arena's registration or a region's, enforced by
+// the NIC once Open returns its rkey.
 func (w *windows) Open(addr, n uint64) (uint32, error) {
 	if n == 0 {
 		return 0, errors.New("a memory window over no bytes")
@@ -129,8 +130,14 @@ func (w *windows) Open(addr, n uint64) (uint32, error) {
 			return 0, err
 		}
 	}
+	under := w.mr
+	if w.lent != nil {
+		if mr := w.lent.mrHolding(addr, n); mr != nil {
+			under = mr
+		}
+	}
 	mw := w.free[0]
-	rkey, err := w.bind(mw, addr, n)
+	rkey, err := w.bind(mw, under, addr, n)
 	if err != nil {
 		return 0, err
 	}
@@ -157,7 +164,7 @@ func (w *windows) Close(rkey uint32) error {
 	if w.broken != nil {
 		return w.broken
 	}
-	if _, err := w.bind(mw, 0, 0); err != nil {
+	if _, err := w.bind(mw, w.mr, 0, 0); err != nil {
 		return err
 	}
 	delete(w.bound, rkey)
@@ -166,11 +173,12 @@ func (w *windows) Close(rkey uint32) error {
 	return nil
 }
 
-// bind posts one bind of mw and waits for its completion; w.mu is held.
-// Any failure leaves the QP in an unknown state: every later bind fails.
-func (w *windows) bind(mw window, addr, n uint64) (uint32, error) {
+// bind posts one bind of mw over [addr, addr+n) of mr and waits for its
+// completion; w.mu is held. Any failure leaves the QP in an unknown
+// state: every later bind fails.
+func (w *windows) bind(mw window, mr region, addr, n uint64) (uint32, error) {
 	w.seq++
-	rkey, err := w.qp.Bind(mw, w.mr, addr, n, w.seq)
+	rkey, err := w.qp.Bind(mw, mr, addr, n, w.seq)
 	if err == nil {
 		err = w.await(w.seq)
 	}
