@@ -558,9 +558,10 @@ func (r *registry) Arrived(tag uint32, n uint64) error {
 		r.refused(transport.SlotBusy)
 		return &transport.Refusal{Code: transport.SlotBusy,
 			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data", s.reqID)}
-	case s.region != nil:
-		// Its bytes are in a region, which direct writes (into the
-		// arena's registration) never reach.
+	case s.region != nil && s.window == 0:
+		// Its bytes are in a region, which direct writes reach only
+		// through a window over the slot (windows mode), never under
+		// the arena's rkey.
 		r.refused(transport.OutOfBounds)
 		return &transport.Refusal{Code: transport.OutOfBounds,
 			Message: fmt.Sprintf("the receive slot of req_id %s lies in region %s, outside the arena a direct write lands in", s.reqID, s.region.name)}

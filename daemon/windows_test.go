@@ -125,8 +125,9 @@ func (c *nicCloser) Close() error {
 }
 
 // TestRegionSlotWindows: with windows, a slot in a region the NIC
-// registered gets a window over its bytes like an arena slot, and one
-// in a region it did not gets none (its writes are staged); the
+// registered gets a window over its bytes like an arena slot (a direct
+// write through it fills the slot), and one in a region it did not gets
+// none (its writes are staged); the
 // region's registration is dropped once, when it is unregistered and
 // the last write landing in it has ended, after the slot's window is
 // closed.
@@ -156,6 +157,20 @@ func TestRegionSlotWindows(t *testing.T) {
 	}
 	if got, ok := w.open[s.key.Window()]; !ok || got != [2]uint64{s.addr, 4096} {
 		t.Fatalf("the slot's key names window %#x, open over %v; want one over [%#x, +4096)", s.key.Window(), got, s.addr)
+	}
+	// A direct write through its window fills a slot in the region.
+	whole, err := r.newSlotIn("whole", 4096, "lent", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Arrived(whole.key.Tag(), 4096); err != nil {
+		t.Fatalf("a direct write through the window over a slot in a region: %v", err)
+	}
+	if desc, _, _, err := r.waitSlot(t.Context(), "whole", 0, false); err != nil || !desc.Arrived || desc.Region != "lent" {
+		t.Fatalf("the slot filled by a direct write: %+v, %v", desc, err)
+	}
+	if err := r.deleteSlot("whole"); err != nil {
+		t.Fatal(err)
 	}
 	// A write lands; meanwhile the slot is freed and the region
 	// unregistered.
