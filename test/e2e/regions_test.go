@@ -227,7 +227,8 @@ func TestRegisterWithoutADescriptorSaysHow(t *testing.T) {
 // /v1/regions says so), and a batch transfer from one's region into a
 // slot in the other's moves the bytes with no CPU copy on either side:
 // the copied-bytes, bounce and staging counters stay still while the
-// writes go. Unregistering drops the registration and the mapping.
+// writes go. A send that fills a slot in the region goes direct in
+// windows mode. Unregistering drops the registration and the mapping.
 func TestRDMARegionToRegionWithoutACopy(t *testing.T) {
 	requireRDMA(t)
 	snd, rcv := pair(t, "--transport", "rdma")
@@ -291,6 +292,35 @@ func TestRDMARegionToRegionWithoutACopy(t *testing.T) {
 		t.Errorf("counters moved by %v; want 64 RDMA writes and nothing copied, bounced or staged", delta)
 	}
 	if err := rcv.c.FreeReceive(ctx, "layer-5"); err != nil {
+		t.Fatal(err)
+	}
+
+	// A send of a staged embedding that fills a slot in the region: in
+	// windows mode it goes direct through the slot's window.
+	emb := randomBytes(embBytes, 44)
+	if _, err := snd.c.Stage(ctx, "emb-5", embShape, "bf16", bytes.NewReader(emb), int64(len(emb))); err != nil {
+		t.Fatal(err)
+	}
+	eslot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "emb-5", NBytes: embBytes, Region: "kv", RegionOffset: 2 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	direct := metricSum(snd.metrics(t), "ferry_rdma_direct_sends_total")
+	if _, err := snd.c.Send(ctx, "emb-5", api.SendRequest{Session: eslot.Session, BufferAddress: eslot.BufferAddress, Key: eslot.Key, NBytes: eslot.NBytes}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rcv.c.WaitInfo(ctx, "emb-5", 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(rmem[2<<20:2<<20+embBytes], emb) {
+		t.Fatal("the embedding did not land in the receiver's region")
+	}
+	direct = metricSum(snd.metrics(t), "ferry_rdma_direct_sends_total") - direct
+	fmt.Printf("== REGIONS rdma mode=%s whole-slot send into a region: direct=%.0f\n", st.Transport.RDMA.WriteMode, direct)
+	if st.Transport.RDMA.WriteMode == "windows" && direct != 1 {
+		t.Errorf("a whole-slot send into a region slot in windows mode went direct %v times, want 1", direct)
+	}
+	if err := rcv.c.FreeReceive(ctx, "emb-5"); err != nil {
 		t.Fatal(err)
 	}
 	for _, d := range []*daemon{snd, rcv} {
