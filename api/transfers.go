@@ -129,6 +129,17 @@ type Region struct {
 	Uses    int       `json:"uses"`
 	Closing bool      `json:"closing,omitempty"`
 	Since   time.Time `json:"since"`
+	// NIC says whether the RDMA NIC reaches the region where it lies;
+	// absent when the transport is TCP.
+	NIC *RegionNIC `json:"nic,omitempty"`
+}
+
+// RegionNIC is a region's registration with the RDMA NIC, made once
+// when the region is registered. Without it (Error says why) RDMA
+// copies the region's writes through bounce and staging buffers.
+type RegionNIC struct {
+	Registered bool   `json:"registered"`
+	Error      string `json:"error,omitempty"`
 }
 
 // Items are a transfer's pieces, each an array of integers (ItemFields

@@ -21,6 +21,7 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -63,6 +64,7 @@ type Daemon struct {
 	metricsHS *http.Server
 	advertise string
 	slowNanos atomic.Int64
+	regionLog *loglimit.Limiter // regions the NIC could not register
 
 	inflight       inflight                // control requests being served
 	reqCtx         context.Context         // parent of every request's context
@@ -171,7 +173,16 @@ func New(cfg Config) (*Daemon, error) {
 	d.metrics.reg.MustRegister(d.limits())
 	d.reg.mu.Lock() // the peer port is open already
 	d.reg.onRefusal = func(c transport.Code) { d.metrics.peerRefusals.WithLabelValues(c.String()).Inc() }
+	d.reg.registrar, _ = d.tr.(transport.RegionRegistrar)
+	d.reg.regionNICLost = func(name string, err error) {
+		d.log.Error().Str("region", name).Err(err).Msg("the region's registration with the NIC could not be dropped: its pages stay pinned until ferryd restarts")
+	}
 	d.reg.mu.Unlock()
+	// Clients cause these: a loop of failing registrations must not
+	// flood the log.
+	d.regionLog = loglimit.New("regions", func(format string, args ...any) {
+		d.log.Warn().Str("component", "regions").Msg(fmt.Sprintf(format, args...))
+	})
 	if cfg.MetricsListen != "" {
 		// Only /metrics here: the control API stays on the socket, whose
 		// file mode is its access control.
@@ -330,6 +341,9 @@ func (d *Daemon) closeAll() {
 	}
 	if d.dp != nil {
 		_ = d.dp.close()
+	}
+	if d.regionLog != nil {
+		d.regionLog.Stop()
 	}
 	if d.control != nil {
 		_ = d.control.Close() // unlinks the socket file, unless systemd passed it

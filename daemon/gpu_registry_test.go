@@ -98,7 +98,7 @@ func TestRegionOfDeviceMemoryMovesThroughCopies(t *testing.T) {
 	}
 	r := newRegistry(a)
 	dev := &deviceMemory{mem: make([]byte, 1<<16)}
-	if _, err := r.addRegion("kv", dev); err != nil {
+	if _, err := r.addRegion("kv", dev, nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	s, err := r.newSlotIn("r1", 100, "kv", 4096)

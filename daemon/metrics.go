@@ -28,9 +28,12 @@ type metrics struct {
 	staged           *prometheus.CounterVec
 	swept            *prometheus.CounterVec
 	peerRefusals     *prometheus.CounterVec
-	batches          *prometheus.CounterVec
-	batchItems       prometheus.Counter
-	batchWrites      prometheus.Counter
+	// regionRegistrations counts regions registered with the NIC, by
+	// outcome.
+	regionRegistrations *prometheus.CounterVec
+	batches             *prometheus.CounterVec
+	batchItems          prometheus.Counter
+	batchWrites         prometheus.Counter
 
 	mu           sync.Mutex
 	sessionNames map[string]bool // sessions with a label of their own
@@ -52,6 +55,7 @@ var (
 		"timeout", "eof", "closed", "auth", "incompatible", "rejected", "error"}
 	peerRefusalReasons = []string{"no_slot", "out_of_bounds", "slot_busy"}
 	batchOutcomes      = []string{"ok", "failed"}
+	regionOutcomes     = []string{"registered", "failed"}
 )
 
 // gauges are the daemon's live state, read at scrape time.
@@ -108,6 +112,10 @@ func newMetrics(g gauges, transport string) *metrics {
 			Name: "ferry_peer_refusals_total",
 			Help: "Writes from peers this receiver refused, by reason: no_slot (no live slot with that address and key: a stale slot, or a guess), out_of_bounds, slot_busy.",
 		}, []string{"reason"}),
+		regionRegistrations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ferry_region_registrations_total",
+			Help: "Host regions (POST /v1/regions) registered with the RDMA NIC, by outcome: registered (written from and into without a copy), failed (copied through bounce and staging buffers; logged, and GET /v1/regions says why).",
+		}, []string{"outcome"}),
 		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_batches_total",
 			Help: "Batch transfers (POST /v1/transfers) ended, by outcome (ok, failed).",
@@ -123,7 +131,7 @@ func newMetrics(g gauges, transport string) *metrics {
 	}
 	reg.MustRegister(m.batches, m.batchItems, m.batchWrites,
 		m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
-		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals,
+		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals, m.regionRegistrations,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ferry_staged_embeddings", Help: "Entries staged or reserved on the sending side.",
@@ -155,6 +163,9 @@ func newMetrics(g gauges, transport string) *metrics {
 	}
 	for _, o := range batchOutcomes {
 		m.batches.WithLabelValues(o)
+	}
+	for _, o := range regionOutcomes {
+		m.regionRegistrations.WithLabelValues(o)
 	}
 	for state, read := range map[string]func() int64{
 		"total": func() int64 { t, _, _ := g.arena(); return t },

@@ -1,7 +1,9 @@
 package daemon
 
 import (
+	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"sort"
 	"time"
@@ -22,8 +24,13 @@ const maxRegions = 1024
 // its IPC handle, so transfers read from it and receive slots land in it
 // without a copy through the arena.
 type region struct {
-	name    string
-	mem     arena.Memory
+	name string
+	mem  arena.Memory
+	// nic is its registration with the RDMA NIC (nil when there is none:
+	// TCP, a CUDA region, or a registration that failed, why in nicErr),
+	// dropped once the last use ends, before the memory is unmapped.
+	nic     io.Closer
+	nicErr  error
 	since   time.Time
 	slots   int  // live receive slots in it
 	uses    int  // pins: slots (live or freed with writes landing) and transfers reading it
@@ -96,8 +103,9 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 	return mem, nil
 }
 
-// addRegion registers a mapped region under its name.
-func (r *registry) addRegion(name string, mem arena.Memory) (api.Region, error) {
+// addRegion registers a mapped region under its name, with its
+// registration with the NIC (nil, and why not).
+func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicErr error) (api.Region, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
@@ -112,13 +120,21 @@ func (r *registry) addRegion(name string, mem arena.Memory) (api.Region, error) 
 		}
 		return api.Region{}, apiErr(api.CodeExists, "a region named %s is registered already: unregister it first or choose another name", name)
 	}
-	g := &region{name: name, mem: mem, since: time.Now(), gone: make(chan struct{})}
+	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), gone: make(chan struct{})}
 	r.regions[name] = g
-	return describeRegion(g), nil
+	return r.describeRegion(g), nil
 }
 
-func describeRegion(g *region) api.Region {
-	return api.Region{Name: g.name, NBytes: g.size(), Kind: g.mem.Kind(), Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since}
+// describeRegion describes g; callers hold mu.
+func (r *registry) describeRegion(g *region) api.Region {
+	d := api.Region{Name: g.name, NBytes: g.size(), Kind: g.mem.Kind(), Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since}
+	if r.registrar != nil {
+		d.NIC = &api.RegionNIC{Registered: g.nic != nil}
+		if g.nicErr != nil {
+			d.NIC.Error = g.nicErr.Error()
+		}
+	}
+	return d
 }
 
 // useRegion pins a registered region for a transfer or a slot; callers
@@ -132,11 +148,19 @@ func (r *registry) useRegion(name, what string) (*region, error) {
 	return g, nil
 }
 
-// unuseRegion drops a pin, and unmaps a closing region once none is left;
-// callers hold mu.
+// unuseRegion drops a pin, and deregisters and unmaps a closing region
+// once none is left; callers hold mu.
 func (r *registry) unuseRegion(g *region) {
 	g.uses--
 	if g.closing && g.uses == 0 {
+		if g.nic != nil {
+			// Its writes and windows are gone; the NIC keeps the pages it
+			// pinned until the registration goes, so unmapping is safe
+			// even when dropping it failed.
+			if err := g.nic.Close(); err != nil && r.regionNICLost != nil {
+				r.regionNICLost(g.name, err)
+			}
+		}
 		_ = g.mem.Close()
 		delete(r.regions, g.name)
 		close(g.gone)
@@ -191,7 +215,7 @@ func (r *registry) listRegions() []api.Region {
 	defer r.mu.Unlock()
 	out := make([]api.Region, 0, len(r.regions))
 	for _, g := range r.regions {
-		out = append(out, describeRegion(g))
+		out = append(out, r.describeRegion(g))
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Name < out[j].Name })
 	return out
@@ -238,14 +262,41 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	g, err := d.reg.addRegion(req.Name, mem)
+	nic, nicErr := d.registerRegionNIC(req.Name, mem)
+	g, err := d.reg.addRegion(req.Name, mem, nic, nicErr)
 	if err != nil {
+		if nic != nil {
+			_ = nic.Close()
+		}
 		_ = mem.Close()
 		return err
 	}
-	d.log.Info().Str("region", req.Name).Str("kind", g.Kind).Int64("nbytes", req.NBytes).Msg("region registered")
+	d.log.Info().Str("region", req.Name).Str("kind", g.Kind).Int64("nbytes", req.NBytes).Bool("nic", nic != nil).Msg("region registered")
 	writeJSON(w, http.StatusCreated, g)
 	return nil
+}
+
+// registerRegionNIC registers a host region with the RDMA NIC, once, so
+// that writes from it and into its slots go without a copy. A failure
+// fails nothing: TCP peers read and write the region as it lies, and
+// RDMA copies its writes through bounce and staging buffers; the reason
+// is logged (rate-limited), counted, and listed with the region.
+func (d *Daemon) registerRegionNIC(name string, mem arena.Memory) (io.Closer, error) {
+	rr := d.reg.registrar
+	if rr == nil {
+		return nil, nil
+	}
+	if mem.Host() == nil {
+		return nil, errors.New("a CUDA region is not registered with the NIC: its bytes go through ferryd's pinned bounce area")
+	}
+	nic, err := rr.RegisterRegion(mem.Host())
+	if err != nil {
+		d.metrics.regionRegistrations.WithLabelValues("failed").Inc()
+		d.regionLog.Printf("region %s: %v; the region is registered for transfers all the same", name, err)
+		return nil, err
+	}
+	d.metrics.regionRegistrations.WithLabelValues("registered").Inc()
+	return nic, nil
 }
 
 func (d *Daemon) handleListRegions(w http.ResponseWriter, r *http.Request) error {

@@ -105,12 +105,20 @@ type registry struct {
 	afterFunc  func(time.Duration, func()) func() bool // time.AfterFunc; tests fire it by hand
 
 	// windows, when set, puts a NIC-enforced window over each arena slot
-	// (rdma's windows mode): opened as the slot is made, closed before
-	// its memory goes back. windowLost, if set, hears of a window that
+	// and each slot in a region the NIC registered (rdma's windows
+	// mode): opened as the slot is made, closed before its memory goes
+	// back. windowLost, if set, hears of a window that
 	// could not be closed: its slot's memory stays out of use. Called
 	// with mu held.
 	windows    transport.Windows
 	windowLost func(reqID string, err error)
+
+	// registrar registers regions with the NIC (rdma), or is nil (TCP);
+	// set before the control API serves. regionNICLost, if set, hears
+	// of a region whose registration could not be dropped. Called with
+	// mu held.
+	registrar     transport.RegionRegistrar
+	regionNICLost func(name string, err error)
 }
 
 var _ transport.WindowSink = (*registry)(nil)
@@ -375,12 +383,20 @@ func (r *registry) newSlot(reqID string, n int64, mooncake bool) (*slot, error) 
 	}
 	s := &slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), mooncake: mooncake, nbytes: n}
 	if r.windows != nil {
-		if s.window, err = r.windows.Open(s.addr, uint64(n)); err != nil {
+		if err := r.openWindow(s); err != nil {
 			r.free(sl)
-			return nil, apiErr(api.CodeInternal, "%s: the NIC could not put a memory window over the receive slot: %v", reqID, err)
+			return nil, err
 		}
 	}
 	return r.addSlot(s), nil
+}
+
+// openWindow puts a window over s's bytes; callers hold mu.
+func (r *registry) openWindow(s *slot) (err error) {
+	if s.window, err = r.windows.Open(s.addr, uint64(s.nbytes)); err != nil {
+		return apiErr(api.CodeInternal, "%s: the NIC could not put a memory window over the receive slot: %v", s.reqID, err)
+	}
+	return nil
 }
 
 // newSlotIn makes a receive slot of n bytes at offset off of a registered
@@ -408,8 +424,17 @@ func (r *registry) newSlotIn(reqID string, n int64, name string, off int64) (*sl
 				reqID, off, off+n, name, o.reqID, o.regionOff, o.regionOff+o.nbytes)
 		}
 	}
+	s := &slot{reqID: reqID, region: g, regionOff: off, addr: g.addr() + uint64(off), nbytes: n}
+	// A region the NIC registered is reached through windows like the
+	// arena; one it did not takes granted writes through staging buffers.
+	if r.windows != nil && g.nic != nil {
+		if err := r.openWindow(s); err != nil {
+			r.unuseRegion(g)
+			return nil, err
+		}
+	}
 	g.slots++
-	return r.addSlot(&slot{reqID: reqID, region: g, regionOff: off, addr: g.addr() + uint64(off), nbytes: n}), nil
+	return r.addSlot(s), nil
 }
 
 // mayAddSlot checks a new slot's req_id; callers hold mu.
@@ -533,9 +558,10 @@ func (r *registry) Arrived(tag uint32, n uint64) error {
 		r.refused(transport.SlotBusy)
 		return &transport.Refusal{Code: transport.SlotBusy,
 			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data", s.reqID)}
-	case s.region != nil:
-		// Its bytes are in a region, which direct writes (into the
-		// arena's registration) never reach.
+	case s.region != nil && s.window == 0:
+		// Its bytes are in a region, which direct writes reach only
+		// through a window over the slot (windows mode), never under
+		// the arena's rkey.
 		r.refused(transport.OutOfBounds)
 		return &transport.Refusal{Code: transport.OutOfBounds,
 			Message: fmt.Sprintf("the receive slot of req_id %s lies in region %s, outside the arena a direct write lands in", s.reqID, s.region.name)}
@@ -681,19 +707,20 @@ func (r *registry) unpin(s *slot) {
 // quarantine if one is set; callers hold mu. Once stopping, nothing can be
 // allocated any more, so the memory goes back at once.
 func (r *registry) release(s *slot) {
-	if s.region != nil {
-		r.unuseRegion(s.region) // a region slot's memory is its client's
-		return
-	}
 	if s.window != 0 {
 		// Nothing lands through the window from here on; a window still
-		// open keeps its memory from every newer slot.
+		// open keeps its memory from every newer slot, and a region
+		// under it registered and mapped.
 		if err := r.windows.Close(s.window); err != nil {
 			if r.windowLost != nil {
 				r.windowLost(s.reqID, err)
 			}
 			return
 		}
+	}
+	if s.region != nil {
+		r.unuseRegion(s.region) // a region slot's memory is its client's
+		return
 	}
 	if r.quarantine <= 0 || r.stopping {
 		r.free(s.slice)

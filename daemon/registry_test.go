@@ -490,7 +490,7 @@ func TestDirectArrivals(t *testing.T) {
 		t.Fatalf("a direct write to a freed slot: %v", err)
 	}
 	// A slot in a region: a direct write into the arena cannot fill it.
-	if _, err := r.addRegion("lent", hostRegion(make([]byte, 4096))); err != nil {
+	if _, err := r.addRegion("lent", hostRegion(make([]byte, 4096)), nil, nil); err != nil {
 		t.Fatal(err)
 	}
 	in, err := r.newSlotIn("in-region", 4096, "lent", 0)

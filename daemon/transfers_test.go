@@ -50,11 +50,11 @@ func TestTransfersAreBounded(t *testing.T) {
 func TestRegionsAreBounded(t *testing.T) {
 	r := newRegistry(nil)
 	for i := range maxRegions {
-		if _, err := r.addRegion(fmt.Sprintf("g%d", i), hostRegion(make([]byte, 1))); err != nil {
+		if _, err := r.addRegion(fmt.Sprintf("g%d", i), hostRegion(make([]byte, 1)), nil, nil); err != nil {
 			t.Fatal(err)
 		}
 	}
-	if _, err := r.addRegion("one-more", hostRegion(make([]byte, 1))); !isCode(err, api.CodeBusy) {
+	if _, err := r.addRegion("one-more", hostRegion(make([]byte, 1)), nil, nil); !isCode(err, api.CodeBusy) {
 		t.Fatalf("one region over the limit: %v", err)
 	}
 }

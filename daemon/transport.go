@@ -317,6 +317,8 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		{"ferry_rdma_posts_total", "ibv_post_send calls.", func(s rdma.Stats) uint64 { return s.Posts }},
 		{"ferry_rdma_work_requests_total", "RDMA work requests posted.", func(s rdma.Stats) uint64 { return s.WorkRequests }},
 		{"ferry_rdma_signaled_total", "Of them, signaled.", func(s rdma.Stats) uint64 { return s.Signaled }},
+		{"ferry_rdma_bounced_sends_total", "RDMA writes whose source lay in no registration (not the arena, not a region the NIC registered), copied through a lane's bounce buffer.", func(s rdma.Stats) uint64 { return s.Bounced }},
+		{"ferry_rdma_staged_receives_total", "Granted RDMA writes into a slot in no registration, landed in a staging buffer mapped and registered for the write, then copied.", func(s rdma.Stats) uint64 { return s.Staged }},
 		{"ferry_rdma_copied_bytes_total", "Bytes the CPU copied for RDMA writes: into bounce buffers, out of staging buffers.", func(s rdma.Stats) uint64 { return s.CopiedBytes }},
 		{"ferry_rdma_direct_completions_total", "Receive completions of peers' direct writes.", func(s rdma.Stats) uint64 { return s.DirectCompletions }},
 		{"ferry_rdma_direct_refused_total", "Of them, those that counted for nothing (no live slot with that tag, a slot already full, a length not the slot's); each also logged, rate-limited.", func(s rdma.Stats) uint64 { return s.DirectRefused }},

@@ -107,3 +107,97 @@ func TestSlotWindows(t *testing.T) {
 		t.Fatalf("another slot: %v; want arena_full, c0's memory held back", err)
 	}
 }
+
+// nicCloser is a region's registration with the NIC: Close checks that
+// no window over the region is still open, as a NIC refuses to drop a
+// registration with windows bound over it.
+type nicCloser struct {
+	w      *fakeWindows
+	closed int
+}
+
+func (c *nicCloser) Close() error {
+	if len(c.w.open) != 0 {
+		return fmt.Errorf("dropped with %d windows open", len(c.w.open))
+	}
+	c.closed++
+	return nil
+}
+
+// TestRegionSlotWindows: with windows, a slot in a region the NIC
+// registered gets a window over its bytes like an arena slot (a direct
+// write through it fills the slot), and one in a region it did not gets
+// none (its writes are staged); the
+// region's registration is dropped once, when it is unregistered and
+// the last write landing in it has ended, after the slot's window is
+// closed.
+func TestRegionSlotWindows(t *testing.T) {
+	r := newTestRegistry(t, 4096)
+	w := &fakeWindows{open: make(map[uint32][2]uint64)}
+	r.UseWindows(w)
+	r.windowLost = func(reqID string, err error) { t.Errorf("window of %s lost: %v", reqID, err) }
+	r.regionNICLost = func(name string, err error) { t.Errorf("region %s: %v", name, err) }
+	nic := &nicCloser{w: w}
+	if _, err := r.addRegion("lent", hostRegion(make([]byte, 8192)), nic, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegion("copied", hostRegion(make([]byte, 4096)), nil, errors.New("no NIC")); err != nil {
+		t.Fatal(err)
+	}
+	plain, err := r.newSlotIn("plain", 4096, "copied", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if plain.key.Window() != 0 {
+		t.Errorf("a slot in a region the NIC did not register names window %#x", plain.key.Window())
+	}
+	s, err := r.newSlotIn("in", 4096, "lent", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := w.open[s.key.Window()]; !ok || got != [2]uint64{s.addr, 4096} {
+		t.Fatalf("the slot's key names window %#x, open over %v; want one over [%#x, +4096)", s.key.Window(), got, s.addr)
+	}
+	// A direct write through its window fills a slot in the region.
+	whole, err := r.newSlotIn("whole", 4096, "lent", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Arrived(whole.key.Tag(), 4096); err != nil {
+		t.Fatalf("a direct write through the window over a slot in a region: %v", err)
+	}
+	if desc, _, _, err := r.waitSlot(t.Context(), "whole", 0, false); err != nil || !desc.Arrived || desc.Region != "lent" {
+		t.Fatalf("the slot filled by a direct write: %+v, %v", desc, err)
+	}
+	if err := r.deleteSlot("whole"); err != nil {
+		t.Fatal(err)
+	}
+	// A write lands; meanwhile the slot is freed and the region
+	// unregistered.
+	_, done, err := r.Accept(s.addr, 4096, s.key, s.key.Tag())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.deleteSlot("in"); err != nil {
+		t.Fatal(err)
+	}
+	g, err := r.removeRegion("lent")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, open := w.open[s.key.Window()]; !open || nic.closed != 0 {
+		t.Fatalf("with a write landing: window open %v, registration dropped %d times; want open, kept", open, nic.closed)
+	}
+	done(nil)
+	select {
+	case <-g.gone:
+	default:
+		t.Fatal("the region is still mapped once its last write ended")
+	}
+	if len(w.open) != 0 || nic.closed != 1 {
+		t.Fatalf("%d windows open, registration dropped %d times; want none open, dropped once", len(w.open), nic.closed)
+	}
+	if desc := r.listRegions(); len(desc) != 1 || desc[0].Name != "copied" || desc[0].NIC != nil {
+		t.Errorf("regions left: %+v; want copied alone, with no nic (no registrar)", desc)
+	}
+}

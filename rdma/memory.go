@@ -14,8 +14,9 @@ import (
 // Memory the NIC touches is never Go heap memory (the collector owns it
 // and C must not keep its address): the shared registration covers the
 // memory the daemon declares (its mmap'd arena), per-send registrations
-// cover ranges of that same memory, and anything else is copied through
-// buffers this package maps itself.
+// cover ranges of that same memory, the regions the daemon registers
+// (regions.go) cover its clients' memory, and anything else is copied
+// through buffers this package maps itself.
 
 // Bounce buffers: a source outside the declared memory (Go memory, say)
 // goes through a ring of bounceSlots chunks per lane, each chunk's write
@@ -68,14 +69,29 @@ type source struct {
 // kindOf says how w's source reaches the NIC: a device source only ever
 // from the shared registration (writeSource refuses any other).
 func (t *Transport) kindOf(w *transport.Write) sourceKind {
-	src := w.Src
-	switch {
-	case src == nil && w.Device.Len > 0 || len(src) == 0 || t.shared != nil && within(t.mem, src):
+	if w.Src == nil && w.Device.Len > 0 {
 		return fromShared
-	case within(t.mem, src):
-		return fromPerSend
 	}
-	return fromBounce
+	k, _ := t.hostSource(w.Src)
+	return k
+}
+
+// hostSource says how src reaches the NIC, with the lkey of the
+// registration made once that holds it (fromShared): the arena's, or a
+// region's (regions.go).
+func (t *Transport) hostSource(src []byte) (sourceKind, uint32) {
+	switch {
+	case len(src) == 0:
+		return fromShared, 0
+	case t.shared != nil && within(t.mem, src):
+		return fromShared, t.shared.LKey()
+	case within(t.mem, src):
+		return fromPerSend, 0
+	}
+	if g := t.lent.holdingBytes(src); g != nil {
+		return fromShared, g.mr.LKey()
+	}
+	return fromBounce, 0
 }
 
 // writeSource is source for w, whose source may be device memory: it
@@ -113,12 +129,13 @@ func (k sourceKind) report(n int) transport.Report {
 // source finds how src reaches the NIC, registering it when it lies in
 // the declared memory without a shared registration.
 func (t *Transport) source(src []byte) (source, error) {
-	switch t.kindOf(&transport.Write{Src: src}) {
+	kind, lkey := t.hostSource(src)
+	switch kind {
 	case fromShared:
 		if len(src) == 0 {
 			return source{kind: fromShared}, nil
 		}
-		return source{kind: fromShared, addr: addrOf(src), lkey: t.shared.LKey()}, nil
+		return source{kind: fromShared, addr: addrOf(src), lkey: lkey}, nil
 	case fromPerSend:
 		reg, err := t.nic.Register(src)
 		if err != nil {
@@ -168,24 +185,33 @@ type target struct {
 }
 
 // target finds where the NIC is to put a write meant for dst: dst itself
-// when it lies in the declared memory (under the shared registration,
-// or in windows mode under the window of dst's slot, which the Sink
-// checked the key of; or registered for this write), else a buffer
-// mapped and registered for this write and copied into dst once the
-// write is complete.
+// when it lies in the declared memory or a region (under the shared
+// registration or the region's, or in windows mode under the window of
+// dst's slot, which the Sink checked the key of; or registered for this
+// write), else a buffer mapped and registered for this write and copied
+// into dst once the write is complete.
 func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	tg := &target{dst: dst, copied: &t.stats.copied}
-	switch {
-	case len(dst) == 0:
+	if len(dst) == 0 {
 		return tg, nil
-	case t.shared != nil && within(t.mem, dst):
+	}
+	inArena := within(t.mem, dst)
+	lent := t.lent.holdingBytes(dst)
+	switch {
+	case t.windows != nil && (inArena || lent != nil):
 		rkey, err := t.slotRKey(window)
 		if err != nil {
 			return nil, err
 		}
 		tg.addr, tg.rkey = addrOf(dst), rkey
 		return tg, nil
-	case within(t.mem, dst):
+	case t.shared != nil && inArena:
+		tg.addr, tg.rkey = addrOf(dst), t.shared.RKey()
+		return tg, nil
+	case lent != nil:
+		tg.addr, tg.rkey = addrOf(dst), lent.mr.RKey()
+		return tg, nil
+	case inArena:
 		reg, err := t.nic.Register(dst)
 		if err != nil {
 			return nil, fmt.Errorf("per-receive registration of %d bytes: %w", len(dst), err)
@@ -209,14 +235,15 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 }
 
 // slotRKey is the rkey a granted write into a slot of the shared
-// registration goes under: in windows mode the slot's window's (its
-// key's Window), else the registration's own.
+// registration (or, in windows mode, of a region) goes under: in
+// windows mode the slot's window's (its key's Window), else the shared
+// registration's own.
 func (t *Transport) slotRKey(window uint32) (uint32, error) {
 	switch {
 	case t.windows == nil:
 		return t.shared.RKey(), nil
 	case window == 0:
-		return 0, errors.New("the slot has no memory window, and in windows mode nothing else lets a peer write the arena")
+		return 0, errors.New("the slot has no memory window, and in windows mode nothing else lets a peer write the arena or a region")
 	}
 	return window, nil
 }

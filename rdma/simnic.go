@@ -191,6 +191,12 @@ func (m *fakeMR) Close() error {
 	if m.closed {
 		return errors.New("ibv_dereg_mr: already deregistered")
 	}
+	// As rxe (and the IB spec): not while a window is bound over it.
+	for _, w := range m.n.f.mws {
+		if w.mr == m {
+			return fmt.Errorf("ibv_dereg_mr: a memory window is bound over it: %w", syscall.EBUSY)
+		}
+	}
 	m.closed = true
 	delete(m.n.f.mrs, m.key)
 	m.n.hold(-1)

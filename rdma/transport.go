@@ -174,6 +174,8 @@ type Transport struct {
 	// nil in the other modes, and noWindows says why.
 	windows   *windows
 	noWindows error
+	// lent is the clients' regions the daemon registered (regions.go).
+	lent lentRegions
 	// mooncakeMR is Memory registered for Mooncake peers' writes in
 	// windows mode (SharedKeys); under mu.
 	mooncakeMR region
@@ -295,7 +297,7 @@ func (t *Transport) registerWindowed(register func() (region, error), base, size
 	if err != nil {
 		return nil, nil, fmt.Errorf("registering the memory for windows (IBV_ACCESS_MW_BIND): %w", err)
 	}
-	w, err := newWindows(t.nic, reg, base, size, &t.stats)
+	w, err := newWindows(t.nic, reg, base, size, &t.lent, &t.stats)
 	if err != nil {
 		reg.Close()
 		return nil, nil, err
@@ -303,7 +305,8 @@ func (t *Transport) registerWindowed(register func() (region, error), base, size
 	return reg, w, nil
 }
 
-// closeShared drops the windows, then the registrations under them.
+// closeShared drops the windows, then the registrations under them:
+// regions' left registered, and the arena's.
 func (t *Transport) closeShared() error {
 	var errs []error
 	if t.mooncakeMR != nil {
@@ -312,6 +315,7 @@ func (t *Transport) closeShared() error {
 	if t.windows != nil {
 		errs = append(errs, t.windows.close())
 	}
+	errs = append(errs, t.lent.close())
 	if t.shared != nil {
 		errs = append(errs, t.shared.Close())
 	}

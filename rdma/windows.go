@@ -45,7 +45,10 @@ const (
 type windows struct {
 	mu       sync.Mutex
 	nic      nic
-	mr       region
+	mr       region // the arena's registration, of size bytes at base
+	base     uint64
+	size     uint64
+	lent     *lentRegions // windows over slots in them bind over their registrations
 	qp, loop queuePair
 	free     []window          // oldest first: an rkey recurs only after every free window was rebound
 	bound    map[uint32]window // by rkey
@@ -57,11 +60,12 @@ type windows struct {
 }
 
 // newWindows preallocates the windows over mr, which registers size
-// bytes at base, and connects the binding QP, and binds and invalidates
-// one window to prove the device does (on that memory: a NIC may bind
-// over host memory and refuse over a dmabuf's).
-func newWindows(n nic, mr region, base, size uint64, c *counters) (_ *windows, err error) {
-	w := &windows{nic: n, mr: mr, bound: make(map[uint32]window), counts: c}
+// bytes at base, and over the regions in lent, and connects the binding
+// QP, and binds and invalidates one window to prove the device does (on
+// mr's memory: a NIC may bind over host memory and refuse over a
+// dmabuf's).
+func newWindows(n nic, mr region, base, size uint64, lent *lentRegions, c *counters) (_ *windows, err error) {
+	w := &windows{nic: n, mr: mr, base: base, size: size, lent: lent, bound: make(map[uint32]window), counts: c}
 	defer func() {
 		if err != nil {
 			w.close()
@@ -109,8 +113,8 @@ func (w *windows) grow(n int) error {
 }
 
 // Open implements transport.Windows: a window over [addr, addr+n),
-// which must lie in the registration, enforced by the NIC once Open
-// returns its rkey.
+// which must lie in the arena's registration or a region's, enforced by
+// the NIC once Open returns its rkey.
 func (w *windows) Open(addr, n uint64) (uint32, error) {
 	if n == 0 {
 		return 0, errors.New("a memory window over no bytes")
@@ -131,8 +135,16 @@ func (w *windows) Open(addr, n uint64) (uint32, error) {
 			return 0, err
 		}
 	}
+	under := w.lent.mrHolding(addr, n)
+	if addr >= w.base && n <= w.size && addr-w.base <= w.size-n {
+		under = w.mr
+	}
+	if under == nil {
+		// A bind the NIC refuses would leave the binding QP broken.
+		return 0, fmt.Errorf("no registration holds [%#x, +%d): a memory window goes over the arena or a registered region", addr, n)
+	}
 	mw := w.free[0]
-	rkey, err := w.bind(mw, addr, n)
+	rkey, err := w.bind(mw, under, addr, n)
 	if err != nil {
 		return 0, err
 	}
@@ -159,7 +171,7 @@ func (w *windows) Close(rkey uint32) error {
 	if w.broken != nil {
 		return w.broken
 	}
-	if _, err := w.bind(mw, 0, 0); err != nil {
+	if _, err := w.bind(mw, w.mr, 0, 0); err != nil {
 		return err
 	}
 	delete(w.bound, rkey)
@@ -168,11 +180,12 @@ func (w *windows) Close(rkey uint32) error {
 	return nil
 }
 
-// bind posts one bind of mw and waits for its completion; w.mu is held.
-// Any failure leaves the QP in an unknown state: every later bind fails.
-func (w *windows) bind(mw window, addr, n uint64) (uint32, error) {
+// bind posts one bind of mw over [addr, addr+n) of mr and waits for its
+// completion; w.mu is held. Any failure leaves the QP in an unknown
+// state: every later bind fails.
+func (w *windows) bind(mw window, mr region, addr, n uint64) (uint32, error) {
 	w.seq++
-	rkey, err := w.qp.Bind(mw, w.mr, addr, n, w.seq)
+	rkey, err := w.qp.Bind(mw, mr, addr, n, w.seq)
 	if err == nil {
 		err = w.await(w.seq)
 	}

@@ -181,3 +181,27 @@ func TestWindowsGrantedPieces(t *testing.T) {
 		t.Errorf("sender stats %+v: want two granted writes (a header and a reply each), none direct", st)
 	}
 }
+
+// TestWindowOutsideTheRegistrations: a window asked over memory no
+// registration holds is refused before any bind, which the NIC would
+// fail, breaking the binding QP: windows over the arena still open.
+func TestWindowOutsideTheRegistrations(t *testing.T) {
+	f := newFabric()
+	f.windows = true
+	slots := mappedSlots(t, 8192)
+	slots.Base = addrOf(slots.Mem)
+	rx := listenFake(t, f, Config{Peer: peer.Config{Sink: transporttest.WindowSlots{Slots: slots}}, Memory: slots.Mem[:4096]})
+	if _, err := rx.windows.Open(slots.Base+4096, 4096); err == nil || !strings.Contains(err.Error(), "no registration holds") {
+		t.Fatalf("a window past the arena: %v, want refused", err)
+	}
+	if _, err := rx.windows.Open(slots.Base+4095, 2); err == nil {
+		t.Fatal("a window across the arena's end opened")
+	}
+	rkey, err := rx.windows.Open(slots.Base, 4096)
+	if err != nil {
+		t.Fatalf("a window over the arena after the refusals: %v", err)
+	}
+	if err := rx.windows.Close(rkey); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -41,8 +41,10 @@ package rdma
 // key's tag with no header at all: one RDMA WRITE WITH IMM of the whole
 // write (at most directMax bytes, from registered memory) to the slot's
 // address, the immediate the tag, under the rkey of the slot's window
-// (its key's Window) in windows mode, any client; else, an
-// authenticated client only, under the shared rkey. The server learns of it from the receive
+// (its key's Window) in windows mode, any client, wherever the slot
+// lies (the arena, or a region the server registered: the window
+// bounds the write); else, an authenticated client only, under the
+// shared rkey, into the arena only. The server learns of it from the receive
 // completion alone: the immediate names the slot, byte_len says how
 // many bytes it placed, and the Sink takes them as the slot's content
 // (Arrived) when that is the slot's size. Nothing is refused before the
@@ -190,18 +192,18 @@ type peerRegion struct {
 	Direct     bool // acceptDirect
 }
 
-// direct finds where a direct write of n bytes to addr lands: inside the
+// direct finds where a direct write of n bytes to addr lands: in
+// windows mode under the slot's window (0: none), which bounds it
+// wherever the slot lies (the arena or a region); else inside the
 // shared registration, which the server offers to direct writes, under
-// its rkey, or in windows mode under the slot's window (0: none).
+// its rkey.
 func (r peerRegion) direct(addr, n uint64, window uint32) (grant, bool) {
-	if !r.Direct || n == 0 || addr < r.Base || addr-r.Base > r.Size || n > r.Size-(addr-r.Base) {
-		return grant{}, false
-	}
 	switch {
-	case r.Mode == modeShared:
-		return grant{Addr: addr, RKey: r.RKey}, true
+	case !r.Direct || n == 0:
 	case r.Mode == modeWindows && window != 0:
 		return grant{Addr: addr, RKey: window}, true
+	case r.Mode == modeShared && addr >= r.Base && addr-r.Base <= r.Size && n <= r.Size-(addr-r.Base):
+		return grant{Addr: addr, RKey: r.RKey}, true
 	}
 	return grant{}, false
 }

@@ -90,6 +90,18 @@ type WindowSink interface {
 	UseWindows(Windows)
 }
 
+// RegionRegistrar is a Transport that reaches memory a client lent the
+// daemon (a region: host memory the daemon mapped) once it registered
+// it: rdma, which registers it with its NIC as it did the arena. Writes
+// whose Src lies in it, and writes into slots in it, then go without a
+// copy. A transport that reads and writes host memory as it lies (TCP)
+// needs none. The handle's Close drops the registration: only once no
+// write from or into the memory is in flight and every window over it
+// is closed.
+type RegionRegistrar interface {
+	RegisterRegion(mem []byte) (io.Closer, error)
+}
+
 // Write is one one-sided write.
 type Write struct {
 	Src []byte // local bytes to send
@@ -186,8 +198,8 @@ const (
 	// RegisteredNone: the write registered nothing (a TCP write, or a
 	// copy through a buffer registered once).
 	RegisteredNone Registration = iota
-	// RegisteredShared: the source lies inside the registration made
-	// once for the daemon's memory.
+	// RegisteredShared: the source lies inside a registration made
+	// once: the daemon's memory's, or a region's (RegionRegistrar).
 	RegisteredShared
 	// RegisteredPerSend: the source was registered for this write, and
 	// deregistered after it.

@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"os"
 	"strings"
@@ -39,7 +40,7 @@ func TestRegionToRegionMovesClientMemoryWithoutTheArena(t *testing.T) {
 	sf, smem := regionMemory(t, "kv-src", n)
 	rf, rmem := regionMemory(t, "kv-dst", n)
 	copy(smem, randomBytes(n, 41))
-	if g, err := snd.c.RegisterRegion(ctx, "kv", sf, n); err != nil || g.NBytes != n || g.Kind != "host" {
+	if g, err := snd.c.RegisterRegion(ctx, "kv", sf, n); err != nil || g.NBytes != n || g.Kind != "host" || g.NIC != nil {
 		t.Fatalf("register: %+v, %v", g, err)
 	}
 	if _, err := rcv.c.RegisterRegion(ctx, "kv", rf, n); err != nil {
@@ -218,5 +219,119 @@ func TestRegisterWithoutADescriptorSaysHow(t *testing.T) {
 	}
 	if resp.StatusCode != 400 || !strings.Contains(env.Error.Message, "SCM_RIGHTS") {
 		t.Fatalf("register without a descriptor: %d %+v", resp.StatusCode, env)
+	}
+}
+
+// TestRDMARegionToRegionWithoutACopy: over RDMA each ferryd registers a
+// host region with its NIC when the region is registered (GET
+// /v1/regions says so), and a batch transfer from one's region into a
+// slot in the other's moves the bytes with no CPU copy on either side:
+// the copied-bytes, bounce and staging counters stay still while the
+// writes go. A send that fills a slot in the region goes direct in
+// windows mode. Unregistering drops the registration and the mapping.
+func TestRDMARegionToRegionWithoutACopy(t *testing.T) {
+	requireRDMA(t)
+	snd, rcv := pair(t, "--transport", "rdma")
+	ctx := ctxT(t)
+	const n = 4 << 20
+	sf, smem := regionMemory(t, "kv-src", n)
+	rf, rmem := regionMemory(t, "kv-dst", n)
+	copy(smem, randomBytes(n, 43))
+	for _, c := range []struct {
+		d *daemon
+		f *os.File
+	}{{snd, sf}, {rcv, rf}} {
+		g, err := c.d.c.RegisterRegion(ctx, "kv", c.f, n)
+		if err != nil || g.NIC == nil || !g.NIC.Registered || g.NIC.Error != "" {
+			t.Fatalf("register over rdma: %+v (nic %+v), %v; want it registered with the NIC", g, g.NIC, err)
+		}
+	}
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "layer-5", NBytes: 64 * 4096, Region: "kv", RegionOffset: 1 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st, err := rcv.c.Status(ctx)
+	if err != nil || st.Transport.RDMA == nil {
+		t.Fatalf("receiver's status: %+v, %v", st.Transport, err)
+	}
+	counters := []string{"ferry_rdma_copied_bytes_total", "ferry_rdma_bounced_sends_total", "ferry_rdma_staged_receives_total", "ferry_rdma_sends_total"}
+	before := map[*daemon]map[string]float64{snd: snd.metrics(t), rcv: rcv.metrics(t)}
+	// Pages 0..63 of the sender's region, reversed, into the slot: 64
+	// writes, none merged.
+	var items [][]int64
+	for i := int64(0); i < 64; i++ {
+		items = append(items, []int64{0, i * 4096, 0, (63 - i) * 4096, 4096})
+	}
+	started, err := snd.c.StartTransfer(ctx, api.TransferRequest{
+		Sources: []api.TransferSource{{Region: "kv"}}, Destinations: []api.ReceiveSlot{slot}, Items: items,
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if done, err := snd.c.WaitTransfer(ctx, started.ID, 30*time.Second); err != nil || done.State != api.TransferDone {
+		t.Fatalf("transfer: %+v, %v", done, err)
+	}
+	if _, err := rcv.c.WaitInfo(ctx, "layer-5", 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 64; i++ {
+		if !bytes.Equal(rmem[1<<20+(63-i)*4096:1<<20+(64-i)*4096], smem[i*4096:(i+1)*4096]) {
+			t.Fatalf("page %d did not land in the receiver's region", i)
+		}
+	}
+	delta := map[string]float64{}
+	for _, d := range []*daemon{snd, rcv} {
+		after := d.metrics(t)
+		for _, c := range counters {
+			delta[c] += metricSum(after, c) - metricSum(before[d], c)
+		}
+	}
+	fmt.Printf("== REGIONS rdma mode=%s writes=%.0f copied_bytes=%.0f bounced_sends=%.0f staged_receives=%.0f\n", st.Transport.RDMA.WriteMode,
+		delta["ferry_rdma_sends_total"], delta["ferry_rdma_copied_bytes_total"], delta["ferry_rdma_bounced_sends_total"], delta["ferry_rdma_staged_receives_total"])
+	if delta["ferry_rdma_sends_total"] != 64 || delta["ferry_rdma_copied_bytes_total"] != 0 || delta["ferry_rdma_bounced_sends_total"] != 0 || delta["ferry_rdma_staged_receives_total"] != 0 {
+		t.Errorf("counters moved by %v; want 64 RDMA writes and nothing copied, bounced or staged", delta)
+	}
+	if err := rcv.c.FreeReceive(ctx, "layer-5"); err != nil {
+		t.Fatal(err)
+	}
+
+	// A send of a staged embedding that fills a slot in the region: in
+	// windows mode it goes direct through the slot's window.
+	emb := randomBytes(embBytes, 44)
+	if _, err := snd.c.Stage(ctx, "emb-5", embShape, "bf16", bytes.NewReader(emb), int64(len(emb))); err != nil {
+		t.Fatal(err)
+	}
+	eslot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "emb-5", NBytes: embBytes, Region: "kv", RegionOffset: 2 << 20})
+	if err != nil {
+		t.Fatal(err)
+	}
+	direct := metricSum(snd.metrics(t), "ferry_rdma_direct_sends_total")
+	if _, err := snd.c.Send(ctx, "emb-5", api.SendRequest{Session: eslot.Session, BufferAddress: eslot.BufferAddress, Key: eslot.Key, NBytes: eslot.NBytes}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rcv.c.WaitInfo(ctx, "emb-5", 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(rmem[2<<20:2<<20+embBytes], emb) {
+		t.Fatal("the embedding did not land in the receiver's region")
+	}
+	direct = metricSum(snd.metrics(t), "ferry_rdma_direct_sends_total") - direct
+	fmt.Printf("== REGIONS rdma mode=%s whole-slot send into a region: direct=%.0f\n", st.Transport.RDMA.WriteMode, direct)
+	if st.Transport.RDMA.WriteMode == "windows" && direct != 1 {
+		t.Errorf("a whole-slot send into a region slot in windows mode went direct %v times, want 1", direct)
+	}
+	if err := rcv.c.FreeReceive(ctx, "emb-5"); err != nil {
+		t.Fatal(err)
+	}
+	for _, d := range []*daemon{snd, rcv} {
+		if err := d.c.UnregisterRegion(ctx, "kv", 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		if gs, err := d.c.Regions(ctx); err != nil || len(gs) != 0 {
+			t.Fatalf("regions after unregistering: %+v, %v", gs, err)
+		}
+		if got := metricSum(d.metrics(t), "ferry_region_registrations_total", `outcome="registered"`); got != 1 {
+			t.Errorf("ferry_region_registrations_total{outcome=\"registered\"} %v, want 1", got)
+		}
 	}
 }

@@ -1,0 +1,186 @@
+package rdma
+
+import (
+	"bytes"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
+	"github.com/ferry-project/ferry/transport/transporttest"
+)
+
+// regionPair is two transports whose memory is half arena, half region
+// but its last regionTail bytes (one mapping each, the region registered
+// with RegisterRegion): the receiver's slots span both halves.
+type regionPair struct {
+	tx, rx         *Transport
+	s              transport.Session
+	slots          *transporttest.Slots // over the receiver's whole mapping
+	src            []byte               // the sender's whole mapping
+	txLent, rxLent []byte               // the region halves
+	txReg, rxReg   interface{ Close() error }
+}
+
+// regionHalf is the arena's size and the mapping's rest; regionTail,
+// the bytes of the mapping past the region's end.
+const (
+	regionHalf = 8 << 20
+	regionTail = 64 << 10
+)
+
+func newRegionPair(t *testing.T, windows bool) *regionPair {
+	t.Helper()
+	f := newFabric()
+	p := &regionPair{src: mapT(t, 2*regionHalf), slots: mappedSlots(t, 2*regionHalf)}
+	p.slots.Base = addrOf(p.slots.Mem)
+	var sink transport.Sink = p.slots
+	if windows {
+		f.windows = true
+		sink = transporttest.WindowSlots{Slots: p.slots}
+	}
+	p.tx = listenT(t, f, Config{Memory: p.src[:regionHalf]})
+	p.rx = listenT(t, f, Config{Peer: peer.Config{Sink: sink}, Memory: p.slots.Mem[:regionHalf]})
+	if got, want := p.rx.Mode() == ModeWindows, windows; got != want {
+		t.Fatalf("receiver's mode %q (%s), windows wanted: %v", p.rx.Mode(), p.rx.ModeWhy(), want)
+	}
+	p.txLent, p.rxLent = p.src[regionHalf:2*regionHalf-regionTail], p.slots.Mem[regionHalf:2*regionHalf-regionTail]
+	var err error
+	if p.txReg, err = p.tx.RegisterRegion(p.txLent); err != nil {
+		t.Fatal(err)
+	}
+	if p.rxReg, err = p.rx.RegisterRegion(p.rxLent); err != nil {
+		t.Fatal(err)
+	}
+	if p.s, err = p.tx.Dial(ctxFor(t, 30*time.Second), p.rx.Addr().String()); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { p.s.Close() })
+	return p
+}
+
+// write sends src into a fresh slot at offset off of the receiver's
+// mapping, waits for it, checks the bytes, frees the slot, and returns
+// the sender's report.
+func (p *regionPair) write(t *testing.T, src []byte, off uint64, whole bool) transport.Report {
+	t.Helper()
+	key := p.slots.Add(off, uint64(len(src)))
+	w := transport.Write{Src: src, Remote: p.slots.Base + off, Key: key, Tag: key.Tag(), Whole: whole}
+	rep, err := p.s.Write(ctxFor(t, 60*time.Second), w)
+	if err != nil {
+		t.Fatalf("a %d-byte write to offset %#x: %v", len(src), off, err)
+	}
+	if err := p.slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(p.slots.Mem[off:off+uint64(len(src))], src) {
+		t.Fatalf("the %d-byte write to offset %#x landed wrong", len(src), off)
+	}
+	if err := p.slots.Remove(key); err != nil {
+		t.Fatal(err)
+	}
+	return rep
+}
+
+// TestRegions: a region registered once with RegisterRegion is reached
+// by the NIC where it lies, on both sides, in the grant and windows
+// modes: a write from it reports the registration made once and copies
+// nothing (no bounce), and a granted write into a slot in it lands in
+// place (no staging buffer, no per-receive registration, nothing
+// copied); in windows mode the slot's window binds over the region's
+// registration, and a whole-slot write goes direct through it. A source running past the region's end is not taken as
+// inside it (bounced), and once the slots are freed both regions
+// deregister (the NIC refuses to while a window is bound over one).
+func TestRegions(t *testing.T) {
+	for _, windows := range []bool{false, true} {
+		name := ModeGrant
+		if windows {
+			name = ModeWindows
+		}
+		t.Run(name, func(t *testing.T) {
+			p := newRegionPair(t, windows)
+			fill(p.src, 5)
+			tx0, rx0 := p.tx.Stats(), p.rx.Stats()
+			const n = 1<<20 + 7
+			// Region to region, and arena to region, piecewise and whole.
+			want := transport.Report{Registration: transport.RegisteredShared, Messages: peer.Messages}
+			for i, c := range []struct {
+				src   []byte
+				off   uint64
+				whole bool
+			}{
+				{p.txLent[:n], regionHalf, false},
+				{p.txLent[3*n : 4*n], regionHalf + 2*n, true},
+				{p.src[:n], regionHalf + 4*n, true},
+				{p.txLent[:n], 0, true}, // region to the receiver's arena
+			} {
+				rep := p.write(t, c.src, c.off, c.whole)
+				wantRep := want
+				if c.whole && p.rx.Mode() == ModeWindows {
+					wantRep.Messages = 0 // direct, through the slot's window, in the arena or a region
+				}
+				if rep != wantRep {
+					t.Errorf("write %d reported %+v, want %+v", i, rep, wantRep)
+				}
+			}
+			tx, rx := p.tx.Stats(), p.rx.Stats()
+			if d := tx.Bounced - tx0.Bounced; d != 0 || tx.CopiedBytes != tx0.CopiedBytes || tx.PerSend != tx0.PerSend {
+				t.Errorf("sender: %d bounced, %d bytes copied, %d registered per send; want none", d, tx.CopiedBytes-tx0.CopiedBytes, tx.PerSend-tx0.PerSend)
+			}
+			if d := rx.Staged - rx0.Staged; d != 0 || rx.CopiedBytes != rx0.CopiedBytes || rx.PerReceive != rx0.PerReceive {
+				t.Errorf("receiver: %d staged, %d bytes copied, %d registered per receive; want none", d, rx.CopiedBytes-rx0.CopiedBytes, rx.PerReceive-rx0.PerReceive)
+			}
+
+			// From the region's last page into the page after its end, in
+			// the same mapping: not inside the region, so bounced.
+			end := uint64(len(p.txLent))
+			straddle := p.src[regionHalf+end-4096 : regionHalf+end+4096]
+			before := p.tx.Stats()
+			if rep := p.write(t, straddle, regionHalf+6*n, false); rep.Registration != transport.RegisteredNone || rep.Copied != int64(len(straddle)) {
+				t.Errorf("a source straddling the region's end reported %+v, want copied through the bounce buffer", rep)
+			}
+			if d := p.tx.Stats().Bounced - before.Bounced; d != 1 {
+				t.Errorf("a source straddling the region's end bounced %d times, want 1", d)
+			}
+
+			// Deregistered once no slot (window) holds them.
+			for _, h := range []interface{ Close() error }{p.txReg, p.rxReg} {
+				if err := h.Close(); err != nil {
+					t.Fatalf("deregistering a region after use: %v", err)
+				}
+			}
+			if windows {
+				return // a slot in unregistered memory gets no window, as the daemon makes them
+			}
+			// Then the region is memory like any other: copied.
+			before = p.tx.Stats()
+			rxBefore := p.rx.Stats()
+			if rep := p.write(t, p.txLent[:4096], regionHalf, false); rep.Copied != 4096 {
+				t.Errorf("a write from a deregistered region reported %+v, want copied", rep)
+			}
+			if d := p.rx.Stats().Staged - rxBefore.Staged; d != 1 {
+				t.Errorf("a write into a deregistered region staged %d times, want 1", d)
+			}
+			if d := p.tx.Stats().Bounced - before.Bounced; d != 1 {
+				t.Errorf("a write from a deregistered region bounced %d times, want 1", d)
+			}
+		})
+	}
+}
+
+// TestRegionWindowHoldsRegistration: the NIC does not drop a region's
+// registration while a window over a slot in it is bound; once the
+// slot's window is closed it does.
+func TestRegionWindowHoldsRegistration(t *testing.T) {
+	p := newRegionPair(t, true)
+	key := p.slots.Add(regionHalf, 4096)
+	if err := p.rxReg.Close(); err == nil {
+		t.Fatal("a region's registration was dropped with a window bound over a slot in it")
+	}
+	if err := p.slots.Remove(key); err != nil {
+		t.Fatal(err)
+	}
+	if err := p.rxReg.Close(); err != nil {
+		t.Fatalf("deregistering once the window was closed: %v", err)
+	}
+}
