@@ -265,6 +265,9 @@ func TestDirectWritesGuessingTagsCloseTheLane(t *testing.T) {
 			t.Fatalf("a direct write with a tag no slot has: %v; want its sender told it completed", err)
 		}
 	}
+	// The sender's completions can come before the receiver has taken
+	// the lane in: its refusals first, then the lane's end.
+	waitFor(t, "the receiver's refusals", func() bool { return p.rx.Stats().DirectRefused == peer.MaxUnmatched })
 	waitFor(t, "the guessing lane's end", func() bool {
 		p.rx.mu.Lock()
 		defer p.rx.mu.Unlock()
