@@ -33,22 +33,15 @@ func regionMemory(t *testing.T, name string, n int64) (*os.File, []byte) {
 	return f, mem
 }
 
-func TestRegionToRegionMovesClientMemoryWithoutTheArena(t *testing.T) {
-	snd, rcv := pair(t)
+// reversePages moves pages 0..63 of the sender's region "kv" (smem),
+// reversed, into a slot for reqID made at the second MiB of the
+// receiver's region "kv" (rmem), in one batch of 64 writes, none merged;
+// it checks every page in the receiver's memory and returns the slot's
+// descriptor and what the receiver says of it.
+func reversePages(t *testing.T, snd, rcv *daemon, reqID string, smem, rmem []byte, wait time.Duration) (api.ReceiveSlot, api.Receive) {
+	t.Helper()
 	ctx := ctxT(t)
-	const n = 4 << 20
-	sf, smem := regionMemory(t, "kv-src", n)
-	rf, rmem := regionMemory(t, "kv-dst", n)
-	copy(smem, randomBytes(n, 41))
-	if g, err := snd.c.RegisterRegion(ctx, "kv", sf, n); err != nil || g.NBytes != n || g.Kind != "host" || g.NIC != nil {
-		t.Fatalf("register: %+v, %v", g, err)
-	}
-	if _, err := rcv.c.RegisterRegion(ctx, "kv", rf, n); err != nil {
-		t.Fatal(err)
-	}
-	// Pages 0..63 of the sender's region land, reversed, in the second
-	// MiB of the receiver's, where its slot lies.
-	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "layer-3", NBytes: 64 * 4096, Region: "kv", RegionOffset: 1 << 20})
+	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: reqID, NBytes: 64 * 4096, Region: "kv", RegionOffset: 1 << 20})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -62,18 +55,52 @@ func TestRegionToRegionMovesClientMemoryWithoutTheArena(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if done, err := snd.c.WaitTransfer(ctx, started.ID, 10*time.Second); err != nil || done.State != api.TransferDone {
+	if done, err := snd.c.WaitTransfer(ctx, started.ID, wait); err != nil || done.State != api.TransferDone {
 		t.Fatalf("transfer: %+v, %v", done, err)
 	}
-	info, err := rcv.c.WaitInfo(ctx, "layer-3", 10*time.Second)
-	if err != nil || !info.Arrived || info.Region != "kv" || info.Offset != 1<<20 || info.ArenaFile != "" {
-		t.Fatalf("slot: %+v, %v", info, err)
+	info, err := rcv.c.WaitInfo(ctx, reqID, wait)
+	if err != nil {
+		t.Fatal(err)
 	}
 	for i := 0; i < 64; i++ {
-		got := rmem[1<<20+(63-i)*4096 : 1<<20+(64-i)*4096]
-		if !bytes.Equal(got, smem[i*4096:(i+1)*4096]) {
+		if !bytes.Equal(rmem[1<<20+(63-i)*4096:1<<20+(64-i)*4096], smem[i*4096:(i+1)*4096]) {
 			t.Fatalf("page %d did not land in the receiver's own memory", i)
 		}
+	}
+	return slot, info
+}
+
+// unregisterKV unregisters each daemon's region "kv" and checks that
+// none is left.
+func unregisterKV(t *testing.T, ds ...*daemon) {
+	t.Helper()
+	ctx := ctxT(t)
+	for _, d := range ds {
+		if err := d.c.UnregisterRegion(ctx, "kv", 5*time.Second); err != nil {
+			t.Fatal(err)
+		}
+		if gs, err := d.c.Regions(ctx); err != nil || len(gs) != 0 {
+			t.Fatalf("regions after unregistering: %+v, %v", gs, err)
+		}
+	}
+}
+
+func TestRegionToRegionMovesClientMemoryWithoutTheArena(t *testing.T) {
+	snd, rcv := pair(t)
+	ctx := ctxT(t)
+	const n = 4 << 20
+	sf, smem := regionMemory(t, "kv-src", n)
+	rf, rmem := regionMemory(t, "kv-dst", n)
+	copy(smem, randomBytes(n, 41))
+	if g, err := snd.c.RegisterRegion(ctx, "kv", sf, n); err != nil || g.NBytes != n || g.Kind != "host" || g.NIC != nil {
+		t.Fatalf("register: %+v, %v", g, err)
+	}
+	if _, err := rcv.c.RegisterRegion(ctx, "kv", rf, n); err != nil {
+		t.Fatal(err)
+	}
+	slot, info := reversePages(t, snd, rcv, "layer-3", smem, rmem, 10*time.Second)
+	if !info.Arrived || info.Region != "kv" || info.Offset != 1<<20 || info.ArenaFile != "" {
+		t.Fatalf("slot: %+v", info)
 	}
 	// The bytes went from one client's memory to the other's: neither
 	// arena held any of them.
@@ -94,16 +121,9 @@ func TestRegionToRegionMovesClientMemoryWithoutTheArena(t *testing.T) {
 	if err := rcv.c.FreeReceive(ctx, "layer-3"); err != nil {
 		t.Fatal(err)
 	}
-	for _, d := range []*daemon{snd, rcv} {
-		if err := d.c.UnregisterRegion(ctx, "kv", 5*time.Second); err != nil {
-			t.Fatal(err)
-		}
-		if gs, err := d.c.Regions(ctx); err != nil || len(gs) != 0 {
-			t.Fatalf("regions after unregistering: %+v, %v", gs, err)
-		}
-	}
+	unregisterKV(t, snd, rcv)
 	_, err = snd.c.StartTransfer(ctx, api.TransferRequest{
-		Sources: []api.TransferSource{{Region: "kv"}}, Destinations: []api.ReceiveSlot{slot}, Items: items,
+		Sources: []api.TransferSource{{Region: "kv"}}, Destinations: []api.ReceiveSlot{slot}, Items: api.Items{{0, 0, 0, 0, 4096}},
 	})
 	wantErr(t, err, 404, api.CodeNotFound, "region named kv")
 }
@@ -246,39 +266,13 @@ func TestRDMARegionToRegionWithoutACopy(t *testing.T) {
 			t.Fatalf("register over rdma: %+v (nic %+v), %v; want it registered with the NIC", g, g.NIC, err)
 		}
 	}
-	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "layer-5", NBytes: 64 * 4096, Region: "kv", RegionOffset: 1 << 20})
-	if err != nil {
-		t.Fatal(err)
-	}
 	st, err := rcv.c.Status(ctx)
 	if err != nil || st.Transport.RDMA == nil {
 		t.Fatalf("receiver's status: %+v, %v", st.Transport, err)
 	}
 	counters := []string{"ferry_rdma_copied_bytes_total", "ferry_rdma_bounced_sends_total", "ferry_rdma_staged_receives_total", "ferry_rdma_sends_total"}
 	before := map[*daemon]map[string]float64{snd: snd.metrics(t), rcv: rcv.metrics(t)}
-	// Pages 0..63 of the sender's region, reversed, into the slot: 64
-	// writes, none merged.
-	var items [][]int64
-	for i := int64(0); i < 64; i++ {
-		items = append(items, []int64{0, i * 4096, 0, (63 - i) * 4096, 4096})
-	}
-	started, err := snd.c.StartTransfer(ctx, api.TransferRequest{
-		Sources: []api.TransferSource{{Region: "kv"}}, Destinations: []api.ReceiveSlot{slot}, Items: items,
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	if done, err := snd.c.WaitTransfer(ctx, started.ID, 30*time.Second); err != nil || done.State != api.TransferDone {
-		t.Fatalf("transfer: %+v, %v", done, err)
-	}
-	if _, err := rcv.c.WaitInfo(ctx, "layer-5", 30*time.Second); err != nil {
-		t.Fatal(err)
-	}
-	for i := 0; i < 64; i++ {
-		if !bytes.Equal(rmem[1<<20+(63-i)*4096:1<<20+(64-i)*4096], smem[i*4096:(i+1)*4096]) {
-			t.Fatalf("page %d did not land in the receiver's region", i)
-		}
-	}
+	reversePages(t, snd, rcv, "layer-5", smem, rmem, 30*time.Second)
 	delta := map[string]float64{}
 	for _, d := range []*daemon{snd, rcv} {
 		after := d.metrics(t)
@@ -323,13 +317,8 @@ func TestRDMARegionToRegionWithoutACopy(t *testing.T) {
 	if err := rcv.c.FreeReceive(ctx, "emb-5"); err != nil {
 		t.Fatal(err)
 	}
+	unregisterKV(t, snd, rcv)
 	for _, d := range []*daemon{snd, rcv} {
-		if err := d.c.UnregisterRegion(ctx, "kv", 5*time.Second); err != nil {
-			t.Fatal(err)
-		}
-		if gs, err := d.c.Regions(ctx); err != nil || len(gs) != 0 {
-			t.Fatalf("regions after unregistering: %+v, %v", gs, err)
-		}
 		if got := metricSum(d.metrics(t), "ferry_region_registrations_total", `outcome="registered"`); got != 1 {
 			t.Errorf("ferry_region_registrations_total{outcome=\"registered\"} %v, want 1", got)
 		}
