@@ -2,6 +2,7 @@ package rdma
 
 import (
 	"bytes"
+	"strings"
 	"testing"
 	"time"
 
@@ -182,5 +183,52 @@ func TestRegionWindowHoldsRegistration(t *testing.T) {
 	}
 	if err := p.rxReg.Close(); err != nil {
 		t.Fatalf("deregistering once the window was closed: %v", err)
+	}
+}
+
+// TestRegionRegistrationRefused: a region the NIC will not register (the
+// locked-memory limit, most often) is refused with the reason and the
+// fix, and its writes are then copied: bounced from, staged into. On
+// the fake NIC, whose refusal the test sets.
+func TestRegionRegistrationRefused(t *testing.T) {
+	if onDevice(t) {
+		t.Skip("the fake NIC's refusal")
+	}
+	f := newFabric()
+	const size = 8 << 20 // more than a bounce buffer, which the NIC must take
+	src, slots := mapT(t, 2*size), mappedSlots(t, 2*size)
+	slots.Base = addrOf(slots.Mem)
+	tx := listenFake(t, f, Config{Memory: src[:size]})
+	rx := listenFake(t, f, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem[:size]})
+	f.mu.Lock()
+	f.failRegister = size // the arenas are in; the regions are refused
+	f.mu.Unlock()
+	for _, c := range []struct {
+		tr  *Transport
+		mem []byte
+	}{{tx, src[size:]}, {rx, slots.Mem[size:]}} {
+		if reg, err := c.tr.RegisterRegion(c.mem); err == nil || !strings.Contains(err.Error(), "RLIMIT_MEMLOCK") || !strings.Contains(err.Error(), "copied through bounce and staging buffers") {
+			t.Fatalf("registering a region the NIC refuses: %v, %v; want the reason and what happens instead", reg, err)
+		}
+	}
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	fill(src, 9)
+	key := slots.Add(size, 64<<10)
+	w := transport.Write{Src: src[size : size+64<<10], Remote: slots.Base + size, Key: key, Tag: key.Tag()}
+	if rep, err := s.Write(ctxFor(t, 60*time.Second), w); err != nil || rep.Copied != 64<<10 {
+		t.Fatalf("a write from an unregistered region: %+v, %v; want it copied through the bounce buffer", rep, err)
+	}
+	if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(slots.Mem[size:size+64<<10], src[size:size+64<<10]) {
+		t.Fatal("the write landed wrong")
+	}
+	if st := rx.Stats(); st.Staged != 1 {
+		t.Errorf("receiver stats %+v: want the write staged and copied in", st)
 	}
 }
