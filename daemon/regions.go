@@ -102,7 +102,7 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 	}
 	var h cuda.IPCHandle
 	copy(h[:], c.IPCHandle)
-	mem, err := cuda.OpenRegion(d.mem.dev, h, c.Offset, req.NBytes, d.mem.gpu.Bounce)
+	mem, err := cuda.OpenRegion(d.mem.dev, h, c.Offset, req.NBytes, d.mem.gpu)
 	if err != nil {
 		return nil, apiErr(api.CodeBadRequest, "region %s: %v", req.Name, err)
 	}
