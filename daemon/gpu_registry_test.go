@@ -214,4 +214,3 @@ func TestRegisteredCUDARegionSlotsLandInPlace(t *testing.T) {
 		t.Fatalf("%d windows open, registration dropped %d times; want none open, dropped once", len(w.open), nic.closed)
 	}
 }
-
