@@ -143,9 +143,18 @@ func (a *Arena) DMABuf() (fd int, offset int64, err error) {
 // a NIC registers once when it cannot reach GPU memory directly.
 func (a *Arena) BounceArea() []byte { return a.bounce }
 
-// CopiedBytes is the bytes copied into the arena (host to device) and
-// out of it (device to host) since it was made.
+// CopiedBytes is the bytes copied into the arena and the regions staged
+// through it (host to device) and out of them (device to host) since it
+// was made.
 func (a *Arena) CopiedBytes() (in, out int64) { return a.copiedIn.Load(), a.copiedOut.Load() }
+
+// Copied implements Staging: a region's copies count with the arena's.
+func (a *Arena) Copied(in, out int64) {
+	a.copiedIn.Add(in)
+	a.copiedOut.Add(out)
+}
+
+var _ Staging = (*Arena)(nil)
 
 // BounceFallbacks counts copies staged in ordinary (pageable) memory
 // because the pinned area had no room; a steady rise says --bounce-size is

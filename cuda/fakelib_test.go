@@ -200,8 +200,8 @@ func TestFakeDriverOpensARegionByIPCHandle(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	bounce := func(n int64) ([]byte, func()) { return make([]byte, n), func() {} }
-	r, err := OpenRegion(dev, h, 4096, 64<<10, bounce)
+	staging := &testStaging{}
+	r, err := OpenRegion(dev, h, 4096, 64<<10, staging)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -218,6 +218,9 @@ func TestFakeDriverOpensARegionByIPCHandle(t *testing.T) {
 	if err := r.CopyOut(back, 100); err != nil || !bytes.Equal(back, data) {
 		t.Fatalf("CopyOut: %v", err)
 	}
+	if staging.in != int64(len(data)) || staging.out != int64(len(data)) {
+		t.Errorf("copies counted %d in, %d out; want %d each", staging.in, staging.out, len(data))
+	}
 	if err := r.CopyIn(64<<10-1, []byte("xx")); err == nil || !strings.Contains(err.Error(), "outside the 65536-byte CUDA region") {
 		t.Errorf("a copy past the region: %v", err)
 	}
@@ -228,7 +231,13 @@ func TestFakeDriverOpensARegionByIPCHandle(t *testing.T) {
 		t.Fatal(err)
 	}
 	var bad IPCHandle
-	if _, err := OpenRegion(dev, bad, 0, 1, bounce); err == nil || !strings.Contains(err.Error(), "opening the region's CUDA IPC handle") {
+	if _, err := OpenRegion(dev, bad, 0, 1, staging); err == nil || !strings.Contains(err.Error(), "opening the region's CUDA IPC handle") {
 		t.Errorf("a handle that names nothing: %v", err)
 	}
 }
+
+// testStaging lends ordinary memory and counts the copies.
+type testStaging struct{ in, out int64 }
+
+func (s *testStaging) Bounce(n int64) ([]byte, func()) { return make([]byte, n), func() {} }
+func (s *testStaging) Copied(in, out int64)            { s.in += in; s.out += out }

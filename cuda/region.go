@@ -16,16 +16,27 @@ type ipcDevice interface {
 	CopyDtoH(dst []byte, src uint64) error
 }
 
+// Staging is what a Region borrows of the arena on its GPU: host memory
+// to stage its copies in (the pinned bounce area), and the count of the
+// bytes copied, so one count says what the GPU copied for ferryd.
+// *Arena is one.
+type Staging interface {
+	Bounce(n int64) ([]byte, func())
+	// Copied counts in bytes copied to the device and out bytes to the
+	// host.
+	Copied(in, out int64)
+}
+
 // Region is GPU memory another process owns and lends ferryd: its
 // allocation opened here by IPC handle, of which the region is size bytes
 // at offset. It is an arena.Memory and an arena.Copier, like the arena,
-// whose pinned bounce area its copies borrow (bounce).
+// whose staging its copies borrow.
 type Region struct {
-	dev    ipcDevice
-	opened uint64 // the allocation's base, as opened here
-	base   uint64
-	size   int64
-	bounce func(n int64) ([]byte, func())
+	dev     ipcDevice
+	opened  uint64 // the allocation's base, as opened here
+	base    uint64
+	size    int64
+	staging Staging
 
 	closeOnce sync.Once
 	closeErr  error
@@ -33,11 +44,11 @@ type Region struct {
 
 // OpenRegion opens the allocation h names on dev and makes a region of
 // size bytes at offset in it. The allocation must be on dev.
-func OpenRegion(dev *Device, h IPCHandle, offset, size int64, bounce func(n int64) ([]byte, func())) (*Region, error) {
-	return openRegion(dev, h, offset, size, bounce)
+func OpenRegion(dev *Device, h IPCHandle, offset, size int64, staging Staging) (*Region, error) {
+	return openRegion(dev, h, offset, size, staging)
 }
 
-func openRegion(dev ipcDevice, h IPCHandle, offset, size int64, bounce func(n int64) ([]byte, func())) (*Region, error) {
+func openRegion(dev ipcDevice, h IPCHandle, offset, size int64, staging Staging) (*Region, error) {
 	if offset < 0 || size <= 0 {
 		return nil, fmt.Errorf("a region of %d bytes at offset %d: the size must be positive and the offset not negative", size, offset)
 	}
@@ -45,7 +56,7 @@ func openRegion(dev ipcDevice, h IPCHandle, offset, size int64, bounce func(n in
 	if err != nil {
 		return nil, fmt.Errorf("%v: opening the region's CUDA IPC handle: %w (is the allocation on this GPU, and is its process alive?)", dev.Info(), err)
 	}
-	return &Region{dev: dev, opened: p, base: p + uint64(offset), size: size, bounce: bounce}, nil
+	return &Region{dev: dev, opened: p, base: p + uint64(offset), size: size, staging: staging}, nil
 }
 
 func (r *Region) Base() uint64 { return r.base }
@@ -65,7 +76,11 @@ func (r *Region) CopyIn(off int64, src []byte) error {
 	if err := r.check(off, int64(len(src))); err != nil {
 		return err
 	}
-	return r.dev.CopyHtoD(r.base+uint64(off), src)
+	if err := r.dev.CopyHtoD(r.base+uint64(off), src); err != nil {
+		return err
+	}
+	r.staging.Copied(int64(len(src)), 0)
+	return nil
 }
 
 // CopyOut copies len(dst) bytes at offset off of the region (cuMemcpyDtoH).
@@ -73,10 +88,14 @@ func (r *Region) CopyOut(dst []byte, off int64) error {
 	if err := r.check(off, int64(len(dst))); err != nil {
 		return err
 	}
-	return r.dev.CopyDtoH(dst, r.base+uint64(off))
+	if err := r.dev.CopyDtoH(dst, r.base+uint64(off)); err != nil {
+		return err
+	}
+	r.staging.Copied(0, int64(len(dst)))
+	return nil
 }
 
-func (r *Region) Bounce(n int64) ([]byte, func()) { return r.bounce(n) }
+func (r *Region) Bounce(n int64) ([]byte, func()) { return r.staging.Bounce(n) }
 
 // Close unmaps the allocation from this process; its owner keeps it.
 func (r *Region) Close() error {

@@ -10,6 +10,7 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // deviceMemory stands in for a GPU arena beneath the arena.Copier seam
@@ -147,5 +148,69 @@ func TestRegionOfDeviceMemoryMovesThroughCopies(t *testing.T) {
 	case <-g.gone:
 	default:
 		t.Fatal("a region nothing uses was not closed at once")
+	}
+}
+
+// TestRegisteredCUDARegionSlotsLandInPlace: a slot in a CUDA region the
+// NIC registered gets a window (windows mode) and takes a write the NIC
+// placed itself (AcceptInPlace), arriving with no copy in; a slot in a
+// CUDA region the NIC did not register gets no window and is refused in
+// place (its writes come through the bounce area). The registration is
+// dropped when the region is unregistered, its windows closed first.
+func TestRegisteredCUDARegionSlotsLandInPlace(t *testing.T) {
+	a, err := arena.New(&deviceMemory{mem: make([]byte, 8192)}, config.ArenaAlign)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRegistry(a)
+	w := &fakeWindows{open: make(map[uint32][2]uint64)}
+	r.UseWindows(w)
+	r.regionNICLost = func(name string, err error) { t.Errorf("region %s: %v", name, err) }
+	nic := &nicCloser{w: w}
+	// Any copy into the registered region fails: the write must not take one.
+	reached := &deviceMemory{mem: make([]byte, 1<<16), failCopy: errors.New("copied into a region the NIC reaches")}
+	if _, err := r.addRegion("reached", reached, nic, nil); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegion("copied", &deviceMemory{mem: make([]byte, 1<<16)}, nil, errors.New("no peermem")); err != nil {
+		t.Fatal(err)
+	}
+	s, err := r.newSlotIn("in", 100, "reached", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, ok := w.open[s.key.Window()]; !ok || got != [2]uint64{reached.Base() + 4096, 100} {
+		t.Fatalf("the slot's key names window %#x, open over %v; want one over [%#x, +100)", s.key.Window(), got, reached.Base()+4096)
+	}
+	done, err := r.AcceptInPlace(s.addr, 100, s.key, 7)
+	if err != nil {
+		t.Fatalf("a write into a slot in a registered CUDA region, in place: %v", err)
+	}
+	done(nil)
+	if desc, _, _, err := r.waitSlot(t.Context(), "in", 0, false); err != nil || !desc.Arrived || desc.Region != "reached" {
+		t.Fatalf("the slot after its write landed in place: %+v, %v", desc, err)
+	}
+	plain, err := r.newSlotIn("plain", 100, "copied", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if plain.key.Window() != 0 {
+		t.Errorf("a slot in a CUDA region the NIC did not register names window %#x", plain.key.Window())
+	}
+	_, err = r.AcceptInPlace(plain.addr, 100, plain.key, 8)
+	var rf *transport.Refusal
+	if !errors.As(err, &rf) || rf.Code != transport.OutOfBounds || !strings.Contains(rf.Message, "outside the GPU memory the NIC writes into") {
+		t.Errorf("a write in place into a slot in an unregistered CUDA region: %v", err)
+	}
+	for _, id := range []string{"in", "plain"} {
+		if err := r.deleteSlot(id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := r.removeRegion("reached"); err != nil {
+		t.Fatal(err)
+	}
+	if len(w.open) != 0 || nic.closed != 1 {
+		t.Fatalf("%d windows open, registration dropped %d times; want none open, dropped once", len(w.open), nic.closed)
 	}
 }

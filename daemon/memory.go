@@ -163,9 +163,10 @@ func (m *memory) status() *api.CUDAStatus {
 	return st
 }
 
-// collectors are a GPU arena's copy counters, 0 for host memory (which
-// the host reads and writes in place): a NIC that reaches the arena
-// directly leaves them still during transfers.
+// collectors are a GPU arena's copy counters (its own and its CUDA
+// regions'), 0 for host memory (which the host reads and writes in
+// place): a NIC that reaches the GPU memory directly leaves them still
+// during transfers.
 func (m *memory) collectors() []prometheus.Collector {
 	copied := func(to int) float64 {
 		if m.gpu == nil {
@@ -174,7 +175,7 @@ func (m *memory) collectors() []prometheus.Collector {
 		in, out := m.gpu.CopiedBytes()
 		return float64([]int64{in, out}[to])
 	}
-	const help = "Bytes copied between the GPU arena and host memory by direction (to_device: uploads and received writes staged in host memory; to_host: sends and reads staged in host memory); 0 for a host arena."
+	const help = "Bytes copied between GPU memory (the arena, CUDA regions) and host memory by direction (to_device: uploads and received writes staged in host memory; to_host: sends and reads staged in host memory); 0 for a host arena."
 	return []prometheus.Collector{
 		prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_gpu_copied_bytes_total", Help: help, ConstLabels: prometheus.Labels{"direction": "to_device"}},
 			func() float64 { return copied(0) }),

@@ -114,7 +114,7 @@ func newMetrics(g gauges, transport string) *metrics {
 		}, []string{"reason"}),
 		regionRegistrations: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_region_registrations_total",
-			Help: "Host regions (POST /v1/regions) registered with the RDMA NIC, by outcome: registered (written from and into without a copy), failed (copied through bounce and staging buffers; logged, and GET /v1/regions says why).",
+			Help: "Regions (POST /v1/regions: host and CUDA) registered with the RDMA NIC, by outcome: registered (written from and into without a copy), failed (copied through bounce and staging buffers, a CUDA region's through the pinned bounce area; logged, and GET /v1/regions says why).",
 		}, []string{"outcome"}),
 		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_batches_total",

@@ -1,7 +1,6 @@
 package daemon
 
 import (
-	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -14,6 +13,7 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/cuda"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // maxRegions bounds the regions registered at once (each a mapping).
@@ -27,8 +27,9 @@ type region struct {
 	name string
 	mem  arena.Memory
 	// nic is its registration with the RDMA NIC (nil when there is none:
-	// TCP, a CUDA region, or a registration that failed, why in nicErr),
-	// dropped once the last use ends, before the memory is unmapped.
+	// TCP, a CUDA region where the NIC does not reach the GPU arena, or a
+	// registration that failed, why in nicErr), dropped once the last use
+	// ends, before the memory is unmapped.
 	nic     io.Closer
 	nicErr  error
 	since   time.Time
@@ -40,6 +41,11 @@ type region struct {
 
 func (g *region) addr() uint64 { return g.mem.Base() }
 func (g *region) size() int64  { return g.mem.Size() }
+
+// inPlace reports whether g is GPU memory the NIC reaches itself: a CUDA
+// region rdma registered. Writes from it name device addresses, and
+// writes into its slots land in place.
+func (g *region) inPlace() bool { return g.nic != nil && g.mem.Host() == nil }
 
 // hostRegion is a memfd mapped here, as an arena.Memory.
 type hostRegion []byte
@@ -96,7 +102,7 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 	}
 	var h cuda.IPCHandle
 	copy(h[:], c.IPCHandle)
-	mem, err := cuda.OpenRegion(d.mem.dev, h, c.Offset, req.NBytes, d.mem.gpu.Bounce)
+	mem, err := cuda.OpenRegion(d.mem.dev, h, c.Offset, req.NBytes, d.mem.gpu)
 	if err != nil {
 		return nil, apiErr(api.CodeBadRequest, "region %s: %v", req.Name, err)
 	}
@@ -276,20 +282,26 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-// registerRegionNIC registers a host region with the RDMA NIC, once, so
-// that writes from it and into its slots go without a copy. A failure
-// fails nothing: TCP peers read and write the region as it lies, and
-// RDMA copies its writes through bounce and staging buffers; the reason
-// is logged (rate-limited), counted, and listed with the region.
+// registerRegionNIC registers a region with the RDMA NIC, once, so that
+// writes from it and into its slots go without a copy: a host region's
+// mapping, or a CUDA region's device memory (rdma registers it where it
+// reaches the GPU arena itself). A failure fails nothing: TCP peers read
+// and write the region as it lies, and RDMA copies its writes through
+// bounce and staging buffers (a CUDA region's through the pinned bounce
+// area); the reason is logged (rate-limited), counted, and listed with
+// the region.
 func (d *Daemon) registerRegionNIC(name string, mem arena.Memory) (io.Closer, error) {
 	rr := d.reg.registrar
 	if rr == nil {
 		return nil, nil
 	}
-	if mem.Host() == nil {
-		return nil, errors.New("a CUDA region is not registered with the NIC: its bytes go through ferryd's pinned bounce area")
+	var nic io.Closer
+	var err error
+	if host := mem.Host(); host != nil {
+		nic, err = rr.RegisterRegion(host)
+	} else {
+		nic, err = rr.RegisterDeviceRegion(transport.Range{Addr: mem.Base(), Len: uint64(mem.Size())})
 	}
-	nic, err := rr.RegisterRegion(mem.Host())
 	if err != nil {
 		d.metrics.regionRegistrations.WithLabelValues("failed").Inc()
 		d.regionLog.Printf("region %s: %v; the region is registered for transfers all the same", name, err)

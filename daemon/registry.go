@@ -425,8 +425,9 @@ func (r *registry) newSlotIn(reqID string, n int64, name string, off int64) (*sl
 		}
 	}
 	s := &slot{reqID: reqID, region: g, regionOff: off, addr: g.addr() + uint64(off), nbytes: n}
-	// A region the NIC registered is reached through windows like the
-	// arena; one it did not takes granted writes through staging buffers.
+	// A region the NIC registered (host or CUDA) is reached through
+	// windows like the arena; one it did not takes granted writes
+	// through staging buffers (a CUDA region's through the bounce area).
 	if r.windows != nil && g.nic != nil {
 		if err := r.openWindow(s); err != nil {
 			r.unuseRegion(g)
@@ -482,8 +483,9 @@ func (r *registry) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte
 }
 
 // AcceptInPlace implements transport.InPlaceSink: rdma places a write
-// into a GPU arena it registered itself, where the write is addressed.
-// A slot in a region is refused: its memory is not the arena's.
+// into GPU memory it registered itself, where the write is addressed:
+// the arena, or a CUDA region it registered. A slot in any other region
+// is refused: the NIC does not reach its memory.
 func (r *registry) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) (func(error), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
@@ -495,10 +497,10 @@ func (r *registry) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) 
 		r.refused(transport.NoSlot)
 		return nil, errRefuseNoSlot
 	}
-	if s.region != nil {
+	if s.region != nil && !s.region.inPlace() {
 		r.refused(transport.OutOfBounds)
 		return nil, &transport.Refusal{Code: transport.OutOfBounds,
-			Message: fmt.Sprintf("the receive slot of req_id %s lies in region %s, outside the GPU arena the NIC writes into", s.reqID, s.region.name)}
+			Message: fmt.Sprintf("the receive slot of req_id %s lies in region %s, outside the GPU memory the NIC writes into", s.reqID, s.region.name)}
 	}
 	_, done, err := r.land(s, addr, n, tag, true)
 	return done, err

@@ -91,7 +91,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	if !isMooncake && d.tr.Name() == string(config.TransportTCP) {
 		stripes = d.cfg.TCPStripes
 	}
-	dl, lastErr := d.deliverSend(ctx, req.Session, w, stripes, d.log.With().Str("req_id", reqID).Logger())
+	dl, lastErr := d.deliverSend(ctx, req.Session, w, d.arena.Memory(), stripes, d.log.With().Str("req_id", reqID).Logger())
 	res.Attempts, res.Writes = dl.attempts, dl.writes
 	if dl.transport != "" {
 		res.Transport = dl.transport
@@ -147,8 +147,9 @@ type delivery struct {
 // deliver writes w on session: on a broken path it tears the session down,
 // re-dials and tries again, SendRetries times. A refusal, ctx's end, or a
 // peer no re-dial can fix (secrets or versions differ) ends it at once.
-// The error is the last attempt's.
-func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write, log zerolog.Logger) (delivery, error) {
+// The error is the last attempt's. dev is the memory w.Device lies in
+// (the GPU arena, a CUDA region), when it is set.
+func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write, dev arena.Memory, log zerolog.Logger) (delivery, error) {
 	var dl delivery
 	var err error
 	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
@@ -162,7 +163,7 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 		sess, p, err = d.sessions.get(ctx, session)
 		if err == nil {
 			dl.transport = sess.Transport()
-			dl.report, err = d.write(ctx, sess, w)
+			dl.report, err = d.write(ctx, sess, w, dev)
 			if ctx.Err() == nil { // a write its own deadline or client ended says nothing of the session
 				p.outcome(err)
 			}
@@ -189,17 +190,17 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 	return dl, err
 }
 
-// write is sess.Write, with a source in the GPU arena copied out to host
-// memory first for a session that reads host memory only (TCP to a peer
-// without RDMA, Mooncake's).
-func (d *Daemon) write(ctx context.Context, sess transport.Session, w transport.Write) (transport.Report, error) {
+// write is sess.Write, with a source in device memory (dev: the GPU
+// arena, a CUDA region) copied out to host memory first for a session
+// that reads host memory only (TCP to a peer without RDMA, Mooncake's).
+func (d *Daemon) write(ctx context.Context, sess transport.Session, w transport.Write, dev arena.Memory) (transport.Report, error) {
 	if w.Src != nil || w.Device.Len == 0 || sess.Transport() == d.dp.rdma.Name() {
 		return sess.Write(ctx, w)
 	}
 	n := int64(w.Device.Len)
-	src, release, err := d.arena.Readable(arena.Slice{Offset: int64(w.Device.Addr - d.arena.Memory().Base()), Len: n}, 0, n)
+	src, release, err := arena.Readable(dev, arena.Slice{Offset: int64(w.Device.Addr - dev.Base()), Len: n}, 0, n)
 	if err != nil {
-		return transport.Report{}, fmt.Errorf("copying %d bytes out of the GPU arena for a %s session: %w", n, sess.Transport(), err)
+		return transport.Report{}, fmt.Errorf("copying %d bytes of GPU memory out to host memory for a %s session: %w", n, sess.Transport(), err)
 	}
 	defer release()
 	w.Src, w.Device = src, transport.Range{}
@@ -219,11 +220,11 @@ const stripeMin = 1 << 20
 // a failed piece fails the send (the embedding stays staged), and a
 // resend writes every piece again. stripes is 1 for RDMA (a direct
 // write must be the slot's whole content) and Mooncake's segments.
-func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Write, stripes int, log zerolog.Logger) (delivery, error) {
+func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Write, dev arena.Memory, stripes int, log zerolog.Logger) (delivery, error) {
 	n := len(w.Src)
 	k := min(stripes, d.cfg.MaxConns, n/stripeMin)
 	if k < 2 {
-		dl, err := d.deliver(ctx, session, w, log)
+		dl, err := d.deliver(ctx, session, w, dev, log)
 		dl.writes = 1
 		return dl, err
 	}
@@ -242,7 +243,7 @@ func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Wr
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			dl, err := d.deliver(ctx, session, piece, log)
+			dl, err := d.deliver(ctx, session, piece, dev, log)
 			results[i] = result{dl, err}
 		}()
 	}

@@ -162,8 +162,8 @@ func (d *Daemon) releaseSources(srcs []batchSource, sent bool) {
 }
 
 // readSource is n bytes at off of s where the host can read them: GPU
-// memory's (the arena's, a CUDA region's) are copied out to a host bounce
-// buffer first.
+// memory's (the arena's, a CUDA region the NIC does not reach) are
+// copied out to a host bounce buffer first.
 func (d *Daemon) readSource(s batchSource, off, n int64) ([]byte, func(), error) {
 	if s.region != nil {
 		return arena.Readable(s.region.mem, arena.Slice{Len: s.region.size()}, off, n)
@@ -385,15 +385,22 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSour
 func (d *Daemon) writePiece(ctx context.Context, id string, req api.TransferRequest, srcs []batchSource, p piece, log zerolog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
 	defer cancel()
-	src, release, err := d.readSource(srcs[p.src], p.srcOff, p.n)
-	if err != nil {
-		return apiErr(api.CodeInternal, "transfer %s: item %d: reading %d bytes of source %d (%s) failed: %v; the staged sources are kept",
-			id, p.item, p.n, p.src, srcs[p.src].name(), err)
-	}
-	defer release()
 	dst := req.Destinations[p.dst]
-	w := transport.Write{Src: src, Remote: dst.BufferAddress + uint64(p.dstOff), Key: dst.Key, Tag: dst.Key.Tag()}
-	dl, err := d.deliver(ctx, dst.Session, w, log)
+	w := transport.Write{Remote: dst.BufferAddress + uint64(p.dstOff), Key: dst.Key, Tag: dst.Key.Tag()}
+	var dev arena.Memory
+	if g := srcs[p.src].region; g != nil && g.inPlace() {
+		// The NIC reads the CUDA region itself.
+		dev, w.Device = g.mem, transport.Range{Addr: g.addr() + uint64(p.srcOff), Len: uint64(p.n)}
+	} else {
+		src, release, err := d.readSource(srcs[p.src], p.srcOff, p.n)
+		if err != nil {
+			return apiErr(api.CodeInternal, "transfer %s: item %d: reading %d bytes of source %d (%s) failed: %v; the staged sources are kept",
+				id, p.item, p.n, p.src, srcs[p.src].name(), err)
+		}
+		defer release()
+		w.Src = src
+	}
+	dl, err := d.deliver(ctx, dst.Session, w, dev, log)
 	if err != nil {
 		return pieceError(id, p, dst, err, dl.attempts)
 	}

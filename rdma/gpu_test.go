@@ -22,6 +22,14 @@ import (
 func gpuArena(t *testing.T, f *fabric, size int, path api.GPURegistration) (*DeviceMemory, []byte) {
 	t.Helper()
 	dev := mapT(t, size)
+	return gpuArenaIn(t, f, dev, size, path), dev
+}
+
+// gpuArenaIn is gpuArena over the first size bytes of dev, all of which
+// is declared device memory: what lies past the arena stands for other
+// allocations on its GPU (CUDA regions).
+func gpuArenaIn(t *testing.T, f *fabric, dev []byte, size int, path api.GPURegistration) *DeviceMemory {
+	t.Helper()
 	f.mu.Lock()
 	f.device = append(f.device, dev)
 	f.mu.Unlock()
@@ -30,7 +38,7 @@ func gpuArena(t *testing.T, f *fabric, size int, path api.GPURegistration) (*Dev
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { null.Close() })
-	return &DeviceMemory{Base: addrOf(dev), Size: uint64(size), DMABufFD: int(null.Fd()), Bounce: mapT(t, 1<<20), Path: path}, dev
+	return &DeviceMemory{Base: addrOf(dev), Size: uint64(size), DMABufFD: int(null.Fd()), Bounce: mapT(t, 1<<20), Path: path}
 }
 
 // TestGPURegistrationChoice: auto takes dmabuf, else peer memory, else

@@ -67,7 +67,8 @@ type source struct {
 }
 
 // kindOf says how w's source reaches the NIC: a device source only ever
-// from the shared registration (writeSource refuses any other).
+// from a registration made once, the GPU arena's or a CUDA region's
+// (writeSource refuses any other).
 func (t *Transport) kindOf(w *transport.Write) sourceKind {
 	if w.Src == nil && w.Device.Len > 0 {
 		return fromShared
@@ -95,16 +96,18 @@ func (t *Transport) hostSource(src []byte) (sourceKind, uint32) {
 }
 
 // writeSource is source for w, whose source may be device memory: it
-// must lie in the GPU arena the NIC reaches itself.
+// must lie in device memory the NIC reaches itself, the GPU arena or a
+// registered CUDA region (regions.go).
 func (t *Transport) writeSource(w *transport.Write) (source, error) {
 	if w.Src != nil || w.Device.Len == 0 {
 		return t.source(w.Src)
 	}
 	d := w.Device
-	if t.dev.Len == 0 || d.Addr < t.dev.Addr || d.Addr-t.dev.Addr > t.dev.Len-d.Len || d.Len > t.dev.Len {
-		return source{}, fmt.Errorf("%d bytes of device memory at %#x lie outside the GPU arena the NIC reaches (%s): copy them to host memory first", d.Len, d.Addr, t.reachable())
+	mr := t.inPlace(d.Addr, d.Len)
+	if mr == nil {
+		return source{}, fmt.Errorf("%d bytes of device memory at %#x lie outside the device memory the NIC reaches (%s): copy them to host memory first", d.Len, d.Addr, t.reachable())
 	}
-	return source{kind: fromShared, addr: d.Addr, lkey: t.shared.LKey()}, nil
+	return source{kind: fromShared, addr: d.Addr, lkey: mr.LKey()}, nil
 }
 
 // reachable names the device memory the NIC reaches, for errors.
@@ -112,7 +115,7 @@ func (t *Transport) reachable() string {
 	if t.dev.Len == 0 {
 		return "none: no GPU arena registered by dmabuf or peer memory"
 	}
-	return fmt.Sprintf("%d bytes at %#x", t.dev.Len, t.dev.Addr)
+	return fmt.Sprintf("the GPU arena's %d bytes at %#x, and the CUDA regions registered", t.dev.Len, t.dev.Addr)
 }
 
 // report is what a write of n bytes from a source of kind k takes.
@@ -196,20 +199,19 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 		return tg, nil
 	}
 	inArena := within(t.mem, dst)
-	lent := t.lent.holdingBytes(dst)
+	var mr region // the registration made once that holds dst
+	if t.shared != nil && inArena {
+		mr = t.shared
+	} else if g := t.lent.holdingBytes(dst); g != nil {
+		mr = g.mr
+	}
 	switch {
-	case t.windows != nil && (inArena || lent != nil):
-		rkey, err := t.slotRKey(window)
+	case mr != nil:
+		rkey, err := t.slotRKey(window, mr)
 		if err != nil {
 			return nil, err
 		}
 		tg.addr, tg.rkey = addrOf(dst), rkey
-		return tg, nil
-	case t.shared != nil && inArena:
-		tg.addr, tg.rkey = addrOf(dst), t.shared.RKey()
-		return tg, nil
-	case lent != nil:
-		tg.addr, tg.rkey = addrOf(dst), lent.mr.RKey()
 		return tg, nil
 	case inArena:
 		reg, err := t.nic.Register(dst)
@@ -234,24 +236,30 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	return tg, nil
 }
 
-// slotRKey is the rkey a granted write into a slot of the shared
-// registration (or, in windows mode, of a region) goes under: in
-// windows mode the slot's window's (its key's Window), else the shared
-// registration's own.
-func (t *Transport) slotRKey(window uint32) (uint32, error) {
+// slotRKey is the rkey a granted write into a slot goes under: in
+// windows mode the slot's window's (its key's Window), else that of mr,
+// the registration holding the slot (the arena's or a region's).
+func (t *Transport) slotRKey(window uint32, mr region) (uint32, error) {
 	switch {
 	case t.windows == nil:
-		return t.shared.RKey(), nil
+		return mr.RKey(), nil
 	case window == 0:
 		return 0, errors.New("the slot has no memory window, and in windows mode nothing else lets a peer write the arena or a region")
 	}
 	return window, nil
 }
 
-// inPlace reports whether a write of n bytes at addr lands in the GPU
-// arena the NIC reaches itself.
-func (t *Transport) inPlace(addr, n uint64) bool {
-	return t.dev.Len > 0 && n > 0 && addr >= t.dev.Addr && n <= t.dev.Len && addr-t.dev.Addr <= t.dev.Len-n
+// inPlace is the registration of the device memory the NIC reaches
+// itself that holds n bytes at addr, the GPU arena's or a registered
+// CUDA region's, or nil.
+func (t *Transport) inPlace(addr, n uint64) region {
+	if t.dev.Len > 0 && n > 0 && addr >= t.dev.Addr && n <= t.dev.Len && addr-t.dev.Addr <= t.dev.Len-n {
+		return t.shared
+	}
+	if g := t.lent.holdingDevice(addr, n); g != nil {
+		return g.mr
+	}
+	return nil
 }
 
 // finish copies a staged write into place when it arrived (ok) and drops

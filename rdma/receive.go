@@ -259,11 +259,14 @@ func (r *receiver) serve(h peer.Header) error {
 	var done func(error)
 	var no *peer.Refused
 	var err error
-	if sink, ok := t.cfg.Peer.Sink.(transport.InPlaceSink); ok && t.inPlace(h.Addr, h.Len) {
-		// Into the GPU arena the NIC reaches: straight to the slot.
+	sink, inPlaceSink := t.cfg.Peer.Sink.(transport.InPlaceSink)
+	if mr := t.inPlace(h.Addr, h.Len); inPlaceSink && mr != nil {
+		// Into device memory the NIC reaches (the GPU arena, a CUDA
+		// region): straight to the slot. A slot admitted pins its memory,
+		// so mr outlives the grant.
 		if done, no = r.gate.AdmitInPlace(&h, sink); no == nil {
 			tg = &target{addr: h.Addr}
-			tg.rkey, err = t.slotRKey(h.Key.Window())
+			tg.rkey, err = t.slotRKey(h.Key.Window(), mr)
 		}
 	} else {
 		var dst []byte

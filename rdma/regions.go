@@ -11,10 +11,10 @@ import (
 )
 
 // Regions: memory a client lent the daemon (daemon/regions.go: a memfd
-// it mapped), registered with the NIC once when the client registers
-// it, as the arena is at start. A write whose source lies in one goes
-// from its registration, and a granted write into a slot in one lands
-// in place, neither copied.
+// it mapped, or a CUDA allocation it opened by IPC handle), registered
+// with the NIC once when the client registers it, as the arena is at
+// start. A write whose source lies in one goes from its registration,
+// and a granted write into a slot in one lands in place, neither copied.
 //
 // What a peer may write: in windows mode a region is registered like
 // the arena, for local access and window binding only, so its own rkey
@@ -23,19 +23,23 @@ import (
 // its slots names its rkey, which reaches the whole region as the
 // arena's reaches the whole arena in the grant and arena-rkey modes.
 
-// lentRegion is one region's registration.
+// lentRegion is one region's registration: size bytes at addr, host
+// memory the daemon mapped or device memory (a CUDA region, at its
+// device pointer).
 type lentRegion struct {
-	mem []byte
-	mr  region
+	addr, size uint64
+	device     bool
+	mr         region
 }
 
 func (g *lentRegion) holds(addr, n uint64) bool {
-	base := addrOf(g.mem)
-	return n > 0 && addr >= base && n <= uint64(len(g.mem)) && addr-base <= uint64(len(g.mem))-n
+	return n > 0 && addr >= g.addr && n <= g.size && addr-g.addr <= g.size-n
 }
 
-// lentRegions is the regions registered, sorted by address. Regions are
-// mappings of their own: none overlaps another or the arena.
+// lentRegions is the regions registered, host and device, sorted by
+// address. Regions are mappings of their own (device pointers share the
+// host's address space: unified addressing): none overlaps another or
+// the arena.
 type lentRegions struct {
 	mu     sync.RWMutex
 	by     []*lentRegion
@@ -46,7 +50,7 @@ type lentRegions struct {
 func (rs *lentRegions) holding(addr, n uint64) *lentRegion {
 	rs.mu.RLock()
 	defer rs.mu.RUnlock()
-	i := sort.Search(len(rs.by), func(i int) bool { return addrOf(rs.by[i].mem) > addr })
+	i := sort.Search(len(rs.by), func(i int) bool { return rs.by[i].addr > addr })
 	if i > 0 && rs.by[i-1].holds(addr, n) {
 		return rs.by[i-1]
 	}
@@ -61,12 +65,23 @@ func (rs *lentRegions) mrHolding(addr, n uint64) region {
 	return nil
 }
 
-// holdingBytes is holding for the memory of b.
+// holdingBytes is the host region holding the memory of b, or nil.
 func (rs *lentRegions) holdingBytes(b []byte) *lentRegion {
 	if len(b) == 0 {
 		return nil
 	}
-	return rs.holding(addrOf(b), uint64(len(b)))
+	if g := rs.holding(addrOf(b), uint64(len(b))); g != nil && !g.device {
+		return g
+	}
+	return nil
+}
+
+// holdingDevice is the device region holding [addr, addr+n), or nil.
+func (rs *lentRegions) holdingDevice(addr, n uint64) *lentRegion {
+	if g := rs.holding(addr, n); g != nil && g.device {
+		return g
+	}
+	return nil
 }
 
 var _ transport.RegionRegistrar = (*Transport)(nil)
@@ -94,19 +109,56 @@ func (t *Transport) RegisterRegion(mem []byte) (io.Closer, error) {
 		return nil, fmt.Errorf("rdma: registering a region of %d bytes %s with the NIC failed with %s (%w); %s; until then its writes are copied through bounce and staging buffers",
 			n, how, errnoName(err), err, memlockLimit())
 	}
-	g := &lentRegion{mem: mem, mr: mr}
-	rs := &t.lent
+	return t.lent.add(&lentRegion{addr: base, size: n, mr: mr})
+}
+
+// RegisterDeviceRegion implements transport.RegionRegistrar for device
+// memory the GPU arena's device holds (a CUDA region, at its device
+// pointer in this process): by its device pointer (ibv_reg_mr, which
+// needs nvidia-peermem), for windows in windows mode, else for remote
+// writes. Only where the NIC reaches the GPU arena itself (its dmabuf
+// or peer-memory path): on the bounce path the NIC reaches no device
+// memory, and the region's bytes go through the bounce area as the
+// arena's do. There is no dmabuf path for a region: an IPC-opened
+// range would need its own export. Closing the handle deregisters it,
+// as for RegisterRegion.
+func (t *Transport) RegisterDeviceRegion(r transport.Range) (io.Closer, error) {
+	switch {
+	case r.Len == 0:
+		return nil, errors.New("rdma: registering a CUDA region of no bytes")
+	case t.dev.Len == 0:
+		why := "the transport has no GPU arena"
+		switch g := t.reg.GPU; {
+		case g != nil && g.Path != "":
+			why = fmt.Sprintf("the GPU arena went by the %s path (--gpu-registration %s)", g.Path, g.Asked)
+		case g != nil:
+			why = "no path registered the GPU arena"
+		}
+		return nil, fmt.Errorf("rdma: a CUDA region is registered with the NIC only where the NIC reaches the GPU arena itself (dmabuf or peermem), and %s: its bytes go through the pinned bounce area", why)
+	case r.Addr < t.dev.Addr+t.dev.Len && t.dev.Addr < r.Addr+r.Len:
+		return nil, fmt.Errorf("rdma: a CUDA region of %d bytes at %#x overlaps the GPU arena", r.Len, r.Addr)
+	}
+	mr, err := t.nic.RegisterDevice(r.Addr, r.Len, t.windows != nil)
+	if err != nil {
+		return nil, fmt.Errorf("rdma: registering a CUDA region of %d bytes at %#x with the NIC by its device pointer (peermem; a region has no dmabuf path) failed with %s (%w): check that nvidia-peermem is loaded (modprobe nvidia-peermem; lsmod | grep nvidia_peermem) and the kernel log; until then its bytes go through the pinned bounce area",
+			r.Len, r.Addr, errnoName(err), err)
+	}
+	return t.lent.add(&lentRegion{addr: r.Addr, size: r.Len, device: true, mr: mr})
+}
+
+// add lists g, whose registration it closes when g cannot be listed.
+func (rs *lentRegions) add(g *lentRegion) (io.Closer, error) {
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
-	i := sort.Search(len(rs.by), func(i int) bool { return addrOf(rs.by[i].mem) > base })
-	overlaps := i > 0 && addrOf(rs.by[i-1].mem)+uint64(len(rs.by[i-1].mem)) > base || i < len(rs.by) && addrOf(rs.by[i].mem) < base+n
+	i := sort.Search(len(rs.by), func(i int) bool { return rs.by[i].addr > g.addr })
+	overlaps := i > 0 && rs.by[i-1].addr+rs.by[i-1].size > g.addr || i < len(rs.by) && rs.by[i].addr < g.addr+g.size
 	switch {
 	case rs.closed:
-		mr.Close()
+		g.mr.Close()
 		return nil, fmt.Errorf("rdma: registering a region: %w", transport.ErrClosed)
 	case overlaps:
-		mr.Close()
-		return nil, fmt.Errorf("rdma: a region of %d bytes at %#x overlaps one registered already", n, base)
+		g.mr.Close()
+		return nil, fmt.Errorf("rdma: a region of %d bytes at %#x overlaps one registered already", g.size, g.addr)
 	}
 	rs.by = append(rs.by, nil)
 	copy(rs.by[i+1:], rs.by[i:])
@@ -123,14 +175,14 @@ type lentHandle struct {
 func (h lentHandle) Close() error {
 	h.rs.mu.Lock()
 	defer h.rs.mu.Unlock()
-	i := sort.Search(len(h.rs.by), func(i int) bool { return addrOf(h.rs.by[i].mem) >= addrOf(h.g.mem) })
+	i := sort.Search(len(h.rs.by), func(i int) bool { return h.rs.by[i].addr >= h.g.addr })
 	if i == len(h.rs.by) || h.rs.by[i] != h.g {
 		return nil // deregistered already, by this or by the transport's Close
 	}
 	// A registration the NIC would not drop stays listed: the
 	// transport's Close tries again once its windows are gone.
 	if err := h.g.mr.Close(); err != nil {
-		return fmt.Errorf("rdma: deregistering a region of %d bytes: %w", len(h.g.mem), err)
+		return fmt.Errorf("rdma: deregistering a region of %d bytes: %w", h.g.size, err)
 	}
 	h.rs.by = append(h.rs.by[:i], h.rs.by[i+1:]...)
 	return nil

@@ -2,10 +2,13 @@ package rdma
 
 import (
 	"bytes"
+	"io"
 	"strings"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
@@ -230,5 +233,177 @@ func TestRegionRegistrationRefused(t *testing.T) {
 	}
 	if st := rx.Stats(); st.Staged != 1 {
 		t.Errorf("receiver stats %+v: want the write staged and copied in", st)
+	}
+}
+
+// TestCUDARegions: a CUDA region (device memory on the GPU arena's
+// device, at its device pointer) registered once with
+// RegisterDeviceRegion, where the NIC reaches the GPU arena by peer
+// memory (dmabuf refused), is reached by the NIC where it lies on both
+// sides, in the grant and windows modes: a write from it (Write.Device)
+// goes from its registration with nothing copied or bounced, and a
+// granted write into a slot in it lands in place (AcceptInPlace: no
+// staging buffer, no per-receive registration, nothing copied); in
+// windows mode the slot's window binds over the region's registration
+// and a whole-slot write goes direct through it. A source running past
+// the region's end is refused, and so is one from it once deregistered,
+// naming what the NIC reaches.
+func TestCUDARegions(t *testing.T) {
+	for _, windows := range []bool{false, true} {
+		name := ModeGrant
+		if windows {
+			name = ModeWindows
+		}
+		t.Run(name, func(t *testing.T) {
+			if onDevice(t) && !windows {
+				t.Skip("soft-RoCE has windows: the fake NIC shows the grant mode")
+			}
+			f := newFabric()
+			f.noDMABuf, f.windows = syscall.EOPNOTSUPP, windows
+			// Each side's device memory: the arena, then a region.
+			txDev, rxDev := mapT(t, 2*regionHalf), mapT(t, 2*regionHalf)
+			slots := transporttest.NewSlots(0)
+			slots.Mem, slots.Base = rxDev, addrOf(rxDev)
+			var sink transport.Sink = slots
+			if windows {
+				sink = transporttest.WindowSlots{Slots: slots}
+			}
+			tx := listenT(t, f, Config{Device: gpuArenaIn(t, f, txDev, regionHalf, "")})
+			rx := listenT(t, f, Config{Peer: peer.Config{Sink: sink}, Device: gpuArenaIn(t, f, rxDev, regionHalf, "")})
+			if got := rx.Mode(); got != name {
+				t.Fatalf("receiver's mode %q (%s), want %s", got, rx.ModeWhy(), name)
+			}
+			lent := func(dev []byte) transport.Range {
+				return transport.Range{Addr: addrOf(dev) + regionHalf, Len: regionHalf - regionTail}
+			}
+			txLent, rxLent := lent(txDev), lent(rxDev)
+			txReg, err := tx.RegisterDeviceRegion(txLent)
+			if err != nil {
+				t.Fatal(err)
+			}
+			rxReg, err := rx.RegisterDeviceRegion(rxLent)
+			if err != nil {
+				t.Fatal(err)
+			}
+			s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer s.Close()
+			fill(txDev, 7)
+			// write sends n device bytes at src into a fresh slot at
+			// offset off of the receiver's device memory, waits for it,
+			// checks the bytes and frees the slot.
+			write := func(src, off, n uint64, whole bool) (transport.Report, error) {
+				t.Helper()
+				key := slots.Add(off, n)
+				defer func() {
+					if err := slots.Remove(key); err != nil {
+						t.Fatal(err)
+					}
+				}()
+				w := transport.Write{Device: transport.Range{Addr: src, Len: n}, Remote: slots.Base + off, Key: key, Tag: key.Tag(), Whole: whole}
+				rep, err := s.Write(ctxFor(t, 60*time.Second), w)
+				if err != nil {
+					return rep, err
+				}
+				if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
+					t.Fatal(err)
+				}
+				if s := src - addrOf(txDev); !bytes.Equal(rxDev[off:off+n], txDev[s:s+n]) {
+					t.Fatalf("the %d-byte write to offset %#x landed wrong", n, off)
+				}
+				return rep, nil
+			}
+			tx0, rx0 := tx.Stats(), rx.Stats()
+			const n = 1<<20 + 7
+			for i, c := range []struct {
+				src, off uint64
+				whole    bool
+			}{
+				{txLent.Addr, regionHalf, false},
+				{txLent.Addr + 3*n, regionHalf + 2*n, true},
+				{addrOf(txDev), regionHalf + 4*n, true}, // arena to region
+				{txLent.Addr, 0, true},                  // region to the receiver's arena
+			} {
+				rep, err := write(c.src, c.off, n, c.whole)
+				if err != nil {
+					t.Fatalf("write %d: %v", i, err)
+				}
+				want := transport.Report{Registration: transport.RegisteredShared, Messages: peer.Messages}
+				if c.whole && windows {
+					want.Messages = 0 // direct, through the slot's window, in the arena or a region
+				}
+				if rep != want {
+					t.Errorf("write %d reported %+v, want %+v", i, rep, want)
+				}
+			}
+			txs, rxs := tx.Stats(), rx.Stats()
+			if txs.Bounced != tx0.Bounced || txs.CopiedBytes != tx0.CopiedBytes || txs.PerSend != tx0.PerSend {
+				t.Errorf("sender: %d bounced, %d bytes copied, %d registered per send; want none",
+					txs.Bounced-tx0.Bounced, txs.CopiedBytes-tx0.CopiedBytes, txs.PerSend-tx0.PerSend)
+			}
+			if rxs.Staged != rx0.Staged || rxs.CopiedBytes != rx0.CopiedBytes || rxs.PerReceive != rx0.PerReceive {
+				t.Errorf("receiver: %d staged, %d bytes copied, %d registered per receive; want none",
+					rxs.Staged-rx0.Staged, rxs.CopiedBytes-rx0.CopiedBytes, rxs.PerReceive-rx0.PerReceive)
+			}
+
+			// From the region's last page past its end: outside it.
+			end := txLent.Addr + txLent.Len
+			if _, err := write(end-4096, regionHalf+6*n, 8192, false); err == nil || !strings.Contains(err.Error(), "lie outside the device memory the NIC reaches") {
+				t.Errorf("a device source straddling the region's end: %v", err)
+			}
+			// Deregistered once no slot (window) holds them; then a
+			// source in the sender's is out of the NIC's reach.
+			for _, h := range []io.Closer{txReg, rxReg} {
+				if err := h.Close(); err != nil {
+					t.Fatalf("deregistering a CUDA region after use: %v", err)
+				}
+			}
+			if _, err := write(txLent.Addr, 0, 4096, false); err == nil || !strings.Contains(err.Error(), "lie outside the device memory the NIC reaches") {
+				t.Errorf("a device source in a deregistered region: %v", err)
+			}
+		})
+	}
+}
+
+// TestCUDARegionRefusals: a CUDA region is registered by peer memory
+// only where the NIC reaches the GPU arena itself; elsewhere, or where
+// peer memory fails, RegisterDeviceRegion says why and what the region
+// falls back to. On the fake NIC, whose refusals a test sets.
+func TestCUDARegionRefusals(t *testing.T) {
+	if onDevice(t) {
+		t.Skip("the fake NIC's refusals")
+	}
+	for _, c := range []struct {
+		name                string
+		path                api.GPURegistration
+		noDMABuf, noPeerMem error
+		want                []string
+	}{
+		{"bounce arena", api.GPURegistrationBounce, nil, nil, []string{"the GPU arena went by the bounce path (--gpu-registration bounce)", "pinned bounce area"}},
+		{"no peermem", "", nil, syscall.EFAULT, []string{"by its device pointer (peermem", "EFAULT", "modprobe nvidia-peermem", "pinned bounce area"}},
+		{"overlaps the arena", "", nil, nil, []string{"overlaps the GPU arena"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			f := newFabric()
+			f.noDMABuf, f.noPeerMem = c.noDMABuf, c.noPeerMem
+			dev := mapT(t, 2*regionHalf)
+			tr := listenFake(t, f, Config{Device: gpuArenaIn(t, f, dev, regionHalf, c.path)})
+			r := transport.Range{Addr: addrOf(dev) + regionHalf, Len: regionHalf}
+			if c.name == "overlaps the arena" {
+				r.Addr -= 4096
+			}
+			h, err := tr.RegisterDeviceRegion(r)
+			if err == nil {
+				h.Close()
+				t.Fatal("registered")
+			}
+			for _, w := range c.want {
+				if !strings.Contains(err.Error(), w) {
+					t.Errorf("error %q does not say %q", err, w)
+				}
+			}
+		})
 	}
 }

@@ -61,8 +61,9 @@ type InPlaceSink interface {
 	Sink
 	// AcceptInPlace is Accept for a write the NIC places at addr itself:
 	// the same checks and the same done, and no dst. A slot whose bytes
-	// are not the arena's (a region's) is refused: the transport reaches
-	// only the memory it registered.
+	// are neither the arena's nor a device region's the transport
+	// registered (RegionRegistrar.RegisterDeviceRegion) is refused: the
+	// transport reaches only the memory it registered.
 	AcceptInPlace(addr, n uint64, key Key, tag uint32) (done func(error), err error)
 }
 
@@ -91,22 +92,30 @@ type WindowSink interface {
 }
 
 // RegionRegistrar is a Transport that reaches memory a client lent the
-// daemon (a region: host memory the daemon mapped) once it registered
-// it: rdma, which registers it with its NIC as it did the arena. Writes
-// whose Src lies in it, and writes into slots in it, then go without a
-// copy. A transport that reads and writes host memory as it lies (TCP)
-// needs none. The handle's Close drops the registration: only once no
-// write from or into the memory is in flight and every window over it
-// is closed.
+// daemon (a region: host memory the daemon mapped, or device memory it
+// opened) once it registered it: rdma, which registers it with its NIC
+// as it did the arena. Writes whose Src (or, for device memory, Device)
+// lies in it, and writes into slots in it, then go without a copy. A
+// transport that reads and writes host memory as it lies (TCP) needs
+// none. The handle's Close drops the registration: only once no write
+// from or into the memory is in flight and every window over it is
+// closed.
 type RegionRegistrar interface {
 	RegisterRegion(mem []byte) (io.Closer, error)
+	// RegisterDeviceRegion registers device memory the host cannot
+	// address (a CUDA region, at its device pointer), which the
+	// transport reaches only where it reaches its GPU arena in place:
+	// writes from it then carry Device, and writes into its slots land
+	// through AcceptInPlace.
+	RegisterDeviceRegion(r Range) (io.Closer, error)
 }
 
 // Write is one one-sided write.
 type Write struct {
 	Src []byte // local bytes to send
 	// Device, when Src is nil, is the source in device memory the host
-	// cannot address (a GPU arena's): only a transport that registered
+	// cannot address (a GPU arena's, a CUDA region's): only a transport
+	// that registered
 	// that memory with its NIC reaches it (rdma's GPU registration); any
 	// other Session refuses it with ErrHostOnly, and the caller copies
 	// the bytes out to host memory first.

@@ -7,13 +7,21 @@
 // set on it. "Device memory" is host memory; make test-gpu runs the real
 // driver.
 //
+// IPC works across processes as the real driver's does: each allocation
+// is a memfd mapping, its handle names the owner's pid, the memfd's
+// descriptor and the size, and cuIpcOpenMemHandle maps the owner's memfd
+// (through /proc/<pid>/fd) at an address of the opener's own.
+//
 // Variants, by macro: FAKE_NO_DEVICE (cuInit finds no GPU), FAKE_STUB
 // (cuInit answers like the toolkit's stub library), FAKE_OLD (no
 // cuMemGetHandleForAddressRange), FAKE_BROKEN (no cuMemHostAlloc).
+#define _GNU_SOURCE
 #include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -28,7 +36,16 @@ static int ctx_refs[NDEV];
 static char ctxs[NDEV]; // a context is the address of its byte
 static __thread void *current;
 
-static struct alloc { char *p; size_t n; int sync; } allocs[MAXALLOC];
+// An allocation of this process (fd its memfd), or another's opened by
+// IPC handle (fd -1); len is its mapping's length.
+static struct alloc { char *p; size_t n, len; int fd, sync; } allocs[MAXALLOC];
+
+// The handle: a mark, the owner's pid and memfd, the size, and (at the
+// end, so the whole struct must arrive) the owner's pointer.
+struct fake_ipc { char mark[8]; int pid, fd; size_t n, len; char pad[24]; CUdeviceptr p; };
+_Static_assert(sizeof(struct fake_ipc) == sizeof(ipc_handle), "the handle's layout");
+
+static const size_t ALIGN = 2 << 20; // the real driver's allocation granularity
 
 CUresult cuGetErrorName(CUresult r, const char **s) {
 	switch (r) {
@@ -125,25 +142,46 @@ static struct alloc *find(CUdeviceptr p, size_t n) {
 	return NULL;
 }
 
+static struct alloc *free_entry(void) {
+	for (int i = 0; i < MAXALLOC; i++)
+		if (!allocs[i].p) return &allocs[i];
+	return NULL;
+}
+
+// An allocation is a memfd, shared so another process can map it, at a
+// 2 MiB-aligned address: mapped over a reservation one alignment longer,
+// whose ends are then trimmed.
 CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
 	if (!current) return INVALID_CONTEXT;
-	for (int i = 0; i < MAXALLOC; i++) {
-		if (!allocs[i].p) {
-			allocs[i].p = aligned_alloc(2 << 20, (n + (2 << 20) - 1) / (2 << 20) * (2 << 20));
-			allocs[i].n = n;
-			allocs[i].sync = 0;
-			*p = (CUdeviceptr)allocs[i].p;
-			return allocs[i].p ? OK : 2;
-		}
+	struct alloc *a = free_entry();
+	if (!a || n == 0) return n == 0 ? INVALID_VALUE : 2;
+	size_t len = (n + ALIGN - 1) / ALIGN * ALIGN;
+	int fd = memfd_create("fakecuda", MFD_CLOEXEC);
+	if (fd < 0) return 2;
+	char *r = ftruncate(fd, len) == 0 ? mmap(NULL, len + ALIGN, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0) : MAP_FAILED;
+	if (r == MAP_FAILED) {
+		close(fd);
+		return 2;
 	}
-	return 2;
+	char *at = (char *)(((uintptr_t)r + ALIGN - 1) & ~(uintptr_t)(ALIGN - 1));
+	if (mmap(at, len, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0) == MAP_FAILED) {
+		munmap(r, len + ALIGN);
+		close(fd);
+		return 2;
+	}
+	if (at > r) munmap(r, at - r);
+	if (r + ALIGN > at) munmap(at + len, r + ALIGN - at);
+	*a = (struct alloc){.p = at, .n = n, .len = len, .fd = fd};
+	*p = (CUdeviceptr)at;
+	return OK;
 }
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
 	if (!current) return INVALID_CONTEXT;
 	struct alloc *a = find(p, 0);
-	if (!a || (CUdeviceptr)a->p != p) return INVALID_VALUE;
-	free(a->p);
+	if (!a || (CUdeviceptr)a->p != p || a->fd < 0) return INVALID_VALUE;
+	munmap(a->p, a->len);
+	close(a->fd);
 	a->p = NULL;
 	return OK;
 }
@@ -173,23 +211,52 @@ CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
 
 CUresult cuIpcGetMemHandle(ipc_handle *h, CUdeviceptr p) {
 	if (!current) return INVALID_CONTEXT;
-	if (!find(p, 0)) return INVALID_VALUE;
-	memset(h, 0, sizeof *h);
-	memcpy(h->reserved, "fakeipc", 7);
-	memcpy(h->reserved + 56, &p, sizeof p); // at the end: the whole struct must arrive
+	struct alloc *a = find(p, 0);
+	if (!a || a->fd < 0) return INVALID_VALUE; // memory opened by IPC is not exported again
+	struct fake_ipc f = {.mark = "fakeipc", .pid = getpid(), .fd = a->fd, .n = a->n, .len = a->len, .p = (CUdeviceptr)a->p};
+	memcpy(h, &f, sizeof f);
 	return OK;
 }
 
-// The real driver refuses a process its own handles; the fake hands back
-// the allocation, to show the handle crossed by value intact.
+// Another process's handle maps its memfd here, at an address of this
+// process's own. The real driver refuses a process its own handles; the
+// fake hands back the allocation, to show in one process that the handle
+// crossed by value intact.
 CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, ipc_handle h, unsigned int flags) {
 	if (!current) return INVALID_CONTEXT;
-	if (flags != 1 || memcmp(h.reserved, "fakeipc", 7) != 0) return INVALID_VALUE;
-	memcpy(p, h.reserved + 56, sizeof *p);
+	struct fake_ipc f;
+	memcpy(&f, &h, sizeof f);
+	if (flags != 1 || memcmp(f.mark, "fakeipc", 8) != 0) return INVALID_VALUE;
+	if (f.pid == getpid()) {
+		*p = f.p;
+		return OK;
+	}
+	struct alloc *a = free_entry();
+	if (!a) return 2;
+	char path[64];
+	snprintf(path, sizeof path, "/proc/%d/fd/%d", f.pid, f.fd);
+	int fd = open(path, O_RDWR | O_CLOEXEC);
+	if (fd < 0) return INVALID_VALUE; // the owner is gone
+	char *m = mmap(NULL, f.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	close(fd);
+	if (m == MAP_FAILED) return INVALID_VALUE;
+	*a = (struct alloc){.p = m, .n = f.n, .len = f.len, .fd = -1, .sync = 1};
+	*p = (CUdeviceptr)m;
 	return OK;
 }
 
-CUresult cuIpcCloseMemHandle(CUdeviceptr p) { return current ? OK : INVALID_CONTEXT; }
+// It unmaps another process's memory; this process's own (opened by its
+// own handle) stays.
+CUresult cuIpcCloseMemHandle(CUdeviceptr p) {
+	if (!current) return INVALID_CONTEXT;
+	struct alloc *a = find(p, 0);
+	if (!a || (CUdeviceptr)a->p != p) return INVALID_VALUE;
+	if (a->fd < 0) {
+		munmap(a->p, a->len);
+		a->p = NULL;
+	}
+	return OK;
+}
 
 #ifndef FAKE_BROKEN
 CUresult cuMemHostAlloc(void **p, size_t n, unsigned int flags) {
