@@ -3,7 +3,6 @@ package rdma
 import (
 	"bufio"
 	"net"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -11,13 +10,6 @@ import (
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
 )
-
-// busyPoll is how long a CQ is polled before its completion channel is
-// armed and slept on: on an accepted lane after its last completion (the
-// chunks of one write and the next write follow closely), on a dialed one
-// by a write after posting (see completion). Completions taken so cost no
-// interrupt and no wake-up.
-const busyPoll = 50 * time.Microsecond
 
 // lane is one RC queue pair and the TCP control connection it was set up
 // over. A session pools the lanes it dialed: a write holds its lane from
@@ -29,21 +21,19 @@ type lane struct {
 	qp   queuePair
 	ctrl *net.TCPConn
 
-	wcs     chan completion // from the poller, in CQ order (accepted lanes)
-	quit    chan struct{}   // closed by close: the poller and any waiter stop
-	polled  chan struct{}   // closed when the poller has returned
-	pollMu  sync.Mutex
-	pollErr error
-	reapMu  sync.Mutex // one reaper at a time: completions leave in CQ order
+	wcs    chan completion // from the poller, in CQ order (accepted lanes)
+	quit   chan struct{}   // closed by close: the poller and any waiter stop
+	polled chan struct{}   // closed when the poller has returned
+	// down closes when quit, polled or dead does: waiters select on it
+	// alone (see wait), and ask downErr which.
+	down     chan struct{}
+	downOnce sync.Once
+	pollMu   sync.Mutex
+	pollErr  error
+	reapMu   sync.Mutex // one reaper at a time: completions leave in CQ order
 	// reaped is reap's buffer, under reapMu: a local one escapes to the
 	// heap through the queuePair interface, an allocation per poll.
 	reaped [16]completion
-	// announced is set on an accepted lane whose every write is granted
-	// (its transport takes no direct writes): nothing arrives there
-	// unless granted counts it, so its poller busy-polls only then.
-	// granted is the receiver's writes granted and not yet completed.
-	announced bool
-	granted   atomic.Int32
 
 	// use is held shared by whoever works the lane (the writes on it, a
 	// receive loop); close takes it to wait them out before destroying
@@ -57,11 +47,11 @@ type lane struct {
 	seq uint32 // the sender's writes, for work request ids; under the lane's hold
 
 	// routes takes the completions reaped from the CQ to the write whose
-	// sequence number their work request id carries. Writes reap for
-	// themselves (see completion), one at a time (reapMu, which the
-	// poller takes too), so each gets its own in CQ order; the poller
-	// reaps for them while sleepers (writes that polled for busyPoll in
-	// vain, or wait for a flush) count any, and a token on wake calls it.
+	// sequence number their work request id carries. A write reaps once
+	// itself after posting (see completion), one reaper at a time (reapMu,
+	// which the poller takes too), so each gets its own in CQ order; the
+	// poller reaps for them while sleepers (writes waiting for a
+	// completion or a flush) count any, and a token on wake calls it.
 	routeMu  sync.Mutex
 	routes   map[uint32]chan completion
 	sleepers atomic.Int32
@@ -101,13 +91,14 @@ type lane struct {
 }
 
 // newLane makes a lane whose poller takes every completion to wcs (an
-// accepted lane, a Mooncake endpoint's); announced as the field says.
-func newLane(qp queuePair, ctrl *net.TCPConn, depth int, announced bool) *lane {
+// accepted lane, a Mooncake endpoint's).
+func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
 	l := &lane{
-		qp: qp, ctrl: ctrl, announced: announced,
+		qp: qp, ctrl: ctrl,
 		wcs:    make(chan completion, depth),
 		quit:   make(chan struct{}),
 		polled: make(chan struct{}),
+		down:   make(chan struct{}),
 	}
 	go l.poll()
 	return l
@@ -121,6 +112,7 @@ func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lan
 		qp: qp, ctrl: ctrl, replies: replies,
 		quit:    make(chan struct{}),
 		polled:  make(chan struct{}),
+		down:    make(chan struct{}),
 		routes:  make(map[uint32]chan completion),
 		wake:    make(chan struct{}, 1),
 		answers: make(chan answer, 1),
@@ -132,41 +124,28 @@ func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lan
 	return l
 }
 
-// poll moves completions from the CQ to wcs: busy-polling for a short
-// while after each one, then sleeping on the completion channel. A lane
-// whose writes are all announced sleeps at once when none is granted:
-// spinning then only waits out the sender's next header and its grant.
+// poll moves completions from the CQ to wcs, sleeping on the completion
+// channel whenever the CQ is empty. It does not busy-poll: spinning costs
+// a core's time whatever it finds, and a lane that takes direct writes
+// cannot know when the next comes.
 func (l *lane) poll() {
-	defer close(l.polled)
-	last := time.Now()
-	armed := false
+	defer l.stopPolling()
 	for {
-		n, err := l.reap()
-		if err != nil {
+		if err := l.qp.Arm(); err != nil {
 			l.setPollErr(err)
 			return
 		}
-		switch {
-		case n > 0:
-			last, armed = time.Now(), false
-		case time.Since(last) < busyPoll && (!l.announced || l.granted.Load() > 0):
-			runtime.Gosched()
-		case !armed:
-			// Poll once more after arming: a completion that came in
-			// between the last poll and the arming raises no event.
-			if err := l.qp.Arm(); err != nil {
+		// Reap after arming: a completion that came before it raises no
+		// event.
+		if _, err := l.reap(); err != nil {
+			l.setPollErr(err)
+			return
+		}
+		if err := l.qp.Wait(); err != nil {
+			if err != errStopped {
 				l.setPollErr(err)
-				return
 			}
-			armed = true
-		default:
-			if err := l.qp.Wait(); err != nil {
-				if err != errStopped {
-					l.setPollErr(err)
-				}
-				return
-			}
-			armed = false
+			return
 		}
 	}
 }
@@ -177,7 +156,7 @@ func (l *lane) poll() {
 // event: soft-RoCE completes a loopback write inside ibv_post_send, and a
 // NIC a small one within microseconds.
 func (l *lane) pollForSleepers() {
-	defer close(l.polled)
+	defer l.stopPolling()
 	for {
 		select {
 		case <-l.wake:
@@ -232,21 +211,19 @@ func (l *lane) reap() (int, error) {
 }
 
 // completion waits until deadline for the next completion routed to wcs,
-// or until the lane fails or cancel closes (see wait). It polls the CQ
-// itself for busyPoll, then sleeps on the poller.
+// or until the lane fails or cancel closes (see wait). It reaps the CQ
+// once itself (soft-RoCE completes a loopback write inside
+// ibv_post_send), then sleeps on the poller. It does not busy-poll: a
+// write spinning for its completion costs a core's time for as long as
+// the NIC takes.
 func (l *lane) completion(wcs chan completion, deadline time.Time, cancel <-chan struct{}) (completion, error) {
-	for end := time.Now().Add(busyPoll); ; runtime.Gosched() {
-		if _, err := l.reap(); err != nil {
-			return completion{}, err
-		}
-		select {
-		case c := <-wcs:
-			return c, nil
-		default:
-		}
-		if time.Now().After(end) {
-			break
-		}
+	if _, err := l.reap(); err != nil {
+		return completion{}, err
+	}
+	select {
+	case c := <-wcs:
+		return c, nil
+	default:
 	}
 	defer l.sleep()()
 	return wait(l, wcs, deadline, cancel)
@@ -261,6 +238,31 @@ func (l *lane) sleep() (wakeUp func()) {
 	default: // the poller has a call waiting already
 	}
 	return func() { l.sleepers.Add(-1) }
+}
+
+// stopPolling marks the poller returned.
+func (l *lane) stopPolling() {
+	close(l.polled)
+	l.goDown()
+}
+
+// goDown closes down, once.
+func (l *lane) goDown() { l.downOnce.Do(func() { close(l.down) }) }
+
+// downErr says why down closed: the receiver gave up on the lane
+// (errDead), the lane closed, or why its poller stopped.
+func (l *lane) downErr() error {
+	select {
+	case <-l.dead: // nil on an accepted lane: never
+		return errDead
+	default:
+	}
+	select {
+	case <-l.quit:
+		return errLaneClosed
+	default:
+	}
+	return l.failure()
 }
 
 func (l *lane) setPollErr(err error) {
@@ -291,6 +293,11 @@ func (l *lane) deliver(c completion) bool {
 		if to == nil {
 			return true
 		}
+	}
+	select {
+	case to <- c: // the common case: there is room (see session.post)
+		return true
+	default:
 	}
 	select {
 	case to <- c:
@@ -324,6 +331,7 @@ type answer struct {
 // connection: the one answer to each header, for the write holding the
 // lane, and a failure report, which ends the lane for every write on it.
 func (l *lane) readAnswers() {
+	defer l.goDown()
 	defer close(l.dead)
 	// Buffered: a reply and its grant usually come in one read.
 	in := bufio.NewReaderSize(l.ctrl, peer.ReplySize+peer.MaxMessage+grantSize)
@@ -363,7 +371,9 @@ func (l *lane) ended() bool {
 }
 
 // wait waits until deadline for a value from ch (nil: none), or until the
-// receiver gives up on the lane (dead), the lane closes, or cancel closes.
+// receiver gives up on the lane (dead), the lane closes, its poller
+// stops, or cancel closes. Those three are one channel, down: each case
+// of a select costs a lock and a queue entry, twice.
 func wait[T any](l *lane, ch <-chan T, deadline time.Time, cancel <-chan struct{}) (T, error) {
 	var zero T
 	t := time.NewTimer(time.Until(deadline))
@@ -371,12 +381,8 @@ func wait[T any](l *lane, ch <-chan T, deadline time.Time, cancel <-chan struct{
 	select {
 	case v := <-ch:
 		return v, nil
-	case <-l.dead:
-		return zero, errDead
-	case <-l.quit:
-		return zero, errLaneClosed
-	case <-l.polled:
-		return zero, l.failure()
+	case <-l.down:
+		return zero, l.downErr()
 	case <-cancel:
 		return zero, errCanceled
 	case <-t.C:
@@ -400,6 +406,7 @@ func (l *lane) close() error {
 	l.closeOnce.Do(func() {
 		l.abort()
 		close(l.quit)
+		l.goDown()
 		l.use.Lock()
 		defer l.use.Unlock()
 		l.qp.Stop()

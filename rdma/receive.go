@@ -101,7 +101,7 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 		return nil, err
 	}
 	c.SetDeadline(time.Time{})
-	return newLane(qp, c, 1+recvPosted, t.direct == nil), nil
+	return newLane(qp, c, 1+recvPosted), nil
 }
 
 // region describes the shared registration to dialers.
@@ -212,7 +212,6 @@ func (r *receiver) run() error {
 			l.qp.Break()
 			return r.fail(l.failure())
 		}
-		l.granted.Store(int32(len(r.granted)))
 		if len(r.granted) == 0 {
 			idle.Reset(t.cfg.Peer.IdleTimeout)
 		}
