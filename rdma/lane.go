@@ -53,9 +53,14 @@ type lane struct {
 	// poller reaps for them while sleepers (writes waiting for a
 	// completion or a flush) count any, and a token on wake calls it.
 	routeMu  sync.Mutex
-	routes   map[uint32]chan completion
+	routes   map[uint32]*waiter
 	sleepers atomic.Int32
 	wake     chan struct{}
+	// watch pokes the waiters whose deadline has passed (see
+	// checkDeadlines): one timer per lane, not one per wait. watchAt is
+	// when it fires, zero while stopped; both under routeMu.
+	watch   *time.Timer
+	watchAt time.Time
 	// flying counts the writes that let go of the lane and wait for their
 	// completion (at most flyingMax); landed gets a token when it drops
 	// to zero.
@@ -113,7 +118,7 @@ func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lan
 		quit:    make(chan struct{}),
 		polled:  make(chan struct{}),
 		down:    make(chan struct{}),
-		routes:  make(map[uint32]chan completion),
+		routes:  make(map[uint32]*waiter),
 		wake:    make(chan struct{}, 1),
 		answers: make(chan answer, 1),
 		landed:  make(chan struct{}, 1),
@@ -210,23 +215,113 @@ func (l *lane) reap() (int, error) {
 	}
 }
 
-// completion waits until deadline for the next completion routed to wcs,
-// or until the lane fails or cancel closes (see wait). It reaps the CQ
-// once itself (soft-RoCE completes a loopback write inside
-// ibv_post_send), then sleeps on the poller. It does not busy-poll: a
-// write spinning for its completion costs a core's time for as long as
-// the NIC takes.
-func (l *lane) completion(wcs chan completion, deadline time.Time, cancel <-chan struct{}) (completion, error) {
+// waiter is a write waiting for its completions on a dialed lane: the
+// poller routes them to wcs, and deadline is when the write gives up on
+// the peer (under routeMu).
+type waiter struct {
+	wcs      chan completion
+	deadline time.Time
+}
+
+// poke is what checkDeadlines sends a waiter whose deadline has passed:
+// no work request carries its id (a write's sequence number is never
+// all ones with its last chunk's index).
+var poke = completion{WRID: ^uint64(0)}
+
+// completion waits until deadline for the next completion routed to w,
+// or until the lane fails or cancel closes (errDead, errLaneClosed, the
+// poller's error, errNoProgress, errCanceled). It reaps the CQ once
+// itself (soft-RoCE completes a loopback write inside ibv_post_send),
+// then sleeps on the poller. It does not busy-poll: a write spinning for
+// its completion costs a core's time for as long as the NIC takes. Nor
+// does it start a timer: the lane's watch pokes it at its deadline.
+func (l *lane) completion(w *waiter, deadline time.Time, cancel <-chan struct{}) (completion, error) {
 	if _, err := l.reap(); err != nil {
 		return completion{}, err
 	}
 	select {
-	case c := <-wcs:
-		return c, nil
+	case c := <-w.wcs:
+		if c != poke {
+			return c, nil
+		}
 	default:
 	}
+	l.await(w, deadline)
 	defer l.sleep()()
-	return wait(l, wcs, deadline, cancel)
+	for {
+		select {
+		case c := <-w.wcs:
+			if c != poke {
+				return c, nil
+			}
+			if !time.Now().Before(deadline) {
+				return completion{}, errNoProgress
+			}
+			// A poke for an earlier wait of the same write.
+		case <-l.down:
+			// A receiver whose QP a write failed (REM_ACCESS_ERR) closes
+			// the control connection: the write's completion, in the CQ
+			// by then, says why better than the close.
+			if _, err := l.reap(); err == nil {
+				select {
+				case c := <-w.wcs:
+					if c != poke {
+						return c, nil
+					}
+				default:
+				}
+			}
+			return completion{}, l.downErr()
+		case <-cancel:
+			return completion{}, errCanceled
+		}
+	}
+}
+
+// await sets w's deadline, moving the watch earlier if it must.
+func (l *lane) await(w *waiter, deadline time.Time) {
+	l.routeMu.Lock()
+	defer l.routeMu.Unlock()
+	w.deadline = deadline
+	if l.watchAt.IsZero() || deadline.Before(l.watchAt) {
+		l.setWatch(deadline)
+	}
+}
+
+// setWatch has checkDeadlines run at at; routeMu is held.
+func (l *lane) setWatch(at time.Time) {
+	l.watchAt = at
+	if l.watch == nil {
+		l.watch = time.AfterFunc(time.Until(at), l.checkDeadlines)
+		return
+	}
+	l.watch.Reset(time.Until(at))
+}
+
+// checkDeadlines pokes every waiter whose deadline has passed, unless a
+// completion waits for it already, and sets the watch for the next
+// deadline. Under steady traffic it runs about once per I/O timeout.
+func (l *lane) checkDeadlines() {
+	l.routeMu.Lock()
+	defer l.routeMu.Unlock()
+	now := time.Now()
+	var next time.Time
+	for _, w := range l.routes {
+		switch {
+		case w.deadline.IsZero():
+		case !now.Before(w.deadline):
+			select {
+			case w.wcs <- poke:
+			default: // full: the write has completions to take first
+			}
+		case next.IsZero() || w.deadline.Before(next):
+			next = w.deadline
+		}
+	}
+	l.watchAt = time.Time{}
+	if !next.IsZero() {
+		l.setWatch(next)
+	}
 }
 
 // sleep has the poller reap for the caller until the returned func is
@@ -288,11 +383,12 @@ func (l *lane) deliver(c completion) bool {
 	to := l.wcs
 	if l.routes != nil {
 		l.routeMu.Lock()
-		to = l.routes[uint32(c.WRID>>32)]
+		w := l.routes[uint32(c.WRID>>32)]
 		l.routeMu.Unlock()
-		if to == nil {
+		if w == nil {
 			return true
 		}
+		to = w.wcs
 	}
 	select {
 	case to <- c: // the common case: there is room (see session.post)
@@ -307,11 +403,11 @@ func (l *lane) deliver(c completion) bool {
 	}
 }
 
-// route sends the completions of the write numbered seq to wcs until
+// route sends the completions of the write numbered seq to w until
 // unroute.
-func (l *lane) route(seq uint32, wcs chan completion) {
+func (l *lane) route(seq uint32, w *waiter) {
 	l.routeMu.Lock()
-	l.routes[seq] = wcs
+	l.routes[seq] = w
 	l.routeMu.Unlock()
 }
 
@@ -407,6 +503,13 @@ func (l *lane) close() error {
 		l.abort()
 		close(l.quit)
 		l.goDown()
+		if l.routes != nil {
+			l.routeMu.Lock()
+			if l.watch != nil {
+				l.watch.Stop()
+			}
+			l.routeMu.Unlock()
+		}
 		l.use.Lock()
 		defer l.use.Unlock()
 		l.qp.Stop()

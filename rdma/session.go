@@ -295,7 +295,7 @@ type flight struct {
 	src             source
 	ring            []byte // fromBounce: the lane's bounce buffer
 	ringKey         uint32
-	wcs             chan completion
+	waiter          // its completions, from the lane's poller
 }
 
 // start sends w's header on l, takes the receiver's answer, and posts the
@@ -383,9 +383,9 @@ func (s *session) post(ctx context.Context, l *lane, f *flight) error {
 	l.seq++
 	f.seq = l.seq
 	// Room for every completion the write can have outstanding (flushes
-	// included), so the poller never waits on it.
-	f.wcs = make(chan completion, min(f.window, f.count)+1)
-	l.route(f.seq, f.wcs)
+	// included) and a poke, so the poller never waits on it.
+	f.wcs = make(chan completion, min(f.window, f.count)+2)
+	l.route(f.seq, &f.waiter)
 	if err := s.transfer(ctx, l, f, false); err != nil {
 		l.unroute(f.seq)
 		return err
@@ -437,7 +437,7 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 		if !all && f.posted == f.count {
 			return nil
 		}
-		wc, err := l.completion(f.wcs, s.Deadline(ctx), ctx.Done())
+		wc, err := l.completion(&f.waiter, s.Deadline(ctx), ctx.Done())
 		if gaveUp(ctx, err) && f.posted == f.count && s.settle(l, f) {
 			// Everything was posted and the write completed after all:
 			// the lane and its other writes carry on.
@@ -524,7 +524,7 @@ func (s *session) settle(l *lane, f *flight) bool {
 	last := uint64(f.seq)<<32 | uint64(f.count-1)
 	deadline := time.Now().Add(drainWait)
 	for {
-		wc, err := l.completion(f.wcs, deadline, nil)
+		wc, err := l.completion(&f.waiter, deadline, nil)
 		switch {
 		case err != nil || wc.Status != wcSuccess:
 			return false
