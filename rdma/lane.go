@@ -45,6 +45,9 @@ type lane struct {
 	// The rest is a dialed lane's, nil or zero on an accepted one.
 
 	seq uint32 // the sender's writes, for work request ids; under the lane's hold
+	// ops is the work requests being posted, under the lane's hold: a
+	// local slice escapes to the heap through the queuePair interface.
+	ops []op
 
 	// routes takes the completions reaped from the CQ to the write whose
 	// sequence number their work request id carries. A write reaps once
@@ -119,6 +122,7 @@ func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lan
 		polled:  make(chan struct{}),
 		down:    make(chan struct{}),
 		routes:  make(map[uint32]*waiter),
+		ops:     make([]op, 0, sendDepth),
 		wake:    make(chan struct{}, 1),
 		answers: make(chan answer, 1),
 		landed:  make(chan struct{}, 1),

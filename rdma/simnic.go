@@ -397,7 +397,8 @@ func (q *fakeQP) Poll(into []completion) (int, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	n := copy(into, q.cq)
-	q.cq = q.cq[n:]
+	// Shifted, not resliced: appends reuse the array.
+	q.cq = q.cq[:copy(q.cq, q.cq[n:])]
 	return n, nil
 }
 
@@ -472,7 +473,7 @@ func (q *fakeQP) run() {
 			return
 		}
 		o := q.ops[0]
-		q.ops = q.ops[1:]
+		q.ops = q.ops[:copy(q.ops, q.ops[1:])] // as in Poll
 		q.mu.Unlock()
 		status, opcode := q.execute(o)
 		q.mu.Lock()
