@@ -245,24 +245,46 @@ type fakeQP struct {
 	n   *fakeNIC
 	num uint32
 
+	mu     sync.Mutex
+	work   sync.Cond // signaled when ops or recvs arrive, or the state changes
+	state  qpState
+	peer   uint32
+	dgid   *[16]byte // set by connectMooncake: packets go to this GID
+	mcMTU  mtu       // set by connectMooncake: the MTU cap it was given
+	ops    []op
+	recvs  int
+	cq     *fakeCQ
+	ownCQ  bool
+	worker sync.WaitGroup
+}
+
+// fakeCQ is a completion queue and its completion channel.
+type fakeCQ struct {
+	n       *fakeNIC
 	mu      sync.Mutex
-	work    sync.Cond // signaled when ops or recvs arrive, or the state changes
-	state   qpState
-	peer    uint32
-	dgid    *[16]byte // set by connectMooncake: packets go to this GID
-	mcMTU   mtu       // set by connectMooncake: the MTU cap it was given
-	ops     []op
-	recvs   int
-	cq      []completion
+	wcs     []completion
 	armed   bool
 	events  chan struct{}
 	stopped chan struct{}
 	stop    sync.Once
-	worker  sync.WaitGroup
 }
 
-func (n *fakeNIC) NewQP(sendDepth, recvDepth int) (queuePair, error) {
-	q := &fakeQP{n: n, events: make(chan struct{}, 1), stopped: make(chan struct{})}
+func newFakeCQ(n *fakeNIC) *fakeCQ {
+	return &fakeCQ{n: n, events: make(chan struct{}, 1), stopped: make(chan struct{})}
+}
+
+func (n *fakeNIC) NewCQ(depth int) (sharedCQ, error) {
+	n.hold(1)
+	return newFakeCQ(n), nil
+}
+
+func (n *fakeNIC) NewQP(shared sharedCQ, sendDepth, recvDepth int) (queuePair, error) {
+	q := &fakeQP{n: n}
+	if shared != nil {
+		q.cq = shared.(*fakeCQ)
+	} else {
+		q.cq, q.ownCQ = newFakeCQ(n), true
+	}
 	q.work.L = &q.mu
 	n.f.mu.Lock()
 	q.num = n.f.id()
@@ -275,6 +297,8 @@ func (n *fakeNIC) NewQP(sendDepth, recvDepth int) (queuePair, error) {
 }
 
 func (q *fakeQP) QPN() uint32 { return q.num }
+
+func (q *fakeQP) CQ() completions { return q.cq }
 
 func (q *fakeQP) Connect(psn uint32, remote endpoint) error {
 	q.mu.Lock()
@@ -381,45 +405,60 @@ func (q *fakeQP) PostRecvs(n int) error {
 	return nil
 }
 
-// complete adds c to the CQ and raises an event if armed; q.mu is held.
+// complete adds c to q's CQ; q.mu is held.
 func (q *fakeQP) complete(c completion) {
-	q.cq = append(q.cq, c)
-	if q.armed {
-		q.armed = false
+	c.QPN = q.num
+	q.cq.add(c)
+}
+
+// add appends c and raises an event if armed.
+func (c *fakeCQ) add(wc completion) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.wcs = append(c.wcs, wc)
+	if c.armed {
+		c.armed = false
 		select {
-		case q.events <- struct{}{}:
+		case c.events <- struct{}{}:
 		default:
 		}
 	}
 }
 
-func (q *fakeQP) Poll(into []completion) (int, error) {
-	q.mu.Lock()
-	defer q.mu.Unlock()
-	n := copy(into, q.cq)
+func (c *fakeCQ) Poll(into []completion) (int, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	n := copy(into, c.wcs)
 	// Shifted, not resliced: appends reuse the array.
-	q.cq = q.cq[:copy(q.cq, q.cq[n:])]
+	c.wcs = c.wcs[:copy(c.wcs, c.wcs[n:])]
 	return n, nil
 }
 
-func (q *fakeQP) Arm() error {
-	q.n.arms.Add(1)
-	q.mu.Lock()
-	q.armed = true
-	q.mu.Unlock()
+func (c *fakeCQ) Arm() error {
+	c.n.arms.Add(1)
+	c.mu.Lock()
+	c.armed = true
+	c.mu.Unlock()
 	return nil
 }
 
-func (q *fakeQP) Wait() error {
+func (c *fakeCQ) Wait() error {
 	select {
-	case <-q.events:
+	case <-c.events:
 		return nil
-	case <-q.stopped:
+	case <-c.stopped:
 		return errStopped
 	}
 }
 
-func (q *fakeQP) Stop() { q.stop.Do(func() { close(q.stopped) }) }
+func (c *fakeCQ) Stop() { c.stop.Do(func() { close(c.stopped) }) }
+
+// Close ends a shared CQ.
+func (c *fakeCQ) Close() error {
+	c.Stop()
+	c.n.hold(-1)
+	return nil
+}
 
 // Break flushes posted receives and unexecuted work requests.
 func (q *fakeQP) Break() error {
@@ -447,7 +486,9 @@ func (q *fakeQP) fail() {
 }
 
 func (q *fakeQP) Close() error {
-	q.Stop()
+	if q.ownCQ {
+		q.cq.Stop()
+	}
 	q.n.f.mu.Lock()
 	delete(q.n.f.qps, q.num)
 	q.n.f.mu.Unlock()
