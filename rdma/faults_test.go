@@ -54,8 +54,8 @@ type hookNIC struct {
 	h *hook
 }
 
-func (n hookNIC) NewQP(cq sharedCQ, sendDepth, recvDepth int) (queuePair, error) {
-	q, err := n.nic.NewQP(cq, sendDepth, recvDepth)
+func (n hookNIC) NewQP(sendDepth, recvDepth int) (queuePair, error) {
+	q, err := n.nic.NewQP(sendDepth, recvDepth)
 	if err != nil {
 		return nil, err
 	}
@@ -86,17 +86,8 @@ func (q hookQP) Post(ops []op) error {
 	return q.queuePair.Post(ops)
 }
 
-// CQ gates the polls of a QP's own CQ (a receiver's); a session's
-// shared CQ is the NIC's, ungated.
-func (q hookQP) CQ() completions { return hookCQ{q.queuePair.CQ(), q.h} }
-
-type hookCQ struct {
-	completions
-	h *hook
-}
-
-func (q hookCQ) Poll(into []completion) (int, error) {
-	n, err := q.completions.Poll(into)
+func (q hookQP) Poll(into []completion) (int, error) {
+	n, err := q.queuePair.Poll(into)
 	q.h.mu.Lock()
 	gate := q.h.gate
 	q.h.mu.Unlock()

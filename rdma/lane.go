@@ -2,7 +2,6 @@ package rdma
 
 import (
 	"bufio"
-	"errors"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -21,14 +20,20 @@ import (
 type lane struct {
 	qp   queuePair
 	ctrl *net.TCPConn
-	p    *poller // its CQ's: its own (accepted lanes), or its session's
 
-	wcs  chan completion // from the poller, in CQ order (accepted lanes)
-	quit chan struct{}   // closed by close: any waiter stops
-	// down closes when quit or dead does, or the poller stops: waiters
-	// select on it alone (see wait), and ask downErr which.
+	wcs    chan completion // from the poller, in CQ order (accepted lanes)
+	quit   chan struct{}   // closed by close: the poller and any waiter stop
+	polled chan struct{}   // closed when the poller has returned
+	// down closes when quit, polled or dead does: waiters select on it
+	// alone (see wait), and ask downErr which.
 	down     chan struct{}
 	downOnce sync.Once
+	pollMu   sync.Mutex
+	pollErr  error
+	reapMu   sync.Mutex // one reaper at a time: completions leave in CQ order
+	// reaped is reap's buffer, under reapMu: a local one escapes to the
+	// heap through the queuePair interface, an allocation per poll.
+	reaped [16]completion
 
 	// use is held shared by whoever works the lane (the writes on it, a
 	// receive loop); close takes it to wait them out before destroying
@@ -39,20 +44,21 @@ type lane struct {
 
 	// The rest is a dialed lane's, nil or zero on an accepted one.
 
-	// seq numbers a Mooncake endpoint's writes, for their work request
-	// ids, under use (a session numbers its own: session.seq).
-	seq uint32
+	seq uint32 // the sender's writes, for work request ids; under the lane's hold
 	// ops is the work requests being posted, under the lane's hold: a
 	// local slice escapes to the heap through the queuePair interface.
 	ops []op
 
-	// routes takes the completions reaped from the session's CQ for this
-	// lane's queue pair to the write whose sequence number their work
-	// request id carries. A write reaps once itself after posting (see
-	// completion), one reaper at a time (the poller's reapMu), so each
-	// gets its own in CQ order; the poller reaps for the writes sleeping.
-	routeMu sync.Mutex
-	routes  map[uint32]*waiter
+	// routes takes the completions reaped from the CQ to the write whose
+	// sequence number their work request id carries. A write reaps once
+	// itself after posting (see completion), one reaper at a time (reapMu,
+	// which the poller takes too), so each gets its own in CQ order; the
+	// poller reaps for them while sleepers (writes waiting for a
+	// completion or a flush) count any, and a token on wake calls it.
+	routeMu  sync.Mutex
+	routes   map[uint32]*waiter
+	sleepers atomic.Int32
+	wake     chan struct{}
 	// watch pokes the waiters whose deadline has passed (see
 	// checkDeadlines): one timer per lane, not one per wait. watchAt is
 	// when it fires, zero while stopped; both under routeMu.
@@ -92,38 +98,125 @@ type lane struct {
 	bounceReg region
 }
 
-// newLane makes a lane on a CQ of its own, whose poller takes every
-// completion to wcs (an accepted lane, a Mooncake endpoint's).
+// newLane makes a lane whose poller takes every completion to wcs (an
+// accepted lane, a Mooncake endpoint's).
 func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
 	l := &lane{
 		qp: qp, ctrl: ctrl,
-		wcs:  make(chan completion, depth),
-		quit: make(chan struct{}),
-		down: make(chan struct{}),
+		wcs:    make(chan completion, depth),
+		quit:   make(chan struct{}),
+		polled: make(chan struct{}),
+		down:   make(chan struct{}),
 	}
-	l.p = newLanePoller(qp.CQ(), l)
+	go l.poll()
 	return l
 }
 
-// newDialedLane makes a session's lane, connected over ctrl, on the
-// session's CQ, whose poller p holds a reference for qp (see
-// poller.acquire): its writes reap their own completions, and the poller
-// sleeps on the completion channel only for writes that wait longer (see
-// completion).
-func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64, p *poller) *lane {
+// newDialedLane makes a session's lane, connected over ctrl: its writes
+// reap their own completions, and its poller sleeps on the completion
+// channel only for writes that wait longer (see completion).
+func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lane {
 	l := &lane{
-		qp: qp, ctrl: ctrl, replies: replies, p: p,
+		qp: qp, ctrl: ctrl, replies: replies,
 		quit:    make(chan struct{}),
+		polled:  make(chan struct{}),
 		down:    make(chan struct{}),
 		routes:  make(map[uint32]*waiter),
 		ops:     make([]op, 0, sendDepth),
+		wake:    make(chan struct{}, 1),
 		answers: make(chan answer, 1),
 		landed:  make(chan struct{}, 1),
 		dead:    make(chan struct{}),
 	}
-	p.add(l)
+	go l.pollForSleepers()
 	go l.readAnswers()
 	return l
+}
+
+// poll moves completions from the CQ to wcs, sleeping on the completion
+// channel whenever the CQ is empty. It does not busy-poll: spinning costs
+// a core's time whatever it finds, and a lane that takes direct writes
+// cannot know when the next comes.
+func (l *lane) poll() {
+	defer l.stopPolling()
+	for {
+		if err := l.qp.Arm(); err != nil {
+			l.setPollErr(err)
+			return
+		}
+		// Reap after arming: a completion that came before it raises no
+		// event.
+		if _, err := l.reap(); err != nil {
+			l.setPollErr(err)
+			return
+		}
+		if err := l.qp.Wait(); err != nil {
+			if err != errStopped {
+				l.setPollErr(err)
+			}
+			return
+		}
+	}
+}
+
+// pollForSleepers is a dialed lane's poller: while a write sleeps (see
+// completion) it arms the completion channel, reaps, and waits for the
+// next event. A write whose completion its own polling found raises no
+// event: soft-RoCE completes a loopback write inside ibv_post_send, and a
+// NIC a small one within microseconds.
+func (l *lane) pollForSleepers() {
+	defer l.stopPolling()
+	for {
+		select {
+		case <-l.wake:
+		case <-l.quit:
+			return
+		}
+		for l.sleepers.Load() > 0 {
+			if err := l.qp.Arm(); err != nil {
+				l.setPollErr(err)
+				return
+			}
+			// Reap after arming: a completion that came before it raises
+			// no event.
+			if _, err := l.reap(); err != nil {
+				l.setPollErr(err)
+				return
+			}
+			if l.sleepers.Load() == 0 {
+				break // armed: at most one event comes for nobody
+			}
+			if err := l.qp.Wait(); err != nil {
+				if err != errStopped {
+					l.setPollErr(err)
+				}
+				return
+			}
+		}
+	}
+}
+
+// reap takes every completion the CQ holds to where it goes (see
+// deliver) and says how many it took; errLaneClosed when the lane closes.
+func (l *lane) reap() (int, error) {
+	l.reapMu.Lock()
+	defer l.reapMu.Unlock()
+	buf := l.reaped[:]
+	taken := 0
+	for {
+		n, err := l.qp.Poll(buf)
+		if err != nil {
+			return taken, err
+		}
+		for _, c := range buf[:n] {
+			if !l.deliver(c) {
+				return taken, errLaneClosed
+			}
+		}
+		if taken += n; n < len(buf) {
+			return taken, nil
+		}
+	}
 }
 
 // waiter is a write waiting for its completions on a dialed lane: the
@@ -147,7 +240,7 @@ var poke = completion{WRID: ^uint64(0)}
 // its completion costs a core's time for as long as the NIC takes. Nor
 // does it start a timer: the lane's watch pokes it at its deadline.
 func (l *lane) completion(w *waiter, deadline time.Time, cancel <-chan struct{}) (completion, error) {
-	if err := l.p.reap(); err != nil {
+	if _, err := l.reap(); err != nil {
 		return completion{}, err
 	}
 	select {
@@ -158,7 +251,7 @@ func (l *lane) completion(w *waiter, deadline time.Time, cancel <-chan struct{})
 	default:
 	}
 	l.await(w, deadline)
-	defer l.p.sleep()()
+	defer l.sleep()()
 	for {
 		select {
 		case c := <-w.wcs:
@@ -173,7 +266,7 @@ func (l *lane) completion(w *waiter, deadline time.Time, cancel <-chan struct{})
 			// A receiver whose QP a write failed (REM_ACCESS_ERR) closes
 			// the control connection: the write's completion, in the CQ
 			// by then, says why better than the close.
-			if err := l.p.reap(); err == nil {
+			if _, err := l.reap(); err == nil {
 				select {
 				case c := <-w.wcs:
 					if c != poke {
@@ -235,6 +328,23 @@ func (l *lane) checkDeadlines() {
 	}
 }
 
+// sleep has the poller reap for the caller until the returned func is
+// called.
+func (l *lane) sleep() (wakeUp func()) {
+	l.sleepers.Add(1)
+	select {
+	case l.wake <- struct{}{}:
+	default: // the poller has a call waiting already
+	}
+	return func() { l.sleepers.Add(-1) }
+}
+
+// stopPolling marks the poller returned.
+func (l *lane) stopPolling() {
+	close(l.polled)
+	l.goDown()
+}
+
 // goDown closes down, once.
 func (l *lane) goDown() { l.downOnce.Do(func() { close(l.down) }) }
 
@@ -251,12 +361,28 @@ func (l *lane) downErr() error {
 		return errLaneClosed
 	default:
 	}
-	return l.p.failure()
+	return l.failure()
+}
+
+func (l *lane) setPollErr(err error) {
+	l.pollMu.Lock()
+	l.pollErr = err
+	l.pollMu.Unlock()
+}
+
+// failure says why the poller stopped.
+func (l *lane) failure() error {
+	l.pollMu.Lock()
+	defer l.pollMu.Unlock()
+	if l.pollErr != nil {
+		return l.pollErr
+	}
+	return errLaneClosed
 }
 
 // deliver hands c to its write on a dialed lane (dropping it when that
-// write has gone), or to wcs on an accepted one. It reports false, having
-// dropped c, when the lane is closing.
+// write has gone), or to wcs on an accepted one. It reports false when
+// the lane is closing.
 func (l *lane) deliver(c completion) bool {
 	to := l.wcs
 	if l.routes != nil {
@@ -390,15 +516,9 @@ func (l *lane) close() error {
 		}
 		l.use.Lock()
 		defer l.use.Unlock()
-		if l.p.shared == nil {
-			l.p.cq.Stop()
-			<-l.p.polled
-		}
-		l.p.remove(l)
+		l.qp.Stop()
+		<-l.polled
 		l.closeErr = l.qp.Close()
-		if l.p.shared != nil {
-			l.closeErr = errors.Join(l.closeErr, l.p.release())
-		}
 		if l.bounceReg != nil {
 			l.bounceReg.Close()
 			unmap(l.bounce)

@@ -72,7 +72,7 @@ type MooncakeQP struct {
 
 // NewMooncakeQP makes a queue pair for a Mooncake endpoint, in INIT.
 func (t *Transport) NewMooncakeQP() (*MooncakeQP, error) {
-	qp, err := t.nic.NewQP(nil, sendDepth, 1)
+	qp, err := t.nic.NewQP(sendDepth, 1)
 	if err != nil {
 		return nil, err
 	}

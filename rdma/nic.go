@@ -21,13 +21,9 @@ type nic interface {
 	// RegisterDMABuf registers size bytes at offset of dmabuf fd, reached
 	// at addresses from iova on (the device pointer of its first byte).
 	RegisterDMABuf(fd int, offset, size, iova uint64) (region, error)
-	// NewQP makes an RC queue pair that reports to cq, or with cq nil to
-	// a completion queue and completion channel of its own.
-	NewQP(cq sharedCQ, sendDepth, recvDepth int) (queuePair, error)
-	// NewCQ makes a completion queue of depth entries and its completion
-	// channel, for queue pairs to share (NewQP): one poller reaps the
-	// completions of them all.
-	NewCQ(depth int) (sharedCQ, error)
+	// NewQP makes an RC queue pair with its own completion queue and
+	// completion channel.
+	NewQP(sendDepth, recvDepth int) (queuePair, error)
 	// Windows is nil when the device binds type 1 memory windows, else
 	// why it does not.
 	Windows() error
@@ -52,36 +48,11 @@ type region interface {
 	Close() error
 }
 
-// completions is a completion queue with its completion channel. Poll
-// and Arm may run concurrently with each other and with the work of its
-// queue pairs; one goroutine at a time Waits.
-type completions interface {
-	// Poll takes up to len(into) completions, without blocking.
-	Poll(into []completion) (int, error)
-	// Arm asks for an event at the next completion; Wait blocks for it.
-	Arm() error
-	// Wait returns errStopped once Stop has run.
-	Wait() error
-	Stop()
-}
-
-// sharedCQ is a completion queue that several queue pairs report to.
-// Close destroys it: after every queue pair on it has closed, after Stop,
-// and after the last Wait has returned.
-type sharedCQ interface {
-	completions
-	Close() error
-}
-
-// queuePair is an RC QP. Post, PostRecvs and Break may run concurrently
-// with each other and with its CQ's Poll and Arm; Close runs alone, and
-// when the QP has a CQ of its own, after its Stop and after the last Wait
-// has returned.
+// queuePair is an RC QP and the completion queue it reports to. Post,
+// PostRecvs, Poll, Arm and Break may run concurrently with each other;
+// Close runs alone, after Stop and after the last Wait has returned.
 type queuePair interface {
 	QPN() uint32
-	// CQ is the completion queue the QP reports to: its own, or the
-	// shared one it was made on.
-	CQ() completions
 	// Connect takes the QP through INIT, RTR and RTS towards remote; psn
 	// is the first PSN this side sends (its endpoint's PSN).
 	Connect(psn uint32, remote endpoint) error
@@ -89,6 +60,13 @@ type queuePair interface {
 	// PostRecvs posts n receives without buffers, one for each WRITE
 	// WITH IMM that may arrive.
 	PostRecvs(n int) error
+	// Poll takes up to len(into) completions, without blocking.
+	Poll(into []completion) (int, error)
+	// Arm asks for an event at the next completion; Wait blocks for it.
+	Arm() error
+	// Wait returns errStopped once Stop has run.
+	Wait() error
+	Stop()
 	// Bind posts a signaled bind of w over [addr, addr+n) of r that
 	// allows remote writes, or with n 0 one that invalidates w; its
 	// completion carries wrid. It returns the rkey a write through w
@@ -97,7 +75,6 @@ type queuePair interface {
 	// Break moves the QP to the error state: the NIC stops working on it
 	// and completes whatever is posted with WR_FLUSH_ERR.
 	Break() error
-	// Close destroys the QP, and its own completion queue if it has one.
 	Close() error
 }
 
@@ -130,7 +107,6 @@ type op struct {
 // completion is one work completion.
 type completion struct {
 	WRID      uint64
-	QPN       uint32 // the queue pair it belongs to
 	Status    wcStatus
 	Opcode    uint32
 	ByteLen   uint32

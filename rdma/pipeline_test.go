@@ -148,7 +148,7 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
 	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.Logf}, Memory: slots.Mem})
-	l, _, region, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String(), sessionPoller(t, tx))
+	l, _, region, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -128,24 +128,6 @@ func listenFake(t testing.TB, f *fabric, cfg Config) *Transport {
 	return tr
 }
 
-// sessionPoller makes a session's CQ and its poller on tr's NIC, for
-// lanes dialed outside a session (tr.dialLane); its reference goes when
-// t ends, after theirs.
-func sessionPoller(t *testing.T, tr *Transport) *poller {
-	t.Helper()
-	cq, err := tr.nic.NewCQ(laneCQEs)
-	if err != nil {
-		t.Fatal(err)
-	}
-	p := newSessionPoller(cq)
-	t.Cleanup(func() {
-		if err := p.release(); err != nil {
-			t.Errorf("session CQ close: %v", err)
-		}
-	})
-	return p
-}
-
 // closeAtEnd closes tr when t ends, failing t if Close reports a leak.
 func closeAtEnd(t testing.TB, tr *Transport) {
 	t.Cleanup(func() {
@@ -281,11 +263,11 @@ func newLoop(t *testing.T, size int) *loop {
 			t.Errorf("nic close: %v", err)
 		}
 	})
-	qa, err := n.NewQP(nil, sendDepth, recvDepth)
+	qa, err := n.NewQP(sendDepth, recvDepth)
 	if err != nil {
 		t.Fatal(err)
 	}
-	qb, err := n.NewQP(nil, sendDepth, recvDepth)
+	qb, err := n.NewQP(sendDepth, recvDepth)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -76,7 +76,7 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 	if t.isClosing() {
 		return nil, refuse(transport.ShuttingDown, errors.New("the receiver is shutting down"))
 	}
-	qp, err := t.nic.NewQP(nil, 1, recvPosted)
+	qp, err := t.nic.NewQP(1, recvPosted)
 	if err != nil {
 		return nil, refuse(transport.Internal, fmt.Errorf("creating a queue pair: %w", err))
 	}
@@ -208,9 +208,9 @@ func (r *receiver) run() error {
 		case <-drained:
 			h := r.granted[0].h
 			return r.fail(fmt.Errorf("the %d-byte write tagged %d (and %d granted after it) did not complete before its lane closed", h.Len, h.Tag, len(r.granted)-1))
-		case <-l.p.polled:
+		case <-l.polled:
 			l.qp.Break()
-			return r.fail(l.p.failure())
+			return r.fail(l.failure())
 		}
 		if len(r.granted) == 0 {
 			idle.Reset(t.cfg.Peer.IdleTimeout)

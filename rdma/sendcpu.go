@@ -206,9 +206,9 @@ func nicCPU(src, dst []byte, size int) (float64, error) {
 		return 0, err
 	}
 	defer dr.Close()
-	qa, _ := a.NewQP(nil, 1, 0)
+	qa, _ := a.NewQP(1, 0)
 	defer qa.Close()
-	qb, _ := b.NewQP(nil, 0, n)
+	qb, _ := b.NewQP(0, n)
 	defer qb.Close()
 	qa.Connect(0, endpoint{QPN: qb.QPN()})
 	qb.Connect(0, endpoint{QPN: qa.QPN()})
@@ -217,35 +217,25 @@ func nicCPU(src, dst []byte, size int) (float64, error) {
 	o := op{Local: addrOf(src), LKey: sr.LKey(), Remote: addrOf(dst), RKey: dr.RKey(), Len: uint32(size), Signaled: true, WithImm: true}
 	var status wcStatus
 	us := cpuPer(func() {
-		for i := range n {
+		for range n {
 			var opcode uint32
 			status, opcode = q.execute(o)
 			q.mu.Lock()
 			q.retire(o, status, opcode)
+			q.cq = q.cq[:0] // as a poller would take them
 			q.mu.Unlock()
 			if status != wcSuccess {
 				return
-			}
-			if i%64 == 63 {
-				// The run's pollers take them: piled up, they would
-				// crowd the copies out of the cache.
-				clearCQs(q.cq, peer.cq)
 			}
 		}
 	}, n)
 	if status != wcSuccess {
 		return 0, fmt.Errorf("rdma: send CPU: timing the simulated NIC's work requests: status %d", status)
 	}
-	clearCQs(q.cq, peer.cq)
+	peer.mu.Lock()
+	peer.cq = nil
+	peer.mu.Unlock()
 	return us, nil
-}
-
-func clearCQs(cqs ...*fakeCQ) {
-	for _, c := range cqs {
-		c.mu.Lock()
-		c.wcs = c.wcs[:0]
-		c.mu.Unlock()
-	}
 }
 
 // cpuPer is this process's user+system CPU time in µs that f took, per

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
-	"sync"
-	"sync/atomic"
 	"time"
 
 	"github.com/ferry-project/ferry/internal/pool"
@@ -21,17 +19,7 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	if t.isClosing() {
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, transport.ErrClosed)
 	}
-	// One CQ for every lane of the session: one poller reaps the
-	// completions of all its writes.
-	cq, err := t.nic.NewCQ(t.cfg.Peer.MaxConnsPerPeer * laneCQEs)
-	if err != nil {
-		return nil, fmt.Errorf("rdma dial %s: creating the session's completion queue: %w", addr, err)
-	}
-	p := newSessionPoller(cq)
-	l, instance, region, err := t.dialLane(ctx, addr, p)
-	if err != nil {
-		p.release()
-	}
+	l, instance, region, err := t.dialLane(ctx, addr)
 	if errors.Is(err, peer.ErrNoRDMA) {
 		t.logf("rdma: %s serves no RDMA (it runs the tcp transport, or has no usable RDMA port): this session falls back to TCP", addr)
 		return t.tcp.Dial(ctx, addr)
@@ -39,7 +27,7 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	if err != nil {
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, err)
 	}
-	s := &session{Session: peer.NewSession("rdma", "control connection", addr, instance, t.cfg.Peer.IOTimeout), t: t, region: region, p: p}
+	s := &session{Session: peer.NewSession("rdma", "control connection", addr, instance, t.cfg.Peer.IOTimeout), t: t, region: region}
 	// Through windows any peer writes directly, the NIC bounding each
 	// write to its slot; under the arena's rkey only between peers that
 	// proved the peer secret in the handshake (else it failed).
@@ -50,40 +38,27 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	defer t.mu.Unlock()
 	if t.closed {
 		s.pool.Close()
-		p.release()
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, transport.ErrClosed)
 	}
 	t.sessions[s] = struct{}{}
 	return s, nil
 }
 
-// laneCQEs is the most completions a dialed lane's QP can have in its
-// session's CQ: every send work request (sendDepth, and the writes
-// flying on it), and its one receive.
-const laneCQEs = sendDepth + flyingMax*flyingChunks + 1
-
 // dialLane opens a control connection to addr and connects a new QP over
-// it, on the CQ p polls. It returns the peer's instance and what it says
-// of its memory.
-func (t *Transport) dialLane(ctx context.Context, addr string, p *poller) (_ *lane, instance uint64, _ peerRegion, err error) {
+// it. It returns the peer's instance and what it says of its memory.
+func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instance uint64, _ peerRegion, err error) {
 	c, instance, err := t.port.Dial(ctx, addr, peer.KindRDMA)
 	if err != nil {
 		return nil, 0, peerRegion{}, err
 	}
-	if err := p.acquire(); err != nil {
-		c.Close()
-		return nil, 0, peerRegion{}, err
-	}
-	qp, err := t.nic.NewQP(p.shared, laneCQEs-1, 1)
+	qp, err := t.nic.NewQP(sendDepth+flyingMax*flyingChunks, 1)
 	if err != nil {
-		p.release()
 		c.Close()
 		return nil, 0, peerRegion{}, fmt.Errorf("creating a queue pair: %w", err)
 	}
 	defer func() {
 		if err != nil {
 			qp.Close()
-			p.release()
 			c.Close()
 		}
 	}()
@@ -118,7 +93,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string, p *poller) (_ *la
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", transport.ContextErr(hctx))
 	}
 	c.SetDeadline(time.Time{})
-	return newDialedLane(qp, c, &t.stats.control, p), instance, a.peerRegion, nil
+	return newDialedLane(qp, c, &t.stats.control), instance, a.peerRegion, nil
 }
 
 // session is a pool of lanes to one peer. A write holds a lane from its
@@ -131,31 +106,20 @@ type session struct {
 	region peerRegion // the peer's shared registration, from the connect
 	direct bool       // the peer takes direct writes from this daemon
 	pool   *pool.Pool[*lane]
-	p      *poller // the lanes' CQ's
-	// seq numbers the writes, for their work request ids: unique across
-	// the lanes, so that what the CQ still holds of a destroyed QP
-	// reaches no write of a lane that took its number.
-	seq       atomic.Uint32
-	closeOnce sync.Once
-	closeErr  error
 }
 
-// Close destroys every lane of the session, then its CQ; writes in flight
-// fail.
+// Close destroys every lane of the session; writes in flight fail.
 func (s *session) Close() error {
-	s.closeOnce.Do(func() {
-		s.pool.Close()
-		s.closeErr = s.p.release()
-		s.t.mu.Lock()
-		delete(s.t.sessions, s)
-		s.t.mu.Unlock()
-	})
-	return s.closeErr
+	s.pool.Close()
+	s.t.mu.Lock()
+	delete(s.t.sessions, s)
+	s.t.mu.Unlock()
+	return nil
 }
 
 // open dials one more lane, to the same peer process as the first.
 func (s *session) open(ctx context.Context) (*lane, error) {
-	l, instance, _, err := s.t.dialLane(ctx, s.Peer(), s.p)
+	l, instance, _, err := s.t.dialLane(ctx, s.Peer())
 	if err != nil {
 		return nil, err
 	}
@@ -415,7 +379,8 @@ func (s *session) ask(ctx context.Context, l *lane, w *transport.Write) (_ grant
 // post routes f's completions and posts its body; with every work
 // request posted it returns, the last completion to come.
 func (s *session) post(ctx context.Context, l *lane, f *flight) error {
-	f.seq = s.seq.Add(1)
+	l.seq++
+	f.seq = l.seq
 	// Room for every completion the write can have outstanding (flushes
 	// included) and a poke, so the poller never waits on it.
 	f.wcs = make(chan completion, min(f.window, f.count)+2)
@@ -510,7 +475,7 @@ func (s *session) drain(l *lane, f *flight, posted int) {
 	last := uint64(f.seq)<<32 | uint64(posted-1)
 	t := time.NewTimer(drainWait)
 	defer t.Stop()
-	defer l.p.sleep()()
+	defer l.sleep()()
 	for {
 		select {
 		case wc := <-f.wcs:
@@ -519,7 +484,7 @@ func (s *session) drain(l *lane, f *flight, posted int) {
 			}
 		case <-l.quit:
 			return
-		case <-l.p.polled:
+		case <-l.polled:
 			return
 		case <-t.C:
 			return

@@ -245,46 +245,24 @@ type fakeQP struct {
 	n   *fakeNIC
 	num uint32
 
-	mu     sync.Mutex
-	work   sync.Cond // signaled when ops or recvs arrive, or the state changes
-	state  qpState
-	peer   uint32
-	dgid   *[16]byte // set by connectMooncake: packets go to this GID
-	mcMTU  mtu       // set by connectMooncake: the MTU cap it was given
-	ops    []op
-	recvs  int
-	cq     *fakeCQ
-	ownCQ  bool
-	worker sync.WaitGroup
-}
-
-// fakeCQ is a completion queue and its completion channel.
-type fakeCQ struct {
-	n       *fakeNIC
 	mu      sync.Mutex
-	wcs     []completion
+	work    sync.Cond // signaled when ops or recvs arrive, or the state changes
+	state   qpState
+	peer    uint32
+	dgid    *[16]byte // set by connectMooncake: packets go to this GID
+	mcMTU   mtu       // set by connectMooncake: the MTU cap it was given
+	ops     []op
+	recvs   int
+	cq      []completion
 	armed   bool
 	events  chan struct{}
 	stopped chan struct{}
 	stop    sync.Once
+	worker  sync.WaitGroup
 }
 
-func newFakeCQ(n *fakeNIC) *fakeCQ {
-	return &fakeCQ{n: n, events: make(chan struct{}, 1), stopped: make(chan struct{})}
-}
-
-func (n *fakeNIC) NewCQ(depth int) (sharedCQ, error) {
-	n.hold(1)
-	return newFakeCQ(n), nil
-}
-
-func (n *fakeNIC) NewQP(shared sharedCQ, sendDepth, recvDepth int) (queuePair, error) {
-	q := &fakeQP{n: n}
-	if shared != nil {
-		q.cq = shared.(*fakeCQ)
-	} else {
-		q.cq, q.ownCQ = newFakeCQ(n), true
-	}
+func (n *fakeNIC) NewQP(sendDepth, recvDepth int) (queuePair, error) {
+	q := &fakeQP{n: n, events: make(chan struct{}, 1), stopped: make(chan struct{})}
 	q.work.L = &q.mu
 	n.f.mu.Lock()
 	q.num = n.f.id()
@@ -297,8 +275,6 @@ func (n *fakeNIC) NewQP(shared sharedCQ, sendDepth, recvDepth int) (queuePair, e
 }
 
 func (q *fakeQP) QPN() uint32 { return q.num }
-
-func (q *fakeQP) CQ() completions { return q.cq }
 
 func (q *fakeQP) Connect(psn uint32, remote endpoint) error {
 	q.mu.Lock()
@@ -405,60 +381,45 @@ func (q *fakeQP) PostRecvs(n int) error {
 	return nil
 }
 
-// complete adds c to q's CQ; q.mu is held.
+// complete adds c to the CQ and raises an event if armed; q.mu is held.
 func (q *fakeQP) complete(c completion) {
-	c.QPN = q.num
-	q.cq.add(c)
-}
-
-// add appends c and raises an event if armed.
-func (c *fakeCQ) add(wc completion) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.wcs = append(c.wcs, wc)
-	if c.armed {
-		c.armed = false
+	q.cq = append(q.cq, c)
+	if q.armed {
+		q.armed = false
 		select {
-		case c.events <- struct{}{}:
+		case q.events <- struct{}{}:
 		default:
 		}
 	}
 }
 
-func (c *fakeCQ) Poll(into []completion) (int, error) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	n := copy(into, c.wcs)
+func (q *fakeQP) Poll(into []completion) (int, error) {
+	q.mu.Lock()
+	defer q.mu.Unlock()
+	n := copy(into, q.cq)
 	// Shifted, not resliced: appends reuse the array.
-	c.wcs = c.wcs[:copy(c.wcs, c.wcs[n:])]
+	q.cq = q.cq[:copy(q.cq, q.cq[n:])]
 	return n, nil
 }
 
-func (c *fakeCQ) Arm() error {
-	c.n.arms.Add(1)
-	c.mu.Lock()
-	c.armed = true
-	c.mu.Unlock()
+func (q *fakeQP) Arm() error {
+	q.n.arms.Add(1)
+	q.mu.Lock()
+	q.armed = true
+	q.mu.Unlock()
 	return nil
 }
 
-func (c *fakeCQ) Wait() error {
+func (q *fakeQP) Wait() error {
 	select {
-	case <-c.events:
+	case <-q.events:
 		return nil
-	case <-c.stopped:
+	case <-q.stopped:
 		return errStopped
 	}
 }
 
-func (c *fakeCQ) Stop() { c.stop.Do(func() { close(c.stopped) }) }
-
-// Close ends a shared CQ.
-func (c *fakeCQ) Close() error {
-	c.Stop()
-	c.n.hold(-1)
-	return nil
-}
+func (q *fakeQP) Stop() { q.stop.Do(func() { close(q.stopped) }) }
 
 // Break flushes posted receives and unexecuted work requests.
 func (q *fakeQP) Break() error {
@@ -486,9 +447,7 @@ func (q *fakeQP) fail() {
 }
 
 func (q *fakeQP) Close() error {
-	if q.ownCQ {
-		q.cq.Stop()
-	}
+	q.Stop()
 	q.n.f.mu.Lock()
 	delete(q.n.f.qps, q.num)
 	q.n.f.mu.Unlock()

@@ -333,63 +333,37 @@ func (m *verbsMR) Close() error {
 	return verbsErr("ibv_dereg_mr", C.ibv_dereg_mr(m.mr))
 }
 
-// verbsCQ is a completion queue and its completion channel. Go's poller
+// verbsQP is an RC QP with its own CQ and completion channel. Go's poller
 // waits on a duplicate of the channel's (non-blocking) fd, so a waiting
 // goroutine holds no thread and Stop can wake it by closing the duplicate.
-type verbsCQ struct {
+type verbsQP struct {
+	n    *verbsNIC
+	qp   *C.struct_ibv_qp
 	cq   *C.struct_ibv_cq
 	ch   *C.struct_ibv_comp_channel
 	wake *os.File
 	raw  syscall.RawConn
 }
 
-func (n *verbsNIC) NewCQ(depth int) (sharedCQ, error) { return n.newCQ(depth) }
-
-func (n *verbsNIC) newCQ(depth int) (_ *verbsCQ, err error) {
-	c := &verbsCQ{}
-	defer func() {
-		if err != nil {
-			c.Close()
-		}
-	}()
-	if err := verbsErr(fmt.Sprintf("ibv_create_cq of %d entries", depth), C.fv_cq_open(n.dev.ctx, C.int(depth), &c.ch, &c.cq)); err != nil {
-		return nil, err
-	}
-	fd, err := unix.FcntlInt(uintptr(c.ch.fd), unix.F_DUPFD_CLOEXEC, 0)
-	if err != nil {
-		return nil, fmt.Errorf("dup of the completion channel: %w", err)
-	}
-	c.wake = os.NewFile(uintptr(fd), "ibv_comp_channel")
-	if c.raw, err = c.wake.SyscallConn(); err != nil {
-		return nil, err
-	}
-	return c, nil
-}
-
-// verbsQP is an RC QP, on a CQ of its own or a shared one.
-type verbsQP struct {
-	n     *verbsNIC
-	qp    *C.struct_ibv_qp
-	cq    *verbsCQ
-	ownCQ bool
-}
-
-func (n *verbsNIC) NewQP(shared sharedCQ, sendDepth, recvDepth int) (_ queuePair, err error) {
+func (n *verbsNIC) NewQP(sendDepth, recvDepth int) (_ queuePair, err error) {
 	q := &verbsQP{n: n}
 	defer func() {
 		if err != nil {
 			q.Close()
 		}
 	}()
-	if shared != nil {
-		q.cq = shared.(*verbsCQ)
-	} else {
-		if q.cq, err = n.newCQ(sendDepth + recvDepth); err != nil {
-			return nil, err
-		}
-		q.ownCQ = true
+	if err := verbsErr("ibv_create_cq", C.fv_cq_open(n.dev.ctx, C.int(sendDepth+recvDepth), &q.ch, &q.cq)); err != nil {
+		return nil, err
 	}
-	if err := verbsErr("ibv_create_qp", C.fv_qp_create(n.pd, q.cq.cq, C.int(sendDepth), C.int(recvDepth), &q.qp)); err != nil {
+	fd, err := unix.FcntlInt(uintptr(q.ch.fd), unix.F_DUPFD_CLOEXEC, 0)
+	if err != nil {
+		return nil, fmt.Errorf("dup of the completion channel: %w", err)
+	}
+	q.wake = os.NewFile(uintptr(fd), "ibv_comp_channel")
+	if q.raw, err = q.wake.SyscallConn(); err != nil {
+		return nil, err
+	}
+	if err := verbsErr("ibv_create_qp", C.fv_qp_create(n.pd, q.cq, C.int(sendDepth), C.int(recvDepth), &q.qp)); err != nil {
 		return nil, err
 	}
 	if err := verbsErr("ibv_modify_qp to INIT", C.fv_qp_init(q.qp, C.uint8_t(n.port))); err != nil {
@@ -397,8 +371,6 @@ func (n *verbsNIC) NewQP(shared sharedCQ, sendDepth, recvDepth int) (_ queuePair
 	}
 	return q, nil
 }
-
-func (q *verbsQP) CQ() completions { return q.cq }
 
 func (q *verbsQP) QPN() uint32 { return uint32(q.qp.qp_num) }
 
@@ -457,27 +429,27 @@ func (q *verbsQP) PostRecvs(n int) error {
 	return verbsErr("ibv_post_recv", C.fv_post_recvs(q.qp, 0, C.int(n)))
 }
 
-func (c *verbsCQ) Poll(into []completion) (int, error) {
+func (q *verbsQP) Poll(into []completion) (int, error) {
 	var wcs [16]C.fv_wc
 	var n C.int
-	if err := verbsErr("ibv_poll_cq", C.fv_poll(c.cq, &wcs[0], C.int(min(len(into), len(wcs))), &n)); err != nil {
+	if err := verbsErr("ibv_poll_cq", C.fv_poll(q.cq, &wcs[0], C.int(min(len(into), len(wcs))), &n)); err != nil {
 		return 0, err
 	}
 	for i, w := range wcs[:n] {
 		into[i] = completion{
-			WRID: uint64(w.wr_id), QPN: uint32(w.qp_num), Status: wcStatus(w.status), Opcode: uint32(w.opcode),
+			WRID: uint64(w.wr_id), Status: wcStatus(w.status), Opcode: uint32(w.opcode),
 			ByteLen: uint32(w.byte_len), Imm: uint32(w.imm), HasImm: w.has_imm != 0, VendorErr: uint32(w.vendor_err),
 		}
 	}
 	return int(n), nil
 }
 
-func (c *verbsCQ) Arm() error { return verbsErr("ibv_req_notify_cq", C.fv_cq_arm(c.cq)) }
+func (q *verbsQP) Arm() error { return verbsErr("ibv_req_notify_cq", C.fv_cq_arm(q.cq)) }
 
-func (c *verbsCQ) Wait() error {
+func (q *verbsQP) Wait() error {
 	var rc C.int
-	err := c.raw.Read(func(uintptr) bool {
-		rc = C.fv_cq_event(c.ch)
+	err := q.raw.Read(func(uintptr) bool {
+		rc = C.fv_cq_event(q.ch)
 		return rc != C.EAGAIN
 	})
 	if err != nil {
@@ -486,41 +458,32 @@ func (c *verbsCQ) Wait() error {
 	return verbsErr("ibv_get_cq_event", rc)
 }
 
-func (c *verbsCQ) Stop() {
-	if c.wake != nil {
-		c.wake.Close()
+func (q *verbsQP) Stop() {
+	if q.wake != nil {
+		q.wake.Close()
 	}
-}
-
-// Close destroys the CQ, then the channel: the order verbs requires.
-func (c *verbsCQ) Close() error {
-	c.Stop()
-	var errs []error
-	if c.cq != nil {
-		errs = append(errs, verbsErr("ibv_destroy_cq", C.ibv_destroy_cq(c.cq)))
-		c.cq = nil
-	}
-	if c.ch != nil {
-		errs = append(errs, verbsErr("ibv_destroy_comp_channel", C.ibv_destroy_comp_channel(c.ch)))
-		c.ch = nil
-	}
-	return errors.Join(errs...)
 }
 
 func (q *verbsQP) Break() error {
 	return verbsErr("ibv_modify_qp to ERR", C.fv_qp_error(q.qp))
 }
 
-// Close destroys the QP, then its own CQ: the order verbs requires.
+// Close destroys the QP, then its CQ, then the channel: the order verbs
+// requires.
 func (q *verbsQP) Close() error {
+	q.Stop()
 	var errs []error
 	if q.qp != nil {
 		errs = append(errs, verbsErr("ibv_destroy_qp", C.ibv_destroy_qp(q.qp)))
 		q.qp = nil
 	}
-	if q.ownCQ && q.cq != nil {
-		errs = append(errs, q.cq.Close())
+	if q.cq != nil {
+		errs = append(errs, verbsErr("ibv_destroy_cq", C.ibv_destroy_cq(q.cq)))
 		q.cq = nil
+	}
+	if q.ch != nil {
+		errs = append(errs, verbsErr("ibv_destroy_comp_channel", C.ibv_destroy_comp_channel(q.ch)))
+		q.ch = nil
 	}
 	return errors.Join(errs...)
 }

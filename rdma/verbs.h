@@ -172,7 +172,6 @@ typedef struct {
 	uint32_t imm;     // host order
 	uint32_t has_imm;
 	uint32_t vendor_err;
-	uint32_t qp_num;  // the QP it belongs to: a CQ may be shared
 } fv_wc;
 
 static inline int fv_poll(struct ibv_cq *cq, fv_wc *out, int max, int *n) {
@@ -191,7 +190,6 @@ static inline int fv_poll(struct ibv_cq *cq, fv_wc *out, int max, int *n) {
 		out[i].has_imm = (wc[i].wc_flags & IBV_WC_WITH_IMM) != 0;
 		out[i].imm = out[i].has_imm ? ntohl(wc[i].imm_data) : 0;
 		out[i].vendor_err = wc[i].vendor_err;
-		out[i].qp_num = wc[i].qp_num;
 	}
 	*n = got;
 	return 0;

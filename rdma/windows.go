@@ -65,10 +65,10 @@ func newWindows(n nic, mr region, mem []byte, c *counters) (_ *windows, err erro
 			w.close()
 		}
 	}()
-	if w.qp, err = n.NewQP(nil, 2, 1); err != nil {
+	if w.qp, err = n.NewQP(2, 1); err != nil {
 		return nil, fmt.Errorf("creating the binding queue pair: %w", err)
 	}
-	if w.loop, err = n.NewQP(nil, 1, 1); err != nil {
+	if w.loop, err = n.NewQP(1, 1); err != nil {
 		return nil, fmt.Errorf("creating the binding queue pair's peer: %w", err)
 	}
 	a, b := n.Endpoint(), n.Endpoint()
@@ -194,7 +194,7 @@ func (w *windows) await(wrid uint64) error {
 	var wc [1]completion
 	pause := time.Microsecond
 	for i := 0; ; i++ {
-		n, err := w.qp.CQ().Poll(wc[:])
+		n, err := w.qp.Poll(wc[:])
 		switch {
 		case err != nil:
 			return err
