@@ -128,7 +128,8 @@ var (
 	colMode    = column{"mode", "mode", func(r Row) string { return r.CPU.Mode }}
 	colLanes   = column{"lanes", "lanes", func(r Row) string { return strconv.Itoa(r.Lanes) }}
 	colCPU     = column{"cpu µs/send", "cpu_us_per_send", func(r Row) string { return num(r.CPU.PerSend, 2) }}
-	colCopy    = column{"copy µs left out", "copy_us_left_out", func(r Row) string { return num(r.CPU.CopyLeftOut, 2) }}
+	colNIC     = column{"nic µs left out", "nic_us_left_out", func(r Row) string { return num(r.CPU.NICLeftOut, 2) }}
+	colWithNIC = column{"with nic µs/send", "with_nic_us_per_send", func(r Row) string { return num(r.CPU.WithNIC, 2) }}
 	colControl = column{"control/send", "control_per_send", func(r Row) string { return num(r.CPU.Control, 2) }}
 	colPosts   = column{"posts/send", "posts_per_send", func(r Row) string { return num(r.CPU.Posts, 2) }}
 )
@@ -138,7 +139,7 @@ var (
 	transferColumns = []column{colOp, colSize, colConc, colIters, colGBps, colGbit, colP50, colP90, colP99, colP999, colMax, colErrors, colWrite, colStage}
 	apiColumns      = []column{colOp, colSize, colConc, colIters, colRate, colP50, colP90, colP99, colP999, colMax, colErrors}
 	batchColumns    = []column{colOp, colSize, colBatch, colIters, colItems, colGBps, colGbit, colP50, colP90, colP99, colMax}
-	cpuColumns      = []column{colMode, colSize, colConc, colLanes, colIters, colCPU, colCopy, colControl, colPosts}
+	cpuColumns      = []column{colMode, colSize, colConc, colLanes, colIters, colCPU, colNIC, colWithNIC, colControl, colPosts}
 )
 
 // Format names an output format.

@@ -22,11 +22,12 @@ const (
 
 // CPU is what a send cost the host's CPU, per send.
 type CPU struct {
-	Mode        string  `json:"mode"` // the receiver's protection mode: arena-rkey or grant
-	PerSend     float64 `json:"cpu_us_per_send"`
-	CopyLeftOut float64 `json:"copy_us_left_out"` // the simulated NIC's copy, not counted
-	Control     float64 `json:"control_per_send"` // the sender's control messages (headers sent, grants read)
-	Posts       float64 `json:"posts_per_send"`   // ibv_post_send calls
+	Mode       string  `json:"mode"`                 // the receiver's protection mode: arena-rkey or grant
+	PerSend    float64 `json:"cpu_us_per_send"`      // ferry's own: the simulated NIC's send engines left out
+	NICLeftOut float64 `json:"nic_us_left_out"`      // those engines' CPU: key checks, copy, completions
+	WithNIC    float64 `json:"with_nic_us_per_send"` // the process's CPU, both
+	Control    float64 `json:"control_per_send"`     // the sender's control messages (headers sent, grants read)
+	Posts      float64 `json:"posts_per_send"`       // ibv_post_send calls
 }
 
 // SendCPUConfig is an rdma-cpu run: each mode at each concurrency.
@@ -41,7 +42,7 @@ type SendCPUConfig struct {
 
 // SendCPU measures ferry's own CPU per send over the simulated NIC (see
 // rdma.SendCPU): no device and no daemon, both transports in this
-// process, the NIC's copy left out.
+// process, the simulated NIC's own work left out.
 func SendCPU(ctx context.Context, cfg SendCPUConfig) ([]Row, error) {
 	for _, m := range cfg.Modes {
 		if m != CPUDirect && m != CPUGranted {
@@ -60,7 +61,7 @@ func SendCPU(ctx context.Context, cfg SendCPUConfig) ([]Row, error) {
 				return rows, fmt.Errorf("rdma-cpu %s %s x%d: %w", m, size.Format(cfg.Size), c, err)
 			}
 			row := Row{Op: OpSendCPU, Size: cfg.Size, Concurrency: c, Lanes: cfg.Lanes,
-				CPU: &CPU{Mode: r.Mode, PerSend: r.CPU, CopyLeftOut: r.Copy, Control: r.Control, Posts: r.Posts}}
+				CPU: &CPU{Mode: r.Mode, PerSend: r.CPU, NICLeftOut: r.NIC, WithNIC: r.CPU + r.NIC, Control: r.Control, Posts: r.Posts}}
 			row.Iterations, row.Seconds = r.Sends, r.Wall.Seconds()
 			row.OpsPerSec = float64(r.Sends) / r.Wall.Seconds()
 			rows = append(rows, row)
@@ -75,7 +76,7 @@ func WriteCPU(w io.Writer, rows []Row) {
 		if r.CPU == nil {
 			continue
 		}
-		fmt.Fprintf(w, "rdma-cpu mode=%s size=%s in_flight=%d lanes=%d sends=%d cpu_us_per_send=%.2f copy_us_left_out=%.2f control_per_send=%.2f posts_per_send=%.2f\n",
-			r.CPU.Mode, size.Format(r.Size), r.Concurrency, r.Lanes, r.Iterations, r.CPU.PerSend, r.CPU.CopyLeftOut, r.CPU.Control, r.CPU.Posts)
+		fmt.Fprintf(w, "rdma-cpu mode=%s size=%s in_flight=%d lanes=%d sends=%d cpu_us_per_send=%.2f nic_us_left_out=%.2f with_nic_us_per_send=%.2f control_per_send=%.2f posts_per_send=%.2f\n",
+			r.CPU.Mode, size.Format(r.Size), r.Concurrency, r.Lanes, r.Iterations, r.CPU.PerSend, r.CPU.NICLeftOut, r.CPU.WithNIC, r.CPU.Control, r.CPU.Posts)
 	}
 }

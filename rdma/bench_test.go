@@ -156,7 +156,7 @@ func BenchmarkSendCPU(b *testing.B) {
 				b.Fatal(err)
 			}
 			b.ReportMetric(r.CPU, "cpu_us_per_send")
-			b.ReportMetric(r.Copy, "copy_us_left_out")
+			b.ReportMetric(r.NIC, "nic_us_left_out")
 			b.ReportMetric(r.Control, "control_per_send")
 		})
 	}

@@ -3,7 +3,6 @@ package rdma
 import (
 	"bufio"
 	"net"
-	"runtime"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -11,13 +10,6 @@ import (
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
 )
-
-// busyPoll is how long a CQ is polled before its completion channel is
-// armed and slept on: on an accepted lane after its last completion (the
-// chunks of one write and the next write follow closely), on a dialed one
-// by a write after posting (see completion). Completions taken so cost no
-// interrupt and no wake-up.
-const busyPoll = 50 * time.Microsecond
 
 // lane is one RC queue pair and the TCP control connection it was set up
 // over. A session pools the lanes it dialed: a write holds its lane from
@@ -29,21 +21,19 @@ type lane struct {
 	qp   queuePair
 	ctrl *net.TCPConn
 
-	wcs     chan completion // from the poller, in CQ order (accepted lanes)
-	quit    chan struct{}   // closed by close: the poller and any waiter stop
-	polled  chan struct{}   // closed when the poller has returned
-	pollMu  sync.Mutex
-	pollErr error
-	reapMu  sync.Mutex // one reaper at a time: completions leave in CQ order
+	wcs    chan completion // from the poller, in CQ order (accepted lanes)
+	quit   chan struct{}   // closed by close: the poller and any waiter stop
+	polled chan struct{}   // closed when the poller has returned
+	// down closes when quit, polled or dead does: waiters select on it
+	// alone (see wait), and ask downErr which.
+	down     chan struct{}
+	downOnce sync.Once
+	pollMu   sync.Mutex
+	pollErr  error
+	reapMu   sync.Mutex // one reaper at a time: completions leave in CQ order
 	// reaped is reap's buffer, under reapMu: a local one escapes to the
 	// heap through the queuePair interface, an allocation per poll.
 	reaped [16]completion
-	// announced is set on an accepted lane whose every write is granted
-	// (its transport takes no direct writes): nothing arrives there
-	// unless granted counts it, so its poller busy-polls only then.
-	// granted is the receiver's writes granted and not yet completed.
-	announced bool
-	granted   atomic.Int32
 
 	// use is held shared by whoever works the lane (the writes on it, a
 	// receive loop); close takes it to wait them out before destroying
@@ -55,17 +45,25 @@ type lane struct {
 	// The rest is a dialed lane's, nil or zero on an accepted one.
 
 	seq uint32 // the sender's writes, for work request ids; under the lane's hold
+	// ops is the work requests being posted, under the lane's hold: a
+	// local slice escapes to the heap through the queuePair interface.
+	ops []op
 
 	// routes takes the completions reaped from the CQ to the write whose
-	// sequence number their work request id carries. Writes reap for
-	// themselves (see completion), one at a time (reapMu, which the
-	// poller takes too), so each gets its own in CQ order; the poller
-	// reaps for them while sleepers (writes that polled for busyPoll in
-	// vain, or wait for a flush) count any, and a token on wake calls it.
+	// sequence number their work request id carries. A write reaps once
+	// itself after posting (see completion), one reaper at a time (reapMu,
+	// which the poller takes too), so each gets its own in CQ order; the
+	// poller reaps for them while sleepers (writes waiting for a
+	// completion or a flush) count any, and a token on wake calls it.
 	routeMu  sync.Mutex
-	routes   map[uint32]chan completion
+	routes   map[uint32]*waiter
 	sleepers atomic.Int32
 	wake     chan struct{}
+	// watch pokes the waiters whose deadline has passed (see
+	// checkDeadlines): one timer per lane, not one per wait. watchAt is
+	// when it fires, zero while stopped; both under routeMu.
+	watch   *time.Timer
+	watchAt time.Time
 	// flying counts the writes that let go of the lane and wait for their
 	// completion (at most flyingMax); landed gets a token when it drops
 	// to zero.
@@ -101,13 +99,14 @@ type lane struct {
 }
 
 // newLane makes a lane whose poller takes every completion to wcs (an
-// accepted lane, a Mooncake endpoint's); announced as the field says.
-func newLane(qp queuePair, ctrl *net.TCPConn, depth int, announced bool) *lane {
+// accepted lane, a Mooncake endpoint's).
+func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
 	l := &lane{
-		qp: qp, ctrl: ctrl, announced: announced,
+		qp: qp, ctrl: ctrl,
 		wcs:    make(chan completion, depth),
 		quit:   make(chan struct{}),
 		polled: make(chan struct{}),
+		down:   make(chan struct{}),
 	}
 	go l.poll()
 	return l
@@ -121,7 +120,9 @@ func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lan
 		qp: qp, ctrl: ctrl, replies: replies,
 		quit:    make(chan struct{}),
 		polled:  make(chan struct{}),
-		routes:  make(map[uint32]chan completion),
+		down:    make(chan struct{}),
+		routes:  make(map[uint32]*waiter),
+		ops:     make([]op, 0, sendDepth),
 		wake:    make(chan struct{}, 1),
 		answers: make(chan answer, 1),
 		landed:  make(chan struct{}, 1),
@@ -132,41 +133,28 @@ func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lan
 	return l
 }
 
-// poll moves completions from the CQ to wcs: busy-polling for a short
-// while after each one, then sleeping on the completion channel. A lane
-// whose writes are all announced sleeps at once when none is granted:
-// spinning then only waits out the sender's next header and its grant.
+// poll moves completions from the CQ to wcs, sleeping on the completion
+// channel whenever the CQ is empty. It does not busy-poll: spinning costs
+// a core's time whatever it finds, and a lane that takes direct writes
+// cannot know when the next comes.
 func (l *lane) poll() {
-	defer close(l.polled)
-	last := time.Now()
-	armed := false
+	defer l.stopPolling()
 	for {
-		n, err := l.reap()
-		if err != nil {
+		if err := l.qp.Arm(); err != nil {
 			l.setPollErr(err)
 			return
 		}
-		switch {
-		case n > 0:
-			last, armed = time.Now(), false
-		case time.Since(last) < busyPoll && (!l.announced || l.granted.Load() > 0):
-			runtime.Gosched()
-		case !armed:
-			// Poll once more after arming: a completion that came in
-			// between the last poll and the arming raises no event.
-			if err := l.qp.Arm(); err != nil {
+		// Reap after arming: a completion that came before it raises no
+		// event.
+		if _, err := l.reap(); err != nil {
+			l.setPollErr(err)
+			return
+		}
+		if err := l.qp.Wait(); err != nil {
+			if err != errStopped {
 				l.setPollErr(err)
-				return
 			}
-			armed = true
-		default:
-			if err := l.qp.Wait(); err != nil {
-				if err != errStopped {
-					l.setPollErr(err)
-				}
-				return
-			}
-			armed = false
+			return
 		}
 	}
 }
@@ -177,7 +165,7 @@ func (l *lane) poll() {
 // event: soft-RoCE completes a loopback write inside ibv_post_send, and a
 // NIC a small one within microseconds.
 func (l *lane) pollForSleepers() {
-	defer close(l.polled)
+	defer l.stopPolling()
 	for {
 		select {
 		case <-l.wake:
@@ -231,25 +219,113 @@ func (l *lane) reap() (int, error) {
 	}
 }
 
-// completion waits until deadline for the next completion routed to wcs,
-// or until the lane fails or cancel closes (see wait). It polls the CQ
-// itself for busyPoll, then sleeps on the poller.
-func (l *lane) completion(wcs chan completion, deadline time.Time, cancel <-chan struct{}) (completion, error) {
-	for end := time.Now().Add(busyPoll); ; runtime.Gosched() {
-		if _, err := l.reap(); err != nil {
-			return completion{}, err
-		}
-		select {
-		case c := <-wcs:
+// waiter is a write waiting for its completions on a dialed lane: the
+// poller routes them to wcs, and deadline is when the write gives up on
+// the peer (under routeMu).
+type waiter struct {
+	wcs      chan completion
+	deadline time.Time
+}
+
+// poke is what checkDeadlines sends a waiter whose deadline has passed:
+// no work request carries its id (a write's sequence number is never
+// all ones with its last chunk's index).
+var poke = completion{WRID: ^uint64(0)}
+
+// completion waits until deadline for the next completion routed to w,
+// or until the lane fails or cancel closes (errDead, errLaneClosed, the
+// poller's error, errNoProgress, errCanceled). It reaps the CQ once
+// itself (soft-RoCE completes a loopback write inside ibv_post_send),
+// then sleeps on the poller. It does not busy-poll: a write spinning for
+// its completion costs a core's time for as long as the NIC takes. Nor
+// does it start a timer: the lane's watch pokes it at its deadline.
+func (l *lane) completion(w *waiter, deadline time.Time, cancel <-chan struct{}) (completion, error) {
+	if _, err := l.reap(); err != nil {
+		return completion{}, err
+	}
+	select {
+	case c := <-w.wcs:
+		if c != poke {
 			return c, nil
-		default:
 		}
-		if time.Now().After(end) {
-			break
+	default:
+	}
+	l.await(w, deadline)
+	defer l.sleep()()
+	for {
+		select {
+		case c := <-w.wcs:
+			if c != poke {
+				return c, nil
+			}
+			if !time.Now().Before(deadline) {
+				return completion{}, errNoProgress
+			}
+			// A poke for an earlier wait of the same write.
+		case <-l.down:
+			// A receiver whose QP a write failed (REM_ACCESS_ERR) closes
+			// the control connection: the write's completion, in the CQ
+			// by then, says why better than the close.
+			if _, err := l.reap(); err == nil {
+				select {
+				case c := <-w.wcs:
+					if c != poke {
+						return c, nil
+					}
+				default:
+				}
+			}
+			return completion{}, l.downErr()
+		case <-cancel:
+			return completion{}, errCanceled
 		}
 	}
-	defer l.sleep()()
-	return wait(l, wcs, deadline, cancel)
+}
+
+// await sets w's deadline, moving the watch earlier if it must.
+func (l *lane) await(w *waiter, deadline time.Time) {
+	l.routeMu.Lock()
+	defer l.routeMu.Unlock()
+	w.deadline = deadline
+	if l.watchAt.IsZero() || deadline.Before(l.watchAt) {
+		l.setWatch(deadline)
+	}
+}
+
+// setWatch has checkDeadlines run at at; routeMu is held.
+func (l *lane) setWatch(at time.Time) {
+	l.watchAt = at
+	if l.watch == nil {
+		l.watch = time.AfterFunc(time.Until(at), l.checkDeadlines)
+		return
+	}
+	l.watch.Reset(time.Until(at))
+}
+
+// checkDeadlines pokes every waiter whose deadline has passed, unless a
+// completion waits for it already, and sets the watch for the next
+// deadline. Under steady traffic it runs about once per I/O timeout.
+func (l *lane) checkDeadlines() {
+	l.routeMu.Lock()
+	defer l.routeMu.Unlock()
+	now := time.Now()
+	var next time.Time
+	for _, w := range l.routes {
+		switch {
+		case w.deadline.IsZero():
+		case !now.Before(w.deadline):
+			select {
+			case w.wcs <- poke:
+			default: // full: the write has completions to take first
+			}
+		case next.IsZero() || w.deadline.Before(next):
+			next = w.deadline
+		}
+	}
+	l.watchAt = time.Time{}
+	if !next.IsZero() {
+		l.setWatch(next)
+	}
 }
 
 // sleep has the poller reap for the caller until the returned func is
@@ -261,6 +337,31 @@ func (l *lane) sleep() (wakeUp func()) {
 	default: // the poller has a call waiting already
 	}
 	return func() { l.sleepers.Add(-1) }
+}
+
+// stopPolling marks the poller returned.
+func (l *lane) stopPolling() {
+	close(l.polled)
+	l.goDown()
+}
+
+// goDown closes down, once.
+func (l *lane) goDown() { l.downOnce.Do(func() { close(l.down) }) }
+
+// downErr says why down closed: the receiver gave up on the lane
+// (errDead), the lane closed, or why its poller stopped.
+func (l *lane) downErr() error {
+	select {
+	case <-l.dead: // nil on an accepted lane: never
+		return errDead
+	default:
+	}
+	select {
+	case <-l.quit:
+		return errLaneClosed
+	default:
+	}
+	return l.failure()
 }
 
 func (l *lane) setPollErr(err error) {
@@ -286,11 +387,17 @@ func (l *lane) deliver(c completion) bool {
 	to := l.wcs
 	if l.routes != nil {
 		l.routeMu.Lock()
-		to = l.routes[uint32(c.WRID>>32)]
+		w := l.routes[uint32(c.WRID>>32)]
 		l.routeMu.Unlock()
-		if to == nil {
+		if w == nil {
 			return true
 		}
+		to = w.wcs
+	}
+	select {
+	case to <- c: // the common case: there is room (see session.post)
+		return true
+	default:
 	}
 	select {
 	case to <- c:
@@ -300,11 +407,11 @@ func (l *lane) deliver(c completion) bool {
 	}
 }
 
-// route sends the completions of the write numbered seq to wcs until
+// route sends the completions of the write numbered seq to w until
 // unroute.
-func (l *lane) route(seq uint32, wcs chan completion) {
+func (l *lane) route(seq uint32, w *waiter) {
 	l.routeMu.Lock()
-	l.routes[seq] = wcs
+	l.routes[seq] = w
 	l.routeMu.Unlock()
 }
 
@@ -324,6 +431,7 @@ type answer struct {
 // connection: the one answer to each header, for the write holding the
 // lane, and a failure report, which ends the lane for every write on it.
 func (l *lane) readAnswers() {
+	defer l.goDown()
 	defer close(l.dead)
 	// Buffered: a reply and its grant usually come in one read.
 	in := bufio.NewReaderSize(l.ctrl, peer.ReplySize+peer.MaxMessage+grantSize)
@@ -363,7 +471,9 @@ func (l *lane) ended() bool {
 }
 
 // wait waits until deadline for a value from ch (nil: none), or until the
-// receiver gives up on the lane (dead), the lane closes, or cancel closes.
+// receiver gives up on the lane (dead), the lane closes, its poller
+// stops, or cancel closes. Those three are one channel, down: each case
+// of a select costs a lock and a queue entry, twice.
 func wait[T any](l *lane, ch <-chan T, deadline time.Time, cancel <-chan struct{}) (T, error) {
 	var zero T
 	t := time.NewTimer(time.Until(deadline))
@@ -371,12 +481,8 @@ func wait[T any](l *lane, ch <-chan T, deadline time.Time, cancel <-chan struct{
 	select {
 	case v := <-ch:
 		return v, nil
-	case <-l.dead:
-		return zero, errDead
-	case <-l.quit:
-		return zero, errLaneClosed
-	case <-l.polled:
-		return zero, l.failure()
+	case <-l.down:
+		return zero, l.downErr()
 	case <-cancel:
 		return zero, errCanceled
 	case <-t.C:
@@ -400,6 +506,14 @@ func (l *lane) close() error {
 	l.closeOnce.Do(func() {
 		l.abort()
 		close(l.quit)
+		l.goDown()
+		if l.routes != nil {
+			l.routeMu.Lock()
+			if l.watch != nil {
+				l.watch.Stop()
+			}
+			l.routeMu.Unlock()
+		}
 		l.use.Lock()
 		defer l.use.Unlock()
 		l.qp.Stop()

@@ -90,7 +90,7 @@ func (t *Transport) NewMooncakeQP() (*MooncakeQP, error) {
 		qp.Close()
 		return nil, errNoVerbsDevice
 	}
-	q := &MooncakeQP{t: t, l: newLane(qp, nil, sendDepth, false)}
+	q := &MooncakeQP{t: t, l: newLane(qp, nil, sendDepth)}
 	t.mu.Lock()
 	if t.closed {
 		t.mu.Unlock()

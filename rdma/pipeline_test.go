@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -473,4 +474,50 @@ func (g *gated) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, f
 		<-g.open
 	}
 	return g.watch.Accept(addr, n, key, tag)
+}
+
+// Writes whose completions never come fail once the I/O timeout passes
+// without progress: their lane's watch pokes each waiter at its
+// deadline, and neither waits for the other.
+func TestStalledWritesTimeOut(t *testing.T) {
+	f := newFabric()
+	if onDevice(t) {
+		t.Skip("holds the fake NIC's work: a device's cannot be held")
+	}
+	const size, n = 64 << 10, 3
+	src := mapT(t, n*size)
+	slots := mappedSlots(t, n*size)
+	tx := listenT(t, f, Config{Peer: peer.Config{MaxConnsPerPeer: 1, IOTimeout: 300 * time.Millisecond}, Memory: src})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem})
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	f.hold = make(chan struct{})
+	defer close(f.hold) // the held work goes at the end, into broken QPs
+	res := make(chan error, n)
+	start := time.Now()
+	for i := range n {
+		w := transport.Write{Src: src[i*size:][:size], Remote: uint64(i * size), Key: slots.Add(uint64(i*size), size), Tag: uint32(100 + i)}
+		go func() {
+			_, err := s.Write(ctxFor(t, 60*time.Second), w)
+			res <- err
+		}()
+	}
+	for range n {
+		select {
+		case err := <-res:
+			if err == nil || !strings.Contains(err.Error(), "made no progress") {
+				t.Fatalf("a stalled write: %v, want no progress", err)
+			}
+		case <-time.After(30 * time.Second):
+			t.Fatal("a stalled write did not time out")
+		}
+	}
+	// Each fails after the timeout, and after draining its broken lane
+	// for drainWait at most.
+	if d := time.Since(start); d < 300*time.Millisecond {
+		t.Errorf("the writes failed after %v, before the I/O timeout", d)
+	}
 }

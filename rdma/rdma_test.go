@@ -284,7 +284,7 @@ func newLoop(t *testing.T, size int) *loop {
 		t.Fatal(err)
 	}
 	ca, cb := tcpPair(t)
-	lp.a, lp.b = newLane(qa, ca, sendDepth+recvDepth, false), newLane(qb, cb, sendDepth+recvDepth, false)
+	lp.a, lp.b = newLane(qa, ca, sendDepth+recvDepth), newLane(qb, cb, sendDepth+recvDepth)
 	if lp.areg, err = n.Register(lp.abuf); err != nil {
 		t.Fatal(err)
 	}

@@ -101,7 +101,7 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 		return nil, err
 	}
 	c.SetDeadline(time.Time{})
-	return newLane(qp, c, 1+recvPosted, t.direct == nil), nil
+	return newLane(qp, c, 1+recvPosted), nil
 }
 
 // region describes the shared registration to dialers.
@@ -136,6 +136,7 @@ type receiver struct {
 	gone    chan struct{}    // closed by read when the control connection ends
 	readErr error            // why, set before gone closes; nil for a clean close
 	granted []granted        // outstanding, oldest first
+	taken   int              // receives taken and not yet posted again (see replenish)
 }
 
 // granted is a write granted and not yet completed.
@@ -184,12 +185,21 @@ func (r *receiver) run() error {
 				r.c.Idle() // refused: still idle
 			}
 		case c := <-l.wcs:
-			if err := r.complete(c, drained != nil); err != nil {
-				return r.fail(err)
-			}
-			if drained != nil && len(r.granted) == 0 {
-				<-r.gone
-				return r.readErr
+			// The poller hands them over in batches: take every one
+			// there, then select again.
+			for more := true; more; {
+				if err := r.complete(c, drained != nil); err != nil {
+					return r.fail(err)
+				}
+				if drained != nil && len(r.granted) == 0 {
+					<-r.gone
+					return r.readErr
+				}
+				select {
+				case c = <-l.wcs:
+				default:
+					more = false
+				}
 			}
 			if len(r.granted) == 0 {
 				r.c.Idle()
@@ -214,7 +224,6 @@ func (r *receiver) run() error {
 			l.qp.Break()
 			return r.fail(l.failure())
 		}
-		l.granted.Store(int32(len(r.granted)))
 		if len(r.granted) == 0 {
 			idle.Reset(t.cfg.Peer.IdleTimeout)
 		}
@@ -299,7 +308,7 @@ func (r *receiver) serve(h peer.Header) error {
 // write's (see arrived). draining says the QP is broken: no receives are
 // replenished.
 func (r *receiver) complete(c completion, draining bool) error {
-	l, t := r.l, r.t
+	t := r.t
 	isImm := c.Status == wcSuccess && c.Opcode == opcodeRecvRDMAWithImm && c.HasImm
 	if len(r.granted) == 0 {
 		if c.Status != wcSuccess {
@@ -333,7 +342,17 @@ func (r *receiver) complete(c completion, draining bool) error {
 	if draining {
 		return nil
 	}
-	if err := l.qp.PostRecvs(1); err != nil {
+	return r.replenish()
+}
+
+// replenish counts a receive taken, and posts them back recvBatch at a
+// time: one call, not one per completion.
+func (r *receiver) replenish() error {
+	if r.taken++; r.taken < recvBatch {
+		return nil
+	}
+	r.taken = 0
+	if err := r.l.qp.PostRecvs(recvBatch); err != nil {
 		return fmt.Errorf("replenishing receives: %w", err)
 	}
 	return nil
@@ -360,10 +379,7 @@ func (r *receiver) arrived(c completion, draining bool) error {
 	if draining {
 		return nil
 	}
-	if err := r.l.qp.PostRecvs(1); err != nil {
-		return fmt.Errorf("replenishing receives: %w", err)
-	}
-	return nil
+	return r.replenish()
 }
 
 // fail ends the lane on err: the QP broken (the NIC stops placing

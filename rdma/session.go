@@ -136,7 +136,10 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	if err := s.Begin(ctx, s.pool.Closed()); err != nil {
 		return transport.Report{}, err
 	}
-	dg := s.directGrant(&w)
+	var dg *grant // nil: w asks for a grant
+	if g, ok := s.directGrant(&w); ok {
+		dg = &g
+	}
 	for {
 		l, err := s.lane(ctx)
 		if err != nil {
@@ -166,7 +169,7 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	}
 }
 
-// directGrant is where w goes as a direct write (see wire.go), or nil
+// directGrant is where w goes as a direct write (see wire.go), or false
 // when it must ask first: the peer does not take direct writes, w is not
 // its slot's whole content (a piece resent must count once: the grant
 // path tracks ranges), its key names no window in windows mode, w's tag
@@ -175,16 +178,12 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 // copied through the bounce buffer (one chunk at a time), or it falls
 // outside the peer's shared registration (the peer's refusal then says
 // what is wrong).
-func (s *session) directGrant(w *transport.Write) *grant {
+func (s *session) directGrant(w *transport.Write) (grant, bool) {
 	n := w.Len()
 	if !s.direct || !w.Whole || w.Tag != w.Key.Tag() || n > directMax || s.t.kindOf(w) == fromBounce {
-		return nil
+		return grant{}, false
 	}
-	g, ok := s.region.direct(w.Remote, uint64(n), w.Key.Window())
-	if !ok {
-		return nil
-	}
-	return &g
+	return s.region.direct(w.Remote, uint64(n), w.Key.Window())
 }
 
 // lane takes a lane from the pool, dropping those that a write which
@@ -291,11 +290,11 @@ type flight struct {
 	posted, retired int
 	every, window   int
 	g               grant
-	w               *transport.Write
+	w               transport.Write // a copy: the caller's stays on its stack
 	src             source
 	ring            []byte // fromBounce: the lane's bounce buffer
 	ringKey         uint32
-	wcs             chan completion
+	waiter          // its completions, from the lane's poller
 }
 
 // start sends w's header on l, takes the receiver's answer, and posts the
@@ -313,7 +312,7 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *gr
 		}
 	}()
 	if dg != nil {
-		f := &flight{n: w.Len(), count: 1, wr: max(1, w.Len()), every: 1, window: 1, g: *dg, w: w, src: src}
+		f := &flight{n: w.Len(), count: 1, wr: max(1, w.Len()), every: 1, window: 1, g: *dg, w: *w, src: src}
 		if err = s.post(ctx, l, f); err != nil {
 			return nil, false, err
 		}
@@ -323,7 +322,7 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *gr
 	if err != nil {
 		return nil, reuse, err
 	}
-	f := &flight{n: w.Len(), count: chunks(w.Len()), wr: chunk, every: signalEvery, window: sendDepth, g: g, w: w, src: src}
+	f := &flight{n: w.Len(), count: chunks(w.Len()), wr: chunk, every: signalEvery, window: sendDepth, g: g, w: *w, src: src}
 	// A write the window holds whole needs no completion before its last.
 	if f.count <= f.window {
 		f.every = f.count
@@ -383,9 +382,9 @@ func (s *session) post(ctx context.Context, l *lane, f *flight) error {
 	l.seq++
 	f.seq = l.seq
 	// Room for every completion the write can have outstanding (flushes
-	// included), so the poller never waits on it.
-	f.wcs = make(chan completion, min(f.window, f.count)+1)
-	l.route(f.seq, f.wcs)
+	// included) and a poke, so the poller never waits on it.
+	f.wcs = make(chan completion, min(f.window, f.count)+2)
+	l.route(f.seq, &f.waiter)
 	if err := s.transfer(ctx, l, f, false); err != nil {
 		l.unroute(f.seq)
 		return err
@@ -408,7 +407,7 @@ func lastChunk(n uint64) uint64 { return n - uint64(chunks(int(n))-1)*chunk }
 // goes in one post.
 func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) error {
 	base := uint64(f.seq) << 32
-	ops := make([]op, 0, min(f.count-f.posted, f.window))
+	ops := l.ops[:0] // f holds l whenever it has work requests left to post
 	for f.retired < f.count {
 		ops = ops[:0]
 		for f.posted < f.count && f.posted-f.retired < f.window {
@@ -437,7 +436,7 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 		if !all && f.posted == f.count {
 			return nil
 		}
-		wc, err := l.completion(f.wcs, s.Deadline(ctx), ctx.Done())
+		wc, err := l.completion(&f.waiter, s.Deadline(ctx), ctx.Done())
 		if gaveUp(ctx, err) && f.posted == f.count && s.settle(l, f) {
 			// Everything was posted and the write completed after all:
 			// the lane and its other writes carry on.
@@ -524,7 +523,7 @@ func (s *session) settle(l *lane, f *flight) bool {
 	last := uint64(f.seq)<<32 | uint64(f.count-1)
 	deadline := time.Now().Add(drainWait)
 	for {
-		wc, err := l.completion(f.wcs, deadline, nil)
+		wc, err := l.completion(&f.waiter, deadline, nil)
 		switch {
 		case err != nil || wc.Status != wcSuccess:
 			return false

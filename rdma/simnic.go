@@ -28,7 +28,9 @@ import (
 // fabric joins the simulated NICs of one run or test: QPs by number,
 // registrations by key.
 type fabric struct {
-	mu   sync.Mutex
+	// mu guards the maps; the send engines read them, and copy, under
+	// its read lock, so that they run side by side.
+	mu   sync.RWMutex
 	qps  map[uint32]*fakeQP
 	mrs  map[uint32]*fakeMR
 	mws  map[uint32]*fakeMW // by their current rkey
@@ -401,7 +403,8 @@ func (q *fakeQP) Poll(into []completion) (int, error) {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	n := copy(into, q.cq)
-	q.cq = q.cq[n:]
+	// Shifted, not resliced: appends reuse the array.
+	q.cq = q.cq[:copy(q.cq, q.cq[n:])]
 	return n, nil
 }
 
@@ -476,7 +479,7 @@ func (q *fakeQP) run() {
 			return
 		}
 		o := q.ops[0]
-		q.ops = q.ops[1:]
+		q.ops = q.ops[:copy(q.ops, q.ops[1:])] // as in Poll
 		q.mu.Unlock()
 		status, opcode := q.execute(o)
 		q.mu.Lock()
@@ -509,9 +512,9 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	q.mu.Lock()
 	peerNum, dgid := q.peer, q.dgid
 	q.mu.Unlock()
-	f.mu.Lock()
+	f.mu.RLock()
 	peer := f.qps[peerNum]
-	f.mu.Unlock()
+	f.mu.RUnlock()
 	if peer == nil || dgid != nil && peer.n.gid != *dgid {
 		return wcRetryExcErr, 0
 	}
@@ -522,15 +525,15 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	if peer.state != qpRTS {
 		return wcRetryExcErr, 0
 	}
-	f.mu.Lock()
+	f.mu.RLock()
 	local, ok := f.bytes(o.LKey, o.Local, o.Len)
 	if !ok {
-		f.mu.Unlock()
+		f.mu.RUnlock()
 		return wcLocProtErr, 0
 	}
 	remote, ok := f.remote(peer.n, o.RKey, o.Remote, o.Len)
 	if !ok {
-		f.mu.Unlock()
+		f.mu.RUnlock()
 		// An RC responder that NAKs an access goes to the error state.
 		peer.fail()
 		return wcRemAccessErr, 0
@@ -538,12 +541,12 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	if o.Read {
 		// ferry's QPs allow no remote reads: the responder NAKs the
 		// opcode (invalid request) and goes to the error state.
-		f.mu.Unlock()
+		f.mu.RUnlock()
 		peer.fail()
 		return wcRemInvReqErr, 0
 	}
 	copy(remote, local)
-	f.mu.Unlock()
+	f.mu.RUnlock()
 	if !o.WithImm {
 		return wcSuccess, opcodeRDMAWrite
 	}

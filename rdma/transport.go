@@ -70,15 +70,17 @@ type Fallback interface {
 // sending QP holds sendDepth+flyingMax*flyingChunks work requests. A
 // receiving lane grants at most recvDepth writes at a time, and keeps
 // recvPosted receives posted for immediates: room for the grants and for
-// direct writes, which nobody counts before they land. A sender has at
-// most flyingMax+1 writes in flight per lane, so the receiver may fall
-// that far short of recvPosted in reposting before a sender meets RNR.
+// direct writes, which nobody counts before they land. It reposts them
+// recvBatch at a time (one ibv_post_recv), so it falls at most
+// recvBatch-1 short of recvPosted, with room left for recvDepth grants
+// and the flyingMax+1 writes a sender has in flight per lane.
 const (
 	sendDepth    = 64
 	flyingMax    = 7
 	flyingChunks = signalEvery
 	recvDepth    = 16
 	recvPosted   = 64
+	recvBatch    = 16
 	// directMax is the largest direct write: one work request, within
 	// every RDMA NIC's max_msg_sz (mlx5 1 GiB, soft-RoCE 2 GiB). A
 	// longer write asks for a grant and goes in chunks.

@@ -336,13 +336,19 @@ static inline int fv_post(struct ibv_qp *qp, const fv_op *ops, int n, int *bad) 
 
 // fv_post_recvs posts n receives without buffers: a WRITE WITH IMM
 // consumes one to deliver its immediate, and places no bytes through it.
+// They go chained, 16 to an ibv_post_recv.
 static inline int fv_post_recvs(struct ibv_qp *qp, uint64_t wr_id, int n) {
-	struct ibv_recv_wr wr, *bad;
-	for (int i = 0; i < n; i++) {
-		memset(&wr, 0, sizeof wr);
-		wr.wr_id = wr_id;
-		int rc = ibv_post_recv(qp, &wr, &bad);
+	struct ibv_recv_wr wr[16], *bad;
+	while (n > 0) {
+		int k = n < 16 ? n : 16;
+		memset(wr, 0, k * sizeof wr[0]);
+		for (int i = 0; i < k; i++) {
+			wr[i].wr_id = wr_id;
+			wr[i].next = i + 1 < k ? &wr[i + 1] : NULL;
+		}
+		int rc = ibv_post_recv(qp, wr, &bad);
 		if (rc) return rc;
+		n -= k;
 	}
 	return 0;
 }

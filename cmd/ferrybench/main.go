@@ -38,7 +38,7 @@ Commands:
              items, side by side, with ratios (--python: also the Python client)
   api        control-plane round trips: status, and stage+send of a tiny embedding
   rdma-cpu   ferry's own CPU per RDMA send, both ends in this process on a
-             simulated NIC (no device, no daemon), the NIC's copy left out
+             simulated NIC (no device, no daemon), the NIC's own work left out
 
 Daemons: --from SOCKET --to SOCKET measures two running ferryd; without them
 ferrybench starts two ferryd on loopback (--ferryd PATH, default the one
