@@ -136,8 +136,9 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	if err := s.Begin(ctx, s.pool.Closed()); err != nil {
 		return transport.Report{}, err
 	}
+	kind := s.t.kindOf(&w)
 	var dg *grant // nil: w asks for a grant
-	if g, ok := s.directGrant(&w); ok {
+	if g, ok := s.directGrant(&w, kind); ok {
 		dg = &g
 	}
 	for {
@@ -158,7 +159,7 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 		if err != nil {
 			return transport.Report{}, err
 		}
-		rep := s.t.kindOf(&w).report(w.Len())
+		rep := kind.report(w.Len())
 		s.t.stats.sends.Add(1)
 		if dg != nil {
 			s.t.stats.direct.Add(1)
@@ -178,9 +179,9 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 // copied through the bounce buffer (one chunk at a time), or it falls
 // outside the peer's shared registration (the peer's refusal then says
 // what is wrong).
-func (s *session) directGrant(w *transport.Write) (grant, bool) {
+func (s *session) directGrant(w *transport.Write, kind sourceKind) (grant, bool) {
 	n := w.Len()
-	if !s.direct || !w.Whole || w.Tag != w.Key.Tag() || n > directMax || s.t.kindOf(w) == fromBounce {
+	if !s.direct || !w.Whole || w.Tag != w.Key.Tag() || n > directMax || kind == fromBounce {
 		return grant{}, false
 	}
 	return s.region.direct(w.Remote, uint64(n), w.Key.Window())
