@@ -48,6 +48,13 @@ type CPUConfig struct {
 	// message, as in windows mode. Otherwise each asks for a grant
 	// (ModeGrant).
 	Direct bool
+	// Inline has the simulated NIC carry out each work request inside
+	// Post, as soft-RoCE does on a loopback QP: no send engine wakes for
+	// it, and a write finds its completion in the CQ the moment it looks,
+	// so it never sleeps for one. A hardware NIC completes later, and its
+	// writes do sleep: this run is a lower bound of ferry's CPU per send,
+	// the default one (a send engine per QP, woken per post) an upper one.
+	Inline bool
 	// TCP is the transports' fallback for peers without RDMA
 	// (transport/tcp's Over, as Config.TCP): a simulated pair never uses
 	// it, but a transport needs one. Required.
@@ -126,6 +133,7 @@ func simPair(ctx context.Context, c CPUConfig, secret []byte) (_ *sendPair, clos
 		return nil, nil, err
 	}
 	f := newFabric()
+	f.inline = c.Inline
 	start := func(id byte, sink *countSink, mem []byte) (*Transport, error) {
 		cfg := Config{Peer: peer.Config{Addr: "127.0.0.1:0", Sink: sink, Secret: secret, MaxConnsPerPeer: c.Lanes}, Memory: mem, TCP: c.TCP}
 		t, err := listen(cfg, f.nic(id))

@@ -549,6 +549,7 @@ func cmdRDMACPU(ctx context.Context, args []string, o *out) error {
 	lanes := fs.Int("lanes", 8, "lanes (RC QPs) the sends share, as ferryd's --max-conns")
 	sends := fs.Int("sends", 3000, "sends measured per point, after a warm-up round")
 	modes := fs.String("modes", bench.CPUDirect+","+bench.CPUGranted, "`list`: direct (authenticated peers, no control message per send), granted (a header and a grant per send)")
+	nic := fs.String("nic", bench.NICEngine, "how the simulated NIC carries out work requests: engine (a goroutine per QP, woken per post: an upper bound of ferry's CPU) or inline (inside the post, completed at once, as soft-RoCE on loopback: a lower bound)")
 	if err := parse(fs, args, o); err != nil {
 		return err
 	}
@@ -569,7 +570,7 @@ func cmdRDMACPU(ctx context.Context, args []string, o *out) error {
 	setup := baseSetup()
 	setup["nic"] = "simulated"
 	rep := bench.Report{Command: "rdma-cpu", Date: time.Now(), Setup: setup}
-	rep.Rows, err = bench.SendCPU(ctx, bench.SendCPUConfig{Size: n, Sends: *sends, Concurrency: cs, Lanes: *lanes, Modes: strings.Split(*modes, ","), Progress: o.stderr})
+	rep.Rows, err = bench.SendCPU(ctx, bench.SendCPUConfig{Size: n, Sends: *sends, Concurrency: cs, Lanes: *lanes, Modes: strings.Split(*modes, ","), NIC: *nic, Progress: o.stderr})
 	if err := o.reportRun(rep, err); err != nil {
 		return err
 	}

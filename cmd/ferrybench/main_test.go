@@ -166,9 +166,16 @@ func TestRDMACPUSmoke(t *testing.T) {
 			t.Errorf("row %d: %+v (cpu %+v), want mode %s with %v control messages per send", i, r, r.CPU, want.mode, want.control)
 		}
 	}
-	for _, want := range []string{"rdma-cpu mode=arena-rkey size=64KiB in_flight=4 lanes=2 sends=50 cpu_us_per_send=", "rdma-cpu mode=grant "} {
+	for _, want := range []string{"rdma-cpu mode=arena-rkey nic=engine size=64KiB in_flight=4 lanes=2 sends=50 cpu_us_per_send=", "rdma-cpu mode=grant "} {
 		if !strings.Contains(errOut, want) {
 			t.Errorf("stderr lacks %q:\n%s", want, errOut)
+		}
+	}
+	// The simulated NIC inline: both modes still deliver every send.
+	out, _ = runBench(t, "rdma-cpu", "--sends", "50", "--concurrency", "4", "--lanes", "2", "--nic", "inline")
+	for _, want := range []string{"rdma-cpu mode=arena-rkey nic=inline ", "rdma-cpu mode=grant nic=inline "} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
 		}
 	}
 }
@@ -190,6 +197,7 @@ func TestBadInput(t *testing.T) {
 		{[]string{"transfer", "--json", "--csv"}, "choose one"},
 		{[]string{"rdma-cpu", "--modes", "direct,windy"}, `mode "windy"`},
 		{[]string{"rdma-cpu", "--plot", "x.png"}, "nothing to draw"},
+		{[]string{"rdma-cpu", "--nic", "fast"}, `simulated NIC "fast"`},
 	} {
 		var o, e bytes.Buffer
 		err := run(context.Background(), tc.args, &o, &e)
