@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"sync"
 	"time"
 
 	"github.com/ferry-project/ferry/internal/pool"
@@ -264,8 +265,13 @@ func (s *session) run(ctx context.Context, l *lane, w *transport.Write, dg *gran
 	}
 	// The NIC is done with the source when the write returns: the last
 	// work request completed, or the QP was broken and drained.
-	defer f.src.release()
-	defer l.unroute(f.seq)
+	defer func() {
+		l.unroute(f.seq)
+		f.src.release()
+		if err == nil {
+			recycle(f)
+		}
+	}()
 	if f.src.kind == fromBounce || f.count > flyingChunks {
 		// The bounce ring is the lane's, and a long write would keep
 		// others' completions waiting behind it: hold on.
@@ -281,6 +287,29 @@ func (s *session) run(ctx context.Context, l *lane, w *transport.Write, dg *gran
 	// broken, and the next to take it drops it. write counts it down.
 	s.pool.Put(l)
 	return false, false, s.transfer(ctx, l, f, true)
+}
+
+// flights keeps the flights of completed writes for the next ones: a
+// send then allocates none (ferrybench rdma-cpu counts the CPU).
+var flights = sync.Pool{New: func() any { return new(flight) }}
+
+// newFlight is a flight with nothing set but, maybe, a channel for its
+// completions.
+func newFlight() *flight { return flights.Get().(*flight) }
+
+// recycle gives back the flight of a write that took its last
+// completion and was unrouted: every completion of its work requests
+// came before that one, so none can be on its way to wcs; a poke its
+// deadline sent before the unroute may be, and is dropped. A write
+// that failed keeps its flight: a late flush may still be delivered.
+func recycle(f *flight) {
+	wcs := f.wcs
+	*f = flight{}
+	for len(wcs) > 0 {
+		<-wcs
+	}
+	f.wcs = wcs
+	flights.Put(f)
 }
 
 // flight is a write whose body is being posted or awaited.
@@ -313,7 +342,8 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *gr
 		}
 	}()
 	if dg != nil {
-		f := &flight{n: w.Len(), count: 1, wr: max(1, w.Len()), every: 1, window: 1, g: *dg, w: *w, src: src}
+		f := newFlight()
+		f.n, f.count, f.wr, f.every, f.window, f.g, f.w, f.src = w.Len(), 1, max(1, w.Len()), 1, 1, *dg, *w, src
 		if err = s.post(ctx, l, f); err != nil {
 			return nil, false, err
 		}
@@ -323,7 +353,8 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *gr
 	if err != nil {
 		return nil, reuse, err
 	}
-	f := &flight{n: w.Len(), count: chunks(w.Len()), wr: chunk, every: signalEvery, window: sendDepth, g: g, w: *w, src: src}
+	f := newFlight()
+	f.n, f.count, f.wr, f.every, f.window, f.g, f.w, f.src = w.Len(), chunks(w.Len()), chunk, signalEvery, sendDepth, g, *w, src
 	// A write the window holds whole needs no completion before its last.
 	if f.count <= f.window {
 		f.every = f.count
@@ -384,7 +415,9 @@ func (s *session) post(ctx context.Context, l *lane, f *flight) error {
 	f.seq = l.seq
 	// Room for every completion the write can have outstanding (flushes
 	// included) and a poke, so the poller never waits on it.
-	f.wcs = make(chan completion, min(f.window, f.count)+2)
+	if room := min(f.window, f.count) + 2; cap(f.wcs) < room {
+		f.wcs = make(chan completion, room)
+	}
 	l.route(f.seq, &f.waiter)
 	if err := s.transfer(ctx, l, f, false); err != nil {
 		l.unroute(f.seq)
