@@ -114,21 +114,39 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicErr error) (api.Region, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.stopping {
-		return api.Region{}, errStopping
-	}
-	if len(r.regions) >= maxRegions {
-		return api.Region{}, apiErr(api.CodeBusy, "%d regions are registered, this ferryd's limit: unregister some, or lend larger ones", len(r.regions))
-	}
-	if g, ok := r.regions[name]; ok {
-		if g.closing {
-			return api.Region{}, apiErr(api.CodeExists, "the region named %s is still closing (transfers or writes use it): wait for DELETE /v1/regions/%s, or choose another name", name, name)
-		}
-		return api.Region{}, apiErr(api.CodeExists, "a region named %s is registered already: unregister it first or choose another name", name)
+	if err := r.mayAddRegion(name); err != nil {
+		return api.Region{}, err
 	}
 	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), gone: make(chan struct{})}
 	r.regions[name] = g
 	return r.describeRegion(g), nil
+}
+
+// checkNewRegion says whether a region named name could be added now,
+// so that a request that would be refused maps and registers nothing
+// (addRegion checks again: another may take the name meanwhile).
+func (r *registry) checkNewRegion(name string) error {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return r.mayAddRegion(name)
+}
+
+// mayAddRegion checks a new region's name against the table and its
+// limit; callers hold mu.
+func (r *registry) mayAddRegion(name string) error {
+	if r.stopping {
+		return errStopping
+	}
+	if len(r.regions) >= maxRegions {
+		return apiErr(api.CodeBusy, "%d regions are registered, this ferryd's limit: unregister some, or lend larger ones", len(r.regions))
+	}
+	if g, ok := r.regions[name]; ok {
+		if g.closing {
+			return apiErr(api.CodeExists, "the region named %s is still closing (transfers or writes use it): wait for DELETE /v1/regions/%s, or choose another name", name, name)
+		}
+		return apiErr(api.CodeExists, "a region named %s is registered already: unregister it first or choose another name", name)
+	}
+	return nil
 }
 
 // describeRegion describes g; callers hold mu.
@@ -252,6 +270,9 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if req.NBytes <= 0 {
 		return apiErr(api.CodeBadRequest, "region %s: nbytes %d must be positive", req.Name, req.NBytes)
 	}
+	if err := d.reg.checkNewRegion(req.Name); err != nil {
+		return err
+	}
 	var mem arena.Memory
 	var err error
 	switch {
@@ -268,7 +289,7 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	nic, nicErr := d.registerRegionNIC(req.Name, mem)
+	nic, nicErr := d.registerRegionNIC(mem)
 	g, err := d.reg.addRegion(req.Name, mem, nic, nicErr)
 	if err != nil {
 		if nic != nil {
@@ -276,6 +297,15 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 		}
 		_ = mem.Close()
 		return err
+	}
+	// Counted once the region is in: a request refused after all
+	// leaves no registration behind.
+	switch {
+	case nicErr != nil:
+		d.metrics.regionRegistrations.WithLabelValues("failed").Inc()
+		d.regionLog.Printf("region %s: %v; the region is registered for transfers all the same", req.Name, nicErr)
+	case nic != nil:
+		d.metrics.regionRegistrations.WithLabelValues("registered").Inc()
 	}
 	d.log.Info().Str("region", req.Name).Str("kind", g.Kind).Int64("nbytes", req.NBytes).Bool("nic", nic != nil).Msg("region registered")
 	writeJSON(w, http.StatusCreated, g)
@@ -288,9 +318,9 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 // reaches the GPU arena itself). A failure fails nothing: TCP peers read
 // and write the region as it lies, and RDMA copies its writes through
 // bounce and staging buffers (a CUDA region's through the pinned bounce
-// area); the reason is logged (rate-limited), counted, and listed with
-// the region.
-func (d *Daemon) registerRegionNIC(name string, mem arena.Memory) (io.Closer, error) {
+// area); the caller logs the reason (rate-limited), counts it, and
+// lists it with the region.
+func (d *Daemon) registerRegionNIC(mem arena.Memory) (io.Closer, error) {
 	rr := d.reg.registrar
 	if rr == nil {
 		return nil, nil
@@ -303,11 +333,8 @@ func (d *Daemon) registerRegionNIC(name string, mem arena.Memory) (io.Closer, er
 		nic, err = rr.RegisterDeviceRegion(transport.Range{Addr: mem.Base(), Len: uint64(mem.Size())})
 	}
 	if err != nil {
-		d.metrics.regionRegistrations.WithLabelValues("failed").Inc()
-		d.regionLog.Printf("region %s: %v; the region is registered for transfers all the same", name, err)
 		return nil, err
 	}
-	d.metrics.regionRegistrations.WithLabelValues("registered").Inc()
 	return nic, nil
 }
 
