@@ -316,6 +316,11 @@ func (l *lane) checkDeadlines() {
 		case !now.Before(w.deadline):
 			select {
 			case w.wcs <- poke:
+				// One poke per wait: a write that is not reading its
+				// channel (one settling its grant in land) must not
+				// have it filled, which would block the poller's
+				// delivery of its completions, and so the lane's.
+				w.deadline = time.Time{}
 			default: // full: the write has completions to take first
 			}
 		case next.IsZero() || w.deadline.Before(next):
