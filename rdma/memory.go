@@ -68,13 +68,13 @@ type source struct {
 
 // kindOf says how w's source reaches the NIC: a device source only ever
 // from a registration made once, the GPU arena's or a CUDA region's
-// (writeSource refuses any other).
-func (t *Transport) kindOf(w *transport.Write) sourceKind {
+// (writeSource refuses any other); for a host source, with the lkey
+// hostSource gives.
+func (t *Transport) kindOf(w *transport.Write) (sourceKind, uint32) {
 	if w.Src == nil && w.Device.Len > 0 {
-		return fromShared
+		return fromShared, 0
 	}
-	k, _ := t.hostSource(w.Src)
-	return k
+	return t.hostSource(w.Src)
 }
 
 // hostSource says how src reaches the NIC, with the lkey of the
@@ -95,12 +95,12 @@ func (t *Transport) hostSource(src []byte) (sourceKind, uint32) {
 	return fromBounce, 0
 }
 
-// writeSource is source for w, whose source may be device memory: it
-// must lie in device memory the NIC reaches itself, the GPU arena or a
-// registered CUDA region (regions.go).
-func (t *Transport) writeSource(w *transport.Write) (source, error) {
+// writeSource is source for w, whose host source kindOf placed (kind,
+// lkey); a device source must lie in device memory the NIC reaches
+// itself, the GPU arena or a registered CUDA region (regions.go).
+func (t *Transport) writeSource(w *transport.Write, kind sourceKind, lkey uint32) (source, error) {
 	if w.Src != nil || w.Device.Len == 0 {
-		return t.source(w.Src)
+		return t.sourceAt(w.Src, kind, lkey)
 	}
 	d := w.Device
 	mr := t.inPlace(d.Addr, d.Len)
@@ -133,6 +133,11 @@ func (k sourceKind) report(n int) transport.Report {
 // the declared memory without a shared registration.
 func (t *Transport) source(src []byte) (source, error) {
 	kind, lkey := t.hostSource(src)
+	return t.sourceAt(src, kind, lkey)
+}
+
+// sourceAt is source, with hostSource's answer for src already found.
+func (t *Transport) sourceAt(src []byte, kind sourceKind, lkey uint32) (source, error) {
 	switch kind {
 	case fromShared:
 		if len(src) == 0 {

@@ -268,8 +268,12 @@ func (r *receiver) serve(h peer.Header) error {
 	var done func(error)
 	var no *peer.Refused
 	var err error
+	var mr region
 	sink, inPlaceSink := t.cfg.Peer.Sink.(transport.InPlaceSink)
-	if mr := t.inPlace(h.Addr, h.Len); inPlaceSink && mr != nil {
+	if inPlaceSink {
+		mr = t.inPlace(h.Addr, h.Len)
+	}
+	if mr != nil {
 		// Into device memory the NIC reaches (the GPU arena, a CUDA
 		// region): straight to the slot. A slot admitted pins its memory,
 		// so mr outlives the grant.

@@ -137,10 +137,10 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	if err := s.Begin(ctx, s.pool.Closed()); err != nil {
 		return transport.Report{}, err
 	}
-	kind := s.t.kindOf(&w)
-	var dg *grant // nil: w asks for a grant
-	if g, ok := s.directGrant(&w, kind); ok {
-		dg = &g
+	var p plan
+	p.kind, p.lkey = s.t.kindOf(&w)
+	if g, ok := s.directGrant(&w, p.kind); ok {
+		p.dg = &g
 	}
 	for {
 		l, err := s.lane(ctx)
@@ -148,7 +148,7 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 			return transport.Report{}, s.Take(ctx, err, "lane")
 		}
 		stale := l.answered.Load()
-		err = s.write(ctx, l, &w, dg)
+		err = s.write(ctx, l, &w, &p)
 		// A receiver closes a lane it finds idle (or needs the room for)
 		// without a word, and the close can cross a header just sent:
 		// that write was never granted, nothing of it was posted, so it
@@ -160,15 +160,23 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 		if err != nil {
 			return transport.Report{}, err
 		}
-		rep := kind.report(w.Len())
+		rep := p.kind.report(w.Len())
 		s.t.stats.sends.Add(1)
-		if dg != nil {
+		if p.dg != nil {
 			s.t.stats.direct.Add(1)
 		} else {
 			rep.Messages = peer.Messages
 		}
 		return rep, nil
 	}
+}
+
+// plan is what Write works out once for a write and its every attempt:
+// how its source reaches the NIC, and where a direct write goes.
+type plan struct {
+	kind sourceKind
+	lkey uint32 // a host source's registration made once (fromShared)
+	dg   *grant // nil: the write asks for a grant
 }
 
 // directGrant is where w goes as a direct write (see wire.go), or false
@@ -213,8 +221,8 @@ func (s *session) lane(ctx context.Context) (*lane, error) {
 // A write canceled while waiting for its answer leaves l out of step (the
 // answer still comes) but not broken: the writes flying on l may still
 // complete, so l retires, taking no more writes, and closes after them.
-func (s *session) write(ctx context.Context, l *lane, w *transport.Write, dg *grant) error {
-	held, reuse, err := s.run(ctx, l, w, dg)
+func (s *session) write(ctx context.Context, l *lane, w *transport.Write, p *plan) error {
+	held, reuse, err := s.run(ctx, l, w, p)
 	switch {
 	case !held:
 		if l.flying.Add(-1) == 0 {
@@ -256,10 +264,10 @@ func (s *session) closeIfRetired(l *lane) {
 // another write as far as this one knows (a broken QP marks l broken:
 // a write that failed in transfer, canceled, whose completion came all
 // the same, leaves l fit).
-func (s *session) run(ctx context.Context, l *lane, w *transport.Write, dg *grant) (held, reuse bool, err error) {
+func (s *session) run(ctx context.Context, l *lane, w *transport.Write, p *plan) (held, reuse bool, err error) {
 	l.use.RLock()
 	defer l.use.RUnlock()
-	f, reuse, err := s.start(ctx, l, w, dg)
+	f, reuse, err := s.start(ctx, l, w, p)
 	if err != nil {
 		return true, reuse, err
 	}
@@ -329,10 +337,10 @@ type flight struct {
 
 // start sends w's header on l, takes the receiver's answer, and posts the
 // body (waiting for completions while it needs the window); a direct
-// write (dg) goes without the header, in one work request. With an
+// write (p.dg) goes without the header, in one work request. With an
 // error, reuse reports whether l may carry another write.
-func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *grant) (_ *flight, reuse bool, err error) {
-	src, err := s.t.writeSource(w)
+func (s *session) start(ctx context.Context, l *lane, w *transport.Write, p *plan) (_ *flight, reuse bool, err error) {
+	src, err := s.t.writeSource(w, p.kind, p.lkey)
 	if err != nil {
 		return nil, true, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 	}
@@ -341,9 +349,9 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, dg *gr
 			src.release()
 		}
 	}()
-	if dg != nil {
+	if p.dg != nil {
 		f := newFlight()
-		f.n, f.count, f.wr, f.every, f.window, f.g, f.w, f.src = w.Len(), 1, max(1, w.Len()), 1, 1, *dg, *w, src
+		f.n, f.count, f.wr, f.every, f.window, f.g, f.w, f.src = w.Len(), 1, max(1, w.Len()), 1, 1, *p.dg, *w, src
 		if err = s.post(ctx, l, f); err != nil {
 			return nil, false, err
 		}
