@@ -72,6 +72,9 @@ type lane struct {
 	// broken is set when a write that had let go of the lane failed: the
 	// QP is broken, and the next write to take the lane drops it.
 	broken atomic.Bool
+	// stalled is set when a write's wait on the lane ran past the I/O
+	// timeout and broke its QP: the writes flushed behind it stalled too.
+	stalled atomic.Bool
 	// answered is set once the receiver answered a header on the lane;
 	// unanswered, when the receiver closed the control connection before
 	// answering the header of the write holding the lane (see

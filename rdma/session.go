@@ -492,8 +492,17 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 		}
 		if err != nil {
 			inFlight := fmt.Sprintf("with %d of a %d-byte write's %d work requests in flight", f.posted-f.retired, f.n, f.count)
+			if err == errNoProgress {
+				l.stalled.Store(true)
+			}
 			s.drain(l, f, f.posted)
 			return s.broken(ctx, l, err, inFlight)
+		}
+		if wc.Status == wcWRFlushErr && l.stalled.Load() {
+			// Flushed by the break of a write that timed out before it,
+			// on the same QP: this one waited on the same stalled peer.
+			l.broken.Store(true)
+			return s.broken(ctx, l, errNoProgress, fmt.Sprintf("on its lane (another write on it timed out first and broke it) with %d of a %d-byte write's %d work requests in flight", f.posted-f.retired, f.n, f.count))
 		}
 		if wc.Status != wcSuccess {
 			l.broken.Store(true)
