@@ -108,7 +108,7 @@ func BenchmarkRegister(b *testing.B) {
 			}
 			b.ResetTimer()
 			for range b.N {
-				reg, err := n.Register(mem)
+				reg, err := n.Register(mem, localUse)
 				if err != nil {
 					b.Fatal(err)
 				}

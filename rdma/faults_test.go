@@ -26,9 +26,9 @@ type hook struct {
 	// split, when set, is taken by the next post of more than one work
 	// request: the first half goes to the NIC, split runs, then the rest.
 	split func(first []op)
-	// rkeyXor, when set, is xored into every rkey of the next post: a
-	// write under a key the receiver never granted.
-	rkeyXor uint32
+	// edit, when set, changes every work request of the next post: a
+	// write under a key the receiver never granted, say.
+	edit func(o *op)
 	// gate, when set, holds every poll that found completions until it
 	// is closed: the lane learns of them only then.
 	gate chan struct{}
@@ -41,12 +41,12 @@ func (h *hook) arm(set func(h *hook)) {
 	set(h)
 }
 
-func (h *hook) take() (split func([]op), rkeyXor uint32) {
+func (h *hook) take() (split func([]op), edit func(o *op)) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
-	split, rkeyXor = h.split, h.rkeyXor
-	h.split, h.rkeyXor = nil, 0
-	return split, rkeyXor
+	split, edit = h.split, h.edit
+	h.split, h.edit = nil, nil
+	return split, edit
 }
 
 type hookNIC struct {
@@ -68,11 +68,11 @@ type hookQP struct {
 }
 
 func (q hookQP) Post(ops []op) error {
-	split, rkeyXor := q.h.take()
-	if rkeyXor != 0 {
+	split, edit := q.h.take()
+	if edit != nil {
 		ops = slices.Clone(ops)
 		for i := range ops {
-			ops[i].RKey ^= rkeyXor
+			edit(&ops[i])
 		}
 	}
 	if split != nil && len(ops) > 1 {
@@ -358,7 +358,7 @@ func TestInvalidRKey(t *testing.T) {
 	p.landed(t, warm)
 
 	w := p.slot(size)
-	p.txh.arm(func(h *hook) { h.rkeyXor = 0x5a5a00 })
+	p.txh.arm(func(h *hook) { h.edit = func(o *op) { o.RKey ^= 0x5a5a00 } })
 	gate := make(chan struct{})
 	p.rxh.arm(func(h *hook) { h.gate = gate })
 	t.Cleanup(func() {

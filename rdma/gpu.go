@@ -87,10 +87,10 @@ func (t *Transport) registerDevice(windowed bool) error {
 		var reg region
 		var err error
 		if windowed && p != api.GPURegistrationBounce {
-			reg, t.windows, t.noWindows = t.registerWindowed(func() (region, error) { return t.registerPath(p, true) }, d.Base, d.Size)
+			reg, t.windows, t.noWindows = t.registerWindowed(func() (region, error) { return t.registerPath(p, windowBinding) }, d.Base, d.Size)
 		}
 		if reg == nil {
-			reg, err = t.registerPath(p, false)
+			reg, err = t.registerPath(p, peerWrites)
 		}
 		if err != nil {
 			g.NotTaken = append(g.NotTaken, PathNotTaken{Path: p, Err: err})
@@ -122,23 +122,23 @@ func (t *Transport) registerDevice(windowed bool) error {
 	return nil
 }
 
-// registerPath registers the arena by path p, for windows (the bounce
-// area never is: it holds no slot) or for remote writes, or says why it
+// registerPath registers the arena by path p for u (the bounce area is
+// never registered for windows: it holds no slot), or says why it
 // cannot and what to do.
-func (t *Transport) registerPath(p api.GPURegistration, forWindows bool) (region, error) {
+func (t *Transport) registerPath(p api.GPURegistration, u use) (region, error) {
 	d := t.cfg.Device
 	switch p {
 	case api.GPURegistrationDMABuf:
 		if d.DMABufFD < 0 {
 			return nil, fmt.Errorf("the arena is not exported as a dmabuf (%v): dmabuf needs Linux 5.12 or later and NVIDIA's open GPU kernel modules; else load nvidia-peermem, or run with --gpu-registration bounce", d.DMABufErr)
 		}
-		reg, err := t.nic.RegisterDMABuf(d.DMABufFD, d.DMABufOffset, d.Size, d.Base, forWindows)
+		reg, err := t.nic.RegisterDMABuf(d.DMABufFD, d.DMABufOffset, d.Size, d.Base, u)
 		if err != nil {
 			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), dmabufAdvice(err))
 		}
 		return reg, nil
 	case api.GPURegistrationPeerMem:
-		reg, err := t.nic.RegisterDevice(d.Base, d.Size, forWindows)
+		reg, err := t.nic.RegisterDevice(d.Base, d.Size, u)
 		if err != nil {
 			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), peermemAdvice(err))
 		}
@@ -147,7 +147,7 @@ func (t *Transport) registerPath(p api.GPURegistration, forWindows bool) (region
 		if len(d.Bounce) == 0 {
 			return nil, errors.New("the arena has no pinned bounce area")
 		}
-		reg, err := t.nic.Register(d.Bounce)
+		reg, err := t.nic.Register(d.Bounce, peerWrites)
 		if err != nil {
 			return nil, fmt.Errorf("registering the %d-byte pinned bounce area: %w (%s); %s", len(d.Bounce), err, errnoName(err), memlockLimit())
 		}

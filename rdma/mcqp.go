@@ -68,9 +68,9 @@ func (t *Transport) SharedKeys() (rkey, lkey uint32, ok bool) {
 // GPU arena by the path that registered it.
 func (t *Transport) registerForPeers() (region, error) {
 	if g := t.reg.GPU; g != nil {
-		return t.registerPath(g.Path, false)
+		return t.registerPath(g.Path, peerWrites)
 	}
-	return t.nic.Register(t.mem)
+	return t.nic.Register(t.mem, peerWrites)
 }
 
 // MooncakeQP is a queue pair of a Mooncake endpoint. The transport

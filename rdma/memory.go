@@ -145,7 +145,7 @@ func (t *Transport) sourceAt(src []byte, kind sourceKind, lkey uint32) (source, 
 		}
 		return source{kind: fromShared, addr: addrOf(src), lkey: lkey}, nil
 	case fromPerSend:
-		reg, err := t.nic.Register(src)
+		reg, err := t.nic.Register(src, localUse)
 		if err != nil {
 			return source{}, fmt.Errorf("per-send registration of %d bytes: %w", len(src), err)
 		}
@@ -169,7 +169,7 @@ func (l *lane) bounceBuffer(n nic) ([]byte, uint32, error) {
 		if err != nil {
 			return nil, 0, err
 		}
-		reg, err := n.Register(b)
+		reg, err := n.Register(b, localUse)
 		if err != nil {
 			unmap(b)
 			return nil, 0, fmt.Errorf("registering a bounce buffer: %w", err)
@@ -194,15 +194,15 @@ type target struct {
 
 // target finds where the NIC is to put a write meant for dst: dst itself
 // when it lies in the declared memory or a region (under the shared
-// registration or the region's, or in windows mode under the window of
-// dst's slot, which the Sink checked the key of; or registered for this
-// write), else a buffer mapped and registered for this write and copied
-// into dst once the write is complete.
+// registration, or a region's, or a window: see reach), or registered
+// for this write; else a buffer mapped and registered for this write
+// and copied into dst once the write is complete.
 func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	tg := &target{dst: dst, copied: &t.stats.copied}
 	if len(dst) == 0 {
 		return tg, nil
 	}
+	tg.addr = addrOf(dst)
 	inArena := within(t.mem, dst)
 	var mr region // the registration made once that holds dst
 	if t.shared != nil && inArena {
@@ -212,26 +212,15 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	}
 	switch {
 	case mr != nil:
-		rkey, err := t.slotRKey(window, mr)
-		if err != nil {
-			return nil, err
-		}
-		tg.addr, tg.rkey = addrOf(dst), rkey
-		return tg, nil
+		return tg, t.reach(tg, window, mr, func() (region, error) { return t.nic.Register(dst, peerWrites) })
 	case inArena:
-		reg, err := t.nic.Register(dst)
-		if err != nil {
-			return nil, fmt.Errorf("per-receive registration of %d bytes: %w", len(dst), err)
-		}
-		t.stats.perReceive.Add(1)
-		tg.addr, tg.rkey, tg.reg = addrOf(dst), reg.RKey(), reg
-		return tg, nil
+		return tg, t.registerFor(tg, func() (region, error) { return t.nic.Register(dst, peerWrites) })
 	}
 	stage, err := mapAnon(len(dst))
 	if err != nil {
 		return nil, err
 	}
-	reg, err := t.nic.Register(stage)
+	reg, err := t.nic.Register(stage, peerWrites)
 	if err != nil {
 		unmap(stage)
 		return nil, fmt.Errorf("registering a %d-byte staging buffer: %w", len(dst), err)
@@ -241,17 +230,38 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	return tg, nil
 }
 
-// slotRKey is the rkey a granted write into a slot goes under: in
-// windows mode the slot's window's (its key's Window), else that of mr,
-// the registration holding the slot (the arena's or a region's).
-func (t *Transport) slotRKey(window uint32, mr region) (uint32, error) {
+// reach sets the rkey a granted write into a slot inside mr (the
+// registration made once that holds it: the arena's or a region's) goes
+// under. In windows mode that is the slot's window's (its key's Window).
+// Otherwise a slot in the arena goes under the arena's rkey, and a slot
+// in a region under a registration of the slot's bytes alone, made by
+// register for this write: a region is its client's own memory (a KV
+// pool, say), registered for local use only, so that no rkey reaching
+// all of it ever leaves the host.
+func (t *Transport) reach(tg *target, window uint32, mr region, register func() (region, error)) error {
 	switch {
-	case t.windows == nil:
-		return mr.RKey(), nil
-	case window == 0:
-		return 0, errors.New("the slot has no memory window, and in windows mode nothing else lets a peer write the arena or a region")
+	case t.windows != nil && window == 0:
+		return errors.New("the slot has no memory window, and in windows mode nothing else lets a peer write the arena or a region")
+	case t.windows != nil:
+		tg.rkey = window
+	case mr == t.shared:
+		tg.rkey = mr.RKey()
+	default:
+		return t.registerFor(tg, register)
 	}
-	return window, nil
+	return nil
+}
+
+// registerFor registers tg's bytes for its write alone (register):
+// finish deregisters them.
+func (t *Transport) registerFor(tg *target, register func() (region, error)) error {
+	reg, err := register()
+	if err != nil {
+		return fmt.Errorf("per-receive registration: %w", err)
+	}
+	t.stats.perReceive.Add(1)
+	tg.rkey, tg.reg = reg.RKey(), reg
+	return nil
 }
 
 // inPlace is the registration of the device memory the NIC reaches

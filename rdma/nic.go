@@ -12,30 +12,43 @@ type nic interface {
 	// Endpoint is the port's address (GID, LID, active MTU); QPN and PSN
 	// are filled per queue pair.
 	Endpoint() endpoint
-	// Register makes mem reachable by the NIC. mem must not be Go heap
-	// memory (the NIC keeps its address): mmap'd or C memory only.
-	Register(mem []byte) (region, error)
+	// Register makes mem reachable by the NIC for u. mem must not be Go
+	// heap memory (the NIC keeps its address): mmap'd or C memory only.
+	Register(mem []byte, u use) (region, error)
 	// RegisterDevice registers size bytes of device memory at addr, which
-	// the host cannot address (peer memory: nvidia-peermem pins it); for
-	// windows as RegisterForWindows does, or for remote writes.
-	RegisterDevice(addr, size uint64, forWindows bool) (region, error)
+	// the host cannot address (peer memory: nvidia-peermem pins it).
+	RegisterDevice(addr, size uint64, u use) (region, error)
 	// RegisterDMABuf registers size bytes at offset of dmabuf fd, reached
-	// at addresses from iova on (the device pointer of its first byte);
-	// forWindows as for RegisterDevice.
-	RegisterDMABuf(fd int, offset, size, iova uint64, forWindows bool) (region, error)
+	// at addresses from iova on (the device pointer of its first byte).
+	RegisterDMABuf(fd int, offset, size, iova uint64, u use) (region, error)
 	// NewQP makes an RC queue pair with its own completion queue and
 	// completion channel.
 	NewQP(sendDepth, recvDepth int) (queuePair, error)
 	// Windows is nil when the device binds type 1 memory windows, else
 	// why it does not.
 	Windows() error
-	// RegisterForWindows registers mem for local access and for binding
-	// windows only: its own rkey lets no peer write (windows.go).
-	RegisterForWindows(mem []byte) (region, error)
 	// AllocWindow allocates a type 1 memory window, bound to nothing.
 	AllocWindow() (window, error)
 	Close() error
 }
+
+// use is what a registration lets the NIC do with its memory besides
+// reading and writing it for this host's own work requests. A
+// registration lets peers write under its own rkey only where a peer is
+// given that rkey on purpose: a peer that guesses or keeps an rkey
+// reaches nothing else.
+type use int
+
+const (
+	// localUse: no peer writes it (send sources, bounce buffers, regions
+	// outside windows mode).
+	localUse use = iota
+	// peerWrites: peers write it under its own rkey.
+	peerWrites
+	// windowBinding: peers write it only through windows bound over it
+	// (windows.go); its own rkey lets no peer write.
+	windowBinding
+)
 
 // window is a type 1 memory window: what a peer may write through it is
 // what its last bind (queuePair.Bind) allowed.

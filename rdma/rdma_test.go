@@ -285,10 +285,10 @@ func newLoop(t *testing.T, size int) *loop {
 	}
 	ca, cb := tcpPair(t)
 	lp.a, lp.b = newLane(qa, ca, sendDepth+recvDepth), newLane(qb, cb, sendDepth+recvDepth)
-	if lp.areg, err = n.Register(lp.abuf); err != nil {
+	if lp.areg, err = n.Register(lp.abuf, peerWrites); err != nil {
 		t.Fatal(err)
 	}
-	if lp.breg, err = n.Register(lp.bbuf); err != nil {
+	if lp.breg, err = n.Register(lp.bbuf, peerWrites); err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() {

@@ -279,7 +279,7 @@ func (r *receiver) serve(h peer.Header) error {
 		// so mr outlives the grant.
 		if done, no = r.gate.AdmitInPlace(&h, sink); no == nil {
 			tg = &target{addr: h.Addr}
-			tg.rkey, err = t.slotRKey(h.Key.Window(), mr)
+			err = t.reach(tg, h.Key.Window(), mr, func() (region, error) { return t.nic.RegisterDevice(h.Addr, h.Len, peerWrites) })
 		}
 	} else {
 		var dst []byte

@@ -16,12 +16,13 @@ import (
 // start. A write whose source lies in one goes from its registration,
 // and a granted write into a slot in one lands in place, neither copied.
 //
-// What a peer may write: in windows mode a region is registered like
-// the arena, for local access and window binding only, so its own rkey
-// lets no peer write and a slot in it gets a window over its bytes;
-// otherwise it is registered for remote writes, and a grant into one of
-// its slots names its rkey, which reaches the whole region as the
-// arena's reaches the whole arena in the grant and arena-rkey modes.
+// What a peer may write: a region's own rkey never lets a peer write,
+// since a region is its client's own memory. In windows mode it is
+// registered like the arena, for local access and window binding, and a
+// slot in it gets a window over its bytes; otherwise it is registered
+// for local access only, and each granted write into one of its slots
+// goes under a registration of that slot's bytes made for the write
+// (reach, in memory.go), closed once the write is done.
 
 // lentRegion is one region's registration: size bytes at addr, host
 // memory the daemon mapped or device memory (a CUDA region, at its
@@ -88,7 +89,7 @@ var _ transport.RegionRegistrar = (*Transport)(nil)
 
 // RegisterRegion implements transport.RegionRegistrar: it registers mem
 // (mmap'd by the daemon, never Go memory) with the NIC, for windows in
-// windows mode, else for remote writes. Closing the handle deregisters
+// windows mode, else for local access only. Closing the handle deregisters
 // it; the caller closes it only once no write from or into mem is in
 // flight and every window over it is closed (a NIC refuses to drop a
 // registration with windows bound over it).
@@ -100,11 +101,8 @@ func (t *Transport) RegisterRegion(mem []byte) (io.Closer, error) {
 	if len(t.mem) > 0 && base < addrOf(t.mem)+uint64(len(t.mem)) && addrOf(t.mem) < base+n {
 		return nil, fmt.Errorf("rdma: a region of %d bytes at %#x overlaps the arena", n, base)
 	}
-	register, how := t.nic.Register, "for remote writes"
-	if t.windows != nil {
-		register, how = t.nic.RegisterForWindows, "for windows (IBV_ACCESS_MW_BIND)"
-	}
-	mr, err := register(mem)
+	u, how := t.regionUse()
+	mr, err := t.nic.Register(mem, u)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: registering a region of %d bytes %s with the NIC failed with %s (%w); %s; until then its writes are copied through bounce and staging buffers",
 			n, how, errnoName(err), err, memlockLimit())
@@ -115,8 +113,8 @@ func (t *Transport) RegisterRegion(mem []byte) (io.Closer, error) {
 // RegisterDeviceRegion implements transport.RegionRegistrar for device
 // memory the GPU arena's device holds (a CUDA region, at its device
 // pointer in this process): by its device pointer (ibv_reg_mr, which
-// needs nvidia-peermem), for windows in windows mode, else for remote
-// writes. Only where the NIC reaches the GPU arena itself (its dmabuf
+// needs nvidia-peermem), for windows in windows mode, else for local
+// access only. Only where the NIC reaches the GPU arena itself (its dmabuf
 // or peer-memory path): on the bounce path the NIC reaches no device
 // memory, and the region's bytes go through the bounce area as the
 // arena's do. There is no dmabuf path for a region: an IPC-opened
@@ -138,12 +136,21 @@ func (t *Transport) RegisterDeviceRegion(r transport.Range) (io.Closer, error) {
 	case r.Addr < t.dev.Addr+t.dev.Len && t.dev.Addr < r.Addr+r.Len:
 		return nil, fmt.Errorf("rdma: a CUDA region of %d bytes at %#x overlaps the GPU arena", r.Len, r.Addr)
 	}
-	mr, err := t.nic.RegisterDevice(r.Addr, r.Len, t.windows != nil)
+	u, how := t.regionUse()
+	mr, err := t.nic.RegisterDevice(r.Addr, r.Len, u)
 	if err != nil {
-		return nil, fmt.Errorf("rdma: registering a CUDA region of %d bytes at %#x with the NIC by its device pointer (peermem; a region has no dmabuf path) failed with %s (%w): check that nvidia-peermem is loaded (modprobe nvidia-peermem; lsmod | grep nvidia_peermem) and the kernel log; until then its bytes go through the pinned bounce area",
-			r.Len, r.Addr, errnoName(err), err)
+		return nil, fmt.Errorf("rdma: registering a CUDA region of %d bytes at %#x %s with the NIC by its device pointer (peermem; a region has no dmabuf path) failed with %s (%w): check that nvidia-peermem is loaded (modprobe nvidia-peermem; lsmod | grep nvidia_peermem) and the kernel log; until then its bytes go through the pinned bounce area",
+			r.Len, r.Addr, how, errnoName(err), err)
 	}
 	return t.lent.add(&lentRegion{addr: r.Addr, size: r.Len, device: true, mr: mr})
+}
+
+// regionUse is how a region is registered, and that in words.
+func (t *Transport) regionUse() (use, string) {
+	if t.windows != nil {
+		return windowBinding, "for windows (IBV_ACCESS_MW_BIND)"
+	}
+	return localUse, "for local access"
 }
 
 // add lists g, whose registration it closes when g cannot be listed.

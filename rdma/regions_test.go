@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"io"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -19,6 +20,7 @@ import (
 // with RegisterRegion): the receiver's slots span both halves.
 type regionPair struct {
 	tx, rx         *Transport
+	txh            *hook // steers the sender's posts
 	s              transport.Session
 	slots          *transporttest.Slots // over the receiver's whole mapping
 	src            []byte               // the sender's whole mapping
@@ -36,14 +38,14 @@ const (
 func newRegionPair(t *testing.T, windows bool) *regionPair {
 	t.Helper()
 	f := newFabric()
-	p := &regionPair{src: mapT(t, 2*regionHalf), slots: mappedSlots(t, 2*regionHalf)}
+	p := &regionPair{src: mapT(t, 2*regionHalf), slots: mappedSlots(t, 2*regionHalf), txh: &hook{}}
 	p.slots.Base = addrOf(p.slots.Mem)
 	var sink transport.Sink = p.slots
 	if windows {
 		f.windows = true
 		sink = transporttest.WindowSlots{Slots: p.slots}
 	}
-	p.tx = listenT(t, f, Config{Memory: p.src[:regionHalf]})
+	p.tx = listenHooked(t, f, Config{Memory: p.src[:regionHalf]}, p.txh)
 	p.rx = listenT(t, f, Config{Peer: peer.Config{Sink: sink}, Memory: p.slots.Mem[:regionHalf]})
 	if got, want := p.rx.Mode() == ModeWindows, windows; got != want {
 		t.Fatalf("receiver's mode %q (%s), windows wanted: %v", p.rx.Mode(), p.rx.ModeWhy(), want)
@@ -90,11 +92,14 @@ func (p *regionPair) write(t *testing.T, src []byte, off uint64, whole bool) tra
 // by the NIC where it lies, on both sides, in the grant and windows
 // modes: a write from it reports the registration made once and copies
 // nothing (no bounce), and a granted write into a slot in it lands in
-// place (no staging buffer, no per-receive registration, nothing
-// copied); in windows mode the slot's window binds over the region's
-// registration, and a whole-slot write goes direct through it. A source running past the region's end is not taken as
-// inside it (bounced), and once the slots are freed both regions
-// deregister (the NIC refuses to while a window is bound over one).
+// place (no staging buffer, nothing copied); in windows mode the slot's
+// window binds over the region's registration, and a whole-slot write
+// goes direct through it; in grant mode each write into a region is
+// registered for itself (the region's own rkey lets no peer write:
+// TestRegionRKeysStayHome). A source running past the region's end is
+// not taken as inside it (bounced), and once the slots are freed both
+// regions deregister (the NIC refuses to while a window is bound over
+// one).
 func TestRegions(t *testing.T) {
 	for _, windows := range []bool{false, true} {
 		name := ModeGrant
@@ -131,8 +136,11 @@ func TestRegions(t *testing.T) {
 			if d := tx.Bounced - tx0.Bounced; d != 0 || tx.CopiedBytes != tx0.CopiedBytes || tx.PerSend != tx0.PerSend {
 				t.Errorf("sender: %d bounced, %d bytes copied, %d registered per send; want none", d, tx.CopiedBytes-tx0.CopiedBytes, tx.PerSend-tx0.PerSend)
 			}
-			if d := rx.Staged - rx0.Staged; d != 0 || rx.CopiedBytes != rx0.CopiedBytes || rx.PerReceive != rx0.PerReceive {
-				t.Errorf("receiver: %d staged, %d bytes copied, %d registered per receive; want none", d, rx.CopiedBytes-rx0.CopiedBytes, rx.PerReceive-rx0.PerReceive)
+			if d := rx.Staged - rx0.Staged; d != 0 || rx.CopiedBytes != rx0.CopiedBytes {
+				t.Errorf("receiver: %d staged, %d bytes copied; want none", d, rx.CopiedBytes-rx0.CopiedBytes)
+			}
+			if got, want := rx.PerReceive-rx0.PerReceive, regionReceives(windows, 3); got != want {
+				t.Errorf("receiver: %d registered per receive, want %d", got, want)
 			}
 
 			// From the region's last page into the page after its end, in
@@ -167,6 +175,76 @@ func TestRegions(t *testing.T) {
 			}
 			if d := p.tx.Stats().Bounced - before.Bounced; d != 1 {
 				t.Errorf("a write from a deregistered region bounced %d times, want 1", d)
+			}
+		})
+	}
+}
+
+// regionReceives is how many registrations per receive n granted writes
+// into regions make: one each outside windows mode, none in it.
+func regionReceives(windows bool, n uint64) uint64 {
+	if windows {
+		return 0
+	}
+	return n
+}
+
+// TestRegionRKeysStayHome: outside windows mode a region is registered
+// for local access only, and a granted write into a slot in it goes
+// under a registration of the slot's bytes made for that write alone:
+// neither the region's own rkey nor the rkey an earlier grant named lets
+// a peer write the region. The sender's NIC reports REM_ACCESS_ERR for
+// each (a write granted into the arena, sent to the region's bytes
+// under that rkey instead), nothing is delivered, the region's bytes
+// stay as they were, and a good write after each goes through on a new
+// lane.
+func TestRegionRKeysStayHome(t *testing.T) {
+	p := newRegionPair(t, false)
+	fill(p.src, 7)
+	const n = 4096
+	victim := uint64(regionHalf) // a slot's offset in the receiver's region
+	var granted atomic.Uint32
+	p.txh.arm(func(h *hook) { h.edit = func(o *op) { granted.Store(o.RKey) } })
+	p.write(t, p.txLent[:n], victim, false)
+	own := p.rx.lent.holdingBytes(p.rxLent).mr.RKey()
+	if own == 0 {
+		// rxe gives a registration without remote access rkey 0; its
+		// lkey is what a peer would try.
+		own = p.rx.lent.holdingBytes(p.rxLent).mr.LKey()
+	}
+	for _, c := range []struct {
+		name string
+		rkey uint32
+	}{
+		{"under an earlier grant's rkey", granted.Load()},
+		{"under the region's own rkey", own},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			defer p.write(t, p.txLent[:n], victim, false)
+			before := bytes.Clone(p.slots.Mem[victim : victim+n])
+			hostile := p.src[1 : n+1] // the pattern moved by a byte
+			if bytes.Equal(before, hostile) {
+				t.Fatal("the hostile write's bytes are the region's already: it would show nothing")
+			}
+			key := p.slots.Add(0, n) // in the arena: granted under its rkey
+			w := transport.Write{Src: hostile, Remote: p.slots.Base, Key: key, Tag: key.Tag()}
+			p.txh.arm(func(h *hook) { h.edit = func(o *op) { o.Remote, o.RKey = p.slots.Base+victim, c.rkey } })
+			_, err := p.s.Write(ctxFor(t, 60*time.Second), w)
+			if got := transport.StatusName(err); got != "REM_ACCESS_ERR" {
+				t.Fatalf("a write %s: %v (status %q), want REM_ACCESS_ERR", c.name, err, got)
+			}
+			t.Logf("a write %s: %v", c.name, err)
+			if err := p.slots.WaitIdle(ctxFor(t, 30*time.Second)); err != nil {
+				t.Fatal(err)
+			}
+			if d := p.slots.Delivered(w.Tag); d != 0 {
+				t.Errorf("a write %s was delivered %d times", c.name, d)
+			}
+			if !bytes.Equal(before, p.slots.Mem[victim:victim+n]) {
+				t.Errorf("a write %s changed the region", c.name)
+			}
+			if err := p.slots.Remove(key); err != nil {
+				t.Fatal(err)
 			}
 		})
 	}
@@ -343,9 +421,11 @@ func TestCUDARegions(t *testing.T) {
 				t.Errorf("sender: %d bounced, %d bytes copied, %d registered per send; want none",
 					txs.Bounced-tx0.Bounced, txs.CopiedBytes-tx0.CopiedBytes, txs.PerSend-tx0.PerSend)
 			}
-			if rxs.Staged != rx0.Staged || rxs.CopiedBytes != rx0.CopiedBytes || rxs.PerReceive != rx0.PerReceive {
-				t.Errorf("receiver: %d staged, %d bytes copied, %d registered per receive; want none",
-					rxs.Staged-rx0.Staged, rxs.CopiedBytes-rx0.CopiedBytes, rxs.PerReceive-rx0.PerReceive)
+			if rxs.Staged != rx0.Staged || rxs.CopiedBytes != rx0.CopiedBytes {
+				t.Errorf("receiver: %d staged, %d bytes copied; want none", rxs.Staged-rx0.Staged, rxs.CopiedBytes-rx0.CopiedBytes)
+			}
+			if got, want := rxs.PerReceive-rx0.PerReceive, regionReceives(windows, 3); got != want {
+				t.Errorf("receiver: %d registered per receive, want %d", got, want)
 			}
 
 			// From the region's last page past its end: outside it.

@@ -204,12 +204,12 @@ func nicCPU(src, dst []byte, size int) (float64, error) {
 	n := max(100, 20000*(64<<10)/size)
 	f := newFabric()
 	a, b := f.nic(1), f.nic(2)
-	sr, err := a.Register(src[:size])
+	sr, err := a.Register(src[:size], localUse)
 	if err != nil {
 		return 0, err
 	}
 	defer sr.Close()
-	dr, err := b.Register(dst[:size])
+	dr, err := b.Register(dst[:size], peerWrites)
 	if err != nil {
 		return 0, err
 	}

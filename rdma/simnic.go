@@ -88,44 +88,40 @@ func (n *fakeNIC) hold(d int) {
 
 func (n *fakeNIC) Endpoint() endpoint { return endpoint{GID: n.gid, MTU: 3} }
 
-func (n *fakeNIC) Register(mem []byte) (region, error) { return n.register(mem, false) }
-
-func (n *fakeNIC) RegisterForWindows(mem []byte) (region, error) { return n.register(mem, true) }
-
-func (n *fakeNIC) register(mem []byte, forWindows bool) (region, error) {
+func (n *fakeNIC) Register(mem []byte, u use) (region, error) {
 	n.f.mu.Lock()
 	defer n.f.mu.Unlock()
 	if n.f.failRegister > 0 && len(mem) >= n.f.failRegister {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes: %w", len(mem), syscall.ENOMEM)
 	}
-	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: addrOf(mem), forWindows: forWindows}
+	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: addrOf(mem), use: u}
 	n.f.mrs[m.key] = m
 	n.hold(1)
 	return m, nil
 }
 
-func (n *fakeNIC) RegisterDevice(addr, size uint64, forWindows bool) (region, error) {
+func (n *fakeNIC) RegisterDevice(addr, size uint64, u use) (region, error) {
 	if n.f.noPeerMem != nil {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes of device memory at %#x: %w", size, addr, n.f.noPeerMem)
 	}
-	return n.registerDevice(addr, size, forWindows)
+	return n.registerDevice(addr, size, u)
 }
 
-func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64, forWindows bool) (region, error) {
+func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (region, error) {
 	if n.f.noDMABuf != nil {
 		return nil, fmt.Errorf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d: %w", size, fd, n.f.noDMABuf)
 	}
-	return n.registerDevice(iova, size, forWindows)
+	return n.registerDevice(iova, size, u)
 }
 
 // registerDevice registers [addr, addr+size) of the declared device
 // memory; anything else is EFAULT, as ibv_reg_mr of an address nothing
 // maps.
-func (n *fakeNIC) registerDevice(addr, size uint64, forWindows bool) (region, error) {
+func (n *fakeNIC) registerDevice(addr, size uint64, u use) (region, error) {
 	for _, d := range n.f.device {
 		if addr >= addrOf(d) && size <= uint64(len(d)) && addr-addrOf(d) <= uint64(len(d))-size {
 			off := addr - addrOf(d)
-			return n.register(d[off:off+size], forWindows)
+			return n.Register(d[off:off+size], u)
 		}
 	}
 	return nil, fmt.Errorf("ibv_reg_mr of %d bytes at %#x: %w", size, addr, syscall.EFAULT)
@@ -143,12 +139,12 @@ func (n *fakeNIC) Close() error {
 }
 
 type fakeMR struct {
-	n          *fakeNIC
-	key        uint32
-	mem        []byte
-	addr       uint64
-	forWindows bool // MW_BIND, no remote write under its own rkey
-	closed     bool
+	n      *fakeNIC
+	key    uint32
+	mem    []byte
+	addr   uint64
+	use    use
+	closed bool
 }
 
 func (n *fakeNIC) Windows() error {
@@ -218,7 +214,7 @@ func (f *fabric) remote(p *fakeNIC, rkey uint32, addr uint64, n uint32) ([]byte,
 		}
 		return f.bytes(w.mr.key, addr, n)
 	}
-	if m := f.mrs[rkey]; m == nil || m.forWindows || m.n != p {
+	if m := f.mrs[rkey]; m == nil || m.use != peerWrites || m.n != p {
 		return nil, false // a key is its own NIC's: another NIC knows none
 	}
 	return f.bytes(rkey, addr, n)
@@ -362,7 +358,7 @@ func (q *fakeQP) Bind(w window, r region, addr, n, wrid uint64) (uint32, error) 
 	mw.mr, mw.addr, mw.len = nil, 0, 0
 	if n > 0 {
 		m := r.(*fakeMR)
-		if f.refuseBinds || !m.forWindows || addr < m.addr || addr-m.addr > uint64(len(m.mem)) || n > uint64(len(m.mem))-(addr-m.addr) {
+		if f.refuseBinds || m.use != windowBinding || addr < m.addr || addr-m.addr > uint64(len(m.mem)) || n > uint64(len(m.mem))-(addr-m.addr) {
 			q.complete(completion{WRID: wrid, Status: wcMWBindErr})
 			q.fail()
 			return mw.rkey, nil

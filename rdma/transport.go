@@ -273,13 +273,13 @@ func (t *Transport) registerShared(windowed bool) {
 	}
 	start := time.Now()
 	if windowed {
-		t.shared, t.windows, t.noWindows = t.registerWindowed(func() (region, error) { return t.nic.RegisterForWindows(mem) }, addrOf(mem), uint64(len(mem)))
+		t.shared, t.windows, t.noWindows = t.registerWindowed(func() (region, error) { return t.nic.Register(mem, windowBinding) }, addrOf(mem), uint64(len(mem)))
 	} else {
 		t.noWindows = errors.New("the receiving Sink puts no windows over its slots")
 	}
 	var err error
 	if t.shared == nil {
-		t.shared, err = t.nic.Register(mem)
+		t.shared, err = t.nic.Register(mem, peerWrites)
 	}
 	t.reg.Took = time.Since(start)
 	if err != nil {

@@ -53,17 +53,23 @@ const (
 // maxPost is how many work requests one ibv_post_send carries.
 const maxPost = C.FV_MAX_POST
 
-// access is what every registration allows: the NIC writes into it on a
-// peer's behalf, and reads from it for local sends. No REMOTE_READ: ferry
-// never reads a peer's memory, and a Mooncake segment's descriptor hands
-// the arena's rkey to whoever asks, so a readable registration would let
-// anyone who reaches the port read the whole arena.
-const access = C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE
-
-// windowAccess is the arena's registration in windows mode: the NIC
-// reads and writes it locally and binds windows over it; no peer writes
-// it under its own rkey (REM_ACCESS_ERR), only through a window.
-const windowAccess = C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_MW_BIND
+// accessFor is a registration's access flags for u. Every registration
+// lets the NIC read and write it for local work; none allows
+// REMOTE_READ: ferry never reads a peer's memory, and a Mooncake
+// segment's descriptor hands the arena's rkey to whoever asks, so a
+// readable registration would let anyone who reaches the port read the
+// whole arena. Only peerWrites lets a peer write under the
+// registration's own rkey; with windowBinding a write under it fails
+// with REM_ACCESS_ERR, and only windows bound over it let peers in.
+func accessFor(u use) C.int {
+	switch u {
+	case peerWrites:
+		return C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE
+	case windowBinding:
+		return C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_MW_BIND
+	}
+	return C.IBV_ACCESS_LOCAL_WRITE
+}
 
 // verbsErr wraps a helper's errno with the verb that failed; 0 is nil.
 func verbsErr(verb string, rc C.int) error {
@@ -265,45 +271,30 @@ type verbsMR struct {
 	mr *C.struct_ibv_mr
 }
 
-func (n *verbsNIC) Register(mem []byte) (region, error) { return n.register(mem, access) }
-
-func (n *verbsNIC) RegisterForWindows(mem []byte) (region, error) {
-	return n.register(mem, windowAccess)
-}
-
-func (n *verbsNIC) register(mem []byte, acc C.int) (region, error) {
+func (n *verbsNIC) Register(mem []byte, u use) (region, error) {
 	if len(mem) == 0 {
 		return nil, errors.New("ibv_reg_mr: nothing to register")
 	}
 	var mr *C.struct_ibv_mr
-	rc := C.fv_reg_mr(n.pd, unsafe.Pointer(unsafe.SliceData(mem)), C.size_t(len(mem)), acc, &mr)
+	rc := C.fv_reg_mr(n.pd, unsafe.Pointer(unsafe.SliceData(mem)), C.size_t(len(mem)), accessFor(u), &mr)
 	if err := verbsErr(fmt.Sprintf("ibv_reg_mr of %d bytes", len(mem)), rc); err != nil {
 		return nil, err
 	}
 	return &verbsMR{mr: mr}, nil
 }
 
-// accessFor is a registration's access: for binding windows, or for
-// peers' writes under its own rkey.
-func accessFor(forWindows bool) C.int {
-	if forWindows {
-		return windowAccess
-	}
-	return access
-}
-
-func (n *verbsNIC) RegisterDevice(addr, size uint64, forWindows bool) (region, error) {
+func (n *verbsNIC) RegisterDevice(addr, size uint64, u use) (region, error) {
 	var mr *C.struct_ibv_mr
-	rc := C.fv_reg_addr(n.pd, C.uint64_t(addr), C.size_t(size), accessFor(forWindows), &mr)
+	rc := C.fv_reg_addr(n.pd, C.uint64_t(addr), C.size_t(size), accessFor(u), &mr)
 	if err := verbsErr(fmt.Sprintf("ibv_reg_mr of %d bytes of device memory at %#x", size, addr), rc); err != nil {
 		return nil, err
 	}
 	return &verbsMR{mr: mr}, nil
 }
 
-func (n *verbsNIC) RegisterDMABuf(fd int, offset, size, iova uint64, forWindows bool) (region, error) {
+func (n *verbsNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (region, error) {
 	var mr *C.struct_ibv_mr
-	rc := C.fv_reg_dmabuf(n.pd, C.uint64_t(offset), C.size_t(size), C.uint64_t(iova), C.int(fd), accessFor(forWindows), &mr)
+	rc := C.fv_reg_dmabuf(n.pd, C.uint64_t(offset), C.size_t(size), C.uint64_t(iova), C.int(fd), accessFor(u), &mr)
 	if err := verbsErr(fmt.Sprintf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d", size, fd), rc); err != nil {
 		return nil, err
 	}

@@ -12,7 +12,7 @@ import (
 )
 
 // Windows mode: the arena is registered for local access and window
-// binding only (RegisterForWindows), so its own rkey lets no peer write,
+// binding only (use windowBinding), so its own rkey lets no peer write,
 // and each receive slot gets a type 1 memory window over exactly its
 // bytes when it is made (the rkey goes in the slot's key), invalidated
 // (a bind of length 0) before its memory is reused. The NIC then bounds
