@@ -4,6 +4,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"sort"
 	"sync"
 
@@ -51,7 +52,7 @@ type lentRegions struct {
 func (rs *lentRegions) holding(addr, n uint64) *lentRegion {
 	rs.mu.RLock()
 	defer rs.mu.RUnlock()
-	i := sort.Search(len(rs.by), func(i int) bool { return rs.by[i].addr > addr })
+	i := rs.after(addr)
 	if i > 0 && rs.by[i-1].holds(addr, n) {
 		return rs.by[i-1]
 	}
@@ -157,7 +158,7 @@ func (t *Transport) regionUse() (use, string) {
 func (rs *lentRegions) add(g *lentRegion) (io.Closer, error) {
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
-	i := sort.Search(len(rs.by), func(i int) bool { return rs.by[i].addr > g.addr })
+	i := rs.after(g.addr)
 	overlaps := i > 0 && rs.by[i-1].addr+rs.by[i-1].size > g.addr || i < len(rs.by) && rs.by[i].addr < g.addr+g.size
 	switch {
 	case rs.closed:
@@ -167,10 +168,13 @@ func (rs *lentRegions) add(g *lentRegion) (io.Closer, error) {
 		g.mr.Close()
 		return nil, fmt.Errorf("rdma: a region of %d bytes at %#x overlaps one registered already", g.size, g.addr)
 	}
-	rs.by = append(rs.by, nil)
-	copy(rs.by[i+1:], rs.by[i:])
-	rs.by[i] = g
+	rs.by = slices.Insert(rs.by, i, g)
 	return lentHandle{rs, g}, nil
+}
+
+// after is the index of the first region listed past addr; mu is held.
+func (rs *lentRegions) after(addr uint64) int {
+	return sort.Search(len(rs.by), func(i int) bool { return rs.by[i].addr > addr })
 }
 
 // lentHandle deregisters its region on Close.
@@ -179,19 +183,43 @@ type lentHandle struct {
 	g  *lentRegion
 }
 
+// Close unlists the region, then deregisters it outside the lock that
+// every arriving write's lookup takes: deregistering unpins every page,
+// which for a large region takes a while.
 func (h lentHandle) Close() error {
-	h.rs.mu.Lock()
-	defer h.rs.mu.Unlock()
-	i := sort.Search(len(h.rs.by), func(i int) bool { return h.rs.by[i].addr >= h.g.addr })
-	if i == len(h.rs.by) || h.rs.by[i] != h.g {
+	if !h.rs.remove(h.g) {
 		return nil // deregistered already, by this or by the transport's Close
 	}
-	// A registration the NIC would not drop stays listed: the
-	// transport's Close tries again once its windows are gone.
 	if err := h.g.mr.Close(); err != nil {
-		return fmt.Errorf("rdma: deregistering a region of %d bytes: %w", h.g.size, err)
+		err = fmt.Errorf("rdma: deregistering a region of %d bytes: %w", h.g.size, err)
+		return errors.Join(err, h.rs.putBack(h.g))
 	}
-	h.rs.by = append(h.rs.by[:i], h.rs.by[i+1:]...)
+	return nil
+}
+
+// remove unlists g; false when it was not listed.
+func (rs *lentRegions) remove(g *lentRegion) bool {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	i := rs.after(g.addr) - 1
+	if i < 0 || rs.by[i] != g {
+		return false
+	}
+	rs.by = slices.Delete(rs.by, i, i+1)
+	return true
+}
+
+// putBack lists again a region whose registration the NIC would not
+// drop (a window still bound over it): the transport's Close tries
+// again once its windows are gone. If that Close has run meanwhile, the
+// windows are gone now, and it tries here.
+func (rs *lentRegions) putBack(g *lentRegion) error {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	if rs.closed {
+		return g.mr.Close()
+	}
+	rs.by = slices.Insert(rs.by, rs.after(g.addr), g)
 	return nil
 }
 

@@ -487,3 +487,69 @@ func TestCUDARegionRefusals(t *testing.T) {
 		})
 	}
 }
+
+// TestRegionDeregistersOutsideTheLock: a region's deregistration, which
+// unpins every page of it, runs outside the lock that a write arriving
+// into another region takes to find its registration.
+func TestRegionDeregistersOutsideTheLock(t *testing.T) {
+	a, b := mapT(t, 1<<20), mapT(t, 1<<20)
+	var tr *Transport
+	looked := make(chan bool, 1)
+	n := deregHookNIC{nic: testNIC(t, newFabric(), 1), mem: addrOf(a), before: func() {
+		go func() { looked <- tr.lent.holdingBytes(b) != nil }()
+		select {
+		case found := <-looked:
+			if !found {
+				t.Error("the region left registered was not found while another deregistered")
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("finding a region waited for another's deregistration")
+		}
+	}}
+	tr, err := listen(testConfig(t, Config{}), n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, tr)
+	ha, err := tr.RegisterRegion(a)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hb, err := tr.RegisterRegion(b)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer hb.Close()
+	if err := ha.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if tr.lent.holdingBytes(a) != nil {
+		t.Error("a region deregistered is still listed")
+	}
+}
+
+// deregHookNIC runs before as the registration of the memory at mem is
+// closed.
+type deregHookNIC struct {
+	nic
+	mem    uint64
+	before func()
+}
+
+func (n deregHookNIC) Register(mem []byte, u use) (region, error) {
+	r, err := n.nic.Register(mem, u)
+	if err != nil || addrOf(mem) != n.mem {
+		return r, err
+	}
+	return deregHook{r, n.before}, nil
+}
+
+type deregHook struct {
+	region
+	before func()
+}
+
+func (r deregHook) Close() error {
+	r.before()
+	return r.region.Close()
+}
