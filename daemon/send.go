@@ -221,7 +221,7 @@ const stripeMin = 1 << 20
 // resend writes every piece again. stripes is 1 for RDMA (a direct
 // write must be the slot's whole content) and Mooncake's segments.
 func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Write, dev arena.Memory, stripes int, log zerolog.Logger) (delivery, error) {
-	n := len(w.Src)
+	n := len(w.Src) // 0 for a device source (w.Device): it goes whole, unsliced
 	k := min(stripes, d.cfg.MaxConns, n/stripeMin)
 	if k < 2 {
 		dl, err := d.deliver(ctx, session, w, dev, log)

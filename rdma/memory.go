@@ -42,11 +42,14 @@ func addrOf(b []byte) uint64 { return uint64(uintptr(unsafe.Pointer(unsafe.Slice
 
 // within reports whether inner lies inside outer's memory.
 func within(outer, inner []byte) bool {
-	if len(outer) == 0 || len(inner) == 0 {
-		return false
-	}
-	o, i := addrOf(outer), addrOf(inner)
-	return i >= o && i-o <= uint64(len(outer))-uint64(len(inner))
+	return len(outer) > 0 && len(inner) > 0 && spans(addrOf(outer), uint64(len(outer)), addrOf(inner), uint64(len(inner)))
+}
+
+// spans reports whether [addr, addr+n) lies inside [base, base+size),
+// computed so that no sum can wrap; an empty range counts anywhere from
+// base to the end.
+func spans(base, size, addr, n uint64) bool {
+	return addr >= base && addr-base <= size && n <= size-(addr-base)
 }
 
 // How a write's source reaches the NIC.
@@ -268,7 +271,7 @@ func (t *Transport) registerFor(tg *target, register func() (region, error)) err
 // itself that holds n bytes at addr, the GPU arena's or a registered
 // CUDA region's, or nil.
 func (t *Transport) inPlace(addr, n uint64) region {
-	if t.dev.Len > 0 && n > 0 && addr >= t.dev.Addr && n <= t.dev.Len && addr-t.dev.Addr <= t.dev.Len-n {
+	if n > 0 && spans(t.dev.Addr, t.dev.Len, addr, n) {
 		return t.shared
 	}
 	if g := t.lent.holdingDevice(addr, n); g != nil {

@@ -35,7 +35,7 @@ type lentRegion struct {
 }
 
 func (g *lentRegion) holds(addr, n uint64) bool {
-	return n > 0 && addr >= g.addr && n <= g.size && addr-g.addr <= g.size-n
+	return n > 0 && spans(g.addr, g.size, addr, n)
 }
 
 // lentRegions is the regions registered, host and device, sorted by

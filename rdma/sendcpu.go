@@ -357,7 +357,7 @@ func (s *countSink) expect(n int64) {
 }
 
 func (s *countSink) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
-	if addr < s.base || addr-s.base > uint64(len(s.mem)) || n > uint64(len(s.mem))-(addr-s.base) {
+	if !spans(s.base, uint64(len(s.mem)), addr, n) {
 		return nil, nil, fmt.Errorf("rdma: %d bytes at %#x lie outside the sink's memory", n, addr)
 	}
 	addr -= s.base

@@ -119,7 +119,7 @@ func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (regi
 // maps.
 func (n *fakeNIC) registerDevice(addr, size uint64, u use) (region, error) {
 	for _, d := range n.f.device {
-		if addr >= addrOf(d) && size <= uint64(len(d)) && addr-addrOf(d) <= uint64(len(d))-size {
+		if spans(addrOf(d), uint64(len(d)), addr, size) {
 			off := addr - addrOf(d)
 			return n.Register(d[off:off+size], u)
 		}
@@ -209,7 +209,7 @@ func (f *fabric) remote(p *fakeNIC, rkey uint32, addr uint64, n uint32) ([]byte,
 		return nil, true
 	}
 	if w := f.mws[rkey]; w != nil {
-		if w.n != p || w.mr == nil || addr < w.addr || addr-w.addr > w.len || uint64(n) > w.len-(addr-w.addr) {
+		if w.n != p || w.mr == nil || !spans(w.addr, w.len, addr, uint64(n)) {
 			return nil, false
 		}
 		return f.bytes(w.mr.key, addr, n)
@@ -227,7 +227,7 @@ func (f *fabric) bytes(key uint32, addr uint64, n uint32) ([]byte, bool) {
 		return nil, true // zero-length accesses check no key, as on a NIC
 	}
 	m := f.mrs[key]
-	if m == nil || addr < m.addr || addr-m.addr > uint64(len(m.mem)) || uint64(n) > uint64(len(m.mem))-(addr-m.addr) {
+	if m == nil || !spans(m.addr, uint64(len(m.mem)), addr, uint64(n)) {
 		return nil, false
 	}
 	off := addr - m.addr
@@ -358,7 +358,7 @@ func (q *fakeQP) Bind(w window, r region, addr, n, wrid uint64) (uint32, error) 
 	mw.mr, mw.addr, mw.len = nil, 0, 0
 	if n > 0 {
 		m := r.(*fakeMR)
-		if f.refuseBinds || m.use != windowBinding || addr < m.addr || addr-m.addr > uint64(len(m.mem)) || n > uint64(len(m.mem))-(addr-m.addr) {
+		if f.refuseBinds || m.use != windowBinding || !spans(m.addr, uint64(len(m.mem)), addr, n) {
 			q.complete(completion{WRID: wrid, Status: wcMWBindErr})
 			q.fail()
 			return mw.rkey, nil

@@ -136,7 +136,7 @@ func (w *windows) Open(addr, n uint64) (uint32, error) {
 		}
 	}
 	under := w.lent.mrHolding(addr, n)
-	if addr >= w.base && n <= w.size && addr-w.base <= w.size-n {
+	if spans(w.base, w.size, addr, n) {
 		under = w.mr
 	}
 	if under == nil {

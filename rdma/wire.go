@@ -202,7 +202,7 @@ func (r peerRegion) direct(addr, n uint64, window uint32) (grant, bool) {
 	case !r.Direct || n == 0:
 	case r.Mode == modeWindows && window != 0:
 		return grant{Addr: addr, RKey: window}, true
-	case r.Mode == modeShared && addr >= r.Base && addr-r.Base <= r.Size && n <= r.Size-(addr-r.Base):
+	case r.Mode == modeShared && spans(r.Base, r.Size, addr, n):
 		return grant{Addr: addr, RKey: r.RKey}, true
 	}
 	return grant{}, false
