@@ -8,6 +8,7 @@ on: it never reached ferryd, or it is a GET or DELETE.
 """
 
 import http.client
+import os
 import select
 import socket
 import threading
@@ -53,6 +54,19 @@ class Transport:
         self._dial_fn = dial or self._dial_unix
         self._lock = threading.Lock()
         self._idle = []
+        self._pid = os.getpid()
+
+    def _after_fork(self):
+        """In a process forked since the connections were kept: they are
+        the parent's too, and a request on one would cross the parent's
+        answers, so the child closes its copies; the lock may have been
+        held by a thread the child does not have, so it gets its own."""
+        if self._pid == os.getpid():
+            return
+        self._pid, self._lock = os.getpid(), threading.Lock()
+        idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()  # the child's descriptor only: the parent's stays open
 
     def _dial_unix(self):
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -84,6 +98,7 @@ class Transport:
         return Unreachable(f"cannot reach ferryd at {self.socket_path}: {why} ({hint})", self.socket_path)
 
     def _take(self, timeout, fresh):
+        self._after_fork()
         if not fresh:
             while True:
                 with self._lock:

@@ -336,7 +336,14 @@ class Client:
 
     @staticmethod
     def _ended(t):
-        """An ended transfer's description, or its failure raised."""
+        """An ended transfer's description, or its failure raised; Timeout
+        for one still running (a wait of 0, or under half a millisecond,
+        answers at once)."""
+        if t.get("state") == "running":
+            exc = Timeout(f"transfer {t.get('transfer_id')} is still running ({t.get('writes_done', 0)} of its "
+                          f"{t.get('writes', 0)} writes done): wait_transfer it again, or ask transfer_status for its progress")
+            exc.transfer = t
+            raise exc
         if t.get("state") == "failed":
             err = t.get("error") or {}
             exc = error_for(err.get("code", "internal"), err.get("message", f"transfer {t.get('transfer_id')} failed"))
@@ -353,7 +360,9 @@ class Client:
         waiting up to timeout seconds for the first: {events, next, missed}.
         Pass ``next`` as the following call's ``after``."""
         q = urlencode({"after": int(after), "wait": self._wait_query(timeout)})
-        return self._json("GET", f"/v1/events?{q}", timeout=self.timeout + timeout)
+        answer = self._json("GET", f"/v1/events?{q}", timeout=self.timeout + timeout)
+        answer.setdefault("missed", 0)  # ferryd leaves it out when none were
+        return answer
 
     # --- regions
 
@@ -461,21 +470,28 @@ class Client:
                              "view it with ArenaMapping.view(offset, nbytes)")
         return (arena or self.map_arena()).tensor(e["offset"], e["shape"], e["dtype"])
 
-    def received_view(self, req_id, timeout=0, arena=None):
-        """A memoryview of req_id's arrived data where it landed in the
-        arena (no copy), waiting up to timeout seconds for it. It is valid
-        until the slot is freed: copy what must outlive ``free``."""
+    def received_view(self, req_id, timeout=0, arena=None, region=None):
+        """A memoryview of req_id's arrived data where it landed (no copy),
+        in the arena, or in ``region`` (a Region) for a slot made in one,
+        waiting up to timeout seconds for it. It is valid until the slot is
+        freed: copy what must outlive ``free``."""
         info = self.slot_info(req_id, timeout)
         if not info.get("arrived"):
             raise Timeout(f"req_id {req_id}: no data has arrived in its receive slot yet: pass timeout= to wait for it")
+        lies_in = info.get("region")
+        if lies_in:
+            if region is None or region.name != lies_in:
+                raise ValueError(f"req_id {req_id}: its slot lies in region {lies_in!r}, not in the arena: "
+                                 f"pass region= that Region (or read it with Region.view({info['offset']}, {info['received']}))")
+            return region.view(info["offset"], info["received"])
         return (arena or self.map_arena()).view(info["offset"], info["received"])
 
-    def received_tensor(self, req_id, shape=None, dtype="u8", timeout=0, arena=None):
+    def received_tensor(self, req_id, shape=None, dtype="u8", timeout=0, arena=None, region=None):
         """A torch tensor over req_id's arrived data in place (no copy), of
         shape and dtype (default: 1-D, as many elements as arrived). Valid
         until the slot is freed: ``.clone()`` what must outlive ``free``."""
         dtypes.require_torch()
-        memory = self.received_view(req_id, timeout, arena)
+        memory = self.received_view(req_id, timeout, arena, region)
         if shape is None:
             size = dtypes.itemsize(dtype)
             if memory.nbytes % size:

@@ -2,8 +2,10 @@
 
 sglang's encoder and vLLM's Mooncake connector call a handful of the
 engine's methods; this class has them, with Mooncake's return
-conventions (0 on success, a negative int on failure), so that moving to
-ferry is one import::
+conventions (0 on success, a negative int on failure), so that moving a
+sender to ferry is one import (a receiving engine's registered buffers
+take no peer's writes: receivers hand out ferry receive slots instead;
+docs/python.md says how)::
 
     from ferry.mooncake import TransferEngine      # was: from mooncake.engine import TransferEngine
 
@@ -45,6 +47,10 @@ log = logging.getLogger("ferry.mooncake")
 # What Mooncake's engine returns for a failure; sglang and vLLM test < 0.
 FAILED = -1
 
+# Numbers the staged entries of every engine in this process: two engines
+# (or one made again) never name two entries alike.
+_entry_ids = itertools.count()
+
 
 @dataclass
 class Failure:
@@ -64,7 +70,6 @@ class TransferEngine:
         self.last_failure = None
         self._client = None
         self._socket_path = socket_path
-        self._ids = itertools.count()
         self._lock = threading.Condition()
         self._regions = []     # sorted (start, end)
         self._in_flight = {}   # region start -> transfers reading it now
@@ -99,9 +104,11 @@ class TransferEngine:
     # --- memory
 
     def register_memory(self, ptr, length):
-        """Registers [ptr, ptr+length) of this process's host memory as a
-        source of transfers. Returns 0, or -1 for device memory or a range
-        that overlaps one registered before."""
+        """Registers [ptr, ptr+length) of this process's memory as a source
+        of transfers: host memory, or CUDA device memory (lent to ferryd as
+        a region by its IPC handle). Returns 0, or -1 for a range that
+        overlaps one registered before or device memory ferryd could not
+        take."""
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
         with self._lock:
@@ -167,12 +174,18 @@ class TransferEngine:
                                   method="batch_transfer_sync_write"):
         """Writes every (buffer, peer address, length) piece, pieces that
         are adjacent at both ends merged into one write. Returns 0 once all
-        are there, or -1 at the first that fails (the pieces written before
+        are there (at once when there are none, or none has a byte: vLLM
+        sends an empty batch for a request whose blocks the decoder has
+        cached), or -1 at the first that fails (the pieces written before
         it stay written)."""
         if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
             return self._refuse(method, sum(lengths),
                                 f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
-        pieces = _merge(list(zip(buffers, peer_buffer_addresses, lengths)))
+        if any(not isinstance(n, int) or n < 0 for n in lengths):
+            return self._refuse(method, 0, f"{method} to {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative")
+        pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
+        if not pieces:
+            return 0
         session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
         held = []
         try:
@@ -201,7 +214,7 @@ class TransferEngine:
         host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in self._gpu]
         req_id = None
         if host:
-            req_id = f"mooncake-{os.getpid()}-{next(self._ids)}"
+            req_id = f"mooncake-{os.getpid()}-{next(_entry_ids)}"
             sources.append(req_id)
             staged = bytearray(sum(n for _, _, n in host))
             window = (ctypes.c_char * len(staged)).from_buffer(staged)

@@ -1,8 +1,10 @@
 """Batch transfers between two real ferryd: many pieces in one call,
 completing once, heard of through the event stream."""
 
+import dataclasses
 import os
 import random
+import socket
 
 import pytest
 
@@ -98,6 +100,12 @@ def test_a_memfd_region_sends_and_receives_without_a_copy(tx, rx, req_id):
         assert done["state"] == "done" and done["writes"] == len(items)
         info = rx.slot_info(req_id, timeout=10)
         assert info["arrived"] and info["region"] == dst.name and info["offset"] == n // 4
+        # In place, in the region: not the arena's bytes at that offset.
+        with pytest.raises(ValueError, match=dst.name):
+            rx.received_view(req_id)
+        view = rx.received_view(req_id, region=dst)
+        assert view == dst.view(n // 4, n // 2)
+        del view
         for i in range(len(items)):
             got = dst.view(n // 4 + i * page, page)
             assert got == src.view(2 * i * page, page), f"page {i}"
@@ -118,3 +126,38 @@ def test_an_unsealed_memfd_is_refused(tx):
             tx.register_fd("unsealed", fd, 4096)
     finally:
         os.close(fd)
+
+
+def test_a_transfer_still_running_is_not_reported_done(tx, rx, req_id):
+    # A wait of 0 answers at once: a transfer that has not ended is a
+    # Timeout, never a description taken for success. This one's peer
+    # takes the connection and never answers its hello, so it runs until
+    # ferryd's I/O timeout.
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen()
+    try:
+        real = rx.receive(req_id, 4096)
+        slot = dataclasses.replace(real, session="%s:%d" % mute.getsockname())
+        sources = [req_id, req_id + "-2"]
+        for name in sources:
+            tx.stage(name, b"r" * 4096)
+        t = tx.transfer([sources[0]], [slot], [(0, 0, 0, 0, 4096)], keep_sources=True)
+        with pytest.raises(ferry.Timeout, match="still running"):
+            tx.wait_transfer(t["transfer_id"], 0)
+        with pytest.raises(ferry.Timeout, match="still running") as running:
+            tx.transfer_sync([sources[1]], [slot], [(0, 0, 0, 0, 4096)], timeout=0, keep_sources=True)
+    finally:
+        mute.close()
+    # Both fail once the peer is gone; the staged entry stays for a retry.
+    for transfer_id in (t["transfer_id"], running.value.transfer["transfer_id"]):
+        with pytest.raises(ferry.FerryError) as failed:
+            tx.wait_transfer(transfer_id, 60)
+        assert not isinstance(failed.value, ferry.Timeout)
+    for name in sources:
+        tx.delete(name)
+    rx.free(req_id)
+
+
+def test_events_always_say_how_many_were_missed(rx):
+    assert rx.events()["missed"] == 0

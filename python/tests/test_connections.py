@@ -2,6 +2,7 @@
 when ferryd closed them, and a request that may have been acted on never
 sent twice."""
 
+import os
 import socket
 import threading
 
@@ -156,3 +157,23 @@ def test_no_answer_within_the_clients_timeout(scripted):
     with pytest.raises(ferry.NoAnswer, match="within 0.2 s"):
         ferry.Client(path, timeout=0.2).status()
     assert server.seen == [("GET", "/v1/status")]
+
+
+def test_a_forked_child_does_not_share_kept_connections(pair):
+    # The parent's kept-alive connection is not the child's to use: it
+    # dials its own, and the parent's stays in step.
+    dial = CountingDial(pair[0].socket)
+    with ferry.Client(pair[0].socket, dial=dial) as c:
+        c.status()
+        assert dial.count == 1
+        pid = os.fork()
+        if pid == 0:
+            try:
+                ok = c.status()["pid"] == pair[0].pid and dial.count == 2
+            except BaseException:
+                ok = False
+            os._exit(0 if ok else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.waitstatus_to_exitcode(status) == 0
+        assert c.status()["pid"] == pair[0].pid
+        assert dial.count == 1

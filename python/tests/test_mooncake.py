@@ -86,6 +86,44 @@ def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
     rx.free(req_id)
 
 
+def test_an_empty_batch_succeeds_at_once(engine, rx, req_id):
+    # vLLM sends one for a request whose blocks the decoder had cached.
+    slot = rx.receive(req_id, 4096, mooncake=True)
+    assert engine.batch_transfer_sync_write(slot.mooncake_session, [], [], []) == 0
+    assert engine.batch_transfer_sync_write(slot.mooncake_session, [1], [slot.buffer_address], [0]) == 0
+    assert engine.batch_transfer_sync_write(slot.mooncake_session, [1], [slot.buffer_address], [-1]) < 0
+    assert "negative" in engine.last_failure.message
+    rx.free(req_id)
+
+
+def test_two_engines_name_their_staged_entries_apart(pair, rx, req_id):
+    # Host pieces go through a staged entry per call; two engines in one
+    # process must not give two calls' entries one name.
+    engines = [TransferEngine(socket_path=pair[0].socket) for _ in range(2)]
+    src = (ctypes.c_char * 4096).from_buffer_copy(os.urandom(4096))
+    for i, e in enumerate(engines):
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+        assert e.register_memory(ctypes.addressof(src), 4096) == 0
+    slots = [rx.receive(f"{req_id}-{i}", 4096, mooncake=True) for i in range(2)]
+    names = []
+    real_stage = ferry.Client.stage
+
+    def stage(self, name, data):
+        names.append(name)
+        return real_stage(self, name, data)
+
+    ferry.Client.stage = stage
+    try:
+        for e, slot in zip(engines, slots):
+            assert e.transfer_sync_write(slot.mooncake_session, ctypes.addressof(src), slot.buffer_address, 4096) == 0, e.last_failure
+    finally:
+        ferry.Client.stage = real_stage
+    assert len(names) == 2 and names[0] != names[1]
+    for i in range(2):
+        assert rx.wait(f"{req_id}-{i}", 10) == bytes(src)
+        rx.free(f"{req_id}-{i}")
+
+
 def test_rpc_port_is_the_segments(pair):
     tx, rx = pair
     engine = TransferEngine(socket_path=rx.socket)
