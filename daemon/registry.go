@@ -576,10 +576,19 @@ func (r *registry) Arrived(tag uint32, n uint64) error {
 		s.filled, s.fillTag = true, tag
 	}
 	if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived {
-		s.arrived, s.received, s.tag = true, s.nbytes, s.fillTag
-		r.notify()
+		r.arrive(s)
 	}
 	return nil
+}
+
+// arrive marks s arrived, whole, and tells its waiters and the event
+// stream; callers hold mu.
+func (r *registry) arrive(s *slot) {
+	s.arrived, s.received, s.tag = true, s.nbytes, s.fillTag
+	r.notify()
+	if r.arrived != nil {
+		r.arrived(s.reqID, s.nbytes)
+	}
 }
 
 // slotAt is the live slot holding addr, or nil; callers hold mu.
@@ -646,11 +655,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]by
 		// Checked on every write's end, failed ones too: the last write
 		// to finish delivers the slot.
 		if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived && !s.freed {
-			s.arrived, s.received, s.tag = true, s.nbytes, s.fillTag
-			r.notify()
-			if r.arrived != nil {
-				r.arrived(s.reqID, s.nbytes)
-			}
+			r.arrive(s)
 		}
 		r.unpin(s)
 	}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"path/filepath"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -462,6 +463,8 @@ func TestDirectArrivals(t *testing.T) {
 	r := newTestRegistry(t, 1<<16)
 	refusals := map[transport.Code]int{}
 	r.onRefusal = func(c transport.Code) { refusals[c]++ }
+	var events []string
+	r.arrived = func(reqID string, n int64) { events = append(events, fmt.Sprintf("%s %d", reqID, n)) }
 	s, err := r.newSlot("direct", 2048, false)
 	if err != nil {
 		t.Fatal(err)
@@ -474,6 +477,9 @@ func TestDirectArrivals(t *testing.T) {
 	}
 	if err := r.Arrived(s.key.Tag(), 2048); err != nil || !arrived() {
 		t.Fatalf("the slot's whole content: %v, arrived %v; want it arrived", err, arrived())
+	}
+	if want := []string{"direct 2048"}; !slices.Equal(events, want) {
+		t.Errorf("the event stream heard %q, want %q", events, want)
 	}
 	desc, _, release, err := r.waitSlot(context.Background(), "direct", 0, true)
 	if err != nil || desc.Received != 2048 || desc.Tag != s.key.Tag() {
