@@ -30,10 +30,13 @@ type region struct {
 	// TCP, a CUDA region where the NIC does not reach the GPU arena, or a
 	// registration that failed, why in nicErr), dropped once the last use
 	// ends, before the memory is unmapped.
-	nic     io.Closer
-	nicErr  error
-	since   time.Time
-	slots   int  // live receive slots in it
+	nic    io.Closer
+	nicErr error
+	since  time.Time
+	slots  int // live receive slots in it
+	// freed is its slots freed with writes still landing in them (or
+	// their windows still open): their bytes are not a new slot's yet.
+	freed   map[*slot]struct{}
 	uses    int  // pins: slots (live or freed with writes landing) and transfers reading it
 	closing bool // unregistered: no new use; unmapped once uses end
 	gone    chan struct{}

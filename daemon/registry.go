@@ -417,11 +417,21 @@ func (r *registry) newSlotIn(reqID string, n int64, name string, off int64) (*sl
 		r.unuseRegion(g)
 		return nil, apiErr(api.CodeBadRequest, "%s: %d bytes at region_offset %d do not fit region %s (%d bytes)", reqID, n, off, name, size)
 	}
+	overlaps := func(o *slot) bool { return off < o.regionOff+o.nbytes && o.regionOff < off+n }
 	for _, o := range r.slots {
-		if o.region == g && off < o.regionOff+o.nbytes && o.regionOff < off+n {
+		if o.region == g && overlaps(o) {
 			r.unuseRegion(g)
 			return nil, apiErr(api.CodeBadRequest, "%s: bytes %d..%d of region %s overlap the live receive slot of req_id %s (%d..%d): free it first, or place this one elsewhere",
 				reqID, off, off+n, name, o.reqID, o.regionOff, o.regionOff+o.nbytes)
+		}
+	}
+	for o := range g.freed {
+		if overlaps(o) {
+			// Region memory is its client's: nothing holds it back for
+			// a freed slot's late writes, as the arena's allocator does.
+			r.unuseRegion(g)
+			return nil, apiErr(api.CodeBusy, "%s: bytes %d..%d of region %s overlap the freed receive slot of req_id %s (%d..%d), which %d write(s) still land in: retry once they end (io_timeout at most), or place this one elsewhere",
+				reqID, off, off+n, name, o.reqID, o.regionOff, o.regionOff+o.nbytes, o.writes)
 		}
 	}
 	s := &slot{reqID: reqID, region: g, regionOff: off, addr: g.addr() + uint64(off), nbytes: n}
@@ -726,6 +736,7 @@ func (r *registry) release(s *slot) {
 		}
 	}
 	if s.region != nil {
+		delete(s.region.freed, s)
 		r.unuseRegion(s.region) // a region slot's memory is its client's
 		return
 	}
@@ -843,6 +854,10 @@ func (r *registry) removeSlot(s *slot) {
 	delete(r.byTag, s.key.Tag())
 	if s.region != nil {
 		s.region.slots--
+		if s.region.freed == nil {
+			s.region.freed = make(map[*slot]struct{})
+		}
+		s.region.freed[s] = struct{}{} // until release
 	}
 	s.freed = true
 	s.pins++

@@ -510,3 +510,35 @@ func TestDirectArrivals(t *testing.T) {
 		t.Errorf("refusals counted %v, want %v", refusals, want)
 	}
 }
+
+// A region's memory is its client's: a slot freed while a write still
+// lands in it keeps its bytes from a new slot until that write ends (the
+// arena's allocator does this for arena slots), so the late write never
+// lands on the new slot's data.
+func TestFreedRegionSlotKeepsItsBytesWhileWritesLand(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	if _, err := r.addRegion("g", hostRegion(make([]byte, 8192)), nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	a, err := r.newSlotIn("a", 4096, "g", 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, done, err := r.Accept(a.addr, 4096, a.key, a.key.Tag())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.deleteSlot("a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.newSlotIn("b", 4096, "g", 2048); !isCode(err, api.CodeBusy) || !strings.Contains(err.Error(), "freed receive slot of req_id a") {
+		t.Fatalf("a slot over a freed one's landing write: %v, want busy naming it", err)
+	}
+	if _, err := r.newSlotIn("elsewhere", 4096, "g", 4096); err != nil {
+		t.Fatalf("a slot clear of it: %v", err)
+	}
+	done(nil)
+	if _, err := r.newSlotIn("b", 2048, "g", 2048); err != nil {
+		t.Fatalf("the same bytes once the write ended: %v", err)
+	}
+}
