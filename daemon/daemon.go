@@ -65,6 +65,8 @@ type Daemon struct {
 	advertise string
 	slowNanos atomic.Int64
 	regionLog *loglimit.Limiter // regions the NIC could not register
+	// refusedLog: callers off the allow-lists, each refused request.
+	refusedLog *loglimit.Limiter
 
 	inflight       inflight                // control requests being served
 	reqCtx         context.Context         // parent of every request's context
@@ -182,6 +184,9 @@ func New(cfg Config) (*Daemon, error) {
 	// flood the log.
 	d.regionLog = loglimit.New("regions", func(format string, args ...any) {
 		d.log.Warn().Str("component", "regions").Msg(fmt.Sprintf(format, args...))
+	})
+	d.refusedLog = loglimit.New("refused callers", func(format string, args ...any) {
+		d.log.Warn().Str("component", "api").Msg(fmt.Sprintf(format, args...))
 	})
 	if cfg.MetricsListen != "" {
 		// Only /metrics here: the control API stays on the socket, whose
@@ -341,6 +346,9 @@ func (d *Daemon) closeAll() {
 	}
 	if d.dp != nil {
 		_ = d.dp.close()
+	}
+	if d.refusedLog != nil {
+		d.refusedLog.Stop()
 	}
 	if d.regionLog != nil {
 		d.regionLog.Stop()

@@ -20,6 +20,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/internal/strictjson"
 )
 
@@ -144,10 +145,11 @@ func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Han
 		var id string
 		r = r.WithContext(context.WithValue(r.Context(), reqLogKey{}, &id))
 		c := callerOf(r.Context())
-		err := d.admit(c)
-		if err == nil {
-			err = d.serveOne(w, r, h)
+		if err := d.admit(c); err != nil {
+			d.refuseCaller(w, r, c, err)
+			return
 		}
+		err := d.serveOne(w, r, h)
 		ev := d.log.Debug()
 		if err != nil {
 			ae := &apiError{code: api.CodeInternal, msg: err.Error()}
@@ -165,6 +167,17 @@ func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Han
 		ev.Str("method", r.Method).Str("path", r.URL.Path).Dur("took", time.Since(start)).
 			Uint32("uid", c.uid).Int32("pid", c.pid).Msg("request")
 	})
+}
+
+// refuseCaller answers a caller off the allow-lists: 403, the descriptors
+// it passed closed, its connection closed after the answer (it holds
+// nothing of ferryd's), and a log line rate-limited, as such a caller
+// may ask as fast as it likes.
+func (d *Daemon) refuseCaller(w http.ResponseWriter, r *http.Request, c *caller, err error) {
+	dropPassedFDs(r.Context())
+	w.Header().Set("Connection", "close")
+	writeJSON(w, http.StatusForbidden, api.ErrorBody{Error: api.Error{Code: api.CodeForbidden, Message: err.Error()}})
+	d.refusedLog.Printf("refused %s %s from uid %d (pid %d): %v", r.Method, loglimit.Clip(r.URL.Path), c.uid, c.pid, err)
 }
 
 func writeJSON(w http.ResponseWriter, status int, v any) {

@@ -107,6 +107,16 @@ func unixConn(c net.Conn) (*net.UnixConn, bool) {
 
 type connKey struct{}
 
+// dropPassedFDs closes the descriptors passed on the request's
+// connection and not claimed.
+func dropPassedFDs(ctx context.Context) {
+	if c, ok := ctx.Value(connKey{}).(*rightsConn); ok {
+		for fd := c.take(); fd >= 0; fd = c.take() {
+			unix.Close(fd)
+		}
+	}
+}
+
 // passedFD claims a descriptor the client passed on the request's
 // connection, or -1 when it passed none.
 func passedFD(ctx context.Context) int {

@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"encoding/json"
+	"fmt"
 	"net/http"
 	"os"
 	"os/exec"
@@ -14,6 +15,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/internal/loglimit"
 )
 
 // openDir is a temporary directory other users may enter (t.TempDir's
@@ -111,10 +113,36 @@ func TestAllowListAndSocketGroup(t *testing.T) {
 	if err == nil || !strings.Contains(out, "permission denied") {
 		t.Errorf("uid %d outside the socket's group: err=%v\n%s", other, err, out)
 	}
-	d.log.wait(t, 5*time.Second, "the 403 logged", func(m map[string]any) bool {
-		return m["code"] == api.CodeForbidden && m["uid"] == float64(other)
-	})
+	refused := func(m map[string]any) bool {
+		msg, _ := m["message"].(string)
+		return m["component"] == "api" && strings.HasPrefix(msg, "refused GET /v1/status from uid 64992")
+	}
+	d.log.wait(t, 5*time.Second, "the 403 logged", refused)
+	// A refused caller asking as fast as it can is logged rate-limited,
+	// and each refusal closes its connection (ferryd keeps nothing of it).
+	const asks = 300
+	script := `import socket, sys
+for i in range(int(sys.argv[2])):
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(sys.argv[1])
+    s.sendall(b"GET /v1/status HTTP/1.1\r\nHost: ferryd\r\n\r\n")
+    answer = b""
+    while chunk := s.recv(65536):
+        answer += chunk
+    assert answer.startswith(b"HTTP/1.1 403"), answer[:80]
+    s.close()
+`
+	cmd := exec.CommandContext(ctxT(t), "/usr/bin/python3", "-c", script, d.socket, fmt.Sprint(asks))
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: other, Gid: group}}
+	if out, err := cmd.CombinedOutput(); err != nil {
+		t.Fatalf("%d refused calls, each to its connection's close: %v\n%s", asks, err, out)
+	}
 	d.alive(t)
+	// Burst lines a second: 300 asks would need 30 s to all be logged.
+	if n := d.log.count(refused); n < 1 || n >= asks/3 {
+		t.Errorf("%d refused calls logged %d lines; want them rate-limited to %d a second", asks+1, n, loglimit.Burst)
+	}
 }
 
 func TestControlRequestLimits(t *testing.T) {
