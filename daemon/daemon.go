@@ -188,6 +188,7 @@ func New(cfg Config) (*Daemon, error) {
 	d.refusedLog = loglimit.New("refused callers", func(format string, args ...any) {
 		d.log.Warn().Str("component", "api").Msg(fmt.Sprintf(format, args...))
 	})
+	d.metrics.countRefused(d.refusedLog.Count)
 	if cfg.MetricsListen != "" {
 		// Only /metrics here: the control API stays on the socket, whose
 		// file mode is its access control.

@@ -207,3 +207,12 @@ func (m *metrics) sessionFailed(session string) {
 func (m *metrics) handler() http.Handler {
 	return promhttp.HandlerFor(m.reg, promhttp.HandlerOpts{})
 }
+
+// countRefused exports the requests refused for their caller (read: the
+// refusals' log limiter's count, logged or not).
+func (m *metrics) countRefused(read func() uint64) {
+	m.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "ferry_refused_requests_total",
+		Help: "Control requests answered 403: the caller is on neither allow_uids nor allow_gids. Each a WARN line, at most 10 a second logged.",
+	}, func() float64 { return float64(read()) }))
+}

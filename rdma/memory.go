@@ -213,11 +213,12 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	} else if g := t.lent.holdingBytes(dst); g != nil {
 		mr = g.mr
 	}
+	forThisWrite := func() (region, error) { return t.nic.Register(dst, peerWrites) }
 	switch {
 	case mr != nil:
-		return tg, t.reach(tg, window, mr, func() (region, error) { return t.nic.Register(dst, peerWrites) })
+		return tg, t.reach(tg, window, mr, forThisWrite)
 	case inArena:
-		return tg, t.registerFor(tg, func() (region, error) { return t.nic.Register(dst, peerWrites) })
+		return tg, t.registerFor(tg, forThisWrite)
 	}
 	stage, err := mapAnon(len(dst))
 	if err != nil {

@@ -491,27 +491,30 @@ func (s *session) transfer(ctx context.Context, l *lane, f *flight, all bool) er
 			s.land(l, f)
 		}
 		if err != nil {
-			inFlight := fmt.Sprintf("with %d of a %d-byte write's %d work requests in flight", f.posted-f.retired, f.n, f.count)
 			if err == errNoProgress {
 				l.stalled.Store(true)
 			}
 			s.drain(l, f, f.posted)
-			return s.broken(ctx, l, err, inFlight)
-		}
-		if wc.Status == wcWRFlushErr && l.stalled.Load() {
-			// Flushed by the break of a write that timed out before it,
-			// on the same QP: this one waited on the same stalled peer.
-			l.broken.Store(true)
-			return s.broken(ctx, l, errNoProgress, fmt.Sprintf("on its lane (another write on it timed out first and broke it) with %d of a %d-byte write's %d work requests in flight", f.posted-f.retired, f.n, f.count))
+			return s.broken(ctx, l, err, f.inFlight())
 		}
 		if wc.Status != wcSuccess {
 			l.broken.Store(true)
+			if wc.Status == wcWRFlushErr && l.stalled.Load() {
+				// Flushed by the break of a write that timed out before
+				// it, on the same QP: it waited on the same stalled peer.
+				return s.broken(ctx, l, errNoProgress, "on its lane (another write on it timed out first and broke it) "+f.inFlight())
+			}
 			return fmt.Errorf("rdma write to %s (%d bytes to %#x, rkey %#x): %w", s.Peer(), f.n, f.g.Addr, f.g.RKey,
 				&CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma write"})
 		}
 		f.retired = int(wc.WRID&0xffffffff) + 1
 	}
 	return nil
+}
+
+// inFlight says how much of f the NIC had, for errors.
+func (f *flight) inFlight() string {
+	return fmt.Sprintf("with %d of a %d-byte write's %d work requests in flight", f.posted-f.retired, f.n, f.count)
 }
 
 // drain breaks l's QP after a failed wait and waits, for a bounded time,

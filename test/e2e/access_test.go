@@ -143,6 +143,9 @@ for i in range(int(sys.argv[2])):
 	if n := d.log.count(refused); n < 1 || n >= asks/3 {
 		t.Errorf("%d refused calls logged %d lines; want them rate-limited to %d a second", asks+1, n, loglimit.Burst)
 	}
+	if n := metricSum(d.metrics(t), "ferry_refused_requests_total"); n < asks+1 {
+		t.Errorf("ferry_refused_requests_total = %v after at least %d refused requests", n, asks+1)
+	}
 }
 
 func TestControlRequestLimits(t *testing.T) {
