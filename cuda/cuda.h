@@ -85,6 +85,9 @@ static inline CUresult ferry_cuIpcGetMemHandle(void *f, ferry_ipc_handle *h, CUd
 static inline CUresult ferry_cuIpcOpenMemHandle(void *f, CUdeviceptr *p, const ferry_ipc_handle *h) {
 	return ((CUresult (*)(CUdeviceptr *, ferry_ipc_handle, unsigned int))f)(p, *h, FERRY_IPC_MEM_LAZY_ENABLE_PEER_ACCESS);
 }
+static inline CUresult ferry_cuMemGetAddressRange(void *f, CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+	return ((CUresult (*)(CUdeviceptr *, size_t *, CUdeviceptr))f)(base, size, p);
+}
 static inline CUresult ferry_cuIpcCloseMemHandle(void *f, CUdeviceptr p) {
 	return ((CUresult (*)(CUdeviceptr))f)(p);
 }

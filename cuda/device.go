@@ -146,6 +146,17 @@ func (dev *Device) OpenIPC(h IPCHandle) (uint64, error) {
 	return uint64(p), err
 }
 
+// AddressRange returns the allocation holding p: its base and size
+// (cuMemGetAddressRange), for memory of this process's or opened by IPC.
+func (dev *Device) AddressRange(p uint64) (base uint64, size int64, err error) {
+	var b C.CUdeviceptr
+	var n C.size_t
+	err = dev.run(func() error {
+		return dev.call("cuMemGetAddressRange_v2", C.ferry_cuMemGetAddressRange(dev.drv.sym.memGetAddressRange, &b, &n, C.CUdeviceptr(p)))
+	})
+	return uint64(b), int64(n), err
+}
+
 // CloseIPC unmaps memory from OpenIPC.
 func (dev *Device) CloseIPC(p uint64) error {
 	return dev.run(func() error {

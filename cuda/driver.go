@@ -32,13 +32,13 @@ const Library = "libcuda.so.1"
 // cuMemAlloc_v2, ...); the table names those directly, since dlsym sees no
 // macros.
 type symbols struct {
-	getErrorName, getErrorString, init, driverGetVersion                            unsafe.Pointer
-	deviceGetCount, deviceGet, deviceGetName, deviceGetUUID, deviceGetPCIBusID      unsafe.Pointer
-	deviceTotalMem, deviceGetAttribute                                              unsafe.Pointer
-	primaryCtxRetain, primaryCtxRelease, ctxSetCurrent                              unsafe.Pointer
-	memAlloc, memFree, memcpyHtoD, memcpyDtoH, pointerSetAttribute                  unsafe.Pointer
-	ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle, memHostAlloc, memFreeHost unsafe.Pointer
-	memGetHandleForAddressRange                                                     unsafe.Pointer // optional: CUDA 11.7+
+	getErrorName, getErrorString, init, driverGetVersion                               unsafe.Pointer
+	deviceGetCount, deviceGet, deviceGetName, deviceGetUUID, deviceGetPCIBusID         unsafe.Pointer
+	deviceTotalMem, deviceGetAttribute                                                 unsafe.Pointer
+	primaryCtxRetain, primaryCtxRelease, ctxSetCurrent                                 unsafe.Pointer
+	memAlloc, memFree, memcpyHtoD, memcpyDtoH, pointerSetAttribute, memGetAddressRange unsafe.Pointer
+	ipcGetMemHandle, ipcOpenMemHandle, ipcCloseMemHandle, memHostAlloc, memFreeHost    unsafe.Pointer
+	memGetHandleForAddressRange                                                        unsafe.Pointer // optional: CUDA 11.7+
 }
 
 // symbol is one table entry: the first of names the library has is used.
@@ -70,6 +70,7 @@ func (s *symbols) table() []symbol {
 		req(&s.memcpyHtoD, "cuMemcpyHtoD_v2"),
 		req(&s.memcpyDtoH, "cuMemcpyDtoH_v2"),
 		req(&s.pointerSetAttribute, "cuPointerSetAttribute"),
+		req(&s.memGetAddressRange, "cuMemGetAddressRange_v2"),
 		req(&s.ipcGetMemHandle, "cuIpcGetMemHandle"),
 		req(&s.ipcOpenMemHandle, "cuIpcOpenMemHandle_v2"),
 		req(&s.ipcCloseMemHandle, "cuIpcCloseMemHandle"),

@@ -230,6 +230,17 @@ func TestFakeDriverOpensARegionByIPCHandle(t *testing.T) {
 	if err := r.Close(); err != nil {
 		t.Fatal(err)
 	}
+	// The allocation holds 1 MiB: a region may end at its end, not past.
+	if r, err := OpenRegion(dev, h, 4096, 1<<20-4096, staging); err != nil {
+		t.Errorf("a region to the allocation's end: %v", err)
+	} else {
+		r.Close()
+	}
+	for _, c := range []struct{ offset, size int64 }{{4096, 1<<20 - 4095}, {1 << 20, 1}, {2 << 20, 1}, {1, 1<<63 - 1}} {
+		if _, err := OpenRegion(dev, h, c.offset, c.size, staging); err == nil || !strings.Contains(err.Error(), "runs past the allocation its IPC handle names, which holds 1048576 bytes") {
+			t.Errorf("a region of %d bytes at offset %d: %v", c.size, c.offset, err)
+		}
+	}
 	var bad IPCHandle
 	if _, err := OpenRegion(dev, bad, 0, 1, staging); err == nil || !strings.Contains(err.Error(), "opening the region's CUDA IPC handle") {
 		t.Errorf("a handle that names nothing: %v", err)

@@ -11,6 +11,7 @@ import (
 type ipcDevice interface {
 	Info() Info
 	OpenIPC(h IPCHandle) (uint64, error)
+	AddressRange(p uint64) (base uint64, size int64, err error)
 	CloseIPC(p uint64) error
 	CopyHtoD(dst uint64, src []byte) error
 	CopyDtoH(dst []byte, src uint64) error
@@ -43,7 +44,8 @@ type Region struct {
 }
 
 // OpenRegion opens the allocation h names on dev and makes a region of
-// size bytes at offset in it. The allocation must be on dev.
+// size bytes at offset in it. The allocation must be on dev, and hold the
+// region whole: the driver says how large it is.
 func OpenRegion(dev *Device, h IPCHandle, offset, size int64, staging Staging) (*Region, error) {
 	return openRegion(dev, h, offset, size, staging)
 }
@@ -55,6 +57,21 @@ func openRegion(dev ipcDevice, h IPCHandle, offset, size int64, staging Staging)
 	p, err := dev.OpenIPC(h)
 	if err != nil {
 		return nil, fmt.Errorf("%v: opening the region's CUDA IPC handle: %w (is the allocation on this GPU, and is its process alive?)", dev.Info(), err)
+	}
+	// The client's word for the size is not enough: a region running past
+	// its allocation would have ferryd's copies, and the NIC's writes,
+	// land in whatever memory follows on the GPU.
+	base, n, err := dev.AddressRange(p)
+	if err == nil && (p < base || p-base >= uint64(n)) {
+		err = fmt.Errorf("the driver placed the opened allocation at %#x, outside the range it reports for it, [%#x, +%d)", p, base, n)
+	}
+	if err != nil {
+		_ = dev.CloseIPC(p)
+		return nil, fmt.Errorf("%v: asking the driver how large the allocation behind the IPC handle is: %w", dev.Info(), err)
+	}
+	if held := n - int64(p-base); offset > held || size > held-offset {
+		_ = dev.CloseIPC(p)
+		return nil, fmt.Errorf("a region of %d bytes at offset %d runs past the allocation its IPC handle names, which holds %d bytes: lend at most %d bytes at that offset (a caching allocator's tensor lies inside a larger allocation: pass the tensor's offset in it)", size, offset, held, max(held-offset, 0))
 	}
 	return &Region{dev: dev, opened: p, base: p + uint64(offset), size: size, staging: staging}, nil
 }

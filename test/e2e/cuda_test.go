@@ -340,6 +340,10 @@ func TestGPURegionsSendAndReceiveTheOwnersMemory(t *testing.T) {
 	if _, err := rcv.c.RegisterCUDARegion(ctx, "dst", "cuda:0", h[:], n, n); err != nil {
 		t.Fatal(err)
 	}
+	// One byte more would run past the allocation, into whatever memory
+	// follows it on the GPU: refused, by the driver's word for its size.
+	_, err = rcv.c.RegisterCUDARegion(ctx, "past", "cuda:0", h[:], n, n+1)
+	wantErr(t, err, 400, api.CodeBadRequest, "region past", "runs past the allocation", "lend at most 4194304 bytes")
 	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "gpu-region", NBytes: n, Region: "dst"})
 	if err != nil {
 		t.Fatal(err)

@@ -232,6 +232,11 @@ func gpuRegionTransfer(t *testing.T, transport string) {
 			t.Errorf("ferry_region_registrations_total registered = %v, want 1", v)
 		}
 	}
+	// A byte more than the owner's second half runs past its
+	// allocation, into whatever follows it on the GPU: the driver's word
+	// for the allocation's size refuses it, in a separate process.
+	_, err := rcv.c.RegisterCUDARegion(ctx, "past", "cuda:0", own.handle, n, n+1)
+	wantErr(t, err, 400, api.CodeBadRequest, "region past", "runs past the allocation", "lend at most 4194304 bytes")
 	slot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "layer-0", NBytes: n, Region: "kv"})
 	if err != nil {
 		t.Fatal(err)

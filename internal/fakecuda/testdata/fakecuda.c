@@ -209,6 +209,15 @@ CUresult cuMemcpyDtoH_v2(void *dst, CUdeviceptr src, size_t n) {
 	return OK;
 }
 
+CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p) {
+	if (!current) return INVALID_CONTEXT;
+	struct alloc *a = find(p, 0);
+	if (!a) return INVALID_VALUE;
+	*base = (CUdeviceptr)a->p;
+	*size = a->n;
+	return OK;
+}
+
 CUresult cuIpcGetMemHandle(ipc_handle *h, CUdeviceptr p) {
 	if (!current) return INVALID_CONTEXT;
 	struct alloc *a = find(p, 0);
