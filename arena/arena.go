@@ -92,7 +92,10 @@ func Writable(mem Memory, s Slice, off, n int64) (dst []byte, commit func(keep b
 	if !ok {
 		return nil, nil, fmt.Errorf("arena: %s memory is closed", mem.Kind())
 	}
-	buf, release := c.Bounce(n)
+	buf, release, err := c.Bounce(n)
+	if err != nil {
+		return nil, nil, err
+	}
 	return buf, func(keep bool) error {
 		defer release()
 		if !keep {
@@ -121,7 +124,10 @@ func Readable(mem Memory, s Slice, off, n int64) (src []byte, release func(), er
 	if !ok {
 		return nil, nil, fmt.Errorf("arena: %s memory is closed", mem.Kind())
 	}
-	buf, release := c.Bounce(n)
+	buf, release, err := c.Bounce(n)
+	if err != nil {
+		return nil, nil, err
+	}
 	if err := c.CopyOut(buf, s.Offset+off); err != nil {
 		release()
 		return nil, nil, err

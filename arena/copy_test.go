@@ -35,7 +35,7 @@ func (c *copier) CopyOut(dst []byte, off int64) error {
 	copy(dst, c.mem[off:])
 	return nil
 }
-func (c *copier) Bounce(n int64) ([]byte, func()) {
+func (c *copier) Bounce(n int64) ([]byte, func(), error) {
 	c.lent++
 	released := false
 	return make([]byte, n), func() {
@@ -44,7 +44,7 @@ func (c *copier) Bounce(n int64) ([]byte, func()) {
 		}
 		released = true
 		c.lent--
-	}
+	}, nil
 }
 
 func TestWritableAndReadableCopyThroughBounceBuffers(t *testing.T) {

@@ -27,6 +27,10 @@ type Memory interface {
 	Close() error
 }
 
+// ErrNoStaging is a Copier's Bounce finding no host memory to lend for
+// now: the copy may be tried again once others end.
+var ErrNoStaging = errors.New("no host memory to stage a copy in")
+
 // Copier is Memory the host cannot address (Host returns nil), such as GPU
 // memory: bytes move in and out by copies, staged in host memory that
 // Bounce lends.
@@ -38,7 +42,8 @@ type Copier interface {
 	CopyOut(dst []byte, off int64) error
 	// Bounce lends n bytes of host memory to stage a copy in (pinned when
 	// it can, so the copy runs at full speed); release gives them back.
-	Bounce(n int64) (buf []byte, release func())
+	// It fails when host memory for staging has run out for now.
+	Bounce(n int64) (buf []byte, release func(), err error)
 }
 
 // HostFile is host memory backed by a file that local clients map too, so

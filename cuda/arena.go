@@ -54,6 +54,10 @@ type Arena struct {
 	bounce      []byte // pinned host memory
 	bounceAlloc *arena.Allocator
 	fallbacks   atomic.Int64
+	// Pageable bytes lent while the pinned area had no room: held to
+	// the pinned area's size, so staging takes at most twice that.
+	pageableMu sync.Mutex
+	pageable   int64
 	// Bytes copied into and out of the arena: what a NIC that reaches
 	// it directly spares.
 	copiedIn, copiedOut atomic.Int64
@@ -194,16 +198,33 @@ func (a *Arena) CopyOut(dst []byte, off int64) error {
 }
 
 // Bounce lends n bytes of the pinned area, or of ordinary memory when the
-// area has no room: the copy is then slower, never refused.
-func (a *Arena) Bounce(n int64) ([]byte, func()) {
+// area has no room, where the copy is slower. Ordinary memory is lent
+// only while the bytes lent so lie within the pinned area's size (any
+// one copy when none is lent, so no copy is too large to stage): past
+// that a burst of large writes would take ferryd's memory without
+// bound, and the copy is refused, to be tried again.
+func (a *Arena) Bounce(n int64) ([]byte, func(), error) {
 	if n <= 0 {
-		return nil, func() {}
+		return nil, func() {}, nil
 	}
 	if off, err := a.bounceAlloc.Alloc(n); err == nil {
-		return a.bounce[off : off+n : off+n], func() { _, _ = a.bounceAlloc.Free(off) }
+		return a.bounce[off : off+n : off+n], func() { _, _ = a.bounceAlloc.Free(off) }, nil
 	}
+	limit := int64(len(a.bounce))
+	a.pageableMu.Lock()
+	lent := a.pageable
+	if lent > 0 && n > limit-lent {
+		a.pageableMu.Unlock()
+		return nil, nil, fmt.Errorf("%w (%d bytes, to or from the GPU): the %d-byte pinned bounce area is lent out and %d bytes of pageable memory stage other copies (at most the pinned area's size): try again once copies in flight end, or raise --bounce-size", arena.ErrNoStaging, n, limit, lent)
+	}
+	a.pageable += n
+	a.pageableMu.Unlock()
 	a.fallbacks.Add(1)
-	return make([]byte, n), func() {}
+	return make([]byte, n), func() {
+		a.pageableMu.Lock()
+		a.pageable -= n
+		a.pageableMu.Unlock()
+	}, nil
 }
 
 // Close frees the dmabuf descriptor, the bounce area and the device memory.

@@ -303,22 +303,50 @@ func TestBounceLendsPinnedMemoryThenFallsBack(t *testing.T) {
 	area := a.BounceArea()
 	inArea := func(b []byte) bool { return sameBacking(area, b) }
 
-	b1, r1 := a.Bounce(40 << 10)
-	if len(b1) != 40<<10 || cap(b1) != 40<<10 || !inArea(b1) {
+	bounce := func(n int64) ([]byte, func()) {
+		t.Helper()
+		b, release, err := a.Bounce(n)
+		if err != nil {
+			t.Fatalf("Bounce(%d): %v", n, err)
+		}
+		return b, release
+	}
+	b1, r1 := bounce(64 << 10) // the whole area
+	if len(b1) != 64<<10 || cap(b1) != 64<<10 || !inArea(b1) {
 		t.Fatalf("first bounce buffer (len %d, cap %d) is not in the pinned area", len(b1), cap(b1))
 	}
-	b2, r2 := a.Bounce(40 << 10) // does not fit beside b1
+	b2, r2 := bounce(40 << 10)
 	if inArea(b2) || len(b2) != 40<<10 || a.BounceFallbacks() != 1 {
 		t.Fatalf("second buffer in area=%v, fallbacks %d", inArea(b2), a.BounceFallbacks())
 	}
-	r2()
-	r1()
-	b3, r3 := a.Bounce(64 << 10)
-	if !inArea(b3) {
-		t.Fatal("released space was not lent again")
+	// Pageable memory is lent up to the pinned area's size (64 KiB):
+	// 40 KiB are, so 24 KiB more fit and a byte more does not.
+	if _, _, err := a.Bounce(24<<10 + 1); err == nil || !strings.Contains(err.Error(), "the 65536-byte pinned bounce area is lent out and 40960 bytes of pageable memory stage other copies") {
+		t.Fatalf("a copy past the pageable bound: %v", err)
+	}
+	b3, r3 := bounce(24 << 10)
+	if inArea(b3) || a.BounceFallbacks() != 2 {
+		t.Fatalf("third buffer in area=%v, fallbacks %d", inArea(b3), a.BounceFallbacks())
 	}
 	r3()
-	if b, r := a.Bounce(0); len(b) != 0 || a.BounceFallbacks() != 1 {
+	r2()
+	// With no pageable memory lent, one copy of any size is: nothing is
+	// too large to stage.
+	big, rbig := bounce(1 << 20)
+	if len(big) != 1<<20 || inArea(big) {
+		t.Fatalf("a copy larger than the pinned area: %d bytes, in area=%v", len(big), inArea(big))
+	}
+	if _, _, err := a.Bounce(1); err == nil {
+		t.Fatal("a byte more beside a copy larger than the pinned area was lent")
+	}
+	rbig()
+	r1()
+	b4, r4 := bounce(64 << 10)
+	if !inArea(b4) {
+		t.Fatal("released space was not lent again")
+	}
+	r4()
+	if b, r := bounce(0); len(b) != 0 || a.BounceFallbacks() != 3 {
 		t.Fatalf("Bounce(0) = %d bytes, fallbacks %d", len(b), a.BounceFallbacks())
 	} else {
 		r()

@@ -62,7 +62,11 @@ func TestFakeDriverRunsTheRealCallPath(t *testing.T) {
 		go func() {
 			defer wg.Done()
 			data := bytes.Repeat([]byte{byte(i + 1)}, 256<<10)
-			buf, release := a.Bounce(int64(len(data)))
+			buf, release, err := a.Bounce(int64(len(data)))
+			if err != nil {
+				errs <- err
+				return
+			}
 			defer release()
 			copy(buf, data)
 			off := int64(i) * (1 << 20)
@@ -250,5 +254,5 @@ func TestFakeDriverOpensARegionByIPCHandle(t *testing.T) {
 // testStaging lends ordinary memory and counts the copies.
 type testStaging struct{ in, out int64 }
 
-func (s *testStaging) Bounce(n int64) ([]byte, func()) { return make([]byte, n), func() {} }
-func (s *testStaging) Copied(in, out int64)            { s.in += in; s.out += out }
+func (s *testStaging) Bounce(n int64) ([]byte, func(), error) { return make([]byte, n), func() {}, nil }
+func (s *testStaging) Copied(in, out int64)                   { s.in += in; s.out += out }

@@ -75,7 +75,10 @@ func TestGPUArenaCopiesRoundTrip(t *testing.T) {
 		if err := a.CopyOut(got, off); err != nil || !bytes.Equal(got, data) {
 			t.Fatalf("round trip at offset %d: %v", off, err)
 		}
-		buf, release := a.Bounce(int64(len(data)))
+		buf, release, err := a.Bounce(int64(len(data)))
+		if err != nil {
+			t.Fatal(err)
+		}
 		clear(buf)
 		if err := a.CopyOut(buf, off); err != nil || !bytes.Equal(buf, data) {
 			t.Fatalf("round trip through the pinned area at offset %d: %v", off, err)
@@ -236,7 +239,10 @@ func BenchmarkCopy(b *testing.B) {
 		b.Fatal(err)
 	}
 	defer a.Close()
-	buf, release := a.Bounce(most)
+	buf, release, err := a.Bounce(most)
+	if err != nil {
+		b.Fatal(err)
+	}
 	defer release()
 	for _, size := range []int{4 * MiB, 64 * MiB, 256 * MiB} {
 		name := fmt.Sprintf("%dMiB", size/MiB)

@@ -22,7 +22,7 @@ type ipcDevice interface {
 // bytes copied, so one count says what the GPU copied for ferryd.
 // *Arena is one.
 type Staging interface {
-	Bounce(n int64) ([]byte, func())
+	Bounce(n int64) ([]byte, func(), error)
 	// Copied counts in bytes copied to the device and out bytes to the
 	// host.
 	Copied(in, out int64)
@@ -112,7 +112,7 @@ func (r *Region) CopyOut(dst []byte, off int64) error {
 	return nil
 }
 
-func (r *Region) Bounce(n int64) ([]byte, func()) { return r.staging.Bounce(n) }
+func (r *Region) Bounce(n int64) ([]byte, func(), error) { return r.staging.Bounce(n) }
 
 // Close unmaps the allocation from this process; its owner keeps it.
 func (r *Region) Close() error {

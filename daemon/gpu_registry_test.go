@@ -37,7 +37,9 @@ func (m *deviceMemory) CopyOut(dst []byte, off int64) error {
 	copy(dst, m.mem[off:])
 	return nil
 }
-func (m *deviceMemory) Bounce(n int64) ([]byte, func()) { return make([]byte, n), func() {} }
+func (m *deviceMemory) Bounce(n int64) ([]byte, func(), error) {
+	return make([]byte, n), func() {}, nil
+}
 
 // A write whose copy into GPU memory fails is not marked arrived: the
 // receiver's wait says what happened, and a resend can still land.

@@ -19,6 +19,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/internal/strictjson"
@@ -35,6 +36,15 @@ func (e *apiError) Error() string { return e.msg }
 
 func apiErr(code, format string, args ...any) error {
 	return &apiError{code: code, msg: fmt.Sprintf(format, args...)}
+}
+
+// internalCode is the code of an error no handler named: busy for one
+// that passes once copies in flight end, internal otherwise.
+func internalCode(err error) string {
+	if errors.Is(err, arena.ErrNoStaging) {
+		return api.CodeBusy
+	}
+	return api.CodeInternal
 }
 
 func isCode(err error, code string) bool {
@@ -152,7 +162,7 @@ func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Han
 		err := d.serveOne(w, r, h)
 		ev := d.log.Debug()
 		if err != nil {
-			ae := &apiError{code: api.CodeInternal, msg: err.Error()}
+			ae := &apiError{code: internalCode(err), msg: err.Error()}
 			errors.As(err, &ae)
 			status := api.StatusOf(ae.code)
 			writeJSON(w, status, api.ErrorBody{Error: api.Error{Code: ae.code, Message: ae.msg}})

@@ -80,7 +80,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		// A GPU arena's bytes are copied out to a host bounce buffer first.
 		src, releaseSrc, err := d.arena.Readable(e.slice, 0, e.nbytes)
 		if err != nil {
-			return res, apiErr(api.CodeInternal,
+			return res, apiErr(internalCode(err),
 				"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
 		}
 		defer releaseSrc()
