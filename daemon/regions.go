@@ -175,23 +175,51 @@ func (r *registry) useRegion(name, what string) (*region, error) {
 	return g, nil
 }
 
-// unuseRegion drops a pin, and deregisters and unmaps a closing region
-// once none is left; callers hold mu.
+// unuseRegion drops a pin. A closing region's last one takes it out of
+// use: unlock deregisters and unmaps it once mu is released. Callers
+// hold mu and release it with unlock.
 func (r *registry) unuseRegion(g *region) {
 	g.uses--
 	if g.closing && g.uses == 0 {
-		if g.nic != nil {
-			// Its writes and windows are gone; the NIC keeps the pages it
-			// pinned until the registration goes, so unmapping is safe
-			// even when dropping it failed.
-			if err := g.nic.Close(); err != nil && r.regionNICLost != nil {
-				r.regionNICLost(g.name, err)
-			}
-		}
-		_ = g.mem.Close()
-		delete(r.regions, g.name)
-		close(g.gone)
+		r.ended = append(r.ended, g)
 	}
+}
+
+// unlock releases mu, then ends each region whose last use ended while
+// it was held: dropping a registration unpins every page of it, and
+// unmapping a large region takes time too, which no arriving write or
+// API call should wait behind. Callers that may drop a region's last use
+// release mu with unlock, not mu.Unlock.
+func (r *registry) unlock() {
+	ended, lost := r.ended, r.regionNICLost
+	r.ended = nil
+	r.mu.Unlock()
+	for _, g := range ended {
+		r.endRegion(g, lost)
+	}
+}
+
+// endRegion drops a region's registration with the NIC, then its
+// mapping, then its place in the table, and only then closes gone:
+// DELETE /v1/regions answers 204 once the memory is its client's alone.
+// Until then GET /v1/regions lists it (closing) and its name stays taken.
+// Callers do not hold mu.
+func (r *registry) endRegion(g *region, lost func(name string, err error)) {
+	if g.nic != nil {
+		// Its writes and windows are gone; the NIC keeps the pages it
+		// pinned until the registration goes, so unmapping is safe
+		// even when dropping it failed.
+		if err := g.nic.Close(); err != nil && lost != nil {
+			lost(g.name, err)
+		}
+	}
+	_ = g.mem.Close()
+	r.mu.Lock()
+	if r.regions[g.name] == g {
+		delete(r.regions, g.name)
+	}
+	r.mu.Unlock()
+	close(g.gone)
 }
 
 // pinRegion pins a registered region for a transfer reading it.
@@ -203,7 +231,7 @@ func (r *registry) pinRegion(name, what string) (*region, error) {
 
 func (r *registry) unpinRegion(g *region) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	r.unuseRegion(g)
 }
 
@@ -212,7 +240,7 @@ func (r *registry) unpinRegion(g *region) {
 // with live receive slots is refused: the client frees them first.
 func (r *registry) removeRegion(name string) (*region, error) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	g, ok := r.regions[name]
 	if !ok {
 		return nil, apiErr(api.CodeNotFound, "no region named %s is registered (GET /v1/regions lists them)", name)

@@ -115,10 +115,13 @@ type registry struct {
 
 	// registrar registers regions with the NIC (rdma), or is nil (TCP);
 	// set before the control API serves. regionNICLost, if set, hears
-	// of a region whose registration could not be dropped. Called with
-	// mu held.
+	// of a region whose registration could not be dropped. Called
+	// without mu.
 	registrar     transport.RegionRegistrar
 	regionNICLost func(name string, err error)
+	// ended is the closing regions whose last use ended while mu was
+	// held: unlock deregisters and unmaps them once it is released.
+	ended []*region
 }
 
 var _ transport.WindowSink = (*registry)(nil)
@@ -404,7 +407,7 @@ func (r *registry) openWindow(s *slot) (err error) {
 // live slot of that region.
 func (r *registry) newSlotIn(reqID string, n int64, name string, off int64) (*slot, error) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	if err := r.mayAddSlot(reqID); err != nil {
 		return nil, err
 	}
@@ -651,7 +654,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]by
 	done := func(err error) {
 		cerr := commit(err == nil)
 		r.mu.Lock()
-		defer r.mu.Unlock()
+		defer r.unlock()
 		s.writes--
 		switch {
 		case err == nil && !s.freed:
@@ -712,7 +715,8 @@ func (r *registry) completeReceive(reqID string) error {
 }
 
 // unpin drops a hold on s and returns its memory once it is freed and
-// unheld; callers hold mu.
+// unheld; callers hold mu and release it with unlock (a slot in a region
+// may hold the region's last use).
 func (r *registry) unpin(s *slot) {
 	s.pins--
 	if s.freed && s.pins == 0 {
@@ -721,8 +725,9 @@ func (r *registry) unpin(s *slot) {
 }
 
 // release returns a freed, unheld slot's memory to the arena, after the
-// quarantine if one is set; callers hold mu. Once stopping, nothing can be
-// allocated any more, so the memory goes back at once.
+// quarantine if one is set; callers hold mu and release it with unlock.
+// Once stopping, nothing can be allocated any more, so the memory goes
+// back at once.
 func (r *registry) release(s *slot) {
 	if s.window != 0 {
 		// Nothing lands through the window from here on; a window still
@@ -822,7 +827,7 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 			}
 			unpin := func() {
 				r.mu.Lock()
-				defer r.mu.Unlock()
+				defer r.unlock()
 				r.unpin(s)
 			}
 			// Read outside the lock: for a GPU arena this is a copy out.
@@ -847,7 +852,7 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 }
 
 // removeSlot takes s out of the tables; its memory follows once unpinned.
-// Callers hold mu.
+// Callers hold mu and release it with unlock.
 func (r *registry) removeSlot(s *slot) {
 	delete(r.slots, s.reqID)
 	delete(r.byKey, s.key)
@@ -867,7 +872,7 @@ func (r *registry) removeSlot(s *slot) {
 
 func (r *registry) deleteSlot(reqID string) error {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	s, ok := r.slots[reqID]
 	if !ok {
 		return apiErr(api.CodeNotFound, "no receive slot for req_id %s", reqID)
@@ -907,7 +912,7 @@ type dropped struct {
 // or uploaded are left alone: their owners will finish them.
 func (r *registry) sweep(now time.Time, stageTTL, receiveTTL time.Duration) []dropped {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	var out []dropped
 	for id, e := range r.entries {
 		if (e.state == staged || e.state == reserved) && now.Sub(e.since) > stageTTL {
