@@ -122,6 +122,18 @@ type registry struct {
 	// ended is the closing regions whose last use ended while mu was
 	// held: unlock deregisters and unmaps them once it is released.
 	ended []*region
+	// claims is the regions being mapped and registered, by name
+	// (regionClaim). hostLimit bounds the host memory regions and
+	// claims hold at once (max_region_bytes; zero: no bound); set
+	// before the control API serves.
+	claims    map[string]*regionClaim
+	hostLimit hostLimit
+}
+
+// hostLimit is max_region_bytes: as written, and in bytes on this host.
+type hostLimit struct {
+	setting string
+	bytes   int64
 }
 
 var _ transport.WindowSink = (*registry)(nil)
@@ -150,6 +162,7 @@ func newRegistry(a *arena.Arena) *registry {
 		byKey:   make(map[transport.Key]*slot),
 		byTag:   make(map[uint32]*slot),
 		regions: make(map[string]*region),
+		claims:  make(map[string]*regionClaim),
 		changed: make(chan struct{}),
 		held:    make(map[*slot]func() bool),
 		afterFunc: func(d time.Duration, f func()) func() bool {
