@@ -76,9 +76,20 @@ type Status struct {
 	Mooncake     *MooncakeStatus   `json:"mooncake,omitempty"` // with --mooncake-listen
 	Staged       int               `json:"staged"`
 	Receives     int               `json:"receives"`
+	Regions      RegionsStatus     `json:"regions"`
 	Sessions     []Session         `json:"sessions"`
 	Settings     Settings          `json:"settings"`
 	Counters     map[string]uint64 `json:"counters"`
+}
+
+// RegionsStatus is the memory clients lent ferryd (POST /v1/regions).
+type RegionsStatus struct {
+	Count int `json:"count"` // registered, closing ones included
+	// HostBytes is the host memory they hold (memfds; CUDA regions hold
+	// none), with regions being registered; HostLimit bounds it
+	// (max_region_bytes on this host; 0: no bound).
+	HostBytes int64 `json:"host_bytes"`
+	HostLimit int64 `json:"host_limit"`
 }
 
 // MooncakeStatus is ferryd serving as a Mooncake segment.

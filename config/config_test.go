@@ -117,6 +117,8 @@ func TestFileErrorsNameKeyAndLine(t *testing.T) {
 		{"bad size", "max_body_bytes = \"a lot\"\n", []string{"line 1", "max_body_bytes", `"a lot"`}},
 		{"bad duration", "slow_threshold = \"fast\"\n", []string{"line 1", "slow_threshold", `"fast"`, "with a unit"}},
 		{"negative duration", "stage_ttl = \"-1s\"\n", []string{"line 1", "stage_ttl", "negative"}},
+		{"share over 100%", "max_region_bytes = \"120%\"\n", []string{"line 1", "max_region_bytes", `"120%"`, "at most 100"}},
+		{"bad share", "max_region_bytes = \"most\"\n", []string{"line 1", "max_region_bytes", `"most"`, `"75%"`}},
 		{"bad choice", "log_format = \"xml\"\n", []string{"line 1", "log_format", "json, console"}},
 		{"negative uid", "allow_gids = [5, -1]\n", []string{"line 1", "allow_gids", "negative"}},
 		{"syntax", "listen = \"unterminated\n", []string{"line 1", "not valid TOML"}},
@@ -204,6 +206,26 @@ func TestChanged(t *testing.T) {
 	}
 }
 
+// A share is a size, or a part of the host's physical memory.
+func TestShareBytes(t *testing.T) {
+	for in, want := range map[string]int64{"75%": 3 << 30, "100%": 4 << 30, " 12.5 % ": 512 << 20, "512MiB": 512 << 20, "0": 0} {
+		var h Share
+		if err := h.Set(in); err != nil {
+			t.Errorf("Set(%q): %v", in, err)
+			continue
+		}
+		if got := h.Bytes(4 << 30); got != want {
+			t.Errorf("Share(%q).Bytes(4GiB) = %d, want %d", in, got, want)
+		}
+	}
+	for _, bad := range []string{"", "%", "0%", "-5%", "101%", "NaN%", "most", "-1"} {
+		var h Share
+		if err := h.Set(bad); err == nil {
+			t.Errorf("Set(%q) succeeded; want an error", bad)
+		}
+	}
+}
+
 func TestDeviceOrdinal(t *testing.T) {
 	for in, want := range map[Device]int{"auto": -1, "cpu": -1, "cuda:0": 0, "cuda:7": 7} {
 		if got, err := in.Ordinal(); err != nil || got != want {
@@ -253,7 +275,7 @@ func TestExplicitZeros(t *testing.T) {
 	if err := s.Check(); err != nil {
 		t.Fatalf("the defaults do not pass: %v", err)
 	}
-	l, err := load(t, []string{"--config", os.DevNull, "--slow-threshold", "0s", "--send-retries", "0", "--drain-timeout", "0s", "--bounce-size", "0"}, env())
+	l, err := load(t, []string{"--config", os.DevNull, "--slow-threshold", "0s", "--send-retries", "0", "--drain-timeout", "0s", "--bounce-size", "0", "--max-region-bytes", "0"}, env())
 	if err != nil {
 		t.Fatal(err)
 	}

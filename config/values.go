@@ -123,6 +123,38 @@ func (z Size) Bytes() int64 {
 	return n
 }
 
+// Share is a byte count as a Size writes it, or a share of the host's
+// physical memory ("75%"), a TOML string.
+type Share string
+
+func (h *Share) Set(s string) error {
+	t := strings.TrimSpace(s)
+	if pct, ok := strings.CutSuffix(t, "%"); ok {
+		if v, err := strconv.ParseFloat(strings.TrimSpace(pct), 64); err != nil || !(v > 0 && v <= 100) {
+			return fmt.Errorf("%q is not a share of memory: write a percentage above 0 and at most 100, e.g. \"75%%\", or a size, e.g. \"512GiB\"", s)
+		}
+	} else if _, err := size.Parse(t); err != nil {
+		return fmt.Errorf("%q is neither a size (e.g. \"512GiB\") nor a share of the host's memory (e.g. \"75%%\")", s)
+	}
+	*h = Share(t)
+	return nil
+}
+func (h *Share) String() string { return string(*h) }
+func (h *Share) want() string {
+	return `a size or a share of the host's memory in quotes, e.g. "512GiB" or "75%"`
+}
+
+// Bytes is the byte count on a host with physical bytes of memory; a
+// Share that came through Set always parses.
+func (h Share) Bytes(physical int64) int64 {
+	if pct, ok := strings.CutSuffix(string(h), "%"); ok {
+		v, _ := strconv.ParseFloat(strings.TrimSpace(pct), 64)
+		return int64(float64(physical) * v / 100)
+	}
+	n, _ := size.Parse(string(h))
+	return n
+}
+
 // ids is a list of numeric user or group ids: a TOML array, or
 // comma-separated as a flag or variable.
 type ids []uint32

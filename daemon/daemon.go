@@ -122,6 +122,9 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d.reg = newRegistry(d.arena)
+	if d.reg.hostLimit, err = regionLimit(cfg.MaxRegionBytes); err != nil {
+		return nil, err
+	}
 	d.transfers, d.events = newTransfers(), newEventLog()
 	d.reg.arrived = func(reqID string, n int64) {
 		d.events.add(api.Event{Kind: api.EventArrived, ReqID: reqID, NBytes: n})
@@ -169,6 +172,10 @@ func New(cfg Config) (*Daemon, error) {
 		},
 		counts:   d.reg.counts,
 		sessions: d.sessions.states,
+		regions: func() (int64, int64) {
+			st := d.reg.regionsStatus()
+			return st.HostBytes, st.HostLimit
+		},
 	}, d.tr.Name())
 	d.metrics.reg.MustRegister(d.dp.collectors()...)
 	d.metrics.reg.MustRegister(d.mem.collectors()...)

@@ -284,7 +284,7 @@ func (d *Daemon) Status() api.Status {
 			Reason: d.dp.reason, RDMA: d.dp.rdmaStatus(),
 		},
 		Mooncake: mc,
-		Staged:   staged, Receives: receives, Sessions: d.sessions.list(),
+		Staged:   staged, Receives: receives, Regions: d.reg.regionsStatus(), Sessions: d.sessions.list(),
 		Settings: api.Settings{
 			SlowThreshold: d.slowThreshold().String(), SendRetries: d.cfg.SendRetries,
 			SendTimeout: d.cfg.SendTimeout.String(), StageTTL: d.cfg.StageTTL.String(), ReceiveTTL: d.cfg.ReceiveTTL.String(),

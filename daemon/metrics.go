@@ -63,6 +63,7 @@ type gauges struct {
 	arena    func() (total, used, free int64)
 	counts   func() (entries, slots int)
 	sessions func() (connected, down int)
+	regions  func() (host, limit int64)
 }
 
 // newMetrics builds the registry of a daemon running transport.
@@ -139,6 +140,12 @@ func newMetrics(g gauges, transport string) *metrics {
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ferry_receive_slots", Help: "Live receive slots.",
 		}, func() float64 { _, s := g.counts(); return float64(s) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ferry_region_host_bytes", Help: "Host memory the regions clients lent hold (memfds, closing ones until unmapped, and those being registered); CUDA regions hold none.",
+		}, func() float64 { h, _ := g.regions(); return float64(h) }),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "ferry_region_host_limit_bytes", Help: "The bound on ferry_region_host_bytes: max_region_bytes on this host (0: no bound).",
+		}, func() float64 { _, l := g.regions(); return float64(l) }),
 	)
 	for _, o := range outcomes {
 		m.transfers.WithLabelValues(transport, o)

@@ -5,6 +5,7 @@ import (
 	"io"
 	"net/http"
 	"sort"
+	"strings"
 	"time"
 	"unsafe"
 
@@ -12,7 +13,9 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/cuda"
+	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -113,11 +116,13 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 }
 
 // addRegion registers a mapped region under its name, with its
-// registration with the NIC (nil, and why not).
+// registration with the NIC (nil, and why not). The claim its request
+// made on the name ends here, the region added or refused.
 func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicErr error) (api.Region, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if err := r.mayAddRegion(name); err != nil {
+	delete(r.claims, name)
+	if err := r.mayAddRegion(name, hostBytes(mem)); err != nil {
 		return api.Region{}, err
 	}
 	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), gone: make(chan struct{})}
@@ -125,23 +130,48 @@ func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicEr
 	return r.describeRegion(g), nil
 }
 
-// checkNewRegion says whether a region named name could be added now,
-// so that a request that would be refused maps and registers nothing
-// (addRegion checks again: another may take the name meanwhile).
-func (r *registry) checkNewRegion(name string) error {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	return r.mayAddRegion(name)
+// regionClaim is a new region's place from before ferryd maps it until
+// addRegion takes it or the request gives it up: its name taken, its
+// host bytes counted against the limit, so that requests arriving
+// together cannot between them map and pin past it.
+type regionClaim struct {
+	name string
+	host int64
 }
 
-// mayAddRegion checks a new region's name against the table and its
-// limit; callers hold mu.
-func (r *registry) mayAddRegion(name string) error {
+// claimRegion says whether a region named name, holding host bytes of
+// host memory, could be added now, so that a request that would be
+// refused maps and registers nothing, and holds its place until
+// addRegion (which checks again) or unclaim.
+func (r *registry) claimRegion(name string, host int64) (*regionClaim, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if err := r.mayAddRegion(name, host); err != nil {
+		return nil, err
+	}
+	c := &regionClaim{name: name, host: host}
+	r.claims[name] = c
+	return c, nil
+}
+
+// unclaim gives up a claim addRegion did not take.
+func (r *registry) unclaim(c *regionClaim) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.claims[c.name] == c {
+		delete(r.claims, c.name)
+	}
+}
+
+// mayAddRegion checks a new region's name against the table and the
+// claims, and the region and its host bytes against the limits; callers
+// hold mu.
+func (r *registry) mayAddRegion(name string, host int64) error {
 	if r.stopping {
 		return errStopping
 	}
-	if len(r.regions) >= maxRegions {
-		return apiErr(api.CodeBusy, "%d regions are registered, this ferryd's limit: unregister some, or lend larger ones", len(r.regions))
+	if n := len(r.regions) + len(r.claims); n >= maxRegions {
+		return apiErr(api.CodeBusy, "%d regions are registered, this ferryd's limit: unregister some, or lend larger ones", n)
 	}
 	if g, ok := r.regions[name]; ok {
 		if g.closing {
@@ -149,7 +179,72 @@ func (r *registry) mayAddRegion(name string) error {
 		}
 		return apiErr(api.CodeExists, "a region named %s is registered already: unregister it first or choose another name", name)
 	}
+	if _, ok := r.claims[name]; ok {
+		return apiErr(api.CodeExists, "a region named %s is being registered by another request: choose another name", name)
+	}
+	limit := r.hostLimit
+	if host == 0 || limit.bytes == 0 {
+		return nil
+	}
+	if host > limit.bytes {
+		return apiErr(api.CodeTooLarge,
+			"region %s: %s (%d bytes) of host memory is more than all regions together may hold: max_region_bytes is %s (%s, %d bytes): lend a smaller region, or raise max_region_bytes (--max-region-bytes) if this host can spare that much pinned memory",
+			name, size.Format(host), host, limit.setting, size.Format(limit.bytes), limit.bytes)
+	}
+	if held := r.hostRegionBytes(); host > limit.bytes-held {
+		return apiErr(api.CodeBusy,
+			"region %s: %s (%d bytes) of host memory would bring what regions hold to %s, past max_region_bytes %s (%s, %d bytes): unregister regions no longer needed (GET /v1/regions lists them; one closing counts until it is unmapped), or raise max_region_bytes (--max-region-bytes)",
+			name, size.Format(host), host, size.Format(held+host), limit.setting, size.Format(limit.bytes), limit.bytes)
+	}
 	return nil
+}
+
+// regionLimit reads max_region_bytes on this host: a share is of its
+// physical memory (MemTotal, not ferryd's cgroup).
+func regionLimit(share config.Share) (hostLimit, error) {
+	l := hostLimit{setting: share.String()}
+	if !strings.HasSuffix(l.setting, "%") {
+		l.bytes = share.Bytes(0)
+		return l, nil
+	}
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
+		return l, fmt.Errorf("max_region_bytes %s: reading this host's memory size: %v: give a size instead (e.g. 512GiB)", l.setting, err)
+	}
+	l.bytes = max(1, share.Bytes(int64(si.Totalram)*int64(si.Unit))) // a share is never "no bound"
+	return l, nil
+}
+
+// regionsStatus counts the regions and the host memory they hold.
+func (r *registry) regionsStatus() api.RegionsStatus {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	return api.RegionsStatus{Count: len(r.regions), HostBytes: r.hostRegionBytes(), HostLimit: r.hostLimit.bytes}
+}
+
+// hostBytes is the host memory a region's memory holds: a memfd's
+// mapping. A CUDA region's is device memory, which its owner allocated
+// and which registering with the NIC pins no host page of: it counts
+// toward no host limit.
+func hostBytes(mem arena.Memory) int64 {
+	if mem.Host() == nil {
+		return 0
+	}
+	return mem.Size()
+}
+
+// hostRegionBytes is the host memory the regions hold, closing ones
+// until they are unmapped, and the claims about to be mapped; callers
+// hold mu.
+func (r *registry) hostRegionBytes() int64 {
+	var n int64
+	for _, g := range r.regions {
+		n += hostBytes(g.mem)
+	}
+	for _, c := range r.claims {
+		n += c.host
+	}
+	return n
 }
 
 // describeRegion describes g; callers hold mu.
@@ -175,23 +270,51 @@ func (r *registry) useRegion(name, what string) (*region, error) {
 	return g, nil
 }
 
-// unuseRegion drops a pin, and deregisters and unmaps a closing region
-// once none is left; callers hold mu.
+// unuseRegion drops a pin. A closing region's last one takes it out of
+// use: unlock deregisters and unmaps it once mu is released. Callers
+// hold mu and release it with unlock.
 func (r *registry) unuseRegion(g *region) {
 	g.uses--
 	if g.closing && g.uses == 0 {
-		if g.nic != nil {
-			// Its writes and windows are gone; the NIC keeps the pages it
-			// pinned until the registration goes, so unmapping is safe
-			// even when dropping it failed.
-			if err := g.nic.Close(); err != nil && r.regionNICLost != nil {
-				r.regionNICLost(g.name, err)
-			}
-		}
-		_ = g.mem.Close()
-		delete(r.regions, g.name)
-		close(g.gone)
+		r.ended = append(r.ended, g)
 	}
+}
+
+// unlock releases mu, then ends each region whose last use ended while
+// it was held: dropping a registration unpins every page of it, and
+// unmapping a large region takes time too, which no arriving write or
+// API call should wait behind. Callers that may drop a region's last use
+// release mu with unlock, not mu.Unlock.
+func (r *registry) unlock() {
+	ended, lost := r.ended, r.regionNICLost
+	r.ended = nil
+	r.mu.Unlock()
+	for _, g := range ended {
+		r.endRegion(g, lost)
+	}
+}
+
+// endRegion drops a region's registration with the NIC, then its
+// mapping, then its place in the table, and only then closes gone:
+// DELETE /v1/regions answers 204 once the memory is its client's alone.
+// Until then GET /v1/regions lists it (closing) and its name stays taken.
+// Callers do not hold mu.
+func (r *registry) endRegion(g *region, lost func(name string, err error)) {
+	if g.nic != nil {
+		// Its writes and windows are gone; the NIC keeps the pages it
+		// pinned until the registration goes, so unmapping is safe
+		// even when dropping it failed.
+		if err := g.nic.Close(); err != nil && lost != nil {
+			lost(g.name, err)
+		}
+	}
+	_ = g.mem.Close()
+	r.mu.Lock()
+	if r.regions[g.name] == g {
+		delete(r.regions, g.name)
+	}
+	r.mu.Unlock()
+	close(g.gone)
 }
 
 // pinRegion pins a registered region for a transfer reading it.
@@ -203,7 +326,7 @@ func (r *registry) pinRegion(name, what string) (*region, error) {
 
 func (r *registry) unpinRegion(g *region) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	r.unuseRegion(g)
 }
 
@@ -212,7 +335,7 @@ func (r *registry) unpinRegion(g *region) {
 // with live receive slots is refused: the client frees them first.
 func (r *registry) removeRegion(name string) (*region, error) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	g, ok := r.regions[name]
 	if !ok {
 		return nil, apiErr(api.CodeNotFound, "no region named %s is registered (GET /v1/regions lists them)", name)
@@ -273,11 +396,16 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if req.NBytes <= 0 {
 		return apiErr(api.CodeBadRequest, "region %s: nbytes %d must be positive", req.Name, req.NBytes)
 	}
-	if err := d.reg.checkNewRegion(req.Name); err != nil {
+	host := req.NBytes // a memfd's mapping
+	if req.CUDA != nil {
+		host = 0 // device memory: see hostBytes
+	}
+	claim, err := d.reg.claimRegion(req.Name, host)
+	if err != nil {
 		return err
 	}
+	defer d.reg.unclaim(claim) // a no-op once addRegion took it
 	var mem arena.Memory
-	var err error
 	switch {
 	case req.CUDA != nil && fd >= 0:
 		return apiErr(api.CodeBadRequest, "region %s: a descriptor and a CUDA handle came: lend a memfd or GPU memory, one per region", req.Name)

@@ -115,10 +115,25 @@ type registry struct {
 
 	// registrar registers regions with the NIC (rdma), or is nil (TCP);
 	// set before the control API serves. regionNICLost, if set, hears
-	// of a region whose registration could not be dropped. Called with
-	// mu held.
+	// of a region whose registration could not be dropped. Called
+	// without mu.
 	registrar     transport.RegionRegistrar
 	regionNICLost func(name string, err error)
+	// ended is the closing regions whose last use ended while mu was
+	// held: unlock deregisters and unmaps them once it is released.
+	ended []*region
+	// claims is the regions being mapped and registered, by name
+	// (regionClaim). hostLimit bounds the host memory regions and
+	// claims hold at once (max_region_bytes; zero: no bound); set
+	// before the control API serves.
+	claims    map[string]*regionClaim
+	hostLimit hostLimit
+}
+
+// hostLimit is max_region_bytes: as written, and in bytes on this host.
+type hostLimit struct {
+	setting string
+	bytes   int64
 }
 
 var _ transport.WindowSink = (*registry)(nil)
@@ -147,6 +162,7 @@ func newRegistry(a *arena.Arena) *registry {
 		byKey:   make(map[transport.Key]*slot),
 		byTag:   make(map[uint32]*slot),
 		regions: make(map[string]*region),
+		claims:  make(map[string]*regionClaim),
 		changed: make(chan struct{}),
 		held:    make(map[*slot]func() bool),
 		afterFunc: func(d time.Duration, f func()) func() bool {
@@ -404,7 +420,7 @@ func (r *registry) openWindow(s *slot) (err error) {
 // live slot of that region.
 func (r *registry) newSlotIn(reqID string, n int64, name string, off int64) (*slot, error) {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	if err := r.mayAddSlot(reqID); err != nil {
 		return nil, err
 	}
@@ -651,7 +667,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]by
 	done := func(err error) {
 		cerr := commit(err == nil)
 		r.mu.Lock()
-		defer r.mu.Unlock()
+		defer r.unlock()
 		s.writes--
 		switch {
 		case err == nil && !s.freed:
@@ -712,7 +728,8 @@ func (r *registry) completeReceive(reqID string) error {
 }
 
 // unpin drops a hold on s and returns its memory once it is freed and
-// unheld; callers hold mu.
+// unheld; callers hold mu and release it with unlock (a slot in a region
+// may hold the region's last use).
 func (r *registry) unpin(s *slot) {
 	s.pins--
 	if s.freed && s.pins == 0 {
@@ -721,8 +738,9 @@ func (r *registry) unpin(s *slot) {
 }
 
 // release returns a freed, unheld slot's memory to the arena, after the
-// quarantine if one is set; callers hold mu. Once stopping, nothing can be
-// allocated any more, so the memory goes back at once.
+// quarantine if one is set; callers hold mu and release it with unlock.
+// Once stopping, nothing can be allocated any more, so the memory goes
+// back at once.
 func (r *registry) release(s *slot) {
 	if s.window != 0 {
 		// Nothing lands through the window from here on; a window still
@@ -822,7 +840,7 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 			}
 			unpin := func() {
 				r.mu.Lock()
-				defer r.mu.Unlock()
+				defer r.unlock()
 				r.unpin(s)
 			}
 			// Read outside the lock: for a GPU arena this is a copy out.
@@ -847,7 +865,7 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 }
 
 // removeSlot takes s out of the tables; its memory follows once unpinned.
-// Callers hold mu.
+// Callers hold mu and release it with unlock.
 func (r *registry) removeSlot(s *slot) {
 	delete(r.slots, s.reqID)
 	delete(r.byKey, s.key)
@@ -867,7 +885,7 @@ func (r *registry) removeSlot(s *slot) {
 
 func (r *registry) deleteSlot(reqID string) error {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	s, ok := r.slots[reqID]
 	if !ok {
 		return apiErr(api.CodeNotFound, "no receive slot for req_id %s", reqID)
@@ -907,7 +925,7 @@ type dropped struct {
 // or uploaded are left alone: their owners will finish them.
 func (r *registry) sweep(now time.Time, stageTTL, receiveTTL time.Duration) []dropped {
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	var out []dropped
 	for id, e := range r.entries {
 		if (e.state == staged || e.state == reserved) && now.Sub(e.since) > stageTTL {

@@ -242,6 +242,48 @@ func TestRegisterWithoutADescriptorSaysHow(t *testing.T) {
 	}
 }
 
+// A client cannot have ferryd pin more host memory than max_region_bytes
+// allows, 75% of the host's by default: a memfd sized past it, however
+// sparse, is refused before ferryd maps it. --max-region-bytes sets the
+// bound, which regions share.
+func TestRegionsPastMaxRegionBytesAreRefused(t *testing.T) {
+	var si unix.Sysinfo_t
+	if err := unix.Sysinfo(&si); err != nil {
+		t.Fatal(err)
+	}
+	total := int64(si.Totalram) * int64(si.Unit)
+	dir := t.TempDir()
+	d := startDaemon(t, dir, "d")
+	ctx := ctxT(t)
+	st, err := d.c.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if want := total / 4 * 3; st.Regions.HostLimit < want-1<<20 || st.Regions.HostLimit > want+1<<20 {
+		t.Errorf("by default regions may hold %d bytes of host memory; want 75%% of the host's %d", st.Regions.HostLimit, total)
+	}
+	sparse, err := client.NewRegionFile("sparse", total)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer sparse.Close()
+	_, err = d.c.RegisterRegion(ctx, "sparse", sparse, total)
+	wantErr(t, err, 413, api.CodeTooLarge, "region sparse", "max_region_bytes is 75%")
+	d.alive(t)
+
+	small := startDaemon(t, dir, "small", "--max-region-bytes", "1MiB")
+	kv, _ := regionMemory(t, "kv", 768<<10)
+	if _, err := small.c.RegisterRegion(ctx, "kv", kv, 768<<10); err != nil {
+		t.Fatal(err)
+	}
+	more, _ := regionMemory(t, "more", 512<<10)
+	_, err = small.c.RegisterRegion(ctx, "more", more, 512<<10)
+	wantErr(t, err, 409, api.CodeBusy, "region more", "max_region_bytes 1MiB")
+	if st, err := small.c.Status(ctx); err != nil || st.Regions != (api.RegionsStatus{Count: 1, HostBytes: 768 << 10, HostLimit: 1 << 20}) {
+		t.Fatalf("status: %+v, %v", st.Regions, err)
+	}
+}
+
 // TestRDMARegionToRegionWithoutACopy: over RDMA each ferryd registers a
 // host region with its NIC when the region is registered (GET
 // /v1/regions says so), and a batch transfer from one's region into a

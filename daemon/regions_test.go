@@ -1,0 +1,237 @@
+package daemon
+
+import (
+	"errors"
+	"io"
+	"os"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/transport"
+)
+
+// Unregistering a region drops its registration with the NIC (which
+// unpins every page: slow for a large region) and unmaps it outside the
+// registry's lock, which every arriving write and API call takes; the
+// region stays listed, closing, until both are done, and only then does
+// gone close (DELETE /v1/regions answers 204). Whether the last use ends
+// with the DELETE itself or with a write landing in it after.
+func TestRegionEndsOutsideTheLock(t *testing.T) {
+	for _, lastUse := range []string{"delete", "write"} {
+		t.Run(lastUse, func(t *testing.T) {
+			r := newTestRegistry(t, 4096)
+			var g *region
+			var steps []string
+			// step runs inside the region's teardown: another caller
+			// lists the regions meanwhile.
+			step := func(what string) error {
+				listed := make(chan []api.Region, 1)
+				go func() { listed <- r.listRegions() }()
+				select {
+				case list := <-listed:
+					if len(list) != 2 || list[0].Name != "big" || !list[0].Closing {
+						t.Errorf("%s: the regions listed meanwhile: %+v; want big, closing, and other", what, list)
+					}
+				case <-time.After(5 * time.Second):
+					t.Errorf("%s: listing the regions waited for it", what)
+				}
+				select {
+				case <-g.gone:
+					t.Errorf("%s: the region is gone already", what)
+				default:
+				}
+				steps = append(steps, what)
+				return nil
+			}
+			nic := closerFunc(func() error { return step("deregister") })
+			mem := closingMemory{hostRegion(make([]byte, 8192)), func() error { return step("unmap") }}
+			if _, err := r.addRegion("big", mem, nic, nil); err != nil {
+				t.Fatal(err)
+			}
+			g = r.regions["big"]
+			if _, err := r.addRegion("other", hostRegion(make([]byte, 4096)), nil, nil); err != nil {
+				t.Fatal(err)
+			}
+			done := func(error) {}
+			if lastUse == "write" {
+				s, err := r.newSlotIn("in", 4096, "big", 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				if _, done, err = r.Accept(s.addr, 4096, s.key, s.key.Tag()); err != nil {
+					t.Fatal(err)
+				}
+				if err := r.deleteSlot("in"); err != nil {
+					t.Fatal(err)
+				}
+			}
+			if _, err := r.removeRegion("big"); err != nil {
+				t.Fatal(err)
+			}
+			if lastUse == "write" && len(steps) != 0 {
+				t.Fatalf("with a write landing in it, the region went through %v", steps)
+			}
+			done(nil)
+			if want := []string{"deregister", "unmap"}; !slices.Equal(steps, want) {
+				t.Fatalf("the region went through %v; want %v", steps, want)
+			}
+			select {
+			case <-g.gone:
+			default:
+				t.Fatal("the region is not gone once deregistered and unmapped")
+			}
+			if list := r.listRegions(); len(list) != 1 || list[0].Name != "other" {
+				t.Fatalf("regions listed after: %+v", list)
+			}
+		})
+	}
+}
+
+type closerFunc func() error
+
+func (f closerFunc) Close() error { return f() }
+
+// closingMemory is host memory whose Close runs close.
+type closingMemory struct {
+	hostRegion
+	close func() error
+}
+
+func (m closingMemory) Close() error { return m.close() }
+
+// Memfd regions together hold at most max_region_bytes of host memory,
+// counted by their size whether or not a page was touched: a sparse memfd
+// (sized to 1 TiB, never written) is refused before ferryd maps it or the
+// NIC pins a page of it. A region that fits is taken, one that does not
+// fit beside it is refused, and unregistering gives its bytes back.
+func TestRegionsHoldAtMostMaxRegionBytes(t *testing.T) {
+	d, c := serveTestDaemon(t, t.TempDir(), "d", func(cfg *Config) { cfg.MaxRegionBytes = "1MiB" })
+	ctx := t.Context()
+	nic := &countingRegistrar{}
+	d.reg.mu.Lock()
+	d.reg.registrar = nic
+	d.reg.mu.Unlock()
+	memfd := func(name string, n int64) *os.File {
+		f, err := client.NewRegionFile(name, n)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { f.Close() })
+		return f
+	}
+	wantRefused := func(err error, status int, code string, says ...string) {
+		t.Helper()
+		var e *client.Error
+		if !errors.As(err, &e) || e.Status != status || e.Code != code {
+			t.Fatalf("got %v; want %d %s", err, status, code)
+		}
+		for _, s := range says {
+			if !strings.Contains(e.Message, s) {
+				t.Errorf("the refusal does not say %q: %s", s, e.Message)
+			}
+		}
+	}
+	held := func(want int64) {
+		t.Helper()
+		st, err := c.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if st.Regions.HostBytes != want || st.Regions.HostLimit != 1<<20 {
+			t.Errorf("status says regions hold %d of %d bytes; want %d of %d", st.Regions.HostBytes, st.Regions.HostLimit, want, 1<<20)
+		}
+		fams := scrapeSocket(t, c)
+		if got := value(fams, "ferry_region_host_bytes"); got != float64(want) {
+			t.Errorf("ferry_region_host_bytes = %v, want %d", got, want)
+		}
+		if got := value(fams, "ferry_region_host_limit_bytes"); got != 1<<20 {
+			t.Errorf("ferry_region_host_limit_bytes = %v, want %d", got, 1<<20)
+		}
+	}
+
+	_, err := c.RegisterRegion(ctx, "sparse", memfd("sparse", 1<<40), 1<<40)
+	wantRefused(err, 413, api.CodeTooLarge, "region sparse", "1TiB", "1099511627776 bytes", "max_region_bytes is 1MiB", "--max-region-bytes")
+	if n := nic.registered.Load(); n != 0 {
+		t.Fatalf("the NIC was asked to register %d region(s) refused", n)
+	}
+	if maps, err := os.ReadFile("/proc/self/maps"); err != nil || strings.Contains(string(maps), "memfd:sparse") {
+		t.Fatalf("the refused memfd is mapped (%v):\n%s", err, maps)
+	}
+	held(0)
+	// A request refused after its check gives its bytes back.
+	_, err = c.RegisterRegion(ctx, "short", memfd("short", 4096), 8192)
+	wantRefused(err, 400, api.CodeBadRequest, "4096 bytes")
+	held(0)
+
+	if _, err := c.RegisterRegion(ctx, "kv", memfd("kv", 768<<10), 768<<10); err != nil {
+		t.Fatalf("a region within the bound: %v", err)
+	}
+	held(768 << 10)
+	more := memfd("more", 512<<10)
+	_, err = c.RegisterRegion(ctx, "more", more, 512<<10)
+	wantRefused(err, 409, api.CodeBusy, "region more", "512KiB", "to 1.25MiB", "max_region_bytes 1MiB", "unregister regions")
+	if n := nic.registered.Load(); n != 1 {
+		t.Fatalf("the NIC was asked to register %d regions; want the one taken", n)
+	}
+	if err := c.UnregisterRegion(ctx, "kv", 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	held(0)
+	if _, err := c.RegisterRegion(ctx, "more", more, 512<<10); err != nil {
+		t.Fatalf("once the first was unregistered: %v", err)
+	}
+	held(512 << 10)
+}
+
+// A region being mapped and registered holds its bytes from its first
+// check, so requests arriving together cannot between them pass the
+// bound; one given up gives them back.
+func TestRegionClaimsHoldTheirBytes(t *testing.T) {
+	r := newTestRegistry(t, 4096)
+	r.hostLimit = hostLimit{setting: "8KiB", bytes: 8192}
+	a, err := r.claimRegion("a", 6144)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.claimRegion("b", 4096); !isCode(err, api.CodeBusy) {
+		t.Fatalf("a claim past the bound beside another: %v", err)
+	}
+	if _, err := r.claimRegion("a", 1024); !isCode(err, api.CodeExists) {
+		t.Fatalf("a second claim of a name: %v", err)
+	}
+	if _, err := r.claimRegion("gpu", 1<<40); !isCode(err, api.CodeTooLarge) {
+		t.Fatalf("a region past the whole bound: %v", err)
+	}
+	if _, err := r.claimRegion("gpu", 0); err != nil {
+		t.Fatalf("a region of no host memory (CUDA): %v", err)
+	}
+	r.unclaim(a)
+	if _, err := r.claimRegion("b", 4096); err != nil {
+		t.Fatalf("once the other gave up: %v", err)
+	}
+	if _, err := r.addRegion("b", hostRegion(make([]byte, 4096)), nil, nil); err != nil {
+		t.Fatal(err)
+	}
+	if st := r.regionsStatus(); st.Count != 1 || st.HostBytes != 4096 {
+		t.Fatalf("after b was added: %+v; want 1 region of 4096 bytes, the claim taken", st)
+	}
+}
+
+// countingRegistrar stands in for rdma's region registrations, counting
+// them.
+type countingRegistrar struct{ registered atomic.Int64 }
+
+func (c *countingRegistrar) RegisterRegion([]byte) (io.Closer, error) {
+	c.registered.Add(1)
+	return closerFunc(func() error { return nil }), nil
+}
+
+func (c *countingRegistrar) RegisterDeviceRegion(transport.Range) (io.Closer, error) {
+	c.registered.Add(1)
+	return closerFunc(func() error { return nil }), nil
+}
