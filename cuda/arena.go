@@ -55,7 +55,7 @@ type Arena struct {
 	bounceAlloc *arena.Allocator
 	fallbacks   atomic.Int64
 	// Pageable bytes lent while the pinned area had no room: held to
-	// the pinned area's size, so staging takes at most twice that.
+	// the arena's size, one host copy of all it holds.
 	pageableMu sync.Mutex
 	pageable   int64
 	// Bytes copied into and out of the arena: what a NIC that reaches
@@ -199,10 +199,12 @@ func (a *Arena) CopyOut(dst []byte, off int64) error {
 
 // Bounce lends n bytes of the pinned area, or of ordinary memory when the
 // area has no room, where the copy is slower. Ordinary memory is lent
-// only while the bytes lent so lie within the pinned area's size (any
-// one copy when none is lent, so no copy is too large to stage): past
-// that a burst of large writes would take ferryd's memory without
-// bound, and the copy is refused, to be tried again.
+// only while the bytes lent so lie within the arena's size (any one copy
+// when none is lent, so no copy is too large to stage). Copies in and
+// out of the arena's distinct slots and entries never pass that, however
+// many the transport's stripes make at once; without the bound, writes
+// crossing one another (or a CUDA region's copies) could take ferryd's
+// memory without limit. Past it the copy is refused, to be tried again.
 func (a *Arena) Bounce(n int64) ([]byte, func(), error) {
 	if n <= 0 {
 		return nil, func() {}, nil
@@ -210,12 +212,12 @@ func (a *Arena) Bounce(n int64) ([]byte, func(), error) {
 	if off, err := a.bounceAlloc.Alloc(n); err == nil {
 		return a.bounce[off : off+n : off+n], func() { _, _ = a.bounceAlloc.Free(off) }, nil
 	}
-	limit := int64(len(a.bounce))
+	limit := a.size
 	a.pageableMu.Lock()
 	lent := a.pageable
 	if lent > 0 && n > limit-lent {
 		a.pageableMu.Unlock()
-		return nil, nil, fmt.Errorf("%w (%d bytes, to or from the GPU): the %d-byte pinned bounce area is lent out and %d bytes of pageable memory stage other copies (at most the pinned area's size): try again once copies in flight end, or raise --bounce-size", arena.ErrNoStaging, n, limit, lent)
+		return nil, nil, fmt.Errorf("%w (%d bytes, to or from the GPU): the pinned bounce area (%d bytes) is lent out and %d bytes of pageable memory stage other copies, of at most the arena's %d: try again once copies in flight end, or raise --bounce-size", arena.ErrNoStaging, n, len(a.bounce), lent, limit)
 	}
 	a.pageable += n
 	a.pageableMu.Unlock()

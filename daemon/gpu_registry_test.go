@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"context"
 	"errors"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -17,8 +18,9 @@ import (
 // (the real one runs in make test-gpu, and over a stand-in driver in the
 // e2e tests): bytes reach it only through copies, which can be made to fail.
 type deviceMemory struct {
-	mem      []byte
-	failCopy error
+	mem       []byte
+	failCopy  error
+	noStaging bool // Bounce has no host memory to lend
 }
 
 func (m *deviceMemory) Base() uint64 { return 0x7f5500000000 }
@@ -38,6 +40,9 @@ func (m *deviceMemory) CopyOut(dst []byte, off int64) error {
 	return nil
 }
 func (m *deviceMemory) Bounce(n int64) ([]byte, func(), error) {
+	if m.noStaging {
+		return nil, nil, fmt.Errorf("%w: the test lends none", arena.ErrNoStaging)
+	}
 	return make([]byte, n), func() {}, nil
 }
 
@@ -63,6 +68,20 @@ func TestReceiveIntoDeviceMemoryThroughCopies(t *testing.T) {
 		copy(dst, data)
 		done(nil)
 	}
+
+	// With no host memory to stage it in, a write is refused and takes
+	// no hold on the slot; a control call meeting it is answered busy.
+	dev.noStaging = true
+	if _, _, err := r.Accept(s.addr, 100, s.key, 7); !errors.Is(err, arena.ErrNoStaging) {
+		t.Fatalf("a write with no staging memory: %v", err)
+	}
+	if s.writes != 0 || s.pins != 0 {
+		t.Fatalf("the refused write left %d writes and %d pins on the slot", s.writes, s.pins)
+	}
+	if code := internalCode(fmt.Errorf("reading: %w", arena.ErrNoStaging)); code != api.CodeBusy {
+		t.Fatalf("no staging memory answered %s, want busy", code)
+	}
+	dev.noStaging = false
 
 	dev.failCopy = errors.New("cuMemcpyHtoD_v2: CUDA_ERROR_ILLEGAL_ADDRESS")
 	write()

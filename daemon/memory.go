@@ -183,7 +183,7 @@ func (m *memory) collectors() []prometheus.Collector {
 			func() float64 { return copied(1) }),
 		prometheus.NewCounterFunc(prometheus.CounterOpts{
 			Name: "ferry_gpu_bounce_fallbacks_total",
-			Help: "Copies to or from the GPU arena staged in pageable memory because the pinned bounce area was full (at most the area's size is lent so, past which a copy is refused: raise --bounce-size if it keeps rising); 0 for a host arena.",
+			Help: "Copies to or from the GPU arena staged in pageable memory because the pinned bounce area was full (at most the arena's size is lent so, past which a copy is refused; raise --bounce-size if it keeps rising); 0 for a host arena.",
 		}, func() float64 {
 			if m.gpu == nil {
 				return 0

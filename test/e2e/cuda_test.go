@@ -4,7 +4,6 @@ import (
 	"bytes"
 	"context"
 	"errors"
-	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -377,54 +376,6 @@ func TestGPURegionsSendAndReceiveTheOwnersMemory(t *testing.T) {
 // between them (scripts/gpu/torch_region.py).
 func TestGPUTorchRegions(t *testing.T) {
 	runTorchClient(t, "torch_region.py", "64MiB", "32MiB", "--mooncake-listen", "127.0.0.1:0")
-}
-
-// Host memory for GPU copies is bounded: with the pinned bounce area
-// and as many pageable bytes lent, a further upload is answered 409 busy
-// (nothing staged) rather than taking ferryd's memory without bound, and
-// goes once the copy holding them ends.
-func TestGPUStagingIsBounded(t *testing.T) {
-	env := []string{"env", "LD_LIBRARY_PATH=" + fakecuda.Build(t, fakecuda.Working)}
-	dir := t.TempDir()
-	d := startDaemonIn(t, env, dir, "d", "--device", "cuda:0", "--bounce-size", "1MiB")
-	ctx := ctxT(t)
-	const big = 4 << 20 // larger than the pinned area: staged in pageable memory
-	data := randomBytes(big, 71)
-	pr, pw := io.Pipe()
-	staged := make(chan error, 1)
-	go func() {
-		_, err := d.c.Stage(ctx, "held", []int64{big}, "u8", pr, big)
-		staged <- err
-	}()
-	// ferryd reads the body only into the memory it lent, and no socket
-	// holds 3 MiB: once this write returns, the 4 MiB are lent.
-	if _, err := pw.Write(data[:3<<20]); err != nil {
-		t.Fatal(err)
-	}
-	other := randomBytes(2<<20, 72)
-	_, err := d.c.Stage(ctx, "refused", []int64{int64(len(other))}, "u8", bytes.NewReader(other), int64(len(other)))
-	wantErr(t, err, 409, api.CodeBusy, "no host memory to stage a copy in", "raise --bounce-size")
-	if _, err := pw.Write(data[3<<20:]); err != nil {
-		t.Fatal(err)
-	}
-	pw.Close()
-	if err := <-staged; err != nil {
-		t.Fatal(err)
-	}
-	// The refused upload staged nothing; it goes now.
-	if _, err := d.c.Stage(ctx, "refused", []int64{int64(len(other))}, "u8", bytes.NewReader(other), int64(len(other))); err != nil {
-		t.Fatal(err)
-	}
-	rcv := startDaemon(t, dir, "rcv")
-	for id, want := range map[string][]byte{"held": data, "refused": other} {
-		if _, err := d.c.Send(ctx, id, slotFor(t, rcv, id, int64(len(want)))); err != nil {
-			t.Fatal(err)
-		}
-		if got, err := rcv.c.Wait(ctx, id, 10*time.Second); err != nil || !bytes.Equal(got, want) {
-			t.Fatalf("%s: %d bytes back, %v: the bytes differ", id, len(got), err)
-		}
-	}
-	d.alive(t)
 }
 
 // A host-memory ferryd cannot take GPU memory: it says what to do.
