@@ -3,6 +3,7 @@ package rdma
 import (
 	"errors"
 	"fmt"
+	"strings"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -85,12 +86,19 @@ func (t *Transport) registerDevice(windowed bool) error {
 		}
 		start := time.Now()
 		var reg region
-		var err error
+		var err, windowsErr error
 		if windowed && p != api.GPURegistrationBounce {
-			reg, t.windows, t.noWindows = t.registerWindowed(func() (region, error) { return t.registerPath(p, windowBinding) }, d.Base, d.Size)
+			reg, t.windows, windowsErr = t.registerWindowed(func() (region, error) { return t.registerPath(p, windowBinding) }, d.Base, d.Size)
+			t.noWindows = windowsErr
 		}
 		if reg == nil {
 			reg, err = t.registerPath(p, peerWrites)
+			if err != nil && windowsErr != nil && !strings.Contains(windowsErr.Error(), err.Error()) {
+				// Both tries are the path's story when they failed apart:
+				// a NIC may refuse MW_BIND alone, or the memory under
+				// either.
+				err = fmt.Errorf("%w; asked first with windows over the slots: %v", err, windowsErr)
+			}
 		}
 		if err != nil {
 			g.NotTaken = append(g.NotTaken, PathNotTaken{Path: p, Err: err})

@@ -53,6 +53,7 @@ func TestGPURegistrationChoice(t *testing.T) {
 		name                 string
 		path                 api.GPURegistration
 		noDMABuf, noPeerMem  error
+		noDeviceMWBind       error
 		windows, refuseBinds bool // the NIC's memory windows
 		want                 api.GPURegistration
 		mode, why            string
@@ -68,6 +69,12 @@ func TestGPURegistrationChoice(t *testing.T) {
 			"peermem": "not tried: dmabuf was taken first", "bounce": "not tried: dmabuf was taken first"}},
 		{name: "bounce with windows", noDMABuf: syscall.EOPNOTSUPP, noPeerMem: syscall.EFAULT, windows: true, want: api.GPURegistrationBounce, mode: ModeGrant, why: "no memory windows: the GPU arena's slots are out of the NIC's reach on the bounce path", notTaken: map[api.GPURegistration]string{
 			"dmabuf": "ENOTSUP", "peermem": "EFAULT"}},
+		// A NIC that will not register the memory to bind windows over:
+		// dmabuf's two tries failed apart, and both are told.
+		{name: "no windows over device memory", noDMABuf: syscall.EOPNOTSUPP, noDeviceMWBind: syscall.EINVAL, windows: true, want: api.GPURegistrationPeerMem, mode: ModeArenaRKey,
+			why: "no memory windows: registering the memory for windows (IBV_ACCESS_MW_BIND): ibv_reg_mr of 4194304 bytes of device memory", notTaken: map[api.GPURegistration]string{
+				"dmabuf": "operation not supported (ENOTSUP): the NIC's driver does not register dmabufs (mlx5 does from Linux 5.12; soft-RoCE never does): use such a NIC and kernel, load nvidia-peermem for the peermem path, or run with --gpu-registration bounce; asked first with windows over the slots: registering the memory for windows (IBV_ACCESS_MW_BIND): ibv_reg_dmabuf_mr of 4194304 bytes of dmabuf fd",
+				"bounce": "not tried: peermem was taken first"}},
 		{name: "dmabuf", want: api.GPURegistrationDMABuf, mode: ModeArenaRKey, notTaken: map[api.GPURegistration]string{
 			"peermem": "not tried: dmabuf was taken first", "bounce": "not tried: dmabuf was taken first"}},
 		{name: "no dmabuf", path: api.GPURegistrationAuto, noDMABuf: syscall.EOPNOTSUPP, want: api.GPURegistrationPeerMem, mode: ModeArenaRKey, notTaken: map[api.GPURegistration]string{
@@ -80,7 +87,7 @@ func TestGPURegistrationChoice(t *testing.T) {
 	for _, c := range cases {
 		t.Run(c.name, func(t *testing.T) {
 			f := newFabric()
-			f.noDMABuf, f.noPeerMem = c.noDMABuf, c.noPeerMem
+			f.noDMABuf, f.noPeerMem, f.noDeviceMWBind = c.noDMABuf, c.noPeerMem, c.noDeviceMWBind
 			f.windows, f.refuseBinds = c.windows, c.refuseBinds
 			dev, _ := gpuArena(t, f, 4<<20, c.path)
 			tr := listenFake(t, f, Config{Peer: peer.Config{Secret: testSecret, Sink: transporttest.WindowSlots{Slots: mappedSlots(t, 4096)}}, Device: dev})

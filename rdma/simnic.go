@@ -54,9 +54,11 @@ type fabric struct {
 	// and RegisterDMABuf reach only it (the fake's stand-in for device
 	// memory is mapped host memory, as the fake CUDA driver's is).
 	// noDMABuf and noPeerMem, if set, are how those fail, as on a NIC
-	// without dmabuf support or a host without nvidia-peermem.
-	device              [][]byte
-	noDMABuf, noPeerMem error
+	// without dmabuf support or a host without nvidia-peermem;
+	// noDeviceMWBind, how either fails when asked to allow binding
+	// windows, checked first.
+	device                              [][]byte
+	noDMABuf, noPeerMem, noDeviceMWBind error
 }
 
 func newFabric() *fabric {
@@ -101,6 +103,9 @@ func (n *fakeNIC) Register(mem []byte, u use) (region, error) {
 }
 
 func (n *fakeNIC) RegisterDevice(addr, size uint64, u use) (region, error) {
+	if u == windowBinding && n.f.noDeviceMWBind != nil {
+		return nil, fmt.Errorf("ibv_reg_mr of %d bytes of device memory at %#x with IBV_ACCESS_MW_BIND: %w", size, addr, n.f.noDeviceMWBind)
+	}
 	if n.f.noPeerMem != nil {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes of device memory at %#x: %w", size, addr, n.f.noPeerMem)
 	}
@@ -108,6 +113,9 @@ func (n *fakeNIC) RegisterDevice(addr, size uint64, u use) (region, error) {
 }
 
 func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (region, error) {
+	if u == windowBinding && n.f.noDeviceMWBind != nil {
+		return nil, fmt.Errorf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d with IBV_ACCESS_MW_BIND: %w", size, fd, n.f.noDeviceMWBind)
+	}
 	if n.f.noDMABuf != nil {
 		return nil, fmt.Errorf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d: %w", size, fd, n.f.noDMABuf)
 	}
