@@ -11,6 +11,10 @@ import (
 	"strings"
 )
 
+// MaxDepth is how deep objects and arrays may nest: encoding/json's own
+// limit.
+const MaxDepth = 10000
+
 // NoDuplicateKeys reports the first object in data that holds a key twice,
 // comparing keys without regard to case, at any depth. Syntax errors are
 // left to the decoder that reads data next.
@@ -18,6 +22,10 @@ import (
 // It walks the bytes itself rather than through json.Decoder.Token, which
 // allocates a token per value: a batch transfer's body is thousands of
 // numbers, and this check runs before every body is decoded.
+//
+// It refuses JSON nested deeper than MaxDepth, which encoding/json
+// refuses too: its own stack of open objects and arrays would otherwise
+// grow with the input (some 1.5 GiB allocated for 16 MiB of [).
 func NoDuplicateKeys(data []byte) error {
 	// Each open object's keys so far (made on its first key); an open
 	// array is a nil entry with isObject false.
@@ -29,12 +37,12 @@ func NoDuplicateKeys(data []byte) error {
 	expectKey := false // the next string is an object's key
 	for i := 0; i < len(data); i++ {
 		switch data[i] {
-		case '{':
-			stack = append(stack, open{isObject: true})
-			expectKey = true
-		case '[':
-			stack = append(stack, open{})
-			expectKey = false
+		case '{', '[':
+			if len(stack) == MaxDepth {
+				return fmt.Errorf("the JSON nests more than %d objects and arrays deep (at byte %d): send a flatter one", MaxDepth, i)
+			}
+			stack = append(stack, open{isObject: data[i] == '{'})
+			expectKey = data[i] == '{'
 		case '}', ']':
 			if len(stack) > 0 {
 				stack = stack[:len(stack)-1]

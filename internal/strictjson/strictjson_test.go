@@ -1,6 +1,7 @@
 package strictjson
 
 import (
+	"encoding/json"
 	"strings"
 	"testing"
 )
@@ -51,5 +52,22 @@ func TestNoDuplicateKeysReadsStringsAsTheDecoder(t *testing.T) {
 		if err := NoDuplicateKeys([]byte(ok)); err != nil {
 			t.Errorf("%s: %v", ok, err)
 		}
+	}
+}
+
+// Nesting is refused where encoding/json refuses it, before the walk's
+// own stack grows with the input.
+func TestNoDuplicateKeysBoundsDepth(t *testing.T) {
+	nest := func(n int) []byte { return []byte(strings.Repeat("[", n) + strings.Repeat("]", n)) }
+	var v any
+	if err := NoDuplicateKeys(nest(MaxDepth)); err != nil || json.Unmarshal(nest(MaxDepth), &v) != nil {
+		t.Fatalf("%d deep: %v, %v", MaxDepth, err, json.Unmarshal(nest(MaxDepth), &v))
+	}
+	err := NoDuplicateKeys([]byte(`{"a":` + strings.Repeat("[", 16<<20)))
+	if err == nil || err.Error() != "the JSON nests more than 10000 objects and arrays deep (at byte 10004): send a flatter one" {
+		t.Fatalf("16 MiB of [: %v", err)
+	}
+	if json.Unmarshal(nest(MaxDepth+1), &v) == nil {
+		t.Fatalf("encoding/json reads %d deep: MaxDepth is not its limit", MaxDepth+1)
 	}
 }
