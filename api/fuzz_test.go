@@ -1,8 +1,12 @@
 package api
 
 import (
+	"encoding/json"
+	"errors"
+	"io"
 	"math/big"
 	"net/url"
+	"reflect"
 	"slices"
 	"strings"
 	"testing"
@@ -87,6 +91,54 @@ func FuzzReqID(f *testing.F) {
 		}
 		if id == "." || id == ".." || strings.ContainsFunc(id, func(r rune) bool { return r > unicode.MaxASCII || !unicode.IsPrint(r) || unicode.IsSpace(r) }) {
 			t.Fatalf("accepted req_id %q is not safe in a path or a log line", id)
+		}
+	})
+}
+
+// FuzzTransferRequest checks TransferRequest's own reader against
+// encoding/json's strict decoding of the same fields: whatever the one
+// accepts the other does, reading the same request, except that the
+// items' parser is stricter: it refuses an item with more than
+// ItemFields fields, and null for an item or a field.
+func FuzzTransferRequest(f *testing.F) {
+	for _, seed := range []string{
+		`{"sources":[{"req_id":"a"},{"region":"kv"}],"destinations":[{"session":"10.0.0.2:17100","buffer_address":1,"key":"00112233445566778899aabbccddeeff00112233","nbytes":8}],"items":[[0,0,0,0,4],[1,0,0,4,4]],"keep_sources":true}`,
+		`{"SOURCES":null,"items":[[1,2],[]],"destinations":[]}`,
+		` {"sources" : [ {"req_id":"a\"b"} ] , "x":1} `,
+		`{"items":[[1,2,3,4,5,6]]}`,
+		`null`,
+	} {
+		f.Add([]byte(seed))
+	}
+	type plain struct {
+		Sources      []TransferSource `json:"sources"`
+		Destinations []ReceiveSlot    `json:"destinations"`
+		Items        [][]int64        `json:"items"`
+		KeepSources  bool             `json:"keep_sources,omitempty"`
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		var got TransferRequest
+		err := json.Unmarshal(body, &got)
+		var want plain
+		dec := json.NewDecoder(strings.NewReader(string(body)))
+		dec.DisallowUnknownFields()
+		werr := dec.Decode(&want)
+		if _, terr := dec.Token(); werr == nil && terr != io.EOF {
+			werr = errors.New("data after the object")
+		}
+		switch {
+		case err == nil && werr != nil:
+			t.Fatalf("%q: read as %+v, but encoding/json refuses it: %v", body, got, werr)
+		case err != nil && werr == nil && !strings.HasPrefix(err.Error(), "items:"):
+			t.Fatalf("%q: refused (%v), but encoding/json reads it as %+v", body, err, want)
+		case err == nil:
+			wantReq := TransferRequest{Sources: want.Sources, Destinations: want.Destinations, KeepSources: want.KeepSources}
+			if want.Items != nil {
+				wantReq.Items = Items(want.Items)
+			}
+			if !reflect.DeepEqual(got, wantReq) {
+				t.Fatalf("%q: read as %+v; encoding/json reads %+v", body, got, wantReq)
+			}
 		}
 	})
 }

@@ -1,7 +1,10 @@
 package api
 
 import (
+	"bytes"
+	"encoding/json"
 	"fmt"
+	"strings"
 	"time"
 )
 
@@ -23,6 +26,124 @@ type TransferRequest struct {
 	// succeeds; by default they are freed, as a send frees its entry.
 	// A failed transfer always leaves them staged.
 	KeepSources bool `json:"keep_sources,omitempty"`
+}
+
+// Limits on one POST /v1/transfers, checked as its body is read: past
+// one, reading stops and the transfer is refused whole (too_large), so
+// that no body makes ferryd hold more than these, however it is written.
+const (
+	// MaxTransferBody is the most bytes a transfer's body may have.
+	MaxTransferBody = 16 << 20
+	// MaxTransferItems is the most items one transfer carries: 16 MiB
+	// of items of 16 bytes each. Real items are longer (offsets past a
+	// few digits: [0,1048576,0,2097152,65536], is 28 bytes), so their
+	// body reaches MaxTransferBody first; only items of single digits
+	// such as [0,0,0,0,1], reach this count first, which bounds what
+	// reading a body of them holds (some 64 MiB).
+	MaxTransferItems = 1 << 20
+	// MaxTransferSources and MaxTransferDestinations are the most
+	// sources and destinations one transfer lists: far more than a
+	// batch of pages needs (a source per staged entry or region, a
+	// destination per receive slot), and few enough that a body of
+	// [{},{},...] (3 bytes each, some 100 once read) is not half a
+	// gigabyte.
+	MaxTransferSources      = 1 << 16
+	MaxTransferDestinations = 1 << 16
+)
+
+// LimitError is a request past one of the limits above; the message
+// names the limit and says to split the transfer.
+type LimitError struct{ msg string }
+
+func (e *LimitError) Error() string { return e.msg }
+
+func tooMany(n int, what string) error {
+	return &LimitError{msg: fmt.Sprintf(
+		"the transfer lists more than %d %s, the most one transfer may: split it into several transfers", n, what)}
+}
+
+// UnmarshalJSON reads a transfer's body with its sources and
+// destinations counted as they are read, refusing past
+// MaxTransferSources and MaxTransferDestinations (Items counts its own).
+// Unknown fields are refused, in the body and in each source and
+// destination; field names match ignoring case, as encoding/json's do.
+// It walks the object itself, handing each field's bytes to its reader:
+// a json.Decoder would scan the items twice more before their parser.
+func (r *TransferRequest) UnmarshalJSON(b []byte) error {
+	p := itemParser{b: b}
+	p.space()
+	if p.lit("null") {
+		return nil // leaves it as it was, as encoding/json does
+	}
+	if !p.byte('{') {
+		return fmt.Errorf("a transfer is a JSON object of sources, destinations and items")
+	}
+	for first := true; ; first = false {
+		p.space()
+		if p.byte('}') {
+			return nil
+		}
+		if !first && !p.byte(',') {
+			return fmt.Errorf("a comma or } must follow a field of the transfer (at byte %d)", p.i)
+		}
+		p.space()
+		key, ok := p.str()
+		if p.space(); !ok || !p.byte(':') {
+			return fmt.Errorf("a field name and : expected (at byte %d)", p.i)
+		}
+		p.space()
+		v, ok := p.value()
+		if !ok {
+			return fmt.Errorf("the value of %q is cut short", key)
+		}
+		var err error
+		switch {
+		case strings.EqualFold(key, "sources"):
+			r.Sources, err = decodeList[TransferSource](v, "source", "sources", MaxTransferSources)
+		case strings.EqualFold(key, "destinations"):
+			r.Destinations, err = decodeList[ReceiveSlot](v, "destination", "destinations", MaxTransferDestinations)
+		case strings.EqualFold(key, "items"):
+			err = r.Items.UnmarshalJSON(v)
+		case strings.EqualFold(key, "keep_sources"):
+			if err = json.Unmarshal(v, &r.KeepSources); err != nil {
+				err = fmt.Errorf("keep_sources: %w", err)
+			}
+		default:
+			err = fmt.Errorf("json: unknown field %q", key)
+		}
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// decodeList reads a JSON array of objects element by element, refusing
+// it once it holds more than most.
+func decodeList[T any](b []byte, one, many string, most int) ([]T, error) {
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	tok, err := dec.Token()
+	switch {
+	case err != nil:
+		return nil, err
+	case tok == nil:
+		return nil, nil
+	case tok != json.Delim('['):
+		return nil, fmt.Errorf("%s must be an array of objects, not %v", many, tok)
+	}
+	out := []T{}
+	for dec.More() {
+		if len(out) == most {
+			return nil, tooMany(most, many)
+		}
+		var v T
+		if err := dec.Decode(&v); err != nil {
+			return nil, fmt.Errorf("%s %d: %w", one, len(out), err)
+		}
+		out = append(out, v)
+	}
+	_, err = dec.Token() // the closing ]
+	return out, err
 }
 
 // TransferSource names one source of a transfer's pieces: a staged
@@ -143,12 +264,16 @@ type RegionNIC struct {
 }
 
 // Items are a transfer's pieces, each an array of integers (ItemFields
-// of them; the daemon checks the count, naming the item).
+// of them; the daemon checks the count, naming the item). Reading them
+// refuses an item with more than ItemFields at its first extra field,
+// and more than MaxTransferItems items at the first past the limit.
 type Items [][]int64
 
 // UnmarshalJSON reads items with a parser of their one shape: the
 // reflection decoder spends about a microsecond an item, which for a
-// batch of thousands of pages is as long as moving them.
+// batch of thousands of pages is as long as moving them. The items'
+// integers lie in one array, made once: a batch is one allocation, not
+// one an item.
 func (it *Items) UnmarshalJSON(b []byte) error {
 	p := itemParser{b: b}
 	p.space()
@@ -159,7 +284,10 @@ func (it *Items) UnmarshalJSON(b []byte) error {
 	if !p.byte('[') {
 		return p.fail("items must be an array of [source, source_offset, destination, destination_offset, nbytes] arrays")
 	}
-	out := Items{}
+	// Each item opens with a [, so there are at most this many.
+	most := min(bytes.Count(b[p.i:], []byte{'['}), MaxTransferItems)
+	out := make(Items, 0, most)
+	fields := make([]int64, 0, most*ItemFields)
 	for first := true; ; first = false {
 		p.space()
 		if p.byte(']') {
@@ -169,10 +297,14 @@ func (it *Items) UnmarshalJSON(b []byte) error {
 			return p.fail("items: a comma or ] must follow item %d", len(out)-1)
 		}
 		p.space()
+		if len(out) == MaxTransferItems {
+			return &LimitError{msg: fmt.Sprintf(
+				"the transfer has more than %d items, the most one transfer may: split them into several transfers", MaxTransferItems)}
+		}
 		if !p.byte('[') {
 			return p.fail("items: item %d is not an array of integers", len(out))
 		}
-		item := make([]int64, 0, ItemFields)
+		start := len(fields)
 		for f := 0; ; f++ {
 			p.space()
 			if p.byte(']') {
@@ -181,14 +313,18 @@ func (it *Items) UnmarshalJSON(b []byte) error {
 			if f > 0 && !p.byte(',') {
 				return p.fail("items: item %d: a comma or ] must follow field %d", len(out), f-1)
 			}
+			if f == ItemFields {
+				return p.fail("items: item %d has more than %d fields: an item is [source, source_offset, destination, destination_offset, nbytes]",
+					len(out), ItemFields)
+			}
 			p.space()
 			v, ok := p.int()
 			if !ok {
 				return p.fail("items: item %d: field %d is not an integer", len(out), f)
 			}
-			item = append(item, v)
+			fields = append(fields, v)
 		}
-		out = append(out, item)
+		out = append(out, fields[start:len(fields):len(fields)])
 	}
 	*it = out
 	return nil
@@ -212,6 +348,65 @@ func (p *itemParser) byte(c byte) bool {
 		return true
 	}
 	return false
+}
+
+// str reads a JSON string.
+func (p *itemParser) str() (string, bool) {
+	start := p.i
+	if !p.byte('"') {
+		return "", false
+	}
+	escaped := false
+	for ; p.i < len(p.b); p.i++ {
+		switch p.b[p.i] {
+		case '\\':
+			escaped = true
+			p.i++ // the escaped byte is never the closing quote
+		case '"':
+			p.i++
+			if !escaped {
+				return string(p.b[start+1 : p.i-1]), true
+			}
+			var s string
+			err := json.Unmarshal(p.b[start:p.i], &s)
+			return s, err == nil
+		}
+	}
+	return "", false
+}
+
+// value steps over one JSON value and returns its bytes, unchecked: the
+// reader they are handed to checks them.
+func (p *itemParser) value() ([]byte, bool) {
+	start, depth := p.i, 0
+	for p.i < len(p.b) {
+		switch c := p.b[p.i]; c {
+		case '"':
+			if _, ok := p.str(); !ok {
+				return nil, false
+			}
+			if depth == 0 {
+				return p.b[start:p.i], true
+			}
+			continue
+		case '[', '{':
+			depth++
+		case ']', '}':
+			if depth == 0 { // a scalar ends before its container does
+				return p.b[start:p.i], p.i > start
+			}
+			if depth--; depth == 0 {
+				p.i++
+				return p.b[start:p.i], true
+			}
+		case ',', ' ', '\t', '\n', '\r':
+			if depth == 0 {
+				return p.b[start:p.i], p.i > start
+			}
+		}
+		p.i++
+	}
+	return p.b[start:p.i], depth == 0 && p.i > start
 }
 
 func (p *itemParser) lit(s string) bool {

@@ -220,6 +220,9 @@ func (d *Daemon) decodeJSONWithin(r *http.Request, v any, most int64, tooLarge s
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
+		if le := (*api.LimitError)(nil); errors.As(err, &le) {
+			return apiErr(api.CodeTooLarge, "%v", le)
+		}
 		return apiErr(api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
 	}
 	if dec.More() {

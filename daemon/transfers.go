@@ -418,14 +418,11 @@ func pieceError(id string, p piece, dst api.ReceiveSlot, err error, attempts int
 		id, p.item, dst.Session, p.n, retCode(err), attempts, err, whenToResend(err))
 }
 
-// maxTransferBody bounds a POST /v1/transfers body: some 400,000 items.
-const maxTransferBody = 16 << 20
-
 // handleNewTransfer starts a batch: POST /v1/transfers, answered 202
 // with the transfer's id while it runs.
 func (d *Daemon) handleNewTransfer(w http.ResponseWriter, r *http.Request) error {
 	var req api.TransferRequest
-	if err := d.decodeJSONWithin(r, &req, maxTransferBody,
+	if err := d.decodeJSONWithin(r, &req, api.MaxTransferBody,
 		"the transfer's body is over 16 MiB: split it into several transfers"); err != nil {
 		return err
 	}

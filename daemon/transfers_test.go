@@ -1,10 +1,18 @@
 package daemon
 
 import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
 	"fmt"
+	"slices"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/client"
 )
 
 // At most maxRunning batches run at once; one ending makes room, and the
@@ -56,5 +64,64 @@ func TestRegionsAreBounded(t *testing.T) {
 	}
 	if _, err := r.addRegion("one-more", hostRegion(make([]byte, 1)), nil, nil); !isCode(err, api.CodeBusy) {
 		t.Fatalf("one region over the limit: %v", err)
+	}
+}
+
+// A transfer past api's limits is refused through the real handler with
+// an answer that names the limit, before anything is claimed: its source
+// stays staged, and the same transfer within the limits runs.
+func TestTransferLimitsAreAnswered(t *testing.T) {
+	_, c := serveTestDaemon(t, t.TempDir(), "d", nil)
+	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
+	defer cancel()
+	data := make([]byte, 8192)
+	rand.Read(data)
+	if _, err := c.Stage(ctx, "src", []int64{8192}, "u8", bytes.NewReader(data), 8192); err != nil {
+		t.Fatal(err)
+	}
+	slot, err := c.Receive(ctx, "dst", 8192)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// Two writes: the source's halves swapped in the slot.
+	good := api.TransferRequest{Sources: []api.TransferSource{{ReqID: "src"}}, Destinations: []api.ReceiveSlot{slot},
+		Items: api.Items{{0, 0, 0, 4096, 4096}, {0, 4096, 0, 0, 4096}}}
+
+	tooMany := make(api.Items, api.MaxTransferItems+1)
+	for i := range tooMany {
+		tooMany[i] = []int64{0, 0, 0, 0, 1}
+	}
+	for _, c2 := range []struct {
+		what       string
+		change     func(r *api.TransferRequest)
+		code, says string
+	}{
+		{"65537 destinations", func(r *api.TransferRequest) {
+			r.Destinations = slices.Repeat(r.Destinations, api.MaxTransferDestinations+1)
+		}, api.CodeTooLarge, "the transfer lists more than 65536 destinations, the most one transfer may: split it into several transfers"},
+		{"65537 sources", func(r *api.TransferRequest) {
+			r.Sources = slices.Repeat(r.Sources, api.MaxTransferSources+1)
+		}, api.CodeTooLarge, "the transfer lists more than 65536 sources, the most one transfer may: split it into several transfers"},
+		{"1048577 items", func(r *api.TransferRequest) { r.Items = tooMany },
+			api.CodeTooLarge, "the transfer has more than 1048576 items, the most one transfer may: split them into several transfers"},
+		{"an item of six fields", func(r *api.TransferRequest) { r.Items = api.Items{{0, 0, 0, 0, 1}, {0, 0, 0, 0, 1, 0}} },
+			api.CodeBadRequest, "items: item 1 has more than 5 fields"},
+	} {
+		req := good
+		c2.change(&req)
+		_, err := c.StartTransfer(ctx, req)
+		var ae *client.Error
+		if !errors.As(err, &ae) || ae.Code != c2.code || ae.Status != api.StatusOf(c2.code) || !strings.Contains(ae.Message, c2.says) {
+			t.Fatalf("%s: got %v; want %d %s saying %q", c2.what, err, api.StatusOf(c2.code), c2.code, c2.says)
+		}
+	}
+
+	tr, err := c.Transfer(ctx, good, 10*time.Second)
+	if err != nil || tr.State != api.TransferDone || tr.Writes != 2 {
+		t.Fatalf("within the limits: %+v, %v", tr, err)
+	}
+	got, err := c.Wait(ctx, "dst", 10*time.Second)
+	if err != nil || !bytes.Equal(got, append(data[4096:], data[:4096]...)) {
+		t.Fatalf("the slot holds %d bytes (%v), not the source's halves swapped", len(got), err)
 	}
 }
