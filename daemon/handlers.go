@@ -206,29 +206,45 @@ func (d *Daemon) decodeJSON(r *http.Request, v any) error {
 // decodeJSONWithin is decodeJSON with its own bound on the body, and the
 // message a longer body gets.
 func (d *Daemon) decodeJSONWithin(r *http.Request, v any, most int64, tooLarge string) error {
-	body, err := io.ReadAll(http.MaxBytesReader(nil, r.Body, most))
+	body, err := readJSONWithin(r, most, tooLarge)
 	if err != nil {
-		var mbe *http.MaxBytesError
-		if errors.As(err, &mbe) {
-			return apiErr(api.CodeTooLarge, "%s", tooLarge)
-		}
-		return apiErr(api.CodeBadRequest, "reading the request body: %v", err)
-	}
-	if err := strictjson.NoDuplicateKeys(body); err != nil {
-		return apiErr(api.CodeBadRequest, "request body: %v", err)
+		return err
 	}
 	dec := json.NewDecoder(bytes.NewReader(body))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(v); err != nil {
-		if le := (*api.LimitError)(nil); errors.As(err, &le) {
-			return apiErr(api.CodeTooLarge, "%v", le)
-		}
-		return apiErr(api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
+		return jsonError(err)
 	}
 	if dec.More() {
 		return apiErr(api.CodeBadRequest, "request body has data after its JSON object")
 	}
 	return nil
+}
+
+// readJSONWithin reads a body of at most most bytes (else tooLarge) in
+// which no object holds a key twice.
+func readJSONWithin(r *http.Request, most int64, tooLarge string) ([]byte, error) {
+	body, err := io.ReadAll(http.MaxBytesReader(nil, r.Body, most))
+	if err != nil {
+		var mbe *http.MaxBytesError
+		if errors.As(err, &mbe) {
+			return nil, apiErr(api.CodeTooLarge, "%s", tooLarge)
+		}
+		return nil, apiErr(api.CodeBadRequest, "reading the request body: %v", err)
+	}
+	if err := strictjson.NoDuplicateKeys(body); err != nil {
+		return nil, apiErr(api.CodeBadRequest, "request body: %v", err)
+	}
+	return body, nil
+}
+
+// jsonError answers a body that did not decode: 413 past a limit the
+// decoding counts (api.LimitError), else 400.
+func jsonError(err error) error {
+	if le := (*api.LimitError)(nil); errors.As(err, &le) {
+		return apiErr(api.CodeTooLarge, "%v", le)
+	}
+	return apiErr(api.CodeBadRequest, "request body is not valid JSON for this call: %v", err)
 }
 
 // reqID reads and checks the {req_id} path segment.

@@ -3,6 +3,7 @@ package daemon
 import (
 	"cmp"
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -11,11 +12,14 @@ import (
 	"sync"
 	"sync/atomic"
 	"time"
+	"unsafe"
 
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/internal/loglimit"
+	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -31,6 +35,21 @@ const (
 	// maxRunning bounds the batches running at once: each holds up to
 	// batchWindow writes in flight and its sources claimed.
 	maxRunning = 256
+	// maxHeld bounds the bytes the running batches hold between them for
+	// their writes and destinations (48 bytes each, and the destinations'
+	// sessions). A batch at api's limits holds some 50 MiB; a batch of
+	// 10,000 pages, some 500 KiB.
+	maxHeld = 256 << 20
+	// maxReading bounds the transfer bodies read and checked at once: one
+	// of 16 MiB holds some 150 MiB while it is (the body, its items, their
+	// writes), so a burst of them waits its turn rather than multiplying
+	// that. A body of 10,000 items is read in a few milliseconds, so
+	// turns come quickly.
+	maxReading = 4
+	// maxSessionLen bounds a session a client names: a host:port (a DNS
+	// name is at most 253 bytes), or Mooncake's mooncake://host:port. A
+	// session appears in a failed transfer's error, which is kept.
+	maxSessionLen = 300
 )
 
 // piece is one write of a batch: items contiguous at both ends merged.
@@ -85,6 +104,11 @@ func plan(req api.TransferRequest, srcs []batchSource) ([]piece, int64, error) {
 		}
 		merged = append(merged, p)
 	}
+	if len(merged) < len(ps) {
+		// The batch holds its writes while it runs, and the items' array
+		// is as long as the items were.
+		merged = slices.Clone(merged)
+	}
 	return merged, total, nil
 }
 
@@ -93,6 +117,10 @@ func plan(req api.TransferRequest, srcs []batchSource) ([]piece, int64, error) {
 // address and key as the receiver's POST /v1/receives gave them. A
 // Mooncake segment's slot has no key.
 func checkSlot(who, session string, addr uint64, key transport.Key) (isMooncake bool, err error) {
+	if len(session) > maxSessionLen {
+		return false, apiErr(api.CodeBadRequest, "%s: session %q is longer than any host:port (%d bytes at most): use the session the receiver's POST /v1/receives returned",
+			who, loglimit.Clip(session), maxSessionLen)
+	}
 	if _, mc, err := mooncake.RPCAddr(session); mc {
 		if err != nil {
 			return true, apiErr(api.CodeBadRequest, "%s: %v", who, err)
@@ -110,6 +138,33 @@ func checkSlot(who, session string, addr uint64, key transport.Key) (isMooncake 
 			"%s: key is missing: use the key the receiver's POST /v1/receives returned", who)
 	}
 	return isMooncake, nil
+}
+
+// batchDest is where a batch writes one of its destinations: the slot's
+// session, address and key (the rest of its descriptor was checked).
+type batchDest struct {
+	session string
+	addr    uint64
+	key     transport.Key
+}
+
+// batchDests keeps what a run needs of a batch's destinations, each
+// session once however many slots name it, and says how many bytes that
+// holds.
+func batchDests(slots []api.ReceiveSlot) ([]batchDest, int64) {
+	out := make([]batchDest, len(slots))
+	n := int64(len(out)) * int64(unsafe.Sizeof(batchDest{}))
+	sessions := make(map[string]string)
+	for i, s := range slots {
+		session, ok := sessions[s.Session]
+		if !ok {
+			session = s.Session
+			sessions[session] = session
+			n += int64(len(session))
+		}
+		out[i] = batchDest{session: session, addr: s.BufferAddress, key: s.Key}
+	}
+	return out, n
 }
 
 // batchSource is one source of a batch: a staged entry it claimed (as a
@@ -174,6 +229,7 @@ func (d *Daemon) readSource(s batchSource, off, n int64) ([]byte, func(), error)
 // batch is one running or ended transfer.
 type batch struct {
 	done chan struct{} // closed when it ends
+	held int64         // the bytes its run holds (maxHeld)
 
 	mu sync.Mutex
 	t  api.Transfer
@@ -187,25 +243,55 @@ func (b *batch) describe() api.Transfer {
 
 // transfers is the table of batches, running and recently ended.
 type transfers struct {
+	reading chan struct{} // a place per body being read and checked (maxReading)
+
 	mu      sync.Mutex
 	seq     uint64
 	byID    map[string]*batch
 	running int
+	held    int64    // the bytes the running batches hold
+	most    int64    // the most they may hold: maxHeld
 	ended   []string // ended ids, oldest first
 }
 
-func newTransfers() *transfers { return &transfers{byID: make(map[string]*batch)} }
+func newTransfers() *transfers {
+	return &transfers{byID: make(map[string]*batch), reading: make(chan struct{}, maxReading), most: maxHeld}
+}
 
-func (ts *transfers) add(t api.Transfer) (*batch, error) {
+// startReading waits for a place to read and check a transfer's body,
+// for as long as ctx lets it; doneReading gives it back.
+func (ts *transfers) startReading(ctx context.Context) error {
+	start := time.Now()
+	select {
+	case ts.reading <- struct{}{}:
+		return nil
+	case <-ctx.Done():
+		return apiErr(api.CodeTimeout, "the transfer waited %s for its turn to be read, and its request ended first: ferryd reads and checks %d transfer bodies at once, and others held every turn",
+			time.Since(start).Round(time.Millisecond), maxReading)
+	}
+}
+
+func (ts *transfers) doneReading() { <-ts.reading }
+
+// add counts a batch running whose run holds held bytes (for its writes
+// and dests destinations), unless that would take the running ones past
+// maxRunning or maxHeld.
+func (ts *transfers) add(t api.Transfer, dests int, held int64) (*batch, error) {
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
 	if ts.running >= maxRunning {
 		return nil, apiErr(api.CodeBusy, "%d transfers are running, this ferryd's limit: wait for some to end (GET /v1/events), or put more items in each", ts.running)
 	}
+	if ts.held+held > ts.most {
+		return nil, apiErr(api.CodeBusy,
+			"the transfer would hold %s while it runs (its %d writes and %d destinations), and the %d transfers running hold %s of the %s ferryd lets them hold at once: wait for some to end (GET /v1/events), or split it into smaller transfers",
+			size.Format(held), t.Writes, dests, ts.running, size.Format(ts.held), size.Format(ts.most))
+	}
 	ts.seq++
 	ts.running++
+	ts.held += held
 	t.ID = "t" + strconv.FormatUint(ts.seq, 10)
-	b := &batch{done: make(chan struct{}), t: t}
+	b := &batch{done: make(chan struct{}), held: held, t: t}
 	ts.byID[t.ID] = b
 	return b, nil
 }
@@ -227,6 +313,7 @@ func (ts *transfers) retire(id string) {
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
 	ts.running--
+	ts.held -= ts.byID[id].held
 	ts.ended = append(ts.ended, id)
 	if len(ts.ended) > keptTransfers {
 		delete(ts.byID, ts.ended[0])
@@ -271,14 +358,18 @@ func (d *Daemon) startTransfer(req api.TransferRequest) (api.Transfer, error) {
 	if !d.inflight.enter() {
 		return api.Transfer{}, errStopping
 	}
-	b, err := d.transfers.add(api.Transfer{State: api.TransferRunning, Items: len(req.Items), Writes: len(pieces), NBytes: total, Since: time.Now()})
+	dsts, held := batchDests(req.Destinations)
+	held += int64(len(pieces))*int64(unsafe.Sizeof(piece{})) + int64(len(srcs))*int64(unsafe.Sizeof(batchSource{}))
+	b, err := d.transfers.add(api.Transfer{State: api.TransferRunning, Items: len(req.Items), Writes: len(pieces), NBytes: total, Since: time.Now()},
+		len(dsts), held)
 	if err != nil {
 		d.inflight.leave()
 		return api.Transfer{}, err
 	}
 	started = true
 	d.metrics.batchItems.Add(float64(len(req.Items)))
-	go d.runTransfer(b, req, srcs, pieces)
+	// Not the items, nor the rest of the request: the writes are what it runs.
+	go d.runTransfer(b, dsts, req.KeepSources, srcs, pieces)
 	return b.describe(), nil
 }
 
@@ -286,7 +377,7 @@ func (d *Daemon) startTransfer(req api.TransferRequest) (api.Transfer, error) {
 // the send path's retries. The first failure stops the rest; the staged
 // sources stay staged then, and are freed (unless kept) once every piece
 // arrived.
-func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSource, pieces []piece) {
+func (d *Daemon) runTransfer(b *batch, dsts []batchDest, keep bool, srcs []batchSource, pieces []piece) {
 	defer d.inflight.leave()
 	ctx, cancel := context.WithCancel(d.reqCtx)
 	defer cancel()
@@ -321,7 +412,7 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSour
 					return
 				}
 				p := pieces[i]
-				if err := d.writePiece(ctx, id, req, srcs, p, log); err != nil {
+				if err := d.writePiece(ctx, id, dsts, srcs, p, log); err != nil {
 					fail(p, err)
 					return
 				}
@@ -343,7 +434,7 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSour
 	}
 
 	ok := failed == nil
-	d.releaseSources(srcs, ok && !req.KeepSources)
+	d.releaseSources(srcs, ok && !keep)
 	took := time.Since(start)
 	b.mu.Lock()
 	b.t.Millis = float64(took.Microseconds()) / 1000
@@ -382,11 +473,11 @@ func (d *Daemon) runTransfer(b *batch, req api.TransferRequest, srcs []batchSour
 
 // writePiece writes one piece, with the send path's retries, bounded by
 // send_timeout; its error is the API error the batch ends with.
-func (d *Daemon) writePiece(ctx context.Context, id string, req api.TransferRequest, srcs []batchSource, p piece, log zerolog.Logger) error {
+func (d *Daemon) writePiece(ctx context.Context, id string, dsts []batchDest, srcs []batchSource, p piece, log zerolog.Logger) error {
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
 	defer cancel()
-	dst := req.Destinations[p.dst]
-	w := transport.Write{Remote: dst.BufferAddress + uint64(p.dstOff), Key: dst.Key, Tag: dst.Key.Tag()}
+	dst := dsts[p.dst]
+	w := transport.Write{Remote: dst.addr + uint64(p.dstOff), Key: dst.key, Tag: dst.key.Tag()}
 	var dev arena.Memory
 	if g := srcs[p.src].region; g != nil && g.inPlace() {
 		// The NIC reads the CUDA region itself.
@@ -400,7 +491,7 @@ func (d *Daemon) writePiece(ctx context.Context, id string, req api.TransferRequ
 		defer release()
 		w.Src = src
 	}
-	dl, err := d.deliver(ctx, dst.Session, w, dev, log)
+	dl, err := d.deliver(ctx, dst.session, w, dev, log)
 	if err != nil {
 		return pieceError(id, p, dst, err, dl.attempts)
 	}
@@ -409,28 +500,23 @@ func (d *Daemon) writePiece(ctx context.Context, id string, req api.TransferRequ
 
 // pieceError phrases a piece's failure for the transfer's answer, naming
 // the session, bytes and ret as a send's failure does.
-func pieceError(id string, p piece, dst api.ReceiveSlot, err error, attempts int) error {
+func pieceError(id string, p piece, dst batchDest, err error, attempts int) error {
 	if rf := (*transport.Refusal)(nil); errors.As(err, &rf) {
 		return apiErr(api.CodeRefused, "transfer %s: item %d: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged sources are kept",
-			id, p.item, dst.Session, p.n, dst.BufferAddress+uint64(p.dstOff), err)
+			id, p.item, dst.session, p.n, dst.addr+uint64(p.dstOff), err)
 	}
 	return apiErr(api.CodeTransferFailed, "transfer %s: item %d failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s): %v; the staged sources are kept: start the transfer again %s",
-		id, p.item, dst.Session, p.n, retCode(err), attempts, err, whenToResend(err))
+		id, p.item, dst.session, p.n, retCode(err), attempts, err, whenToResend(err))
 }
 
 // handleNewTransfer starts a batch: POST /v1/transfers, answered 202
 // with the transfer's id while it runs.
 func (d *Daemon) handleNewTransfer(w http.ResponseWriter, r *http.Request) error {
-	var req api.TransferRequest
-	if err := d.decodeJSONWithin(r, &req, api.MaxTransferBody,
-		"the transfer's body is over 16 MiB: split it into several transfers"); err != nil {
-		return err
-	}
 	wait, err := parseWait(r)
 	if err != nil {
 		return err
 	}
-	t, err := d.startTransfer(req)
+	t, err := d.newTransfer(r)
 	if err != nil {
 		return err
 	}
@@ -441,6 +527,27 @@ func (d *Daemon) handleNewTransfer(w http.ResponseWriter, r *http.Request) error
 	// ?wait= makes it one round trip: the answer comes once the batch
 	// ended, as GET /v1/transfers/{id}?wait= gives it.
 	return d.answerTransfer(w, r, t.ID, wait)
+}
+
+// newTransfer reads a transfer's body (api.MaxTransferBody: some 400,000
+// items), checks it and starts it, as one of at most maxReading at once;
+// once it runs, the items are let go.
+func (d *Daemon) newTransfer(r *http.Request) (api.Transfer, error) {
+	if err := d.transfers.startReading(r.Context()); err != nil {
+		return api.Transfer{}, err
+	}
+	defer d.transfers.doneReading()
+	body, err := readJSONWithin(r, api.MaxTransferBody, "the transfer's body is over 16 MiB: split it into several transfers")
+	if err != nil {
+		return api.Transfer{}, err
+	}
+	// TransferRequest refuses unknown fields itself, and json.Unmarshal
+	// hands it the body where it lies (a json.Decoder would copy it).
+	var req api.TransferRequest
+	if err := json.Unmarshal(body, &req); err != nil {
+		return api.Transfer{}, jsonError(err)
+	}
+	return d.startTransfer(req)
 }
 
 // handleGetTransfer reports a batch: GET /v1/transfers/{id}, with ?wait=

@@ -4,8 +4,11 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"net/http"
+	"net/http/httptest"
 	"slices"
 	"strings"
 	"testing"
@@ -21,18 +24,18 @@ func TestTransfersAreBounded(t *testing.T) {
 	ts := newTransfers()
 	var running []*batch
 	for i := range maxRunning {
-		b, err := ts.add(api.Transfer{})
+		b, err := ts.add(api.Transfer{}, 0, 0)
 		if err != nil {
 			t.Fatalf("batch %d: %v", i, err)
 		}
 		running = append(running, b)
 	}
-	if _, err := ts.add(api.Transfer{}); !isCode(err, api.CodeBusy) {
+	if _, err := ts.add(api.Transfer{}, 0, 0); !isCode(err, api.CodeBusy) {
 		t.Fatalf("one batch over the limit: %v", err)
 	}
 	first := running[0]
 	ts.retire(first.t.ID)
-	b, err := ts.add(api.Transfer{})
+	b, err := ts.add(api.Transfer{}, 0, 0)
 	if err != nil {
 		t.Fatalf("after one ended: %v", err)
 	}
@@ -43,7 +46,7 @@ func TestTransfersAreBounded(t *testing.T) {
 		t.Fatalf("an ended batch is no longer reportable: %v", err)
 	}
 	for range keptTransfers {
-		b, err := ts.add(api.Transfer{})
+		b, err := ts.add(api.Transfer{}, 0, 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -67,11 +70,12 @@ func TestRegionsAreBounded(t *testing.T) {
 	}
 }
 
-// A transfer past api's limits is refused through the real handler with
-// an answer that names the limit, before anything is claimed: its source
-// stays staged, and the same transfer within the limits runs.
+// A transfer past api's limits, or one the running transfers have no
+// room left for, is refused through the real handler with an answer that
+// names the limit; its source stays staged, and once room is made the
+// same transfer runs.
 func TestTransferLimitsAreAnswered(t *testing.T) {
-	_, c := serveTestDaemon(t, t.TempDir(), "d", nil)
+	d, c := serveTestDaemon(t, t.TempDir(), "d", nil)
 	ctx, cancel := context.WithTimeout(t.Context(), 60*time.Second)
 	defer cancel()
 	data := make([]byte, 8192)
@@ -91,6 +95,8 @@ func TestTransferLimitsAreAnswered(t *testing.T) {
 	for i := range tooMany {
 		tooMany[i] = []int64{0, 0, 0, 0, 1}
 	}
+	longSession := slot
+	longSession.Session = strings.Repeat("a", 400) + ":17100"
 	for _, c2 := range []struct {
 		what       string
 		change     func(r *api.TransferRequest)
@@ -106,6 +112,8 @@ func TestTransferLimitsAreAnswered(t *testing.T) {
 			api.CodeTooLarge, "the transfer has more than 1048576 items, the most one transfer may: split them into several transfers"},
 		{"an item of six fields", func(r *api.TransferRequest) { r.Items = api.Items{{0, 0, 0, 0, 1}, {0, 0, 0, 0, 1, 0}} },
 			api.CodeBadRequest, "items: item 1 has more than 5 fields"},
+		{"a session of 406 bytes", func(r *api.TransferRequest) { r.Destinations = []api.ReceiveSlot{longSession} },
+			api.CodeBadRequest, "destination 0: session \"aaaa"},
 	} {
 		req := good
 		c2.change(&req)
@@ -116,12 +124,68 @@ func TestTransferLimitsAreAnswered(t *testing.T) {
 		}
 	}
 
+	// Room for 8 KiB between the running transfers, 8100 bytes of it
+	// taken by one that runs on: the good transfer (some 200 bytes) waits.
+	d.transfers.mu.Lock()
+	d.transfers.most = 8 << 10
+	d.transfers.mu.Unlock()
+	other, err := d.transfers.add(api.Transfer{State: api.TransferRunning}, 0, 8100)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = c.Transfer(ctx, good, 10*time.Second)
+	var ae *client.Error
+	if !errors.As(err, &ae) || ae.Code != api.CodeBusy ||
+		!strings.Contains(ae.Message, "(its 2 writes and 1 destinations), and the 1 transfers running hold 7.91KiB of the 8KiB ferryd lets them hold at once: wait for some to end (GET /v1/events), or split it into smaller transfers") {
+		t.Fatalf("past the room left: got %v; want busy naming the bytes", err)
+	}
+	d.transfers.retire(other.t.ID)
 	tr, err := c.Transfer(ctx, good, 10*time.Second)
 	if err != nil || tr.State != api.TransferDone || tr.Writes != 2 {
-		t.Fatalf("within the limits: %+v, %v", tr, err)
+		t.Fatalf("with room made: %+v, %v", tr, err)
 	}
 	got, err := c.Wait(ctx, "dst", 10*time.Second)
 	if err != nil || !bytes.Equal(got, append(data[4096:], data[:4096]...)) {
 		t.Fatalf("the slot holds %d bytes (%v), not the source's halves swapped", len(got), err)
+	}
+	// Once it ended (its event comes after), it holds nothing.
+	for after := uint64(0); ; {
+		evs, err := c.Events(ctx, after, 10*time.Second)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if slices.ContainsFunc(evs.Events, func(e api.Event) bool { return e.TransferID == tr.ID }) {
+			break
+		}
+		after = evs.Next
+	}
+	d.transfers.mu.Lock()
+	held := d.transfers.held
+	d.transfers.mu.Unlock()
+	if held != 0 {
+		t.Fatalf("with no transfer running, %d bytes are counted held", held)
+	}
+}
+
+// Transfer bodies are read a few at once: with every turn taken, a body
+// waits, and one whose caller leaves meanwhile is answered so, unread.
+func TestTransferBodiesWaitTheirTurn(t *testing.T) {
+	d, _ := serveTestDaemon(t, t.TempDir(), "d", nil)
+	for range maxReading {
+		d.transfers.reading <- struct{}{}
+	}
+	defer func() {
+		for range maxReading {
+			d.transfers.doneReading()
+		}
+	}()
+	left, leave := context.WithCancel(context.Background())
+	leave()
+	rec := httptest.NewRecorder()
+	d.http.Handler.ServeHTTP(rec, httptest.NewRequestWithContext(left, "POST", "/v1/transfers", strings.NewReader(`{"sources":[]}`)))
+	var env api.ErrorBody
+	if err := json.Unmarshal(rec.Body.Bytes(), &env); err != nil || rec.Code != http.StatusGatewayTimeout ||
+		!strings.Contains(env.Error.Message, "for its turn to be read, and its request ended first: ferryd reads and checks 4 transfer bodies at once") {
+		t.Fatalf("got %d %s", rec.Code, rec.Body)
 	}
 }
