@@ -568,16 +568,21 @@ func (d *Daemon) answerTransfer(w http.ResponseWriter, r *http.Request, id strin
 		return err
 	}
 	if wait > 0 {
+		start := time.Now()
 		timer := time.NewTimer(wait)
 		defer timer.Stop()
 		select {
 		case <-b.done:
 		case <-timer.C:
-			t := b.describe()
+		case <-r.Context().Done():
+			// The caller left (or request_timeout or a drain ended the
+			// wait, which serveOne names): a wait that ran out, as a
+			// receive's wait is.
+			wait = time.Since(start).Round(time.Millisecond)
+		}
+		if t := b.describe(); t.State == api.TransferRunning {
 			return apiErr(api.CodeTimeout, "transfer %s is still running after waiting %s (%d of its %d writes done): wait again, or ask without wait for its progress",
 				id, wait, t.WritesDone, t.Writes)
-		case <-r.Context().Done():
-			return r.Context().Err()
 		}
 	}
 	writeJSON(w, http.StatusOK, b.describe())

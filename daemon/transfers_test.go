@@ -167,6 +167,26 @@ func TestTransferLimitsAreAnswered(t *testing.T) {
 	}
 }
 
+// A caller waiting on a transfer that leaves gets a wait that ran out,
+// naming the transfer, never a bare context error (a 500).
+func TestTransferWaitWhoseCallerLeft(t *testing.T) {
+	d, _ := serveTestDaemon(t, t.TempDir(), "d", nil)
+	b, err := d.transfers.add(api.Transfer{State: api.TransferRunning, Writes: 3}, 0, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer d.transfers.retire(b.t.ID)
+	left, leave := context.WithCancel(context.Background())
+	leave()
+	rec := httptest.NewRecorder()
+	d.http.Handler.ServeHTTP(rec, httptest.NewRequestWithContext(left, "GET", "/v1/transfers/"+b.t.ID+"?wait=30s", nil))
+	var env api.ErrorBody
+	if err := json.Unmarshal(rec.Body.Bytes(), &env); err != nil || rec.Code != http.StatusGatewayTimeout || env.Error.Code != api.CodeTimeout ||
+		!strings.Contains(env.Error.Message, "transfer "+b.t.ID+" is still running after waiting") {
+		t.Fatalf("got %d %s", rec.Code, rec.Body)
+	}
+}
+
 // Transfer bodies are read a few at once: with every turn taken, a body
 // waits, and one whose caller leaves meanwhile is answered so, unread.
 func TestTransferBodiesWaitTheirTurn(t *testing.T) {
