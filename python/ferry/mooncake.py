@@ -19,10 +19,13 @@ failure with its session, nbytes and ferryd's ``ret``, and keeps it in
 ``ferry.TransferFailed`` (or the error ferryd answered with) instead.
 
 Each call is one batch transfer (one completion), however many pieces it
-carries. CUDA device memory given to ``register_memory`` is lent to ferryd
+carries, up to what one transfer may carry (1,048,576 items in a body of
+16 MiB: docs/api.md); a larger batch goes as several transfers, one after
+another, and the call returns 0 once all are done. CUDA device memory given to ``register_memory`` is lent to ferryd
 as a region by its IPC handle (ferryd must run on that GPU) and sent with
 no copy; host memory is the caller's anonymous memory, which ferryd cannot
-map, so its pieces are copied into one staged entry per call (one upload).
+map, so its pieces are copied into one staged entry per transfer (one
+upload).
 The GPU path has not yet run on a GPU (make test-gpu has its test).
 """
 
@@ -46,6 +49,13 @@ log = logging.getLogger("ferry.mooncake")
 
 # What Mooncake's engine returns for a failure; sglang and vLLM test < 0.
 FAILED = -1
+
+# The most one transfer carries (ferryd refuses more, 413 too_large): its
+# items (api.MaxTransferItems), and their bytes in the body, the rest of
+# api.MaxTransferBody (16 MiB) left for its sources and destination. A
+# batch past either goes as several transfers.
+TRANSFER_ITEMS = 1 << 20
+TRANSFER_ITEM_BYTES = (16 << 20) - (64 << 10)
 
 # Numbers the staged entries of every engine in this process: two engines
 # (or one made again) never name two entries alike.
@@ -177,7 +187,8 @@ class TransferEngine:
         are there (at once when there are none, or none has a byte: vLLM
         sends an empty batch for a request whose blocks the decoder has
         cached), or -1 at the first that fails (the pieces written before
-        it stay written)."""
+        it stay written). A batch larger than one transfer carries goes as
+        several, one after another."""
         if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
             return self._refuse(method, sum(lengths),
                                 f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
@@ -195,7 +206,8 @@ class TransferEngine:
                     return self._refuse(method, n, f"{method} to {session_id}: [{src:#x}, +{n}) lies in no registered "
                                                    "range: register_memory it first")
                 held.append(region)
-            self._write(session, pieces, held)
+            for lo, hi in self._runs(pieces, held):
+                self._write(session, pieces[lo:hi], held[lo:hi])
         except FerryError as e:
             return self._fail(method, session_id, sum(n for _, _, n in pieces), e)
         finally:
@@ -243,6 +255,27 @@ class TransferEngine:
                 except FerryError:
                     pass
             raise
+
+    def _runs(self, pieces, starts):
+        """Cuts the pieces into runs (lo, hi) that one transfer each
+        carries: at most TRANSFER_ITEMS items, whose JSON is at most
+        TRANSFER_ITEM_BYTES. An item's length is bounded from above as the
+        whole batch would write it (a run's offsets are no larger)."""
+        base = min(dst for _, dst, _ in pieces)
+        index = len(str(len(self._gpu)))  # the most digits a source's index has
+        lo, size, host = 0, 0, 0
+        for i, ((src, dst, n), st) in enumerate(zip(pieces, starts)):
+            if st in self._gpu:
+                off = src - st
+            else:
+                off, host = host, host + n
+            # [source,offset,0,offset,n], with its comma
+            item = 8 + index + len(str(off)) + len(str(dst - base)) + len(str(n))
+            if i > lo and (i - lo == TRANSFER_ITEMS or size + item > TRANSFER_ITEM_BYTES):
+                yield lo, i
+                lo, size = i, 0
+            size += item
+        yield lo, len(pieces)
 
     def _hold(self, src, n):
         """The start of the registered range holding [src, src+n), counted

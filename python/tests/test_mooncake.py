@@ -3,6 +3,7 @@ vLLM's Mooncake connector make, into a ferry receive slot's Mooncake
 segment (the receiving ferryd runs --mooncake-listen)."""
 
 import ctypes
+import json
 import logging
 import os
 import random
@@ -56,6 +57,59 @@ def test_a_batch_of_scattered_pages_fills_one_slot(engine, rx, req_id):
     assert rx.wait(req_id, 10) == bytes(src)
     assert engine.unregister_memory(base) == 0
     rx.free(req_id)
+
+
+def test_a_batch_past_one_transfer_goes_as_several(engine, rx, req_id, monkeypatch):
+    # vLLM's batches can outgrow one transfer (1,048,576 items, a 16 MiB
+    # body): the engine splits them. Lowered limits make 64 pieces do.
+    import ferry.mooncake as mc
+    rng = random.Random(11)
+    sizes = [rng.choice([4096, 8192]) for _ in range(64)]
+    total = sum(sizes)
+    src = (ctypes.c_char * total).from_buffer_copy(os.urandom(total))
+    base = ctypes.addressof(src)
+    assert engine.register_memory(base, total) == 0
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    order = list(range(len(sizes)))
+    rng.shuffle(order)
+    # Pieces that come adjacent at both ends in this order are one item.
+    n = len(mc._merge([(base + offsets[i], offsets[i], sizes[i]) for i in order]))
+    calls = []
+    real = ferry.Client.transfer_sync
+
+    def transfer_sync(self, sources, destinations, items, **kw):
+        calls.append(items)
+        return real(self, sources, destinations, items, **kw)
+
+    monkeypatch.setattr(ferry.Client, "transfer_sync", transfer_sync)
+    for limit, value in [("TRANSFER_ITEMS", 8), ("TRANSFER_ITEM_BYTES", 200)]:
+        calls.clear()
+        with monkeypatch.context() as m:
+            m.setattr(mc, limit, value)
+            slot = rx.receive(req_id, total, mooncake=True)
+            ret = engine.batch_transfer_sync_write(slot.mooncake_session, [base + offsets[i] for i in order],
+                                                   [slot.buffer_address + offsets[i] for i in order], [sizes[i] for i in order])
+        assert ret == 0, engine.last_failure
+        assert rx.wait(req_id, 10) == bytes(src), limit
+        rx.free(req_id)
+        assert sum(len(items) for items in calls) == n and len(calls) > 1, (limit, [len(c) for c in calls])
+        if limit == "TRANSFER_ITEMS":
+            assert [len(c) for c in calls] == [8] * (n // 8) + [n % 8] * (n % 8 > 0)
+        else:
+            bodies = [len(json.dumps([list(it) for it in c], separators=(",", ":"))) - 1 for c in calls]
+            assert max(bodies) <= 200, bodies
+    # A run that fails ends the call with -1; the runs before it were written.
+    calls.clear()
+    slot = rx.receive(req_id, 8 * 4096, mooncake=True)
+    with monkeypatch.context() as m:
+        m.setattr(mc, "TRANSFER_ITEMS", 4)
+        bufs = [base + 8192 * i for i in range(9)]  # not adjacent: nine pieces
+        dsts = [slot.buffer_address + 4096 * i for i in range(9)]  # the ninth lies past the slot
+        assert engine.batch_transfer_sync_write(slot.mooncake_session, bufs, dsts, [4096] * 9) == -1
+    assert [len(c) for c in calls] == [4, 4, 1] and engine.last_failure.ret == "rejected"
+    assert rx.wait(req_id, 10) == b"".join(ctypes.string_at(b, 4096) for b in bufs[:8])
+    rx.free(req_id)
+    assert engine.unregister_memory(base) == 0
 
 
 def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
