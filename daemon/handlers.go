@@ -215,7 +215,9 @@ func (d *Daemon) decodeJSONWithin(r *http.Request, v any, most int64, tooLarge s
 	if err := dec.Decode(v); err != nil {
 		return jsonError(err)
 	}
-	if dec.More() {
+	// Anything but the end after the object, a stray closing } or ] too
+	// (which More does not report), is refused.
+	if _, err := dec.Token(); err != io.EOF {
 		return apiErr(api.CodeBadRequest, "request body has data after its JSON object")
 	}
 	return nil
