@@ -164,6 +164,11 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 		if err == nil {
 			dl.transport = sess.Transport()
 			dl.report, err = d.write(ctx, sess, w, dev)
+			if errors.Is(err, arena.ErrNoStaging) {
+				// This host had no memory to copy the GPU bytes out into:
+				// nothing reached the session, which is not to blame.
+				return dl, err
+			}
 			if ctx.Err() == nil { // a write its own deadline or client ended says nothing of the session
 				p.outcome(err)
 			}

@@ -453,8 +453,10 @@ func (d *Daemon) runTransfer(b *batch, dsts []batchDest, keep bool, srcs []batch
 	}
 	t := b.t
 	b.mu.Unlock()
-	close(b.done)
+	// Retired first: a client that starts its next transfer as soon as
+	// this one's wait answers finds its place free.
 	d.transfers.retire(t.ID)
+	close(b.done)
 	d.events.add(ev)
 
 	outcome := "ok"
@@ -485,7 +487,7 @@ func (d *Daemon) writePiece(ctx context.Context, id string, dsts []batchDest, sr
 	} else {
 		src, release, err := d.readSource(srcs[p.src], p.srcOff, p.n)
 		if err != nil {
-			return apiErr(api.CodeInternal, "transfer %s: item %d: reading %d bytes of source %d (%s) failed: %v; the staged sources are kept",
+			return apiErr(internalCode(err), "transfer %s: item %d: reading %d bytes of source %d (%s) failed: %v; the staged sources are kept",
 				id, p.item, p.n, p.src, srcs[p.src].name(), err)
 		}
 		defer release()

@@ -37,11 +37,12 @@ import json
 import logging
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 from .client import Client, Slot
 from .cuda import device_ordinal, ipc_handle
-from .errors import BadRequest, FerryError
+from .errors import BadRequest, Busy, FerryError
 
 __all__ = ["TransferEngine", "Failure"]
 
@@ -60,6 +61,28 @@ TRANSFER_ITEM_BYTES = (16 << 20) - (64 << 10)
 # Numbers the staged entries of every engine in this process: two engines
 # (or one made again) never name two entries alike.
 _entry_ids = itertools.count()
+
+# The longest pause between tries of a transfer ferryd answered busy.
+_BUSY_PAUSE_MAX = 0.2
+
+
+def _when_room(start, timeout):
+    """start(), tried again while ferryd answers busy (the transfers running
+    hold all it lets them, or its staging memory is lent out), pausing
+    twice as long each time, for up to timeout seconds: engines splitting
+    large batches can fill ferryd's room for a moment, and a Mooncake
+    caller gets -1, not a wait. A busy transfer wrote nothing or pieces
+    that the next try writes again, the same bytes."""
+    deadline = time.monotonic() + timeout
+    pause = 0.005
+    while True:
+        try:
+            return start()
+        except Busy:
+            if time.monotonic() + pause > deadline:
+                raise
+            time.sleep(pause)
+            pause = min(2 * pause, _BUSY_PAUSE_MAX)
 
 
 @dataclass
@@ -245,7 +268,8 @@ class TransferEngine:
         if req_id is not None:
             client.stage(req_id, staged)
         try:
-            client.transfer_sync(sources, [Slot(session=session, buffer_address=base)], items, timeout=client.timeout)
+            _when_room(lambda: client.transfer_sync(sources, [Slot(session=session, buffer_address=base)], items, timeout=client.timeout),
+                       client.timeout)
         except FerryError:
             # A failed transfer keeps its source for a retry; this engine
             # does not retry, so it goes (the failure is the transfer's to tell).

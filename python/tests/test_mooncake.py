@@ -59,6 +59,43 @@ def test_a_batch_of_scattered_pages_fills_one_slot(engine, rx, req_id):
     rx.free(req_id)
 
 
+def test_a_busy_ferryd_is_asked_again_within_the_timeout(engine, rx, req_id, monkeypatch):
+    # Engines splitting large batches can fill the room ferryd gives
+    # running transfers for a moment (409 busy): the engine asks again,
+    # pausing, and gives -1 only once its client's timeout ran out.
+    # ferryd's busy answers are stood in for beneath the client's seam.
+    data = os.urandom(64 << 10)
+    src = (ctypes.c_char * len(data)).from_buffer_copy(data)
+    base = ctypes.addressof(src)
+    assert engine.register_memory(base, len(data)) == 0
+    real = ferry.Client.transfer_sync
+    tries = []
+
+    def busy_twice(self, *args, **kw):
+        tries.append(1)
+        if len(tries) <= 2:
+            raise ferry.Busy("running transfers hold all ferryd lets them hold at once")
+        return real(self, *args, **kw)
+
+    monkeypatch.setattr(ferry.Client, "transfer_sync", busy_twice)
+    slot = rx.receive(req_id, len(data), mooncake=True)
+    assert engine.transfer_sync_write(slot.mooncake_session, base, slot.buffer_address, len(data)) == 0, engine.last_failure
+    assert len(tries) == 3
+    assert rx.wait(req_id, 10) == data
+    rx.free(req_id)
+
+    def always_busy(self, *args, **kw):
+        tries.append(1)
+        raise ferry.Busy("running transfers hold all ferryd lets them hold at once")
+
+    monkeypatch.setattr(ferry.Client, "transfer_sync", always_busy)
+    monkeypatch.setattr(engine._need_client(), "timeout", 0.05)
+    tries.clear()
+    assert engine.transfer_sync_write(slot.mooncake_session, base, slot.buffer_address, len(data)) == -1
+    assert 2 <= len(tries) < 10, len(tries)
+    assert "busy" in str(engine.last_failure).lower() or "hold all" in str(engine.last_failure)
+
+
 def test_a_batch_past_one_transfer_goes_as_several(engine, rx, req_id, monkeypatch):
     # vLLM's batches can outgrow one transfer (1,048,576 items, a 16 MiB
     # body): the engine splits them. Lowered limits make 64 pieces do.
