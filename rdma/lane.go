@@ -246,12 +246,8 @@ func (l *lane) completion(w *waiter, deadline time.Time, cancel <-chan struct{})
 	if _, err := l.reap(); err != nil {
 		return completion{}, err
 	}
-	select {
-	case c := <-w.wcs:
-		if c != poke {
-			return c, nil
-		}
-	default:
+	if c, ok := w.ready(); ok {
+		return c, nil
 	}
 	l.await(w, deadline)
 	defer l.sleep()()
@@ -270,18 +266,25 @@ func (l *lane) completion(w *waiter, deadline time.Time, cancel <-chan struct{})
 			// the control connection: the write's completion, in the CQ
 			// by then, says why better than the close.
 			if _, err := l.reap(); err == nil {
-				select {
-				case c := <-w.wcs:
-					if c != poke {
-						return c, nil
-					}
-				default:
+				if c, ok := w.ready(); ok {
+					return c, nil
 				}
 			}
 			return completion{}, l.downErr()
 		case <-cancel:
 			return completion{}, errCanceled
 		}
+	}
+}
+
+// ready takes a completion routed to w already, if there is one; a poke
+// there is for an earlier wait, and goes.
+func (w *waiter) ready() (completion, bool) {
+	select {
+	case c := <-w.wcs:
+		return c, c != poke
+	default:
+		return completion{}, false
 	}
 }
 
