@@ -72,11 +72,13 @@ func TestReceiveIntoDeviceMemoryThroughCopies(t *testing.T) {
 	// With no host memory to stage it in, a write is refused and takes
 	// no hold on the slot; a control call meeting it is answered busy.
 	dev.noStaging = true
+	refusals := map[transport.Code]int{}
+	r.onRefusal = func(c transport.Code) { refusals[c]++ }
 	if _, _, err := r.Accept(s.addr, 100, s.key, 7); !transport.IsRefusal(err) || !strings.Contains(err.Error(), "the receiving ferryd has no host memory to stage this write") {
 		t.Fatalf("a write with no staging memory: %v", err)
 	}
-	if s.writes != 0 || s.pins != 0 {
-		t.Fatalf("the refused write left %d writes and %d pins on the slot", s.writes, s.pins)
+	if s.writes != 0 || s.pins != 0 || refusals[transport.Internal] != 1 {
+		t.Fatalf("the refused write left %d writes and %d pins on the slot, counted %v", s.writes, s.pins, refusals)
 	}
 	if code := internalCode(fmt.Errorf("reading: %w", arena.ErrNoStaging)); code != api.CodeBusy {
 		t.Fatalf("no staging memory answered %s, want busy", code)

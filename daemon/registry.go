@@ -661,6 +661,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]by
 		if dst, commit, err = r.writable(s, int64(off), int64(n)); err != nil {
 			if errors.Is(err, arena.ErrNoStaging) {
 				// Told to the sender, whose write it is: the remedy is here.
+				r.refused(transport.Internal)
 				err = &transport.Refusal{Code: transport.Internal, Message: fmt.Sprintf(
 					"the receiving ferryd has no host memory to stage this write into its GPU arena now: send it again once its copies in flight end (its operator may raise its --bounce-size): %v", err)}
 			}
