@@ -4,7 +4,9 @@ A small pool of http.client connections, each used by one thread at a
 time. A request goes out on an idle connection when there is one; when
 ferryd closed that connection meanwhile (an idle timeout, a restart), the
 request is sent again on a fresh one only if it cannot have been acted
-on: it never reached ferryd, or it is a GET or DELETE.
+on: it never reached ferryd, or it is a GET or DELETE. A DELETE sent again
+that finds nothing to delete answers as done: the first one may have
+deleted it, and either way what was asked holds.
 """
 
 import http.client
@@ -129,6 +131,7 @@ class Transport:
 
     def round_trip(self, method, path, body=None, headers=None, timeout=None):
         """Sends one request and reads its whole answer: (status, headers, body)."""
+        maybe_acted = False
         for fresh in (False, True):
             conn, reused = self._take(timeout, fresh)
             try:
@@ -148,6 +151,7 @@ class Transport:
             except (OSError, http.client.HTTPException) as e:
                 conn.close()
                 if reused and method in _IDEMPOTENT:
+                    maybe_acted = True
                     continue  # closed by ferryd as the request went out; a read or delete may be asked again
                 raise NoAnswer(
                     f"ferryd at {self.socket_path} closed the connection before answering {method} {path} ({e!r}); "
@@ -156,6 +160,8 @@ class Transport:
                 conn.close()
             else:
                 self._put(conn)
+            if maybe_acted and method == "DELETE" and resp.status == 404:
+                return 204, http.client.HTTPMessage(), b""
             return resp.status, resp.headers, data
 
 

@@ -62,8 +62,8 @@ def test_a_restarted_ferryd_is_reached_on_a_fresh_connection(start_daemon, req_i
 
 class ScriptedServer:
     """A Unix-socket HTTP server that handles successive requests as its
-    script says: "answer" ({}), "drop" (close without answering), or
-    "hang" (never answer). It records each request's method and path."""
+    script says: "answer" ({}), "not found" (a 404 not_found error), "drop"
+    (close without answering), or "hang" (never answer). It records each request's method and path."""
 
     def __init__(self, path, script):
         self.script = list(script)
@@ -103,6 +103,10 @@ class ScriptedServer:
                 f.close()
                 conn.close()
                 return
+            if action == "not found":
+                body = b'{"error":{"code":"not_found","message":"no receive slot for req_id r1"}}'
+                conn.sendall(b"HTTP/1.1 404 Not Found\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+                continue
             if action == "hang":
                 self._hung.append(conn)
                 return
@@ -150,6 +154,19 @@ def test_a_read_or_delete_is_sent_again_on_a_fresh_connection(scripted, method):
     assert c.request(method, "/v1/receives/r1").status == 200
     assert server.seen == [("GET", "/v1/status"), (method, "/v1/receives/r1"), (method, "/v1/receives/r1")]
     assert dial.count == 2
+
+
+def test_a_delete_sent_again_that_finds_nothing_answers_as_done(scripted):
+    # The dropped DELETE may have been carried out before the connection
+    # closed: its resend's not_found means what was asked holds.
+    path, server = scripted(["answer", "drop", "not found", "not found"])
+    c = ferry.Client(path)
+    c.status()
+    c.free("r1")
+    assert server.seen == [("GET", "/v1/status"), ("DELETE", "/v1/receives/r1"), ("DELETE", "/v1/receives/r1")]
+    # Asked once, not_found is an answer like any other.
+    with pytest.raises(ferry.NotFound):
+        c.free("r1")
 
 
 def test_no_answer_within_the_clients_timeout(scripted):
