@@ -38,6 +38,14 @@ func apiErr(code, format string, args ...any) error {
 	return &apiError{code: code, msg: fmt.Sprintf(format, args...)}
 }
 
+// counted is n and noun, plural but for one: "1 write", "2 writes".
+func counted(n int, noun string) string {
+	if n == 1 {
+		return "1 " + noun
+	}
+	return fmt.Sprintf("%d %ss", n, noun)
+}
+
 // internalCode is the code of an error no handler named: busy for one
 // that passes once copies in flight end, internal otherwise.
 func internalCode(err error) string {

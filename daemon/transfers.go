@@ -280,12 +280,12 @@ func (ts *transfers) add(t api.Transfer, dests int, held int64) (*batch, error) 
 	ts.mu.Lock()
 	defer ts.mu.Unlock()
 	if ts.running >= maxRunning {
-		return nil, apiErr(api.CodeBusy, "%d transfers are running, this ferryd's limit: wait for some to end (GET /v1/events), or put more items in each", ts.running)
+		return nil, apiErr(api.CodeBusy, "%s running, this ferryd's limit: wait for some to end (GET /v1/events), or put more items in each", counted(ts.running, "transfer"))
 	}
 	if ts.held+held > ts.most {
 		return nil, apiErr(api.CodeBusy,
-			"the transfer would hold %s while it runs (its %d writes and %d destinations), and the %d transfers running hold %s of the %s ferryd lets them hold at once: wait for some to end (GET /v1/events), or split it into smaller transfers",
-			size.Format(held), t.Writes, dests, ts.running, size.Format(ts.held), size.Format(ts.most))
+			"the transfer would hold %s while it runs (its %s and %s), and the running transfers (%d) hold %s of the %s ferryd lets them hold at once: wait for some to end (GET /v1/events), or split it into smaller transfers",
+			size.Format(held), counted(t.Writes, "write"), counted(dests, "destination"), ts.running, size.Format(ts.held), size.Format(ts.most))
 	}
 	ts.seq++
 	ts.running++

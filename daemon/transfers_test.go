@@ -136,7 +136,7 @@ func TestTransferLimitsAreAnswered(t *testing.T) {
 	_, err = c.Transfer(ctx, good, 10*time.Second)
 	var ae *client.Error
 	if !errors.As(err, &ae) || ae.Code != api.CodeBusy ||
-		!strings.Contains(ae.Message, "(its 2 writes and 1 destinations), and the 1 transfers running hold 7.91KiB of the 8KiB ferryd lets them hold at once: wait for some to end (GET /v1/events), or split it into smaller transfers") {
+		!strings.Contains(ae.Message, "(its 2 writes and 1 destination), and the running transfers (1) hold 7.91KiB of the 8KiB ferryd lets them hold at once: wait for some to end (GET /v1/events), or split it into smaller transfers") {
 		t.Fatalf("past the room left: got %v; want busy naming the bytes", err)
 	}
 	d.transfers.retire(other.t.ID)
