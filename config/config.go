@@ -199,7 +199,7 @@ var options = []option{
 		func(s *Settings) value { return &s.BounceSize }, nil},
 	{"arena_file", "", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)",
 		func(s *Settings) value { return (*text)(&s.ArenaFile) }, nil},
-	{"max_region_bytes", "75%", "bound on the host memory all memfd regions (POST /v1/regions) hold at once: a `size`, or a share of physical memory (e.g. 75%); past it a region is refused before ferryd maps it. Over RDMA registering a region pins every page of it, untouched ones too (a sparse memfd), so this keeps one client from pinning the host's memory; 75% lets a CPU KV pool take most of the host and leaves a quarter to the kernel, the arena and the clients. CUDA regions pin no host memory and do not count (0: no bound)",
+	{"max_region_bytes", "75%", "bound on the host memory all memfd regions (POST /v1/regions) hold at once: a `size`, or a share (e.g. 75%) of physical memory, or of the memory limit of ferryd's cgroup (MemoryMax=, a container's) where that is less; past it a region is refused before ferryd maps it. Over RDMA registering a region pins every page of it, untouched ones too (a sparse memfd), so this keeps one client from pinning the host's memory; 75% lets a CPU KV pool take most of the host and leaves a quarter to the kernel, the arena and the clients. CUDA regions pin no host memory and do not count (0: no bound)",
 		func(s *Settings) value { return &s.MaxRegionBytes }, nil},
 	{"slow_threshold", "200ms", "log transfers slower than this `duration` (0: every transfer; reloaded on SIGHUP)",
 		func(s *Settings) value { return &s.SlowThreshold }, nil},

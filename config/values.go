@@ -123,8 +123,8 @@ func (z Size) Bytes() int64 {
 	return n
 }
 
-// Share is a byte count as a Size writes it, or a share of the host's
-// physical memory ("75%"), a TOML string.
+// Share is a byte count as a Size writes it, or a share of the memory
+// the host lets ferryd have ("75%"), a TOML string.
 type Share string
 
 func (h *Share) Set(s string) error {
@@ -144,12 +144,12 @@ func (h *Share) want() string {
 	return `a size or a share of the host's memory in quotes, e.g. "512GiB" or "75%"`
 }
 
-// Bytes is the byte count on a host with physical bytes of memory; a
-// Share that came through Set always parses.
-func (h Share) Bytes(physical int64) int64 {
+// Bytes is the byte count where a share is of memory bytes; a Share
+// that came through Set always parses.
+func (h Share) Bytes(memory int64) int64 {
 	if pct, ok := strings.CutSuffix(string(h), "%"); ok {
 		v, _ := strconv.ParseFloat(strings.TrimSpace(pct), 64)
-		return int64(float64(physical) * v / 100)
+		return int64(float64(memory) * v / 100)
 	}
 	n, _ := size.Parse(string(h))
 	return n

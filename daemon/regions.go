@@ -15,6 +15,7 @@ import (
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/cuda"
+	"github.com/ferry-project/ferry/internal/memlimit"
 	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -188,31 +189,44 @@ func (r *registry) mayAddRegion(name string, host int64) error {
 	}
 	if host > limit.bytes {
 		return apiErr(api.CodeTooLarge,
-			"region %s: %s (%d bytes) of host memory is more than all regions together may hold: max_region_bytes is %s (%s, %d bytes): lend a smaller region, or raise max_region_bytes (--max-region-bytes) if this host can spare that much pinned memory",
-			name, size.Format(host), host, limit.setting, size.Format(limit.bytes), limit.bytes)
+			"region %s: %s (%d bytes) of host memory is more than all regions together may hold: max_region_bytes is %s: lend a smaller region, or raise max_region_bytes (--max-region-bytes) if this host can spare that much pinned memory",
+			name, size.Format(host), host, limit)
 	}
 	if held := r.hostRegionBytes(); host > limit.bytes-held {
 		return apiErr(api.CodeBusy,
-			"region %s: %s (%d bytes) of host memory would bring what regions hold to %s, past max_region_bytes %s (%s, %d bytes): unregister regions no longer needed (GET /v1/regions lists them; one closing counts until it is unmapped), or raise max_region_bytes (--max-region-bytes)",
-			name, size.Format(host), host, size.Format(held+host), limit.setting, size.Format(limit.bytes), limit.bytes)
+			"region %s: %s (%d bytes) of host memory would bring what regions hold to %s, past max_region_bytes %s: unregister regions no longer needed (GET /v1/regions lists them; one closing counts until it is unmapped), or raise max_region_bytes (--max-region-bytes)",
+			name, size.Format(host), host, size.Format(held+host), limit)
 	}
 	return nil
 }
 
-// regionLimit reads max_region_bytes on this host: a share is of its
-// physical memory (MemTotal, not ferryd's cgroup).
+// regionLimit reads max_region_bytes on this host. A share is of the
+// smaller of its physical memory (MemTotal) and the memory limit of
+// ferryd's cgroup (systemd's MemoryMax=, a container's): region pages
+// are charged to that cgroup, and past its limit ferryd is killed.
 func regionLimit(share config.Share) (hostLimit, error) {
-	l := hostLimit{setting: share.String()}
-	if !strings.HasSuffix(l.setting, "%") {
-		l.bytes = share.Bytes(0)
-		return l, nil
+	if !strings.HasSuffix(string(share), "%") {
+		return hostLimit{setting: string(share), bytes: share.Bytes(0)}, nil
 	}
 	var si unix.Sysinfo_t
 	if err := unix.Sysinfo(&si); err != nil {
-		return l, fmt.Errorf("max_region_bytes %s: reading this host's memory size: %v: give a size instead (e.g. 512GiB)", l.setting, err)
+		return hostLimit{}, fmt.Errorf("max_region_bytes %s: reading this host's memory size: %v: give a size instead (e.g. 512GiB)", share, err)
 	}
-	l.bytes = max(1, share.Bytes(int64(si.Totalram)*int64(si.Unit))) // a share is never "no bound"
-	return l, nil
+	cg, limited, err := memlimit.Host.Read()
+	if err != nil {
+		return hostLimit{}, fmt.Errorf("max_region_bytes %s: reading ferryd's cgroup memory limit: %v: give a size instead (e.g. 512GiB)", share, err)
+	}
+	return shareOf(share, int64(si.Totalram)*int64(si.Unit), cg, limited), nil
+}
+
+// shareOf is share of physical bytes of memory, or of the cgroup limit
+// cg where there is one and it is less.
+func shareOf(share config.Share, physical int64, cg memlimit.Limit, limited bool) hostLimit {
+	base, of := physical, fmt.Sprintf("physical memory (%s)", size.Format(physical))
+	if limited && cg.Bytes < physical {
+		base, of = cg.Bytes, fmt.Sprintf("ferryd's cgroup memory limit (%s, %s)", size.Format(cg.Bytes), cg.File)
+	}
+	return hostLimit{setting: string(share), of: of, bytes: max(1, share.Bytes(base))} // a share is never "no bound"
 }
 
 // regionsStatus counts the regions and the host memory they hold.

@@ -12,6 +12,8 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/internal/memlimit"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -219,6 +221,43 @@ func TestRegionClaimsHoldTheirBytes(t *testing.T) {
 	}
 	if st := r.regionsStatus(); st.Count != 1 || st.HostBytes != 4096 {
 		t.Fatalf("after b was added: %+v; want 1 region of 4096 bytes, the claim taken", st)
+	}
+}
+
+// A share of max_region_bytes is of the host's physical memory, or of
+// ferryd's cgroup limit where that is less (region pages are charged to
+// the cgroup), and a refusal says which it was taken of.
+func TestRegionLimitIsAShareOfTheLesserMemory(t *testing.T) {
+	const physical = 64 << 30
+	cg := memlimit.Limit{Bytes: 8 << 30, File: "/sys/fs/cgroup/system.slice/memory.max"}
+	for _, c := range []struct {
+		name    string
+		share   config.Share
+		cg      memlimit.Limit
+		limited bool
+		bytes   int64
+		says    string
+	}{
+		{"no cgroup limit", "75%", memlimit.Limit{}, false, 48 << 30,
+			"max_region_bytes is 75% of physical memory (64GiB), 48GiB (51539607552 bytes):"},
+		{"a cgroup limit below physical memory", "75%", cg, true, 6 << 30,
+			"max_region_bytes is 75% of ferryd's cgroup memory limit (8GiB, /sys/fs/cgroup/system.slice/memory.max), 6GiB (6442450944 bytes):"},
+		{"a cgroup limit above physical memory", "50%", memlimit.Limit{Bytes: 128 << 30, File: "/sys/fs/cgroup/memory.max"}, true, 32 << 30,
+			"max_region_bytes is 50% of physical memory (64GiB), 32GiB (34359738368 bytes):"},
+		{"a share of next to nothing still bounds", "10%", memlimit.Limit{Bytes: 4, File: "/sys/fs/cgroup/memory.max"}, true, 1,
+			"max_region_bytes is 10% of ferryd's cgroup memory limit (4B, /sys/fs/cgroup/memory.max), 1B (1 bytes):"},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			r := newTestRegistry(t, 4096)
+			r.hostLimit = shareOf(c.share, physical, c.cg, c.limited)
+			if r.hostLimit.bytes != c.bytes {
+				t.Errorf("%s of %d bytes of memory, cgroup %+v (%v): %d bytes; want %d", c.share, int64(physical), c.cg, c.limited, r.hostLimit.bytes, c.bytes)
+			}
+			_, err := r.claimRegion("kv", 1<<40)
+			if !isCode(err, api.CodeTooLarge) || !strings.Contains(err.Error(), c.says) {
+				t.Errorf("a region past the bound: %v; want %s saying %q", err, api.CodeTooLarge, c.says)
+			}
+		})
 	}
 }
 

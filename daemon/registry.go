@@ -10,6 +10,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -130,10 +131,21 @@ type registry struct {
 	hostLimit hostLimit
 }
 
-// hostLimit is max_region_bytes: as written, and in bytes on this host.
+// hostLimit is max_region_bytes: as written, what a share is of, and in
+// bytes on this host.
 type hostLimit struct {
-	setting string
+	setting string // "512GiB", "75%"
+	of      string // a share's base: "physical memory (1TiB)"; "" for a size
 	bytes   int64
+}
+
+// String says the limit in refusals: "512GiB (549755813888 bytes)", or
+// "75% of physical memory (1TiB), 768GiB (824633720832 bytes)".
+func (l hostLimit) String() string {
+	if l.of == "" {
+		return fmt.Sprintf("%s (%d bytes)", l.setting, l.bytes)
+	}
+	return fmt.Sprintf("%s of %s, %s (%d bytes)", l.setting, l.of, size.Format(l.bytes), l.bytes)
 }
 
 var _ transport.WindowSink = (*registry)(nil)

@@ -15,6 +15,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/internal/memlimit"
 )
 
 // regionMemory makes a sealed memfd of n bytes and maps it here.
@@ -243,15 +244,24 @@ func TestRegisterWithoutADescriptorSaysHow(t *testing.T) {
 }
 
 // A client cannot have ferryd pin more host memory than max_region_bytes
-// allows, 75% of the host's by default: a memfd sized past it, however
-// sparse, is refused before ferryd maps it. --max-region-bytes sets the
-// bound, which regions share.
+// allows, 75% of the host's memory by default (or of the limit of the
+// cgroup ferryd runs in, this test's, where that is less): a memfd sized
+// past it, however sparse, is refused before ferryd maps it.
+// --max-region-bytes sets the bound, which regions share.
 func TestRegionsPastMaxRegionBytesAreRefused(t *testing.T) {
 	var si unix.Sysinfo_t
 	if err := unix.Sysinfo(&si); err != nil {
 		t.Fatal(err)
 	}
 	total := int64(si.Totalram) * int64(si.Unit)
+	base, of := total, "of physical memory"
+	cg, limited, err := memlimit.Host.Read()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if limited && cg.Bytes < base {
+		base, of = cg.Bytes, "of ferryd's cgroup memory limit"
+	}
 	dir := t.TempDir()
 	d := startDaemon(t, dir, "d")
 	ctx := ctxT(t)
@@ -259,8 +269,8 @@ func TestRegionsPastMaxRegionBytesAreRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if want := total / 4 * 3; st.Regions.HostLimit < want-1<<20 || st.Regions.HostLimit > want+1<<20 {
-		t.Errorf("by default regions may hold %d bytes of host memory; want 75%% of the host's %d", st.Regions.HostLimit, total)
+	if want := base / 4 * 3; st.Regions.HostLimit < want-1<<20 || st.Regions.HostLimit > want+1<<20 {
+		t.Errorf("by default regions may hold %d bytes of host memory; want 75%% of %d (the host's %d, cgroup limit %+v)", st.Regions.HostLimit, base, total, cg)
 	}
 	sparse, err := client.NewRegionFile("sparse", total)
 	if err != nil {
@@ -268,7 +278,7 @@ func TestRegionsPastMaxRegionBytesAreRefused(t *testing.T) {
 	}
 	defer sparse.Close()
 	_, err = d.c.RegisterRegion(ctx, "sparse", sparse, total)
-	wantErr(t, err, 413, api.CodeTooLarge, "region sparse", "max_region_bytes is 75%")
+	wantErr(t, err, 413, api.CodeTooLarge, "region sparse", "max_region_bytes is 75% "+of)
 	d.alive(t)
 
 	small := startDaemon(t, dir, "small", "--max-region-bytes", "1MiB")
