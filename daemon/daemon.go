@@ -352,6 +352,11 @@ func (d *Daemon) closeAll() {
 	if d.mooncake != nil {
 		d.mooncake.close()
 	}
+	if d.reg != nil {
+		// Not under a region's teardown: a NIC or GPU context closed
+		// under its deregistration or unmapping would fail it.
+		d.reg.waitEnds()
+	}
 	if d.dp != nil {
 		_ = d.dp.close()
 	}

@@ -42,8 +42,17 @@ type region struct {
 	// their windows still open): their bytes are not a new slot's yet.
 	freed   map[*slot]struct{}
 	uses    int  // pins: slots (live or freed with writes landing) and transfers reading it
-	closing bool // unregistered: no new use; unmapped once uses end
-	gone    chan struct{}
+	closing bool // unregistered: no new use; ended once uses end
+	// end is the teardown the last DELETE waits for: pending while uses
+	// remain, then running, then done.
+	end *regionEnd
+}
+
+// regionEnd is the end of a closing region: its registration with the
+// NIC dropped, its memory unmapped and its place in the table gone.
+type regionEnd struct {
+	g    *region
+	done chan struct{}
 }
 
 func (g *region) addr() uint64 { return g.mem.Base() }
@@ -126,7 +135,7 @@ func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicEr
 	if err := r.mayAddRegion(name, hostBytes(mem)); err != nil {
 		return api.Region{}, err
 	}
-	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), gone: make(chan struct{})}
+	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now()}
 	r.regions[name] = g
 	return r.describeRegion(g), nil
 }
@@ -176,7 +185,7 @@ func (r *registry) mayAddRegion(name string, host int64) error {
 	}
 	if g, ok := r.regions[name]; ok {
 		if g.closing {
-			return apiErr(api.CodeExists, "the region named %s is still closing (transfers or writes use it): wait for DELETE /v1/regions/%s, or choose another name", name, name)
+			return apiErr(api.CodeExists, "the region named %s is still closing (transfers or writes use it, or ferryd is unmapping it): wait for DELETE /v1/regions/%s, or choose another name", name, name)
 		}
 		return apiErr(api.CodeExists, "a region named %s is registered already: unregister it first or choose another name", name)
 	}
@@ -285,8 +294,8 @@ func (r *registry) useRegion(name, what string) (*region, error) {
 }
 
 // unuseRegion drops a pin. A closing region's last one takes it out of
-// use: unlock deregisters and unmaps it once mu is released. Callers
-// hold mu and release it with unlock.
+// use: unlock ends it once mu is released. Callers hold mu and release
+// it with unlock.
 func (r *registry) unuseRegion(g *region) {
 	g.uses--
 	if g.closing && g.uses == 0 {
@@ -295,25 +304,48 @@ func (r *registry) unuseRegion(g *region) {
 }
 
 // unlock releases mu, then ends each region whose last use ended while
-// it was held: dropping a registration unpins every page of it, and
-// unmapping a large region takes time too, which no arriving write or
-// API call should wait behind. Callers that may drop a region's last use
-// release mu with unlock, not mu.Unlock.
+// it was held, each on a goroutine of its own: dropping a registration
+// unpins every page of it, and unmapping a large region takes time too,
+// which neither the write or transfer that dropped the last use (a
+// lane's or receiver's goroutine) nor an arriving write or API call
+// should wait behind. Callers that may drop a region's last use release
+// mu with unlock, not mu.Unlock.
+//
+// Once the registry stops, the caller ends them itself: the transport's
+// Close waits for its receivers, and so for these, before it closes the
+// NIC, and a teardown started earlier is one waitEnds waits for.
 func (r *registry) unlock() {
-	ended, lost := r.ended, r.regionNICLost
+	ended, stopping := r.ended, r.stopping
 	r.ended = nil
+	if !stopping {
+		r.ending.Add(len(ended))
+	}
 	r.mu.Unlock()
 	for _, g := range ended {
-		r.endRegion(g, lost)
+		if stopping {
+			r.endRegion(g)
+			continue
+		}
+		go func() {
+			defer r.ending.Done()
+			r.endRegion(g)
+		}()
 	}
 }
 
+// waitEnds waits for the regions being ended on goroutines of their own;
+// called once the registry has stopped, when no more start.
+func (r *registry) waitEnds() { r.ending.Wait() }
+
 // endRegion drops a region's registration with the NIC, then its
-// mapping, then its place in the table, and only then closes gone:
+// mapping, then its place in the table, and only then ends g.end:
 // DELETE /v1/regions answers 204 once the memory is its client's alone.
 // Until then GET /v1/regions lists it (closing) and its name stays taken.
 // Callers do not hold mu.
-func (r *registry) endRegion(g *region, lost func(name string, err error)) {
+func (r *registry) endRegion(g *region) {
+	r.mu.Lock()
+	lost := r.regionNICLost
+	r.mu.Unlock()
 	if g.nic != nil {
 		// Its writes and windows are gone; the NIC keeps the pages it
 		// pinned until the registration goes, so unmapping is safe
@@ -328,7 +360,7 @@ func (r *registry) endRegion(g *region, lost func(name string, err error)) {
 		delete(r.regions, g.name)
 	}
 	r.mu.Unlock()
-	close(g.gone)
+	close(g.end.done)
 }
 
 // pinRegion pins a registered region for a transfer reading it.
@@ -344,10 +376,10 @@ func (r *registry) unpinRegion(g *region) {
 	r.unuseRegion(g)
 }
 
-// removeRegion closes a region to new use: it is unmapped once the
+// removeRegion closes a region to new use: it is ended once the
 // transfers reading it and the writes landing in it have ended. A region
 // with live receive slots is refused: the client frees them first.
-func (r *registry) removeRegion(name string) (*region, error) {
+func (r *registry) removeRegion(name string) (*regionEnd, error) {
 	r.mu.Lock()
 	defer r.unlock()
 	g, ok := r.regions[name]
@@ -355,7 +387,7 @@ func (r *registry) removeRegion(name string) (*region, error) {
 		return nil, apiErr(api.CodeNotFound, "no region named %s is registered (GET /v1/regions lists them)", name)
 	}
 	if g.closing {
-		return g, nil // a second DELETE waits for the same end
+		return g.end, nil // a second DELETE waits for the same end
 	}
 	if g.slots > 0 {
 		var ids []string
@@ -368,11 +400,13 @@ func (r *registry) removeRegion(name string) (*region, error) {
 		return nil, apiErr(api.CodeBusy, "region %s still holds %d receive slot(s) (%s): free them (DELETE /v1/receives/{req_id}) before unregistering it",
 			name, len(ids), clipList(ids))
 	}
-	g.closing = true
-	g.uses++ // the removal's own pin, dropped at once so the last user unmaps
+	g.closing, g.end = true, newRegionEnd(g)
+	g.uses++ // the removal's own pin, dropped at once so the last user ends it
 	r.unuseRegion(g)
-	return g, nil
+	return g.end, nil
 }
+
+func newRegionEnd(g *region) *regionEnd { return &regionEnd{g: g, done: make(chan struct{})} }
 
 func (r *registry) listRegions() []api.Region {
 	r.mu.Lock()
@@ -500,18 +534,18 @@ func (d *Daemon) handleDeleteRegion(w http.ResponseWriter, r *http.Request) erro
 	if r.URL.Query().Get("wait") == "" {
 		wait = 30 * time.Second
 	}
-	g, err := d.reg.removeRegion(name)
+	end, err := d.reg.removeRegion(name)
 	if err != nil {
 		return err
 	}
 	timer := time.NewTimer(wait)
 	defer timer.Stop()
 	select {
-	case <-g.gone:
+	case <-end.done:
 	case <-timer.C:
-		return d.regionBusy(g, wait)
+		return d.regionBusy(end.g, wait)
 	case <-r.Context().Done():
-		return d.regionBusy(g, wait)
+		return d.regionBusy(end.g, wait)
 	}
 	d.log.Info().Str("region", name).Msg("region unregistered")
 	w.WriteHeader(http.StatusNoContent)
@@ -522,6 +556,11 @@ func (d *Daemon) regionBusy(g *region, wait time.Duration) error {
 	d.reg.mu.Lock()
 	uses := g.uses
 	d.reg.mu.Unlock()
+	if uses == 0 {
+		return apiErr(api.CodeTimeout,
+			"region %s is closing, but after %s ferryd is still dropping its registration with the NIC (which unpins every page) or unmapping it: GET /v1/regions lists it (closing) until it is done; do not reuse its memory before",
+			g.name, wait)
+	}
 	return apiErr(api.CodeTimeout,
 		"region %s is closing, but %d transfer(s) or write(s) still use it after %s: ferryd unmaps it when they end, and GET /v1/regions lists it (closing) until then; do not reuse its memory before",
 		g.name, uses, wait)

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"context"
 	"errors"
 	"io"
 	"os"
@@ -43,7 +44,7 @@ func TestRegionEndsOutsideTheLock(t *testing.T) {
 					t.Errorf("%s: listing the regions waited for it", what)
 				}
 				select {
-				case <-g.gone:
+				case <-g.end.done:
 					t.Errorf("%s: the region is gone already", what)
 				default:
 				}
@@ -72,25 +73,183 @@ func TestRegionEndsOutsideTheLock(t *testing.T) {
 					t.Fatal(err)
 				}
 			}
-			if _, err := r.removeRegion("big"); err != nil {
+			end, err := r.removeRegion("big")
+			if err != nil {
 				t.Fatal(err)
 			}
-			if lastUse == "write" && len(steps) != 0 {
-				t.Fatalf("with a write landing in it, the region went through %v", steps)
+			if lastUse == "write" {
+				select {
+				case <-end.done:
+					t.Fatalf("with a write landing in it, the region went through %v", steps)
+				default:
+				}
 			}
 			done(nil)
+			waitEnd(t, end)
 			if want := []string{"deregister", "unmap"}; !slices.Equal(steps, want) {
 				t.Fatalf("the region went through %v; want %v", steps, want)
-			}
-			select {
-			case <-g.gone:
-			default:
-				t.Fatal("the region is not gone once deregistered and unmapped")
 			}
 			if list := r.listRegions(); len(list) != 1 || list[0].Name != "other" {
 				t.Fatalf("regions listed after: %+v", list)
 			}
 		})
+	}
+}
+
+// The write or transfer that drops a closing region's last use (a
+// lane's or a receiver's goroutine) does not wait for its teardown:
+// dropping the registration unpins every page, which for a large region
+// takes long. Meanwhile the region is listed, closing, its name taken,
+// and its DELETE waits; it ends once the NIC has dropped it.
+func TestRegionEndsOffTheGoroutineDroppingItsLastUse(t *testing.T) {
+	for _, lastUse := range []string{"write", "transfer"} {
+		t.Run(lastUse, func(t *testing.T) {
+			r := newTestRegistry(t, 4096)
+			entered, release := make(chan struct{}), make(chan struct{})
+			nic := closerFunc(func() error {
+				close(entered)
+				<-release
+				return nil
+			})
+			if _, err := r.addRegion("big", hostRegion(make([]byte, 8192)), nic, nil); err != nil {
+				t.Fatal(err)
+			}
+			var drop func()
+			if lastUse == "write" {
+				s, err := r.newSlotIn("in", 4096, "big", 0)
+				if err != nil {
+					t.Fatal(err)
+				}
+				_, done, err := r.Accept(s.addr, 4096, s.key, s.key.Tag())
+				if err != nil {
+					t.Fatal(err)
+				}
+				if err := r.deleteSlot("in"); err != nil {
+					t.Fatal(err)
+				}
+				drop = func() { done(nil) }
+			} else {
+				g, err := r.pinRegion("big", "test")
+				if err != nil {
+					t.Fatal(err)
+				}
+				drop = func() { r.unpinRegion(g) }
+			}
+			end, err := r.removeRegion("big")
+			if err != nil {
+				t.Fatal(err)
+			}
+			dropped := make(chan struct{})
+			go func() {
+				drop()
+				close(dropped)
+			}()
+			select {
+			case <-entered:
+			case <-time.After(5 * time.Second):
+				t.Fatal("the registration was not dropped once the last use ended")
+			}
+			select {
+			case <-dropped:
+			case <-time.After(5 * time.Second):
+				close(release)
+				t.Fatalf("the %s that dropped the region's last use waited for the NIC to drop its registration", lastUse)
+			}
+			if list := r.listRegions(); len(list) != 1 || list[0].Name != "big" || !list[0].Closing {
+				t.Errorf("the regions listed while it is deregistered: %+v; want big, closing", list)
+			}
+			if _, err := r.addRegion("big", hostRegion(make([]byte, 4096)), nil, nil); !isCode(err, api.CodeExists) {
+				t.Errorf("a region of its name while it is deregistered: %v; want exists", err)
+			}
+			select {
+			case <-end.done:
+				t.Fatal("its DELETE was answered before the NIC dropped it")
+			default:
+			}
+			close(release)
+			waitEnd(t, end)
+			if list := r.listRegions(); len(list) != 0 {
+				t.Fatalf("regions listed after: %+v", list)
+			}
+		})
+	}
+}
+
+// A stopping ferryd waits for the region teardowns running before it
+// closes the NIC and returns: one whose DELETE gave up waiting (504)
+// still holds Serve until the NIC has dropped the region.
+func TestStopWaitsForRegionTeardowns(t *testing.T) {
+	d, err := New(testConfig(t.TempDir(), "d"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	entered, release, dropped := make(chan struct{}), make(chan struct{}), make(chan struct{})
+	d.reg.mu.Lock()
+	d.reg.registrar = &countingRegistrar{drop: func() error {
+		close(entered)
+		<-release
+		close(dropped)
+		return nil
+	}}
+	d.reg.mu.Unlock()
+	ctx, stop := context.WithCancel(context.Background())
+	defer stop()
+	served := make(chan error, 1)
+	go func() { served <- d.Serve(ctx, 5*time.Second) }()
+	c := &client.Client{Socket: d.cfg.Socket}
+	calls, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	f, err := client.NewRegionFile("kv", 4096)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	if _, err := c.RegisterRegion(calls, "kv", f, 4096); err != nil {
+		close(release)
+		t.Fatal(err)
+	}
+	var e *client.Error
+	if err := c.UnregisterRegion(calls, "kv", time.Millisecond); !errors.As(err, &e) || e.Code != api.CodeTimeout {
+		close(release)
+		t.Fatalf("a DELETE that gave up waiting: %v; want timeout", err)
+	}
+	select {
+	case <-entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the NIC was not asked to drop the region's registration")
+	}
+	stop()
+	// Serve must not return while the NIC is dropping the region: give
+	// it the time it would take to, then let the NIC finish.
+	select {
+	case err := <-served:
+		close(release)
+		t.Fatalf("Serve returned (%v) while the NIC was still dropping a region", err)
+	case <-time.After(200 * time.Millisecond):
+	}
+	close(release)
+	select {
+	case err := <-served:
+		if err != nil {
+			t.Fatal(err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("ferryd did not stop once the region's teardown ended")
+	}
+	select {
+	case <-dropped:
+	default:
+		t.Fatal("Serve returned before the region's registration was dropped")
+	}
+}
+
+// waitEnd waits for a region's teardown to end it, as its DELETE does.
+func waitEnd(t *testing.T, end *regionEnd) {
+	t.Helper()
+	select {
+	case <-end.done:
+	case <-time.After(5 * time.Second):
+		t.Fatalf("region %s did not end", end.g.name)
 	}
 }
 
@@ -262,15 +421,24 @@ func TestRegionLimitIsAShareOfTheLesserMemory(t *testing.T) {
 }
 
 // countingRegistrar stands in for rdma's region registrations, counting
-// them.
-type countingRegistrar struct{ registered atomic.Int64 }
-
-func (c *countingRegistrar) RegisterRegion([]byte) (io.Closer, error) {
-	c.registered.Add(1)
-	return closerFunc(func() error { return nil }), nil
+// them; drop, if set, is what dropping one returns.
+type countingRegistrar struct {
+	registered atomic.Int64
+	drop       func() error
 }
 
+func (c *countingRegistrar) RegisterRegion([]byte) (io.Closer, error) { return c.register(), nil }
+
 func (c *countingRegistrar) RegisterDeviceRegion(transport.Range) (io.Closer, error) {
+	return c.register(), nil
+}
+
+func (c *countingRegistrar) register() io.Closer {
 	c.registered.Add(1)
-	return closerFunc(func() error { return nil }), nil
+	return closerFunc(func() error {
+		if c.drop == nil {
+			return nil
+		}
+		return c.drop()
+	})
 }

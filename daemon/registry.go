@@ -121,8 +121,10 @@ type registry struct {
 	registrar     transport.RegionRegistrar
 	regionNICLost func(name string, err error)
 	// ended is the closing regions whose last use ended while mu was
-	// held: unlock deregisters and unmaps them once it is released.
-	ended []*region
+	// held: unlock ends them once it is released. ending counts those
+	// being ended on goroutines of their own (waitEnds).
+	ended  []*region
+	ending sync.WaitGroup
 	// claims is the regions being mapped and registered, by name
 	// (regionClaim). hostLimit bounds the host memory regions and
 	// claims hold at once (max_region_bytes; zero: no bound); set
