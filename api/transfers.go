@@ -257,7 +257,9 @@ type Region struct {
 
 // RegionNIC is a region's registration with the RDMA NIC, made once
 // when the region is registered. Without it (Error says why) RDMA
-// copies the region's writes through bounce and staging buffers.
+// copies the region's writes through bounce and staging buffers. A
+// closing region still Registered with an Error is one whose
+// registration the NIC would not drop: DELETE it again to retry.
 type RegionNIC struct {
 	Registered bool   `json:"registered"`
 	Error      string `json:"error,omitempty"`

@@ -77,7 +77,8 @@ func (c *Client) Regions(ctx context.Context) ([]api.Region, error) {
 // UnregisterRegion takes a region back: it returns once ferryd has ended
 // every transfer and write using it and unmapped it (waiting up to wait),
 // after which the memory is the caller's alone. Receive slots in it must
-// be freed first.
+// be freed first. An internal error naming the NIC means the NIC kept
+// the region's registration: it stays registered; call again to retry.
 func (c *Client) UnregisterRegion(ctx context.Context, name string, wait time.Duration) error {
 	return c.noContent(ctx, "DELETE", "/v1/regions/"+esc(name)+"?"+waitQuery(wait))
 }

@@ -184,7 +184,8 @@ func New(cfg Config) (*Daemon, error) {
 	d.reg.onRefusal = func(c transport.Code) { d.metrics.peerRefusals.WithLabelValues(c.String()).Inc() }
 	d.reg.registrar, _ = d.tr.(transport.RegionRegistrar)
 	d.reg.regionNICLost = func(name string, err error) {
-		d.log.Error().Str("region", name).Err(err).Msg("the region's registration with the NIC could not be dropped: its pages stay pinned until ferryd restarts")
+		d.metrics.regionDeregFailures.Inc()
+		d.log.Error().Str("region", name).Err(err).Msg("the region's registration with the NIC could not be dropped: it stays registered, pinned and listed (closing) until a DELETE of it tries again or ferryd restarts")
 	}
 	d.reg.mu.Unlock()
 	// Clients cause these: a loop of failing registrations must not

@@ -31,6 +31,7 @@ type metrics struct {
 	// regionRegistrations counts regions registered with the NIC, by
 	// outcome.
 	regionRegistrations *prometheus.CounterVec
+	regionDeregFailures prometheus.Counter
 	batches             *prometheus.CounterVec
 	batchItems          prometheus.Counter
 	batchWrites         prometheus.Counter
@@ -117,6 +118,10 @@ func newMetrics(g gauges, transport string) *metrics {
 			Name: "ferry_region_registrations_total",
 			Help: "Regions (POST /v1/regions: host and CUDA) registered with the RDMA NIC, by outcome: registered (written from and into without a copy), failed (copied through bounce and staging buffers, a CUDA region's through the pinned bounce area; logged, and GET /v1/regions says why).",
 		}, []string{"outcome"}),
+		regionDeregFailures: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "ferry_region_deregistration_failures_total",
+			Help: "Tries to drop a region's registration with the RDMA NIC (DELETE /v1/regions) that failed: the region stays listed (closing), its pages pinned and counted in ferry_region_host_bytes, until a DELETE tries again or ferryd restarts; logged at ERROR.",
+		}),
 		batches: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_batches_total",
 			Help: "Batch transfers (POST /v1/transfers) ended, by outcome (ok, failed).",
@@ -132,7 +137,7 @@ func newMetrics(g gauges, transport string) *metrics {
 	}
 	reg.MustRegister(m.batches, m.batchItems, m.batchWrites,
 		m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
-		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals, m.regionRegistrations,
+		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals, m.regionRegistrations, m.regionDeregFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ferry_staged_embeddings", Help: "Entries staged or reserved on the sending side.",
@@ -141,7 +146,7 @@ func newMetrics(g gauges, transport string) *metrics {
 			Name: "ferry_receive_slots", Help: "Live receive slots.",
 		}, func() float64 { _, s := g.counts(); return float64(s) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-			Name: "ferry_region_host_bytes", Help: "Host memory the regions clients lent hold (memfds, closing ones until unmapped, and those being registered); CUDA regions hold none.",
+			Name: "ferry_region_host_bytes", Help: "Host memory the regions clients lent hold (memfds, closing ones until unmapped or while the NIC keeps their registration, and those being registered); CUDA regions hold none.",
 		}, func() float64 { h, _ := g.regions(); return float64(h) }),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ferry_region_host_limit_bytes", Help: "The bound on ferry_region_host_bytes: max_region_bytes on this host (0: no bound).",

@@ -46,13 +46,20 @@ type region struct {
 	// end is the teardown the last DELETE waits for: pending while uses
 	// remain, then running, then done.
 	end *regionEnd
+	// dropErr says why the NIC kept nic when a teardown last tried to
+	// drop it: the region stays, closing, mapped and counted, until a
+	// DELETE tries again.
+	dropErr error
 }
 
-// regionEnd is the end of a closing region: its registration with the
-// NIC dropped, its memory unmapped and its place in the table gone.
+// regionEnd is one try at ending a closing region: dropping its
+// registration with the NIC, unmapping it and taking it out of the
+// table. err, set before done closes, is nil when it went, else the
+// answer to the DELETEs that waited (the NIC kept the registration).
 type regionEnd struct {
 	g    *region
 	done chan struct{}
+	err  error
 }
 
 func (g *region) addr() uint64 { return g.mem.Base() }
@@ -184,7 +191,10 @@ func (r *registry) mayAddRegion(name string, host int64) error {
 		return apiErr(api.CodeBusy, "%d regions are registered, this ferryd's limit: unregister some, or lend larger ones", n)
 	}
 	if g, ok := r.regions[name]; ok {
-		if g.closing {
+		switch {
+		case g.dropErr != nil:
+			return apiErr(api.CodeExists, "the region named %s is still closing: %v; or choose another name", name, g.dropErr)
+		case g.closing:
 			return apiErr(api.CodeExists, "the region named %s is still closing (transfers or writes use it, or ferryd is unmapping it): wait for DELETE /v1/regions/%s, or choose another name", name, name)
 		}
 		return apiErr(api.CodeExists, "a region named %s is registered already: unregister it first or choose another name", name)
@@ -275,8 +285,11 @@ func (r *registry) describeRegion(g *region) api.Region {
 	d := api.Region{Name: g.name, NBytes: g.size(), Kind: g.mem.Kind(), Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since}
 	if r.registrar != nil {
 		d.NIC = &api.RegionNIC{Registered: g.nic != nil}
-		if g.nicErr != nil {
+		switch {
+		case g.nicErr != nil:
 			d.NIC.Error = g.nicErr.Error()
+		case g.dropErr != nil:
+			d.NIC.Error = g.dropErr.Error()
 		}
 	}
 	return d
@@ -341,26 +354,39 @@ func (r *registry) waitEnds() { r.ending.Wait() }
 // mapping, then its place in the table, and only then ends g.end:
 // DELETE /v1/regions answers 204 once the memory is its client's alone.
 // Until then GET /v1/regions lists it (closing) and its name stays taken.
-// Callers do not hold mu.
+//
+// A registration the NIC keeps keeps the rest: the region stays mapped
+// (the NIC pins its pages whether mapped or not, and rdma still lists its
+// addresses as registered, so no new mapping may take them), listed,
+// named and counted against max_region_bytes, and the DELETEs waiting
+// are told so; a DELETE tries again. Callers do not hold mu.
 func (r *registry) endRegion(g *region) {
-	r.mu.Lock()
-	lost := r.regionNICLost
-	r.mu.Unlock()
+	var err error
 	if g.nic != nil {
-		// Its writes and windows are gone; the NIC keeps the pages it
-		// pinned until the registration goes, so unmapping is safe
-		// even when dropping it failed.
-		if err := g.nic.Close(); err != nil && lost != nil {
-			lost(g.name, err)
-		}
+		// Its writes and windows are gone: the NIC may drop it.
+		err = g.nic.Close()
 	}
-	_ = g.mem.Close()
+	if err == nil {
+		_ = g.mem.Close()
+	}
 	r.mu.Lock()
-	if r.regions[g.name] == g {
+	end, lost := g.end, r.regionNICLost
+	if err != nil {
+		held := "of GPU memory stay registered"
+		if hostBytes(g.mem) > 0 {
+			held = "stay pinned and count against max_region_bytes"
+		}
+		g.dropErr = fmt.Errorf("the NIC would not drop region %s's registration (%w): its %d bytes %s, and it stays listed (closing) under its name: DELETE /v1/regions/%s again to retry, or restart ferryd to free them",
+			g.name, err, g.size(), held, g.name)
+		end.err = apiErr(api.CodeInternal, "%v", g.dropErr)
+	} else if r.regions[g.name] == g {
 		delete(r.regions, g.name)
 	}
 	r.mu.Unlock()
-	close(g.end.done)
+	close(end.done)
+	if end.err != nil && lost != nil {
+		lost(g.name, end.err)
+	}
 }
 
 // pinRegion pins a registered region for a transfer reading it.
@@ -377,8 +403,10 @@ func (r *registry) unpinRegion(g *region) {
 }
 
 // removeRegion closes a region to new use: it is ended once the
-// transfers reading it and the writes landing in it have ended. A region
-// with live receive slots is refused: the client frees them first.
+// transfers reading it and the writes landing in it have ended, or at
+// once when it is closing already because the NIC kept its registration.
+// A region with live receive slots is refused: the client frees them
+// first.
 func (r *registry) removeRegion(name string) (*regionEnd, error) {
 	r.mu.Lock()
 	defer r.unlock()
@@ -386,8 +414,14 @@ func (r *registry) removeRegion(name string) (*regionEnd, error) {
 	if !ok {
 		return nil, apiErr(api.CodeNotFound, "no region named %s is registered (GET /v1/regions lists them)", name)
 	}
-	if g.closing {
+	switch {
+	case g.closing && g.end.err == nil:
 		return g.end, nil // a second DELETE waits for the same end
+	case g.closing:
+		// The NIC kept its registration last time (no use is left): try again.
+		g.end = newRegionEnd(g)
+		r.ended = append(r.ended, g)
+		return g.end, nil
 	}
 	if g.slots > 0 {
 		var ids []string
@@ -542,6 +576,9 @@ func (d *Daemon) handleDeleteRegion(w http.ResponseWriter, r *http.Request) erro
 	defer timer.Stop()
 	select {
 	case <-end.done:
+		if end.err != nil {
+			return end.err
+		}
 	case <-timer.C:
 		return d.regionBusy(end.g, wait)
 	case <-r.Context().Done():

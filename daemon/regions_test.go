@@ -248,6 +248,9 @@ func waitEnd(t *testing.T, end *regionEnd) {
 	t.Helper()
 	select {
 	case <-end.done:
+		if end.err != nil {
+			t.Fatalf("region %s did not end: %v", end.g.name, end.err)
+		}
 	case <-time.After(5 * time.Second):
 		t.Fatalf("region %s did not end", end.g.name)
 	}
@@ -277,42 +280,14 @@ func TestRegionsHoldAtMostMaxRegionBytes(t *testing.T) {
 	d.reg.mu.Lock()
 	d.reg.registrar = nic
 	d.reg.mu.Unlock()
-	memfd := func(name string, n int64) *os.File {
-		f, err := client.NewRegionFile(name, n)
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { f.Close() })
-		return f
-	}
+	memfd := func(name string, n int64) *os.File { return regionFile(t, name, n) }
 	wantRefused := func(err error, status int, code string, says ...string) {
 		t.Helper()
-		var e *client.Error
-		if !errors.As(err, &e) || e.Status != status || e.Code != code {
-			t.Fatalf("got %v; want %d %s", err, status, code)
-		}
-		for _, s := range says {
-			if !strings.Contains(e.Message, s) {
-				t.Errorf("the refusal does not say %q: %s", s, e.Message)
-			}
-		}
+		wantAPIError(t, err, status, code, says...)
 	}
 	held := func(want int64) {
 		t.Helper()
-		st, err := c.Status(ctx)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if st.Regions.HostBytes != want || st.Regions.HostLimit != 1<<20 {
-			t.Errorf("status says regions hold %d of %d bytes; want %d of %d", st.Regions.HostBytes, st.Regions.HostLimit, want, 1<<20)
-		}
-		fams := scrapeSocket(t, c)
-		if got := value(fams, "ferry_region_host_bytes"); got != float64(want) {
-			t.Errorf("ferry_region_host_bytes = %v, want %d", got, want)
-		}
-		if got := value(fams, "ferry_region_host_limit_bytes"); got != 1<<20 {
-			t.Errorf("ferry_region_host_limit_bytes = %v, want %d", got, 1<<20)
-		}
+		wantRegionsHold(t, c, want, 1<<20)
 	}
 
 	_, err := c.RegisterRegion(ctx, "sparse", memfd("sparse", 1<<40), 1<<40)
@@ -347,6 +322,118 @@ func TestRegionsHoldAtMostMaxRegionBytes(t *testing.T) {
 		t.Fatalf("once the first was unregistered: %v", err)
 	}
 	held(512 << 10)
+}
+
+// A registration the NIC will not drop (ibv_dereg_mr failing) keeps its
+// region: the DELETE that waited gets 500 internal naming the region,
+// the NIC's error, the bytes still pinned and counted, and what to do;
+// the region stays listed (closing, the error in its nic), mapped, its
+// name taken and its bytes counted against max_region_bytes. A second
+// DELETE tries again and, the NIC dropping it now, answers 204 and
+// frees the bytes.
+func TestRegionTheNICKeepsStaysCounted(t *testing.T) {
+	d, c := serveTestDaemon(t, t.TempDir(), "d", func(cfg *Config) { cfg.MaxRegionBytes = "1MiB" })
+	ctx := t.Context()
+	var drops atomic.Int64
+	nic := &countingRegistrar{drop: func() error {
+		if drops.Add(1) == 1 {
+			return errors.New("ibv_dereg_mr: Device or resource busy")
+		}
+		return nil
+	}}
+	d.reg.mu.Lock()
+	d.reg.registrar = nic
+	d.reg.mu.Unlock()
+	mapped := func() bool {
+		maps, err := os.ReadFile("/proc/self/maps")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return strings.Contains(string(maps), "memfd:kept")
+	}
+
+	if _, err := c.RegisterRegion(ctx, "kept", regionFile(t, "kept", 768<<10), 768<<10); err != nil {
+		t.Fatal(err)
+	}
+	err := c.UnregisterRegion(ctx, "kept", 10*time.Second)
+	wantAPIError(t, err, 500, api.CodeInternal, "region kept", "ibv_dereg_mr: Device or resource busy",
+		"786432 bytes stay pinned and count against max_region_bytes", "DELETE /v1/regions/kept again", "restart ferryd")
+	list, err := c.Regions(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(list) != 1 || list[0].Name != "kept" || !list[0].Closing || list[0].NIC == nil || !list[0].NIC.Registered ||
+		!strings.Contains(list[0].NIC.Error, "ibv_dereg_mr") {
+		t.Fatalf("regions listed once the NIC kept it: %+v; want kept, closing, registered, with the NIC's error", list)
+	}
+	if !mapped() {
+		t.Error("the region was unmapped though the NIC keeps its pages")
+	}
+	wantRegionsHold(t, c, 768<<10, 1<<20)
+	more := regionFile(t, "more", 512<<10)
+	_, err = c.RegisterRegion(ctx, "more", more, 512<<10)
+	wantAPIError(t, err, 409, api.CodeBusy, "region more", "max_region_bytes")
+	_, err = c.RegisterRegion(ctx, "kept", regionFile(t, "again", 4096), 4096)
+	wantAPIError(t, err, 409, api.CodeExists, "kept is still closing", "ibv_dereg_mr")
+	if got := value(scrapeSocket(t, c), "ferry_region_deregistration_failures_total"); got != 1 {
+		t.Errorf("ferry_region_deregistration_failures_total = %v, want 1", got)
+	}
+
+	if err := c.UnregisterRegion(ctx, "kept", 10*time.Second); err != nil {
+		t.Fatalf("a second DELETE, the NIC dropping it now: %v", err)
+	}
+	if mapped() {
+		t.Error("the region is still mapped once the NIC dropped it")
+	}
+	wantRegionsHold(t, c, 0, 1<<20)
+	if _, err := c.RegisterRegion(ctx, "more", more, 512<<10); err != nil {
+		t.Fatalf("once the first was unregistered: %v", err)
+	}
+}
+
+// regionFile is a memfd of n bytes, sealed as a region's must be.
+func regionFile(t *testing.T, name string, n int64) *os.File {
+	f, err := client.NewRegionFile(name, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { f.Close() })
+	return f
+}
+
+// wantAPIError checks err is the API's answer status, code, its
+// message saying each of says.
+func wantAPIError(t *testing.T, err error, status int, code string, says ...string) {
+	t.Helper()
+	var e *client.Error
+	if !errors.As(err, &e) || e.Status != status || e.Code != code {
+		t.Fatalf("got %v; want %d %s", err, status, code)
+	}
+	for _, s := range says {
+		if !strings.Contains(e.Message, s) {
+			t.Errorf("the answer does not say %q: %s", s, e.Message)
+		}
+	}
+}
+
+// wantRegionsHold checks the host bytes regions hold, and the bound, as
+// GET /v1/status and the metrics show them.
+func wantRegionsHold(t *testing.T, c *client.Client, want, limit int64) {
+	t.Helper()
+	st, err := c.Status(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if st.Regions.HostBytes != want || st.Regions.HostLimit != limit {
+		t.Errorf("status says regions hold %d of %d bytes; want %d of %d", st.Regions.HostBytes, st.Regions.HostLimit, want, limit)
+	}
+	fams := scrapeSocket(t, c)
+	if got := value(fams, "ferry_region_host_bytes"); got != float64(want) {
+		t.Errorf("ferry_region_host_bytes = %v, want %d", got, want)
+	}
+	if got := value(fams, "ferry_region_host_limit_bytes"); got != float64(limit) {
+		t.Errorf("ferry_region_host_limit_bytes = %v, want %d", got, limit)
+	}
 }
 
 // A region being mapped and registered holds its bytes from its first

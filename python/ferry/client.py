@@ -407,7 +407,8 @@ class Client:
         """Takes a region back: returns once no transfer or write uses it and
         ferryd unmapped it; ferry.Timeout if they outlast timeout (it is
         then closing, and unmapped when they end), ferry.Busy while receive
-        slots lie in it."""
+        slots lie in it, ferry.Internal if the NIC would not drop its
+        registration (it stays registered: call again to retry)."""
         q = urlencode({"wait": self._wait_query(timeout)})
         self._json("DELETE", f"/v1/regions/{_id(name)}?{q}", timeout=self.timeout + timeout)
 
