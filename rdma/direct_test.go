@@ -206,6 +206,38 @@ func TestDirectWritesAskWhenTheyMust(t *testing.T) {
 	q.landed(t, w)
 }
 
+// TestTheArenaRKeyGoesOnlyToAuthenticatedPeers: a lane's connect
+// answer tells where the shared registration lies, and its rkey, only to
+// a dialer that proved the peer secret; without a secret (grant mode) or
+// with windows, a stranger learns neither, and its writes still land
+// under their grants or windows.
+func TestTheArenaRKeyGoesOnlyToAuthenticatedPeers(t *testing.T) {
+	for _, c := range []struct {
+		name     string
+		secret   []byte
+		windows  bool
+		wantRKey bool
+	}{
+		{"authenticated", testSecret, false, true},
+		{"no secret", nil, false, false},
+		{"windows", nil, true, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			p := newPair(t, newFabric(), 1<<20, 1<<20, c.secret, 1, c.windows)
+			r := p.s.(*session).region
+			if got := r.RKey != 0 || r.Base != 0 || r.Size != 0; got != c.wantRKey {
+				t.Errorf("the connect answer gave the dialer %+v; want the arena's place and rkey given: %t", r, c.wantRKey)
+			}
+			fill(p.src, 7)
+			w := p.slot(64 << 10)
+			if _, err := p.s.Write(ctxFor(t, 30*time.Second), w); err != nil {
+				t.Fatal(err)
+			}
+			p.landed(t, w)
+		})
+	}
+}
+
 // TestDirectWritesTheSinkDoesNotCredit: the receiver cannot refuse a
 // direct write before it lands, and its sender's write succeeds (its NIC
 // placed the bytes); the receiver counts and logs one that names no live

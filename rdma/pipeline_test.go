@@ -138,9 +138,9 @@ func TestWriteCompletedAtPostArmsNothing(t *testing.T) {
 }
 
 // TestRejectsCompletionWithoutGrant: a sender that writes WITH IMM under
-// the receiver's shared rkey without asking first gets nothing
-// delivered; the receiver counts and logs the rejection and ends the
-// lane.
+// the receiver's shared rkey without asking first (one granted a write
+// before knows it: a grant names it) gets nothing delivered; the
+// receiver counts and logs the rejection and ends the lane.
 func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	f := newFabric()
 	slots := mappedSlots(t, 1<<20)
@@ -148,13 +148,13 @@ func TestRejectsCompletionWithoutGrant(t *testing.T) {
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
 	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.Logf}, Memory: slots.Mem})
-	l, _, region, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
+	l, _, _, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer l.close()
 	slots.Add(0, 4096) // a live slot, never asked for
-	err = l.qp.Post([]op{{WRID: 1, Local: addrOf(src), Remote: region.Base, Len: 4096, LKey: tx.shared.LKey(), RKey: region.RKey,
+	err = l.qp.Post([]op{{WRID: 1, Local: addrOf(src), Remote: addrOf(slots.Mem), Len: 4096, LKey: tx.shared.LKey(), RKey: rx.shared.RKey(),
 		Imm: 0x33, Signaled: true, WithImm: true}})
 	if err != nil {
 		t.Fatal(err)

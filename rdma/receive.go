@@ -104,19 +104,27 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 	return newLane(qp, c, 1+recvPosted), nil
 }
 
-// region describes the shared registration to dialers.
+// region describes the shared registration to dialers. Where it lies
+// and its rkey go only to a dialer that writes under that rkey directly
+// (ModeArenaRKey, where every dialer proved the peer secret): with them,
+// anyone reaching the peer port could write anywhere in it by plain
+// RDMA WRITEs, which no receive completion reports. Any other dialer
+// writes through a slot's window or under a grant, which carry what its
+// write needs.
 func (t *Transport) region() peerRegion {
-	base, size := addrOf(t.mem), uint64(len(t.mem))
-	if t.dev.Len > 0 {
-		base, size = t.dev.Addr, t.dev.Len // the GPU arena, reached in place
-	}
 	switch {
 	case t.windows != nil:
-		return peerRegion{Base: base, Size: size, Mode: modeWindows}
-	case t.shared != nil:
+		return peerRegion{Mode: modeWindows}
+	case t.shared != nil && t.direct != nil:
+		base, size := addrOf(t.mem), uint64(len(t.mem))
+		if t.dev.Len > 0 {
+			base, size = t.dev.Addr, t.dev.Len // the GPU arena, reached in place
+		}
 		return peerRegion{Base: base, Size: size, RKey: t.shared.RKey(), Mode: modeShared}
+	case t.shared != nil:
+		return peerRegion{Mode: modeShared}
 	case len(t.mem) > 0:
-		return peerRegion{Base: base, Size: size, Mode: modePerSend}
+		return peerRegion{Mode: modePerSend}
 	}
 	return peerRegion{Mode: modeNone}
 }

@@ -22,8 +22,8 @@ package rdma
 //	                 after code 0, 56 bytes:
 //	  0  endpoint  32 bytes, the server QP's, as above
 //	 32  base      u64     the server's shared registration: its address,
-//	 40  size      u64     size and rkey (0, 0, 0 when it has none), and
-//	 48  rkey      u32     (0 in windows mode: the arena's rkey stays home)
+//	 40  size      u64     size and rkey, given only with acceptDirect in
+//	 48  rkey      u32     mode 1 (an authenticated dialer); else 0, 0, 0
 //	 52  mode      u32     1 shared, 2 per-send, 0 none, 3 windows (shared,
 //	                       for windows only: each slot's key carries the
 //	                       rkey of a window over it, transport.Key.Window)
