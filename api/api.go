@@ -134,6 +134,7 @@ type CUDAStatus struct {
 	DMABufReason      string `json:"dmabuf_reason,omitempty"` // why the arena is not exported as a dmabuf
 	BounceSize        int64  `json:"bounce_size"`             // pinned host memory copies are staged in
 	BounceFallbacks   int64  `json:"bounce_fallbacks"`        // copies staged in pageable memory: the pinned area was full
+	StagingPeak       int64  `json:"staging_peak"`            // the most host memory lent at once to stage copies, pinned and pageable, since start
 }
 
 // CUDAIPC is how a client reaches a GPU arena from its own process: open

@@ -54,10 +54,12 @@ type Arena struct {
 	bounce      []byte // pinned host memory
 	bounceAlloc *arena.Allocator
 	fallbacks   atomic.Int64
-	// Pageable bytes lent while the pinned area had no room: held to
-	// the arena's size, one host copy of all it holds.
-	pageableMu sync.Mutex
-	pageable   int64
+	// Host memory lent to stage copies: lent is all of it, pinned and
+	// pageable, and peak the most lent at once (status shows it);
+	// pageable is what was lent while the pinned area had no room, held
+	// to the arena's size, one host copy of all it holds.
+	stagingMu            sync.Mutex
+	lent, peak, pageable int64
 	// Bytes copied into and out of the arena: what a NIC that reaches
 	// it directly spares.
 	copiedIn, copiedOut atomic.Int64
@@ -210,23 +212,47 @@ func (a *Arena) Bounce(n int64) ([]byte, func(), error) {
 		return nil, func() {}, nil
 	}
 	if off, err := a.bounceAlloc.Alloc(n); err == nil {
-		return a.bounce[off : off+n : off+n], func() { _, _ = a.bounceAlloc.Free(off) }, nil
+		a.lend(n, false)
+		return a.bounce[off : off+n : off+n], func() {
+			_, _ = a.bounceAlloc.Free(off)
+			a.lend(-n, false)
+		}, nil
 	}
 	limit := a.size
-	a.pageableMu.Lock()
+	a.stagingMu.Lock()
 	lent := a.pageable
 	if lent > 0 && n > limit-lent {
-		a.pageableMu.Unlock()
+		a.stagingMu.Unlock()
 		return nil, nil, fmt.Errorf("%w (%d bytes, to or from the GPU): the pinned bounce area (%d bytes) is lent out and %d bytes of pageable memory stage other copies, of at most the arena's %d: try again once copies in flight end, or raise --bounce-size", arena.ErrNoStaging, n, len(a.bounce), lent, limit)
 	}
-	a.pageable += n
-	a.pageableMu.Unlock()
+	a.lendLocked(n, true)
+	a.stagingMu.Unlock()
 	a.fallbacks.Add(1)
-	return make([]byte, n), func() {
-		a.pageableMu.Lock()
-		a.pageable -= n
-		a.pageableMu.Unlock()
-	}, nil
+	return make([]byte, n), func() { a.lend(-n, true) }, nil
+}
+
+// lend counts n bytes more lent to stage a copy (fewer, when negative).
+func (a *Arena) lend(n int64, pageable bool) {
+	a.stagingMu.Lock()
+	a.lendLocked(n, pageable)
+	a.stagingMu.Unlock()
+}
+
+func (a *Arena) lendLocked(n int64, pageable bool) {
+	a.lent += n
+	a.peak = max(a.peak, a.lent)
+	if pageable {
+		a.pageable += n
+	}
+}
+
+// StagingPeak is the most host memory (pinned and pageable) lent at once
+// to stage copies since the arena was made: past the bounce area's size,
+// copies spilled into pageable memory.
+func (a *Arena) StagingPeak() int64 {
+	a.stagingMu.Lock()
+	defer a.stagingMu.Unlock()
+	return a.peak
 }
 
 // Close frees the dmabuf descriptor, the bounce area and the device memory.

@@ -328,6 +328,11 @@ func TestBounceLendsPinnedMemoryThenFallsBack(t *testing.T) {
 	if inArea(b3) || a.BounceFallbacks() != 2 {
 		t.Fatalf("third buffer in area=%v, fallbacks %d", inArea(b3), a.BounceFallbacks())
 	}
+	// The peak counts pinned and pageable bytes lent together, not the
+	// copy refused.
+	if got := a.StagingPeak(); got != 64<<10+2<<20 {
+		t.Fatalf("staging peak %d with 64 KiB pinned and 2 MiB pageable lent, want %d", got, 64<<10+2<<20)
+	}
 	r3()
 	r2()
 	// With no pageable memory lent, one copy of any size is (a CUDA
@@ -351,6 +356,11 @@ func TestBounceLendsPinnedMemoryThenFallsBack(t *testing.T) {
 		t.Fatalf("Bounce(0) = %d bytes, fallbacks %d", len(b), a.BounceFallbacks())
 	} else {
 		r()
+	}
+	// The most lent at once was the 4 MiB copy beside the pinned 64 KiB,
+	// the two pageable MiB released before it: releases count down.
+	if got := a.StagingPeak(); got != 4<<20+64<<10 {
+		t.Fatalf("staging peak %d, want %d", got, 4<<20+64<<10)
 	}
 }
 

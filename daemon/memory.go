@@ -150,7 +150,7 @@ func (m *memory) status() *api.CUDAStatus {
 		Name: in.Name, UUID: in.UUID, PCIBusID: in.PCIBusID, TotalMemory: in.TotalMemory,
 		DriverVersion: m.drv.Version(), GPUDirectRDMA: in.GPUDirectRDMA, DMABuf: in.DMABuf, VMM: in.VMM,
 		UnifiedAddressing: in.UnifiedAddressing, BounceSize: int64(len(m.gpu.BounceArea())),
-		BounceFallbacks: m.gpu.BounceFallbacks(), DMABufExported: m.dmabufErr() == nil,
+		BounceFallbacks: m.gpu.BounceFallbacks(), StagingPeak: m.gpu.StagingPeak(), DMABufExported: m.dmabufErr() == nil,
 	}
 	if h, err := m.gpu.IPCHandle(); err == nil {
 		st.IPCHandle = h[:]
