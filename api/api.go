@@ -351,7 +351,8 @@ type SendResult struct {
 	SharedMR  bool    `json:"shared_mr"`
 	Attempts  int     `json:"attempts"`
 	// Writes is how many writes carried the bytes: 1, or up to
-	// tcp_stripes pieces at once over TCP.
+	// tcp_stripes pieces at once over TCP. A piece copied out of GPU
+	// memory in chunks counts once.
 	Writes int `json:"writes"`
 }
 

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"strings"
+	"sync"
 	"testing"
 
 	"github.com/ferry-project/ferry/api"
@@ -21,6 +22,9 @@ type deviceMemory struct {
 	mem       []byte
 	failCopy  error
 	noStaging bool // Bounce has no host memory to lend
+
+	mu         sync.Mutex
+	lent, peak int64 // host staging Bounce lends now, and the most at once
 }
 
 func (m *deviceMemory) Base() uint64 { return 0x7f5500000000 }
@@ -43,7 +47,24 @@ func (m *deviceMemory) Bounce(n int64) ([]byte, func(), error) {
 	if m.noStaging {
 		return nil, nil, fmt.Errorf("%w: the test lends none", arena.ErrNoStaging)
 	}
-	return make([]byte, n), func() {}, nil
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	m.lent += n
+	m.peak = max(m.peak, m.lent)
+	return make([]byte, n), func() {
+		m.mu.Lock()
+		defer m.mu.Unlock()
+		m.lent -= n
+	}, nil
+}
+
+// takePeak is the most staging lent at once since the last takePeak.
+func (m *deviceMemory) takePeak() int64 {
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	peak := m.peak
+	m.peak = m.lent
+	return peak
 }
 
 // A write whose copy into GPU memory fails is not marked arrived: the

@@ -24,6 +24,14 @@ import (
 // in dir, its peer port on loopback. It stops when the test ends.
 func serveTestDaemon(t testing.TB, dir, name string, mod func(*Config)) (*Daemon, *client.Client) {
 	t.Helper()
+	d := newTestDaemon(t, dir, name, mod)
+	return d, serveDaemon(t, d)
+}
+
+// newTestDaemon makes serveTestDaemon's ferryd, for a test to change
+// before serveDaemon runs it.
+func newTestDaemon(t testing.TB, dir, name string, mod func(*Config)) *Daemon {
+	t.Helper()
 	cfg := testConfig(dir, name)
 	cfg.ArenaSize = "8MiB"
 	if mod != nil {
@@ -33,6 +41,12 @@ func serveTestDaemon(t testing.TB, dir, name string, mod func(*Config)) (*Daemon
 	if err != nil {
 		t.Fatal(err)
 	}
+	return d
+}
+
+// serveDaemon serves d until the test ends.
+func serveDaemon(t testing.TB, d *Daemon) *client.Client {
+	t.Helper()
 	ctx, cancel := context.WithCancel(context.Background())
 	done := make(chan error, 1)
 	go func() { done <- d.Serve(ctx, 5*time.Second) }()
@@ -41,13 +55,13 @@ func serveTestDaemon(t testing.TB, dir, name string, mod func(*Config)) (*Daemon
 		select {
 		case err := <-done:
 			if err != nil {
-				t.Errorf("%s: Serve: %v", name, err)
+				t.Errorf("%s: Serve: %v", d.cfg.Socket, err)
 			}
 		case <-time.After(30 * time.Second):
-			t.Errorf("%s did not stop within 30s", name)
+			t.Errorf("%s did not stop within 30s", d.cfg.Socket)
 		}
 	})
-	return d, &client.Client{Socket: cfg.Socket}
+	return &client.Client{Socket: d.cfg.Socket}
 }
 
 // scrape fetches and parses a /metrics page with the Prometheus text parser.

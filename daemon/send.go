@@ -73,31 +73,22 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	// slot is exactly this size: a longer direct write would run past the
 	// slot before the receiver could see it.
 	w := transport.Write{Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag(), Whole: req.NBytes == e.nbytes}
-	if d.dp.inPlace() {
-		// The NIC reads the GPU arena itself.
-		w.Device = transport.Range{Addr: d.arena.Addr(e.slice), Len: uint64(e.nbytes)}
-	} else {
-		// A GPU arena's bytes are copied out to a host bounce buffer first.
-		src, releaseSrc, err := d.arena.Readable(e.slice, 0, e.nbytes)
-		if err != nil {
-			return res, apiErr(internalCode(err),
-				"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, err)
-		}
-		defer releaseSrc()
-		w.Src = src
-	}
 	start := time.Now()
 	stripes := 1
 	if !isMooncake && d.tr.Name() == string(config.TransportTCP) {
 		stripes = d.cfg.TCPStripes
 	}
-	dl, lastErr := d.deliverSend(ctx, req.Session, w, d.arena.Memory(), stripes, d.log.With().Str("req_id", reqID).Logger())
+	dl, lastErr := d.deliverSend(ctx, req.Session, w, d.entrySource(e, 0, e.nbytes), stripes, d.log.With().Str("req_id", reqID).Logger())
 	res.Attempts, res.Writes = dl.attempts, dl.writes
 	if dl.transport != "" {
 		res.Transport = dl.transport
 	}
 	res.SharedMR = sharedMR(dl.report)
 	sent = lastErr == nil
+	if errors.As(lastErr, new(*copyOutError)) {
+		return res, apiErr(internalCode(lastErr),
+			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, lastErr)
+	}
 	var rf *transport.Refusal
 	if errors.As(lastErr, &rf) {
 		d.failed(rf.Code.String(), "refused", time.Since(start))
@@ -144,12 +135,51 @@ type delivery struct {
 	report    transport.Report
 }
 
-// deliver writes w on session: on a broken path it tears the session down,
-// re-dials and tries again, SendRetries times. A refusal, ctx's end, or a
-// peer no re-dial can fix (secrets or versions differ) ends it at once.
-// The error is the last attempt's. dev is the memory w.Device lies in
-// (the GPU arena, a CUDA region), when it is set.
-func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write, dev arena.Memory, log zerolog.Logger) (delivery, error) {
+// source is where a write's bytes lie: n bytes at offset off of mem
+// (the arena's memory, a region's). inPlace says the RDMA NIC reads mem
+// itself: GPU memory it registered.
+type source struct {
+	mem     arena.Memory
+	off, n  int64
+	inPlace bool
+}
+
+// part is the bytes [from, to) of s.
+func (s source) part(from, to int64) source {
+	s.off, s.n = s.off+from, to-from
+	return s
+}
+
+// entrySource is n bytes at off of the staged entry e.
+func (d *Daemon) entrySource(e *entry, off, n int64) source {
+	return source{mem: d.arena.Memory(), off: e.slice.Offset + off, n: n, inPlace: d.dp.inPlace()}
+}
+
+// stageChunk is the most of a write's GPU source copied out to host
+// memory at once: larger writes go as consecutive writes of this many
+// bytes, each copied out, written and its staging released before the
+// next is copied, so a 10 GiB region takes 16 MiB of host memory, not
+// 10 GiB. At 16 MiB a write's header and reply (some 50 µs on loopback)
+// are about 1% of the 5 ms its bytes take at 3 GB/s, and a full batch
+// window (batchWindow writes of a chunk) fits the default 256 MiB
+// pinned bounce area. Consecutive chunks of a write touch, so the
+// receiver tracks them as one range (maxPieces).
+const stageChunk = 16 << 20
+
+// copyOutError is a write stopped copying its source out of GPU memory
+// into host staging: this host's failure (no staging memory now, a CUDA
+// error), not the session's, which no teardown or re-dial mends.
+type copyOutError struct{ err error }
+
+func (e *copyOutError) Error() string { return e.err.Error() }
+func (e *copyOutError) Unwrap() error { return e.err }
+
+// deliver writes src to w's slot on session: on a broken path it tears
+// the session down, re-dials and tries again, SendRetries times. A
+// refusal, ctx's end, a peer no re-dial can fix (secrets or versions
+// differ), or a failed copy out of GPU memory ends it at once. The error
+// is the last attempt's.
+func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write, src source, log zerolog.Logger) (delivery, error) {
 	var dl delivery
 	var err error
 	for attempt := 1; attempt <= d.cfg.SendRetries+1; attempt++ {
@@ -157,16 +187,15 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 		if attempt > 1 {
 			d.metrics.retries.Inc()
 		}
-		log.Debug().Str("session", session).Int("nbytes", len(w.Src)).Int("attempt", attempt).Msg("write attempt")
+		log.Debug().Str("session", session).Int64("nbytes", src.n).Int("attempt", attempt).Msg("write attempt")
 		var sess transport.Session
 		var p *peer
 		sess, p, err = d.sessions.get(ctx, session)
 		if err == nil {
 			dl.transport = sess.Transport()
-			dl.report, err = d.write(ctx, sess, w, dev)
-			if errors.Is(err, arena.ErrNoStaging) {
-				// This host had no memory to copy the GPU bytes out into:
-				// nothing reached the session, which is not to blame.
+			dl.report, err = d.write(ctx, sess, w, src)
+			if errors.As(err, new(*copyOutError)) {
+				// Whatever reached the session, it is not to blame.
 				return dl, err
 			}
 			if ctx.Err() == nil { // a write its own deadline or client ended says nothing of the session
@@ -195,21 +224,47 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 	return dl, err
 }
 
-// write is sess.Write, with a source in device memory (dev: the GPU
-// arena, a CUDA region) copied out to host memory first for a session
-// that reads host memory only (TCP to a peer without RDMA, Mooncake's).
-func (d *Daemon) write(ctx context.Context, sess transport.Session, w transport.Write, dev arena.Memory) (transport.Report, error) {
-	if w.Src != nil || w.Device.Len == 0 || sess.Transport() == d.dp.rdma.Name() {
+// write is sess.Write of src to w's slot. Host memory goes as it lies,
+// and GPU memory the NIC reads in place as a device range on the RDMA
+// transport's sessions; for any other session (TCP, a Mooncake peer, or
+// RDMA where the NIC does not reach that GPU memory) GPU memory is
+// copied out to host staging, stageChunk bytes at a time. The report
+// sums its writes'.
+func (d *Daemon) write(ctx context.Context, sess transport.Session, w transport.Write, src source) (transport.Report, error) {
+	if src.inPlace && sess.Transport() == d.dp.rdma.Name() {
+		w.Device = transport.Range{Addr: src.mem.Base() + uint64(src.off), Len: uint64(src.n)}
 		return sess.Write(ctx, w)
 	}
-	n := int64(w.Device.Len)
-	src, release, err := arena.Readable(dev, arena.Slice{Offset: int64(w.Device.Addr - dev.Base()), Len: n}, 0, n)
-	if err != nil {
-		return transport.Report{}, fmt.Errorf("copying %d bytes of GPU memory out to host memory for a %s session: %w", n, sess.Transport(), err)
+	chunk := src.n
+	if src.mem.Host() == nil {
+		chunk = stageChunk
 	}
-	defer release()
-	w.Src, w.Device = src, transport.Range{}
-	return sess.Write(ctx, w)
+	if src.n > chunk {
+		w.Whole = false // each chunk is a piece of the slot, its range counted by the receiver
+	}
+	var rep transport.Report
+	for at := int64(0); ; {
+		n := min(chunk, src.n-at)
+		buf, release, err := arena.Readable(src.mem, arena.Slice{Offset: src.off + at, Len: n}, 0, n)
+		if err != nil {
+			return rep, &copyOutError{fmt.Errorf("copying %d bytes of %s memory out to host memory for a %s session: %w", n, src.mem.Kind(), sess.Transport(), err)}
+		}
+		piece := w
+		piece.Src, piece.Remote = buf, w.Remote+uint64(at)
+		r, err := sess.Write(ctx, piece)
+		release()
+		rep = addReport(rep, r)
+		at += n
+		if err != nil || at >= src.n {
+			return rep, err
+		}
+	}
+}
+
+// addReport is what two writes of one piece took between them: their
+// messages and copies summed, and the costlier registration.
+func addReport(a, b transport.Report) transport.Report {
+	return transport.Report{Registration: max(a.Registration, b.Registration), Copied: a.Copied + b.Copied, Messages: a.Messages + b.Messages}
 }
 
 // stripeMin is the smallest piece a striped send puts on a connection:
@@ -225,30 +280,29 @@ const stripeMin = 1 << 20
 // a failed piece fails the send (the embedding stays staged), and a
 // resend writes every piece again. stripes is 1 for RDMA (a direct
 // write must be the slot's whole content) and Mooncake's segments.
-func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Write, dev arena.Memory, stripes int, log zerolog.Logger) (delivery, error) {
-	n := len(w.Src) // 0 for a device source (w.Device): it goes whole, unsliced
-	k := min(stripes, d.cfg.MaxConns, n/stripeMin)
+func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Write, src source, stripes int, log zerolog.Logger) (delivery, error) {
+	n := src.n
+	k := min(stripes, d.cfg.MaxConns, int(n/stripeMin))
 	if k < 2 {
-		dl, err := d.deliver(ctx, session, w, dev, log)
+		dl, err := d.deliver(ctx, session, w, src, log)
 		dl.writes = 1
 		return dl, err
 	}
-	per := (n + k - 1) / k
+	per := (n + int64(k) - 1) / int64(k)
 	type result struct {
 		dl  delivery
 		err error
 	}
 	results := make([]result, k)
 	var wg sync.WaitGroup
-	for i := range k {
+	for i := range int64(k) {
 		piece := w
 		piece.Whole = false
-		piece.Src = w.Src[i*per : min((i+1)*per, n)]
 		piece.Remote = w.Remote + uint64(i*per)
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			dl, err := d.deliver(ctx, session, piece, dev, log)
+			dl, err := d.deliver(ctx, session, piece, src.part(i*per, min((i+1)*per, n)), log)
 			results[i] = result{dl, err}
 		}()
 	}
@@ -258,8 +312,7 @@ func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Wr
 	for _, r := range results {
 		out.transport = cmp.Or(out.transport, r.dl.transport)
 		out.attempts = max(out.attempts, r.dl.attempts)
-		out.report.Messages += r.dl.report.Messages
-		out.report.Copied += r.dl.report.Copied
+		out.report = addReport(out.report, r.dl.report)
 		// A refusal says most about why (no slot, a slot too small):
 		// report it before a broken path's error.
 		if r.err != nil && (err == nil || transport.IsRefusal(r.err) && !transport.IsRefusal(err)) {

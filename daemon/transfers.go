@@ -17,7 +17,6 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
-	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/mooncake"
@@ -216,14 +215,12 @@ func (d *Daemon) releaseSources(srcs []batchSource, sent bool) {
 	}
 }
 
-// readSource is n bytes at off of s where the host can read them: GPU
-// memory's (the arena's, a CUDA region the NIC does not reach) are
-// copied out to a host bounce buffer first.
-func (d *Daemon) readSource(s batchSource, off, n int64) ([]byte, func(), error) {
-	if s.region != nil {
-		return arena.Readable(s.region.mem, arena.Slice{Len: s.region.size()}, off, n)
+// sourceOf is n bytes at off of s.
+func (d *Daemon) sourceOf(s batchSource, off, n int64) source {
+	if g := s.region; g != nil {
+		return source{mem: g.mem, off: off, n: n, inPlace: g.inPlace()}
 	}
-	return d.arena.Readable(s.entry.slice, off, n)
+	return d.entrySource(s.entry, off, n)
 }
 
 // batch is one running or ended transfer.
@@ -480,20 +477,11 @@ func (d *Daemon) writePiece(ctx context.Context, id string, dsts []batchDest, sr
 	defer cancel()
 	dst := dsts[p.dst]
 	w := transport.Write{Remote: dst.addr + uint64(p.dstOff), Key: dst.key, Tag: dst.key.Tag()}
-	var dev arena.Memory
-	if g := srcs[p.src].region; g != nil && g.inPlace() {
-		// The NIC reads the CUDA region itself.
-		dev, w.Device = g.mem, transport.Range{Addr: g.addr() + uint64(p.srcOff), Len: uint64(p.n)}
-	} else {
-		src, release, err := d.readSource(srcs[p.src], p.srcOff, p.n)
-		if err != nil {
-			return apiErr(internalCode(err), "transfer %s: item %d: reading %d bytes of source %d (%s) failed: %v; the staged sources are kept",
-				id, p.item, p.n, p.src, srcs[p.src].name(), err)
-		}
-		defer release()
-		w.Src = src
+	dl, err := d.deliver(ctx, dst.session, w, d.sourceOf(srcs[p.src], p.srcOff, p.n), log)
+	if errors.As(err, new(*copyOutError)) {
+		return apiErr(internalCode(err), "transfer %s: item %d: reading %d bytes of source %d (%s) failed: %v; the staged sources are kept",
+			id, p.item, p.n, p.src, srcs[p.src].name(), err)
 	}
-	dl, err := d.deliver(ctx, dst.session, w, dev, log)
 	if err != nil {
 		return pieceError(id, p, dst, err, dl.attempts)
 	}

@@ -134,6 +134,35 @@ func TestDeviceArenaOverAStandInDriver(t *testing.T) {
 	if st, _ := snd.c.Status(ctx); st.Memory.CUDA == nil || st.Memory.CUDA.BounceFallbacks == 0 {
 		t.Error("a copy larger than the bounce area was not counted as a fallback")
 	}
+	// A batch piece of 40 MiB goes as writes of at most ferryd's 16 MiB
+	// staging chunk, so the receiver stages no more than that at once
+	// either: one write of 40 MiB would take all of it.
+	const chunked, chunk = 40 << 20, 16 << 20
+	data := randomBytes(chunked, 22)
+	if _, err := snd.c.Stage(ctx, "fake-chunked", []int64{chunked}, "u8", bytes.NewReader(data), chunked); err != nil {
+		t.Fatal(err)
+	}
+	slot, err := rcv.c.Receive(ctx, "fake-chunked", chunked)
+	if err != nil {
+		t.Fatal(err)
+	}
+	done, err := snd.c.Transfer(ctx, api.TransferRequest{Sources: []api.TransferSource{{ReqID: "fake-chunked"}},
+		Destinations: []api.ReceiveSlot{slot}, Items: api.Items{{0, 0, 0, 0, chunked}}}, 30*time.Second)
+	if err != nil || done.State != api.TransferDone || done.Writes != 1 {
+		t.Fatalf("transfer: %+v, %v", done, err)
+	}
+	if _, err := rcv.c.WaitInfo(ctx, "fake-chunked", 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	// Before reading it back, which copies the slot out whole.
+	if st, err := rcv.c.Status(ctx); err != nil || st.Memory.CUDA == nil {
+		t.Errorf("the receiver's status: %+v, %v", st.Memory, err)
+	} else if peak := st.Memory.CUDA.StagingPeak; peak > chunk {
+		t.Errorf("the receiver staged %d bytes at once, more than one %d-byte chunk", peak, chunk)
+	}
+	if got, err := rcv.c.Wait(ctx, "fake-chunked", 10*time.Second); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("fake-chunked: %d bytes back, %v: the bytes differ", len(got), err)
+	}
 	sl, err := snd.c.Slice(ctx, "fake-zc", api.SliceRequest{NBytes: 4096})
 	if err != nil || sl.CUDAIPC == nil || sl.Device != "cuda:0" || len(sl.IPCHandle) != 64 || sl.ArenaFile != "" {
 		t.Fatalf("slice of a GPU arena %+v, %v", sl, err)
