@@ -1,9 +1,11 @@
 package tcp
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net"
+	"os"
 	"strings"
 	"sync"
 	"testing"
@@ -215,13 +217,134 @@ func TestFullPortStillServesPeers(t *testing.T) {
 }
 
 // helloFrom opens a connection from src that completes the handshake and
-// then says nothing; it closes at the end of the test.
-func helloFrom(t *testing.T, src string, rx *Transport) {
+// returns it for the test to go on with; it closes at the end of the test.
+func helloFrom(t *testing.T, src string, rx *Transport) net.Conn {
 	t.Helper()
 	c := transporttest.DialFrom(t, src, rx.Addr().String())
 	c.SetDeadline(time.Now().Add(10 * time.Second))
 	c.Write(helloBytes(version))
 	if _, err := io.ReadFull(c, make([]byte, welcomeSize)); err != nil {
 		t.Fatalf("hello from %s: %v", src, err)
+	}
+	return c
+}
+
+// sendBogus sends the header of an n-byte write with a guessed key on nc
+// and reads its refusal, which must be no_slot with a message.
+func sendBogus(t *testing.T, nc net.Conn, n uint64) peer.Reply {
+	t.Helper()
+	var hb [peer.HeaderSize]byte
+	h := peer.Header{Len: n, Key: transport.NewKey(), Tag: 1}
+	h.Encode(&hb)
+	if _, err := nc.Write(hb[:]); err != nil {
+		t.Fatal(err)
+	}
+	var rb [peer.ReplySize]byte
+	r, _, err := peer.ReadReply(nc, &rb, nil)
+	if err != nil || r.Code != transport.NoSlot || r.Msg == "" {
+		t.Fatalf("a guessed key's %d-byte write: reply %+v, %v; want no_slot with a message", n, r, err)
+	}
+	return r
+}
+
+// TestRefusedBodyTrickleIsCut: a stranger that sends a write no slot
+// matches and then its body a byte at a time (slowloris) gets its refusal
+// and loses its connection within a bound however steadily it trickles:
+// at once for a body too big to skip (the refusal says the connection
+// closes), within one IOTimeout for a body small enough to skip.
+func TestRefusedBodyTrickleIsCut(t *testing.T) {
+	const ioTimeout = 500 * time.Millisecond
+	var l transporttest.Logs
+	rx := listen(t, peer.Config{Sink: transporttest.NewSlots(1 << 16), IOTimeout: ioTimeout, Logf: l.Logf})
+	for _, c := range []struct {
+		name    string
+		n       uint64
+		closing bool
+	}{
+		{"TooBigToSkip", 1 << 30, true},
+		{"Skipped", maxSkip, false},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			nc := handshake(t, rx)
+			start := time.Now()
+			nc.SetDeadline(start.Add(10 * ioTimeout))
+			// A byte every tenth of IOTimeout, until the receiver closes.
+			stop := make(chan struct{})
+			var wg sync.WaitGroup
+			defer wg.Wait()
+			defer close(stop)
+			r := sendBogus(t, nc, c.n)
+			wg.Go(func() {
+				tick := time.NewTicker(ioTimeout / 10)
+				defer tick.Stop()
+				for {
+					select {
+					case <-stop:
+						return
+					case <-tick.C:
+					}
+					if _, err := nc.Write([]byte{0}); err != nil {
+						return
+					}
+				}
+			})
+			if closing := r.Flags&peer.FlagClose != 0; closing != c.closing {
+				t.Errorf("refusal of a %d-byte write: close flag %t, want %t", c.n, closing, c.closing)
+			}
+			var b [1]byte
+			if n, err := nc.Read(b[:]); n != 0 || err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+				t.Fatalf("%s after the refusal of a %d-byte write, trickled: read %d bytes, %v; want the connection closed", time.Since(start), c.n, n, err)
+			}
+			// Its place is free while it still trickles.
+			transporttest.Served(t, rx.PortStats)
+			if c.closing {
+				// Closed after its refusal, not for what came after.
+				l.None(t, "tcp: connection from")
+			}
+		})
+	}
+}
+
+// TestRefusedWritesHoldNoPlace: connections whose writes were refused
+// fill the peer port while their bodies do not come, yet a peer's new
+// connection takes one's place: one only discarding a refused body is not
+// in use.
+func TestRefusedWritesHoldNoPlace(t *testing.T) {
+	slots := transporttest.NewSlots(1 << 16)
+	rx := listen(t, peer.Config{Sink: slots, Limits: connlimit.Limits{Total: 2, PerSource: 2}})
+	for range 2 {
+		sendBogus(t, helloFrom(t, "127.0.0.2", rx), maxSkip)
+	}
+	stillServes(t, rx, slots)
+	if st := rx.PortStats(); st.Evicted != 1 {
+		t.Fatalf("port stats %+v: want one stranger evicted for the peer", st)
+	}
+}
+
+// TestRefusedWriteSenderCarriesOn: a sender whose write is refused gets
+// the refusal's code and message whatever its body's size (skipped; or its
+// connection closed, with the body in the socket buffers or cut short),
+// and its session's next write lands.
+func TestRefusedWriteSenderCarriesOn(t *testing.T) {
+	slots := transporttest.NewSlots(1 << 16)
+	rx := listen(t, peer.Config{Sink: slots})
+	tx := listen(t, peer.Config{Sink: transporttest.NewSlots(0)})
+	ctx := ctxFor(t, 10*time.Second)
+	s, err := tx.Dial(ctx, rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	for i, n := range []int{maxSkip, maxSkip + 1, 2 << 20, 64 << 20} {
+		_, err := s.Write(ctx, transport.Write{Src: make([]byte, n), Key: transport.NewKey(), Tag: 1})
+		var r *transport.Refusal
+		if !errors.As(err, &r) || r.Code != transport.NoSlot || !strings.Contains(r.Message, "no receive slot") {
+			t.Errorf("%d-byte write with a wrong key: got %v, want the no_slot refusal and its message", n, err)
+		}
+		addr := uint64(i * 4096)
+		w := transport.Write{Src: []byte("after"), Remote: addr, Key: slots.Add(addr, 5), Tag: uint32(100 + i)}
+		if _, err := s.Write(ctx, w); err != nil {
+			t.Fatalf("the write after a refused %d-byte one: %v", n, err)
+		}
 	}
 }

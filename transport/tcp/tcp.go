@@ -129,6 +129,10 @@ func (t *Transport) ServeData(c *connlimit.Conn, _ uint64) {
 // errIdle ends a connection that carried no write for IdleTimeout.
 var errIdle = errors.New("idle")
 
+// errUnskipped ends a connection after a refusal whose body was too big
+// to skip (maxSkip): the sender has its answer, so it is no news.
+var errUnskipped = errors.New("refused body not skipped")
+
 // receiver serves the writes arriving on one accepted connection.
 type receiver struct {
 	t    *Transport
@@ -160,6 +164,9 @@ func (r *receiver) run() error {
 		}
 		err := r.serveWrite(&h)
 		r.c.Idle()
+		if err == errUnskipped {
+			return nil
+		}
 		if err != nil {
 			return err
 		}
@@ -190,15 +197,7 @@ func (r *receiver) readHeader(h *peer.Header) error {
 func (r *receiver) serveWrite(h *peer.Header) error {
 	dst, done, no := r.gate.Admit(h)
 	if no != nil {
-		if no.End != nil {
-			r.reply(no.Code, no.Flags(), no.Msg)
-			r.linger()
-			return no.End
-		}
-		if err := r.reply(no.Code, 0, no.Msg); err != nil {
-			return err
-		}
-		return r.skip(h.Len)
+		return r.refuse(h, no)
 	}
 	if err := r.readBody(dst); err != nil {
 		done(err)
@@ -222,17 +221,42 @@ func (r *receiver) readBody(dst []byte) error {
 	return nil
 }
 
-// skip reads and drops the body of a refused write, keeping the stream in
-// step for the next write.
-func (r *receiver) skip(n uint64) error {
-	bin := r.scratch()
-	for left := n; left > 0; {
-		r.c.SetReadDeadline(time.Now().Add(r.t.cfg.IOTimeout))
-		m, err := r.c.Read(bin[:min(left, uint64(len(bin)))])
-		left -= uint64(m)
-		if err != nil {
-			return fmt.Errorf("skipped %d of a refused %d-byte write body: %w", n-left, n, err)
+// maxSkip is the most of a refused write's body a receiver reads and
+// drops to keep the connection for the sender's next write: refusals of
+// small writes (a slot gone stale) then cost no redial. A bigger body is
+// not read at all: its connection closes after the refusal, which costs
+// a sender one handshake instead of moving up to MaxWrite bytes for
+// nothing, and leaves a stranger no body to trickle.
+const maxSkip = 64 << 10
+
+// refuse answers a write the gate turned away, then skips its body or
+// closes the connection. From the refusal on the connection does nothing
+// for anyone, so it holds no place (Idle): a newcomer may evict it.
+// Otherwise strangers sending bogus headers and their bodies at a crawl
+// could hold every place of the peer port.
+func (r *receiver) refuse(h *peer.Header, no *peer.Refused) error {
+	r.c.Idle()
+	if no.End == nil && h.Len <= maxSkip {
+		if err := r.reply(no.Code, 0, no.Msg); err != nil {
+			return err
 		}
+		return r.skip(h.Len)
+	}
+	r.reply(no.Code, peer.FlagClose, no.Msg)
+	r.linger()
+	if no.End != nil {
+		return no.End
+	}
+	return errUnskipped
+}
+
+// skip reads and drops the body of a refused write (n <= maxSkip),
+// keeping the stream in step for the next write. One deadline bounds it
+// all, where a deadline per read would let a trickle run forever.
+func (r *receiver) skip(n uint64) error {
+	r.c.SetReadDeadline(time.Now().Add(r.t.cfg.IOTimeout))
+	if m, err := io.ReadFull(r.c, r.scratch()[:n]); err != nil {
+		return fmt.Errorf("skipped %d of a refused %d-byte write body: %w", m, n, err)
 	}
 	return nil
 }
@@ -256,7 +280,7 @@ func (r *receiver) linger() {
 
 func (r *receiver) scratch() []byte {
 	if r.bin == nil {
-		r.bin = make([]byte, 64<<10)
+		r.bin = make([]byte, maxSkip)
 	}
 	return r.bin
 }
