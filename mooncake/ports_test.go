@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"testing"
@@ -148,4 +149,48 @@ func TestNotifyWarningsAreLimited(t *testing.T) {
 func isTimeout(err error) bool {
 	var ne net.Error
 	return errors.As(err, &ne) && ne.Timeout()
+}
+
+// TestAnsweredConnectionsMakeRoom: connections whose request was
+// answered and whose clients never close hold no place against a
+// newcomer (strangers probing from every place could otherwise lock the
+// port out for the whole receive timeout), and the server closes them
+// itself a moment after the reply, not at the receive timeout.
+func TestAnsweredConnectionsMakeRoom(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return &mooncake.Segment{} }},
+		mooncake.ServerConfig{Limits: connlimit.Limits{Total: 4}, ReceiveTimeout: time.Minute, Logf: t.Logf})
+	defer srv.Close()
+	addr := ln.Addr().String()
+	deadline := time.Now().Add(20 * time.Second)
+	for i := range 4 {
+		c, err := net.Dial("tcp", addr)
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer c.Close()
+		c.SetDeadline(deadline)
+		if _, err := c.Write(mooncake.AppendFrame(nil, mooncake.Probe, []byte("{}\n"))); err != nil {
+			t.Fatal(err)
+		}
+		if typ, _, err := mooncake.ReadFrame(c); err != nil || typ != mooncake.Probe {
+			t.Fatalf("holder %d's probe: %v %v", i, typ, err)
+		}
+		// The server's end of the stream: the reply is all out.
+		if n, err := c.Read(make([]byte, 1)); n != 0 || err != io.EOF {
+			t.Fatalf("holder %d after the reply: %d bytes, %v; want the server's end", i, n, err)
+		}
+	}
+	if err := mooncake.ProbeSegment(ctxT(t), addr); err != nil {
+		t.Fatalf("a probe while answered connections fill the port: %v", err)
+	}
+	for srv.Stats().Open != 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("port stats %+v: the answered connections are still held", srv.Stats())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }

@@ -43,6 +43,11 @@ type ServerConfig struct {
 	Debugf func(format string, args ...any)
 }
 
+// replyDrain is how long a connection is kept after its reply, for the
+// client to read it and close: Mooncake's client closes as soon as it has
+// read the reply.
+const replyDrain = time.Second
+
 // DefaultServerLimits caps the handshake port. A handshake holds its
 // connection for a moment (5 s at most), one per QP setup or metadata
 // fetch: 64 at once from one address is a host's engines all connecting
@@ -64,7 +69,8 @@ const NoRDMA = "this segment serves no RDMA (its descriptor lists no devices): u
 
 // Serve answers handshakes on ln until Close: one request per
 // connection, each read within the receive timeout, answered, then the
-// write side shut and the connection held until the client closes it.
+// write side shut and the connection held until the client closes it
+// (for replyDrain at most, and open to eviction meanwhile).
 func Serve(ln net.Listener, h Handlers, cfg ServerConfig) *Server {
 	if cfg.ReceiveTimeout <= 0 {
 		cfg.ReceiveTimeout = HandshakeTimeout
@@ -115,9 +121,18 @@ func (s *Server) serve(c *connlimit.Conn) error {
 		}
 		return fmt.Errorf("sending the %s reply: %w", t, err)
 	}
-	// Shut the write side and wait (within the deadline) for the client
-	// to close, so the reply is not cut by a reset.
+	// Done: a connection that only waits for its client to close may
+	// make room for a newcomer, or strangers holding every place open
+	// after their replies would lock the port. Marked before the write
+	// side is shut: once a client reads the end, its place is open.
+	c.Idle()
+	// Shut the write side and wait a moment for the client to close, so
+	// the reply is not cut by a reset; not the whole deadline, which
+	// would let a client that never closes hold its place that long.
 	c.CloseWrite()
+	if d := time.Now().Add(replyDrain); d.Before(deadline) {
+		c.SetDeadline(d)
+	}
 	var sink [256]byte
 	for {
 		if _, err := c.Read(sink[:]); err != nil {
