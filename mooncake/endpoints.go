@@ -24,7 +24,10 @@ import (
 //
 // One endpoint per peer NIC path carries both directions, as in Mooncake:
 // ferry reuses QPs a Mooncake initiator connected when it writes back to
-// that NIC, and a new handshake from the same NIC path replaces them.
+// that NIC, and a new handshake naming the same NIC path replaces them,
+// as Mooncake's passive side does (an initiator that restarted), but only
+// one from the address that made them: a NIC path is no secret, and
+// anyone naming it must not tear down another's endpoint.
 
 // QP is one queue pair of an endpoint, as Verbs makes it.
 type QP interface {
@@ -105,6 +108,7 @@ var _ RDMAWriter = (*Endpoints[QP])(nil)
 // endpoint is the QPs connected to one peer NIC.
 type endpoint[Q QP] struct {
 	peer   string   // the peer's NIC path, the table's key
+	owner  string   // the source whose handshakes may replace it (see ownerOf)
 	gid    [16]byte // the GID and LID the QPs are connected to
 	lid    uint16
 	qps    []Q
@@ -219,37 +223,40 @@ func (e *Endpoints[Q]) unclaim(peer string) {
 // handshake's address; "" for an endpoint ferry dialed, which starts
 // proven), closing the endpoint of the same NIC path it replaces and, in
 // a full table, the one connlimit picks. A closed table refuses it, and
-// so does the table when source holds its most.
+// so does the table when source holds its most; a handshake (source not
+// "") may replace only an endpoint its own source owns. A refused ep
+// leaves the endpoint of its NIC path as it was.
 func (e *Endpoints[Q]) put(ep *endpoint[Q], source string) error {
 	e.mu.Lock()
 	if e.closed {
 		e.mu.Unlock()
 		return errEndpointsClosed
 	}
-	// A second handshake from a NIC path replaces its endpoint, whether
-	// or not the new one gets a place.
 	old := e.eps[ep.peer]
-	if old != nil {
-		delete(e.eps, old.peer)
-		old.m.Release()
+	if old != nil && source != "" && old.owner != source {
+		e.mu.Unlock()
+		return fmt.Errorf("an endpoint to NIC path %q was set up from another address, and a handshake replaces only one its own address set up (or, for one this ferryd connected to, the segment's host): this one is refused, that one stays", ep.peer)
 	}
-	mem, evicted, err := e.lim.Admit(source, ep)
-	if err == nil {
-		ep.m = mem
-		if source == "" {
-			mem.Prove()
-		}
-		e.eps[ep.peer] = ep
-		if evicted != nil {
-			delete(e.eps, evicted.Value.peer)
-		}
+	var oldm *connlimit.Member[*endpoint[Q]]
+	if old != nil {
+		oldm = old.m
+	}
+	mem, evicted, err := e.lim.Replace(oldm, source, ep)
+	if err != nil {
+		e.mu.Unlock()
+		return fmt.Errorf("%s already holds %d Mooncake endpoints here, the most one address may: this one is refused, its others stay", source, e.cfg.Limits.PerSource)
+	}
+	ep.m = mem
+	if source == "" {
+		mem.Prove()
+	}
+	e.eps[ep.peer] = ep
+	if evicted != nil {
+		delete(e.eps, evicted.Value.peer)
 	}
 	e.mu.Unlock()
 	if old != nil {
 		old.close()
-	}
-	if err != nil {
-		return fmt.Errorf("%s already holds %d Mooncake endpoints here, the most one address may: this one is refused, its others stay", source, e.cfg.Limits.PerSource)
 	}
 	if evicted != nil {
 		evicted.Value.close()
@@ -292,14 +299,14 @@ func closeQPs[Q QP](qps []Q) {
 }
 
 // connect connects qps[i] to the peer's qpns[i] and makes them an
-// endpoint.
-func (e *Endpoints[Q]) connect(peer string, qps []Q, gid [16]byte, lid uint16, qpns []uint32) (*endpoint[Q], error) {
+// endpoint, which handshakes from owner may replace.
+func (e *Endpoints[Q]) connect(peer, owner string, qps []Q, gid [16]byte, lid uint16, qpns []uint32) (*endpoint[Q], error) {
 	for i, q := range qps {
 		if err := q.Connect(gid, lid, qpns[i], e.cfg.MTU); err != nil {
 			return nil, err
 		}
 	}
-	ep := &endpoint[Q]{peer: peer, gid: gid, lid: lid, qps: qps, free: make(chan Q, len(qps)), closed: make(chan struct{})}
+	ep := &endpoint[Q]{peer: peer, owner: owner, gid: gid, lid: lid, qps: qps, free: make(chan Q, len(qps)), closed: make(chan struct{})}
 	for _, q := range qps {
 		ep.free <- q
 	}
@@ -312,6 +319,19 @@ func (ep *endpoint[Q]) close() {
 		close(ep.closed)
 		closeQPs(ep.qps)
 	})
+}
+
+// ownerOf is the source whose handshakes may replace an endpoint ferry
+// dialed through the RPC port at rpc: the segment's own host, when the
+// segment restarts and connects back, if rpc names it by address; else
+// none (a host name could resolve to anyone's).
+func ownerOf(rpc string) string {
+	host, _, err := net.SplitHostPort(rpc)
+	ip := net.ParseIP(host)
+	if err != nil || ip == nil {
+		return ""
+	}
+	return connlimit.Source(&net.TCPAddr{IP: ip})
 }
 
 func (ep *endpoint[Q]) isClosed() bool {
@@ -345,9 +365,10 @@ type Handshake struct {
 
 // Accept answers a connection handshake as its passive side, within ctx.
 // It connects as many QPs as the initiator offers (at most MaxQPs) to
-// them before replying, replacing any endpoint of the same initiator NIC
-// path. A refusal is a reply with reply_msg set, which every Mooncake
-// initiator takes as one (the handshake server logs it, rate-limited).
+// them before replying, replacing the endpoint of the same initiator NIC
+// path if h.From's address set it up (see put). A refusal is a reply
+// with reply_msg set, which every Mooncake initiator takes as one (the
+// handshake server logs it, rate-limited).
 // undo, nil for a refusal, drops the endpoint: for when the reply cannot
 // be sent.
 func (e *Endpoints[Q]) Accept(ctx context.Context, h Handshake, req HandshakeDesc) (reply HandshakeDesc, undo func()) {
@@ -375,9 +396,10 @@ func (e *Endpoints[Q]) Accept(ctx context.Context, h Handshake, req HandshakeDes
 	if err != nil {
 		return refuse("%v", err)
 	}
-	ep, err := e.connect(req.LocalNICPath, qps, gid, lid, req.QPNum)
+	source := connlimit.Source(h.From)
+	ep, err := e.connect(req.LocalNICPath, source, qps, gid, lid, req.QPNum)
 	if err == nil {
-		err = e.put(ep, connlimit.Source(h.From))
+		err = e.put(ep, source)
 	}
 	if err != nil {
 		closeQPs(qps)
@@ -471,7 +493,7 @@ func (e *Endpoints[Q]) endpoint(ctx context.Context, w RDMAWrite) (*endpoint[Q],
 				tg.NICPath, r.LocalGID, r.LocalLID, tg.Device.GID, tg.Device.LID, tg.Device.Name)
 		}
 	}
-	ep, err := e.connect(tg.NICPath, qps, want, tg.Device.LID, r.QPNum)
+	ep, err := e.connect(tg.NICPath, ownerOf(w.RPC), qps, want, tg.Device.LID, r.QPNum)
 	if err == nil {
 		if err = e.put(ep, ""); err == nil {
 			return ep, nil

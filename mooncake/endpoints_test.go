@@ -295,7 +295,7 @@ func TestEndpointHijack(t *testing.T) {
 	if err != nil {
 		t.Fatalf("the claimed handshake: %v", err)
 	}
-	if _, err := attacker.eps.connect(ferry.nicPath(), qps, ferry.v.gid(), 0, r.QPNum); err != nil {
+	if _, err := attacker.eps.connect(ferry.nicPath(), "", qps, ferry.v.gid(), 0, r.QPNum); err != nil {
 		t.Fatal(err)
 	}
 	hijacked := ferry.endpoint(victim.nicPath())
@@ -320,6 +320,64 @@ func TestEndpointHijack(t *testing.T) {
 	// The endpoint is reused while its GID matches.
 	if err := ferry.write(t, victim, 0, data[:100]); err != nil || ferry.endpoint(victim.nicPath()) != ep {
 		t.Fatalf("a second write did not reuse the endpoint: %v", err)
+	}
+}
+
+// TestEndpointNotReplacedByStrangers: a handshake naming the NIC path of
+// an endpoint another address set up, or of one ferry dialed, is refused
+// (whatever GID it gives), and that endpoint stays open and carries
+// writes; the address that set it up (an initiator that restarted, the
+// dialed segment's own host) replaces it, at its per-address cap too.
+func TestEndpointNotReplacedByStrangers(t *testing.T) {
+	f := newFabric()
+	ferry := startSegment(t, f, 1, EndpointConfig{Limits: connlimit.Limits{PerSource: 1}})
+	out := startSegment(t, f, 2, EndpointConfig{})
+	ctx := ctxFor(t, 30*time.Second)
+	accept := func(from, path string, gid [16]byte) HandshakeDesc {
+		t.Helper()
+		req := HandshakeDesc{LocalNICPath: path, PeerNICPath: ferry.nicPath(), QPNum: []uint32{1}, LocalGID: FormatGID(gid)}
+		r, _ := ferry.eps.Accept(ctx, Handshake{Self: ferry.name, From: &net.TCPAddr{IP: net.ParseIP(from), Port: 40000}}, req)
+		return r
+	}
+	stranger := f.nic(9).gid()
+
+	victim := "10.0.0.1:15000@mlx5_0"
+	if r := accept("10.0.0.1", victim, out.v.gid()); r.ReplyMsg != "" {
+		t.Fatal(r.ReplyMsg)
+	}
+	ep := ferry.endpoint(victim)
+	for _, gid := range [][16]byte{stranger, out.v.gid()} {
+		if r := accept("10.0.0.66", victim, gid); !strings.Contains(r.ReplyMsg, "was set up from another address") {
+			t.Fatalf("a stranger naming another's NIC path: reply_msg %q, want a refusal saying why", r.ReplyMsg)
+		}
+	}
+	if ferry.endpoint(victim) != ep || ep.isClosed() {
+		t.Fatal("a stranger's handshake took the victim's endpoint down")
+	}
+	if r := accept("10.0.0.1", victim, out.v.gid()); r.ReplyMsg != "" {
+		t.Fatalf("the victim's own handshake again, at its address's cap: %s", r.ReplyMsg)
+	}
+	if ferry.endpoint(victim) == ep || !ep.isClosed() {
+		t.Fatal("the victim's second handshake did not replace its endpoint")
+	}
+
+	data := []byte("over ferry's own endpoint")
+	if err := ferry.write(t, out, 0, data); err != nil {
+		t.Fatal(err)
+	}
+	dialed := ferry.endpoint(out.nicPath())
+	if r := accept("10.0.0.66", out.nicPath(), stranger); !strings.Contains(r.ReplyMsg, "was set up from another address") {
+		t.Fatalf("a stranger naming a NIC path ferry dialed: reply_msg %q, want a refusal", r.ReplyMsg)
+	}
+	if err := ferry.write(t, out, 64, data); err != nil || ferry.endpoint(out.nicPath()) != dialed {
+		t.Fatalf("ferry's write after a stranger named its endpoint's NIC path: %v, want it over the same endpoint", err)
+	}
+	// out's host (loopback here) connecting back, as a restarted segment.
+	if r := accept("127.0.0.1", out.nicPath(), out.v.gid()); r.ReplyMsg != "" {
+		t.Fatalf("the dialed segment's own host: %s", r.ReplyMsg)
+	}
+	if !dialed.isClosed() {
+		t.Fatal("the dialed segment's own handshake did not replace ferry's endpoint")
 	}
 }
 

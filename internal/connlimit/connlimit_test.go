@@ -88,6 +88,28 @@ func TestPerSourceCap(t *testing.T) {
 	}
 }
 
+// TestReplace: a member replaced from its own source at its caps takes
+// its old place, evicting and refusing nobody; a replacement the table
+// refuses leaves the old member where it was.
+func TestReplace(t *testing.T) {
+	tb := NewTable[string](Limits{Total: 2, PerSource: 1})
+	a, _ := admit(t, tb, "10.0.0.1", "a")
+	own, _ := admit(t, tb, "", "own")
+	a2, ev, err := tb.Replace(a, "10.0.0.1", "a2")
+	if err != nil || ev != nil || a.Release() {
+		t.Fatalf("replacing a from its source at both caps: evicted %v, %v; want a's place taken", ev, err)
+	}
+	if _, _, err := tb.Replace(own, "10.0.0.1", "b"); err == nil {
+		t.Fatal("a replacement past its source's cap was admitted")
+	}
+	if !own.Busy() || !a2.Busy() {
+		t.Fatal("a refused replacement took a member out of the table")
+	}
+	if st := tb.Stats(); st.Open != 2 || st.Evicted != 0 || st.RefusedPerSource != 1 {
+		t.Fatalf("stats %+v", st)
+	}
+}
+
 // TestProveSource: a source that proved itself keeps its members past
 // unproven ones.
 func TestProveSource(t *testing.T) {

@@ -109,8 +109,24 @@ func (t *Table[V]) Limits() Limits { return t.lim }
 // package comment) and returns it, already out of the table, for the
 // caller to close. A newcomer it has no room for gets a *Refusal.
 func (t *Table[V]) Admit(source string, v V) (m *Member[V], evicted *Member[V], err error) {
+	return t.Replace(nil, source, v)
+}
+
+// Replace admits v from source, as Admit does, in old's place: old (nil,
+// or out of the table already, for none) leaves the table only if v gets
+// in, and while v is weighed old's place is free, so replacing a member
+// evicts nobody and counts against no cap.
+func (t *Table[V]) Replace(old *Member[V], source string, v V) (m *Member[V], evicted *Member[V], err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	if old != nil && !old.gone {
+		t.remove(old)
+		defer func() {
+			if err != nil {
+				t.add(old)
+			}
+		}()
+	}
 	if source != "" && t.lim.PerSource > 0 && t.per[source] >= t.lim.PerSource {
 		t.stats.RefusedPerSource++
 		return nil, nil, &Refusal{Reason: ReasonPerSource, Limit: t.lim.PerSource}
@@ -125,9 +141,15 @@ func (t *Table[V]) Admit(source string, v V) (m *Member[V], evicted *Member[V], 
 	}
 	t.tick++
 	m = &Member[V]{Value: v, t: t, source: source, used: t.tick}
-	t.all[m] = struct{}{}
-	t.per[source]++
+	t.add(m)
 	return m, evicted, nil
+}
+
+// add puts m in the table. t.mu is held.
+func (t *Table[V]) add(m *Member[V]) {
+	m.gone = false
+	t.all[m] = struct{}{}
+	t.per[m.source]++
 }
 
 // victim is the member to evict: not in use; unproven before proven;
