@@ -2,6 +2,8 @@ package strictjson
 
 import (
 	"encoding/json"
+	"fmt"
+	"runtime"
 	"strings"
 	"testing"
 )
@@ -69,5 +71,53 @@ func TestNoDuplicateKeysBoundsDepth(t *testing.T) {
 	}
 	if json.Unmarshal(nest(MaxDepth+1), &v) == nil {
 		t.Fatalf("encoding/json reads %d deep: MaxDepth is not its limit", MaxDepth+1)
+	}
+}
+
+// An object of many keys is checked as one of a few (its keys past the
+// first ones go into a map), and one of more than MaxKeys is refused;
+// the keys of a closed object are not its parent's.
+func TestNoDuplicateKeysManyKeys(t *testing.T) {
+	object := func(n int, last string) []byte {
+		var b strings.Builder
+		b.WriteString(`{"in":{"k0":0,"k1":1},`)
+		for i := range n - 1 {
+			fmt.Fprintf(&b, `"k%d":%d,`, i, i)
+		}
+		fmt.Fprintf(&b, `"%s":0}`, last)
+		return []byte(b.String())
+	}
+	for _, n := range []int{smallObject, smallObject + 1, 3 * smallObject} {
+		if err := NoDuplicateKeys(object(n, "last")); err != nil {
+			t.Errorf("%d keys: %v", n+1, err)
+		}
+		for _, dup := range []string{"K0", fmt.Sprintf("K%d", n-2)} {
+			if err := NoDuplicateKeys(object(n, dup)); err == nil || !strings.Contains(err.Error(), `"`+dup+`"`) {
+				t.Errorf("%d keys, %s twice: %v", n+1, dup, err)
+			}
+		}
+	}
+	if err := NoDuplicateKeys(object(MaxKeys-1, "last")); err != nil {
+		t.Errorf("%d keys: %v", MaxKeys, err)
+	}
+	err := NoDuplicateKeys(object(MaxKeys, "last"))
+	if err == nil || !strings.Contains(err.Error(), "an object holds more than 1024 keys") {
+		t.Errorf("%d keys: %v, want a refusal naming the limit", MaxKeys+1, err)
+	}
+}
+
+// TestNoDuplicateKeysNestingCostsLittle: objects nested as deep as
+// allowed (a stranger's Mooncake notify) cost the walk a few words each,
+// where each took a map of its own (some 300 bytes).
+func TestNoDuplicateKeysNestingCostsLittle(t *testing.T) {
+	nested := []byte(strings.Repeat(`{"a":`, MaxDepth) + "0" + strings.Repeat("}", MaxDepth))
+	var before, after runtime.MemStats
+	runtime.ReadMemStats(&before)
+	if err := NoDuplicateKeys(nested); err != nil {
+		t.Fatal(err)
+	}
+	runtime.ReadMemStats(&after)
+	if got := (after.TotalAlloc - before.TotalAlloc) / MaxDepth; got > 160 {
+		t.Errorf("%d nested objects allocated %d bytes each, want at most 160", MaxDepth, got)
 	}
 }
