@@ -13,7 +13,8 @@
 //	JSON text    length-1 bytes
 //
 // A message is at most MaxMessage bytes, as Mooncake's
-// MC_HANDSHAKE_MAX_LENGTH default; a longer one is refused unread.
+// MC_HANDSHAKE_MAX_LENGTH default, and a connection handshake or a
+// notify at most MaxSmallMessage; a longer one is refused unread.
 package mooncake
 
 import (
@@ -50,6 +51,25 @@ func (t MsgType) String() string {
 // MaxMessage bounds a handshake message: type byte plus JSON.
 const MaxMessage = 1 << 20
 
+// MaxSmallMessage bounds a connection handshake (two NIC paths, a GID, at
+// most MaxQPs QP numbers: well under 1 KiB from Mooncake) and a notify (a
+// segment name and a message, for ferry a slot's address), requests and
+// replies alike. Only segment descriptors (metadata, and the probe, whose
+// body Mooncake leaves to the client) need MaxMessage.
+const MaxSmallMessage = 16 << 10
+
+// maxLength is the longest message of type t, type byte included.
+func maxLength(t MsgType) int {
+	if t == Connect || t == Notify {
+		return MaxSmallMessage
+	}
+	return MaxMessage
+}
+
+// firstRead is the most a message's buffer holds before its bytes
+// arrive; it grows as they do.
+const firstRead = 4 << 10
+
 // frameHeader is the length word before every message.
 const frameHeader = 8
 
@@ -68,17 +88,20 @@ func AppendFrame(dst []byte, t MsgType, body []byte) []byte {
 	return append(dst, body...)
 }
 
-// WriteFrame sends one message; a body over the limit is not sent.
+// WriteFrame sends one message; a body over its type's limit is not
+// sent.
 func WriteFrame(w io.Writer, t MsgType, body []byte) error {
-	if len(body)+1 > MaxMessage {
-		return fmt.Errorf("%s message of %d bytes exceeds the %d-byte handshake limit", t, len(body)+1, MaxMessage)
+	if most := maxLength(t); len(body)+1 > most {
+		return errors.New(tooLong(t, uint64(len(body)+1)))
 	}
 	_, err := w.Write(AppendFrame(make([]byte, 0, frameHeader+1+len(body)), t, body))
 	return err
 }
 
 // ReadFrame reads one message. It checks the length word before reading
-// anything it announces, and the type byte before the JSON. A connection
+// anything it announces, and the type byte and the length its type allows
+// before the JSON, which it takes into a buffer that grows only as bytes
+// arrive: a length announced and never sent costs nothing. A connection
 // closed before the first byte returns io.EOF itself.
 func ReadFrame(r io.Reader) (MsgType, []byte, error) {
 	var hdr [frameHeader + 1]byte
@@ -105,14 +128,40 @@ func ReadFrame(r io.Reader) (MsgType, []byte, error) {
 	if err != nil {
 		return 0, nil, err
 	}
-	body := make([]byte, length-1)
-	if n, err := io.ReadFull(r, body); err != nil {
+	if most := maxLength(t); length > uint64(most) {
+		return t, nil, frameErr("%s (a connection handshake or a notify is small; only segment descriptors take up to %d)", tooLong(t, length), MaxMessage)
+	}
+	body, err := readBody(r, int(length-1))
+	if err != nil {
 		if err == io.EOF || err == io.ErrUnexpectedEOF {
-			return t, nil, frameErr("length word announces %d bytes of %s message but the connection ended after %d", length, t, n+1)
+			return t, nil, frameErr("length word announces %d bytes of %s message but the connection ended after %d", length, t, len(body)+1)
 		}
 		return t, nil, fmt.Errorf("reading the %s message: %w", t, err)
 	}
 	return t, body, nil
+}
+
+// readBody reads n bytes into a buffer of at most firstRead bytes at
+// first, doubled (never past n) each time the bytes fill it. On an error
+// it returns what arrived.
+func readBody(r io.Reader, n int) ([]byte, error) {
+	body := make([]byte, 0, min(n, firstRead))
+	for len(body) < n {
+		if len(body) == cap(body) {
+			body = append(make([]byte, 0, min(2*cap(body), n)), body...)
+		}
+		m, err := r.Read(body[len(body):cap(body)])
+		body = body[:len(body)+m]
+		if err != nil && len(body) < n {
+			return body, err
+		}
+	}
+	return body, nil
+}
+
+// tooLong says that a message of type t is length bytes, past its limit.
+func tooLong(t MsgType, length uint64) string {
+	return fmt.Sprintf("%s message of %d bytes exceeds the %d bytes a %s message may have", t, length, maxLength(t), t)
 }
 
 func checkLength(length uint64) error {

@@ -22,7 +22,7 @@ func FuzzReadFrame(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if len(body)+1 > MaxMessage || typ > Probe {
+		if typ > Probe || len(body)+1 > maxLength(typ) {
 			t.Fatalf("accepted a %s frame of %d bytes", typ, len(body)+1)
 		}
 		if !bytes.Equal(AppendFrame(nil, typ, body), in[:frameHeader+1+len(body)]) {

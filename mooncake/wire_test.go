@@ -37,6 +37,10 @@ func TestFrameErrorsNameTheProblem(t *testing.T) {
 	}{
 		{"zero length", le(0) + "\x01{}", "length word is 0"},
 		{"oversize", le(MaxMessage+1) + "\x01{", "exceeds the 1048576-byte limit"},
+		{"oversize metadata", le(MaxMessage) + "\x01{", "announces 1048576 bytes of metadata message"},
+		{"oversize probe", le(MaxMessage) + "\x03{", "announces 1048576 bytes of probe message"},
+		{"oversize connection", le(MaxSmallMessage+1) + "\x00{", "connection message of 16385 bytes exceeds the 16384 bytes a connection message may have"},
+		{"oversize notify", le(MaxSmallMessage+1) + "\x02{", "notify message of 16385 bytes exceeds the 16384 bytes a notify message may have"},
 		{"unknown type", le(3) + "\x07{}", "unknown message type 7"},
 		{"untyped", le(2) + "{}", "untyped message"},
 		{"short length word", "\x05\x00\x00", "ended after 3 of the 8 bytes of the length word"},
@@ -51,8 +55,54 @@ func TestFrameErrorsNameTheProblem(t *testing.T) {
 	if _, _, err := ReadFrame(strings.NewReader("")); err != io.EOF {
 		t.Errorf("empty stream: got %v, want io.EOF", err)
 	}
-	if err := WriteFrame(io.Discard, Metadata, make([]byte, MaxMessage)); err == nil {
-		t.Error("WriteFrame sent a message over the limit")
+	for _, typ := range []MsgType{Connect, Metadata, Notify, Probe} {
+		if err := WriteFrame(io.Discard, typ, make([]byte, maxLength(typ)-1)); err != nil {
+			t.Errorf("WriteFrame refused a %s message at its limit: %v", typ, err)
+		}
+		if err := WriteFrame(io.Discard, typ, make([]byte, maxLength(typ))); err == nil || !strings.Contains(err.Error(), "exceeds the") {
+			t.Errorf("WriteFrame sent a %s message over its limit: %v", typ, err)
+		}
+	}
+}
+
+// trickle is a connection that sends a message's first bytes a few at a
+// time and then ends; most is the largest buffer a Read was given.
+type trickle struct {
+	data []byte
+	most int
+}
+
+func (r *trickle) Read(p []byte) (int, error) {
+	r.most = max(r.most, len(p))
+	if len(r.data) == 0 {
+		return 0, io.EOF
+	}
+	n := copy(p[:min(len(p), 1000)], r.data)
+	r.data = r.data[n:]
+	return n, nil
+}
+
+// TestFrameBufferGrowsAsBytesArrive: a length word announcing the most a
+// message may have costs no buffer of that size until its bytes come
+// (strangers announcing 1 MiB on every connection and sending nothing
+// held 1 MiB each), and a message that does come whole gets a buffer no
+// larger than it.
+func TestFrameBufferGrowsAsBytesArrive(t *testing.T) {
+	r := &trickle{data: AppendFrame(nil, Metadata, bytes.Repeat([]byte{' '}, MaxMessage-1))[:frameHeader+1+100]}
+	if _, _, err := ReadFrame(r); !errors.Is(err, ErrFrame) || !strings.Contains(err.Error(), "ended after 101") {
+		t.Fatalf("a message cut short: %v", err)
+	}
+	if r.most > firstRead {
+		t.Fatalf("reading 100 bytes of an announced %d took a %d-byte buffer, want at most %d", MaxMessage, r.most, firstRead)
+	}
+	body := bytes.Repeat([]byte("0123456789"), 30_000)
+	r = &trickle{data: AppendFrame(nil, Metadata, body)}
+	typ, got, err := ReadFrame(r)
+	if err != nil || typ != Metadata || !bytes.Equal(got, body) {
+		t.Fatalf("a %d-byte message in pieces: %v %v, its bytes equal: %v", len(body), typ, err, bytes.Equal(got, body))
+	}
+	if cap(got) > len(body) {
+		t.Fatalf("a %d-byte message took a %d-byte buffer", len(body), cap(got))
 	}
 }
 

@@ -18,7 +18,7 @@ const (
 )
 
 // MaxQuoted is how much of a text a remote party chose Clip and Quote
-// keep: a Mooncake notify_msg may be 1 MiB.
+// keep: a Mooncake notify_msg may be 16 KiB.
 const MaxQuoted = 256
 
 // Limiter passes at most max lines per window to logf. The lines past

@@ -161,13 +161,13 @@ func TestMooncakeRDMAPerSendRegistration(t *testing.T) {
 }
 
 // Notifies naming no receive slot, as fast as a stranger can send them,
-// each with a 64 KiB notify_msg: at most 10 WARN lines a second, each
+// each with an 8 KiB notify_msg: at most 10 WARN lines a second, each
 // with the message cut to 256 bytes, and summaries counting the rest.
 func TestMooncakeRDMANotifyWarningsAreLimited(t *testing.T) {
 	requireRDMA(t)
 	rcv, seg := startMooncakeSegment(t, "--transport", "rdma")
 	ctx := ctxT(t)
-	long := strings.Repeat("7", 64<<10)
+	long := strings.Repeat("7", 8<<10)
 	const flood = 100
 	start := time.Now()
 	for range flood {
@@ -183,7 +183,7 @@ func TestMooncakeRDMANotifyWarningsAreLimited(t *testing.T) {
 	}
 	for _, m := range rcv.log.snapshot() {
 		if m != nil && refused(m) {
-			if s := m["message"].(string); len(s) > 1024 || !strings.Contains(s, "(65536 bytes)") {
+			if s := m["message"].(string); len(s) > 1024 || !strings.Contains(s, "(8192 bytes)") {
 				t.Fatalf("a %d-byte WARN line %.300q: want the notify_msg cut to 256 bytes, naming its length", len(s), s)
 			}
 		}
