@@ -65,6 +65,9 @@ type Daemon struct {
 	advertise string
 	slowNanos atomic.Int64
 	regionLog *loglimit.Limiter // regions the NIC could not register
+	// discardLog: writes that landed in a slot freed meanwhile, which a
+	// Mooncake stranger guessing a slot's address can keep coming.
+	discardLog *loglimit.Limiter
 	// refusedLog: callers off the allow-lists, each refused request.
 	refusedLog *loglimit.Limiter
 
@@ -129,9 +132,14 @@ func New(cfg Config) (*Daemon, error) {
 	d.reg.arrived = func(reqID string, n int64) {
 		d.events.add(api.Event{Kind: api.EventArrived, ReqID: reqID, NBytes: n})
 	}
+	d.discardLog = loglimit.New("discarded writes", func(format string, args ...any) {
+		d.log.Warn().Str("component", "receives").Msg(fmt.Sprintf(format, args...))
+	})
 	d.reg.discarded = func(reqID string, n uint64) {
-		d.log.Warn().Str("req_id", reqID).Uint64("nbytes", n).
-			Msg("a write finished landing in a receive slot freed meanwhile: its bytes were discarded, though its sender was told it completed")
+		if d.discardLog.Allow() {
+			d.log.Warn().Str("req_id", reqID).Uint64("nbytes", n).
+				Msg("a write finished landing in a receive slot freed meanwhile: its bytes were discarded, though its sender was told it completed")
+		}
 	}
 	d.reg.windowLost = func(reqID string, err error) {
 		d.log.Error().Str("req_id", reqID).Err(err).
@@ -366,6 +374,9 @@ func (d *Daemon) closeAll() {
 	}
 	if d.regionLog != nil {
 		d.regionLog.Stop()
+	}
+	if d.discardLog != nil {
+		d.discardLog.Stop()
 	}
 	if d.control != nil {
 		_ = d.control.Close() // unlinks the socket file, unless systemd passed it

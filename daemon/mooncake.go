@@ -29,6 +29,9 @@ type mooncakeSegment struct {
 	seg  mooncake.Segment
 	hs   *mooncake.Server
 	data *mooncake.DataServer
+	// debug limits the DEBUG lines anyone reaching the ports can cause
+	// (a notify received, a connection closed to make room).
+	debug *loglimit.Limiter
 }
 
 // openMooncake listens on cfg.MooncakeListen and a data port on the same
@@ -38,13 +41,14 @@ type mooncakeSegment struct {
 // whether this daemon has sent to a Mooncake segment: only such a
 // segment is dialed back for an RDMA initiator's descriptor.
 func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size int64, advertiseHost string, sentTo func(segment string) bool, log zerolog.Logger) (*mooncakeSegment, error) {
-	// Anyone may reach these ports: the packages rate-limit their WARNs.
+	// Anyone may reach these ports: the packages rate-limit their WARNs,
+	// and debug the DEBUG lines.
 	logf := func(format string, args ...any) {
 		log.Warn().Str("component", "mooncake").Msg(fmt.Sprintf(format, args...))
 	}
-	debugf := func(format string, args ...any) {
+	debug := loglimit.New("mooncake", func(format string, args ...any) {
 		log.Debug().Str("component", "mooncake").Msg(fmt.Sprintf(format, args...))
-	}
+	})
 	rpc, err := net.Listen("tcp", cfg.MooncakeListen)
 	if err != nil {
 		return nil, fmt.Errorf("--mooncake-listen %s: %w", cfg.MooncakeListen, err)
@@ -60,18 +64,20 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 	if ra.IP.IsUnspecified() {
 		name = net.JoinHostPort(advertiseHost, strconv.Itoa(ra.Port))
 	}
-	m := &mooncakeSegment{name: name, seg: mooncake.Segment{
+	m := &mooncakeSegment{name: name, debug: debug, seg: mooncake.Segment{
 		Name: name, Protocol: "tcp", TCPDataPort: dl.Addr().(*net.TCPAddr).Port, TCPProtoVersion: 2,
 		Timestamp: time.Now().UTC().Format("2006-01-02 15:04:05.000000"),
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
 	}}
 	m.data = mooncake.ServeData(dl, mooncakeMemory{reg}, mooncake.DataConfig{
-		IOTimeout: cfg.IOTimeout.D(), MaxSize: uint64(size), Logf: logf, Debugf: debugf,
+		IOTimeout: cfg.IOTimeout.D(), MaxSize: uint64(size), Logf: logf, Debugf: debug.Printf,
 	})
 	h := mooncake.Handlers{
 		Segment: func() *mooncake.Segment { return &m.seg },
 		Notify: func(from net.Addr, n mooncake.NotifyDesc) error {
-			log.Debug().Str("component", "mooncake").Stringer("addr", from).Str("from", loglimit.Clip(n.Name)).Str("notify_msg", loglimit.Clip(n.NotifyMsg)).Msg("mooncake notify received")
+			if debug.Allow() {
+				log.Debug().Str("component", "mooncake").Stringer("addr", from).Str("from", loglimit.Clip(n.Name)).Str("notify_msg", loglimit.Clip(n.NotifyMsg)).Msg("mooncake notify received")
+			}
 			return nil
 		},
 	}
@@ -80,7 +86,7 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 			log.Warn().Str("component", "mooncake").Err(err).Msg("the Mooncake segment speaks TCP only")
 		}
 	}
-	m.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: debugf})
+	m.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: debug.Printf})
 	log.Info().Str("segment", name).Str("protocol", m.seg.Protocol).Str("rpc", rpc.Addr().String()).Str("data", dl.Addr().String()).
 		Uint64("buffer_addr", base).Int64("buffer_length", size).Msg("serving as a Mooncake segment")
 	return m, nil
@@ -161,6 +167,7 @@ func (m *mooncakeSegment) self() *mooncake.Segment {
 func (m *mooncakeSegment) close() {
 	m.hs.Close()
 	m.data.Close()
+	m.debug.Stop()
 }
 
 // mooncakeMemory lets Mooncake WRITEs into live receive slots only; READs

@@ -9,6 +9,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
@@ -25,6 +26,9 @@ type dataPlane struct {
 	reason   string
 	nics     *api.RDMAStatus // nil with --transport tcp
 	reg      rdma.Registration
+	// debug limits the DEBUG lines peers can cause (an idle lane or
+	// connection closed, one closed to make room for a newcomer).
+	debug *loglimit.Limiter
 }
 
 // mooncakeEndpoints are the RDMA endpoints to Mooncake NICs, made on the
@@ -35,17 +39,19 @@ type mooncakeEndpoints = mooncake.Endpoints[*rdma.MooncakeQP]
 // (--transport rdma, failing with what is missing) or when auto finds a
 // usable port, else TCP; mem is the arena, registered once with the NIC.
 func openTransport(cfg Config, sink transport.Sink, instance uint64, mem *memory, log zerolog.Logger) (*dataPlane, error) {
+	dp := &dataPlane{reason: "--transport tcp", debug: loglimit.New("transport", func(format string, args ...any) {
+		log.Debug().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
+	})}
 	pc := peerport.Config{
 		Addr: cfg.Listen, Sink: sink, Instance: instance,
 		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Bytes()),
 		SendBuffer: int(cfg.TCPSendBuffer.Bytes()),
-		// The peer port rate-limits what a remote party can make it log.
+		// The peer port rate-limits the WARNs a remote party can make it
+		// log; dp.debug its DEBUG lines.
 		Logf: func(format string, args ...any) {
 			log.Warn().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 		},
-		Debugf: func(format string, args ...any) {
-			log.Debug().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
-		},
+		Debugf: dp.debug.Printf,
 	}
 	if cfg.PeerSecretFile != "" {
 		secret, err := config.ReadPeerSecret(cfg.PeerSecretFile)
@@ -55,7 +61,6 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem *memory
 		pc.Secret = secret
 		log.Info().Str("peer_secret_file", cfg.PeerSecretFile).Msg("peer authentication on: peers must prove they hold the same secret")
 	}
-	dp := &dataPlane{reason: "--transport tcp"}
 	if cfg.Transport != config.TransportTCP {
 		err := dp.openRDMA(cfg, pc, mem, log)
 		if err != nil && cfg.Transport == config.TransportRDMA {
@@ -130,7 +135,9 @@ func (dp *dataPlane) close() error {
 	if dp.mooncake != nil {
 		dp.mooncake.Close()
 	}
-	return dp.tr.Close()
+	err := dp.tr.Close()
+	dp.debug.Stop()
+	return err
 }
 
 // overTCP serves the peers without RDMA on the RDMA transport's port.

@@ -39,7 +39,8 @@ type ServerConfig struct {
 	// Logf hears about malformed or failed handshakes, at most
 	// loglimit.Burst lines a second.
 	Logf func(format string, args ...any)
-	// Debugf, if set, hears about connections closed to make room.
+	// Debugf, if set, hears about connections closed to make room, which
+	// strangers can cause: give it a rate-limited logger.
 	Debugf func(format string, args ...any)
 }
 

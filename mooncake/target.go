@@ -40,7 +40,8 @@ type DataConfig struct {
 	// Logf hears about refused requests and broken connections, at most
 	// loglimit.Burst lines a second.
 	Logf func(format string, args ...any)
-	// Debugf, if set, hears about connections closed to make room.
+	// Debugf, if set, hears about connections closed to make room, which
+	// strangers can cause: give it a rate-limited logger.
 	Debugf func(format string, args ...any)
 }
 

@@ -23,7 +23,8 @@ type Config struct {
 	// Warnf hears of refused connections and failed accepts, which
 	// strangers can cause at will: give it a rate-limited logger.
 	Warnf func(format string, args ...any)
-	// Debugf, if set, hears of connections evicted to make room.
+	// Debugf, if set, hears of connections evicted to make room, which
+	// strangers can cause at will too: give it a rate-limited logger.
 	Debugf func(format string, args ...any)
 }
 

@@ -49,6 +49,22 @@ func New(name string, logf func(format string, args ...any)) *Limiter {
 func (l *Limiter) Printf(format string, args ...any) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
+	if l.allow() {
+		l.logf(format, args...)
+	}
+}
+
+// Allow counts a line as Printf does and reports whether the caller may
+// log it, in its own form (a structured line); the summary of those
+// suppressed still goes to the limiter's logf.
+func (l *Limiter) Allow() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.allow()
+}
+
+// allow counts a line and reports whether it passes. l.mu is held.
+func (l *Limiter) allow() bool {
 	l.count++
 	now := time.Now()
 	if now.Sub(l.start) >= l.window {
@@ -56,8 +72,7 @@ func (l *Limiter) Printf(format string, args ...any) {
 	}
 	if l.passed < l.max {
 		l.passed++
-		l.logf(format, args...)
-		return
+		return true
 	}
 	l.dropped++
 	if l.summary == nil && !l.stopped {
@@ -68,6 +83,7 @@ func (l *Limiter) Printf(format string, args ...any) {
 			l.summarize()
 		})
 	}
+	return false
 }
 
 // Count is how many lines were asked for since New, logged or

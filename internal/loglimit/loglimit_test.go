@@ -52,6 +52,28 @@ func TestLogLimitCounts(t *testing.T) {
 	}
 }
 
+// TestLogLimitAllow: Allow passes the lines Printf would, counted with
+// them, for a caller that logs them in its own form; the suppressed ones
+// are summarized all the same.
+func TestLogLimitAllow(t *testing.T) {
+	var r lines
+	l := &Limiter{name: "test", logf: r.logf, max: 2, window: time.Hour}
+	l.Printf("by Printf")
+	passed := 0
+	for range 5 {
+		if l.Allow() {
+			passed++
+		}
+	}
+	if passed != 1 || l.Count() != 6 {
+		t.Fatalf("after 1 Printf and 5 Allows under a burst of 2: %d allowed, %d counted; want 1 and 6", passed, l.Count())
+	}
+	l.Stop()
+	if got := r.all(); len(got) != 2 || !strings.HasPrefix(got[1], "test: suppressed 4 more lines") {
+		t.Fatalf("lines %q: want the Printf line and a summary of 4 suppressed", got)
+	}
+}
+
 // TestLogLimitSummaryAtWindowEnd: the count of suppressed lines is logged
 // when their window ends, without waiting for another line, and the next
 // line after that always passes.
