@@ -322,16 +322,14 @@ func (ep *endpoint[Q]) close() {
 }
 
 // ownerOf is the source whose handshakes may replace an endpoint ferry
-// dialed through the RPC port at rpc: the segment's own host, when the
-// segment restarts and connects back, if rpc names it by address; else
-// none (a host name could resolve to anyone's).
-func ownerOf(rpc string) string {
-	host, _, err := net.SplitHostPort(rpc)
-	ip := net.ParseIP(host)
-	if err != nil || ip == nil {
+// dialed: the address its handshake reached, the segment's host (which
+// connects back from it when it rebuilds the endpoint), whether the
+// segment's RPC address names it by address or by host name.
+func ownerOf(reached net.Addr) string {
+	if reached == nil {
 		return ""
 	}
-	return connlimit.Source(&net.TCPAddr{IP: ip})
+	return connlimit.Source(reached)
 }
 
 func (ep *endpoint[Q]) isClosed() bool {
@@ -475,7 +473,7 @@ func (e *Endpoints[Q]) endpoint(ctx context.Context, w RDMAWrite) (*endpoint[Q],
 	}
 	hctx, cancel := context.WithTimeout(ctx, e.cfg.HandshakeTimeout)
 	defer cancel()
-	r, err := ConnectQPs(hctx, w.RPC, HandshakeDesc{
+	r, reached, err := connectQPs(hctx, w.RPC, HandshakeDesc{
 		LocalNICPath: NICPath(w.Self, dev.Name), PeerNICPath: tg.NICPath,
 		QPNum: qpNums(qps), LocalLID: dev.LID, LocalGID: dev.GID,
 	})
@@ -493,7 +491,7 @@ func (e *Endpoints[Q]) endpoint(ctx context.Context, w RDMAWrite) (*endpoint[Q],
 				tg.NICPath, r.LocalGID, r.LocalLID, tg.Device.GID, tg.Device.LID, tg.Device.Name)
 		}
 	}
-	ep, err := e.connect(tg.NICPath, ownerOf(w.RPC), qps, want, tg.Device.LID, r.QPNum)
+	ep, err := e.connect(tg.NICPath, ownerOf(reached), qps, want, tg.Device.LID, r.QPNum)
 	if err == nil {
 		if err = e.put(ep, ""); err == nil {
 			return ep, nil

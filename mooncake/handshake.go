@@ -19,9 +19,16 @@ const HandshakeTimeout = 5 * time.Second
 // and decodes the reply (of the same type) into reply. One request per
 // connection, as Mooncake's server expects.
 func Exchange(ctx context.Context, addr string, t MsgType, req, reply any) error {
+	_, err := exchange(ctx, addr, t, req, reply)
+	return err
+}
+
+// exchange is Exchange, which also says the address it reached (addr
+// may name a host).
+func exchange(ctx context.Context, addr string, t MsgType, req, reply any) (reached net.Addr, _ error) {
 	body, err := json.Marshal(req)
 	if err != nil {
-		return fmt.Errorf("mooncake %s handshake with %s: encoding the request: %w", t, addr, err)
+		return nil, fmt.Errorf("mooncake %s handshake with %s: encoding the request: %w", t, addr, err)
 	}
 	parent := ctx
 	ctx, cancel := context.WithTimeout(ctx, HandshakeTimeout)
@@ -29,7 +36,7 @@ func Exchange(ctx context.Context, addr string, t MsgType, req, reply any) error
 	var d net.Dialer
 	c, err := d.DialContext(ctx, "tcp", addr)
 	if err != nil {
-		return fmt.Errorf("mooncake %s handshake with %s: %w", t, addr, err)
+		return nil, fmt.Errorf("mooncake %s handshake with %s: %w", t, addr, err)
 	}
 	defer c.Close()
 	stop := context.AfterFunc(ctx, func() { c.Close() })
@@ -37,7 +44,7 @@ func Exchange(ctx context.Context, addr string, t MsgType, req, reply any) error
 	deadline, _ := ctx.Deadline()
 	c.SetDeadline(deadline)
 	if err := WriteFrame(c, t, append(body, '\n')); err != nil {
-		return fmt.Errorf("mooncake %s handshake with %s: sending: %w", t, addr, err)
+		return nil, fmt.Errorf("mooncake %s handshake with %s: sending: %w", t, addr, err)
 	}
 	rt, rb, err := ReadFrame(c)
 	if err == io.EOF {
@@ -52,15 +59,15 @@ func Exchange(ctx context.Context, addr string, t MsgType, req, reply any) error
 		case errors.Is(err, ErrFrame):
 			err = fmt.Errorf("%w in the reply: is %s a Mooncake RPC port (not a ferry peer port)?", err, addr)
 		}
-		return fmt.Errorf("mooncake %s handshake with %s: %w", t, addr, err)
+		return nil, fmt.Errorf("mooncake %s handshake with %s: %w", t, addr, err)
 	}
 	if rt != t {
-		return fmt.Errorf("mooncake %s handshake with %s: the reply is a %s message", t, addr, rt)
+		return nil, fmt.Errorf("mooncake %s handshake with %s: the reply is a %s message", t, addr, rt)
 	}
 	if err := json.Unmarshal(rb, reply); err != nil {
-		return fmt.Errorf("mooncake %s handshake with %s: the reply is not the JSON expected: %w", t, addr, err)
+		return nil, fmt.Errorf("mooncake %s handshake with %s: the reply is not the JSON expected: %w", t, addr, err)
 	}
-	return nil
+	return c.RemoteAddr(), nil
 }
 
 // FetchSegment runs the metadata handshake: it sends self (which the

@@ -5,6 +5,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"net"
 	"strings"
 )
 
@@ -113,12 +114,19 @@ func (s *Segment) checkRDMA() error {
 // swapped and as many QP numbers; a JSON null (what Mooncake answers
 // whenever its setup fails) is a refusal.
 func ConnectQPs(ctx context.Context, rpc string, req HandshakeDesc) (HandshakeDesc, error) {
+	r, _, err := connectQPs(ctx, rpc, req)
+	return r, err
+}
+
+// connectQPs is ConnectQPs, which also says the address it reached.
+func connectQPs(ctx context.Context, rpc string, req HandshakeDesc) (_ HandshakeDesc, reached net.Addr, _ error) {
 	var raw json.RawMessage
-	if err := Exchange(ctx, rpc, Connect, req, &raw); err != nil {
-		return HandshakeDesc{}, err
+	reached, err := exchange(ctx, rpc, Connect, req, &raw)
+	if err != nil {
+		return HandshakeDesc{}, nil, err
 	}
-	fail := func(format string, args ...any) (HandshakeDesc, error) {
-		return HandshakeDesc{}, fmt.Errorf("mooncake connection handshake with %s (%s to %s): %s", rpc, req.LocalNICPath, req.PeerNICPath, fmt.Sprintf(format, args...))
+	fail := func(format string, args ...any) (HandshakeDesc, net.Addr, error) {
+		return HandshakeDesc{}, nil, fmt.Errorf("mooncake connection handshake with %s (%s to %s): %s", rpc, req.LocalNICPath, req.PeerNICPath, fmt.Sprintf(format, args...))
 	}
 	if bytes.Equal(bytes.TrimSpace(raw), []byte("null")) {
 		return fail("the peer refused it (a null reply: Mooncake's setup failed; its log says why, e.g. an unknown device, a QP count other than %d, or a stale endpoint)", len(req.QPNum))
@@ -135,5 +143,5 @@ func ConnectQPs(ctx context.Context, rpc string, req HandshakeDesc) (HandshakeDe
 	case len(r.QPNum) != len(req.QPNum):
 		return fail("the peer has %d QPs per endpoint, this side %d: set both to the same (ferry's mooncake_qps_per_endpoint, Mooncake's MC_NUM_QP_PER_EP)", len(r.QPNum), len(req.QPNum))
 	}
-	return r, nil
+	return r, reached, nil
 }
