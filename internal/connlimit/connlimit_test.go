@@ -110,6 +110,22 @@ func TestReplace(t *testing.T) {
 	}
 }
 
+// TestReplaceKeepsWhatWasProven: a member that replaces a proven one is
+// no newcomer to evict first, though it was used less recently.
+func TestReplaceKeepsWhatWasProven(t *testing.T) {
+	tb := NewTable[string](Limits{Total: 2})
+	own, _ := admit(t, tb, "", "own")
+	own.Prove()
+	other, _ := admit(t, tb, "10.0.0.9", "other")
+	if _, _, err := tb.Replace(own, "10.0.0.1", "back"); err != nil {
+		t.Fatal(err)
+	}
+	other.Idle() // used after back
+	if _, ev := admit(t, tb, "10.0.0.8", "new"); ev != "other" {
+		t.Fatalf("evicted %q, want other: back took own's proven place", ev)
+	}
+}
+
 // TestProveSource: a source that proved itself keeps its members past
 // unproven ones.
 func TestProveSource(t *testing.T) {

@@ -115,7 +115,8 @@ func (t *Table[V]) Admit(source string, v V) (m *Member[V], evicted *Member[V], 
 // Replace admits v from source, as Admit does, in old's place: old (nil,
 // or out of the table already, for none) leaves the table only if v gets
 // in, and while v is weighed old's place is free, so replacing a member
-// evicts nobody and counts against no cap.
+// evicts nobody and counts against no cap. v keeps what old proved: a
+// replacement is no newcomer to evict first.
 func (t *Table[V]) Replace(old *Member[V], source string, v V) (m *Member[V], evicted *Member[V], err error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
@@ -140,7 +141,7 @@ func (t *Table[V]) Replace(old *Member[V], source string, v V) (m *Member[V], ev
 		t.stats.Evicted++
 	}
 	t.tick++
-	m = &Member[V]{Value: v, t: t, source: source, used: t.tick}
+	m = &Member[V]{Value: v, t: t, source: source, used: t.tick, proven: old != nil && old.proven}
 	t.add(m)
 	return m, evicted, nil
 }
