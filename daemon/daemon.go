@@ -125,7 +125,7 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d.reg = newRegistry(d.arena)
-	if d.reg.hostLimit, err = regionLimit(cfg.MaxRegionBytes); err != nil {
+	if d.reg.hostLimit, err = regionLimit(cfg.MaxRegionBytes, func(err error) { d.log.Warn().Err(err).Msg("max_region_bytes") }); err != nil {
 		return nil, err
 	}
 	d.transfers, d.events = newTransfers(), newEventLog()
@@ -193,6 +193,9 @@ func New(cfg Config) (*Daemon, error) {
 	d.reg.registrar, _ = d.tr.(transport.RegionRegistrar)
 	d.reg.regionNICLost = func(name string, err error) {
 		d.metrics.regionDeregFailures.Inc()
+		if !d.regionLog.Allow() { // a client may DELETE a region the NIC keeps again and again
+			return
+		}
 		d.log.Error().Str("region", name).Err(err).Msg("the region's registration with the NIC could not be dropped: it stays registered, pinned and listed (closing) until a DELETE of it tries again or ferryd restarts")
 	}
 	d.reg.mu.Unlock()
@@ -364,7 +367,9 @@ func (d *Daemon) closeAll() {
 	if d.reg != nil {
 		// Not under a region's teardown: a NIC or GPU context closed
 		// under its deregistration or unmapping would fail it.
-		d.reg.waitEnds()
+		d.reg.waitEnds(func() {
+			d.log.Warn().Dur("waited", slowEnd).Msg("stopping: waiting for the NIC to drop the registrations of regions being unregistered before closing it")
+		})
 	}
 	if d.dp != nil {
 		_ = d.dp.close()

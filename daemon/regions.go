@@ -221,9 +221,13 @@ func (r *registry) mayAddRegion(name string, host int64) error {
 
 // regionLimit reads max_region_bytes on this host. A share is of the
 // smaller of its physical memory (MemTotal) and the memory limit of
-// ferryd's cgroup (systemd's MemoryMax=, a container's): region pages
-// are charged to that cgroup, and past its limit ferryd is killed.
-func regionLimit(share config.Share) (hostLimit, error) {
+// ferryd's cgroup (systemd's MemoryMax=, a container's): the pages of a
+// region that its registration faults in (those its client never
+// touched) are charged to that cgroup, and past its limit ferryd is
+// killed. A cgroup limit that cannot be read is warned of, and the
+// share is then of physical memory: an odd cgroup setup must not keep
+// ferryd from starting.
+func regionLimit(share config.Share, warn func(error)) (hostLimit, error) {
 	if !strings.HasSuffix(string(share), "%") {
 		return hostLimit{setting: string(share), bytes: share.Bytes(0)}, nil
 	}
@@ -233,7 +237,8 @@ func regionLimit(share config.Share) (hostLimit, error) {
 	}
 	cg, limited, err := memlimit.Host.Read()
 	if err != nil {
-		return hostLimit{}, fmt.Errorf("max_region_bytes %s: reading ferryd's cgroup memory limit: %v: give a size instead (e.g. 512GiB)", share, err)
+		warn(fmt.Errorf("max_region_bytes %s: reading ferryd's cgroup memory limit: %v; the share is of physical memory instead (give a size to choose the bound yourself, e.g. 512GiB)", share, err))
+		limited = false
 	}
 	return shareOf(share, int64(si.Totalram)*int64(si.Unit), cg, limited), nil
 }
@@ -347,8 +352,29 @@ func (r *registry) unlock() {
 }
 
 // waitEnds waits for the regions being ended on goroutines of their own;
-// called once the registry has stopped, when no more start.
-func (r *registry) waitEnds() { r.ending.Wait() }
+// called once the registry has stopped, when no more start. A wait past
+// slowEnd is told to stalled, once: the NIC closed under a running
+// deregistration would fail it, so it waits on rather than abandon it,
+// and an operator (or systemd's stop timeout) sees why.
+func (r *registry) waitEnds(stalled func()) {
+	done := make(chan struct{})
+	go func() {
+		r.ending.Wait()
+		close(done)
+	}()
+	t := time.NewTimer(slowEnd)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		stalled()
+		<-done
+	}
+}
+
+// slowEnd is how long a region's teardown may hold up shutdown before
+// the wait is logged.
+const slowEnd = 5 * time.Second
 
 // endRegion drops a region's registration with the NIC, then its
 // mapping, then its place in the table, and only then ends g.end:
@@ -383,10 +409,10 @@ func (r *registry) endRegion(g *region) {
 		delete(r.regions, g.name)
 	}
 	r.mu.Unlock()
-	close(end.done)
 	if end.err != nil && lost != nil {
-		lost(g.name, end.err)
+		lost(g.name, end.err) // counted before the DELETEs waiting hear of it
 	}
+	close(end.done)
 }
 
 // pinRegion pins a registered region for a transfer reading it.
