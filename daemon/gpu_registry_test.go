@@ -25,6 +25,8 @@ type deviceMemory struct {
 
 	mu         sync.Mutex
 	lent, peak int64 // host staging Bounce lends now, and the most at once
+	lends      int   // Bounce's loans so far
+	lendLimit  int   // > 0: Bounce lends this many in all, then has none
 }
 
 func (m *deviceMemory) Base() uint64 { return 0x7f5500000000 }
@@ -49,6 +51,10 @@ func (m *deviceMemory) Bounce(n int64) ([]byte, func(), error) {
 	}
 	m.mu.Lock()
 	defer m.mu.Unlock()
+	if m.lendLimit > 0 && m.lends >= m.lendLimit {
+		return nil, nil, fmt.Errorf("%w: the test lends no more", arena.ErrNoStaging)
+	}
+	m.lends++
 	m.lent += n
 	m.peak = max(m.peak, m.lent)
 	return make([]byte, n), func() {

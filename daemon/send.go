@@ -86,6 +86,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	res.SharedMR = sharedMR(dl.report)
 	sent = lastErr == nil
 	if errors.As(lastErr, new(*copyOutError)) {
+		d.failed("staging", "failed", time.Since(start))
 		return res, apiErr(internalCode(lastErr),
 			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, lastErr)
 	}

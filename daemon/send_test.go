@@ -4,12 +4,15 @@ import (
 	"bytes"
 	"context"
 	"crypto/rand"
+	"errors"
 	"fmt"
+	"strings"
 	"testing"
 	"time"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -116,4 +119,40 @@ func TestGPUSourcesAreStagedInChunks(t *testing.T) {
 	if peak := region.takePeak(); peak != stageChunk {
 		t.Errorf("the batch piece of %d bytes held %d bytes of host staging at once, want one chunk (%d)", n, peak, stageChunk)
 	}
+
+	// Staging runs out after some chunks went: the send fails as busy,
+	// the entry stays staged, and a resend rewrites the slot whole.
+	for _, id := range []string{"e1", "r1"} {
+		if err := rcv.FreeReceive(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := snd.Stage(ctx, "e2", []int64{n}, "u8", bytes.NewReader(data), n); err != nil {
+		t.Fatal(err)
+	}
+	if slot, err = rcv.Receive(ctx, "e2", n); err != nil {
+		t.Fatal(err)
+	}
+	sendE2 := func() error {
+		_, err := snd.Send(ctx, "e2", api.SendRequest{Session: slot.Session, BufferAddress: slot.BufferAddress, Key: slot.Key, NBytes: n})
+		return err
+	}
+	gpu.mu.Lock()
+	gpu.lendLimit = gpu.lends + 3 // of the four chunks the two stripes take
+	gpu.mu.Unlock()
+	var ae *client.Error
+	if err := sendE2(); !errors.As(err, &ae) || ae.Code != api.CodeBusy || !strings.Contains(ae.Message, "stays staged") {
+		t.Fatalf("a send whose staging ran out midway: %v; want 409 busy, the entry kept", err)
+	}
+	gpu.mu.Lock()
+	gpu.lendLimit = 0
+	gpu.mu.Unlock()
+	// The resend's stripes run at once: the one carrying the bytes the
+	// failed send left out may complete the slot before the other lands,
+	// which is then refused as writing into a slot that holds its data.
+	// Either way the slot holds the entry's bytes.
+	if err := sendE2(); err != nil && !(errors.As(err, &ae) && ae.Code == api.CodeRefused && strings.Contains(ae.Message, "already holds its data")) {
+		t.Fatalf("the resend: %v", err)
+	}
+	arrived("e2")
 }
