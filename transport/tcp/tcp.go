@@ -235,14 +235,18 @@ const maxSkip = 64 << 10
 // Otherwise strangers sending bogus headers and their bodies at a crawl
 // could hold every place of the peer port.
 func (r *receiver) refuse(h *peer.Header, no *peer.Refused) error {
-	r.c.Idle()
+	// Idle once the refusal is out: evicted before, the sender would see
+	// its connection closed unanswered, and send again.
 	if no.End == nil && h.Len <= maxSkip {
-		if err := r.reply(no.Code, 0, no.Msg); err != nil {
+		err := r.reply(no.Code, 0, no.Msg)
+		r.c.Idle()
+		if err != nil {
 			return err
 		}
 		return r.skip(h.Len)
 	}
 	r.reply(no.Code, peer.FlagClose, no.Msg)
+	r.c.Idle()
 	r.linger()
 	if no.End != nil {
 		return no.End
