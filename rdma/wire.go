@@ -210,7 +210,8 @@ func (r peerRegion) direct(addr, n uint64, window uint32) (grant, bool) {
 
 // check refuses a grant that names the shared registration's rkey for a
 // range outside it: the NIC would fail the write with REM_ACCESS_ERR;
-// this says which side is wrong before posting anything.
+// this says which side is wrong before posting anything. Only a dialer
+// told that rkey (arena-rkey mode) can tell; elsewhere it passes all.
 func (r peerRegion) check(g grant, n uint64) error {
 	if r.Mode != modeShared || g.RKey != r.RKey || n == 0 {
 		return nil
