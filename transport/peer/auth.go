@@ -6,6 +6,9 @@ import (
 	"crypto/sha256"
 	"encoding/binary"
 	"fmt"
+	"net"
+	"net/netip"
+	"strings"
 
 	"github.com/ferry-project/ferry/transport"
 )
@@ -31,16 +34,18 @@ func newNonce() [nonceSize]byte {
 }
 
 // proof is what the side in role sends to show it holds secret, bound to
-// everything this handshake fixed.
-func proof(secret []byte, role string, kind Kind, client, server party) [proofSize]byte {
+// everything this handshake fixed, the address the client dialed
+// included (checkDialed passed it).
+func proof(secret []byte, role string, kind Kind, dialed string, client, server party) [proofSize]byte {
 	m := hmac.New(sha256.New, secret)
-	m.Write([]byte("ferry peer proof v3 " + role))
-	var b [4 + 2*(8+nonceSize)]byte
-	binary.LittleEndian.PutUint32(b[0:], uint32(kind))
-	binary.LittleEndian.PutUint64(b[4:], client.instance)
-	copy(b[12:], client.nonce[:])
-	binary.LittleEndian.PutUint64(b[12+nonceSize:], server.instance)
-	copy(b[20+nonceSize:], server.nonce[:])
+	m.Write([]byte("ferry peer proof v4 " + role))
+	m.Write(binary.LittleEndian.AppendUint32(nil, uint32(kind)))
+	m.Write(appendDialed(nil, dialed))
+	var b [2 * (8 + nonceSize)]byte
+	binary.LittleEndian.PutUint64(b[0:], client.instance)
+	copy(b[8:], client.nonce[:])
+	binary.LittleEndian.PutUint64(b[8+nonceSize:], server.instance)
+	copy(b[16+nonceSize:], server.nonce[:])
 	m.Write(b[:])
 	var p [proofSize]byte
 	m.Sum(p[:0])
@@ -48,9 +53,57 @@ func proof(secret []byte, role string, kind Kind, client, server party) [proofSi
 }
 
 // validProof says whether got is the proof role owes, in constant time.
-func validProof(got [proofSize]byte, secret []byte, role string, kind Kind, client, server party) bool {
-	want := proof(secret, role, kind, client, server)
+func validProof(got [proofSize]byte, secret []byte, role string, kind Kind, dialed string, client, server party) bool {
+	want := proof(secret, role, kind, dialed, client, server)
 	return hmac.Equal(got[:], want[:])
+}
+
+// appendDialed appends the dialed address as the handshake carries it:
+// its length, u16, then its bytes.
+func appendDialed(b []byte, dialed string) []byte {
+	return append(binary.LittleEndian.AppendUint16(b, uint16(len(dialed))), dialed...)
+}
+
+// checkDialedLen says what is wrong with n as the length of a dialed
+// address, if anything.
+func checkDialedLen(n int) error {
+	if n == 0 || n > maxDialed {
+		return fmt.Errorf("the dialed address has %d bytes; a handshake carries 1 to %d", n, maxDialed)
+	}
+	return nil
+}
+
+// checkDialed says what is wrong with addr as the dialed address of a
+// handshake, if anything.
+func checkDialed(addr string) error {
+	if err := checkDialedLen(len(addr)); err != nil {
+		return err
+	}
+	if _, _, err := net.SplitHostPort(addr); err != nil {
+		return fmt.Errorf("the dialed address %q is no host:port: %v", addr, err)
+	}
+	return nil
+}
+
+// sameAddr says whether the host:port addresses a and b, as written,
+// name the same endpoint: equal ports, and hosts that are the same IP or
+// the same name in any letter case (as DNS compares names). A host that
+// names no one host (empty, 0.0.0.0 or ::) matches nothing.
+func sameAddr(a, b string) bool {
+	ah, ap, err := net.SplitHostPort(a)
+	if err != nil || ah == "" {
+		return false
+	}
+	bh, bp, err := net.SplitHostPort(b)
+	if err != nil || ap != bp {
+		return false
+	}
+	ai, aerr := netip.ParseAddr(ah)
+	bi, berr := netip.ParseAddr(bh)
+	if aerr == nil && berr == nil {
+		return !ai.IsUnspecified() && ai.Unmap() == bi.Unmap()
+	}
+	return strings.EqualFold(ah, bh)
 }
 
 // authErr is a handshake refused for want of a shared secret: no retry

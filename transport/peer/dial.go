@@ -17,6 +17,12 @@ import (
 // NIC): use data connections.
 var ErrNoRDMA = errors.New("the peer serves no RDMA")
 
+// ErrMisdirected is wrapped, with transport.ErrAuth, by Dial's error
+// when the daemon that answered proved the secret but does not take the
+// address dialed as its own: something in between (a relay, NAT or port
+// forwarding) led the connection to it.
+var ErrMisdirected = errors.New("the peer does not take the address dialed as its own")
+
 // Dial opens one connection of the given kind to the peer port at addr
 // and runs the client side of the handshake, as this daemon: it returns
 // the connection, ready for the kind's own exchange, and the peer's
@@ -24,6 +30,12 @@ var ErrNoRDMA = errors.New("the peer serves no RDMA")
 func (p *Port) Dial(ctx context.Context, addr string, kind Kind) (*net.TCPConn, uint64, error) {
 	if p.Closed() {
 		return nil, 0, transport.ErrClosed
+	}
+	if p.cfg.Secret != nil {
+		// The handshake names addr; one it cannot carry gets no connection.
+		if err := checkDialed(addr); err != nil {
+			return nil, 0, fmt.Errorf("handshake: %w", err)
+		}
 	}
 	hctx, cancel := context.WithTimeout(ctx, p.cfg.HandshakeTimeout)
 	defer cancel()
@@ -41,7 +53,7 @@ func (p *Port) Dial(ctx context.Context, addr string, kind Kind) (*net.TCPConn, 
 	}
 	c := nc.(*net.TCPConn)
 	p.tune(c)
-	instance, err := greet(hctx, c, p.cfg.Instance, kind, p.cfg.Secret)
+	instance, err := greet(hctx, c, p.cfg.Instance, kind, p.cfg.Secret, addr)
 	if err == ErrNoRDMA {
 		c.Close()
 		return nil, 0, err
@@ -66,8 +78,9 @@ func (p *Port) DialErr(ctx, hctx context.Context, step string, err error) error 
 	return fmt.Errorf("%s: %w", step, err)
 }
 
-// greet runs the client side of the handshake on c within ctx.
-func greet(ctx context.Context, c *net.TCPConn, instance uint64, kind Kind, secret []byte) (uint64, error) {
+// greet runs the client side of the handshake on c, dialed at addr,
+// within ctx.
+func greet(ctx context.Context, c *net.TCPConn, instance uint64, kind Kind, secret []byte, addr string) (uint64, error) {
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer stop()
 	deadline, _ := ctx.Deadline()
@@ -107,7 +120,7 @@ func greet(ctx context.Context, c *net.TCPConn, instance uint64, kind Kind, secr
 		return 0, authErr("the peer accepted the handshake without the challenge both sides owe (peer flags %#x, ours %#x)", w.flags, h.flags)
 	}
 	if h.auth() {
-		if err := prove(c, secret, kind, instance, w.instance); err != nil {
+		if err := prove(c, secret, kind, addr, instance, w.instance); err != nil {
 			return 0, err
 		}
 	}
@@ -118,17 +131,18 @@ func greet(ctx context.Context, c *net.TCPConn, instance uint64, kind Kind, secr
 	return w.instance, nil
 }
 
-// prove answers the server's challenge with a challenge of its own and
-// checks the server's proof in turn.
-func prove(c *net.TCPConn, secret []byte, kind Kind, clientInstance, serverInstance uint64) error {
+// prove answers the server's challenge with a challenge of its own,
+// naming dialed, the address it dialed, and checks the server's proof in
+// turn.
+func prove(c *net.TCPConn, secret []byte, kind Kind, dialed string, clientInstance, serverInstance uint64) error {
 	server := party{instance: serverInstance}
 	if err := read(c, server.nonce[:], "nonce"); err != nil {
 		return err
 	}
 	client := party{instance: clientInstance, nonce: newNonce()}
-	p := proof(secret, roleClient, kind, client, server)
-	if _, err := c.Write(append(client.nonce[:], p[:]...)); err != nil {
-		return fmt.Errorf("sending the nonce and proof: %w", err)
+	p := proof(secret, roleClient, kind, dialed, client, server)
+	if _, err := c.Write(append(appendDialed(client.nonce[:], dialed), p[:]...)); err != nil {
+		return fmt.Errorf("sending the nonce, dialed address and proof: %w", err)
 	}
 	var vb [verdictSize]byte
 	if err := read(c, vb[:], "verdict"); err != nil {
@@ -139,9 +153,13 @@ func prove(c *net.TCPConn, secret []byte, kind Kind, clientInstance, serverInsta
 	switch {
 	case v.status == statusBadProof:
 		return authErr("the peer refused this daemon's proof: the two daemons' peer secrets differ")
+	case v.status == statusNotHere:
+		return fmt.Errorf("%w: %w: %q led to another daemon, through something in between (a relay, NAT or port forwarding); if peers reach that daemon this way, it must advertise the address they dial", transport.ErrAuth, ErrMisdirected, dialed)
+	case v.status == statusBadDialed:
+		return fmt.Errorf("%w: the peer refused the dialed address %q as malformed, which this daemon took as valid", transport.ErrIncompatible, dialed)
 	case v.status != statusOK:
 		return fmt.Errorf("peer refused the proof with status %d", v.status)
-	case !validProof(v.proof, secret, roleServer, kind, client, server):
+	case !validProof(v.proof, secret, roleServer, kind, dialed, client, server):
 		return authErr("proof mismatch: the peer does not hold this daemon's secret")
 	}
 	return nil

@@ -125,14 +125,14 @@ func FuzzDialedConn(f *testing.F) {
 				// The welcome and nonce first, then, once the dialer's
 				// nonce is in, the rest with the proof that nonce asks.
 				c.Write(answer[:welcomeSize+nonceSize])
-				var nb [nonceSize + proofSize]byte
-				if _, err := io.ReadFull(c, nb[:]); err != nil {
+				nonce, dialed, _, err := readProving(c)
+				if err != nil {
 					sent <- a
 					return
 				}
-				client := party{instance: h.instance, nonce: [nonceSize]byte(nb[:nonceSize])}
+				client := party{instance: h.instance, nonce: nonce}
 				server := party{instance: binary.LittleEndian.Uint64(answer[8:]), nonce: [nonceSize]byte(answer[welcomeSize:])}
-				a.proof = proof(fuzzSecret, roleServer, h.kind, client, server)
+				a.proof = proof(fuzzSecret, roleServer, h.kind, dialed, client, server)
 				head := answer[: welcomeSize+nonceSize : welcomeSize+nonceSize]
 				a.bytes = append(head, bytes.Replace(answer[len(head):], fuzzProofMark, a.proof[:], 1)...)
 				c.Write(a.bytes[welcomeSize+nonceSize:])

@@ -11,6 +11,7 @@ package peer
 
 import (
 	"context"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -67,6 +68,12 @@ type Config struct {
 	// connection, both ways, then proves that both ends hold it, and a
 	// peer that cannot is refused (wire.go's handshake).
 	Secret []byte
+	// Advertise is the host:port peers dial to reach this daemon. With a
+	// Secret, a dialer proves the address it dialed, and the port takes
+	// only this one, Addr, or the address the connection arrived on: set
+	// it where peers dial none of those (a DNS name, NAT, port
+	// forwarding).
+	Advertise string
 	// SendBuffer, when above zero, is each connection's kernel send
 	// buffer (SO_SNDBUF); zero leaves it to the kernel's autotuning.
 	SendBuffer int
@@ -286,21 +293,61 @@ func (p *Port) welcome(c *net.TCPConn) (hello, error) {
 	return h, nil
 }
 
-// verify takes the client's nonce and proof and answers with a verdict:
-// the server's own proof, or a refusal.
+// verify takes the client's nonce, dialed address and proof and answers
+// with a verdict: the server's own proof, or a refusal.
 func (p *Port) verify(c *net.TCPConn, h hello, server party) error {
-	var b [nonceSize + proofSize]byte
+	// A peer that went away or stalled proved nothing either way: not an
+	// authentication failure.
+	var b [nonceSize + 2]byte
 	if n, err := io.ReadFull(c, b[:]); err != nil {
-		// A peer that went away or stalled proved nothing either way:
-		// not an authentication failure.
-		return fmt.Errorf("read %d of the peer's %d-byte nonce and proof: %w", n, len(b), err)
+		return fmt.Errorf("read %d of the peer's %d-byte nonce and dialed address length: %w", n, len(b), err)
+	}
+	n := int(binary.LittleEndian.Uint16(b[nonceSize:]))
+	if err := checkDialedLen(n); err != nil {
+		return p.answer(c, verdict{status: statusBadDialed}, err)
+	}
+	var rb [maxDialed + proofSize]byte
+	rest := rb[:n+proofSize]
+	if got, err := io.ReadFull(c, rest); err != nil {
+		return fmt.Errorf("read %d of the peer's %d-byte dialed address and proof: %w", got, len(rest), err)
+	}
+	dialed := string(rest[:n])
+	if err := checkDialed(dialed); err != nil {
+		return p.answer(c, verdict{status: statusBadDialed}, err)
 	}
 	client := party{instance: h.instance, nonce: [nonceSize]byte(b[:nonceSize])}
-	v := verdict{proof: proof(p.cfg.Secret, roleServer, h.kind, client, server)}
+	v := verdict{proof: proof(p.cfg.Secret, roleServer, h.kind, dialed, client, server)}
 	var verr error
-	if !validProof([proofSize]byte(b[nonceSize:]), p.cfg.Secret, roleClient, h.kind, client, server) {
+	// The proof first: only a dialer that holds the secret learns that
+	// it dialed the wrong address rather than that the secrets differ.
+	switch {
+	case !validProof([proofSize]byte(rest[n:]), p.cfg.Secret, roleClient, h.kind, dialed, client, server):
 		v, verr = verdict{status: statusBadProof}, authErr("proof mismatch: the peer's secret differs from this daemon's")
+	case !p.names(dialed, c.LocalAddr()):
+		v, verr = verdict{status: statusNotHere}, authErr("the peer dialed %q, which is not this daemon's address (%s): something between the two (a relay, NAT or port forwarding) led the connection here; if peers reach this daemon this way, advertise the address they dial", dialed, p.addrs(c.LocalAddr()))
 	}
+	return p.answer(c, v, verr)
+}
+
+// names says whether dialed, the address a client proved it dialed,
+// names this port: its advertised address, the address the connection
+// reached, or its listen address. A relay the client dialed is none of
+// them.
+func (p *Port) names(dialed string, local net.Addr) bool {
+	return sameAddr(dialed, p.cfg.Advertise) || sameAddr(dialed, local.String()) || sameAddr(dialed, p.cfg.Addr)
+}
+
+// addrs lists the addresses names takes, for a refusal.
+func (p *Port) addrs(local net.Addr) string {
+	s := fmt.Sprintf("listening on %q, reached at %s", p.cfg.Addr, local)
+	if p.cfg.Advertise != "" {
+		s = fmt.Sprintf("advertised as %q, %s", p.cfg.Advertise, s)
+	}
+	return s
+}
+
+// answer sends the verdict v, and returns verr, the refusal it carries.
+func (p *Port) answer(c *net.TCPConn, v verdict, verr error) error {
 	var vb [verdictSize]byte
 	v.encode(&vb)
 	if _, err := c.Write(vb[:]); err != nil && verr == nil {

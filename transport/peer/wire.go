@@ -1,6 +1,7 @@
 package peer
 
-// Wire protocol of the peer port, version 5 (5 grew the write header's
+// Wire protocol of the peer port, version 6 (6 binds the address the
+// client dialed into the challenge-response; 5 grew the write header's
 // key by its window's rkey). Every integer is little-endian; every
 // record has a fixed size except the message that may follow a reply.
 // Both transports speak it on the one port: transport/tcp on its data
@@ -39,19 +40,30 @@ package peer
 // flagAuth and the status is 0), a mutual challenge-response follows
 // before anything else:
 //
-//	client → server  the client's nonce, 32 bytes, then proof("client"),
-//	                 32 bytes
+//	client → server  the client's nonce, 32 bytes; dialedlen u16; dialed,
+//	                 dialedlen bytes (1 to 512): the host:port the client
+//	                 dialed, as it dialed it; proof("client"), 32 bytes
 //	server → client  verdict, 36 bytes
-//	  0  status    u32     0 ok, 7 proof mismatch (the server closes)
+//	  0  status    u32     0 ok, 7 proof mismatch, 8 dialed is not this
+//	                       server's address, 9 dialedlen is 0 or above
+//	                       512, or dialed is no host:port (the server
+//	                       closes on any but 0)
 //	  4  proof     [32]byte proof("server"); zero unless status is 0
 //
 // proof(role) is HMAC-SHA256 keyed with the secret over the label
-// "ferry peer proof v3 " + role, then kind u32, the client's instance u64
-// and nonce, the server's instance u64 and nonce. Nonces are fresh from
-// crypto/rand on every connection, so a proof is never valid twice; the
-// role makes a proof reflected back to its sender fail. The client
-// proves first and takes the connection only once the server's proof
-// checks out.
+// "ferry peer proof v4 " + role, then kind u32, dialedlen u16 and dialed,
+// the client's instance u64 and nonce, the server's instance u64 and
+// nonce. Nonces are fresh from crypto/rand on every connection, so a
+// proof is never valid twice; the role makes a proof reflected back to
+// its sender fail. The client proves first and takes the connection only
+// once the server's proof checks out. A server whose proof check passes
+// takes the connection only if dialed names it (its advertised address,
+// the address the connection reached, or its listen address; hosts
+// compare as IPs, or as names in any letter case): a host in between that
+// relays a client's handshake to another server holding the secret
+// leaves the client's proof naming the relay, which that server refuses
+// with 8, and cannot rewrite dialed without breaking the proof. dialed
+// travels in the clear so that the server can tell 8 from 7.
 //
 // Then, on a data connection, any number of writes, one at a time:
 //
@@ -88,13 +100,17 @@ import (
 
 const (
 	magic   = "FERY"
-	version = 5
+	version = 6
 
 	helloSize   = 24
 	welcomeSize = 28
 	nonceSize   = 32
 	proofSize   = sha256.Size
 	verdictSize = 4 + proofSize
+
+	// maxDialed bounds the dialed address in a handshake: a DNS name
+	// (253 bytes at most), a port and brackets fit twice over.
+	maxDialed = 512
 
 	// MinSecret is the shortest peer secret accepted: 128 bits.
 	MinSecret = 16
@@ -132,6 +148,8 @@ const (
 	statusNeedSecret = 5
 	statusNoSecret   = 6
 	statusBadProof   = 7
+	statusNotHere    = 8
+	statusBadDialed  = 9
 )
 
 // flagAuth in a hello's flags: its sender holds a secret, and its nonce

@@ -155,7 +155,8 @@ func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 	if !auth {
 		return out
 	}
-	// A client that sent no whole nonce and proof gets no verdict.
+	// A client that sent no whole nonce, dialed address and proof gets no
+	// verdict, unless the dialed address's length is out of bounds.
 	if len(out) < verdictSize {
 		if complete && len(out) > 0 {
 			t.Fatalf("receiver sent %d bytes of its %d-byte verdict", len(out), verdictSize)
@@ -165,7 +166,8 @@ func checkHandshake(t *testing.T, out []byte, owed, complete bool) []byte {
 	verdict := out[:verdictSize]
 	out = out[verdictSize:]
 	vstatus := binary.LittleEndian.Uint32(verdict)
-	if vstatus != statusOK && (vstatus != statusBadProof || bytes.ContainsFunc(verdict[4:], func(r rune) bool { return r != 0 }) || len(out) > 0) {
+	refusal := vstatus == statusBadProof || vstatus == statusNotHere || vstatus == statusBadDialed
+	if vstatus != statusOK && (!refusal || bytes.ContainsFunc(verdict[4:], func(r rune) bool { return r != 0 }) || len(out) > 0) {
 		t.Fatalf("receiver's refusal is malformed: verdict %x and %d more bytes", verdict, len(out))
 	}
 	return out

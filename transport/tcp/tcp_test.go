@@ -49,14 +49,16 @@ func ctxFor(t *testing.T, d time.Duration) context.Context {
 // clients and fake servers of these tests write and read it: from the
 // notes, not from package peer's codec.
 const (
-	version        = 5
-	helloSize      = 24
-	welcomeSize    = 28
-	nonceSize      = 32
-	verdictSize    = 36
-	statusOK       = 0
-	statusBadProof = 7
-	flagAuth       = 1
+	version         = 6
+	helloSize       = 24
+	welcomeSize     = 28
+	nonceSize       = 32
+	verdictSize     = 36
+	statusOK        = 0
+	statusBadProof  = 7
+	statusNotHere   = 8
+	statusBadDialed = 9
+	flagAuth        = 1
 )
 
 // helloBytes is a hello in protocol version v: instance 42 asking for a

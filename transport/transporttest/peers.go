@@ -2,6 +2,7 @@ package transporttest
 
 import (
 	"fmt"
+	"io"
 	"net"
 	"strings"
 	"sync"
@@ -18,10 +19,47 @@ import (
 // accepts, closing it afterwards; it returns the address. It stops when
 // t ends.
 func FakePeer(t testing.TB, answer func(c net.Conn)) string {
+	ln := Listener(t)
+	serve(t, ln, answer)
+	return ln.Addr().String()
+}
+
+// Listener is a loopback listener for Relay to serve, for a test that
+// needs its address first.
+func Listener(t testing.TB) net.Listener {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
+	t.Cleanup(func() { ln.Close() })
+	return ln
+}
+
+// Relay serves ln as a host in the middle: it connects each connection
+// it accepts to the address to and copies bytes both ways until either
+// side closes. It stops when t ends.
+func Relay(t testing.TB, ln net.Listener, to string) {
+	serve(t, ln, func(c net.Conn) {
+		o, err := net.DialTimeout("tcp", to, 10*time.Second)
+		if err != nil {
+			return
+		}
+		done := make(chan struct{})
+		go func() {
+			defer close(done)
+			io.Copy(o, c)
+			o.Close() // and so the copy the other way ends
+		}()
+		io.Copy(c, o)
+		c.Close()
+		o.Close()
+		<-done
+	})
+}
+
+// serve runs answer on each connection ln accepts, closing it
+// afterwards, until t ends.
+func serve(t testing.TB, ln net.Listener, answer func(c net.Conn)) {
 	var wg sync.WaitGroup
 	var mu sync.Mutex
 	var conns []net.Conn
@@ -49,7 +87,6 @@ func FakePeer(t testing.TB, answer func(c net.Conn)) string {
 			})
 		}
 	})
-	return ln.Addr().String()
 }
 
 // Dial connects to addr for a test that writes and reads the bytes
