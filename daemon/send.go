@@ -21,6 +21,7 @@ import (
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
+	peerport "github.com/ferry-project/ferry/transport/peer"
 )
 
 // maxWait bounds wait_ms and ?wait=: a client that wants longer asks again.
@@ -326,6 +327,8 @@ func (d *Daemon) deliverSend(ctx context.Context, session string, w transport.Wr
 // whenToResend says when sending again after err can work.
 func whenToResend(err error) string {
 	switch {
+	case errors.Is(err, peerport.ErrMisdirected):
+		return "once the session is the receiving daemon's --advertise and leads to it with no relay in between"
 	case errors.Is(err, transport.ErrAuth):
 		return "once both daemons hold the same peer secret (--peer-secret-file)"
 	case errors.Is(err, transport.ErrIncompatible):

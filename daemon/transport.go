@@ -43,7 +43,10 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem *memory
 		log.Debug().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 	})}
 	pc := peerport.Config{
-		Addr: cfg.Listen, Sink: sink, Instance: instance,
+		// An --advertise left to its default is one of this host's own
+		// addresses, which the port takes as the address connections
+		// arrive on.
+		Addr: cfg.Listen, Advertise: cfg.Advertise, Sink: sink, Instance: instance,
 		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Bytes()),
 		SendBuffer: int(cfg.TCPSendBuffer.Bytes()),
 		// The peer port rate-limits the WARNs a remote party can make it

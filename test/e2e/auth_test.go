@@ -13,6 +13,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
 // secretFile writes a peer secret file, mode 0600, into dir.
@@ -86,6 +87,41 @@ func TestPeerWithoutTheSecretIsRefused(t *testing.T) {
 			}
 		})
 	}
+}
+
+// TestRelayedHandshakeIsRefused: a slot whose session names a relay (a
+// host without the secret that connects on to the receiver) fails at
+// once: the receiver refuses the handshake its peer proved for the
+// relay's address, and both name the fix. A receiver behind that same
+// forwarding, advertising its address, takes the send.
+func TestRelayedHandshakeIsRefused(t *testing.T) {
+	dir := t.TempDir()
+	secret := secretFile(t, dir, "peer.secret", "cluster-secret-0123456789abcdef")
+	snd := startDaemon(t, dir, "snd", "--peer-secret-file", secret, "--send-retries", "3")
+	rcv := startDaemon(t, dir, "rcv", "--peer-secret-file", secret)
+	relay := transporttest.Listener(t)
+	transporttest.Relay(t, relay, rcv.advertise)
+	stageOn(t, snd, "relayed", 4096, 76)
+	req := slotFor(t, rcv, "relayed", 4096)
+	req.Session = relay.Addr().String()
+	_, err := snd.c.Send(ctxT(t), "relayed", req)
+	wantErr(t, err, http.StatusBadGateway, api.CodeTransferFailed, "peer authentication failed",
+		"does not take the address dialed as its own", req.Session, "--advertise", "ret=auth", "after 1 attempt(s)")
+	rcv.log.wait(t, 5*time.Second, "the receiver's refusal", refusedFor("the peer dialed \""+req.Session+"\", which is not this daemon's address"))
+	rcv.alive(t)
+
+	front := transporttest.Listener(t) // port forwarding, known to the receiver
+	fwd := startDaemon(t, dir, "fwd", "--peer-secret-file", secret, "--advertise", front.Addr().String())
+	transporttest.Relay(t, front, fwd.listen)
+	data := stageOn(t, snd, "forwarded", 4096, 77)
+	req = slotFor(t, fwd, "forwarded", 4096)
+	if req.Session != front.Addr().String() {
+		t.Fatalf("the slot names session %s, want the advertised %s", req.Session, front.Addr())
+	}
+	if _, err := snd.c.Send(ctxT(t), "forwarded", req); err != nil {
+		t.Fatalf("send through the advertised forwarding: %v", err)
+	}
+	received(t, fwd, "forwarded", data)
 }
 
 func TestBadPeerSecretFileStopsFerryd(t *testing.T) {
