@@ -127,7 +127,7 @@ var options = []option{
 		func(s *Settings) value { return &s.MaxBodyBytes }, sizeWithin(func(s *Settings) Size { return s.MaxBodyBytes }, 1<<10, 1<<40)},
 	{"listen", fmt.Sprintf(":%d", api.DefaultPeerPort), "peer port `host:port` other daemons dial",
 		func(s *Settings) value { return (*text)(&s.Listen) }, hostPort(func(s *Settings) string { return s.Listen }, false, "e.g. :17100 or 10.0.0.5:17100")},
-	{"advertise", "", "`host:port` receive slots name as their session (default: the listen address, or this host's first IPv4 address when listening on all)",
+	{"advertise", "", "`host:port` receive slots name as their session, where peers dial this daemon; with a peer secret, a peer that dialed another address is refused (default: the listen address, or this host's first IPv4 address when listening on all)",
 		func(s *Settings) value { return (*text)(&s.Advertise) },
 		func(s *Settings) error {
 			if s.Advertise == "" {
