@@ -82,26 +82,18 @@ func (a *Arena) Writable(s Slice, off, n int64) (dst []byte, commit func(keep bo
 // Writable is (*Arena).Writable for a slice of any Memory, such as a
 // region a client lent: s is then the bytes it is asked about.
 func Writable(mem Memory, s Slice, off, n int64) (dst []byte, commit func(keep bool) error, err error) {
-	if err := within(s, off, n); err != nil {
-		return nil, nil, err
-	}
-	if host := bytesOf(mem, s); host != nil {
-		return host[off : off+n], func(bool) error { return nil }, nil
-	}
-	c, ok := mem.(Copier)
-	if !ok {
-		return nil, nil, fmt.Errorf("arena: %s memory is closed", mem.Kind())
-	}
-	buf, release, err := c.Bounce(n)
+	f, err := NewFiller(mem, s, off, n, max(n, 1))
 	if err != nil {
 		return nil, nil, err
 	}
-	return buf, func(keep bool) error {
-		defer release()
+	dst, _ = f.Next() // the one piece, lent with no copy
+	return dst, func(keep bool) error {
+		defer f.Close()
 		if !keep {
 			return nil
 		}
-		return c.CopyIn(s.Offset+off, buf)
+		_, err := f.Next()
+		return err
 	}, nil
 }
 
@@ -112,27 +104,130 @@ func (a *Arena) Readable(s Slice, off, n int64) (src []byte, release func(), err
 	return Readable(a.mem, s, off, n)
 }
 
-// Readable is (*Arena).Readable for a slice of any Memory.
-func Readable(mem Memory, s Slice, off, n int64) (src []byte, release func(), err error) {
+// Filler puts n bytes at an offset of a slice in place in the order a
+// writer has them (read from a stream), a piece at a time: Next lends the
+// host memory for the next piece once the last is in place. Host memory
+// is lent as itself, in one piece, and nothing is copied. Memory the
+// host cannot address (a Copier) takes one loan of host staging of at
+// most chunk bytes, reused for every piece, each copied in before the
+// next is lent: a write of any size holds no more.
+type Filler struct {
+	staging
+	lent int64 // bytes of buf the last Next lent, copied in by the next
+}
+
+// NewFiller lends the staging for n bytes at offset off of s, or fails
+// when host memory for staging has run out for now (ErrNoStaging).
+func NewFiller(mem Memory, s Slice, off, n, chunk int64) (*Filler, error) {
+	st, err := stage(mem, s, off, n, chunk)
+	if err != nil {
+		return nil, err
+	}
+	return &Filler{staging: st}, nil
+}
+
+// Next copies in the piece it lent last, whose bytes must all be
+// written, and lends the next: empty once all n bytes are in place. A
+// failed copy in leaves the bytes short of their place.
+func (f *Filler) Next() ([]byte, error) {
+	if f.host != nil {
+		dst := f.host
+		f.host = nil
+		return dst, nil
+	}
+	if f.lent > 0 {
+		if err := f.c.CopyIn(f.at, f.buf[:f.lent]); err != nil {
+			return nil, err
+		}
+		f.at += f.lent
+	}
+	f.lent = min(int64(len(f.buf)), f.end-f.at)
+	return f.buf[:f.lent], nil
+}
+
+// Fetcher is Filler's reverse: n bytes at an offset of a slice, a piece
+// at a time, for a reader that passes each on before it asks for the
+// next. Host memory comes as itself, in one piece; a Copier's through
+// one loan of at most chunk bytes of host staging, each piece copied
+// out over the last.
+type Fetcher struct{ staging }
+
+// NewFetcher lends the staging for n bytes at offset off of s, or fails
+// when host memory for staging has run out for now (ErrNoStaging).
+func NewFetcher(mem Memory, s Slice, off, n, chunk int64) (*Fetcher, error) {
+	st, err := stage(mem, s, off, n, chunk)
+	if err != nil {
+		return nil, err
+	}
+	return &Fetcher{staging: st}, nil
+}
+
+// Next is the next piece of the bytes, valid until the next call: empty
+// once all n have come.
+func (f *Fetcher) Next() ([]byte, error) {
+	if f.host != nil {
+		src := f.host
+		f.host = nil
+		return src, nil
+	}
+	n := min(int64(len(f.buf)), f.end-f.at)
+	if n == 0 {
+		return nil, nil
+	}
+	if err := f.c.CopyOut(f.buf[:n], f.at); err != nil {
+		return nil, err
+	}
+	f.at += n
+	return f.buf[:n], nil
+}
+
+// staging is what a Filler or Fetcher moves: host memory's bytes, or
+// the range [at, end) of a Copier and the host staging lent for it.
+type staging struct {
+	host    []byte // until Next hands it out
+	c       Copier
+	at, end int64
+	buf     []byte
+	release func()
+}
+
+func stage(mem Memory, s Slice, off, n, chunk int64) (staging, error) {
 	if err := within(s, off, n); err != nil {
-		return nil, nil, err
+		return staging{}, err
+	}
+	if chunk <= 0 {
+		return staging{}, fmt.Errorf("arena: staging of %d bytes a piece: it must be positive", chunk)
 	}
 	if host := bytesOf(mem, s); host != nil {
-		return host[off : off+n], func() {}, nil
+		return staging{host: host[off : off+n : off+n], release: func() {}}, nil
 	}
 	c, ok := mem.(Copier)
 	if !ok {
-		return nil, nil, fmt.Errorf("arena: %s memory is closed", mem.Kind())
+		return staging{}, fmt.Errorf("arena: %s memory is closed", mem.Kind())
 	}
-	buf, release, err := c.Bounce(n)
+	buf, release, err := c.Bounce(min(n, chunk))
+	if err != nil {
+		return staging{}, err
+	}
+	at := s.Offset + off
+	return staging{c: c, at: at, end: at + n, buf: buf, release: release}, nil
+}
+
+// Close gives the staging back; it must be called once, when the pieces
+// lent are no longer used.
+func (st *staging) Close() { st.release() }
+
+// Readable is (*Arena).Readable for a slice of any Memory.
+func Readable(mem Memory, s Slice, off, n int64) (src []byte, release func(), err error) {
+	f, err := NewFetcher(mem, s, off, n, max(n, 1))
 	if err != nil {
 		return nil, nil, err
 	}
-	if err := c.CopyOut(buf, s.Offset+off); err != nil {
-		release()
+	if src, err = f.Next(); err != nil {
+		f.Close()
 		return nil, nil, err
 	}
-	return buf, release, nil
+	return src, f.Close, nil
 }
 
 func within(s Slice, off, n int64) error {
