@@ -67,6 +67,84 @@ type InPlaceSink interface {
 	AcceptInPlace(addr, n uint64, key Key, tag uint32) (done func(error), err error)
 }
 
+// ChunkSink is a Sink whose slots may lie in memory the host cannot
+// address (a GPU arena, a CUDA region), which it fills by copies from
+// host staging. A transport that reads a write's bytes off a stream in
+// order (TCP) lands them through AcceptChunks: a write then holds one
+// chunk of staging (ferryd's: 16 MiB) at a time, where Accept would
+// lend staging for all n bytes at once. Host memory is lent as itself,
+// in one piece, with no copy.
+type ChunkSink interface {
+	Sink
+	// AcceptChunks is Accept for a write whose bytes the transport
+	// reads in order: the same checks and refusals, the same pinning
+	// and the same done, which the transport calls with nil once body
+	// lent its last (empty) piece, or with the error that stopped the
+	// write.
+	AcceptChunks(addr, n uint64, key Key, tag uint32) (body Body, done func(error), err error)
+}
+
+// Body lends the memory an accepted write's bytes go to, a piece at a
+// time: each call puts the bytes of the piece it lent before in place
+// (the transport must have written all of them), then lends the next;
+// an empty piece says all the write's bytes are in place. An error is
+// the receiver's failure to place them (a copy into GPU memory failed),
+// not the path's: the transport tells the sender (ReadBody returns it
+// as a *PlaceError) and calls done with it.
+type Body func() ([]byte, error)
+
+// Whole is the Body of memory that takes a write's bytes where they
+// lie: dst, in one piece.
+func Whole(dst []byte) Body {
+	return func() ([]byte, error) {
+		piece := dst
+		dst = nil
+		return piece, nil
+	}
+}
+
+// PlaceError is a write's bytes that the receiver read but could not put
+// in place (Body's error): the sender's stream is in step, and it may
+// be told why.
+type PlaceError struct{ Err error }
+
+func (e *PlaceError) Error() string { return e.Err.Error() }
+func (e *PlaceError) Unwrap() error { return e.Err }
+
+// IOChunk is how much of a write's bytes moves under one deadline, so a
+// long write that keeps making progress never times out.
+const IOChunk = 1 << 20
+
+// ReadBody reads a write's n bytes from c into the pieces body lends,
+// IOChunk bytes under each read deadline of timeout. A body whose
+// pieces do not add up to n bytes, or that fails to place them, is a
+// *PlaceError.
+func ReadBody(c net.Conn, n uint64, body Body, timeout time.Duration) error {
+	var got uint64
+	for {
+		piece, err := body()
+		switch {
+		case err != nil:
+			return &PlaceError{err}
+		case uint64(len(piece)) > n-got:
+			return &PlaceError{fmt.Errorf("the receiver lent %d bytes for the next piece of a %d-byte write with %d bytes left", len(piece), n, n-got)}
+		case len(piece) == 0 && got < n:
+			return &PlaceError{fmt.Errorf("the receiver took %d bytes of a %d-byte write as all of it", got, n)}
+		case len(piece) == 0:
+			return nil
+		}
+		for off := 0; off < len(piece); {
+			c.SetReadDeadline(time.Now().Add(timeout))
+			m, err := io.ReadFull(c, piece[off:min(off+IOChunk, len(piece))])
+			off += m
+			got += uint64(m)
+			if err != nil {
+				return fmt.Errorf("read %d of a %d-byte write body: %w", got, n, err)
+			}
+		}
+	}
+}
+
 // Windows makes NIC-enforced windows over receive slots (rdma's windows
 // mode): a peer writes a slot's bytes through its window's rkey, and the
 // NIC refuses any byte outside them, and any write once it is closed.

@@ -60,6 +60,29 @@ func (g *Gate) Admit(h *Header) (dst []byte, done func(error), refused *Refused)
 	return dst, done, nil
 }
 
+// AdmitBody is Admit for a transport that reads a write's bytes off a
+// stream in order: through the Sink's AcceptChunks where it has one
+// (memory the host cannot address then takes host staging a chunk at a
+// time), else Accept's memory as one piece.
+func (g *Gate) AdmitBody(h *Header) (body transport.Body, done func(error), refused *Refused) {
+	cs, ok := g.sink.(transport.ChunkSink)
+	if !ok {
+		dst, done, refused := g.Admit(h)
+		if refused != nil {
+			return nil, nil, refused
+		}
+		return transport.Whole(dst), done, nil
+	}
+	refused = g.admit(h, func() (err error) {
+		body, done, err = cs.AcceptChunks(h.Addr, h.Len, h.Key, h.Tag)
+		return err
+	})
+	if refused != nil {
+		return nil, nil, refused
+	}
+	return body, done, nil
+}
+
 // AdmitInPlace is Admit for a write the transport's NIC places where h
 // addresses it, in memory the transport registered (sink's
 // AcceptInPlace): no host memory is handed out.

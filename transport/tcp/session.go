@@ -193,7 +193,7 @@ func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse,
 
 	// The header and the first chunk go in one writev; the rest of the
 	// body follows in chunks, each with a fresh deadline.
-	c.bufs = [2][]byte{c.hdr[:], body[:min(len(body), ioChunk)]}
+	c.bufs = [2][]byte{c.hdr[:], body[:min(len(body), transport.IOChunk)]}
 	c.vec = c.bufs[:]
 	c.nc.SetWriteDeadline(s.Deadline(ctx))
 	n, err := c.vec.WriteTo(c.nc)
@@ -201,7 +201,7 @@ func (s *session) send(ctx context.Context, c *conn, w *transport.Write) (reuse,
 	for err == nil && sent < len(body) {
 		c.nc.SetWriteDeadline(s.Deadline(ctx))
 		var m int
-		m, err = c.nc.Write(body[sent:min(sent+ioChunk, len(body))])
+		m, err = c.nc.Write(body[sent:min(sent+transport.IOChunk, len(body))])
 		sent += m
 	}
 	if err != nil {

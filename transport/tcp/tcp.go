@@ -20,10 +20,6 @@ import (
 	"github.com/ferry-project/ferry/transport/peer"
 )
 
-// ioChunk is how much of a body moves under one deadline, so a long
-// write that keeps making progress never times out.
-const ioChunk = 1 << 20
-
 // lingerBytes bounds what a receiver drains while its last reply to a
 // connection it is closing travels.
 const lingerBytes = 4 << 20
@@ -195,30 +191,27 @@ func (r *receiver) readHeader(h *peer.Header) error {
 }
 
 func (r *receiver) serveWrite(h *peer.Header) error {
-	dst, done, no := r.gate.Admit(h)
+	body, done, no := r.gate.AdmitBody(h)
 	if no != nil {
 		return r.refuse(h, no)
 	}
-	if err := r.readBody(dst); err != nil {
+	if err := transport.ReadBody(r.c, h.Len, body, r.t.cfg.IOTimeout); err != nil {
 		done(err)
+		var pe *transport.PlaceError
+		if errors.As(err, &pe) {
+			// The stream is in step and the sender waits for its reply:
+			// it learns why, and the connection closes, the rest of the
+			// body unread.
+			code, msg := peer.Refusal(err)
+			r.reply(code, peer.FlagClose, msg)
+			r.c.Idle()
+			r.linger()
+		}
 		return err
 	}
 	done(nil)
 	r.c.Prove() // it held a live slot's key
 	return r.reply(transport.OK, 0, "")
-}
-
-func (r *receiver) readBody(dst []byte) error {
-	for off := 0; off < len(dst); {
-		end := min(off+ioChunk, len(dst))
-		r.c.SetReadDeadline(time.Now().Add(r.t.cfg.IOTimeout))
-		n, err := io.ReadFull(r.c, dst[off:end])
-		off += n
-		if err != nil {
-			return fmt.Errorf("read %d of a %d-byte write body: %w", off, len(dst), err)
-		}
-	}
-	return nil
 }
 
 // maxSkip is the most of a refused write's body a receiver reads and
