@@ -27,6 +27,8 @@ type deviceMemory struct {
 	lent, peak int64 // host staging Bounce lends now, and the most at once
 	lends      int   // Bounce's loans so far
 	lendLimit  int   // > 0: Bounce lends this many in all, then has none
+	copiesIn   int   // CopyIn's calls so far
+	failFrom   int   // > 0: CopyIn fails from its failFrom-th call on (a GPU fault)
 }
 
 func (m *deviceMemory) Base() uint64 { return 0x7f5500000000 }
@@ -37,6 +39,13 @@ func (m *deviceMemory) Close() error { return nil }
 func (m *deviceMemory) CopyIn(off int64, src []byte) error {
 	if m.failCopy != nil {
 		return m.failCopy
+	}
+	m.mu.Lock()
+	m.copiesIn++
+	failed := m.failFrom > 0 && m.copiesIn >= m.failFrom
+	m.mu.Unlock()
+	if failed {
+		return errors.New("cuMemcpyHtoD_v2: CUDA_ERROR_ILLEGAL_ADDRESS")
 	}
 	copy(m.mem[off:], src)
 	return nil

@@ -13,6 +13,7 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // mooncakeSegment is ferryd serving as a Mooncake segment
@@ -174,7 +175,7 @@ func (m *mooncakeSegment) close() {
 // are refused (ferry's slots are write targets).
 type mooncakeMemory struct{ reg *registry }
 
-func (mm mooncakeMemory) Write(addr, n uint64) ([]byte, func(error), error) {
+func (mm mooncakeMemory) Write(addr, n uint64) (transport.Body, func(error), error) {
 	return mm.reg.AcceptUnkeyed(addr, n)
 }
 

@@ -24,12 +24,17 @@ func TestUnkeyedWritesFillASlotPieceByPiece(t *testing.T) {
 	arrived := func() bool { return r.receives()[0].Arrived }
 	write := func(off, n uint64) {
 		t.Helper()
-		dst, done, err := r.AcceptUnkeyed(s.addr+off, n)
+		body, done, err := r.AcceptUnkeyed(s.addr+off, n)
 		if err != nil {
 			t.Fatal(err)
 		}
+		// Host memory: the slot's bytes themselves, in one piece.
+		dst, _ := body()
 		for i := range dst {
 			dst[i] = byte(off + uint64(i))
+		}
+		if rest, err := body(); len(dst) != int(n) || len(rest) != 0 || err != nil {
+			t.Fatalf("a write of %d bytes lent pieces of %d and %d bytes (%v)", n, len(dst), len(rest), err)
 		}
 		done(nil)
 	}

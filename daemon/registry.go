@@ -509,6 +509,22 @@ func (r *registry) addSlot(s *slot) *slot {
 // address outside the slot it names, is one refusal that tells a
 // guessing peer nothing about the slots there are.
 func (r *registry) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
+	// One piece of all n bytes: lent with no copy, copied in by done.
+	body, done, err := r.acceptKeyed(addr, n, key, tag, int64(n))
+	if err != nil {
+		return nil, nil, err
+	}
+	dst, _ := body()
+	return dst, done, nil
+}
+
+// AcceptChunks implements transport.ChunkSink: a write into memory the
+// host cannot address takes stageChunk bytes of host staging at most.
+func (r *registry) AcceptChunks(addr, n uint64, key transport.Key, tag uint32) (transport.Body, func(error), error) {
+	return r.acceptKeyed(addr, n, key, tag, stageChunk)
+}
+
+func (r *registry) acceptKeyed(addr, n uint64, key transport.Key, tag uint32, chunk int64) (transport.Body, func(error), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
@@ -519,7 +535,7 @@ func (r *registry) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte
 		r.refused(transport.NoSlot)
 		return nil, nil, errRefuseNoSlot
 	}
-	return r.land(s, addr, n, tag, false)
+	return r.land(s, addr, n, tag, chunk)
 }
 
 // AcceptInPlace implements transport.InPlaceSink: rdma places a write
@@ -542,15 +558,16 @@ func (r *registry) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) 
 		return nil, &transport.Refusal{Code: transport.OutOfBounds,
 			Message: fmt.Sprintf("the receive slot of req_id %s lies in region %s, outside the GPU memory the NIC writes into", s.reqID, s.region.name)}
 	}
-	_, done, err := r.land(s, addr, n, tag, true)
+	_, done, err := r.land(s, addr, n, tag, 0)
 	return done, err
 }
 
 // AcceptUnkeyed takes a write that carries no key (a Mooncake peer's):
 // it must lie inside one live receive slot made for Mooncake writers,
 // found by its address. Such writes may fill a slot piece by piece; the
-// slot arrives when its last byte has.
-func (r *registry) AcceptUnkeyed(addr, n uint64) ([]byte, func(error), error) {
+// slot arrives when its last byte has. The data port reads them off a
+// stream, stageChunk bytes of host staging at a time at most.
+func (r *registry) AcceptUnkeyed(addr, n uint64) (transport.Body, func(error), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
@@ -562,7 +579,7 @@ func (r *registry) AcceptUnkeyed(addr, n uint64) ([]byte, func(error), error) {
 		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
 			Message: fmt.Sprintf("no live receive slot open to Mooncake writers at address %#x: it was freed, timed out, made without \"mooncake\": true, or the receiver restarted; ask the receiver for a new slot", addr)}
 	}
-	return r.land(s, addr, n, s.key.Tag(), false)
+	return r.land(s, addr, n, s.key.Tag(), stageChunk)
 }
 
 var (
@@ -642,11 +659,15 @@ func (r *registry) slotAt(addr uint64) *slot {
 }
 
 // land checks a write of n bytes at addr against s and pins s for it;
-// callers hold mu. inPlace says the bytes land (or are) where they are
-// addressed, with no host memory to hand out or copy in. Each write adds its range; the slot arrives once its
+// callers hold mu. Each write adds its range; the slot arrives once its
 // writes have covered every byte of it, so a reader never gets bytes no
-// write put there (an earlier tenant's).
-func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]byte, func(error), error) {
+// write put there (an earlier tenant's). body lends the memory the bytes
+// go to: for memory the host cannot address (a GPU arena, a CUDA
+// region), host staging of chunk bytes at most, each piece copied in
+// before the next is lent, and the last by done; chunk 0 says the bytes
+// land (or are) where they are addressed, with no memory to lend (body
+// nil).
+func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (transport.Body, func(error), error) {
 	end := addr + n
 	if n == 0 || addr < s.addr || end < addr || end > s.addr+uint64(s.nbytes) {
 		r.refused(transport.OutOfBounds)
@@ -666,13 +687,11 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]by
 		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds,
 			Message: fmt.Sprintf("the receive slot of req_id %s already tracks %d separate pieces, this receiver's limit: send it in fewer, larger or contiguous pieces", s.reqID, maxPieces)}
 	}
-	// Else for a GPU arena the bytes land in a host bounce buffer and
-	// are copied in before the slot counts as arrived.
-	var dst []byte
-	commit := func(bool) error { return nil }
-	if !inPlace {
+	var fill *arena.Filler
+	if chunk > 0 {
+		mem, sl := r.memoryOf(s)
 		var err error
-		if dst, commit, err = r.writable(s, int64(off), int64(n)); err != nil {
+		if fill, err = arena.NewFiller(mem, sl, int64(off), int64(n), chunk); err != nil {
 			if errors.Is(err, arena.ErrNoStaging) {
 				// Told to the sender, whose write it is: the remedy is here.
 				r.refused(transport.Internal)
@@ -685,7 +704,14 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]by
 	s.pins++
 	s.writes++
 	done := func(err error) {
-		cerr := commit(err == nil)
+		var cerr error
+		if fill != nil {
+			if err == nil {
+				// What is still lent (Accept's one piece) goes in now.
+				_, cerr = fill.Next()
+			}
+			fill.Close()
+		}
 		r.mu.Lock()
 		defer r.unlock()
 		s.writes--
@@ -705,7 +731,16 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]by
 		}
 		r.unpin(s)
 	}
-	return dst, done, nil
+	if fill == nil {
+		return nil, done, nil
+	}
+	return func() ([]byte, error) {
+		piece, err := fill.Next()
+		if err != nil {
+			return nil, fmt.Errorf("the receiving ferryd could not copy the write's bytes into the GPU memory of the receive slot of req_id %s: %v; send it again", s.reqID, err)
+		}
+		return piece, nil
+	}, done, nil
 }
 
 // completeWhole takes an out-of-band word (a Mooncake notify, or the
@@ -714,7 +749,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, inPlace bool) ([]by
 // no write to it is landing. Callers hold mu; completeWhole releases it.
 func (r *registry) completeWhole(s *slot) error {
 	// The bytes are in place already: nothing to copy in.
-	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key.Tag(), true)
+	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key.Tag(), 0)
 	r.mu.Unlock()
 	if err != nil {
 		return err
@@ -804,21 +839,18 @@ func (r *registry) describeSlot(s *slot) api.Receive {
 	return d
 }
 
-// writable is where a write of n bytes at off of s lands, and its commit
-// (a GPU arena's copy in from the bounce buffer).
-func (r *registry) writable(s *slot, off, n int64) ([]byte, func(bool) error, error) {
+// memoryOf is the memory s lies in, and s's bytes there.
+func (r *registry) memoryOf(s *slot) (arena.Memory, arena.Slice) {
 	if s.region != nil {
-		return arena.Writable(s.region.mem, arena.Slice{Offset: s.regionOff, Len: s.nbytes}, off, n)
+		return s.region.mem, arena.Slice{Offset: s.regionOff, Len: s.nbytes}
 	}
-	return r.arena.Writable(s.slice, off, n)
+	return r.arena.Memory(), s.slice
 }
 
 // readable is s's first n bytes where the host can read them.
 func (r *registry) readable(s *slot, n int64) ([]byte, func(), error) {
-	if s.region != nil {
-		return arena.Readable(s.region.mem, arena.Slice{Offset: s.regionOff, Len: s.nbytes}, 0, n)
-	}
-	return r.arena.Readable(s.slice, 0, n)
+	mem, sl := r.memoryOf(s)
+	return arena.Readable(mem, sl, 0, n)
 }
 
 // waitSlot waits up to wait for reqID's data to arrive. With pin, the slot

@@ -103,7 +103,7 @@ func do(ctx context.Context, op Opcode, r Request) (err error) {
 		}
 		for off := 0; off < len(r.Buf); {
 			c.SetReadDeadline(deadline())
-			n, err := io.ReadFull(c, r.Buf[off:min(off+ioChunk, len(r.Buf))])
+			n, err := io.ReadFull(c, r.Buf[off:min(off+transport.IOChunk, len(r.Buf))])
 			off += n
 			if err != nil {
 				if !r.V2 && off == 0 && transport.PeerGone(err) {
@@ -116,14 +116,14 @@ func do(ctx context.Context, op Opcode, r Request) (err error) {
 	}
 
 	// The header and the first chunk go in one writev.
-	bufs := net.Buffers{hb[:], r.Buf[:min(len(r.Buf), ioChunk)]}
+	bufs := net.Buffers{hb[:], r.Buf[:min(len(r.Buf), transport.IOChunk)]}
 	c.SetWriteDeadline(deadline())
 	n, err := bufs.WriteTo(c)
 	sent := max(int(n)-HeaderSize, 0)
 	for err == nil && sent < len(r.Buf) {
 		c.SetWriteDeadline(deadline())
 		var m int
-		m, err = c.Write(r.Buf[sent:min(sent+ioChunk, len(r.Buf))])
+		m, err = c.Write(r.Buf[sent:min(sent+transport.IOChunk, len(r.Buf))])
 		sent += m
 	}
 	if err != nil {

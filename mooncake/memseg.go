@@ -8,6 +8,8 @@ import (
 	"sync"
 	"time"
 	"unsafe"
+
+	"github.com/ferry-project/ferry/transport"
 )
 
 // MemorySegment is a Mooncake segment in this process's memory, served as
@@ -153,12 +155,12 @@ func (s *MemorySegment) span(addr, n uint64) ([]byte, error) {
 }
 
 // Write implements Memory: the data port's WRITEs into the buffer.
-func (s *MemorySegment) Write(addr, n uint64) ([]byte, func(error), error) {
+func (s *MemorySegment) Write(addr, n uint64) (transport.Body, func(error), error) {
 	b, err := s.span(addr, n)
 	if err != nil {
 		return nil, nil, err
 	}
-	return b, func(err error) {
+	return transport.Whole(b), func(err error) {
 		if err == nil {
 			s.mu.Lock()
 			s.writes++

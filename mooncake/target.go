@@ -8,16 +8,19 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // Memory is what a data port writes into and reads from: the target's
 // registered buffers.
 type Memory interface {
 	// Write checks a WRITE of n bytes at addr and returns the memory the
-	// bytes go to (len n). done must be called once: with nil when all n
-	// bytes are in dst, else with what stopped them. An error refuses the
-	// write (status rejected).
-	Write(addr, n uint64) (dst []byte, done func(error), err error)
+	// bytes go to, lent a piece at a time as transport.Body says (host
+	// memory in one piece; memory the host cannot address a chunk of
+	// host staging at a time). done must be called once: with nil when
+	// body has placed all n bytes, else with what stopped them. An
+	// error refuses the write (status rejected).
+	Write(addr, n uint64) (body transport.Body, done func(error), err error)
 	// Read returns the n bytes at addr for a READ, and release for when
 	// they have been sent; an error refuses the read.
 	Read(addr, n uint64) (src []byte, release func(), err error)
@@ -58,10 +61,6 @@ type DataServer struct {
 	mem Memory
 	cfg DataConfig
 }
-
-// ioChunk is how much moves under one deadline, so a long transfer that
-// keeps making progress never times out.
-const ioChunk = 1 << 20
 
 // ServeData serves data requests on ln into mem until Close.
 func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
@@ -135,7 +134,8 @@ func (s *DataServer) serve(c *connlimit.Conn) error {
 
 func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 	var (
-		mem     []byte
+		src     []byte
+		body    transport.Body
 		finish  func(error)
 		release func()
 		err     error
@@ -143,9 +143,9 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 	if h.Size > s.cfg.MaxSize {
 		err = fmt.Errorf("%d bytes exceeds this port's limit of %d", h.Size, s.cfg.MaxSize)
 	} else if h.Op == OpWrite {
-		mem, finish, err = s.mem.Write(h.Addr, h.Size)
+		body, finish, err = s.mem.Write(h.Addr, h.Size)
 	} else {
-		mem, release, err = s.mem.Read(h.Addr, h.Size)
+		src, release, err = s.mem.Read(h.Addr, h.Size)
 	}
 	if err != nil {
 		s.reject(c, h)
@@ -158,11 +158,16 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 				return err
 			}
 		}
-		return s.move(c, mem, false)
+		return s.send(c, src)
 	}
-	if err := s.move(c, mem, true); err != nil {
+	if err := transport.ReadBody(c, h.Size, body, s.cfg.IOTimeout); err != nil {
 		finish(err)
-		return err
+		if errors.As(err, new(*transport.PlaceError)) {
+			// Read but not placed: the stream is in step, so a v2
+			// requester hears it was rejected.
+			s.reject(c, h)
+		}
+		return fmt.Errorf("a WRITE of %d bytes at %#x: %w", h.Size, h.Addr, err)
 	}
 	finish(nil)
 	if h.V2 {
@@ -195,27 +200,14 @@ func (s *DataServer) status(c net.Conn, st Status) error {
 	return nil
 }
 
-// move reads the request's bytes into buf (in) or sends buf (out), a
-// chunk per deadline.
-func (s *DataServer) move(c net.Conn, buf []byte, in bool) error {
+// send sends a READ's bytes, a chunk per deadline.
+func (s *DataServer) send(c net.Conn, buf []byte) error {
 	for off := 0; off < len(buf); {
-		end := min(off+ioChunk, len(buf))
-		var n int
-		var err error
-		if in {
-			c.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
-			n, err = io.ReadFull(c, buf[off:end])
-		} else {
-			c.SetWriteDeadline(time.Now().Add(s.cfg.IOTimeout))
-			n, err = c.Write(buf[off:end])
-		}
+		c.SetWriteDeadline(time.Now().Add(s.cfg.IOTimeout))
+		n, err := c.Write(buf[off:min(off+transport.IOChunk, len(buf))])
 		off += n
 		if err != nil {
-			what := "received"
-			if !in {
-				what = "sent"
-			}
-			return fmt.Errorf("%s %d of %d bytes: %w", what, off, len(buf), err)
+			return fmt.Errorf("sent %d of %d bytes: %w", off, len(buf), err)
 		}
 	}
 	return nil

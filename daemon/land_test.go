@@ -1,0 +1,149 @@
+package daemon
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"errors"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/config"
+)
+
+// gpuDaemon serves a ferryd whose arena is GPU memory of size bytes
+// (beneath the arena.Copier seam), taking writes of up to 128 MiB.
+func gpuDaemon(t *testing.T, dir, name string, size int) (*deviceMemory, *client.Client) {
+	t.Helper()
+	d := newTestDaemon(t, dir, name, func(c *Config) { c.ArenaSize = "128MiB" })
+	gpu := &deviceMemory{mem: make([]byte, size)}
+	var err error
+	if d.arena, err = arena.New(gpu, config.ArenaAlign); err != nil {
+		t.Fatal(err)
+	}
+	d.reg.arena = d.arena
+	return gpu, serveDaemon(t, d)
+}
+
+// A write of 48 MiB from a host arena, over TCP in one piece, lands in a
+// GPU slot byte-exact through one stageChunk of host staging, each
+// chunk copied in before the next is read. A chunk whose copy in fails
+// midway fails the write: the
+// sender is told why, the slot has not arrived, and a resend lands it.
+func TestTCPWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
+	const n = 3 * stageChunk
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	gpu, rcv := gpuDaemon(t, dir, "rcv", 2*n)
+	_, snd := serveTestDaemon(t, dir, "snd", func(c *Config) { c.ArenaSize = "64MiB"; c.TCPStripes = 1 })
+
+	data := make([]byte, n)
+	if _, err := rand.Read(data); err != nil {
+		t.Fatal(err)
+	}
+	// A send frees its entry; a failed one keeps it staged.
+	stage := func() {
+		t.Helper()
+		if _, err := snd.Stage(ctx, "h", []int64{n}, "u8", bytes.NewReader(data), n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	send := func(reqID string) error {
+		t.Helper()
+		slot, err := rcv.WaitInfo(ctx, reqID, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_, err = snd.Send(ctx, "h", api.SendRequest{Session: slot.Session, BufferAddress: slot.BufferAddress, Key: slot.Key, NBytes: n})
+		return err
+	}
+	for _, id := range []string{"g1", "g2"} {
+		if _, err := rcv.Receive(ctx, id, n); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	stage()
+	if err := send("g1"); err != nil {
+		t.Fatal(err)
+	}
+	if peak := gpu.takePeak(); peak != stageChunk {
+		t.Errorf("the write of %d bytes held %d bytes of host staging at once, want one chunk (%d)", n, peak, stageChunk)
+	}
+	got, err := rcv.Wait(ctx, "g1", 30*time.Second)
+	if err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("g1: %d bytes read back (%v), not the %d sent", len(got), err, n)
+	}
+
+	// The second chunk's copy fails: the send (kept staged) is refused
+	// with the receiver's reason, and the slot waits for a resend.
+	stage()
+	gpu.mu.Lock()
+	gpu.failFrom = gpu.copiesIn + 2
+	gpu.mu.Unlock()
+	var ae *client.Error
+	if err := send("g2"); !errors.As(err, &ae) || ae.Code != api.CodeRefused ||
+		!strings.Contains(ae.Message, "could not copy the write's bytes into the GPU memory of the receive slot of req_id g2") ||
+		!strings.Contains(ae.Message, "CUDA_ERROR_ILLEGAL_ADDRESS") {
+		t.Fatalf("a send whose second chunk could not be copied in: %v", err)
+	}
+	if info, err := rcv.WaitInfo(ctx, "g2", 0); err != nil || info.Arrived || info.WritesInFlight != 0 {
+		t.Fatalf("the slot after a write that failed midway: %+v, %v; want it open, nothing landing", info, err)
+	}
+	gpu.mu.Lock()
+	gpu.failFrom = 0
+	gpu.mu.Unlock()
+	if err := send("g2"); err != nil {
+		t.Fatalf("the resend: %v", err)
+	}
+	if got, err := rcv.Wait(ctx, "g2", 30*time.Second); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("g2: %d bytes read back (%v), not the %d sent", len(got), err, n)
+	}
+}
+
+// A Mooncake WRITE into a slot in GPU memory is lent stageChunk bytes of
+// host staging at a time, each piece copied in before the next.
+func TestUnkeyedWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
+	const n = 2*stageChunk + 5
+	gpu := &deviceMemory{mem: make([]byte, n+(1<<20))}
+	a, err := arena.New(gpu, config.ArenaAlign)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := newRegistry(a)
+	s, err := r.newSlot("m", n, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, done, err := r.AcceptUnkeyed(s.addr, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var lens []int
+	for {
+		piece, err := body()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(piece) == 0 {
+			break
+		}
+		for i := range piece {
+			piece[i] = byte(len(lens) + 1)
+		}
+		lens = append(lens, len(piece))
+	}
+	done(nil)
+	if !slices.Equal(lens, []int{stageChunk, stageChunk, 5}) || gpu.takePeak() != stageChunk {
+		t.Fatalf("pieces of %v bytes; want two chunks and the 5-byte tail, through one chunk of staging", lens)
+	}
+	if got := gpu.mem[s.slice.Offset+n-5 : s.slice.Offset+n]; !bytes.Equal(got, bytes.Repeat([]byte{3}, 5)) || !r.receives()[0].Arrived {
+		t.Fatalf("the tail in GPU memory is %v, arrived %t", got, r.receives()[0].Arrived)
+	}
+}
