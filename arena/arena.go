@@ -71,39 +71,6 @@ func bytesOf(mem Memory, s Slice) []byte {
 	return host[s.Offset:end:end]
 }
 
-// Writable returns host memory to put n bytes at offset off of s in, and
-// commit, which must be called once: commit(true) makes the bytes s's (a
-// copy in for a Copier; nothing for host memory, where dst is s itself),
-// commit(false) drops them.
-func (a *Arena) Writable(s Slice, off, n int64) (dst []byte, commit func(keep bool) error, err error) {
-	return Writable(a.mem, s, off, n)
-}
-
-// Writable is (*Arena).Writable for a slice of any Memory, such as a
-// region a client lent: s is then the bytes it is asked about.
-func Writable(mem Memory, s Slice, off, n int64) (dst []byte, commit func(keep bool) error, err error) {
-	f, err := NewFiller(mem, s, off, n, max(n, 1))
-	if err != nil {
-		return nil, nil, err
-	}
-	dst, _ = f.Next() // the one piece, lent with no copy
-	return dst, func(keep bool) error {
-		defer f.Close()
-		if !keep {
-			return nil
-		}
-		_, err := f.Next()
-		return err
-	}, nil
-}
-
-// Readable returns n bytes at offset off of s where the host can read
-// them: s itself for host memory, a bounce buffer filled by a copy out for
-// a Copier. release must be called once when done with them.
-func (a *Arena) Readable(s Slice, off, n int64) (src []byte, release func(), err error) {
-	return Readable(a.mem, s, off, n)
-}
-
 // Filler puts n bytes at an offset of a slice in place in the order a
 // writer has them (read from a stream), a piece at a time: Next lends the
 // host memory for the next piece once the last is in place. Host memory
@@ -217,7 +184,9 @@ func stage(mem Memory, s Slice, off, n, chunk int64) (staging, error) {
 // lent are no longer used.
 func (st *staging) Close() { st.release() }
 
-// Readable is (*Arena).Readable for a slice of any Memory.
+// Readable returns n bytes at offset off of s where the host can read
+// them: s itself for host memory, a bounce buffer filled by a copy out for
+// a Copier. release must be called once when done with them.
 func Readable(mem Memory, s Slice, off, n int64) (src []byte, release func(), err error) {
 	f, err := NewFetcher(mem, s, off, n, max(n, 1))
 	if err != nil {

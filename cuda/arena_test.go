@@ -373,8 +373,8 @@ func sameBacking(area, b []byte) bool {
 	return false
 }
 
-// The arena package's Writable/Readable over a device arena: the path the
-// daemon's upload, receive and send take.
+// The arena package's Filler and Readable over a device arena: the paths
+// the daemon's upload, receive and send take.
 func TestArenaSlicesOfDeviceMemoryThroughTheArenaPackage(t *testing.T) {
 	dev := newFakeDevice()
 	mem, err := newArena(dev, 2<<20, 1<<20)
@@ -393,16 +393,18 @@ func TestArenaSlicesOfDeviceMemoryThroughTheArenaPackage(t *testing.T) {
 	if a.Addr(s) != mem.Base()+uint64(s.Offset) {
 		t.Fatalf("Addr = %#x, want the device pointer %#x + %d", a.Addr(s), mem.Base(), s.Offset)
 	}
-	dst, commit, err := a.Writable(s, 0, 1000)
+	f, err := arena.NewFiller(mem, s, 0, 1000, 1000)
 	if err != nil {
 		t.Fatal(err)
 	}
 	want := bytes.Repeat([]byte{0xab}, 1000)
+	dst, _ := f.Next()
 	copy(dst, want)
-	if err := commit(true); err != nil {
-		t.Fatal(err)
+	if rest, err := f.Next(); len(rest) != 0 || err != nil {
+		t.Fatalf("after its one piece the Filler lent %d bytes, %v", len(rest), err)
 	}
-	src, release, err := a.Readable(s, 0, 1000)
+	f.Close()
+	src, release, err := arena.Readable(mem, s, 0, 1000)
 	if err != nil || !bytes.Equal(src, want) {
 		t.Fatalf("read back %d bytes, %v", len(src), err)
 	}

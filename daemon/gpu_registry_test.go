@@ -29,6 +29,8 @@ type deviceMemory struct {
 	lendLimit  int   // > 0: Bounce lends this many in all, then has none
 	copiesIn   int   // CopyIn's calls so far
 	failFrom   int   // > 0: CopyIn fails from its failFrom-th call on (a GPU fault)
+	copiesOut  int   // CopyOut's calls so far
+	failOut    int   // > 0: CopyOut fails from its failOut-th call on
 }
 
 func (m *deviceMemory) Base() uint64 { return 0x7f5500000000 }
@@ -51,6 +53,13 @@ func (m *deviceMemory) CopyIn(off int64, src []byte) error {
 	return nil
 }
 func (m *deviceMemory) CopyOut(dst []byte, off int64) error {
+	m.mu.Lock()
+	m.copiesOut++
+	failed := m.failOut > 0 && m.copiesOut >= m.failOut
+	m.mu.Unlock()
+	if failed {
+		return errors.New("cuMemcpyDtoH_v2: CUDA_ERROR_ILLEGAL_ADDRESS")
+	}
 	copy(dst, m.mem[off:])
 	return nil
 }
@@ -71,6 +80,22 @@ func (m *deviceMemory) Bounce(n int64) ([]byte, func(), error) {
 		defer m.mu.Unlock()
 		m.lent -= n
 	}, nil
+}
+
+// fetchAll is the bytes f has, read to the end.
+func fetchAll(t *testing.T, f *arena.Fetcher) []byte {
+	t.Helper()
+	var all []byte
+	for {
+		piece, err := f.Next()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(piece) == 0 {
+			return all
+		}
+		all = append(all, piece...)
+	}
 }
 
 // takePeak is the most staging lent at once since the last takePeak.
@@ -133,8 +158,8 @@ func TestReceiveIntoDeviceMemoryThroughCopies(t *testing.T) {
 	dev.failCopy = nil
 	write()
 	desc, got, release, err := r.waitSlot(context.Background(), "g1", 0, true)
-	if err != nil || !desc.Arrived || desc.Tag != 7 || !bytes.Equal(got, data) {
-		t.Fatalf("after a resend: %+v, %q, %v", desc, got, err)
+	if err != nil || !desc.Arrived || desc.Tag != 7 || !bytes.Equal(fetchAll(t, got), data) {
+		t.Fatalf("after a resend: %+v, %v", desc, err)
 	}
 	release()
 	if !bytes.Equal(dev.mem[s.slice.Offset:s.slice.Offset+100], data) {
@@ -179,7 +204,7 @@ func TestRegionOfDeviceMemoryMovesThroughCopies(t *testing.T) {
 		t.Fatal("the write did not reach the region's memory at the slot's offset")
 	}
 	desc, got, release, err := r.waitSlot(context.Background(), "r1", 0, true)
-	if err != nil || !desc.Arrived || desc.Region != "kv" || desc.Offset != 4096 || !bytes.Equal(got, data) {
+	if err != nil || !desc.Arrived || desc.Region != "kv" || desc.Offset != 4096 || !bytes.Equal(fetchAll(t, got), data) {
 		t.Fatalf("reading the slot back: %+v, %v", desc, err)
 	}
 	release()

@@ -404,23 +404,21 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	// For a GPU arena the body lands in a host bounce buffer, copied in on commit.
-	dst, commit, err := d.arena.Writable(e.slice, 0, n)
+	// For a GPU arena the body lands in host staging, stageChunk bytes at
+	// a time, each copied in before the next is read.
+	fill, err := arena.NewFiller(d.arena.Memory(), e.slice, 0, n, stageChunk)
 	if err != nil {
 		d.reg.finishUpload(e, false)
 		return err
 	}
-	got, err := d.readBody(w, r.Body, dst)
+	needs := fmt.Sprintf("the %d bytes shape %s %s needs", n, api.ShapeString(shape), dtype)
+	err = d.readBody(w, r.Body, fill, needs)
+	fill.Close()
 	if err == nil {
 		var extra [1]byte
 		if k, _ := r.Body.Read(extra[:]); k > 0 {
-			err = fmt.Errorf("the body is longer than the %d bytes shape %s %s needs", n, api.ShapeString(shape), dtype)
+			err = fmt.Errorf("the body is longer than %s", needs)
 		}
-	} else {
-		err = fmt.Errorf("the body ended after %d of the %d bytes shape %s %s needs: %v", got, n, api.ShapeString(shape), dtype, err)
-	}
-	if cerr := commit(err == nil); err == nil && cerr != nil {
-		err = fmt.Errorf("copying it into GPU memory failed: %v", cerr)
 	}
 	d.reg.finishUpload(e, err == nil)
 	if err != nil {
@@ -436,21 +434,31 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 // --io-timeout: a stalled client cannot pin an uploading entry forever.
 const uploadChunk = 4 << 20
 
-// readBody fills dst from body, chunk by chunk, each under a fresh read
-// deadline.
-func (d *Daemon) readBody(w http.ResponseWriter, body io.Reader, dst []byte) (int, error) {
+// readBody reads an upload's bytes from body into the pieces fill
+// lends, each uploadChunk bytes under a fresh read deadline; needs says
+// what the bytes are for.
+func (d *Daemon) readBody(w http.ResponseWriter, body io.Reader, fill *arena.Filler, needs string) error {
 	rc := http.NewResponseController(w)
 	defer rc.SetReadDeadline(time.Time{})
-	got := 0
-	for got < len(dst) {
-		_ = rc.SetReadDeadline(time.Now().Add(d.cfg.IOTimeout.D()))
-		n, err := io.ReadFull(body, dst[got:min(got+uploadChunk, len(dst))])
-		got += n
+	var got int64
+	for {
+		piece, err := fill.Next()
 		if err != nil {
-			return got, err
+			return fmt.Errorf("copying it into GPU memory failed: %v", err)
+		}
+		if len(piece) == 0 {
+			return nil
+		}
+		for off := 0; off < len(piece); {
+			_ = rc.SetReadDeadline(time.Now().Add(d.cfg.IOTimeout.D()))
+			k, err := io.ReadFull(body, piece[off:min(off+uploadChunk, len(piece))])
+			off += k
+			got += int64(k)
+			if err != nil {
+				return fmt.Errorf("the body ended after %d of %s: %v", got, needs, err)
+			}
 		}
 	}
-	return got, nil
 }
 
 // handleSlice reserves an arena slice for zero-copy staging.
@@ -632,12 +640,27 @@ func (d *Daemon) handleGetReceive(w http.ResponseWriter, r *http.Request) error 
 		writeJSON(w, http.StatusOK, desc)
 		return nil
 	}
+	// The first piece is read before the answer starts, so a failed
+	// copy out is answered as an error; a later one cuts the body short
+	// of its Content-Length, which the client sees.
+	piece, err := data.Next()
+	if err != nil {
+		return fmt.Errorf("req_id %s: reading its receive slot: %w", id, err)
+	}
 	w.Header().Set("Content-Type", "application/octet-stream")
-	w.Header().Set("Content-Length", strconv.Itoa(len(data)))
-	w.Header().Set(api.HeaderNBytes, strconv.Itoa(len(data)))
+	w.Header().Set("Content-Length", strconv.FormatInt(desc.Received, 10))
+	w.Header().Set(api.HeaderNBytes, strconv.FormatInt(desc.Received, 10))
 	w.Header().Set(api.HeaderTag, strconv.FormatUint(uint64(desc.Tag), 10))
 	w.WriteHeader(http.StatusOK)
-	_, _ = w.Write(data)
+	for len(piece) > 0 {
+		if _, err := w.Write(piece); err != nil {
+			return nil // the client went away
+		}
+		if piece, err = data.Next(); err != nil {
+			d.log.Warn().Str("req_id", id).Err(err).Msg("reading a receive slot out of GPU memory failed midway: its reader got a short body")
+			return nil
+		}
+	}
 	return nil
 }
 

@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"io"
 	"slices"
 	"strings"
 	"testing"
@@ -32,9 +33,10 @@ func gpuDaemon(t *testing.T, dir, name string, size int) (*deviceMemory, *client
 
 // A write of 48 MiB from a host arena, over TCP in one piece, lands in a
 // GPU slot byte-exact through one stageChunk of host staging, each
-// chunk copied in before the next is read. A chunk whose copy in fails
-// midway fails the write: the
-// sender is told why, the slot has not arrived, and a resend lands it.
+// chunk copied in before the next is read; reading the slot back takes
+// no more, and one whose copy out fails midway is cut short. A chunk
+// whose copy in fails midway fails the write: the sender is told why,
+// the slot has not arrived, and a resend lands it.
 func TestTCPWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 	const n = 3 * stageChunk
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
@@ -80,6 +82,19 @@ func TestTCPWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 	if err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("g1: %d bytes read back (%v), not the %d sent", len(got), err, n)
 	}
+	if peak := gpu.takePeak(); peak != stageChunk {
+		t.Errorf("reading the slot back held %d bytes of host staging at once, want one chunk (%d)", peak, stageChunk)
+	}
+	// A copy out that fails once the answer has begun cuts it short.
+	gpu.mu.Lock()
+	gpu.failOut = gpu.copiesOut + 2
+	gpu.mu.Unlock()
+	if got, err := rcv.Wait(ctx, "g1", 30*time.Second); !errors.Is(err, io.ErrUnexpectedEOF) {
+		t.Fatalf("a read back whose second chunk could not be copied out: %d bytes, %v; want the body cut short", len(got), err)
+	}
+	gpu.mu.Lock()
+	gpu.failOut = 0
+	gpu.mu.Unlock()
 
 	// The second chunk's copy fails: the send (kept staged) is refused
 	// with the receiver's reason, and the slot waits for a resend.
@@ -104,6 +119,45 @@ func TestTCPWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 	}
 	if got, err := rcv.Wait(ctx, "g2", 30*time.Second); err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("g2: %d bytes read back (%v), not the %d sent", len(got), err, n)
+	}
+}
+
+// An upload into GPU memory goes through one stageChunk of host staging,
+// each chunk copied in before the next is read; a chunk whose copy fails
+// stages nothing, and the upload can be made again.
+func TestUploadsIntoGPUMemoryGoAChunkAtATime(t *testing.T) {
+	const n = 2*stageChunk + 4096
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	gpu, c := gpuDaemon(t, t.TempDir(), "gpu", n+(1<<20))
+	data := make([]byte, n)
+	if _, err := rand.Read(data); err != nil {
+		t.Fatal(err)
+	}
+	gpu.mu.Lock()
+	gpu.failFrom = gpu.copiesIn + 2
+	gpu.mu.Unlock()
+	var ae *client.Error
+	if _, err := c.Stage(ctx, "u", []int64{n}, "u8", bytes.NewReader(data), n); !errors.As(err, &ae) ||
+		!strings.Contains(ae.Message, "copying it into GPU memory failed") || !strings.Contains(ae.Message, "nothing was staged") {
+		t.Fatalf("an upload whose second chunk could not be copied in: %v", err)
+	}
+	if _, err := c.Embedding(ctx, "u"); err == nil {
+		t.Fatal("the failed upload left an entry")
+	}
+	gpu.mu.Lock()
+	gpu.failFrom = 0
+	gpu.mu.Unlock()
+	gpu.takePeak()
+	e, err := c.Stage(ctx, "u", []int64{n}, "u8", bytes.NewReader(data), n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if peak := gpu.takePeak(); peak != stageChunk {
+		t.Errorf("the upload of %d bytes held %d bytes of host staging at once, want one chunk (%d)", n, peak, stageChunk)
+	}
+	if got := gpu.mem[e.Offset : e.Offset+n]; !bytes.Equal(got, data) {
+		t.Fatal("the GPU memory does not hold the bytes uploaded")
 	}
 }
 

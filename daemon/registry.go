@@ -847,15 +847,10 @@ func (r *registry) memoryOf(s *slot) (arena.Memory, arena.Slice) {
 	return r.arena.Memory(), s.slice
 }
 
-// readable is s's first n bytes where the host can read them.
-func (r *registry) readable(s *slot, n int64) ([]byte, func(), error) {
-	mem, sl := r.memoryOf(s)
-	return arena.Readable(mem, sl, 0, n)
-}
-
 // waitSlot waits up to wait for reqID's data to arrive. With pin, the slot
-// is returned pinned (its bytes stay valid until release).
-func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duration, pin bool) (api.Receive, []byte, func(), error) {
+// is returned pinned, with its bytes to read (valid until release): for
+// memory the host cannot address, copied out stageChunk bytes at a time.
+func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duration, pin bool) (api.Receive, *arena.Fetcher, func(), error) {
 	deadline := time.NewTimer(wait)
 	defer deadline.Stop()
 	for {
@@ -895,13 +890,14 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 				defer r.unlock()
 				r.unpin(s)
 			}
-			// Read outside the lock: for a GPU arena this is a copy out.
-			data, release, err := r.readable(s, desc.Received)
+			// Lent outside the lock: for a GPU arena, host staging.
+			mem, sl := r.memoryOf(s)
+			data, err := arena.NewFetcher(mem, sl, 0, desc.Received, stageChunk)
 			if err != nil {
 				unpin()
 				return desc, nil, nil, fmt.Errorf("req_id %s: reading its receive slot: %w", reqID, err)
 			}
-			return desc, data, func() { release(); unpin() }, nil
+			return desc, data, func() { data.Close(); unpin() }, nil
 		}
 		changed := r.changed
 		r.mu.Unlock()

@@ -157,12 +157,17 @@ func (d *Daemon) entrySource(e *entry, off, n int64) source {
 	return source{mem: d.arena.Memory(), off: e.slice.Offset + off, n: n, inPlace: d.dp.inPlace()}
 }
 
-// stageChunk is the most of a write's GPU source copied out to host
-// memory at once: larger writes go as consecutive writes of this many
-// bytes, each copied out, written and its staging released before the
-// next is copied, so a 10 GiB region takes 16 MiB of host memory, not
-// 10 GiB. At 16 MiB a write's header and reply (some 50 µs on loopback)
-// are about 1% of the 5 ms its bytes take at 3 GB/s, and a full batch
+// stageChunk bounds the host memory one write or request over a stream
+// (TCP, Mooncake's data port, the control API) stages for GPU memory at
+// once. A write's GPU source is copied out this many bytes at a time:
+// larger writes go as consecutive writes of this many bytes, each
+// copied out, written and its staging released before the next is
+// copied, so a 10 GiB region takes 16 MiB of host memory, not 10 GiB.
+// A write landing in GPU memory, an upload and a read of a slot back
+// take one loan of it, each chunk copied before the next is read (the
+// RDMA bounce path, whose NIC needs a write's memory whole, does not).
+// At 16 MiB a write's header and reply (some 50 µs on loopback) are
+// about 1% of the 5 ms its bytes take at 3 GB/s, and a full batch
 // window (batchWindow writes of a chunk) fits the default 256 MiB
 // pinned bounce area. Consecutive chunks of a write touch, so the
 // receiver tracks them as one range (maxPieces).
