@@ -135,8 +135,8 @@ func TestDeviceArenaOverAStandInDriver(t *testing.T) {
 		t.Error("a copy larger than the bounce area was not counted as a fallback")
 	}
 	// A batch piece of 40 MiB goes as writes of at most ferryd's 16 MiB
-	// staging chunk, so the receiver stages no more than that at once
-	// either: one write of 40 MiB would take all of it.
+	// staging chunk, and its upload and the receiver's read back are
+	// staged a chunk at a time.
 	const chunked, chunk = 40 << 20, 16 << 20
 	data := randomBytes(chunked, 22)
 	if _, err := snd.c.Stage(ctx, "fake-chunked", []int64{chunked}, "u8", bytes.NewReader(data), chunked); err != nil {
@@ -154,14 +154,32 @@ func TestDeviceArenaOverAStandInDriver(t *testing.T) {
 	if _, err := rcv.c.WaitInfo(ctx, "fake-chunked", 10*time.Second); err != nil {
 		t.Fatal(err)
 	}
-	// Before reading it back, which copies the slot out whole.
-	if st, err := rcv.c.Status(ctx); err != nil || st.Memory.CUDA == nil {
-		t.Errorf("the receiver's status: %+v, %v", st.Memory, err)
-	} else if peak := st.Memory.CUDA.StagingPeak; peak > chunk {
-		t.Errorf("the receiver staged %d bytes at once, more than one %d-byte chunk", peak, chunk)
-	}
 	if got, err := rcv.c.Wait(ctx, "fake-chunked", 10*time.Second); err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("fake-chunked: %d bytes back, %v: the bytes differ", len(got), err)
+	}
+	if err := rcv.c.FreeReceive(ctx, "fake-chunked"); err != nil {
+		t.Fatal(err)
+	}
+	// A host arena's send of 40 MiB in one write lands a chunk at a
+	// time too: staged whole, it would take 40 MiB of the receiver's
+	// host memory at once.
+	host := startDaemon(t, dir, "host", "--tcp-stripes", "1")
+	if _, err := host.c.Stage(ctx, "host-chunked", []int64{chunked}, "u8", bytes.NewReader(data), chunked); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := host.c.Send(ctx, "host-chunked", slotFor(t, rcv, "host-chunked", chunked)); err != nil || res.Writes != 1 {
+		t.Fatalf("the host arena's send: %+v, %v; want one write", res, err)
+	}
+	if got, err := rcv.c.Wait(ctx, "host-chunked", 10*time.Second); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("host-chunked: %d bytes back, %v: the bytes differ", len(got), err)
+	}
+	// Uploads, sends, writes landing and reads back alike.
+	for name, d := range map[string]*daemon{"sender": snd, "receiver": rcv} {
+		if st, err := d.c.Status(ctx); err != nil || st.Memory.CUDA == nil {
+			t.Errorf("the %s's status: %+v, %v", name, st.Memory, err)
+		} else if peak := st.Memory.CUDA.StagingPeak; peak > chunk {
+			t.Errorf("the %s staged %d bytes at once, more than one %d-byte chunk", name, peak, chunk)
+		}
 	}
 	sl, err := snd.c.Slice(ctx, "fake-zc", api.SliceRequest{NBytes: 4096})
 	if err != nil || sl.CUDAIPC == nil || sl.Device != "cuda:0" || len(sl.IPCHandle) != 64 || sl.ArenaFile != "" {
