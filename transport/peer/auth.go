@@ -80,7 +80,9 @@ func checkDialed(addr string) error {
 		return err
 	}
 	if _, _, err := net.SplitHostPort(addr); err != nil {
-		return fmt.Errorf("the dialed address %q is no host:port: %v", addr, err)
+		// The address goes quoted: it is a stranger's, unauthenticated,
+		// and SplitHostPort's error repeats it as it came.
+		return fmt.Errorf("the dialed address %q is no host:port (a host, a colon and a port)", addr)
 	}
 	return nil
 }

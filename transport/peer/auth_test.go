@@ -270,12 +270,21 @@ func TestAuthDialedAddress(t *testing.T) {
 		}
 	})
 	t.Run("ArrivedOn", func(t *testing.T) {
-		rx := listen(t, Config{Secret: secretA, Advertise: "peer.invalid:7000"}, nil)
+		rx := listen(t, Config{Secret: secretA}, nil)
 		c, _, err := tx.Dial(ctxFor(t, 10*time.Second), rx.Addr().String(), KindData)
 		if err != nil {
 			t.Fatalf("dial by the address connections arrive on: %v", err)
 		}
 		c.Close()
+	})
+	// Behind NAT the address connections arrive on is a private one,
+	// which a relay on the dialer's side may hold too.
+	t.Run("ArrivedOnWhenAdvertised", func(t *testing.T) {
+		rx := listen(t, Config{Secret: secretA, Advertise: "peer.invalid:7000"}, nil)
+		_, _, err := tx.Dial(ctxFor(t, 10*time.Second), rx.Addr().String(), KindData)
+		if !errors.Is(err, ErrMisdirected) {
+			t.Fatalf("dial by the address connections arrive on, where another is advertised: %v, want ErrMisdirected", err)
+		}
 	})
 	t.Run("OtherName", func(t *testing.T) {
 		var l transporttest.Logs
@@ -286,7 +295,7 @@ func TestAuthDialedAddress(t *testing.T) {
 			t.Fatalf("dial by a name the peer does not advertise: %v, want ErrMisdirected", err)
 		}
 		transporttest.Served(t, rx.Stats)
-		l.Has(t, `the peer dialed "localhost:`+port+`"`, `advertised as "peer.invalid:7000", listening on "127.0.0.1:0", reached at `+rx.Addr().String())
+		l.Has(t, `the peer dialed "localhost:`+port+`"`, `advertised as "peer.invalid:7000", listening on "127.0.0.1:0"`)
 	})
 }
 
@@ -296,7 +305,7 @@ func TestNames(t *testing.T) {
 	for dialed, want := range map[string]bool{
 		"10.0.0.5:7000":           true,  // advertised
 		"[::ffff:10.0.0.5]:7000":  true,  // the same IP
-		"192.168.1.5:7000":        true,  // arrived on
+		"192.168.1.5:7000":        false, // arrived on: taken only where nothing is advertised
 		"Peer-B.Example:7000":     true,  // listening on, names in any case
 		"10.0.0.5:7001":           false, // another port
 		"10.0.0.6:7000":           false,
@@ -304,6 +313,16 @@ func TestNames(t *testing.T) {
 	} {
 		if got := p.names(dialed, local); got != want {
 			t.Errorf("names(%q) = %v, want %v", dialed, got, want)
+		}
+	}
+	p.cfg.Advertise = ""
+	for dialed, want := range map[string]bool{
+		"192.168.1.5:7000":    true, // arrived on
+		"peer-b.example:7000": true, // listening on
+		"10.0.0.5:7000":       false,
+	} {
+		if got := p.names(dialed, local); got != want {
+			t.Errorf("with nothing advertised, names(%q) = %v, want %v", dialed, got, want)
 		}
 	}
 	// A wildcard names no one host.
@@ -334,6 +353,10 @@ func TestAuthBadDialed(t *testing.T) {
 		{"NoPort", func(client, server party) []byte {
 			return proving(client.nonce, "peer-b", proof(secretA, roleClient, KindData, "peer-b", client, server))
 		}, statusBadDialed, `the dialed address "peer-b" is no host:port`},
+		// A stranger's line break stays quoted: no forged log line.
+		{"LineBreak", func(client, server party) []byte {
+			return proving(client.nonce, "x\nlevel=error", proof(secretA, roleClient, KindData, "x\nlevel=error", client, server))
+		}, statusBadDialed, `the dialed address "x\nlevel=error" is no host:port (a host, a colon and a port)`},
 		{"Rewritten", func(client, server party) []byte {
 			return proving(client.nonce, rx.Addr().String(), proof(secretA, roleClient, KindData, "127.0.0.1:1", client, server))
 		}, statusBadProof, "proof mismatch"},

@@ -70,9 +70,9 @@ type Config struct {
 	Secret []byte
 	// Advertise is the host:port peers dial to reach this daemon. With a
 	// Secret, a dialer proves the address it dialed, and the port takes
-	// only this one, Addr, or the address the connection arrived on: set
-	// it where peers dial none of those (a DNS name, NAT, port
-	// forwarding).
+	// only this one or Addr; left empty, Addr or the address the
+	// connection arrived on. Set it where peers dial a DNS name, or
+	// through NAT or port forwarding.
 	Advertise string
 	// SendBuffer, when above zero, is each connection's kernel send
 	// buffer (SO_SNDBUF); zero leaves it to the kernel's autotuning.
@@ -330,20 +330,25 @@ func (p *Port) verify(c *net.TCPConn, h hello, server party) error {
 }
 
 // names says whether dialed, the address a client proved it dialed,
-// names this port: its advertised address, the address the connection
-// reached, or its listen address. A relay the client dialed is none of
-// them.
+// names this port: its listen address, and its advertised address where
+// it has one, else the address the connection reached. A relay the
+// client dialed is none of them. An advertised port does not take the
+// address connections reach it at: behind NAT or port forwarding that
+// is a private address, which another host (a container on the
+// dialer's side, a tunnel's end) may hold as well.
 func (p *Port) names(dialed string, local net.Addr) bool {
-	return sameAddr(dialed, p.cfg.Advertise) || sameAddr(dialed, local.String()) || sameAddr(dialed, p.cfg.Addr)
+	if p.cfg.Advertise != "" {
+		return sameAddr(dialed, p.cfg.Advertise) || sameAddr(dialed, p.cfg.Addr)
+	}
+	return sameAddr(dialed, local.String()) || sameAddr(dialed, p.cfg.Addr)
 }
 
 // addrs lists the addresses names takes, for a refusal.
 func (p *Port) addrs(local net.Addr) string {
-	s := fmt.Sprintf("listening on %q, reached at %s", p.cfg.Addr, local)
 	if p.cfg.Advertise != "" {
-		s = fmt.Sprintf("advertised as %q, %s", p.cfg.Advertise, s)
+		return fmt.Sprintf("advertised as %q, listening on %q", p.cfg.Advertise, p.cfg.Addr)
 	}
-	return s
+	return fmt.Sprintf("listening on %q, reached at %s", p.cfg.Addr, local)
 }
 
 // answer sends the verdict v, and returns verr, the refusal it carries.

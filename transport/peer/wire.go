@@ -57,9 +57,9 @@ package peer
 // proof is never valid twice; the role makes a proof reflected back to
 // its sender fail. The client proves first and takes the connection only
 // once the server's proof checks out. A server whose proof check passes
-// takes the connection only if dialed names it (its advertised address,
-// the address the connection reached, or its listen address; hosts
-// compare as IPs, or as names in any letter case): a host in between that
+// takes the connection only if dialed names it (its listen address, and
+// its advertised address or, with none, the address the connection
+// reached; hosts compare as IPs, or as names in any letter case): a host in between that
 // relays a client's handshake to another server holding the secret
 // leaves the client's proof naming the relay, which that server refuses
 // with 8, and cannot rewrite dialed without breaking the proof. dialed
