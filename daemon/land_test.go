@@ -5,6 +5,7 @@ import (
 	"context"
 	"crypto/rand"
 	"errors"
+	"fmt"
 	"io"
 	"slices"
 	"strings"
@@ -15,6 +16,7 @@ import (
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // gpuDaemon serves a ferryd whose arena is GPU memory of size bytes
@@ -56,19 +58,19 @@ func TestTCPWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	send := func(reqID string) error {
-		t.Helper()
-		slot, err := rcv.WaitInfo(ctx, reqID, 0)
+	slots := map[string]api.ReceiveSlot{}
+	for _, id := range []string{"g1", "g2"} {
+		slot, err := rcv.Receive(ctx, id, n)
 		if err != nil {
 			t.Fatal(err)
 		}
-		_, err = snd.Send(ctx, "h", api.SendRequest{Session: slot.Session, BufferAddress: slot.BufferAddress, Key: slot.Key, NBytes: n})
-		return err
+		slots[id] = slot
 	}
-	for _, id := range []string{"g1", "g2"} {
-		if _, err := rcv.Receive(ctx, id, n); err != nil {
-			t.Fatal(err)
-		}
+	send := func(reqID string) error {
+		t.Helper()
+		slot := slots[reqID]
+		_, err := snd.Send(ctx, "h", api.SendRequest{Session: slot.Session, BufferAddress: slot.BufferAddress, Key: slot.Key, NBytes: n})
+		return err
 	}
 
 	stage()
@@ -97,7 +99,8 @@ func TestTCPWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 	gpu.mu.Unlock()
 
 	// The second chunk's copy fails: the send (kept staged) is refused
-	// with the receiver's reason, and the slot waits for a resend.
+	// with the receiver's reason, the receiver's wait answers it at once,
+	// and the slot waits for a resend.
 	stage()
 	gpu.mu.Lock()
 	gpu.failFrom = gpu.copiesIn + 2
@@ -108,8 +111,9 @@ func TestTCPWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 		!strings.Contains(ae.Message, "CUDA_ERROR_ILLEGAL_ADDRESS") {
 		t.Fatalf("a send whose second chunk could not be copied in: %v", err)
 	}
-	if info, err := rcv.WaitInfo(ctx, "g2", 0); err != nil || info.Arrived || info.WritesInFlight != 0 {
-		t.Fatalf("the slot after a write that failed midway: %+v, %v; want it open, nothing landing", info, err)
+	if _, err := rcv.WaitInfo(ctx, "g2", 30*time.Second); !errors.As(err, &ae) || ae.Code != api.CodeInternal ||
+		!strings.Contains(ae.Message, "could not be copied into GPU memory") || !strings.Contains(ae.Message, "CUDA_ERROR_ILLEGAL_ADDRESS") {
+		t.Fatalf("waiting for a slot whose write could not be copied in: %v; want 500 internal naming the copy", err)
 	}
 	gpu.mu.Lock()
 	gpu.failFrom = 0
@@ -165,7 +169,7 @@ func TestUploadsIntoGPUMemoryGoAChunkAtATime(t *testing.T) {
 // host staging at a time, each piece copied in before the next.
 func TestUnkeyedWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 	const n = 2*stageChunk + 5
-	gpu := &deviceMemory{mem: make([]byte, n+(1<<20))}
+	gpu := &deviceMemory{mem: make([]byte, 2*n+(1<<20))}
 	a, err := arena.New(gpu, config.ArenaAlign)
 	if err != nil {
 		t.Fatal(err)
@@ -199,5 +203,39 @@ func TestUnkeyedWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 	}
 	if got := gpu.mem[s.slice.Offset+n-5 : s.slice.Offset+n]; !bytes.Equal(got, bytes.Repeat([]byte{3}, 5)) || !r.receives()[0].Arrived {
 		t.Fatalf("the tail in GPU memory is %v, arrived %t", got, r.receives()[0].Arrived)
+	}
+
+	// A write whose copy in fails leaves its slot open, and no word from
+	// outside (the client's complete, a Mooncake notify) completes it
+	// until a write lands.
+	s2, err := r.newSlot("m2", n, true)
+	if err != nil {
+		t.Fatal(err)
+	}
+	gpu.mu.Lock()
+	gpu.failFrom = gpu.copiesIn + 1
+	gpu.mu.Unlock()
+	body, done, err = r.AcceptUnkeyed(s2.addr, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := body(); err != nil {
+		t.Fatal(err)
+	}
+	_, err = body()
+	if err == nil {
+		t.Fatal("the first chunk's copy in failed, and the body went on")
+	}
+	done(&transport.PlaceError{Err: err})
+	gpu.mu.Lock()
+	gpu.failFrom = 0
+	gpu.mu.Unlock()
+	for _, complete := range []func() error{
+		func() error { return r.completeReceive("m2") },
+		func() error { _, _, err := r.deliverNotified(fmt.Sprint(s2.addr)); return err },
+	} {
+		if err := complete(); !isCode(err, api.CodeInternal) || !strings.Contains(err.Error(), "could not be copied into GPU memory") {
+			t.Fatalf("completing a slot whose write could not be copied in: %v; want it refused as internal", err)
+		}
 	}
 }

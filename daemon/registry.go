@@ -509,12 +509,17 @@ func (r *registry) addSlot(s *slot) *slot {
 // address outside the slot it names, is one refusal that tells a
 // guessing peer nothing about the slots there are.
 func (r *registry) Accept(addr, n uint64, key transport.Key, tag uint32) ([]byte, func(error), error) {
-	// One piece of all n bytes: lent with no copy, copied in by done.
+	// One piece of all n bytes (land refuses none): lent with no copy,
+	// copied in by done.
 	body, done, err := r.acceptKeyed(addr, n, key, tag, int64(n))
 	if err != nil {
 		return nil, nil, err
 	}
-	dst, _ := body()
+	dst, err := body()
+	if err != nil {
+		done(err)
+		return nil, nil, err
+	}
 	return dst, done, nil
 }
 
@@ -659,14 +664,18 @@ func (r *registry) slotAt(addr uint64) *slot {
 }
 
 // land checks a write of n bytes at addr against s and pins s for it;
-// callers hold mu. Each write adds its range; the slot arrives once its
-// writes have covered every byte of it, so a reader never gets bytes no
-// write put there (an earlier tenant's). body lends the memory the bytes
-// go to: for memory the host cannot address (a GPU arena, a CUDA
+// callers hold mu. Each write that lands adds its range; the slot
+// arrives once such writes have covered every byte of it, so a reader
+// never gets bytes no write put there (an earlier tenant's). A write
+// that fails adds nothing, but what of it reached the slot stays: where
+// it overlapped a range another write had landed, those bytes are the
+// failed write's (writes into one slot carry its key, so they come from
+// the one sender the slot was handed to). body lends the memory the
+// bytes go to: for memory the host cannot address (a GPU arena, a CUDA
 // region), host staging of chunk bytes at most, each piece copied in
-// before the next is lent, and the last by done; chunk 0 says the bytes
-// land (or are) where they are addressed, with no memory to lend (body
-// nil).
+// when the next is asked for (the last when an empty one is; Accept's
+// one piece by done); chunk 0 says the bytes land (or are) where they
+// are addressed, with no memory to lend (body nil).
 func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (transport.Body, func(error), error) {
 	end := addr + n
 	if n == 0 || addr < s.addr || end < addr || end > s.addr+uint64(s.nbytes) {
@@ -703,6 +712,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (trans
 	}
 	s.pins++
 	s.writes++
+	var placeErr error // a piece body could not copy in
 	done := func(err error) {
 		var cerr error
 		if fill != nil {
@@ -723,6 +733,10 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (trans
 			}
 		case err == nil && s.freed && r.discarded != nil:
 			r.discarded(s.reqID, n)
+		case placeErr != nil && !s.freed:
+			// Read but not copied in: its waiters hear it now, and no
+			// word from outside completes the slot until a write lands.
+			s.copyErr = placeErr
 		}
 		// Checked on every write's end, failed ones too: the last write
 		// to finish delivers the slot.
@@ -737,6 +751,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (trans
 	return func() ([]byte, error) {
 		piece, err := fill.Next()
 		if err != nil {
+			placeErr = err
 			return nil, fmt.Errorf("the receiving ferryd could not copy the write's bytes into the GPU memory of the receive slot of req_id %s: %v; send it again", s.reqID, err)
 		}
 		return piece, nil
@@ -748,6 +763,10 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (trans
 // written, by one-sided writes ferry cannot see: s arrives, whole, once
 // no write to it is landing. Callers hold mu; completeWhole releases it.
 func (r *registry) completeWhole(s *slot) error {
+	if s.copyErr != nil {
+		r.mu.Unlock()
+		return apiErr(api.CodeInternal, "req_id %s: a write into its receive slot could not be copied into GPU memory (%v), so its bytes are not all there: the slot stays open; have the sender send again", s.reqID, s.copyErr)
+	}
 	// The bytes are in place already: nothing to copy in.
 	_, done, err := r.land(s, s.addr, uint64(s.nbytes), s.key.Tag(), 0)
 	r.mu.Unlock()

@@ -23,7 +23,7 @@ type RejectedError struct {
 
 func (e *RejectedError) Error() string {
 	if e.V2 {
-		return fmt.Sprintf("the peer rejected the %s of %d bytes at %#x (status \"rejected\": the range lies in none of its registered buffers)", e.Op, e.Size, e.Addr)
+		return fmt.Sprintf("the peer rejected the %s of %d bytes at %#x (status \"rejected\": the range lies in none of its registered buffers, or it could not place the bytes there)", e.Op, e.Size, e.Addr)
 	}
 	return fmt.Sprintf("the peer closed the connection on the %s of %d bytes at %#x without a word (TCP protocol v1 has no status: most likely it rejected the range)", e.Op, e.Size, e.Addr)
 }

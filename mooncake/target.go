@@ -176,13 +176,14 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 	return nil
 }
 
-// reject answers a refused request: v1 with a silent close (the client's
-// unread bytes make it a reset, which is how a v1 client tells a
-// rejection from a clean end); v2 with the rejected status, after which
-// the write side shuts and what the client already sent is drained for a
-// moment, so the status is not cut by a reset.
+// reject answers a refused request: v1 with a reset, how a v1 client
+// tells a rejection from a clean end (a WRITE read whole but not placed
+// leaves no unread bytes to make the close one); v2 with the rejected
+// status, after which the write side shuts and what the client already
+// sent is drained for a moment, so the status is not cut by a reset.
 func (s *DataServer) reject(c *connlimit.Conn, h Header) {
 	if !h.V2 {
+		_ = c.SetLinger(0)
 		return
 	}
 	_ = s.status(c, StatusRejected)

@@ -99,8 +99,20 @@ func TestDataPortWritesAPieceAtATime(t *testing.T) {
 	}
 	logs.Wait(t, "CUDA_ERROR_ILLEGAL_ADDRESS")
 	m.mu.Lock()
-	defer m.mu.Unlock()
 	if len(m.finished) != 2 || m.finished[1] == nil {
+		t.Fatalf("done heard %v, want the failed piece's error", m.finished)
+	}
+	// v1 has no status: a WRITE read whole whose last piece could not be
+	// placed leaves nothing unread, and only a reset tells the writer.
+	m.failAt = (n + chunk - 1) / chunk
+	m.mu.Unlock()
+	err = mooncake.Write(ctxT(t), mooncake.Request{Data: srv.Addr().String(), Addr: m.base, Buf: src})
+	if re := (*mooncake.RejectedError)(nil); !errors.As(err, &re) {
+		t.Fatalf("a v1 WRITE whose last piece could not be placed: %v, want it rejected", err)
+	}
+	m.mu.Lock()
+	defer m.mu.Unlock()
+	if len(m.finished) != 3 || m.finished[2] == nil {
 		t.Fatalf("done heard %v, want the failed piece's error", m.finished)
 	}
 }
