@@ -23,6 +23,7 @@ import (
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/internal/strictjson"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // apiError is an error with its envelope code; the code decides the HTTP
@@ -411,18 +412,23 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 		d.reg.finishUpload(e, false)
 		return err
 	}
-	needs := fmt.Sprintf("the %d bytes shape %s %s needs", n, api.ShapeString(shape), dtype)
-	err = d.readBody(w, r.Body, fill, needs)
+	rc := http.NewResponseController(w)
+	err = transport.ReadBody(requestBody{r.Body, rc}, uint64(n), fill.Next, d.cfg.IOTimeout.D())
+	_ = rc.SetReadDeadline(time.Time{})
 	fill.Close()
+	var extra [1]byte
 	if err == nil {
-		var extra [1]byte
 		if k, _ := r.Body.Read(extra[:]); k > 0 {
-			err = fmt.Errorf("the body is longer than %s", needs)
+			err = errors.New("the body is longer than that")
 		}
 	}
 	d.reg.finishUpload(e, err == nil)
+	if pe := (*transport.PlaceError)(nil); errors.As(err, &pe) {
+		// Ferryd's fault, not the body's.
+		return apiErr(api.CodeInternal, "%s: copying it into GPU memory failed: %v; nothing was staged: upload it again", id, pe.Err)
+	}
 	if err != nil {
-		return apiErr(api.CodeBadRequest, "%s: %v; nothing was staged", id, err)
+		return apiErr(api.CodeBadRequest, "%s: shape %s %s needs %d bytes: %v; nothing was staged", id, api.ShapeString(shape), dtype, n, err)
 	}
 	d.metrics.staged.WithLabelValues("upload").Inc()
 	e2, _ := d.reg.embedding(id)
@@ -430,36 +436,15 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	return nil
 }
 
-// uploadChunk is how much of an upload body must arrive within one
-// --io-timeout: a stalled client cannot pin an uploading entry forever.
-const uploadChunk = 4 << 20
-
-// readBody reads an upload's bytes from body into the pieces fill
-// lends, each uploadChunk bytes under a fresh read deadline; needs says
-// what the bytes are for.
-func (d *Daemon) readBody(w http.ResponseWriter, body io.Reader, fill *arena.Filler, needs string) error {
-	rc := http.NewResponseController(w)
-	defer rc.SetReadDeadline(time.Time{})
-	var got int64
-	for {
-		piece, err := fill.Next()
-		if err != nil {
-			return fmt.Errorf("copying it into GPU memory failed: %v", err)
-		}
-		if len(piece) == 0 {
-			return nil
-		}
-		for off := 0; off < len(piece); {
-			_ = rc.SetReadDeadline(time.Now().Add(d.cfg.IOTimeout.D()))
-			k, err := io.ReadFull(body, piece[off:min(off+uploadChunk, len(piece))])
-			off += k
-			got += int64(k)
-			if err != nil {
-				return fmt.Errorf("the body ended after %d of %s: %v", got, needs, err)
-			}
-		}
-	}
+// requestBody is an upload's body as a transport.Stream: each chunk read
+// under a fresh --io-timeout, so a stalled client cannot pin an
+// uploading entry forever.
+type requestBody struct {
+	io.Reader
+	rc *http.ResponseController
 }
+
+func (b requestBody) SetReadDeadline(t time.Time) error { return b.rc.SetReadDeadline(t) }
 
 // handleSlice reserves an arena slice for zero-copy staging.
 func (d *Daemon) handleSlice(w http.ResponseWriter, r *http.Request) error {

@@ -142,7 +142,7 @@ func TestUploadsIntoGPUMemoryGoAChunkAtATime(t *testing.T) {
 	gpu.failFrom = gpu.copiesIn + 2
 	gpu.mu.Unlock()
 	var ae *client.Error
-	if _, err := c.Stage(ctx, "u", []int64{n}, "u8", bytes.NewReader(data), n); !errors.As(err, &ae) ||
+	if _, err := c.Stage(ctx, "u", []int64{n}, "u8", bytes.NewReader(data), n); !errors.As(err, &ae) || ae.Code != api.CodeInternal ||
 		!strings.Contains(ae.Message, "copying it into GPU memory failed") || !strings.Contains(ae.Message, "nothing was staged") {
 		t.Fatalf("an upload whose second chunk could not be copied in: %v", err)
 	}

@@ -115,11 +115,18 @@ func (e *PlaceError) Unwrap() error { return e.Err }
 // long write that keeps making progress never times out.
 const IOChunk = 1 << 20
 
+// Stream is what ReadBody reads from: a connection, or a request body
+// with its connection's read deadline.
+type Stream interface {
+	io.Reader
+	SetReadDeadline(time.Time) error
+}
+
 // ReadBody reads a write's n bytes from c into the pieces body lends,
 // IOChunk bytes under each read deadline of timeout. A body whose
 // pieces do not add up to n bytes, or that fails to place them, is a
 // *PlaceError.
-func ReadBody(c net.Conn, n uint64, body Body, timeout time.Duration) error {
+func ReadBody(c Stream, n uint64, body Body, timeout time.Duration) error {
 	var got uint64
 	for {
 		piece, err := body()
@@ -139,7 +146,7 @@ func ReadBody(c net.Conn, n uint64, body Body, timeout time.Duration) error {
 			off += m
 			got += uint64(m)
 			if err != nil {
-				return fmt.Errorf("read %d of a %d-byte write body: %w", got, n, err)
+				return fmt.Errorf("read %d of a %d-byte body: %w", got, n, err)
 			}
 		}
 	}

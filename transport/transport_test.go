@@ -45,7 +45,7 @@ func TestReadBody(t *testing.T) {
 		{"too much", "0123456789", 10, func() ([]byte, Body) { return nil, pieces(nil, make([]byte, 11)) }, true, "lent 11 bytes"},
 		{"too little", "0123456789", 10, func() ([]byte, Body) { return nil, pieces(nil, make([]byte, 4)) }, true, "took 4 bytes of a 10-byte write"},
 		{"not placed", "0123456789", 10, func() ([]byte, Body) { return nil, pieces(boom, make([]byte, 4)) }, true, "copy failed"},
-		{"cut short", "01234", 10, func() ([]byte, Body) { return nil, pieces(nil, make([]byte, 10)) }, false, "read 5 of a 10-byte write body"},
+		{"cut short", "01234", 10, func() ([]byte, Body) { return nil, pieces(nil, make([]byte, 10)) }, false, "read 5 of a 10-byte body"},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			rx, tx := net.Pipe()
