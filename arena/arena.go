@@ -97,9 +97,7 @@ func NewFiller(mem Memory, s Slice, off, n, chunk int64) (*Filler, error) {
 // written, and lends the next: empty once all n bytes are in place. A
 // failed copy in leaves the bytes short of their place.
 func (f *Filler) Next() ([]byte, error) {
-	if f.host != nil {
-		dst := f.host
-		f.host = nil
+	if dst, ok := f.hostPiece(); ok {
 		return dst, nil
 	}
 	if f.lent > 0 {
@@ -132,9 +130,7 @@ func NewFetcher(mem Memory, s Slice, off, n, chunk int64) (*Fetcher, error) {
 // Next is the next piece of the bytes, valid until the next call: empty
 // once all n have come.
 func (f *Fetcher) Next() ([]byte, error) {
-	if f.host != nil {
-		src := f.host
-		f.host = nil
+	if src, ok := f.hostPiece(); ok {
 		return src, nil
 	}
 	n := min(int64(len(f.buf)), f.end-f.at)
@@ -180,6 +176,13 @@ func stage(mem Memory, s Slice, off, n, chunk int64) (staging, error) {
 	return staging{c: c, at: at, end: at + n, buf: buf, release: release}, nil
 }
 
+// hostPiece hands out host memory's bytes, in one piece, the first time.
+func (st *staging) hostPiece() ([]byte, bool) {
+	b := st.host
+	st.host = nil
+	return b, b != nil
+}
+
 // Close gives the staging back; it must be called once, when the pieces
 // lent are no longer used.
 func (st *staging) Close() { st.release() }
@@ -188,6 +191,7 @@ func (st *staging) Close() { st.release() }
 // them: s itself for host memory, a bounce buffer filled by a copy out for
 // a Copier. release must be called once when done with them.
 func Readable(mem Memory, s Slice, off, n int64) (src []byte, release func(), err error) {
+	// All n bytes in one piece (a chunk is at least one byte).
 	f, err := NewFetcher(mem, s, off, n, max(n, 1))
 	if err != nil {
 		return nil, nil, err

@@ -34,21 +34,13 @@ func (m *stagedMemory) Write(addr, n uint64) (transport.Body, func(error), error
 	if addr < m.base || addr-m.base+n > uint64(len(m.mem)) {
 		return nil, nil, errors.New("outside the buffer")
 	}
-	dst := m.mem[addr-m.base : addr-m.base+n]
-	staging := make([]byte, min(m.chunk, len(dst)))
-	var at, lent, pieces int
+	body := transporttest.StagedBody(m.mem[addr-m.base:addr-m.base+n], m.chunk,
+		func(k int) bool { return k == m.failAt },
+		func(n int) { m.largest = max(m.largest, n) })
 	return func() ([]byte, error) {
 			m.mu.Lock()
 			defer m.mu.Unlock()
-			if lent > 0 {
-				if pieces++; pieces == m.failAt {
-					return nil, errors.New("cuMemcpyHtoD_v2: CUDA_ERROR_ILLEGAL_ADDRESS")
-				}
-				at += copy(dst[at:], staging[:lent])
-			}
-			lent = min(len(staging), len(dst)-at)
-			m.largest = max(m.largest, lent)
-			return staging[:lent], nil
+			return body()
 		}, func(err error) {
 			m.mu.Lock()
 			defer m.mu.Unlock()

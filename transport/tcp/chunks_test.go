@@ -25,26 +25,14 @@ type chunkSlots struct {
 	largest atomic.Int64 // the largest piece lent
 }
 
-var errCopy = errors.New("cuMemcpyHtoD_v2: CUDA_ERROR_ILLEGAL_ADDRESS")
-
 func (c *chunkSlots) AcceptChunks(addr, n uint64, key transport.Key, tag uint32) (transport.Body, func(error), error) {
 	dst, done, err := c.Accept(addr, n, key, tag)
 	if err != nil {
 		return nil, nil, err
 	}
-	staging := make([]byte, min(c.chunk, len(dst)))
-	var at, lent, pieces int
-	return func() ([]byte, error) {
-		if lent > 0 {
-			if pieces++; pieces == int(c.failAt.Load()) {
-				return nil, errCopy
-			}
-			at += copy(dst[at:], staging[:lent])
-		}
-		lent = min(len(staging), len(dst)-at)
-		c.largest.Store(max(c.largest.Load(), int64(lent)))
-		return staging[:lent], nil
-	}, done, nil
+	return transporttest.StagedBody(dst, c.chunk,
+		func(k int) bool { return k == int(c.failAt.Load()) },
+		func(n int) { c.largest.Store(max(c.largest.Load(), int64(n))) }), done, nil
 }
 
 // A write lands through a ChunkSink a piece at a time, byte-exact. A
@@ -80,7 +68,7 @@ func TestChunkSinkLandsAPieceAtATime(t *testing.T) {
 	cs.failAt.Store(3)
 	err = write(1, 2)
 	var rf *transport.Refusal
-	if !errors.As(err, &rf) || rf.Code != transport.Internal || !strings.Contains(rf.Message, errCopy.Error()) {
+	if !errors.As(err, &rf) || rf.Code != transport.Internal || !strings.Contains(rf.Message, transporttest.ErrCopy.Error()) {
 		t.Fatalf("a write whose third piece could not be placed: %v; want the receiver's reason", err)
 	}
 	if err := cs.WaitIdle(ctxFor(t, 10*time.Second)); err != nil {

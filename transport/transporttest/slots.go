@@ -252,3 +252,27 @@ func (s *Slots) Err() error {
 	defer s.mu.Unlock()
 	return errors.Join(s.errs...)
 }
+
+// ErrCopy is the copy into device memory that StagedBody's fail makes fail.
+var ErrCopy = errors.New("cuMemcpyHtoD_v2: CUDA_ERROR_ILLEGAL_ADDRESS")
+
+// StagedBody is a transport.Body over dst as memory the host reaches only
+// through copies (a GPU arena's): pieces of at most chunk bytes of one
+// staging buffer, each copied into dst when the next is asked for. fail
+// says whether the copy of the k-th piece (from 1) fails with ErrCopy;
+// lent hears each piece's length.
+func StagedBody(dst []byte, chunk int, fail func(k int) bool, lent func(n int)) transport.Body {
+	staging := make([]byte, min(chunk, len(dst)))
+	var at, last, pieces int
+	return func() ([]byte, error) {
+		if last > 0 {
+			if pieces++; fail(pieces) {
+				return nil, ErrCopy
+			}
+			at += copy(dst[at:], staging[:last])
+		}
+		last = min(len(staging), len(dst)-at)
+		lent(last)
+		return staging[:last], nil
+	}
+}
