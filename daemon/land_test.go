@@ -226,7 +226,12 @@ func TestUnkeyedWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 	if err == nil {
 		t.Fatal("the first chunk's copy in failed, and the body went on")
 	}
+	var refusals []transport.Code
+	r.onRefusal = func(c transport.Code) { refusals = append(refusals, c) }
 	done(&transport.PlaceError{Err: err})
+	if !slices.Equal(refusals, []transport.Code{transport.Internal}) {
+		t.Fatalf("refusals counted %v, want one internal", refusals)
+	}
 	gpu.mu.Lock()
 	gpu.failFrom = 0
 	gpu.mu.Unlock()

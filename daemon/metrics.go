@@ -112,7 +112,7 @@ func newMetrics(g gauges, transport string) *metrics {
 		}, []string{"kind"}),
 		peerRefusals: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_peer_refusals_total",
-			Help: "Writes from peers this receiver refused, by reason: no_slot (no live slot with that address and key: a stale slot, or a guess), out_of_bounds, slot_busy, internal (no host memory to stage the write into a GPU arena).",
+			Help: "Writes from peers this receiver refused, by reason: no_slot (no live slot with that address and key: a stale slot, or a guess), out_of_bounds, slot_busy, internal (no host memory to stage the write into a GPU arena, or its bytes could not be copied into GPU memory).",
 		}, []string{"reason"}),
 		regionRegistrations: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_region_registrations_total",

@@ -738,6 +738,9 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (trans
 			// word from outside completes the slot until a write lands.
 			s.copyErr = placeErr
 		}
+		if placeErr != nil {
+			r.refused(transport.Internal) // the sender is told so
+		}
 		// Checked on every write's end, failed ones too: the last write
 		// to finish delivers the slot.
 		if s.filled && s.writes == 0 && s.copyErr == nil && !s.arrived && !s.freed {
