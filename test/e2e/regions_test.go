@@ -215,7 +215,12 @@ func TestUnregisterWaitsForTheWritesReadingTheRegion(t *testing.T) {
 	if done, err := snd.c.WaitTransfer(ctx, started.ID, 20*time.Second); err != nil || done.State != api.TransferDone {
 		t.Fatalf("transfer after the receiver resumed: %+v, %v", done, err)
 	}
-	// The transfer's end was the region's last use: it is unmapped and gone.
+	// The transfer's end was the region's last use: it is unmapped and
+	// gone. Its teardown runs on a goroutine of its own, which a DELETE
+	// waits for (204), or finds done (404).
+	if err := snd.c.UnregisterRegion(ctx, "src", 10*time.Second); err != nil && client.Code(err) != api.CodeNotFound {
+		t.Fatalf("unregistering the region once the transfer ended: %v; want it gone, or going", err)
+	}
 	if gs, err := snd.c.Regions(ctx); err != nil || len(gs) != 0 {
 		t.Fatalf("regions once the transfer ended: %+v, %v", gs, err)
 	}
