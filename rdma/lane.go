@@ -80,6 +80,12 @@ type lane struct {
 	// answering the header of the write holding the lane (see
 	// session.Write).
 	answered, unanswered atomic.Bool
+	// credits is the receives the receiver has posted for this lane's
+	// WRITE WITH IMMs that no write has taken yet (wire.go, "Credits"):
+	// the write holding the lane takes one, readAnswers adds those the
+	// receiver returns, and credited gets a token when it does.
+	credits  atomic.Int64
+	credited chan struct{}
 	// retiring is set by a write canceled while waiting for its answer,
 	// which keeps the lane from the pool: out of step, it takes no more
 	// writes, and closes once the writes flying on it are done
@@ -92,7 +98,7 @@ type lane struct {
 	// ansErr or lastWord is set.
 	answers  chan answer
 	dead     chan struct{}
-	replies  *atomic.Uint64 // the transport's control message count
+	stats    *counters // the transport's: control messages and credits read
 	ansErr   error
 	lastWord peer.Reply // a reply with flagFailed: why the receiver gave up
 
@@ -118,19 +124,21 @@ func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
 // newDialedLane makes a session's lane, connected over ctrl: its writes
 // reap their own completions, and its poller sleeps on the completion
 // channel only for writes that wait longer (see completion).
-func newDialedLane(qp queuePair, ctrl *net.TCPConn, replies *atomic.Uint64) *lane {
+func newDialedLane(qp queuePair, ctrl *net.TCPConn, stats *counters) *lane {
 	l := &lane{
-		qp: qp, ctrl: ctrl, replies: replies,
-		quit:    make(chan struct{}),
-		polled:  make(chan struct{}),
-		down:    make(chan struct{}),
-		routes:  make(map[uint32]*waiter),
-		ops:     make([]op, 0, sendDepth),
-		wake:    make(chan struct{}, 1),
-		answers: make(chan answer, 1),
-		landed:  make(chan struct{}, 1),
-		dead:    make(chan struct{}),
+		qp: qp, ctrl: ctrl, stats: stats,
+		credited: make(chan struct{}, 1),
+		quit:     make(chan struct{}),
+		polled:   make(chan struct{}),
+		down:     make(chan struct{}),
+		routes:   make(map[uint32]*waiter),
+		ops:      make([]op, 0, sendDepth),
+		wake:     make(chan struct{}, 1),
+		answers:  make(chan answer, 1),
+		landed:   make(chan struct{}, 1),
+		dead:     make(chan struct{}),
 	}
+	l.credits.Store(recvPosted)
 	go l.pollForSleepers()
 	go l.readAnswers()
 	return l
@@ -440,7 +448,8 @@ type answer struct {
 
 // readAnswers reads the receiver's replies off a dialed lane's control
 // connection: the one answer to each header, for the write holding the
-// lane, and a failure report, which ends the lane for every write on it.
+// lane, credits, and a failure report, which ends the lane for every
+// write on it.
 func (l *lane) readAnswers() {
 	defer l.goDown()
 	defer close(l.dead)
@@ -453,7 +462,16 @@ func (l *lane) readAnswers() {
 			l.ansErr = err
 			return
 		}
-		l.replies.Add(1)
+		if r.Flags&flagCredit != 0 {
+			l.stats.credits.Add(1)
+			l.credits.Add(int64(decodeCredit(&gb)))
+			select {
+			case l.credited <- struct{}{}:
+			default: // a token is there already
+			}
+			continue
+		}
+		l.stats.control.Add(1)
 		if r.Flags&flagFailed != 0 {
 			l.lastWord = r
 			return

@@ -358,7 +358,8 @@ func (r *receiver) complete(c completion, draining bool) error {
 }
 
 // replenish counts a receive taken, and posts them back recvBatch at a
-// time: one call, not one per completion.
+// time (one call, not one per completion), then returns them to the
+// sender as credits (wire.go): one message per recvBatch writes.
 func (r *receiver) replenish() error {
 	if r.taken++; r.taken < recvBatch {
 		return nil
@@ -366,6 +367,12 @@ func (r *receiver) replenish() error {
 	r.taken = 0
 	if err := r.l.qp.PostRecvs(recvBatch); err != nil {
 		return fmt.Errorf("replenishing receives: %w", err)
+	}
+	r.t.stats.credits.Add(1)
+	body := encodeCredit(recvBatch)
+	r.l.ctrl.SetWriteDeadline(time.Now().Add(r.t.cfg.Peer.IOTimeout))
+	if err := writeReply(r.l.ctrl, transport.OK, flagCredit, "", body[:]); err != nil {
+		return fmt.Errorf("returning %d receive credits: %w", recvBatch, err)
 	}
 	return nil
 }

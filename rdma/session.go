@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2"
+	"os"
 	"sync"
 	"time"
 
@@ -94,7 +95,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", transport.ContextErr(hctx))
 	}
 	c.SetDeadline(time.Time{})
-	return newDialedLane(qp, c, &t.stats.control), instance, a.peerRegion, nil
+	return newDialedLane(qp, c, &t.stats), instance, a.peerRegion, nil
 }
 
 // session is a pool of lanes to one peer. A write holds a lane from its
@@ -335,10 +336,11 @@ type flight struct {
 	waiter          // its completions, from the lane's poller
 }
 
-// start sends w's header on l, takes the receiver's answer, and posts the
-// body (waiting for completions while it needs the window); a direct
-// write (p.dg) goes without the header, in one work request. With an
-// error, reuse reports whether l may carry another write.
+// start takes a credit for w's WRITE WITH IMM, sends w's header on l,
+// takes the receiver's answer, and posts the body (waiting for
+// completions while it needs the window); a direct write (p.dg) goes
+// without the header, in one work request. With an error, reuse reports
+// whether l may carry another write.
 func (s *session) start(ctx context.Context, l *lane, w *transport.Write, p *plan) (_ *flight, reuse bool, err error) {
 	src, err := s.t.writeSource(w, p.kind, p.lkey)
 	if err != nil {
@@ -347,6 +349,14 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, p *pla
 	defer func() {
 		if err != nil {
 			src.release()
+		}
+	}()
+	if err := s.credit(ctx, l); err != nil {
+		return nil, !l.broken.Load(), err
+	}
+	defer func() {
+		if err != nil && reuse {
+			l.credits.Add(1) // nothing was posted: the receive is still there
 		}
 	}()
 	if p.dg != nil {
@@ -377,6 +387,41 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, p *pla
 		return nil, false, err
 	}
 	return f, true, nil
+}
+
+// credit takes one of l's credits (wire.go, "Credits"), waiting while
+// there is none: the receiving daemon has not yet taken the completions
+// of the writes before (it is descheduled, stopped, or busy), and posting
+// now would run its receive queue dry and fail the lane. The wait is a
+// stall, counted with its time; it fails after io_timeout with no credit
+// returned, with nothing posted, so l carries on once the receiver does.
+func (s *session) credit(ctx context.Context, l *lane) error {
+	if l.credits.Load() > 0 { // only the write holding l takes one
+		l.credits.Add(-1)
+		return nil
+	}
+	start := time.Now()
+	st := &s.t.stats
+	st.creditStalls.Add(1)
+	defer func() { st.creditWait.Add(uint64(time.Since(start))) }()
+	for {
+		// The deadline moves with each credit: only silence fails.
+		_, err := wait(l, l.credited, s.Deadline(ctx), ctx.Done())
+		if l.credits.Load() > 0 {
+			l.credits.Add(-1)
+			return nil
+		}
+		switch {
+		case err == errNoProgress && transport.ContextErr(ctx) == nil:
+			return fmt.Errorf("rdma write to %s: the receiver made no progress for %s: it took none of the writes posted on its lane (no receive credit came back; is the receiving ferryd stopped or starved of CPU?): %w",
+				s.Peer(), s.t.cfg.Peer.IOTimeout, os.ErrDeadlineExceeded)
+		case gaveUp(ctx, err):
+			return s.broken(ctx, l, err, "waiting for the receiver to take the writes before")
+		case err != nil:
+			l.broken.Store(true)
+			return s.broken(ctx, l, err, "waiting for the receiver to take the writes before")
+		}
+	}
 }
 
 // ask sends w's header on l and takes the receiver's answer: its grant,

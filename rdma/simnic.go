@@ -14,8 +14,10 @@ import (
 // opens a real device (verbs.go). It does what an RC NIC does that the
 // transport relies on: it checks lkeys and rkeys against registrations
 // and their bounds, moves bytes in order per QP, consumes a posted
-// receive per WRITE WITH IMM (waiting while none is posted, as RNR
-// retries do), reports RETRY_EXC_ERR when the peer QP is gone, fails both
+// receive per WRITE WITH IMM (with none posted it fails the sender's QP
+// with RNR_RETRY_EXC_ERR at once, as a NIC whose RNR retries ran out:
+// credits, wire.go, must make that impossible), reports RETRY_EXC_ERR
+// when the peer QP is gone, fails both
 // ends on a remote access error, refuses RDMA READs as ferry's QPs do
 // (REM_INV_REQ_ERR), and flushes posted work when a QP breaks. With
 // windows set it has type 1 memory windows: a bind (on a QP in RTS)
@@ -76,6 +78,21 @@ type fakeNIC struct {
 	mu   sync.Mutex
 	open int          // registrations and QPs not yet closed
 	arms atomic.Int32 // completion channels armed, by all its QPs
+	// held, while set, keeps its QPs' Poll from returning until it is
+	// closed: the daemon on this NIC descheduled, taking no completions,
+	// while the NIC goes on placing writes.
+	held atomic.Pointer[chan struct{}]
+}
+
+// holdPolls holds every Poll on n's QPs until the returned func is
+// called.
+func (n *fakeNIC) holdPolls() (release func()) {
+	h := make(chan struct{})
+	n.held.Store(&h)
+	return sync.OnceFunc(func() {
+		n.held.Store(nil)
+		close(h)
+	})
 }
 
 func (f *fabric) nic(n byte) *fakeNIC {
@@ -404,6 +421,12 @@ func (q *fakeQP) complete(c completion) {
 }
 
 func (q *fakeQP) Poll(into []completion) (int, error) {
+	if held := q.n.held.Load(); held != nil {
+		select {
+		case <-*held:
+		case <-q.stopped:
+		}
+	}
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	n := copy(into, q.cq)
@@ -554,13 +577,12 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	if !o.WithImm {
 		return wcSuccess, opcodeRDMAWrite
 	}
-	// The immediate needs a posted receive; without one the sender
-	// retries (RNR) until there is one or the peer QP fails.
-	for peer.recvs == 0 && peer.state == qpRTS {
-		peer.work.Wait()
-	}
-	if peer.state != qpRTS {
-		return wcRetryExcErr, 0
+	// The immediate needs a posted receive. A NIC answers RNR and the
+	// sender retries, for about 8 ms with ferry's QPs, then fails; here
+	// the retries are spent at once, so a sender that outruns its
+	// credits fails every time, not only when its peer is descheduled.
+	if peer.recvs == 0 {
+		return wcRNRRetryExcErr, 0
 	}
 	peer.recvs--
 	peer.complete(completion{Status: wcSuccess, Opcode: opcodeRecvRDMAWithImm, ByteLen: o.Len, Imm: o.Imm, HasImm: true})

@@ -69,11 +69,12 @@ type Fallback interface {
 // flyingChunks messages each may wait on it for their completions, so a
 // sending QP holds sendDepth+flyingMax*flyingChunks work requests. A
 // receiving lane grants at most recvDepth writes at a time, and keeps
-// recvPosted receives posted for immediates: room for the grants and for
-// direct writes, which nobody counts before they land. It reposts them
-// recvBatch at a time (one ibv_post_recv), so it falls at most
-// recvBatch-1 short of recvPosted, with room left for recvDepth grants
-// and the flyingMax+1 writes a sender has in flight per lane.
+// recvPosted receives posted for immediates, one for each WRITE WITH IMM
+// (granted or direct). It reposts them recvBatch at a time (one
+// ibv_post_recv) and returns them to the sender as credits (wire.go): a
+// sender starts with recvPosted and posts a WRITE WITH IMM only while it
+// holds one, so it never runs the receiver's queue dry however long the
+// receiving daemon is descheduled (docs/rdma.md, "Flow control").
 const (
 	sendDepth    = 64
 	flyingMax    = 7
@@ -141,6 +142,13 @@ type Stats struct {
 	Signaled        uint64 `json:"signaled"`      // of them, signaled
 	CopiedBytes     uint64 `json:"copied_bytes"`  // bytes the CPU copied: into bounce buffers, out of staging buffers
 
+	// Flow control (docs/rdma.md): credit messages, sent as a receiver
+	// reposts receives and read as a sender; the writes that found
+	// their lane without a credit and waited for one, and how long.
+	CreditMessages  uint64        `json:"credit_messages"`
+	CreditStalls    uint64        `json:"credit_stalls"`
+	CreditStallTime time.Duration `json:"credit_stall_ns"`
+
 	// The receiving side's direct writes: their completions, and those
 	// that counted for nothing (each also logged, rate-limited).
 	DirectCompletions uint64 `json:"direct_completions"`
@@ -154,6 +162,7 @@ type Stats struct {
 type counters struct {
 	perSend, perReceive, bounced, staged, rejected, failed atomic.Uint64
 	sends, direct, control, posts, wrs, signaled, copied   atomic.Uint64
+	credits, creditStalls, creditWait                      atomic.Uint64 // creditWait in ns
 	directCompletions, directRefused                       atomic.Uint64
 	windowBinds, windowInvalidations                       atomic.Uint64
 }
@@ -363,6 +372,7 @@ func (t *Transport) Stats() Stats {
 		Failed: c.failed.Load(),
 		Sends:  c.sends.Load(), Direct: c.direct.Load(), ControlMessages: c.control.Load(),
 		Posts: c.posts.Load(), WorkRequests: c.wrs.Load(), Signaled: c.signaled.Load(), CopiedBytes: c.copied.Load(),
+		CreditMessages: c.credits.Load(), CreditStalls: c.creditStalls.Load(), CreditStallTime: time.Duration(c.creditWait.Load()),
 		DirectCompletions: c.directCompletions.Load(), DirectRefused: c.directRefused.Load(),
 		WindowBinds: c.windowBinds.Load(), WindowInvalidations: c.windowInvalidations.Load(),
 	}

@@ -92,6 +92,25 @@ package rdma
 // outstanding) is rejected, counted and logged, and never delivered;
 // the server then fails every write it had granted on the lane.
 //
+// Credits. Every WRITE WITH IMM, granted or direct, consumes one receive
+// the server posted; with none posted the server's NIC answers RNR and,
+// its retries spent (about 8 ms), fails the client's QP. The server
+// posts recvPosted receives before its connect reply, and the client
+// starts with that many credits; it takes one before it sends a write's
+// header (or, direct, posts the write) and posts no WRITE WITH IMM
+// without one. The server reposts receives recvBatch at a time as it
+// takes their completions, and after each repost sends a credit:
+//
+//	server → client  a reply with code 0, flags bit 2 (flagCredit), no
+//	                 message, and a 16-byte body:
+//	  0  count     u32     receives posted again: the client's credits
+//	  4  reserved  [12]byte
+//
+// A credit may come at any point between other replies; it answers no
+// header. A client out of credits waits for one, for io_timeout at most
+// (the receiving daemon made no progress), and its write then fails
+// with nothing posted.
+//
 // A server that fails granted writes (a receive completed in error, a
 // completion did not match its grant, it is stopping) sends a reply with
 // flags bit 1 (flagFailed) and the reason, and closes the lane: that
@@ -154,6 +173,10 @@ const (
 // flagFailed in a reply's flags: the reply reports the failure of the
 // write in flight, and the lane closes (FlagClose is set too).
 const flagFailed = 2
+
+// flagCredit in a reply's flags: the reply returns credits (see above)
+// and answers no header.
+const flagCredit = 4
 
 // acceptDirect in a connect reply's flags: the server takes direct
 // writes.
@@ -264,6 +287,14 @@ func (g *grant) decode(b *[grantSize]byte) {
 	g.Addr = binary.LittleEndian.Uint64(b[0:])
 	g.RKey = binary.LittleEndian.Uint32(b[8:])
 }
+
+// credit is a flagCredit reply's body.
+func encodeCredit(n uint32) (b [grantSize]byte) {
+	binary.LittleEndian.PutUint32(b[0:], n)
+	return b
+}
+
+func decodeCredit(b *[grantSize]byte) uint32 { return binary.LittleEndian.Uint32(b[0:]) }
 
 // writeReply sends a reply, followed by body when the code is OK.
 func writeReply(c net.Conn, code transport.Code, flags uint16, msg string, body []byte) error {

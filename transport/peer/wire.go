@@ -1,6 +1,7 @@
 package peer
 
-// Wire protocol of the peer port, version 6 (6 binds the address the
+// Wire protocol of the peer port, version 7 (7 returns receive credits
+// on RDMA lanes, rdma/wire.go; 6 binds the address the
 // client dialed into the challenge-response; 5 grew the write header's
 // key by its window's rkey). Every integer is little-endian; every
 // record has a fixed size except the message that may follow a reply.
@@ -100,7 +101,7 @@ import (
 
 const (
 	magic   = "FERY"
-	version = 6
+	version = 7
 
 	helloSize   = 24
 	welcomeSize = 28
