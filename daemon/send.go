@@ -184,7 +184,8 @@ func (e *copyOutError) Unwrap() error { return e.err }
 // deliver writes src to w's slot on session: on a broken path it tears
 // the session down, re-dials and tries again, SendRetries times. A
 // refusal, ctx's end, a peer no re-dial can fix (secrets or versions
-// differ), or a failed copy out of GPU memory ends it at once. The error
+// differ, or its daemon stalled), or a failed copy out of GPU memory ends
+// it at once. The error
 // is the last attempt's.
 func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write, src source, log zerolog.Logger) (delivery, error) {
 	var dl delivery
@@ -220,6 +221,13 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 		}
 		if errors.Is(err, transport.ErrAuth) || errors.Is(err, transport.ErrIncompatible) {
 			return dl, err // the peers' secrets or versions differ: no re-dial can change that
+		}
+		if errors.Is(err, transport.ErrStalled) {
+			// The path is sound and the peer's daemon took nothing for
+			// io_timeout: a re-dial would reach the same stopped process,
+			// and a teardown would fail the writes queued behind this one
+			// for no reason of their own.
+			return dl, err
 		}
 		d.metrics.sessionFailed(session)
 		p.teardown(sess)

@@ -118,7 +118,7 @@ func TestSilentReceiverFailsAfterIOTimeout(t *testing.T) {
 		}
 	}
 	_, err := p.s.Write(ctxFor(t, 30*time.Second), ws[recvPosted])
-	if err == nil || !strings.Contains(err.Error(), "the receiver made no progress for "+ioTimeout.String()) || !errors.Is(err, os.ErrDeadlineExceeded) {
+	if err == nil || !strings.Contains(err.Error(), "the receiver made no progress for "+ioTimeout.String()) || !errors.Is(err, os.ErrDeadlineExceeded) || !errors.Is(err, transport.ErrStalled) {
 		t.Fatalf("a write past the receives posted, the receiver silent: %v; want it to fail naming the receiver's silence, as a timeout", err)
 	}
 	if st := p.tx.Stats(); st.Sends != recvPosted || st.CreditStalls != 1 || st.CreditStallTime < ioTimeout {

@@ -413,8 +413,8 @@ func (s *session) credit(ctx context.Context, l *lane) error {
 		}
 		switch {
 		case err == errNoProgress && transport.ContextErr(ctx) == nil:
-			return fmt.Errorf("rdma write to %s: the receiver made no progress for %s: it took none of the writes posted on its lane (no receive credit came back; is the receiving ferryd stopped or starved of CPU?): %w",
-				s.Peer(), s.t.cfg.Peer.IOTimeout, os.ErrDeadlineExceeded)
+			return fmt.Errorf("rdma write to %s: the receiver made no progress for %s: it took none of the writes posted on its lane (no receive credit came back; is the receiving ferryd stopped or starved of CPU?): %w: %w",
+				s.Peer(), s.t.cfg.Peer.IOTimeout, transport.ErrStalled, os.ErrDeadlineExceeded)
 		case gaveUp(ctx, err):
 			return s.broken(ctx, l, err, "waiting for the receiver to take the writes before")
 		case err != nil:

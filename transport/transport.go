@@ -349,6 +349,13 @@ var ErrClosed = errors.New("transport closed")
 // path, re-dialing cannot fix it: the daemons' configuration must change.
 var ErrAuth = errors.New("peer authentication failed")
 
+// ErrStalled is wrapped by a write that waited io_timeout for a peer
+// whose connection is sound (its NIC still acknowledges) while its daemon
+// took nothing: stopped, or starved of CPU. Tearing the session down and
+// re-dialing cannot help, and would fail the writes waiting behind it
+// for another reason; the session carries on once the peer does.
+var ErrStalled = errors.New("the peer's daemon made no progress")
+
 // ErrIncompatible is wrapped by a dial whose peer speaks another protocol
 // (another ferry version, or no ferry at all). Like ErrAuth, no re-dial
 // fixes it.

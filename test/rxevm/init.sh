@@ -63,7 +63,7 @@ mount -t hugetlbfs none /dev/hugepages || { echo "== FAIL mount hugetlbfs"; FAIL
 check "arena host-file tests" 120 /opt/arena.test -test.v -test.count=${COUNT:-1} -test.run 'HostFile'
 export FERRY_RDMA_REQUIRED=1
 check "rdma package tests" 600 /opt/rdma.test -test.v -test.count=${COUNT:-1} -test.timeout=590s -test.run "$RUN"
-cd /opt && FERRY_BIN=/opt/bin FERRY_FAKECUDA=/opt/fakecuda check "e2e tests over rdma" 480 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=470s -test.run "${E2E:-RDMA}"
+cd /opt && FERRY_BIN=/opt/bin FERRY_FAKECUDA=/opt/fakecuda check "e2e tests over rdma" 900 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=890s -test.run "${E2E:-RDMA}"
 # Loss, delay and reordering by netem, over TCP between two network
 # namespaces joined by a veth pair (the host's kernel may have no netem).
 FERRY_BIN=/opt/bin FERRY_NETEM_REQUIRED=1 check "e2e fault tests with netem" 240 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=230s -test.run "$NETEM"

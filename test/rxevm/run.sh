@@ -20,7 +20,8 @@
 #   RXEVM_COUNT  -test.count for every test run (default 1), to hunt flakes:
 #                narrow RXEVM_RUN and RXEVM_E2E to fit the runs' time limits
 #   RXEVM_RACE   1 builds the test binaries with the race detector
-#   RXEVM_TIMEOUT  seconds the VM may run (default 1500)
+#   RXEVM_TIMEOUT  seconds the VM may run (default 2400: a busy host slows
+#                the VM threefold)
 #   RXEVM_APPEND   more of the VM kernel's command line (e.g. clocksource=tsc
 #                tsc=reliable)
 #   RXEVM_PROFILE  1 also takes a CPU profile of the 64 KiB write benchmark,
@@ -45,7 +46,7 @@ say() { printf 'rxevm [%3ds] %s\n' $(($(date +%s) - T0)) "$*"; }
 CACHE=${RXEVM_CACHE:-$ROOT/.cache/rxevm}
 BENCH=${RXEVM_BENCH:-1}
 RUN=${RXEVM_RUN:-.}
-VM_TIMEOUT=${RXEVM_TIMEOUT:-1500}
+VM_TIMEOUT=${RXEVM_TIMEOUT:-2400}
 
 scripts/deps.sh vm
 
