@@ -41,12 +41,15 @@ type rightsConn struct {
 // Room in oob for the most descriptors one message may bring.
 var _ [64 - unix.SizeofCmsghdr - 4*maxPassedFDs]byte
 
+// Read is ReadMsgUnix as an io.Reader: on an error (a deadline passed)
+// ReadMsgUnix counts -1 bytes, which no Read may return (bufio panics on
+// it), so it reads as 0.
 func (c *rightsConn) Read(b []byte) (int, error) {
 	n, oobn, _, _, err := c.ReadMsgUnix(b, c.oob[:])
 	if oobn > 0 {
 		c.keep(c.oob[:oobn])
 	}
-	return n, err
+	return max(n, 0), err
 }
 
 // keep holds the descriptors of control messages, up to maxPassedFDs.
