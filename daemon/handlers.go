@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log"
 	"net/http"
 	"os"
 	"path"
@@ -15,7 +14,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rs/zerolog"
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
@@ -683,10 +681,4 @@ func (d *Daemon) handleDeleteSession(w http.ResponseWriter, r *http.Request) err
 	d.log.Info().Str("session", id).Msg("session torn down on request")
 	w.WriteHeader(http.StatusNoContent)
 	return nil
-}
-
-// newStdLogger routes net/http's own complaints (bad requests it rejects
-// itself) into the daemon's log.
-func newStdLogger(l zerolog.Logger) *log.Logger {
-	return log.New(l.Level(zerolog.WarnLevel).With().Str("component", "http").Logger(), "", 0)
 }
