@@ -137,23 +137,7 @@ func TestControlSocketIsCapped(t *testing.T) {
 // A caller the allow-lists refuse holds no descriptor it passes: each is
 // closed as it arrives.
 func TestRefusedCallerHoldsNoDescriptors(t *testing.T) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn := func(fd int) *net.UnixConn {
-		f := os.NewFile(uintptr(fd), "sock")
-		defer f.Close()
-		c, err := net.FileConn(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c.(*net.UnixConn)
-	}
-	client, server := conn(fds[0]), conn(fds[1])
-	defer client.Close()
-	rc := &rightsConn{UnixConn: server, refused: true}
-	defer rc.Close()
+	client, rc := rightsPair(t, true)
 	r, w, err := os.Pipe()
 	if err != nil {
 		t.Fatal(err)

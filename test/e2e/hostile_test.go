@@ -99,17 +99,7 @@ func passFDs(c net.Conn) error {
 // procUsage is a process's open descriptors and resident memory (MiB).
 func procUsage(t *testing.T, pid int) (fds, rssMB int) {
 	t.Helper()
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, l := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(l, "VmRSS:"); ok {
-			kb, _ := strconv.Atoi(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")))
-			rssMB = kb >> 10
-		}
-	}
-	return openFDs(t, pid), rssMB
+	return openFDs(t, pid), int(procStatusBytes(t, pid, "VmRSS") >> 20)
 }
 
 // underLoad runs the peer's sends from snd into target and the
