@@ -1,6 +1,8 @@
 package connlimit
 
 import (
+	"errors"
+	"fmt"
 	"net"
 	"net/http"
 	"sync"
@@ -64,6 +66,10 @@ func (g *Gate) admit(c net.Conn) bool {
 		g.table.countEvicted()
 	}
 	if err != nil {
+		// The source may be a uid: the Refusal's own words name an address.
+		if r := (*Refusal)(nil); errors.As(err, &r) && r.Reason == ReasonPerSource {
+			err = fmt.Errorf("it already holds %d, the most one source may", r.Limit)
+		}
 		g.warnf("%s: refused a connection from %s: %v", g.name, src, err)
 		c.Close()
 		return false
