@@ -299,8 +299,8 @@ type SliceRequest struct {
 }
 
 // Arena answers GET /v1/arena on a host-memory arena. The answer carries
-// the arena file's descriptor (SCM_RIGHTS, with the answer's first bytes):
-// the file is ferryd's alone (mode 0600), so this is how a caller the
+// the arena's descriptor (SCM_RIGHTS, with the answer's first bytes): the
+// arena is a sealed memfd with no path, so this is how a caller the
 // allow-lists admit maps it, read-write and MAP_SHARED, Size bytes.
 type Arena struct {
 	ArenaFile string `json:"arena_file"` // for messages; clients map the descriptor

@@ -5,8 +5,10 @@ import (
 	"fmt"
 	"io/fs"
 	"math"
+	"math/bits"
 	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"unsafe"
 
@@ -50,12 +52,14 @@ type Copier interface {
 // they write tensors straight into the arena (zero-copy staging). Only
 // the file's owner may open it (mode 0600): the daemon hands its
 // descriptor to the clients it admits (Fd). On hugetlbfs the file is
-// backed by huge pages.
+// backed by huge pages. A sealed one (NewSealedMemory) is a memfd no one
+// can shrink or grow, so it is safe to lend.
 type HostFile struct {
 	path     string
 	size     int64
 	base     uint64
 	huge     bool
+	sealed   bool // a sealed memfd: nothing to remove at Close
 	pageSize int64
 	ino      uint64 // Close removes the path only if it is still this file
 	fd       int    // open until Close, to hand to clients
@@ -115,6 +119,51 @@ func CreateHostFile(path string, size int64) (*HostFile, error) {
 	return h, nil
 }
 
+// Seals are what NewSealedMemory's memfd carries: its size fixed, and
+// the seals themselves, so no holder of the descriptor can shrink it
+// (whose next touch of a page past the end would be SIGBUS in ferryd) or
+// lift them. Writing stays allowed: clients write through their mapping.
+const Seals = unix.F_SEAL_SHRINK | unix.F_SEAL_GROW | unix.F_SEAL_SEAL
+
+// SealedName is the name NewSealedMemory gives its memfd (what
+// /proc/PID/fd shows), and what Path reports.
+const SealedName = "memfd:ferry-arena"
+
+// NewSealedMemory is host memory of size bytes that is the daemon's own:
+// an anonymous memfd, sized, its pages reserved, then sealed (Seals) and
+// mapped shared. It takes no file system's space (no tmpfs of its size),
+// and the descriptor lent to clients (Fd) can map it read-write but not
+// change its size. hugePage > 0 asks for huge pages of that size
+// (MFD_HUGETLB, sealable since Linux 4.16), to which size is rounded up.
+func NewSealedMemory(size, hugePage int64) (*HostFile, error) {
+	h := &HostFile{path: SealedName, sealed: true, pageSize: int64(os.Getpagesize())}
+	if size <= 0 {
+		return nil, fmt.Errorf("arena: %s: size must be positive, got %d", h.path, size)
+	}
+	flags := unix.MFD_CLOEXEC | unix.MFD_ALLOW_SEALING
+	if hugePage > 0 {
+		if hugePage&(hugePage-1) != 0 || size > math.MaxInt64-hugePage {
+			return nil, fmt.Errorf("arena: huge pages of %d bytes for %d bytes: the page size must be a power of two", hugePage, size)
+		}
+		h.huge, h.pageSize = true, hugePage
+		size = (size + hugePage - 1) / hugePage * hugePage
+		flags |= unix.MFD_HUGETLB | bits.TrailingZeros64(uint64(hugePage))<<unix.MFD_HUGE_SHIFT
+	}
+	h.size = size
+	fd, err := unix.MemfdCreate(strings.TrimPrefix(SealedName, "memfd:"), flags)
+	if err != nil {
+		return nil, h.createErr("create", err)
+	}
+	data, err := h.mapFile(fd)
+	if err != nil {
+		unix.Close(fd)
+		return nil, err
+	}
+	h.data, h.fd = data, fd
+	h.base = uint64(uintptr(unsafe.Pointer(unsafe.SliceData(data))))
+	return h, nil
+}
+
 func (h *HostFile) mapFile(fd int) ([]byte, error) {
 	var fst unix.Stat_t
 	if err := unix.Fstat(fd, &fst); err != nil {
@@ -126,6 +175,11 @@ func (h *HostFile) mapFile(fd int) ([]byte, error) {
 	}
 	if err := h.reserve(fd); err != nil && !errors.Is(err, unix.EOPNOTSUPP) {
 		return nil, h.createErr("reserve", err)
+	}
+	if h.sealed {
+		if _, err := unix.FcntlInt(uintptr(fd), unix.F_ADD_SEALS, Seals); err != nil {
+			return nil, h.createErr("seal", err)
+		}
 	}
 	data, err := unix.Mmap(fd, 0, int(h.size), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
@@ -171,10 +225,15 @@ func (h *HostFile) reserve(fd int) error {
 // createErr says what failed and what the operator can do about it.
 func (h *HostFile) createErr(op string, err error) error {
 	dir := filepath.Dir(h.path)
+	if h.sealed {
+		dir = "memory"
+	}
 	var hint string
 	switch {
 	case (errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM)) && h.huge:
-		hint = fmt.Sprintf("not enough free %d-byte huge pages in %s for %d bytes: raise vm.nr_hugepages or ask for a smaller arena", h.pageSize, dir, h.size)
+		hint = fmt.Sprintf("not enough free %d-byte huge pages (%s) for %d bytes: raise vm.nr_hugepages or ask for a smaller arena", h.pageSize, hugePagesDir(h.pageSize), h.size)
+	case (errors.Is(err, unix.EINVAL) || errors.Is(err, unix.ENOENT)) && h.huge && h.sealed:
+		hint = fmt.Sprintf("the kernel offers no %d-byte huge pages (%s): choose a size it lists there, or none", h.pageSize, hugePagesDir(h.pageSize))
 	case errors.Is(err, unix.ENOSPC) || errors.Is(err, unix.ENOMEM):
 		hint = fmt.Sprintf("no space in %s for %d bytes: ask for a smaller arena or free space there", dir, h.size)
 	case errors.Is(err, unix.EACCES) || errors.Is(err, unix.EPERM):
@@ -185,6 +244,11 @@ func (h *HostFile) createErr(op string, err error) error {
 		hint = "check the arena's path and size"
 	}
 	return fmt.Errorf("arena: %s %s: %w (%s)", op, h.path, err, hint)
+}
+
+// hugePagesDir is where the kernel counts the huge pages of a size.
+func hugePagesDir(pageSize int64) string {
+	return fmt.Sprintf("/sys/kernel/mm/hugepages/hugepages-%dkB", pageSize>>10)
 }
 
 // Base is the virtual address of the mapping in this process.
@@ -204,7 +268,7 @@ func (h *HostFile) Host() []byte {
 // Kind is "host".
 func (h *HostFile) Kind() string { return "host" }
 
-// Path is the arena's file.
+// Path is the arena's file, SealedName for a sealed memfd.
 func (h *HostFile) Path() string { return h.path }
 
 // Fd is the open file, for handing to a client (SCM_RIGHTS); it stays
@@ -232,6 +296,9 @@ func (h *HostFile) Close() error {
 	}
 	unix.Close(h.fd)
 	h.data = nil
+	if h.sealed {
+		return errors.Join(errs...)
+	}
 	// A successor daemon may already have replaced the file; leave its file be.
 	var st unix.Stat_t
 	if err := unix.Stat(h.path, &st); err == nil && st.Ino == h.ino {

@@ -24,7 +24,6 @@ import (
 type DaemonConfig struct {
 	Ferryd    string   // the binary
 	Dir       string   // for the control sockets
-	ArenaDir  string   // for the arena files; tmpfs keeps disk writeback out of the figures
 	ArenaSize int64    // per daemon
 	Args      []string // passed through (--transport, --device, --max-conns)
 }
@@ -117,9 +116,8 @@ func FindFerryd(given string) (string, error) {
 // for its "ready" log line, which names the address peers dial.
 func StartDaemon(ctx context.Context, cfg DaemonConfig, name string) (*Daemon, error) {
 	sock := filepath.Join(cfg.Dir, name+".sock")
-	arenaFile := filepath.Join(cfg.ArenaDir, fmt.Sprintf("ferrybench-%d-%s.arena", os.Getpid(), name))
 	args := append([]string{
-		"--socket", sock, "--listen", "127.0.0.1:0", "--arena-file", arenaFile,
+		"--socket", sock, "--listen", "127.0.0.1:0",
 		"--arena-size", size.Format(cfg.ArenaSize), "--log-level", "info", "--drain-timeout", "5s",
 	}, cfg.Args...)
 	cmd := exec.Command(cfg.Ferryd, args...)

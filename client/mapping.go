@@ -28,7 +28,7 @@ type Mapping struct {
 const maxArenaAnswer = 64 << 10
 
 // MapArena maps ferryd's host-memory arena into this process, read-write.
-// The arena file is ferryd's alone: ferryd passes its descriptor over the
+// The arena is ferryd's alone (a sealed memfd): ferryd passes its descriptor over the
 // control socket (GET /v1/arena, SCM_RIGHTS) to callers it admits, so a
 // caller its allow-lists refuse gets a forbidden error here and no memory.
 func (c *Client) MapArena(ctx context.Context) (*Mapping, error) {

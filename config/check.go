@@ -76,13 +76,31 @@ const (
 	DeviceCPU  Device = "cpu"
 )
 
-// ArenaPath is the arena file: arena_file, else the socket's path with
-// ".arena" added.
-func (s *Settings) ArenaPath() string {
-	if s.ArenaFile != "" {
-		return s.ArenaFile
+// HugePageBytes is arena_huge_pages in bytes, 0 for ordinary pages.
+func (s *Settings) HugePageBytes() int64 {
+	n, _ := size.Parse(s.ArenaHugePages) // checked: "" or a size
+	return n
+}
+
+func checkHugePages(s *Settings) error {
+	if s.ArenaHugePages == "" {
+		return nil
 	}
-	return s.Socket + ".arena"
+	n, err := size.Parse(s.ArenaHugePages)
+	if err != nil || n < 64<<10 || n&(n-1) != 0 {
+		return errors.New("is not a huge page size: give one the kernel lists in /sys/kernel/mm/hugepages, e.g. \"2MiB\" or \"1GiB\", or leave it empty for ordinary pages")
+	}
+	return nil
+}
+
+// checkArenaFile refuses the setting that once put the arena in a file:
+// a file's holders can shrink it under ferryd (SIGBUS), a sealed memfd's
+// cannot, and the memfd takes no tmpfs's space.
+func checkArenaFile(s *Settings) error {
+	if s.ArenaFile == "" {
+		return nil
+	}
+	return errors.New("is no longer used: the host-memory arena is a sealed memfd ferryd owns, which clients map through the descriptor GET /v1/arena passes; remove the setting, and for huge pages set arena_huge_pages (e.g. \"2MiB\") instead of a file on hugetlbfs")
 }
 
 // maxSocketPath is the longest path a Unix socket address holds

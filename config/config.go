@@ -72,6 +72,7 @@ type Settings struct {
 	Device           Device               `toml:"device"`
 	ArenaSize        Size                 `toml:"arena_size"`
 	BounceSize       Size                 `toml:"bounce_size"`
+	ArenaHugePages   string               `toml:"arena_huge_pages"`
 	ArenaFile        string               `toml:"arena_file"`
 	MaxRegionBytes   Share                `toml:"max_region_bytes"`
 	SlowThreshold    Duration             `toml:"slow_threshold"`
@@ -106,7 +107,7 @@ const maxSendRetries = 10
 var options = []option{
 	{"socket", api.DefaultSocket, "control socket `path`",
 		func(s *Settings) value { return (*text)(&s.Socket) }, checkSocket},
-	{"socket_group", "", "`group` (name or gid) that owns the control socket (mode 0660; default: ferryd's own group); the arena file is ferryd's alone (mode 0600): allowed callers get it over the socket",
+	{"socket_group", "", "`group` (name or gid) that owns the control socket (mode 0660; default: ferryd's own group); the arena is ferryd's alone (a sealed memfd): allowed callers get its descriptor over the socket",
 		func(s *Settings) value { return (*text)(&s.SocketGroup) },
 		func(s *Settings) error { _, err := LookupGroup(s.SocketGroup); return err }},
 	{"allow_uids", "", "comma-separated `uids` that may call the API (with --allow-gids; both empty: anyone who can open the socket; root and ferryd's own uid always may)",
@@ -197,8 +198,10 @@ var options = []option{
 		func(s *Settings) value { return &s.ArenaSize }, sizeWithin(func(s *Settings) Size { return s.ArenaSize }, ArenaAlign, 1<<50)},
 	{"bounce_size", "256MiB", "pinned host memory (`size`) that copies to and from a GPU arena are staged in",
 		func(s *Settings) value { return &s.BounceSize }, nil},
-	{"arena_file", "", "arena backing `file` that local clients map for zero-copy (default: the socket path + \".arena\"; a path on hugetlbfs gives huge pages)",
-		func(s *Settings) value { return (*text)(&s.ArenaFile) }, nil},
+	{"arena_huge_pages", "", "huge page `size` (e.g. 2MiB or 1GiB, one the kernel lists in /sys/kernel/mm/hugepages) a host-memory arena takes its pages in, from vm.nr_hugepages' pool (empty: ordinary pages)",
+		func(s *Settings) value { return (*text)(&s.ArenaHugePages) }, checkHugePages},
+	{"arena_file", "", "no longer used, must be empty: the host-memory arena is a sealed memfd ferryd owns, in no file system (for huge pages set arena_huge_pages)",
+		func(s *Settings) value { return (*text)(&s.ArenaFile) }, checkArenaFile},
 	{"max_region_bytes", "75%", "bound on the host memory all memfd regions (POST /v1/regions) hold at once: a `size`, or a share (e.g. 75%) of physical memory, or of the memory limit of ferryd's cgroup (MemoryMax=, a container's) where that is less; past it a region is refused before ferryd maps it. Over RDMA registering a region pins every page of it, untouched ones too (a sparse memfd), so this keeps one client from pinning the host's memory; 75% lets a CPU KV pool take most of the host and leaves a quarter to the kernel, the arena and the clients. CUDA regions pin no host memory and do not count (0: no bound)",
 		func(s *Settings) value { return &s.MaxRegionBytes }, nil},
 	{"slow_threshold", "200ms", "log transfers slower than this `duration` (0: every transfer; reloaded on SIGHUP)",

@@ -26,12 +26,16 @@ type caller struct {
 
 type callerKey struct{}
 
-// withCaller is the http.Server's ConnContext: it reads the credentials
-// once per connection.
+// withCaller is the http.Server's ConnContext: the credentials read once
+// per connection, when it was accepted.
 // The connection goes along too, for a handler that claims a descriptor
 // passed on it.
 func withCaller(ctx context.Context, c net.Conn) context.Context {
-	return context.WithValue(context.WithValue(ctx, callerKey{}, readCaller(c)), connKey{}, c)
+	who := &caller{err: fmt.Errorf("%T is not a control connection", c)}
+	if rc, ok := c.(*rightsConn); ok {
+		who = rc.caller
+	}
+	return context.WithValue(context.WithValue(ctx, callerKey{}, who), connKey{}, c)
 }
 
 func callerOf(ctx context.Context) *caller {
@@ -41,11 +45,7 @@ func callerOf(ctx context.Context) *caller {
 	return &caller{err: fmt.Errorf("no credentials on this connection")}
 }
 
-func readCaller(c net.Conn) *caller {
-	uc, ok := unixConn(c)
-	if !ok {
-		return &caller{err: fmt.Errorf("%T is not a Unix socket connection", c)}
-	}
+func readCaller(uc *net.UnixConn) *caller {
 	raw, err := uc.SyscallConn()
 	if err != nil {
 		return &caller{err: err}

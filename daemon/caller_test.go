@@ -26,7 +26,7 @@ func TestReadCallerFromARealConnection(t *testing.T) {
 	}
 	defer conn.Close()
 
-	c := readCaller(conn)
+	c := readCaller(conn.(*net.UnixConn))
 	if c.err != nil {
 		t.Fatal(c.err)
 	}

@@ -16,11 +16,13 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
@@ -62,6 +64,10 @@ type Daemon struct {
 	http      *http.Server
 	metricsLn net.Listener // --metrics-listen, or nil
 	metricsHS *http.Server
+	// The caps on the two HTTP listeners, and their shared ErrorLog.
+	controlGate, metricsGate *connlimit.Gate
+	httpLog                  *httpLog
+
 	advertise string
 	slowNanos atomic.Int64
 	regionLog *loglimit.Limiter // regions the NIC could not register
@@ -107,7 +113,9 @@ func New(cfg Config) (*Daemon, error) {
 			return nil, err
 		}
 	}
-	d.control = rightsListener{ln}
+	d.httpLog = newHTTPLog(d.log)
+	d.controlGate = connlimit.NewGate("control socket", controlLimits, controlSource, d.httpLog.warnf)
+	d.control = d.controlGate.Listener(rightsListener{Listener: ln, admit: d.admit})
 	ok := false
 	defer func() {
 		if !ok {
@@ -208,6 +216,10 @@ func New(cfg Config) (*Daemon, error) {
 		d.log.Warn().Str("component", "api").Msg(fmt.Sprintf(format, args...))
 	})
 	d.metrics.countRefused(d.refusedLog.Count)
+	d.metrics.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
+		Name: "ferry_panics_total",
+		Help: "Panics ferryd's HTTP servers (the control socket, the metrics listener) recovered from, each ending its connection: a bug; the first one's stack is logged, the others one line each, at most 10 a second.",
+	}, func() float64 { return float64(d.httpLog.panics.Load()) }))
 	if cfg.MetricsListen != "" {
 		// Only /metrics here: the control API stays on the socket, whose
 		// file mode is its access control.
@@ -215,22 +227,35 @@ func New(cfg Config) (*Daemon, error) {
 		if err != nil {
 			return nil, fmt.Errorf("--metrics-listen %s: %w", cfg.MetricsListen, err)
 		}
+		d.metricsGate = connlimit.NewGate("metrics listener", metricsLimits, metricsSource, d.httpLog.warnf)
+		d.metricsLn = d.metricsGate.Listener(d.metricsLn)
 		mux := http.NewServeMux()
 		mux.Handle("GET /metrics", d.metrics.handler())
-		d.metricsHS = &http.Server{Handler: mux, ReadHeaderTimeout: 10 * time.Second, ErrorLog: newStdLogger(d.log)}
+		d.metricsHS = &http.Server{
+			Handler:           mux,
+			ReadHeaderTimeout: metricsHeaderTimeout,
+			ReadTimeout:       metricsReadTimeout,
+			WriteTimeout:      metricsWriteTimeout,
+			IdleTimeout:       metricsIdleTimeout,
+			MaxHeaderBytes:    metricsHeaderBytes,
+			ErrorLog:          d.httpLog.logger(),
+			ConnState:         d.metricsGate.ConnState,
+		}
 	}
 	d.reqCtx, d.cancelRequests = context.WithCancelCause(context.Background())
 	d.http = &http.Server{
 		Handler:           d.routes(),
-		ReadHeaderTimeout: 10 * time.Second,
+		ReadHeaderTimeout: controlHeaderTimeout,
+		IdleTimeout:       controlIdleTimeout,
 		// The server's own limits sit a little above RequestTimeout, so the
 		// handler's deadline ends a request first, with an answer that says so.
 		ReadTimeout:    cfg.RequestTimeout.D() + requestGrace,
 		WriteTimeout:   cfg.RequestTimeout.D() + requestGrace,
 		MaxHeaderBytes: int(cfg.MaxHeaderBytes.Bytes()),
-		ErrorLog:       newStdLogger(d.log),
+		ErrorLog:       d.httpLog.logger(),
 		BaseContext:    func(net.Listener) context.Context { return d.reqCtx },
 		ConnContext:    withCaller,
+		ConnState:      d.controlGate.ConnState,
 	}
 	ok = true
 	return d, nil
@@ -376,6 +401,9 @@ func (d *Daemon) closeAll() {
 	}
 	if d.refusedLog != nil {
 		d.refusedLog.Stop()
+	}
+	if d.httpLog != nil {
+		d.httpLog.lim.Stop()
 	}
 	if d.regionLog != nil {
 		d.regionLog.Stop()

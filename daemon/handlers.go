@@ -7,7 +7,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"log"
 	"net/http"
 	"os"
 	"path"
@@ -15,7 +14,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/rs/zerolog"
 	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
@@ -405,24 +403,31 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
+	// Deferred, so that the entry is staged or freed however this ends
+	// (a panic in a read too): an entry left uploading holds its bytes
+	// of the arena until ferryd restarts.
+	finished := false
+	defer func() {
+		if !finished {
+			d.reg.finishUpload(e, false)
+		}
+	}()
 	// For a GPU arena the body lands in host staging, stageChunk bytes at
 	// a time, each copied in before the next is read.
 	fill, err := arena.NewFiller(d.arena.Memory(), e.slice, 0, n, stageChunk)
 	if err != nil {
-		d.reg.finishUpload(e, false)
 		return err
 	}
+	defer fill.Close()
 	rc := http.NewResponseController(w)
 	err = transport.ReadBody(requestBody{r.Body, rc}, uint64(n), fill.Next, d.cfg.IOTimeout.D())
 	_ = rc.SetReadDeadline(time.Time{})
-	fill.Close()
 	var extra [1]byte
 	if err == nil {
 		if k, _ := r.Body.Read(extra[:]); k > 0 {
 			err = errors.New("the body is longer than that")
 		}
 	}
-	d.reg.finishUpload(e, err == nil)
 	if pe := (*transport.PlaceError)(nil); errors.As(err, &pe) {
 		// Ferryd's fault, not the body's.
 		return apiErr(api.CodeInternal, "%s: copying it into GPU memory failed: %v; nothing was staged: upload it again", id, pe.Err)
@@ -430,6 +435,8 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return apiErr(api.CodeBadRequest, "%s: shape %s %s needs %d bytes: %v; nothing was staged", id, api.ShapeString(shape), dtype, n, err)
 	}
+	d.reg.finishUpload(e, true)
+	finished = true
 	d.metrics.staged.WithLabelValues("upload").Inc()
 	e2, _ := d.reg.embedding(id)
 	writeJSON(w, http.StatusCreated, e2)
@@ -674,10 +681,4 @@ func (d *Daemon) handleDeleteSession(w http.ResponseWriter, r *http.Request) err
 	d.log.Info().Str("session", id).Msg("session torn down on request")
 	w.WriteHeader(http.StatusNoContent)
 	return nil
-}
-
-// newStdLogger routes net/http's own complaints (bad requests it rejects
-// itself) into the daemon's log.
-func newStdLogger(l zerolog.Logger) *log.Logger {
-	return log.New(l.Level(zerolog.WarnLevel).With().Str("component", "http").Logger(), "", 0)
 }

@@ -7,7 +7,8 @@ import (
 )
 
 // limitsCollector reports what the caps on the ports anyone may reach
-// did (the peer port, the Mooncake RPC and data ports), and the Mooncake
+// did (the peer port, the Mooncake RPC and data ports, and for local
+// users the control socket and the metrics listener), and the Mooncake
 // endpoint table's, read at scrape time. Labels are the port and the
 // reason: never an address. The endpoint table's series read 0 on a
 // daemon without a Mooncake RDMA segment, so one dashboard fits every host.
@@ -18,10 +19,10 @@ type limitsCollector struct {
 
 var (
 	portConnsDesc = prometheus.NewDesc("ferry_port_connections",
-		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data.",
+		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data, control (the control socket), metrics (--metrics-listen).",
 		[]string{"port"}, nil)
 	portRefusedDesc = prometheus.NewDesc("ferry_port_refused_connections_total",
-		"Connections a port closed at once for want of a place, by reason: per_source (its address held the most one address may), total (every place held by a connection in use).",
+		"Connections a port closed at once for want of a place, by reason: per_source (its address, or on the control socket its uid, held the most one may), total (every place held by a connection in use).",
 		[]string{"port", "reason"}, nil)
 	portClosedDesc = prometheus.NewDesc("ferry_port_closed_connections_total",
 		"Connections a port closed itself, by reason: evicted (to make room for a newcomer: one that carried no traffic first, then the least recently used), idle (no write for the idle timeout; not on the Mooncake ports), handshake (it did not say what it wanted in time).",
@@ -74,7 +75,10 @@ func (c *limitsCollector) Collect(ch chan<- prometheus.Metric) {
 func (d *Daemon) limits() *limitsCollector {
 	// Both transports, tcp and rdma, serve the peer port.
 	peer := d.dp.tr.(interface{ PortStats() connlimit.Stats })
-	c := &limitsCollector{ports: map[string]func() connlimit.Stats{"peer": peer.PortStats}}
+	c := &limitsCollector{ports: map[string]func() connlimit.Stats{"peer": peer.PortStats, "control": d.controlGate.Stats}}
+	if d.cfg.MetricsListen != "" {
+		c.ports["metrics"] = func() connlimit.Stats { return d.metricsGate.Stats() } // opened after this
+	}
 	if m := d.mooncake; m != nil {
 		c.ports["mooncake_rpc"] = m.hs.Stats
 		c.ports["mooncake_data"] = m.data.Stats

@@ -3,8 +3,6 @@ package daemon
 import (
 	"errors"
 	"fmt"
-	"os"
-	"path/filepath"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
@@ -13,11 +11,14 @@ import (
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/cuda"
+	"github.com/ferry-project/ferry/internal/memlimit"
+	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/rdma"
 )
 
-// memory is the arena's memory (--device): a host file clients map, or a
-// GPU allocation clients open by its IPC handle.
+// memory is the arena's memory (--device): a sealed memfd clients map
+// through the descriptor GET /v1/arena passes, or a GPU allocation
+// clients open by its IPC handle.
 type memory struct {
 	arena.Memory
 	device string // "cpu" or "cuda:N"
@@ -56,15 +57,37 @@ func openMemory(cfg Config, log zerolog.Logger) (*memory, error) {
 		reason = "--device auto found no usable GPU: " + missingGPU(err)
 		log.Info().Str("reason", reason).Msg("the arena is in host memory")
 	}
-	path := cfg.ArenaPath()
-	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
-		return nil, fmt.Errorf("arena file directory: %w", err)
+	setting := "--arena-size " + string(cfg.ArenaSize)
+	if cfg.ArenaHugePages != "" {
+		setting += ", --arena-huge-pages " + cfg.ArenaHugePages
+	} else if err := hostRoom(cfg.ArenaSize.Bytes(), memlimit.Host); err != nil {
+		return nil, fmt.Errorf("%s: %w", setting, err)
 	}
-	host, err := arena.CreateHostFile(path, cfg.ArenaSize.Bytes())
+	host, err := arena.NewSealedMemory(cfg.ArenaSize.Bytes(), cfg.HugePageBytes())
 	if err != nil {
-		return nil, fmt.Errorf("--arena-size %s, --arena-file %s: %w", cfg.ArenaSize, path, err)
+		return nil, fmt.Errorf("%s: %w", setting, err)
 	}
 	return &memory{Memory: host, device: string(config.DeviceCPU), reason: reason, host: host}, nil
+}
+
+// hostRoom refuses an arena of n bytes of ordinary pages that this host
+// cannot have: more than its available memory (MemAvailable), or than
+// ferryd's cgroup memory limit (MemoryMax=). Reserving it would
+// otherwise end in the OOM killer, not in an error that names the
+// setting. Huge pages need no check: the kernel refuses them cleanly.
+func hostRoom(n int64, roots memlimit.Roots) error {
+	avail, err := roots.Available()
+	if err != nil {
+		return err
+	}
+	if n > avail {
+		return fmt.Errorf("the arena needs %s of memory and this host has %s available (MemAvailable in %s/meminfo): lower arena_size, or free memory", size.Format(n), size.Format(avail), roots.Proc)
+	}
+	lim, limited, err := roots.Read()
+	if err == nil && limited && n > lim.Bytes {
+		return fmt.Errorf("the arena needs %s of memory and ferryd's cgroup may hold %s (%s, MemoryMax= of its unit): lower arena_size, or raise MemoryMax= above it", size.Format(n), size.Format(lim.Bytes), lim.File)
+	}
+	return nil
 }
 
 // missingGPU says what is missing, and what to do, in one sentence.
@@ -116,7 +139,8 @@ func (m *memory) nicView(path api.GPURegistration) *rdma.DeviceMemory {
 		Bounce: m.gpu.BounceArea(), Path: path}
 }
 
-// Path is the file clients map, "" for GPU memory.
+// Path names the memory clients map (arena.SealedName), "" for GPU
+// memory.
 func (m *memory) Path() string {
 	if m.host == nil {
 		return ""
@@ -124,7 +148,7 @@ func (m *memory) Path() string {
 	return m.host.Path()
 }
 
-// HugePages reports whether a host arena is on hugetlbfs.
+// HugePages reports whether a host arena is in huge pages.
 func (m *memory) HugePages() bool { return m.host != nil && m.host.HugePages() }
 
 // ipc is what a client needs to open a GPU arena; nil for host memory or

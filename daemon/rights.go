@@ -14,13 +14,19 @@ const maxPassedFDs = 4
 
 // rightsListener accepts control connections that keep the descriptors a
 // client passes beside its request (SCM_RIGHTS), for the handler that
-// claims one (POST /v1/regions).
-type rightsListener struct{ net.Listener }
+// claims one (POST /v1/regions). It reads each connection's caller as
+// it accepts it, so that a caller the allow-lists refuse holds no
+// descriptor it passes for a moment longer than the read that brings it.
+type rightsListener struct {
+	net.Listener
+	admit func(*caller) error
+}
 
 func (l rightsListener) Accept() (net.Conn, error) {
 	c, err := l.Listener.Accept()
 	if uc, ok := c.(*net.UnixConn); ok {
-		return &rightsConn{UnixConn: uc}, nil
+		who := readCaller(uc)
+		return &rightsConn{UnixConn: uc, caller: who, refused: l.admit(who) != nil}, nil
 	}
 	return c, err
 }
@@ -29,6 +35,8 @@ func (l rightsListener) Accept() (net.Conn, error) {
 // request's bytes are kept, not dropped by the kernel.
 type rightsConn struct {
 	*net.UnixConn
+	caller  *caller // read when accepted
+	refused bool    // the allow-lists refuse caller: its descriptors are closed on arrival
 
 	// oob takes the control messages of one read; the HTTP server reads a
 	// connection from one goroutine at a time.
@@ -41,15 +49,19 @@ type rightsConn struct {
 // Room in oob for the most descriptors one message may bring.
 var _ [64 - unix.SizeofCmsghdr - 4*maxPassedFDs]byte
 
+// Read is ReadMsgUnix as an io.Reader: on an error (a deadline passed)
+// ReadMsgUnix counts -1 bytes, which no Read may return (bufio panics on
+// it), so it reads as 0.
 func (c *rightsConn) Read(b []byte) (int, error) {
 	n, oobn, _, _, err := c.ReadMsgUnix(b, c.oob[:])
 	if oobn > 0 {
 		c.keep(c.oob[:oobn])
 	}
-	return n, err
+	return max(n, 0), err
 }
 
-// keep holds the descriptors of control messages, up to maxPassedFDs.
+// keep holds the descriptors of control messages, up to maxPassedFDs,
+// none for a refused caller.
 func (c *rightsConn) keep(oob []byte) {
 	msgs, err := unix.ParseSocketControlMessage(oob)
 	if err != nil {
@@ -63,7 +75,7 @@ func (c *rightsConn) keep(oob []byte) {
 			continue
 		}
 		for _, fd := range fds {
-			if len(c.fds) < maxPassedFDs {
+			if !c.refused && len(c.fds) < maxPassedFDs {
 				c.fds = append(c.fds, fd)
 			} else {
 				unix.Close(fd)

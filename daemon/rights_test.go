@@ -11,23 +11,7 @@ import (
 // A control connection keeps at most maxPassedFDs descriptors unclaimed:
 // the rest are closed on arrival, so no client can make ferryd hold more.
 func TestPassedDescriptorsAreBounded(t *testing.T) {
-	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	conn := func(fd int) *net.UnixConn {
-		f := os.NewFile(uintptr(fd), "sock")
-		defer f.Close()
-		c, err := net.FileConn(f)
-		if err != nil {
-			t.Fatal(err)
-		}
-		return c.(*net.UnixConn)
-	}
-	client, server := conn(fds[0]), conn(fds[1])
-	defer client.Close()
-	rc := &rightsConn{UnixConn: server}
-	defer rc.Close()
+	client, rc := rightsPair(t, false)
 
 	var passed []int
 	for range maxPassedFDs + 2 {
@@ -54,4 +38,28 @@ func TestPassedDescriptorsAreBounded(t *testing.T) {
 	if kept != maxPassedFDs {
 		t.Fatalf("kept %d of %d descriptors passed, want %d", kept, len(passed), maxPassedFDs)
 	}
+}
+
+// rightsPair is a connected pair of Unix sockets: the client's end, and
+// the control connection's (refused: its caller is off the allow-lists).
+// Both close when the test ends.
+func rightsPair(t *testing.T, refused bool) (*net.UnixConn, *rightsConn) {
+	t.Helper()
+	fds, err := unix.Socketpair(unix.AF_UNIX, unix.SOCK_STREAM|unix.SOCK_CLOEXEC, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	conn := func(fd int) *net.UnixConn {
+		f := os.NewFile(uintptr(fd), "sock")
+		defer f.Close()
+		c, err := net.FileConn(f)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return c.(*net.UnixConn)
+	}
+	client := conn(fds[0])
+	rc := &rightsConn{UnixConn: conn(fds[1]), refused: refused}
+	t.Cleanup(func() { client.Close(); rc.Close() })
+	return client, rc
 }

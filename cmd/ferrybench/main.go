@@ -178,7 +178,7 @@ func (d *daemonFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&d.transport, "transport", "tcp", "data plane of the daemons ferrybench starts (ferryd --transport)")
 	fs.StringVar(&d.device, "device", "cpu", "arena memory of the daemons ferrybench starts (ferryd --device)")
 	fs.StringVar(&d.arenaSize, "arena-size", "auto", "arena `size` of each daemon ferrybench starts (auto: twice the largest size x concurrency, at least 64MiB)")
-	fs.StringVar(&d.arenaDir, "arena-dir", "", "`dir` for the arena files of self-contained runs (default /dev/shm: tmpfs keeps disk writeback out of the figures)")
+	fs.StringVar(&d.arenaDir, "arena-dir", "", "`dir` for the memory files of --raw runs and the batch sink (default /dev/shm: tmpfs keeps disk writeback out of the figures); the ferryd it starts keeps its arena in a memfd, in no file system")
 }
 
 // peers returns the two daemons to measure and the function that stops
@@ -208,7 +208,7 @@ func (d *daemonFlags) peers(ctx context.Context, fs *flag.FlagSet, need int64, m
 	}
 	conns := strconv.Itoa(max(maxConc, 8))
 	pair, err := bench.StartPair(ctx, bench.DaemonConfig{
-		Ferryd: ferryd, ArenaDir: d.arenaDirOrDefault(), ArenaSize: arenaSize,
+		Ferryd: ferryd, ArenaSize: arenaSize,
 		Args: []string{"--transport", d.transport, "--device", d.device, "--max-conns", conns},
 	})
 	if err != nil {

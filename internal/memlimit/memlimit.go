@@ -121,3 +121,23 @@ func parseLimit(v string) (int64, bool, error) {
 	}
 	return n, n < 1<<62, nil
 }
+
+// Available is the memory the kernel estimates can be had without
+// swapping: MemAvailable in meminfo.
+func (r Roots) Available() (int64, error) {
+	name := filepath.Join(r.Proc, "meminfo")
+	b, err := os.ReadFile(name)
+	if err != nil {
+		return 0, err
+	}
+	for _, l := range strings.Split(string(b), "\n") {
+		if v, ok := strings.CutPrefix(l, "MemAvailable:"); ok {
+			kb, err := strconv.ParseInt(strings.TrimSpace(strings.TrimSuffix(strings.TrimSpace(v), "kB")), 10, 64)
+			if err != nil {
+				return 0, fmt.Errorf("%s: %q is not a count of kB", name, l)
+			}
+			return kb << 10, nil
+		}
+	}
+	return 0, fmt.Errorf("%s has no MemAvailable line", name)
+}

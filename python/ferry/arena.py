@@ -1,6 +1,6 @@
 """A client's own mapping of ferryd's host-memory arena.
 
-The arena file is ferryd's alone (mode 0600); ferryd passes its
+The arena is ferryd's alone (a sealed memfd, with no path); ferryd passes its
 descriptor with the answer to GET /v1/arena (SCM_RIGHTS) to callers its
 allow-lists admit, and closes that connection after it. So the request
 goes out on a connection of its own, read with recvmsg to take the

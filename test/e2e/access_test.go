@@ -57,25 +57,20 @@ func TestAllowListAndSocketGroup(t *testing.T) {
 	dir := openDir(t)
 	d := startDaemon(t, dir, "acl", "--socket-group", "64990", "--allow-uids", "64991", "--allow-gids", "64994")
 
-	// The socket: mode 0660, the configured group. The arena file: 0600,
-	// ferryd's alone, whatever the group.
-	st, err := d.c.Status(ctxT(t))
-	if err != nil {
+	// The socket: mode 0660, the configured group. The arena is in no
+	// file: a memfd ferryd holds, reached through ferryd's /proc/PID/fd.
+	var s syscall.Stat_t
+	if err := syscall.Stat(d.socket, &s); err != nil {
 		t.Fatal(err)
 	}
-	for p, want := range map[string][2]uint32{d.socket: {0o660, group}, st.Memory.ArenaFile: {0o600, 0}} {
-		var s syscall.Stat_t
-		if err := syscall.Stat(p, &s); err != nil {
-			t.Fatal(err)
-		}
-		if s.Mode&0o777 != want[0] || s.Gid != want[1] {
-			t.Errorf("%s: mode %#o gid %d, want %#o gid %d", p, s.Mode&0o777, s.Gid, want[0], want[1])
-		}
+	if s.Mode&0o777 != 0o660 || s.Gid != group {
+		t.Errorf("%s: mode %#o gid %d, want 0660 gid %d", d.socket, s.Mode&0o777, s.Gid, group)
 	}
+	arenaFD := arenaDescriptor(t, d.cmd.Process.Pid)
 
 	// Only an admitted caller reaches the memory: the allowed uid stages in
 	// place through the descriptor ferryd passes it; a uid in the socket's
-	// group but off the list gets 403 for it and cannot open the file.
+	// group but off the list gets 403 for it and cannot open the memfd.
 	data := filepath.Join(dir, "emb.bin")
 	if err := os.WriteFile(data, bytes.Repeat([]byte("z"), 4096), 0o644); err != nil {
 		t.Fatal(err)
@@ -89,11 +84,11 @@ func TestAllowListAndSocketGroup(t *testing.T) {
 	if err == nil || !strings.Contains(out, "(forbidden)") {
 		t.Errorf("uid %d off the list staged in place: err=%v\n%s", other, err, out)
 	}
-	for _, tool := range [][]string{{"head", "-c", "1", st.Memory.ArenaFile}, {"dd", "if=" + st.Memory.ArenaFile, "of=/dev/null", "count=1"}} {
+	for _, tool := range [][]string{{"head", "-c", "1", arenaFD}, {"dd", "if=" + arenaFD, "of=/dev/null", "count=1"}} {
 		cmd := exec.CommandContext(ctxT(t), tool[0], tool[1:]...)
 		cmd.SysProcAttr = &syscall.SysProcAttr{Credential: &syscall.Credential{Uid: other, Gid: group}}
 		if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "Permission denied") {
-			t.Errorf("uid %d in the socket's group read the arena file with %s: err=%v\n%s", other, tool[0], err, out)
+			t.Errorf("uid %d in the socket's group read the arena's memfd with %s: err=%v\n%s", other, tool[0], err, out)
 		}
 	}
 

@@ -31,6 +31,9 @@ import (
 var bin string
 
 func TestMain(m *testing.M) {
+	if spec := os.Getenv(floodEnv); spec != "" {
+		os.Exit(floodControlMain(spec)) // a flood run as another user
+	}
 	// FERRY_BIN names binaries built beforehand, for hosts without Go (the
 	// GPU bundle of make gpu-bundle, the soft-RoCE VM).
 	if bin = os.Getenv("FERRY_BIN"); bin != "" {

@@ -159,22 +159,26 @@ type soakClient struct {
 
 // procRSSAnon is a process's anonymous resident memory, from
 // /proc/PID/status.
-func procRSSAnon(t *testing.T, pid int) int64 {
+func procRSSAnon(t *testing.T, pid int) int64 { return procStatusBytes(t, pid, "RssAnon") }
+
+// procStatusBytes reads a field of /proc/PID/status counted in kB, in
+// bytes.
+func procStatusBytes(t *testing.T, pid int, field string) int64 {
 	t.Helper()
 	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/status", pid))
 	if err != nil {
 		t.Fatal(err)
 	}
 	for _, line := range strings.Split(string(b), "\n") {
-		if v, ok := strings.CutPrefix(line, "RssAnon:"); ok {
+		if v, ok := strings.CutPrefix(line, field+":"); ok {
 			kb, err := strconv.ParseInt(strings.TrimSuffix(strings.TrimSpace(v), " kB"), 10, 64)
 			if err != nil {
-				t.Fatalf("reading RssAnon of pid %d: %q", pid, line)
+				t.Fatalf("reading %s of pid %d: %q", field, pid, line)
 			}
 			return kb << 10
 		}
 	}
-	t.Fatalf("pid %d has no RssAnon line", pid)
+	t.Fatalf("pid %d has no %s line", pid, field)
 	return 0
 }
 
