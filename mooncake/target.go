@@ -29,17 +29,19 @@ type Memory interface {
 // DataConfig bounds a data port. Zero fields take the defaults.
 type DataConfig struct {
 	IOTimeout time.Duration // per read or write of up to 1 MiB; default 10s
-	// HandshakeTimeout is how soon a new connection's first request must
-	// come (Mooncake sends it at once); default HandshakeTimeout.
-	HandshakeTimeout time.Duration
-	MaxSize          uint64 // largest request; default 1<<36
+	MaxSize   uint64        // largest request; default 1<<36
 	// Limits caps the connections held at once; zero fields take
-	// DefaultDataLimits'. No timer closes a connection idle between
-	// requests (a Mooncake connection pool keeps its connections for
-	// reuse, and its next request on one that closed would fail): at the
-	// total cap a newcomer takes the place of an idle one, those that
-	// carried no write first, then the least recently used (connlimit).
+	// DefaultDataLimits'. No timer closes a connection that waits for a
+	// request, its first or a later one: a Mooncake connection pool
+	// opens its connections one at a time and keeps each for reuse, one
+	// that connected after its queue emptied included, and its next
+	// request on a connection that closed fails. The cap is the only
+	// limit: at the total cap a newcomer takes the place of a waiting
+	// one, those that carried no write first, then the least recently
+	// used (connlimit).
 	Limits connlimit.Limits
+	// Allow says who may connect; the zero value allows everyone.
+	Allow Allow
 	// Logf hears about refused requests and broken connections, at most
 	// loglimit.Burst lines a second.
 	Logf func(format string, args ...any)
@@ -67,9 +69,6 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	if cfg.IOTimeout <= 0 {
 		cfg.IOTimeout = 10 * time.Second
 	}
-	if cfg.HandshakeTimeout <= 0 {
-		cfg.HandshakeTimeout = HandshakeTimeout
-	}
 	if cfg.MaxSize == 0 {
 		cfg.MaxSize = 1 << 36
 	}
@@ -78,7 +77,9 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 		cfg.Logf = func(string, ...any) {}
 	}
 	s := &DataServer{mem: mem, cfg: cfg}
-	s.port = openPort(ln, "mooncake data port", cfg.Limits, cfg.HandshakeTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+	// The listener's first deadline is lifted at once: see Limits.
+	s.port = openPort(ln, "mooncake data port", cfg.Allow, cfg.Limits, cfg.IOTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+		c.SetDeadline(time.Time{})
 		c.SetNoDelay(true)
 		if err := s.serve(c); err != nil {
 			return fmt.Errorf("mooncake data connection from %s: %w", c.RemoteAddr(), err)
@@ -88,24 +89,18 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	return s
 }
 
-// serve runs requests until the client closes (nil) or one fails. The
-// first request is due within the handshake timeout (the port's
-// deadline); after it, the connection may idle for as long as its client
-// likes.
+// serve runs requests until the client closes (nil) or one fails. A
+// connection may wait for its first request, or the next, for as long
+// as its client likes; once a header has begun, each read has the I/O
+// timeout.
 func (s *DataServer) serve(c *connlimit.Conn) error {
 	var hb [HeaderSize]byte
-	for first := true; ; first = false {
-		if !first {
-			c.SetReadDeadline(time.Time{})
-		}
+	for {
+		c.SetReadDeadline(time.Time{})
 		n, err := io.ReadAtLeast(c, hb[:], 1)
 		if err != nil {
-			switch {
-			case err == io.EOF:
+			if err == io.EOF {
 				return nil
-			case first && isTimeout(err):
-				c.Closing(connlimit.ReasonTimeout)
-				return fmt.Errorf("no request within %s of connecting", s.cfg.HandshakeTimeout)
 			}
 			return fmt.Errorf("waiting for a request: %w", err)
 		}
@@ -123,22 +118,28 @@ func (s *DataServer) serve(c *connlimit.Conn) error {
 		if !c.Busy() {
 			return nil // the port closed it to make room just now
 		}
-		err = s.request(c, h)
+		ok, err := s.request(c, h)
 		c.Idle()
 		if err != nil {
 			return err
 		}
-		c.Prove()
+		if ok {
+			c.Prove()
+		}
 	}
 }
 
-func (s *DataServer) request(c *connlimit.Conn, h Header) error {
+// request serves one request: ok when it was carried out. A v2 request
+// that was refused, its body read and dropped and the rejected status
+// sent, leaves the stream in step: it is logged (err nil) and the
+// connection kept, as a Mooncake pool reuses it. An error ends the
+// connection.
+func (s *DataServer) request(c *connlimit.Conn, h Header) (ok bool, err error) {
 	var (
 		src     []byte
 		body    transport.Body
 		finish  func(error)
 		release func()
-		err     error
 	)
 	if h.Size > s.cfg.MaxSize {
 		err = fmt.Errorf("%d bytes exceeds this port's limit of %d", h.Size, s.cfg.MaxSize)
@@ -148,48 +149,90 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 		src, release, err = s.mem.Read(h.Addr, h.Size)
 	}
 	if err != nil {
-		s.reject(c, h)
-		return fmt.Errorf("rejected a %s of %d bytes at %#x (v2=%t): %v", h.Op, h.Size, h.Addr, h.V2, err)
+		err = fmt.Errorf("rejected a %s of %d bytes at %#x (v2=%t): %v", h.Op, h.Size, h.Addr, h.V2, err)
+		if h.Size > s.cfg.MaxSize {
+			// Larger than anything here: not worth reading to stay in
+			// step.
+			return false, s.rejectAndClose(c, h, err)
+		}
+		return false, s.reject(c, h, h.Op == OpWrite, err)
 	}
 	if h.Op == OpRead {
 		defer release()
 		if h.V2 {
 			if err := s.status(c, StatusOK); err != nil {
-				return err
+				return false, err
 			}
 		}
-		return s.send(c, src)
+		return true, s.send(c, src)
 	}
 	if err := transport.ReadBody(c, h.Size, body, s.cfg.IOTimeout); err != nil {
 		finish(err)
+		err = fmt.Errorf("a WRITE of %d bytes at %#x: %w", h.Size, h.Addr, err)
 		if errors.As(err, new(*transport.PlaceError)) {
 			// Read but not placed: the stream is in step, so a v2
 			// requester hears it was rejected.
-			s.reject(c, h)
+			return false, s.reject(c, h, false, err)
 		}
-		return fmt.Errorf("a WRITE of %d bytes at %#x: %w", h.Size, h.Addr, err)
+		return false, err
 	}
 	finish(nil)
 	if h.V2 {
-		return s.status(c, StatusOK)
+		return true, s.status(c, StatusOK)
 	}
+	return true, nil
+}
+
+// reject answers a refused request, why: v2 with the rejected status once
+// the WRITE's body, if unread, has been read and dropped (a chunk per I/O
+// timeout), the connection kept for the client's next request, and why
+// logged; v1 as rejectAndClose.
+func (s *DataServer) reject(c *connlimit.Conn, h Header, unread bool, why error) error {
+	if !h.V2 {
+		return s.rejectAndClose(c, h, why)
+	}
+	if unread {
+		if err := transport.ReadBody(c, h.Size, discard(h.Size), s.cfg.IOTimeout); err != nil {
+			return fmt.Errorf("%w; reading the refused body to drop it: %w", why, err)
+		}
+	}
+	if err := s.status(c, StatusRejected); err != nil {
+		return fmt.Errorf("%w; %w", why, err)
+	}
+	s.logf("%v", why)
 	return nil
 }
 
-// reject answers a refused request: v1 with a reset, how a v1 client
-// tells a rejection from a clean end (a WRITE read whole but not placed
-// leaves no unread bytes to make the close one); v2 with the rejected
-// status, after which the write side shuts and what the client already
-// sent is drained for a moment, so the status is not cut by a reset.
-func (s *DataServer) reject(c *connlimit.Conn, h Header) {
+// discardChunk is the scratch a refused body is read into and dropped.
+const discardChunk = 16 << 10
+
+// discard is the Body of n bytes that are read and dropped, discardChunk
+// at a time into one scratch buffer.
+func discard(n uint64) transport.Body {
+	buf := make([]byte, min(n, discardChunk))
+	return func() ([]byte, error) {
+		piece := buf[:min(uint64(len(buf)), n)]
+		n -= uint64(len(piece))
+		return piece, nil
+	}
+}
+
+// rejectAndClose answers a refused request and ends the connection
+// (returning why): v1 with a reset, how a v1 client tells a rejection
+// from a clean end (a WRITE read whole but not placed leaves no unread
+// bytes to make the close one); v2 with the rejected status, after which
+// the write side shuts and what the client already sent is drained for
+// a moment, so the status is not cut by a reset.
+func (s *DataServer) rejectAndClose(c *connlimit.Conn, h Header, why error) error {
 	if !h.V2 {
 		_ = c.SetLinger(0)
-		return
+		return why
 	}
 	_ = s.status(c, StatusRejected)
 	c.CloseWrite()
 	c.SetReadDeadline(time.Now().Add(min(s.cfg.IOTimeout, time.Second)))
 	_, _ = io.CopyN(io.Discard, c, int64(min(h.Size, 4<<20)))
+	return why
 }
 
 func (s *DataServer) status(c net.Conn, st Status) error {
