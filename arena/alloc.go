@@ -108,13 +108,50 @@ func (a *Allocator) Alloc(n int64) (int64, error) {
 	if !found {
 		return 0, a.noSpace(n, need)
 	}
-	a.remove(fit)
-	if fit.size > need {
-		a.insert(block{fit.off + need, fit.size - need})
+	return a.take(fit, fit.off, need), nil
+}
+
+// AllocRandom reserves n bytes, as Alloc does, at a place nobody can
+// predict: one of the places the largest free block holds side by side
+// (its size over n's aligned length), picked by intn(k), a uniform
+// random integer in [0, k). A slot that anyone may write into by its
+// address alone (Mooncake's wire carries no key) is placed so: a
+// best-fit place is the first guess of anyone who knows where the arena
+// starts. A guess at one address lands in the slot with probability
+// 1/k, as it would were the slot placed at any aligned offset; whole
+// places keep what is left on either side a multiple of its length, so
+// slots of one size still fit where best fit would have put them.
+func (a *Allocator) AllocRandom(n int64, intn func(k uint64) uint64) (int64, error) {
+	if n <= 0 {
+		return 0, fmt.Errorf("arena: cannot allocate %d bytes", n)
 	}
-	a.used[fit.off] = need
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if n > a.size {
+		return 0, a.noSpace(n, n)
+	}
+	need := (n + a.align - 1) &^ (a.align - 1)
+	fit, ok := a.bySize.Max()
+	if !ok || fit.size < need {
+		return 0, a.noSpace(n, need)
+	}
+	places := uint64(fit.size / need)
+	return a.take(fit, fit.off+int64(intn(places))*need, need), nil
+}
+
+// take allocates [off, off+need) out of the free block fit, which holds
+// it, leaving what is left of fit on either side free. a.mu is held.
+func (a *Allocator) take(fit block, off, need int64) int64 {
+	a.remove(fit)
+	if off > fit.off {
+		a.insert(block{fit.off, off - fit.off})
+	}
+	if end := fit.off + fit.size; end > off+need {
+		a.insert(block{off + need, end - off - need})
+	}
+	a.used[off] = need
 	a.inUse += need
-	return fit.off, nil
+	return off
 }
 
 // noSpace names the numbers an operator needs to decide between a larger
