@@ -199,7 +199,7 @@ func (s *DataServer) reject(c *connlimit.Conn, h Header, unread bool, why error)
 	if err := s.status(c, StatusRejected); err != nil {
 		return fmt.Errorf("%w; %w", why, err)
 	}
-	s.logf("%v", why)
+	s.logf("mooncake data connection from %s: %v; the connection is kept", c.RemoteAddr(), why)
 	return nil
 }
 
