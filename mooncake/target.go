@@ -184,15 +184,15 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) (ok bool, err error) {
 }
 
 // reject answers a refused request, why: v2 with the rejected status once
-// the WRITE's body, if unread, has been read and dropped (a chunk per I/O
-// timeout), the connection kept for the client's next request, and why
+// the WRITE's body, if unread, has been read and dropped (drop), the
+// connection kept for the client's next request, and why
 // logged; v1 as rejectAndClose.
 func (s *DataServer) reject(c *connlimit.Conn, h Header, unread bool, why error) error {
 	if !h.V2 {
 		return s.rejectAndClose(c, h, why)
 	}
 	if unread {
-		if err := transport.ReadBody(c, h.Size, discard(h.Size), s.cfg.IOTimeout); err != nil {
+		if err := s.drop(c, h.Size); err != nil {
 			return fmt.Errorf("%w; reading the refused body to drop it: %w", why, err)
 		}
 	}
@@ -203,18 +203,19 @@ func (s *DataServer) reject(c *connlimit.Conn, h Header, unread bool, why error)
 	return nil
 }
 
-// discardChunk is the scratch a refused body is read into and dropped.
-const discardChunk = 16 << 10
-
-// discard is the Body of n bytes that are read and dropped, discardChunk
-// at a time into one scratch buffer.
-func discard(n uint64) transport.Body {
-	buf := make([]byte, min(n, discardChunk))
-	return func() ([]byte, error) {
-		piece := buf[:min(uint64(len(buf)), n)]
-		n -= uint64(len(piece))
-		return piece, nil
+// drop reads n bytes and drops them, as fast as a body that lands must
+// arrive: transport.IOChunk per I/O timeout. io.Discard reads into a
+// small buffer of its own, shared by all: a refused body holds no memory.
+func (s *DataServer) drop(c net.Conn, n uint64) error {
+	for left := n; left > 0; {
+		c.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
+		m, err := io.CopyN(io.Discard, c, int64(min(left, transport.IOChunk)))
+		left -= uint64(m)
+		if err != nil {
+			return fmt.Errorf("dropped %d of %d bytes: %w", n-left, n, err)
+		}
 	}
+	return nil
 }
 
 // rejectAndClose answers a refused request and ends the connection
