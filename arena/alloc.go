@@ -88,27 +88,13 @@ func checkAlign(align int64) error {
 // Alloc reserves n bytes, rounded up to the alignment, and returns the
 // offset of the first byte.
 func (a *Allocator) Alloc(n int64) (int64, error) {
-	if n <= 0 {
-		return 0, fmt.Errorf("arena: cannot allocate %d bytes", n)
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	// Checking against size first keeps the rounding below from overflowing:
-	// size is a multiple of align, so any n <= size rounds to at most size.
-	if n > a.size {
-		return 0, a.noSpace(n, n)
-	}
-	need := (n + a.align - 1) &^ (a.align - 1)
-	var fit block
-	found := false
-	a.bySize.AscendGreaterOrEqual(block{size: need}, func(b block) bool {
-		fit, found = b, true
-		return false
+	return a.alloc(n, func(need int64) (fit block, off int64, ok bool) {
+		a.bySize.AscendGreaterOrEqual(block{size: need}, func(b block) bool {
+			fit, ok = b, true
+			return false
+		})
+		return fit, fit.off, ok
 	})
-	if !found {
-		return 0, a.noSpace(n, need)
-	}
-	return a.take(fit, fit.off, need), nil
 }
 
 // AllocRandom reserves n bytes, as Alloc does, at a place nobody can
@@ -122,26 +108,33 @@ func (a *Allocator) Alloc(n int64) (int64, error) {
 // places keep what is left on either side a multiple of its length, so
 // slots of one size still fit where best fit would have put them.
 func (a *Allocator) AllocRandom(n int64, intn func(k uint64) uint64) (int64, error) {
+	return a.alloc(n, func(need int64) (fit block, off int64, ok bool) {
+		if fit, ok = a.bySize.Max(); !ok || fit.size < need {
+			return fit, 0, false
+		}
+		return fit, fit.off + int64(intn(uint64(fit.size/need)))*need, true
+	})
+}
+
+// alloc reserves n bytes where place puts their aligned length need: at
+// off in the free block fit, which holds it, or nowhere (!ok). What is
+// left of fit on either side stays free. place runs under a.mu.
+func (a *Allocator) alloc(n int64, place func(need int64) (fit block, off int64, ok bool)) (int64, error) {
 	if n <= 0 {
 		return 0, fmt.Errorf("arena: cannot allocate %d bytes", n)
 	}
 	a.mu.Lock()
 	defer a.mu.Unlock()
+	// Checking against size first keeps the rounding below from overflowing:
+	// size is a multiple of align, so any n <= size rounds to at most size.
 	if n > a.size {
 		return 0, a.noSpace(n, n)
 	}
 	need := (n + a.align - 1) &^ (a.align - 1)
-	fit, ok := a.bySize.Max()
-	if !ok || fit.size < need {
+	fit, off, ok := place(need)
+	if !ok {
 		return 0, a.noSpace(n, need)
 	}
-	places := uint64(fit.size / need)
-	return a.take(fit, fit.off+int64(intn(places))*need, need), nil
-}
-
-// take allocates [off, off+need) out of the free block fit, which holds
-// it, leaving what is left of fit on either side free. a.mu is held.
-func (a *Allocator) take(fit block, off, need int64) int64 {
 	a.remove(fit)
 	if off > fit.off {
 		a.insert(block{fit.off, off - fit.off})
@@ -151,7 +144,7 @@ func (a *Allocator) take(fit block, off, need int64) int64 {
 	}
 	a.used[off] = need
 	a.inUse += need
-	return off
+	return off, nil
 }
 
 // noSpace names the numbers an operator needs to decide between a larger
