@@ -118,28 +118,28 @@ func (s *DataServer) serve(c *connlimit.Conn) error {
 		if !c.Busy() {
 			return nil // the port closed it to make room just now
 		}
-		ok, err := s.request(c, h)
+		err = s.request(c, h)
 		c.Idle()
 		if err != nil {
 			return err
 		}
-		if ok {
-			c.Prove()
-		}
 	}
 }
 
-// request serves one request: ok when it was carried out. A v2 request
-// that was refused, its body read and dropped and the rejected status
+// request serves one request. One carried out proves its connection
+// before the answer goes out, so that a client that has the answer finds
+// the connection kept as one that did real work. A v2 request that was
+// refused, its body read and dropped and the rejected status
 // sent, leaves the stream in step: it is logged (err nil) and the
 // connection kept, as a Mooncake pool reuses it. An error ends the
 // connection.
-func (s *DataServer) request(c *connlimit.Conn, h Header) (ok bool, err error) {
+func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 	var (
 		src     []byte
 		body    transport.Body
 		finish  func(error)
 		release func()
+		err     error
 	)
 	if h.Size > s.cfg.MaxSize {
 		err = fmt.Errorf("%d bytes exceeds this port's limit of %d", h.Size, s.cfg.MaxSize)
@@ -153,18 +153,19 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) (ok bool, err error) {
 		if h.Size > s.cfg.MaxSize {
 			// Larger than anything here: not worth reading to stay in
 			// step.
-			return false, s.rejectAndClose(c, h, err)
+			return s.rejectAndClose(c, h, err)
 		}
-		return false, s.reject(c, h, h.Op == OpWrite, err)
+		return s.reject(c, h, h.Op == OpWrite, err)
 	}
 	if h.Op == OpRead {
 		defer release()
+		c.Prove()
 		if h.V2 {
 			if err := s.status(c, StatusOK); err != nil {
-				return false, err
+				return err
 			}
 		}
-		return true, s.send(c, src)
+		return s.send(c, src)
 	}
 	if err := transport.ReadBody(c, h.Size, body, s.cfg.IOTimeout); err != nil {
 		finish(err)
@@ -172,15 +173,16 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) (ok bool, err error) {
 		if errors.As(err, new(*transport.PlaceError)) {
 			// Read but not placed: the stream is in step, so a v2
 			// requester hears it was rejected.
-			return false, s.reject(c, h, false, err)
+			return s.reject(c, h, false, err)
 		}
-		return false, err
+		return err
 	}
 	finish(nil)
+	c.Prove()
 	if h.V2 {
-		return true, s.status(c, StatusOK)
+		return s.status(c, StatusOK)
 	}
-	return true, nil
+	return nil
 }
 
 // reject answers a refused request, why: v2 with the rejected status once
