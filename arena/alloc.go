@@ -88,6 +88,38 @@ func checkAlign(align int64) error {
 // Alloc reserves n bytes, rounded up to the alignment, and returns the
 // offset of the first byte.
 func (a *Allocator) Alloc(n int64) (int64, error) {
+	return a.alloc(n, func(need int64) (fit block, off int64, ok bool) {
+		a.bySize.AscendGreaterOrEqual(block{size: need}, func(b block) bool {
+			fit, ok = b, true
+			return false
+		})
+		return fit, fit.off, ok
+	})
+}
+
+// AllocRandom reserves n bytes, as Alloc does, at a place nobody can
+// predict: one of the places the largest free block holds side by side
+// (its size over n's aligned length), picked by intn(k), a uniform
+// random integer in [0, k). A slot that anyone may write into by its
+// address alone (Mooncake's wire carries no key) is placed so: a
+// best-fit place is the first guess of anyone who knows where the arena
+// starts. A guess at one address lands in the slot with probability
+// 1/k, as it would were the slot placed at any aligned offset; whole
+// places keep what is left on either side a multiple of its length, so
+// slots of one size still fit where best fit would have put them.
+func (a *Allocator) AllocRandom(n int64, intn func(k uint64) uint64) (int64, error) {
+	return a.alloc(n, func(need int64) (fit block, off int64, ok bool) {
+		if fit, ok = a.bySize.Max(); !ok || fit.size < need {
+			return fit, 0, false
+		}
+		return fit, fit.off + int64(intn(uint64(fit.size/need)))*need, true
+	})
+}
+
+// alloc reserves n bytes where place puts their aligned length need: at
+// off in the free block fit, which holds it, or nowhere (!ok). What is
+// left of fit on either side stays free. place runs under a.mu.
+func (a *Allocator) alloc(n int64, place func(need int64) (fit block, off int64, ok bool)) (int64, error) {
 	if n <= 0 {
 		return 0, fmt.Errorf("arena: cannot allocate %d bytes", n)
 	}
@@ -99,22 +131,20 @@ func (a *Allocator) Alloc(n int64) (int64, error) {
 		return 0, a.noSpace(n, n)
 	}
 	need := (n + a.align - 1) &^ (a.align - 1)
-	var fit block
-	found := false
-	a.bySize.AscendGreaterOrEqual(block{size: need}, func(b block) bool {
-		fit, found = b, true
-		return false
-	})
-	if !found {
+	fit, off, ok := place(need)
+	if !ok {
 		return 0, a.noSpace(n, need)
 	}
 	a.remove(fit)
-	if fit.size > need {
-		a.insert(block{fit.off + need, fit.size - need})
+	if off > fit.off {
+		a.insert(block{fit.off, off - fit.off})
 	}
-	a.used[fit.off] = need
+	if end := fit.off + fit.size; end > off+need {
+		a.insert(block{off + need, end - off - need})
+	}
+	a.used[off] = need
 	a.inUse += need
-	return fit.off, nil
+	return off, nil
 }
 
 // noSpace names the numbers an operator needs to decide between a larger

@@ -554,3 +554,81 @@ func BenchmarkAllocFree(b *testing.B) {
 		})
 	}
 }
+
+// allocRandom checks AllocRandom against the model: the place is the
+// one intn picked among the whole places side by side in the largest gap
+// (the highest of equally large gaps: the end of the size order).
+func (m *model) allocRandom(n int64, rng *rand.Rand) {
+	m.t.Helper()
+	need := m.roundUp(n)
+	var largest block
+	for _, g := range m.gaps() {
+		if g.size >= largest.size {
+			largest = g
+		}
+	}
+	var asked, picked uint64
+	off, err := m.a.AllocRandom(n, func(k uint64) uint64 {
+		asked, picked = k, rng.Uint64N(k)
+		return picked
+	})
+	if largest.size < need {
+		if !errors.Is(err, ErrNoSpace) {
+			m.t.Fatalf("AllocRandom(%d) with largest gap %d: offset %d, err %v; want ErrNoSpace", n, largest.size, off, err)
+		}
+		return
+	}
+	if want := uint64(largest.size / need); err != nil || asked != want || off != largest.off+int64(picked)*need {
+		m.t.Fatalf("AllocRandom(%d) = %d, %v after asking for one of %d places; want one of %d places in the %d-byte gap at %d",
+			n, off, err, asked, want, largest.size, largest.off)
+	}
+	m.live[off] = need
+	m.offs = append(m.offs, off)
+	m.check()
+}
+
+// AllocRandom places a slice in the largest free block, at the place
+// among those it holds side by side that its random source picks;
+// best-fit allocations and frees around such slices keep the free blocks
+// exact.
+func TestAllocRandomPlacesAnywhereInTheLargestBlock(t *testing.T) {
+	for seq := range 200 {
+		rng := rand.New(rand.NewPCG(uint64(seq), 0x5107))
+		align := int64(256) << rng.IntN(3)
+		size := align * int64(1+rng.IntN(4*MiB/int(align)))
+		m := newModel(t, size, align)
+		for range 100 {
+			switch r := rng.IntN(100); {
+			case r < 35 && len(m.offs) > 0:
+				m.free(m.offs[rng.IntN(len(m.offs))])
+			case r < 70:
+				m.allocRandom(randomSize(rng, size, align, m.a.Stats().LargestFree), rng)
+			default:
+				m.alloc(randomSize(rng, size, align, m.a.Stats().LargestFree))
+			}
+		}
+		m.freeAll(rng)
+		if t.Failed() {
+			t.Fatalf("sequence %d (align %d, size %d) failed", seq, align, size)
+		}
+	}
+	// In an empty arena the first slot's place is not the first-fit
+	// address (offset 0) unless the source says so: every place of its
+	// length is one of its choices; and the rest still fits another of
+	// the same length.
+	a, err := NewAllocator(MiB+KiB, 256)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, want := range []int64{MiB / 2, 0} {
+		off, err := a.AllocRandom(MiB/2-100, func(k uint64) uint64 {
+			if k != uint64(want/(MiB/2))+1 {
+				t.Fatalf("asked for one of %d places", k)
+			}
+			return k - 1
+		})
+		if err != nil || off != want {
+			t.Fatalf("AllocRandom = %d, %v; want the last place, %d", off, err, want)
+		}
+	}
+}

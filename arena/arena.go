@@ -45,6 +45,16 @@ func (a *Arena) Alloc(n int64) (Slice, error) {
 	return Slice{Offset: off, Len: n}, nil
 }
 
+// AllocRandom reserves a slice of n bytes at an unpredictable place
+// (Allocator.AllocRandom).
+func (a *Arena) AllocRandom(n int64, intn func(k uint64) uint64) (Slice, error) {
+	off, err := a.alloc.AllocRandom(n, intn)
+	if err != nil {
+		return Slice{}, err
+	}
+	return Slice{Offset: off, Len: n}, nil
+}
+
 // Free releases s.
 func (a *Arena) Free(s Slice) error {
 	_, err := a.alloc.Free(s.Offset)

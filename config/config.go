@@ -65,6 +65,7 @@ type Settings struct {
 	MooncakeQPs      int                  `toml:"mooncake_qps_per_endpoint"`
 	MooncakeMTU      int                  `toml:"mooncake_mtu"`
 	MooncakeFetch    []string             `toml:"mooncake_fetch_allow"`
+	MooncakeAllow    []string             `toml:"mooncake_allow"`
 	RDMADevice       string               `toml:"rdma_device"`
 	RDMAGIDIndex     int                  `toml:"rdma_gid_index"`
 	RDMARegistration api.RegistrationMode `toml:"rdma_registration"`
@@ -191,6 +192,8 @@ var options = []option{
 		}},
 	{"mooncake_fetch_allow", "", "Mooncake `segments` (IP addresses or CIDR prefixes, comma-separated) whose descriptor ferryd may fetch when their engine's RDMA handshake carries no local_gid (older Mooncake releases), besides the segments it has sent to (empty: only those)",
 		func(s *Settings) value { return (*prefixes)(&s.MooncakeFetch) }, nil},
+	{"mooncake_allow", "", "`addresses` (IP addresses or CIDR prefixes, comma-separated) that may connect to the Mooncake RPC and data ports: Mooncake's wire carries no key, so only these may write into receive slots made with \"mooncake\": true (empty: loopback and this host's own addresses)",
+		func(s *Settings) value { return (*prefixes)(&s.MooncakeAllow) }, nil},
 	{"device", string(DeviceAuto), "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N",
 		func(s *Settings) value { return (*text)(&s.Device) },
 		func(s *Settings) error { _, err := s.Device.Ordinal(); return err }},

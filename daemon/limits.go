@@ -17,12 +17,15 @@ type limitsCollector struct {
 	endpoints func() connlimit.Stats            // nil: no Mooncake RDMA segment
 }
 
+// reasonNotAllowed labels connections refused by an allow-list.
+const reasonNotAllowed = "not_allowed"
+
 var (
 	portConnsDesc = prometheus.NewDesc("ferry_port_connections",
 		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data, control (the control socket), metrics (--metrics-listen).",
 		[]string{"port"}, nil)
 	portRefusedDesc = prometheus.NewDesc("ferry_port_refused_connections_total",
-		"Connections a port closed at once for want of a place, by reason: per_source (its address, or on the control socket its uid, held the most one may), total (every place held by a connection in use).",
+		"Connections a port closed at once, by reason: per_source (its address, or on the control socket its uid, held the most one may), total (every place held by a connection in use), not_allowed (a Mooncake port: its address is not on mooncake_allow).",
 		[]string{"port", "reason"}, nil)
 	portClosedDesc = prometheus.NewDesc("ferry_port_closed_connections_total",
 		"Connections a port closed itself, by reason: evicted (to make room for a newcomer: one that carried no traffic first, then the least recently used), idle (no write for the idle timeout; not on the Mooncake ports), handshake (it did not say what it wanted in time).",
@@ -57,6 +60,7 @@ func (c *limitsCollector) Collect(ch chan<- prometheus.Metric) {
 		ch <- prometheus.MustNewConstMetric(portConnsDesc, prometheus.GaugeValue, float64(st.Open), port)
 		counter(portRefusedDesc, st.RefusedPerSource, port, connlimit.ReasonPerSource)
 		counter(portRefusedDesc, st.RefusedTotal, port, connlimit.ReasonTotal)
+		counter(portRefusedDesc, st.RefusedNotAllowed, port, reasonNotAllowed)
 		counter(portClosedDesc, st.Evicted, port, connlimit.ReasonEvicted)
 		counter(portClosedDesc, st.Idle, port, connlimit.ReasonIdle)
 		counter(portClosedDesc, st.Timeout, port, connlimit.ReasonTimeout)

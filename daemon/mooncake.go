@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"net/netip"
 	"strconv"
 	"strings"
 	"time"
@@ -11,6 +12,7 @@ import (
 	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
@@ -70,8 +72,14 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 		Timestamp: time.Now().UTC().Format("2006-01-02 15:04:05.000000"),
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
 	}}
+	allow, err := mooncakeAllow(cfg.MooncakeAllow)
+	if err != nil {
+		rpc.Close()
+		dl.Close()
+		return nil, err
+	}
 	m.data = mooncake.ServeData(dl, mooncakeMemory{reg}, mooncake.DataConfig{
-		IOTimeout: cfg.IOTimeout.D(), MaxSize: uint64(size), Logf: logf, Debugf: debug.Printf,
+		IOTimeout: cfg.IOTimeout.D(), MaxSize: uint64(size), Logf: logf, Debugf: debug.Printf, Allow: allow,
 	})
 	h := mooncake.Handlers{
 		Segment: func() *mooncake.Segment { return &m.seg },
@@ -87,10 +95,51 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 			log.Warn().Str("component", "mooncake").Err(err).Msg("the Mooncake segment speaks TCP only")
 		}
 	}
-	m.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: debug.Printf})
+	m.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: debug.Printf, Allow: allow})
 	log.Info().Str("segment", name).Str("protocol", m.seg.Protocol).Str("rpc", rpc.Addr().String()).Str("data", dl.Addr().String()).
-		Uint64("buffer_addr", base).Int64("buffer_length", size).Msg("serving as a Mooncake segment")
+		Uint64("buffer_addr", base).Int64("buffer_length", size).Stringer("allow", prefixList(allow.Prefixes)).Msg("serving as a Mooncake segment")
 	return m, nil
+}
+
+// mooncakeAllow is who may connect to the Mooncake ports: the
+// mooncake_allow setting, or when it is empty loopback and this host's
+// own addresses (Mooncake engines beside ferryd), so that no other host
+// writes into a receive slot unless the operator says so.
+func mooncakeAllow(setting []string) (mooncake.Allow, error) {
+	a := mooncake.Allow{Setting: "mooncake_allow", Prefixes: []netip.Prefix{}}
+	for _, s := range setting {
+		p, _ := config.ParsePrefix(s) // checked when the setting was read
+		a.Prefixes = append(a.Prefixes, p)
+	}
+	if len(setting) > 0 {
+		return a, nil
+	}
+	a.Setting = "mooncake_allow (empty: loopback and this host's own addresses)"
+	a.Prefixes = append(a.Prefixes, netip.MustParsePrefix("127.0.0.0/8"), netip.MustParsePrefix("::1/128"))
+	addrs, err := net.InterfaceAddrs()
+	if err != nil {
+		return a, fmt.Errorf("--mooncake-listen: listing this host's addresses for the default mooncake_allow: %w; set mooncake_allow", err)
+	}
+	for _, ad := range addrs {
+		if ipn, ok := ad.(*net.IPNet); ok {
+			if ip, ok := netip.AddrFromSlice(ipn.IP); ok {
+				ip = ip.Unmap()
+				a.Prefixes = append(a.Prefixes, netip.PrefixFrom(ip, ip.BitLen()))
+			}
+		}
+	}
+	return a, nil
+}
+
+// prefixList prints as the prefixes, comma-separated.
+type prefixList []netip.Prefix
+
+func (l prefixList) String() string {
+	out := make([]string, len(l))
+	for i, p := range l {
+		out[i] = p.String()
+	}
+	return strings.Join(out, ",")
 }
 
 // mooncakeLocation is the arena's memory location in the descriptor,

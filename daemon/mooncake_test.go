@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
@@ -164,5 +165,44 @@ func TestCompleteReceive(t *testing.T) {
 	release()
 	if err := r.completeReceive("mc"); !isCode(err, api.CodeExists) {
 		t.Errorf("complete twice: %v, want %s", err, api.CodeExists)
+	}
+}
+
+// TestMooncakeSlotsAreNotWhereAGuessLands: the segment descriptor
+// publishes the arena's base, and a best-fit slot lay at its first bytes,
+// the next one right after: two guesses found them. A Mooncake slot is
+// placed at a random place of the largest free block instead, so those
+// guesses (and the best-fit places of any slot) meet no slot. The places
+// are random: with 256 MiB of free space and 4 KiB slots, a guess lands
+// in one of the two slots with probability 2 / 2^16 (3e-5 a guess).
+func TestMooncakeSlotsAreNotWhereAGuessLands(t *testing.T) {
+	const arenaSize, n = 256 << 20, 4096
+	r := newTestRegistry(t, arenaSize)
+	base := r.arena.Addr(arena.Slice{})
+	var slots []*slot
+	for _, id := range []string{"m1", "m2"} {
+		s, err := r.newSlot(id, n, true)
+		if err != nil {
+			t.Fatal(err)
+		}
+		slots = append(slots, s)
+	}
+	for _, guess := range []uint64{base, base + n} {
+		if _, _, err := r.AcceptUnkeyed(guess, n); refusalCode(t, err) != transport.NoSlot {
+			t.Fatalf("a guessed write at %#x (the arena's base + %d): %v, want no_slot", guess, guess-base, err)
+		}
+	}
+	for _, s := range slots {
+		if s.addr == base || s.addr == base+n {
+			t.Fatalf("slot %s at the best-fit place %#x", s.reqID, s.addr)
+		}
+		body, done, err := r.AcceptUnkeyed(s.addr, n)
+		if err != nil {
+			t.Fatalf("a write at slot %s's own address: %v", s.reqID, err)
+		}
+		if _, err := body(); err != nil {
+			t.Fatal(err)
+		}
+		done(nil)
 	}
 }

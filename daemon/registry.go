@@ -2,8 +2,10 @@ package daemon
 
 import (
 	"context"
+	"crypto/rand"
 	"errors"
 	"fmt"
+	"math/big"
 	"sort"
 	"sync"
 	"time"
@@ -203,6 +205,31 @@ func (r *registry) notify() {
 // 413 (can never fit) or 507 (does not fit now).
 func (r *registry) alloc(reqID string, n int64) (arena.Slice, error) {
 	s, err := r.arena.Alloc(n)
+	return r.placed(reqID, n, s, err)
+}
+
+// allocUnguessable allocates n bytes at a random place (a slot Mooncake
+// peers write into by its address alone): the segment descriptor
+// publishes the arena's base, and a best-fit place is the first guess of
+// anyone who reads it.
+func (r *registry) allocUnguessable(reqID string, n int64) (arena.Slice, error) {
+	s, err := r.arena.AllocRandom(n, randUint64N)
+	return r.placed(reqID, n, s, err)
+}
+
+// randUint64N is a uniform random integer in [0, k), from the system's
+// cryptographic source.
+func randUint64N(k uint64) uint64 {
+	v, err := rand.Int(rand.Reader, new(big.Int).SetUint64(k))
+	if err != nil {
+		panic(fmt.Sprintf("ferryd: the system's random source failed: %v", err))
+	}
+	return v.Uint64()
+}
+
+// placed is alloc's answer for an allocation of n bytes that returned s
+// and err: the error turned into what the client should do.
+func (r *registry) placed(reqID string, n int64, s arena.Slice, err error) (arena.Slice, error) {
 	if err == nil {
 		return s, nil
 	}
@@ -407,7 +434,11 @@ func (r *registry) newSlot(reqID string, n int64, mooncake bool) (*slot, error) 
 	if err := r.mayAddSlot(reqID); err != nil {
 		return nil, err
 	}
-	sl, err := r.alloc(reqID, n)
+	alloc := r.alloc
+	if mooncake {
+		alloc = r.allocUnguessable
+	}
+	sl, err := alloc(reqID, n)
 	if err != nil {
 		return nil, err
 	}

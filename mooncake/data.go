@@ -14,7 +14,8 @@ package mooncake
 // memory; a READ gets the status word first, then the bytes. The status is
 // a little-endian u64: high 32 bits "MCTV" (0x4D435456), low 32 bits 0 OK
 // or 1 rejected (the address range lies in no registered buffer), after
-// which the server closes the connection.
+// which Mooncake's server closes the connection (ferry's keeps it, for a
+// connection pool's next request: target.go).
 
 import (
 	"encoding/binary"

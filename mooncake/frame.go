@@ -104,6 +104,13 @@ func WriteFrame(w io.Writer, t MsgType, body []byte) error {
 // arrive: a length announced and never sent costs nothing. A connection
 // closed before the first byte returns io.EOF itself.
 func ReadFrame(r io.Reader) (MsgType, []byte, error) {
+	return readFrame(r, nil)
+}
+
+// readFrame is ReadFrame; reserve, if not nil, is told the body's length
+// once the type byte has passed the checks and before the body is read,
+// and may refuse it (its error is readFrame's).
+func readFrame(r io.Reader, reserve func(n int) error) (MsgType, []byte, error) {
 	var hdr [frameHeader + 1]byte
 	if n, err := io.ReadFull(r, hdr[:frameHeader]); err != nil {
 		if n == 0 && err == io.EOF {
@@ -130,6 +137,11 @@ func ReadFrame(r io.Reader) (MsgType, []byte, error) {
 	}
 	if most := maxLength(t); length > uint64(most) {
 		return t, nil, frameErr("%s (a connection handshake or a notify is small; only segment descriptors take up to %d)", tooLong(t, length), MaxMessage)
+	}
+	if reserve != nil {
+		if err := reserve(int(length - 1)); err != nil {
+			return t, nil, err
+		}
 	}
 	body, err := readBody(r, int(length-1))
 	if err != nil {

@@ -42,7 +42,19 @@ type ServerConfig struct {
 	// Debugf, if set, hears about connections closed to make room, which
 	// strangers can cause: give it a rate-limited logger.
 	Debugf func(format string, args ...any)
+	// Allow says who may connect; the zero value allows everyone.
+	Allow Allow
+	// LargeMessages bounds the bytes all connections' messages of over
+	// MaxSmallMessage bytes hold at once; default DefaultLargeMessages.
+	LargeMessages int64
 }
+
+// DefaultLargeMessages is the RPC port's budget for messages over
+// MaxSmallMessage bytes (segment descriptors, up to MaxMessage each):
+// sixteen of the largest at once. A Mooncake engine's own descriptor,
+// sent with its metadata requests, is a few KiB and needs none of it.
+// Smaller messages are bounded by the connection cap (256 of 16 KiB).
+const DefaultLargeMessages = 16 << 20
 
 // replyDrain is how long a connection is kept after its reply, for the
 // client to read it and close: Mooncake's client closes as soon as it has
@@ -60,8 +72,9 @@ var DefaultServerLimits = connlimit.Limits{Total: 256, PerSource: 64}
 // Server is a segment's handshake (RPC) port.
 type Server struct {
 	*port
-	h   Handlers
-	cfg ServerConfig
+	h     Handlers
+	cfg   ServerConfig
+	large *budget
 }
 
 // NoRDMA is the reply_msg of a connection request to a segment that
@@ -80,8 +93,11 @@ func Serve(ln net.Listener, h Handlers, cfg ServerConfig) *Server {
 	if cfg.Logf == nil {
 		cfg.Logf = func(string, ...any) {}
 	}
-	s := &Server{h: h, cfg: cfg}
-	s.port = openPort(ln, "mooncake RPC port", cfg.Limits, cfg.ReceiveTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+	if cfg.LargeMessages <= 0 {
+		cfg.LargeMessages = DefaultLargeMessages
+	}
+	s := &Server{h: h, cfg: cfg, large: newBudget(max(cfg.LargeMessages, MaxMessage))}
+	s.port = openPort(ln, "mooncake RPC port", cfg.Allow, cfg.Limits, cfg.ReceiveTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
 		if err := s.serve(c); err != nil {
 			return fmt.Errorf("mooncake handshake from %s: %w", c.RemoteAddr(), err)
 		}
@@ -95,7 +111,25 @@ func (s *Server) serve(c *connlimit.Conn) error {
 	c.SetDeadline(deadline)
 	ctx, cancel := context.WithDeadline(c.Context(), deadline)
 	defer cancel()
-	t, body, err := ReadFrame(c)
+	var held int64
+	release := func() {
+		if held > 0 {
+			s.large.release(held)
+			held = 0
+		}
+	}
+	defer release()
+	t, body, err := readFrame(c, func(n int) error {
+		if n <= MaxSmallMessage {
+			return nil
+		}
+		if err := s.large.acquire(ctx, int64(n)); err != nil {
+			return fmt.Errorf("a message of %d bytes waited for its room in the port's %d bytes for messages over %d until the deadline: other connections held them: %w",
+				n, s.large.size, MaxSmallMessage, err)
+		}
+		held = int64(n)
+		return nil
+	})
 	if err == io.EOF {
 		return nil // a port probe
 	}
@@ -109,6 +143,8 @@ func (s *Server) serve(c *connlimit.Conn) error {
 		return nil // the port closed it to make room just now
 	}
 	reply, undo, err := s.answer(ctx, c.RemoteAddr(), t, body)
+	// The message is answered: its room is another's now.
+	release()
 	if err != nil {
 		return fmt.Errorf("%s request: %w; connection closed without a reply", t, err)
 	}
@@ -141,6 +177,10 @@ func (s *Server) serve(c *connlimit.Conn) error {
 		}
 	}
 }
+
+// LargeMessages is what the port's budget for large messages holds,
+// and the most it held at once.
+func (s *Server) LargeMessages() BudgetStats { return s.large.stats() }
 
 // answer is the reply to a request; undo, if not nil, takes back what a
 // connection request set up, should the reply not go out.

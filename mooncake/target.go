@@ -29,17 +29,19 @@ type Memory interface {
 // DataConfig bounds a data port. Zero fields take the defaults.
 type DataConfig struct {
 	IOTimeout time.Duration // per read or write of up to 1 MiB; default 10s
-	// HandshakeTimeout is how soon a new connection's first request must
-	// come (Mooncake sends it at once); default HandshakeTimeout.
-	HandshakeTimeout time.Duration
-	MaxSize          uint64 // largest request; default 1<<36
+	MaxSize   uint64        // largest request; default 1<<36
 	// Limits caps the connections held at once; zero fields take
-	// DefaultDataLimits'. No timer closes a connection idle between
-	// requests (a Mooncake connection pool keeps its connections for
-	// reuse, and its next request on one that closed would fail): at the
-	// total cap a newcomer takes the place of an idle one, those that
-	// carried no write first, then the least recently used (connlimit).
+	// DefaultDataLimits'. No timer closes a connection that waits for a
+	// request, its first or a later one: a Mooncake connection pool
+	// opens its connections one at a time and keeps each for reuse, one
+	// that connected after its queue emptied included, and its next
+	// request on a connection that closed fails. The cap is the only
+	// limit: at the total cap a newcomer takes the place of a waiting
+	// one, those that carried no write first, then the least recently
+	// used (connlimit).
 	Limits connlimit.Limits
+	// Allow says who may connect; the zero value allows everyone.
+	Allow Allow
 	// Logf hears about refused requests and broken connections, at most
 	// loglimit.Burst lines a second.
 	Logf func(format string, args ...any)
@@ -67,9 +69,6 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	if cfg.IOTimeout <= 0 {
 		cfg.IOTimeout = 10 * time.Second
 	}
-	if cfg.HandshakeTimeout <= 0 {
-		cfg.HandshakeTimeout = HandshakeTimeout
-	}
 	if cfg.MaxSize == 0 {
 		cfg.MaxSize = 1 << 36
 	}
@@ -78,7 +77,9 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 		cfg.Logf = func(string, ...any) {}
 	}
 	s := &DataServer{mem: mem, cfg: cfg}
-	s.port = openPort(ln, "mooncake data port", cfg.Limits, cfg.HandshakeTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+	// The listener's first deadline is lifted at once: see Limits.
+	s.port = openPort(ln, "mooncake data port", cfg.Allow, cfg.Limits, cfg.IOTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+		c.SetDeadline(time.Time{})
 		c.SetNoDelay(true)
 		if err := s.serve(c); err != nil {
 			return fmt.Errorf("mooncake data connection from %s: %w", c.RemoteAddr(), err)
@@ -88,24 +89,18 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	return s
 }
 
-// serve runs requests until the client closes (nil) or one fails. The
-// first request is due within the handshake timeout (the port's
-// deadline); after it, the connection may idle for as long as its client
-// likes.
+// serve runs requests until the client closes (nil) or one fails. A
+// connection may wait for its first request, or the next, for as long
+// as its client likes; once a header has begun, each read has the I/O
+// timeout.
 func (s *DataServer) serve(c *connlimit.Conn) error {
 	var hb [HeaderSize]byte
-	for first := true; ; first = false {
-		if !first {
-			c.SetReadDeadline(time.Time{})
-		}
+	for {
+		c.SetReadDeadline(time.Time{})
 		n, err := io.ReadAtLeast(c, hb[:], 1)
 		if err != nil {
-			switch {
-			case err == io.EOF:
+			if err == io.EOF {
 				return nil
-			case first && isTimeout(err):
-				c.Closing(connlimit.ReasonTimeout)
-				return fmt.Errorf("no request within %s of connecting", s.cfg.HandshakeTimeout)
 			}
 			return fmt.Errorf("waiting for a request: %w", err)
 		}
@@ -128,10 +123,16 @@ func (s *DataServer) serve(c *connlimit.Conn) error {
 		if err != nil {
 			return err
 		}
-		c.Prove()
 	}
 }
 
+// request serves one request. One carried out proves its connection
+// before the answer goes out, so that a client that has the answer finds
+// the connection kept as one that did real work. A v2 request that was
+// refused, its body read and dropped and the rejected status
+// sent, leaves the stream in step: it is logged (err nil) and the
+// connection kept, as a Mooncake pool reuses it. An error ends the
+// connection.
 func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 	var (
 		src     []byte
@@ -148,11 +149,17 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 		src, release, err = s.mem.Read(h.Addr, h.Size)
 	}
 	if err != nil {
-		s.reject(c, h)
-		return fmt.Errorf("rejected a %s of %d bytes at %#x (v2=%t): %v", h.Op, h.Size, h.Addr, h.V2, err)
+		err = fmt.Errorf("rejected a %s of %d bytes at %#x (v2=%t): %v", h.Op, h.Size, h.Addr, h.V2, err)
+		if h.Size > s.cfg.MaxSize {
+			// Larger than anything here: not worth reading to stay in
+			// step.
+			return s.rejectAndClose(c, h, err)
+		}
+		return s.reject(c, h, h.Op == OpWrite, err)
 	}
 	if h.Op == OpRead {
 		defer release()
+		c.Prove()
 		if h.V2 {
 			if err := s.status(c, StatusOK); err != nil {
 				return err
@@ -162,34 +169,73 @@ func (s *DataServer) request(c *connlimit.Conn, h Header) error {
 	}
 	if err := transport.ReadBody(c, h.Size, body, s.cfg.IOTimeout); err != nil {
 		finish(err)
+		err = fmt.Errorf("a WRITE of %d bytes at %#x: %w", h.Size, h.Addr, err)
 		if errors.As(err, new(*transport.PlaceError)) {
 			// Read but not placed: the stream is in step, so a v2
 			// requester hears it was rejected.
-			s.reject(c, h)
+			return s.reject(c, h, false, err)
 		}
-		return fmt.Errorf("a WRITE of %d bytes at %#x: %w", h.Size, h.Addr, err)
+		return err
 	}
 	finish(nil)
+	c.Prove()
 	if h.V2 {
 		return s.status(c, StatusOK)
 	}
 	return nil
 }
 
-// reject answers a refused request: v1 with a reset, how a v1 client
-// tells a rejection from a clean end (a WRITE read whole but not placed
-// leaves no unread bytes to make the close one); v2 with the rejected
-// status, after which the write side shuts and what the client already
-// sent is drained for a moment, so the status is not cut by a reset.
-func (s *DataServer) reject(c *connlimit.Conn, h Header) {
+// reject answers a refused request, why: v2 with the rejected status once
+// the WRITE's body, if unread, has been read and dropped (drop), the
+// connection kept for the client's next request, and why
+// logged; v1 as rejectAndClose.
+func (s *DataServer) reject(c *connlimit.Conn, h Header, unread bool, why error) error {
+	if !h.V2 {
+		return s.rejectAndClose(c, h, why)
+	}
+	if unread {
+		if err := s.drop(c, h.Size); err != nil {
+			return fmt.Errorf("%w; reading the refused body to drop it: %w", why, err)
+		}
+	}
+	if err := s.status(c, StatusRejected); err != nil {
+		return fmt.Errorf("%w; %w", why, err)
+	}
+	s.logf("mooncake data connection from %s: %v; the connection is kept", c.RemoteAddr(), why)
+	return nil
+}
+
+// drop reads n bytes and drops them, as fast as a body that lands must
+// arrive: transport.IOChunk per I/O timeout. io.Discard reads into a
+// small buffer of its own, shared by all: a refused body holds no memory.
+func (s *DataServer) drop(c net.Conn, n uint64) error {
+	for left := n; left > 0; {
+		c.SetReadDeadline(time.Now().Add(s.cfg.IOTimeout))
+		m, err := io.CopyN(io.Discard, c, int64(min(left, transport.IOChunk)))
+		left -= uint64(m)
+		if err != nil {
+			return fmt.Errorf("dropped %d of %d bytes: %w", n-left, n, err)
+		}
+	}
+	return nil
+}
+
+// rejectAndClose answers a refused request and ends the connection
+// (returning why): v1 with a reset, how a v1 client tells a rejection
+// from a clean end (a WRITE read whole but not placed leaves no unread
+// bytes to make the close one); v2 with the rejected status, after which
+// the write side shuts and what the client already sent is drained for
+// a moment, so the status is not cut by a reset.
+func (s *DataServer) rejectAndClose(c *connlimit.Conn, h Header, why error) error {
 	if !h.V2 {
 		_ = c.SetLinger(0)
-		return
+		return why
 	}
 	_ = s.status(c, StatusRejected)
 	c.CloseWrite()
 	c.SetReadDeadline(time.Now().Add(min(s.cfg.IOTimeout, time.Second)))
 	_, _ = io.CopyN(io.Discard, c, int64(min(h.Size, 4<<20)))
+	return why
 }
 
 func (s *DataServer) status(c net.Conn, st Status) error {

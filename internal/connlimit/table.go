@@ -68,6 +68,10 @@ type Stats struct {
 	Evicted          uint64
 	Idle             uint64 // closed by an idle timeout (Member.Closing)
 	Timeout          uint64 // closed by a handshake deadline (Member.Closing)
+	// RefusedNotAllowed counts connections closed at accept because
+	// their address is not on the port's allow-list: the port's owner
+	// fills it in (a Mooncake port's mooncake_allow).
+	RefusedNotAllowed uint64
 	// Failures counts what the port's owner warned of and a remote party
 	// can cause at will (a failed handshake, a malformed request): the
 	// owner fills it in; the table does not see them.
