@@ -148,8 +148,8 @@ func (l *Listener) accept() {
 		l.mu.Unlock()
 		if evicted != nil {
 			if l.cfg.Debugf != nil {
-				l.cfg.Debugf("%s: closed an idle connection from %s to make room for one from %s (%d connections, the most kept)",
-					l.cfg.Name, evicted.Value.RemoteAddr(), tc.RemoteAddr(), l.cfg.Total)
+				l.cfg.Debugf("%s: closed an idle connection from %s to make room for one from %s (the most kept: %d in all, %d from one address)",
+					l.cfg.Name, evicted.Value.RemoteAddr(), tc.RemoteAddr(), l.cfg.Total, l.cfg.PerSource)
 			}
 			evicted.Value.drop()
 		}

@@ -8,10 +8,14 @@
 // Which member goes (Table.Admit): first those that have carried no
 // successful traffic yet (a connection that only said hello, an endpoint
 // nobody wrote through), then those from the source that holds the most,
-// then the least recently used. A source at its own cap is refused rather
-// than let it displace anyone. So a stranger flooding the port pushes out
-// its own and other strangers' members before any peer that has done
-// real work, and one address cannot take more than its share.
+// then the least recently used. A source at its own cap displaces only
+// its own unproven members, the least recently used first, and is
+// refused when all of them are proven or in use. So a stranger flooding
+// the port pushes out its own and other strangers' members before any
+// peer that has done real work, one address cannot take more than its
+// share, and a stranger sharing a peer's address (the same host, one
+// NAT) cannot lock the peer out: the peer's proven members stay, and its
+// newcomers take the stranger's places.
 package connlimit
 
 import (
@@ -41,7 +45,7 @@ func (l Limits) Or(d Limits) Limits {
 // Reasons a member is refused or closed early, as metrics label them.
 const (
 	ReasonTotal     = "total"      // refused: the table is full of members in use
-	ReasonPerSource = "per_source" // refused: its source is at its cap
+	ReasonPerSource = "per_source" // refused: its source is at its cap, its members proven or in use
 	ReasonEvicted   = "evicted"    // closed to make room for a newcomer
 	ReasonIdle      = "idle"       // closed by its port's idle timeout
 	ReasonTimeout   = "handshake"  // closed: it did not say who it is in time
@@ -55,7 +59,7 @@ type Refusal struct {
 
 func (r *Refusal) Error() string {
 	if r.Reason == ReasonPerSource {
-		return fmt.Sprintf("its address already holds %d, the most one address may", r.Limit)
+		return fmt.Sprintf("its address already holds %d, the most one address may, each proven or in use", r.Limit)
 	}
 	return fmt.Sprintf("all %d places are in use", r.Limit)
 }
@@ -128,15 +132,19 @@ func (t *Table[V]) Replace(old *Member[V], source string, v V) (m *Member[V], ev
 			}
 		}()
 	}
-	if source != "" && t.lim.PerSource > 0 && t.per[source] >= t.lim.PerSource {
-		t.stats.RefusedPerSource++
-		return nil, nil, &Refusal{Reason: ReasonPerSource, Limit: t.lim.PerSource}
-	}
-	if t.lim.Total > 0 && len(t.all) >= t.lim.Total {
-		if evicted = t.victim(); evicted == nil {
+	switch {
+	case source != "" && t.lim.PerSource > 0 && t.per[source] >= t.lim.PerSource:
+		if evicted = t.victim(source); evicted == nil {
+			t.stats.RefusedPerSource++
+			return nil, nil, &Refusal{Reason: ReasonPerSource, Limit: t.lim.PerSource}
+		}
+	case t.lim.Total > 0 && len(t.all) >= t.lim.Total:
+		if evicted = t.victim(""); evicted == nil {
 			t.stats.RefusedTotal++
 			return nil, nil, &Refusal{Reason: ReasonTotal, Limit: t.lim.Total}
 		}
+	}
+	if evicted != nil {
 		t.remove(evicted)
 		t.stats.Evicted++
 	}
@@ -155,11 +163,13 @@ func (t *Table[V]) add(m *Member[V]) {
 
 // victim is the member to evict: not in use; unproven before proven;
 // then from the source holding the most; then the least recently used.
-// t.mu is held.
-func (t *Table[V]) victim() *Member[V] {
+// With a source, only that source's unproven members are weighed: a
+// newcomer over its address's cap never displaces what proved itself
+// there, nor anyone elsewhere. t.mu is held.
+func (t *Table[V]) victim(source string) *Member[V] {
 	var v *Member[V]
 	for m := range t.all {
-		if m.busy {
+		if m.busy || source != "" && (m.source != source || m.proven) {
 			continue
 		}
 		if v == nil || m.proven != v.proven && !m.proven {
