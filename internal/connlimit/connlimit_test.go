@@ -74,10 +74,11 @@ func TestPerSourceCap(t *testing.T) {
 	tb := NewTable[string](Limits{Total: 10, PerSource: 3})
 	peer, _ := admit(t, tb, "10.0.0.9", "peer")
 	s1, _ := admit(t, tb, "10.0.0.9", "s1")
-	admit(t, tb, "10.0.0.9", "s2")
+	s2, _ := admit(t, tb, "10.0.0.9", "s2")
 	admit(t, tb, "10.0.0.8", "elsewhere")
 	peer.Prove()
-	s1.Idle() // used after s2: s2 is the least recently used now
+	s2.Greeted()
+	s1.Idle() // used after s2: both quiet, s2 the least recently used
 	for i, want := range []string{"s2", "s1", "s3"} {
 		if _, ev := admit(t, tb, "10.0.0.9", fmt.Sprint("s", i+3)); ev != want {
 			t.Fatalf("newcomer %d over its source's cap evicted %q, want %q", i, ev, want)
@@ -102,6 +103,34 @@ func TestPerSourceCap(t *testing.T) {
 	admit(t, tb, "10.0.0.9", "back")
 	if st := tb.Stats(); st.RefusedPerSource != 1 || st.Evicted != 3 || st.Open != 9 {
 		t.Fatalf("stats %+v, want 1 refused per source, 3 evicted, 9 open", st)
+	}
+}
+
+// TestQuietGoFirst: among unproven members, the quiet ones (a stranger's
+// connection that said hello, or had a request refused, and waits) are
+// evicted before one still in its handshake, though it is older (a
+// peer's connection not served yet); when no quiet member is left, the
+// least recently used goes.
+func TestQuietGoFirst(t *testing.T) {
+	tb := NewTable[string](Limits{Total: 3, PerSource: 3})
+	admit(t, tb, "10.0.0.1", "peer")
+	s1, _ := admit(t, tb, "10.0.0.1", "s1")
+	s1.Greeted()
+	s2, _ := admit(t, tb, "10.0.0.1", "s2")
+	s2.Busy() // a request, refused
+	s2.Idle()
+	for i, want := range []string{"s1", "s2", "peer", "n0"} {
+		if _, ev := admit(t, tb, "10.0.0.1", fmt.Sprint("n", i)); ev != want {
+			t.Fatalf("newcomer %d evicted %q, want %q", i, ev, want)
+		}
+	}
+	// At the total cap, from another source, alike.
+	tb = NewTable[string](Limits{Total: 2})
+	admit(t, tb, "10.0.0.1", "peer")
+	quiet, _ := admit(t, tb, "10.0.0.9", "quiet")
+	quiet.Greeted()
+	if _, ev := admit(t, tb, "10.0.0.5", "new"); ev != "quiet" {
+		t.Fatalf("at the total cap evicted %q, want the quiet one", ev)
 	}
 }
 

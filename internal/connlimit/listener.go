@@ -185,6 +185,11 @@ func (c *Conn) Busy() bool { return c.m.Busy() }
 // used first.
 func (c *Conn) Idle() { c.m.Idle() }
 
+// Greeted marks c as having finished its handshake: until its first
+// request it is evicted before the unproven connections still in theirs,
+// which may be a peer's not served yet.
+func (c *Conn) Greeted() { c.m.Greeted() }
+
 // Prove marks c as having carried successful traffic (an authenticated
 // handshake, a write that landed): it is evicted after every connection
 // that has not.

@@ -7,8 +7,11 @@
 //
 // Which member goes (Table.Admit): first those that have carried no
 // successful traffic yet (a connection that only said hello, an endpoint
-// nobody wrote through), then those from the source that holds the most,
-// then the least recently used. A source at its own cap displaces only
+// nobody wrote through), of those first the quiet ones, that finished
+// their handshake or a request and wait for nothing (a peer's connection
+// goes on to a write at once; one still in its handshake may be a peer's
+// not served yet), then those from the source that holds the most, then
+// the least recently used. A source at its own cap displaces only
 // its own unproven members, the least recently used first, and is
 // refused when all of them are proven or in use. So a stranger flooding
 // the port pushes out its own and other strangers' members before any
@@ -95,6 +98,7 @@ type Member[V any] struct {
 	t      *Table[V]
 	source string
 	proven bool   // has carried successful traffic
+	quiet  bool   // finished its handshake or a request, and waits for nothing
 	busy   bool   // in use: never evicted
 	used   uint64 // the table's tick when last used
 	gone   bool   // released or evicted
@@ -162,21 +166,25 @@ func (t *Table[V]) add(m *Member[V]) {
 }
 
 // victim is the member to evict: not in use; unproven before proven;
-// then from the source holding the most; then the least recently used.
-// With a source, only that source's unproven members are weighed: a
-// newcomer over its address's cap never displaces what proved itself
-// there, nor anyone elsewhere. t.mu is held.
+// then quiet before the rest; then from the source holding the most;
+// then the least recently used. With a source, only that source's
+// unproven members are weighed: a newcomer over its address's cap never
+// displaces what proved itself there, nor anyone elsewhere. t.mu is
+// held.
 func (t *Table[V]) victim(source string) *Member[V] {
 	var v *Member[V]
 	for m := range t.all {
 		if m.busy || source != "" && (m.source != source || m.proven) {
 			continue
 		}
-		if v == nil || m.proven != v.proven && !m.proven {
+		if v == nil {
 			v = m
 			continue
 		}
-		if m.proven != v.proven {
+		if a, b := m.rank(), v.rank(); a != b {
+			if a < b {
+				v = m
+			}
 			continue
 		}
 		if a, b := t.per[m.source], t.per[v.source]; a != b {
@@ -190,6 +198,18 @@ func (t *Table[V]) victim(source string) *Member[V] {
 		}
 	}
 	return v
+}
+
+// rank orders members for eviction, the lowest first: quiet, unproven
+// (0); unproven (1); proven (2).
+func (m *Member[V]) rank() int {
+	switch {
+	case m.proven:
+		return 2
+	case m.quiet:
+		return 0
+	}
+	return 1
 }
 
 // remove takes m out of the table. t.mu is held.
@@ -245,17 +265,27 @@ func (m *Member[V]) Busy() bool {
 		return false
 	}
 	t.tick++
-	m.busy, m.used = true, t.tick
+	m.busy, m.quiet, m.used = true, false, t.tick
 	return true
 }
 
-// Idle marks m no longer in use, and used now.
+// Greeted marks m as having finished its handshake: quiet until its
+// first request (Busy), it is evicted before the unproven members still
+// in theirs.
+func (m *Member[V]) Greeted() {
+	t := m.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	m.quiet = true
+}
+
+// Idle marks m no longer in use, and used now: quiet.
 func (m *Member[V]) Idle() {
 	t := m.t
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.tick++
-	m.busy, m.used = false, t.tick
+	m.busy, m.quiet, m.used = false, true, t.tick
 }
 
 // Prove marks m as having carried successful traffic, and used now.
