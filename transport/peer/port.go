@@ -236,8 +236,6 @@ func (p *Port) serve(c *connlimit.Conn) {
 	}
 	if p.cfg.Secret != nil {
 		c.Prove() // only a holder of the secret gets here
-	} else {
-		c.Greeted() // a peer's first header follows at once
 	}
 	if h.kind == KindRDMA {
 		p.h.RDMA(c, h.instance)
