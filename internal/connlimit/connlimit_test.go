@@ -313,7 +313,7 @@ func echo(t *testing.T, c net.Conn) {
 // serving.
 func TestListenerCaps(t *testing.T) {
 	var warn, debug logs
-	l, seen := listenT(t, Config{Limits: Limits{Total: 3, PerSource: 2}, Name: "test port", Warnf: warn.logf, Debugf: debug.logf})
+	l, seen := listenT(t, Config{Limits: Limits{Total: 4, PerSource: 2}, Name: "test port", Warnf: warn.logf, Debugf: debug.logf})
 	addr := l.Addr().String()
 	legit := dialFrom(t, "127.0.0.1", addr)
 	<-seen
@@ -335,30 +335,15 @@ func TestListenerCaps(t *testing.T) {
 	if !warn.has("test port: refused a connection from 127.0.0.2:") || !warn.has("already holds 2") {
 		t.Fatalf("no WARN line for the refusal: %q", warn.all())
 	}
-	if st := l.Stats(); st.Open != 3 || st.RefusedPerSource != 1 || st.Evicted != 1 {
-		t.Fatalf("stats %+v, want 3 open, 1 refused per source, 1 evicted", st)
-	}
-}
-
-// TestListenerTotalCap: at the total cap a newcomer from elsewhere takes
-// the place of a stranger's idle connection, never of one that carried
-// traffic.
-func TestListenerTotalCap(t *testing.T) {
-	var debug logs
-	l, seen := listenT(t, Config{Limits: Limits{Total: 2, PerSource: 2}, Name: "test port", Warnf: t.Logf, Debugf: debug.logf})
-	addr := l.Addr().String()
-	legit := dialFrom(t, "127.0.0.1", addr)
-	<-seen
-	echo(t, legit)
-	s1 := dialFrom(t, "127.0.0.2", addr)
+	idle := dialFrom(t, "127.0.0.4", addr)
 	<-seen
 	fresh := dialFrom(t, "127.0.0.3", addr)
 	<-seen
-	closedByServer(t, s1, "the stranger's idle connection")
+	closedByServer(t, idle, "at the total cap, the stranger's idle connection")
 	echo(t, fresh)
 	echo(t, legit)
-	if st := l.Stats(); st.Open != 2 || st.Evicted != 1 || st.RefusedTotal != 0 {
-		t.Fatalf("stats %+v, want 2 open, 1 evicted", st)
+	if st := l.Stats(); st.Open != 4 || st.RefusedPerSource != 1 || st.Evicted != 2 || st.RefusedTotal != 0 {
+		t.Fatalf("stats %+v, want 4 open, 1 refused per source, 2 evicted", st)
 	}
 }
 
