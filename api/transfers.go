@@ -3,6 +3,7 @@ package api
 import (
 	"bytes"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"strings"
 	"time"
@@ -163,6 +164,9 @@ const (
 	ItemFields
 )
 
+// itemFieldNames names an item's fields, in order, for errors.
+var itemFieldNames = [ItemFields]string{"source", "source_offset", "destination", "destination_offset", "nbytes"}
+
 // Transfer states.
 const (
 	TransferRunning = "running"
@@ -320,9 +324,9 @@ func (it *Items) UnmarshalJSON(b []byte) error {
 					len(out), ItemFields)
 			}
 			p.space()
-			v, ok := p.int()
-			if !ok {
-				return p.fail("items: item %d: field %d is not an integer", len(out), f)
+			v, err := p.int()
+			if err != nil {
+				return p.fail("items: item %d: field %d (%s) %v", len(out), f, itemFieldNames[f], err)
 			}
 			fields = append(fields, v)
 		}
@@ -419,29 +423,39 @@ func (p *itemParser) lit(s string) bool {
 	return false
 }
 
+var (
+	errNotInt   = errors.New("is not an integer")
+	errIntRange = errors.New("is out of range: an item's fields are integers from -9223372036854775808 to 9223372036854775807")
+)
+
 // int reads a JSON number that is a whole int64 (no fraction, no
-// exponent, no overflow).
-func (p *itemParser) int() (int64, bool) {
+// exponent, no overflow): errNotInt or errIntRange otherwise.
+func (p *itemParser) int() (int64, error) {
 	neg := p.byte('-')
 	start := p.i
 	var v uint64
 	for p.i < len(p.b) && p.b[p.i] >= '0' && p.b[p.i] <= '9' {
+		// Checked before the digit goes in: past (1<<63)/10, v*10 wraps
+		// uint64 for long enough numbers (2^64 read as 0).
+		if v > (1<<63)/10 {
+			return 0, errIntRange
+		}
 		v = v*10 + uint64(p.b[p.i]-'0')
 		if v > 1<<63 {
-			return 0, false
+			return 0, errIntRange
 		}
 		p.i++
 	}
 	if p.i == start || p.i < len(p.b) && (p.b[p.i] == '.' || p.b[p.i] == 'e' || p.b[p.i] == 'E') {
-		return 0, false
+		return 0, errNotInt
 	}
 	if neg {
-		return -int64(v), true // -(1<<63) wraps to itself, the least int64
+		return -int64(v), nil // -(1<<63) wraps to itself, the least int64
 	}
 	if v == 1<<63 {
-		return 0, false
+		return 0, errIntRange
 	}
-	return int64(v), true
+	return int64(v), nil
 }
 
 func (p *itemParser) fail(format string, args ...any) error {

@@ -29,10 +29,16 @@ func TestItemsReadAsTheDecoderWould(t *testing.T) {
 	}
 	for in, says := range map[string]string{
 		`{"a":1}`:                 "must be an array",
-		`[[1,2.5]]`:               "item 0: field 1 is not an integer",
-		`[[1],[2,1e3]]`:           "item 1: field 1 is not an integer",
+		`[[1,2.5]]`:               "item 0: field 1 (source_offset) is not an integer",
+		`[[1],[2,1e3]]`:           "item 1: field 1 (source_offset) is not an integer",
 		`[[1],"x"]`:               "item 1 is not an array",
-		`[[9223372036854775808]]`: "item 0: field 0 is not an integer",
+		`[[9223372036854775808]]`: "item 0: field 0 (source) is out of range",
+		// 2^64 and 10·2^64 wrap uint64 to 0 where the digits are summed
+		// unchecked; 2^64+5 to 5.
+		`[[0,0,0,0,18446744073709551616]]`:  "item 0: field 4 (nbytes) is out of range",
+		`[[0,184467440737095516160]]`:       "item 0: field 1 (source_offset) is out of range",
+		`[[0,0,0,-18446744073709551621]]`:   "item 0: field 3 (destination_offset) is out of range",
+		`[[0,0,99999999999999999999999,0]]`: "item 0: field 2 (destination) is out of range",
 	} {
 		var got Items
 		err := json.Unmarshal([]byte(in), &got)

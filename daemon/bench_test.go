@@ -3,10 +3,13 @@ package daemon
 import (
 	"bytes"
 	"fmt"
+	"runtime"
+	"sync"
 	"testing"
 	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
 )
 
 // BenchmarkStatus is a status round trip through the control socket with
@@ -85,4 +88,53 @@ func BenchmarkBatch(b *testing.B) {
 			b.Fatal(err)
 		}
 	}
+}
+
+// BenchmarkMooncakeRefusedWrite is a Mooncake write that matches none of
+// 100,000 live slots (a stranger guessing addresses), on every core at
+// once (refused: writes/s), and a control API call on the registry while
+// such writes flood in (api: ns per call).
+func BenchmarkMooncakeRefusedWrite(b *testing.B) {
+	const slots, size = 100_000, 256
+	r := newTestRegistry(b, slots*size)
+	for i := range slots {
+		if _, err := r.newSlot(fmt.Sprint(i), size, true); err != nil {
+			b.Fatal(err)
+		}
+	}
+	miss := r.arena.Addr(arena.Slice{}) + slots*size // past the last slot
+	refuse := func() {
+		if _, _, err := r.AcceptUnkeyed(miss, 8); err == nil {
+			b.Fatal("a write past every slot was accepted")
+		}
+	}
+	b.Run("refused", func(b *testing.B) {
+		b.RunParallel(func(pb *testing.PB) {
+			for pb.Next() {
+				refuse()
+			}
+		})
+		b.ReportMetric(float64(b.N)/b.Elapsed().Seconds(), "writes/s")
+	})
+	b.Run("api", func(b *testing.B) {
+		stop := make(chan struct{})
+		var wg sync.WaitGroup
+		for range runtime.GOMAXPROCS(0) {
+			wg.Go(func() {
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+						refuse()
+					}
+				}
+			})
+		}
+		for b.Loop() {
+			r.embedding("none")
+		}
+		close(stop)
+		wg.Wait()
+	})
 }

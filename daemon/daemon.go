@@ -197,7 +197,7 @@ func New(cfg Config) (*Daemon, error) {
 	d.metrics.reg.MustRegister(d.mem.collectors()...)
 	d.metrics.reg.MustRegister(d.limits())
 	d.reg.mu.Lock() // the peer port is open already
-	d.reg.onRefusal = func(c transport.Code) { d.metrics.peerRefusals.WithLabelValues(c.String()).Inc() }
+	d.reg.onRefusal = func(c transport.Code) { d.metrics.peerRefusals.WithLabelValues(c.Label()).Inc() }
 	d.reg.registrar, _ = d.tr.(transport.RegionRegistrar)
 	d.reg.regionNICLost = func(name string, err error) {
 		d.metrics.regionDeregFailures.Inc()

@@ -25,10 +25,10 @@ var (
 		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data, control (the control socket), metrics (--metrics-listen).",
 		[]string{"port"}, nil)
 	portRefusedDesc = prometheus.NewDesc("ferry_port_refused_connections_total",
-		"Connections a port closed at once, by reason: per_source (its address, or on the control socket its uid, held the most one may), total (every place held by a connection in use), not_allowed (a Mooncake port: its address is not on mooncake_allow).",
+		"Connections a port closed at once, by reason: per_source (its address, or on the control socket its uid, held the most one may, each proven or in use), total (every place held by a connection in use), not_allowed (a Mooncake port: its address is not on mooncake_allow).",
 		[]string{"port", "reason"}, nil)
 	portClosedDesc = prometheus.NewDesc("ferry_port_closed_connections_total",
-		"Connections a port closed itself, by reason: evicted (to make room for a newcomer: one that carried no traffic first, then the least recently used), idle (no write for the idle timeout; not on the Mooncake ports), handshake (it did not say what it wanted in time).",
+		"Connections a port closed itself, by reason: evicted (to make room for a newcomer: one that carried no traffic first, then the least recently used; past its address's cap, a newcomer takes only its own address's unproven places), idle (no write for the idle timeout; not on the Mooncake ports), handshake (it did not say what it wanted in time).",
 		[]string{"port", "reason"}, nil)
 	portFailuresDesc = prometheus.NewDesc("ferry_port_failures_total",
 		"Failures a remote party caused on a port anyone may reach (a failed or refused handshake, a malformed request, a refused write on a Mooncake port): each a WARN line, at most 10 a second logged.",

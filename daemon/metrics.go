@@ -10,9 +10,12 @@ import (
 )
 
 // metrics is the daemon's own registry (never the global one), served on
-// GET /metrics and on --metrics-listen. Labels stay low-cardinality:
-// transport, outcome, reason, mode, state, and the peer session (the first
-// maxSessionLabels sessions to fail, the rest as "other"); never req_id.
+// GET /metrics and on --metrics-listen. Every label takes a bounded set of
+// values: transport, outcome, mode, state, fixed by this code; a
+// refusal's reason, a code this release does not know (a remote party
+// may send any) as "other"; a broken path's errno or completion status,
+// and the peer session, the first maxOwnLabels to occur under their own
+// label, the rest as "other"; never req_id.
 // Every series with label values known at start exists from then on,
 // zero-valued, so dashboards and alerts see a fresh daemon.
 type metrics struct {
@@ -36,14 +39,45 @@ type metrics struct {
 	batchItems          prometheus.Counter
 	batchWrites         prometheus.Counter
 
-	mu           sync.Mutex
-	sessionNames map[string]bool // sessions with a label of their own
+	sessions *labelSet // ferry_session_failures_total's sessions
+	reasons  *labelSet // ferry_transfer_failures_total's reasons
 }
 
-// maxSessionLabels bounds ferry_session_failures_total's session label:
-// sessions are whatever clients send to, so past this many the failures
-// of new ones count under "other".
-const maxSessionLabels = 64
+// maxOwnLabels bounds the label values a set of them takes beyond those
+// known at start: sessions are whatever clients send to, and a broken
+// path's errno or completion status whatever the kernel or the NIC says.
+const maxOwnLabels = 64
+
+// labelSet bounds a label whose values come from outside this code: the
+// values known at start, and the first maxOwnLabels others to occur, keep
+// their own; later ones count as "other".
+type labelSet struct {
+	mu    sync.Mutex
+	known map[string]bool
+	own   int // values given a label beyond those known at start
+}
+
+func newLabelSet(known ...string) *labelSet {
+	s := &labelSet{known: map[string]bool{"other": true}}
+	for _, v := range known {
+		s.known[v] = true
+	}
+	return s
+}
+
+// of is v's label.
+func (s *labelSet) of(v string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if !s.known[v] {
+		if s.own == maxOwnLabels {
+			return "other"
+		}
+		s.known[v] = true
+		s.own++
+	}
+	return v
+}
 
 // Label values known at start, whose series exist from then on.
 var (
@@ -53,7 +87,7 @@ var (
 	// failureReasons are the reasons a send can fail with that name no
 	// errno or verbs status (those appear when they first happen).
 	failureReasons = []string{"no_embedding", "no_slot", "out_of_bounds", "slot_busy", "shutting_down", "internal",
-		"timeout", "eof", "closed", "auth", "incompatible", "rejected", "error"}
+		"timeout", "eof", "closed", "auth", "incompatible", "rejected", "error", "staging", "other"}
 	peerRefusalReasons = []string{"no_slot", "out_of_bounds", "slot_busy"}
 	batchOutcomes      = []string{"ok", "failed"}
 	regionOutcomes     = []string{"registered", "failed"}
@@ -71,8 +105,9 @@ type gauges struct {
 func newMetrics(g gauges, transport string) *metrics {
 	reg := prometheus.NewRegistry()
 	m := &metrics{
-		reg:          reg,
-		sessionNames: make(map[string]bool),
+		reg:      reg,
+		sessions: newLabelSet(),
+		reasons:  newLabelSet(failureReasons...),
 		transfers: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_transfers_total",
 			Help: "Sends by transport and outcome (ok, refused, failed, no_embedding).",
@@ -88,7 +123,7 @@ func newMetrics(g gauges, transport string) *metrics {
 		}, []string{"transport", "outcome"}),
 		transferFailures: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "ferry_transfer_failures_total",
-			Help: "Sends that did not deliver, by reason: no_embedding, the receiver's refusal (no_slot, bad_key, out_of_bounds, slot_busy, shutting_down, internal), or the broken path's code (ECONNREFUSED, ECONNRESET, EPIPE, timeout, eof, closed, error).",
+			Help: "Sends that did not deliver, by reason: no_embedding, staging, the receiver's refusal (no_slot, out_of_bounds, slot_busy, shutting_down, internal; a code this release does not know as other), or the broken path's code (ECONNREFUSED, ECONNRESET, EPIPE, RETRY_EXC_ERR, timeout, eof, closed, error; past 64 distinct errnos and statuses, other).",
 		}, []string{"reason"}),
 		retries: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ferry_transfer_retries_total",
@@ -202,17 +237,14 @@ func newMetrics(g gauges, transport string) *metrics {
 }
 
 // sessionFailed counts a failed write attempt to session, under its own
-// label while fewer than maxSessionLabels sessions have one.
+// label while fewer than maxOwnLabels sessions have one.
 func (m *metrics) sessionFailed(session string) {
-	m.mu.Lock()
-	if !m.sessionNames[session] && len(m.sessionNames) < maxSessionLabels {
-		m.sessionNames[session] = true
-	}
-	if !m.sessionNames[session] {
-		session = "other"
-	}
-	m.mu.Unlock()
-	m.sessionFailures.WithLabelValues(session).Inc()
+	m.sessionFailures.WithLabelValues(m.sessions.of(session)).Inc()
+}
+
+// transferFailed counts a send that did not deliver, for reason.
+func (m *metrics) transferFailed(reason string) {
+	m.transferFailures.WithLabelValues(m.reasons.of(reason)).Inc()
 }
 
 // handler serves the registry in the Prometheus text format.

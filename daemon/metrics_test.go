@@ -3,10 +3,13 @@ package daemon
 import (
 	"bytes"
 	"context"
+	"encoding/binary"
 	"fmt"
+	"io"
 	"net"
 	"net/http"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -18,6 +21,9 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/transport"
+	peerport "github.com/ferry-project/ferry/transport/peer"
+	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
 // serveTestDaemon runs a real ferryd in this process: its control socket
@@ -282,4 +288,75 @@ func testConfig(dir, name string) Config {
 	s := config.Defaults()
 	s.Socket, s.Listen, s.Device = filepath.Join(dir, name+".sock"), "127.0.0.1:0", config.DeviceCPU
 	return Config{Settings: s, Log: zerolog.Nop()}
+}
+
+// TestUnknownRefusalCodesFoldIntoOther: a receiver answering each write
+// with a refusal code of its own invention (any of 2^32) makes no new
+// series: ferry_transfer_failures_total keeps the series it started with,
+// the refusals counted under other.
+func TestUnknownRefusalCodesFoldIntoOther(t *testing.T) {
+	const sends = 200
+	_, sc := serveTestDaemon(t, t.TempDir(), "snd", nil)
+	rcv := transporttest.FakePeer(t, func(c net.Conn) {
+		c.SetDeadline(time.Now().Add(30 * time.Second))
+		var hb [24]byte // the hello (transport/peer/wire.go), answered in kind
+		if _, err := io.ReadFull(c, hb[:]); err != nil {
+			return
+		}
+		binary.LittleEndian.PutUint64(hb[8:], 0xfe11) // the receiver's instance
+		if _, err := c.Write(binary.LittleEndian.AppendUint32(hb[:], 0)); err != nil {
+			return
+		}
+		for code := transport.Code(1000); ; code++ {
+			var b [peerport.HeaderSize]byte
+			if _, err := io.ReadFull(c, b[:]); err != nil {
+				return
+			}
+			var h peerport.Header
+			h.Decode(&b)
+			if _, err := io.CopyN(io.Discard, c, int64(h.Len)); err != nil {
+				return
+			}
+			var rb [peerport.ReplySize + peerport.MaxMessage]byte
+			if _, err := c.Write(peerport.EncodeReply(&rb, code, 0, "a code of my own")); err != nil {
+				return
+			}
+		}
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	if _, err := sc.Stage(ctx, "e", []int64{2048}, "u8", bytes.NewReader(make([]byte, 2048)), 2048); err != nil {
+		t.Fatal(err)
+	}
+	req := api.SendRequest{Session: rcv, BufferAddress: 4096, Key: transport.NewKey()}
+	for i := range sends {
+		if _, err := sc.Send(ctx, "e", req); client.Code(err) != api.CodeRefused || !strings.Contains(err.Error(), fmt.Sprintf("code_%d", 1000+i)) {
+			t.Fatalf("send %d to a receiver refusing with code %d: %v, want refused naming code_%d", i, 1000+i, err, 1000+i)
+		}
+	}
+	fams := scrapeSocket(t, sc)
+	if n := len(fams["ferry_transfer_failures_total"].GetMetric()); n != len(failureReasons) {
+		t.Errorf("ferry_transfer_failures_total has %d series after %d distinct refusal codes, want the %d it started with", n, sends, len(failureReasons))
+	}
+	check(t, "snd", fams, expect{"ferry_transfer_failures_total", []string{"reason", "other"}, sends})
+}
+
+// TestLabelSetBounds: a label fed from outside this code takes the values
+// known at start and the first maxOwnLabels others; the rest are other.
+func TestLabelSetBounds(t *testing.T) {
+	s := newLabelSet("timeout")
+	if got := s.of("timeout"); got != "timeout" {
+		t.Fatalf("a value known at start labelled %q", got)
+	}
+	for i := range maxOwnLabels {
+		if v := fmt.Sprint("errno ", i); s.of(v) != v {
+			t.Fatalf("value %d of %d labelled other", i, maxOwnLabels)
+		}
+	}
+	if got := s.of("errno 999"); got != "other" {
+		t.Fatalf("value %d labelled %q, want other", maxOwnLabels+1, got)
+	}
+	if got := s.of("errno 3"); got != "errno 3" {
+		t.Fatalf("a value labelled before became %q", got)
+	}
 }

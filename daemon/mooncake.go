@@ -196,8 +196,8 @@ func (r *registry) deliverNotified(msg string) (reqID string, nbytes int64, err 
 		r.mu.Unlock()
 		return "", 0, errRefuseStopping
 	}
-	s := r.slotAt(addr)
-	if s == nil || s.addr != addr || !s.mooncake {
+	s := r.unkeyed.at(addr)
+	if s == nil || s.addr != addr {
 		r.mu.Unlock()
 		return "", 0, fmt.Errorf("no live receive slot open to Mooncake writers starts at %#x: it was freed, timed out, made without \"mooncake\": true, or never existed; whatever was written there is not delivered", addr)
 	}

@@ -79,11 +79,14 @@ type slot struct {
 type registry struct {
 	arena *arena.Arena
 
-	mu       sync.Mutex
-	entries  map[string]*entry
-	slots    map[string]*slot
-	byKey    map[transport.Key]*slot
-	byTag    map[uint32]*slot // the tags writes carry name one live slot each
+	mu      sync.Mutex
+	entries map[string]*entry
+	slots   map[string]*slot
+	byKey   map[transport.Key]*slot
+	byTag   map[uint32]*slot // the tags writes carry name one live slot each
+	// unkeyed is the live slots made for Mooncake writers, by address:
+	// the only ones a write without a key may land in.
+	unkeyed  *slotIndex
 	regions  map[string]*region
 	changed  chan struct{} // closed and replaced on every change
 	stopping bool
@@ -95,7 +98,7 @@ type registry struct {
 	// with mu held.
 	arrived func(reqID string, nbytes int64)
 	// onRefusal, if set, counts each write refused, by code. Called with
-	// mu held.
+	// or without mu held.
 	onRefusal func(transport.Code)
 
 	// quarantine, when above zero, holds a freed slot's memory back from
@@ -177,6 +180,7 @@ func newRegistry(a *arena.Arena) *registry {
 		slots:   make(map[string]*slot),
 		byKey:   make(map[transport.Key]*slot),
 		byTag:   make(map[uint32]*slot),
+		unkeyed: newSlotIndex(),
 		regions: make(map[string]*region),
 		claims:  make(map[string]*regionClaim),
 		changed: make(chan struct{}),
@@ -533,6 +537,9 @@ func (r *registry) addSlot(s *slot) *slot {
 	r.slots[s.reqID] = s
 	r.byKey[key] = s
 	r.byTag[key.Tag()] = s
+	if s.mooncake {
+		r.unkeyed.add(s)
+	}
 	return s
 }
 
@@ -604,18 +611,31 @@ func (r *registry) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) 
 // slot arrives when its last byte has. The data port reads them off a
 // stream, stageChunk bytes of host staging at a time at most.
 func (r *registry) AcceptUnkeyed(addr, n uint64) (transport.Body, func(error), error) {
+	// A write that matches no slot is refused without the registry's
+	// lock, which strangers' guesses would otherwise hold from the
+	// control API; one that does is looked up again under it, as its
+	// slot may have gone meanwhile.
+	if r.unkeyed.at(addr) == nil {
+		return nil, nil, r.refuseUnkeyed(addr)
+	}
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
 		return nil, nil, errRefuseStopping
 	}
-	s := r.slotAt(addr)
-	if s == nil || !s.mooncake {
-		r.refused(transport.NoSlot)
-		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
-			Message: fmt.Sprintf("no live receive slot open to Mooncake writers at address %#x: it was freed, timed out, made without \"mooncake\": true, or the receiver restarted; ask the receiver for a new slot", addr)}
+	s := r.unkeyed.at(addr)
+	if s == nil {
+		return nil, nil, r.refuseUnkeyed(addr)
 	}
 	return r.land(s, addr, n, s.key.Tag(), stageChunk)
+}
+
+// refuseUnkeyed counts and explains a write without a key that no live
+// Mooncake slot holds.
+func (r *registry) refuseUnkeyed(addr uint64) error {
+	r.refused(transport.NoSlot)
+	return &transport.Refusal{Code: transport.NoSlot,
+		Message: fmt.Sprintf("no live receive slot open to Mooncake writers at address %#x: it was freed, timed out, made without \"mooncake\": true, or the receiver restarted; ask the receiver for a new slot", addr)}
 }
 
 var (
@@ -624,7 +644,7 @@ var (
 		Message: "no live receive slot here matches this address and key: it was freed, timed out, or the receiver restarted; ask the receiver for a new slot"}
 )
 
-// refused counts a refusal by its code; callers hold mu.
+// refused counts a refusal by its code.
 func (r *registry) refused(code transport.Code) {
 	if r.onRefusal != nil {
 		r.onRefusal(code)
@@ -682,16 +702,6 @@ func (r *registry) arrive(s *slot) {
 	if r.arrived != nil {
 		r.arrived(s.reqID, s.nbytes)
 	}
-}
-
-// slotAt is the live slot holding addr, or nil; callers hold mu.
-func (r *registry) slotAt(addr uint64) *slot {
-	for _, o := range r.slots {
-		if addr >= o.addr && addr < o.addr+uint64(o.nbytes) {
-			return o
-		}
-	}
-	return nil
 }
 
 // land checks a write of n bytes at addr against s and pins s for it;
@@ -971,6 +981,9 @@ func (r *registry) removeSlot(s *slot) {
 	delete(r.slots, s.reqID)
 	delete(r.byKey, s.key)
 	delete(r.byTag, s.key.Tag())
+	if s.mooncake {
+		r.unkeyed.remove(s)
+	}
 	if s.region != nil {
 		s.region.slots--
 		if s.region.freed == nil {

@@ -18,7 +18,7 @@ import (
 	"github.com/ferry-project/ferry/transport"
 )
 
-func newTestRegistry(t *testing.T, size int64) *registry {
+func newTestRegistry(t testing.TB, size int64) *registry {
 	t.Helper()
 	mem, err := arena.CreateHostFile(filepath.Join(t.TempDir(), "arena"), size)
 	if err != nil {

@@ -55,7 +55,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	if err != nil {
 		if isCode(err, api.CodeNoEmbedding) {
 			d.metrics.transfers.WithLabelValues(d.tr.Name(), "no_embedding").Inc()
-			d.metrics.transferFailures.WithLabelValues("no_embedding").Inc()
+			d.metrics.transferFailed("no_embedding")
 		}
 		return res, err
 	}
@@ -93,7 +93,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 	}
 	var rf *transport.Refusal
 	if errors.As(lastErr, &rf) {
-		d.failed(rf.Code.String(), "refused", time.Since(start))
+		d.failed(rf.Code.Label(), "refused", time.Since(start))
 		return res, apiErr(api.CodeRefused,
 			"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept%s",
 			reqID, req.Session, e.nbytes, req.BufferAddress, lastErr, lostCompletion(lastErr, dl.attempts))
@@ -362,7 +362,7 @@ func sharedMR(r transport.Report) bool {
 // was attempted.
 func (d *Daemon) failed(reason, outcome string, took time.Duration) {
 	d.metrics.transfers.WithLabelValues(d.tr.Name(), outcome).Inc()
-	d.metrics.transferFailures.WithLabelValues(reason).Inc()
+	d.metrics.transferFailed(reason)
 	if took > 0 {
 		d.metrics.transferSeconds.WithLabelValues(d.tr.Name(), outcome).Observe(took.Seconds())
 	}

@@ -209,3 +209,32 @@ func TestTransferBodiesWaitTheirTurn(t *testing.T) {
 		t.Fatalf("got %d %s", rec.Code, rec.Body)
 	}
 }
+
+// An item field of 2^64 or more, which a parser summing digits unchecked
+// reads as what is left after wrapping (2^64 as 0), is refused through
+// the real handler with a 400 naming the item and the field; the daemon
+// goes on serving.
+func TestTransferItemOutOfRangeIsRefused(t *testing.T) {
+	_, c := serveTestDaemon(t, t.TempDir(), "d", nil)
+	hc := &http.Client{Transport: &http.Transport{DialContext: client.UnixDialer(c.Socket)}, Timeout: 30 * time.Second}
+	for field, n := range []string{"18446744073709551616", "18446744073709551617", "-18446744073709551616", "340282366920938463463374607431768211456", "18446744073709551616"} {
+		item := []string{"0", "0", "0", "0", "1"}
+		item[field] = n
+		body := `{"sources":[{"req_id":"src"}],"destinations":[{"session":"127.0.0.1:1","buffer_address":4096,"key":"00112233445566778899aabbccddeeff00112233","nbytes":8}],` +
+			`"items":[[0,0,0,0,1],[` + strings.Join(item, ",") + `]]}`
+		resp, err := hc.Post("http://ferryd/v1/transfers", "application/json", strings.NewReader(body))
+		if err != nil {
+			t.Fatal(err)
+		}
+		var eb api.ErrorBody
+		err = json.NewDecoder(resp.Body).Decode(&eb)
+		resp.Body.Close()
+		says := fmt.Sprintf("items: item 1: field %d (%s) is out of range", field, []string{"source", "source_offset", "destination", "destination_offset", "nbytes"}[field])
+		if err != nil || resp.StatusCode != http.StatusBadRequest || eb.Error.Code != api.CodeBadRequest || !strings.Contains(eb.Error.Message, says) {
+			t.Fatalf("field %d = %s: %d %+v (%v); want 400 bad_request saying %q", field, n, resp.StatusCode, eb.Error, err, says)
+		}
+	}
+	if _, err := c.Status(t.Context()); err != nil {
+		t.Fatalf("after the refusals: %v", err)
+	}
+}

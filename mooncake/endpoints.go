@@ -222,8 +222,9 @@ func (e *Endpoints[Q]) unclaim(peer string) {
 // put installs ep, connected for source (connlimit.Source of the
 // handshake's address; "" for an endpoint ferry dialed, which starts
 // proven), closing the endpoint of the same NIC path it replaces and, in
-// a full table, the one connlimit picks. A closed table refuses it, and
-// so does the table when source holds its most; a handshake (source not
+// a full table, or source's oldest unproven one at its cap, the one
+// connlimit picks. A closed table refuses it, and so does the table when
+// source holds its most, all proven; a handshake (source not
 // "") may replace only an endpoint its own source owns. A refused ep
 // leaves the endpoint of its NIC path as it was.
 func (e *Endpoints[Q]) put(ep *endpoint[Q], source string) error {
@@ -244,7 +245,7 @@ func (e *Endpoints[Q]) put(ep *endpoint[Q], source string) error {
 	mem, evicted, err := e.lim.Replace(oldm, source, ep)
 	if err != nil {
 		e.mu.Unlock()
-		return fmt.Errorf("%s already holds %d Mooncake endpoints here, the most one address may: this one is refused, its others stay", source, e.cfg.Limits.PerSource)
+		return fmt.Errorf("%s already holds %d Mooncake endpoints here, the most one address may, all proven or in use: this one is refused, its others stay", source, e.cfg.Limits.PerSource)
 	}
 	ep.m = mem
 	if source == "" {

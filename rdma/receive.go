@@ -39,6 +39,7 @@ func (t *Transport) serveLane(c *connlimit.Conn, _ uint64) {
 	}
 	t.accepted[l] = struct{}{}
 	t.mu.Unlock()
+	c.Greeted() // the lane is connected; a peer's first write follows at once
 	defer func() {
 		t.mu.Lock()
 		delete(t.accepted, l)

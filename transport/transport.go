@@ -312,22 +312,28 @@ const (
 	Internal     Code = 6
 )
 
+// codeNames names the codes this release knows.
+var codeNames = map[Code]string{
+	OK: "ok", NoSlot: "no_slot", OutOfBounds: "out_of_bounds", SlotBusy: "slot_busy",
+	ShuttingDown: "shutting_down", Internal: "internal",
+}
+
+// String is c's name, or code_<n> for a code this release does not know
+// (a newer receiver's, or a hostile one's: any of 2^32).
 func (c Code) String() string {
-	switch c {
-	case OK:
-		return "ok"
-	case NoSlot:
-		return "no_slot"
-	case OutOfBounds:
-		return "out_of_bounds"
-	case SlotBusy:
-		return "slot_busy"
-	case ShuttingDown:
-		return "shutting_down"
-	case Internal:
-		return "internal"
+	if name, ok := codeNames[c]; ok {
+		return name
 	}
 	return fmt.Sprintf("code_%d", uint32(c))
+}
+
+// Label is c as a metric labels it: its name, or "other" for a code this
+// release does not know, so that a receiver cannot make new series.
+func (c Code) Label() string {
+	if name, ok := codeNames[c]; ok {
+		return name
+	}
+	return "other"
 }
 
 // Refusal is a write the receiver would not take, with its reason.

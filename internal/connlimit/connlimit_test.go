@@ -65,26 +65,72 @@ func TestEvictionOrder(t *testing.T) {
 	}
 }
 
-// TestPerSourceCap: a source at its cap is refused, not let displace its
-// own or anyone else's; the daemon's own members ("") are not capped.
+// TestPerSourceCap: a source at its cap makes room among its own
+// unproven members not in use, the least recently used first, and is
+// refused when none is left; it never displaces what proved itself
+// there, nor anyone elsewhere. The daemon's own members ("") are not
+// capped.
 func TestPerSourceCap(t *testing.T) {
-	tb := NewTable[string](Limits{Total: 10, PerSource: 2})
-	a1, _ := admit(t, tb, "10.0.0.9", "a1")
-	admit(t, tb, "10.0.0.9", "a2")
-	_, _, err := tb.Admit("10.0.0.9", "a3")
+	tb := NewTable[string](Limits{Total: 10, PerSource: 3})
+	peer, _ := admit(t, tb, "10.0.0.9", "peer")
+	s1, _ := admit(t, tb, "10.0.0.9", "s1")
+	s2, _ := admit(t, tb, "10.0.0.9", "s2")
+	admit(t, tb, "10.0.0.8", "elsewhere")
+	peer.Prove()
+	s2.Greeted()
+	s1.Idle() // used after s2: both quiet, s2 the least recently used
+	for i, want := range []string{"s2", "s1", "s3"} {
+		if _, ev := admit(t, tb, "10.0.0.9", fmt.Sprint("s", i+3)); ev != want {
+			t.Fatalf("newcomer %d over its source's cap evicted %q, want %q", i, ev, want)
+		}
+	}
+	for _, m := range tb.Members() {
+		if m != peer {
+			m.Busy()
+		}
+	}
+	_, _, err := tb.Admit("10.0.0.9", "refused")
 	var r *Refusal
-	if !errors.As(err, &r) || r.Reason != ReasonPerSource || !strings.Contains(err.Error(), "already holds 2") {
-		t.Fatalf("a third from one source: %v, want a per-source refusal", err)
+	if !errors.As(err, &r) || r.Reason != ReasonPerSource || !strings.Contains(err.Error(), "already holds 3") {
+		t.Fatalf("a newcomer over a cap held by one proven member and two in use: %v, want a per-source refusal", err)
 	}
 	for i := range 5 {
 		admit(t, tb, "", fmt.Sprint("own-", i))
 	}
-	if !a1.Release() || a1.Release() {
+	if !peer.Release() || peer.Release() {
 		t.Fatal("Release reports a member twice")
 	}
-	admit(t, tb, "10.0.0.9", "a3")
-	if st := tb.Stats(); st.RefusedPerSource != 1 || st.Open != 7 {
-		t.Fatalf("stats %+v", st)
+	admit(t, tb, "10.0.0.9", "back")
+	if st := tb.Stats(); st.RefusedPerSource != 1 || st.Evicted != 3 || st.Open != 9 {
+		t.Fatalf("stats %+v, want 1 refused per source, 3 evicted, 9 open", st)
+	}
+}
+
+// TestQuietGoFirst: among unproven members, the quiet ones (a stranger's
+// connection that said hello, or had a request refused, and waits) are
+// evicted before one still in its handshake, though it is older (a
+// peer's connection not served yet); when no quiet member is left, the
+// least recently used goes.
+func TestQuietGoFirst(t *testing.T) {
+	tb := NewTable[string](Limits{Total: 3, PerSource: 3})
+	admit(t, tb, "10.0.0.1", "peer")
+	s1, _ := admit(t, tb, "10.0.0.1", "s1")
+	s1.Greeted()
+	s2, _ := admit(t, tb, "10.0.0.1", "s2")
+	s2.Busy() // a request, refused
+	s2.Idle()
+	for i, want := range []string{"s1", "s2", "peer", "n0"} {
+		if _, ev := admit(t, tb, "10.0.0.1", fmt.Sprint("n", i)); ev != want {
+			t.Fatalf("newcomer %d evicted %q, want %q", i, ev, want)
+		}
+	}
+	// At the total cap, from another source, alike.
+	tb = NewTable[string](Limits{Total: 2})
+	admit(t, tb, "10.0.0.1", "peer")
+	quiet, _ := admit(t, tb, "10.0.0.9", "quiet")
+	quiet.Greeted()
+	if _, ev := admit(t, tb, "10.0.0.5", "new"); ev != "quiet" {
+		t.Fatalf("at the total cap evicted %q, want the quiet one", ev)
 	}
 }
 
@@ -99,6 +145,7 @@ func TestReplace(t *testing.T) {
 	if err != nil || ev != nil || a.Release() {
 		t.Fatalf("replacing a from its source at both caps: evicted %v, %v; want a's place taken", ev, err)
 	}
+	a2.Prove()
 	if _, _, err := tb.Replace(own, "10.0.0.1", "b"); err == nil {
 		t.Fatal("a replacement past its source's cap was admitted")
 	}
@@ -258,37 +305,45 @@ func echo(t *testing.T, c net.Conn) {
 	c.SetDeadline(time.Time{})
 }
 
-// TestListenerCaps: a source over its cap is refused at once (closed,
-// counted, a WARN line), and at the total cap a newcomer from elsewhere
-// takes the place of a stranger's idle connection, never of one that
-// carried traffic; the port keeps serving.
+// TestListenerCaps: a source over its cap takes the place of its own
+// idle connection that carried no traffic, and is refused at once
+// (closed, counted, a WARN line) when its connections all did; at the
+// total cap a newcomer from elsewhere takes the place of a stranger's
+// idle connection, never of one that carried traffic; the port keeps
+// serving.
 func TestListenerCaps(t *testing.T) {
 	var warn, debug logs
-	l, seen := listenT(t, Config{Limits: Limits{Total: 3, PerSource: 2}, Name: "test port", Warnf: warn.logf, Debugf: debug.logf})
+	l, seen := listenT(t, Config{Limits: Limits{Total: 4, PerSource: 2}, Name: "test port", Warnf: warn.logf, Debugf: debug.logf})
 	addr := l.Addr().String()
 	legit := dialFrom(t, "127.0.0.1", addr)
 	<-seen
 	echo(t, legit)
 	s1 := dialFrom(t, "127.0.0.2", addr)
-	dialFrom(t, "127.0.0.2", addr)
+	s2 := dialFrom(t, "127.0.0.2", addr)
 	<-seen
 	<-seen
-	over := dialFrom(t, "127.0.0.2", addr)
-	closedByServer(t, over, "the third connection from one source")
-	if !warn.has("test port: refused a connection from 127.0.0.2:") || !warn.has("already holds 2") {
-		t.Fatalf("no WARN line for the refusal: %q", warn.all())
-	}
-	fresh := dialFrom(t, "127.0.0.3", addr)
+	s3 := dialFrom(t, "127.0.0.2", addr)
 	<-seen
-	closedByServer(t, s1, "the stranger's oldest idle connection")
-	echo(t, fresh)
-	echo(t, legit)
+	closedByServer(t, s1, "the oldest of three idle connections from one source")
 	if !debug.has("closed an idle connection from 127.0.0.2:") {
 		t.Fatalf("no debug line for the eviction: %q", debug.all())
 	}
-	st := l.Stats()
-	if st.Open != 3 || st.RefusedPerSource != 1 || st.Evicted != 1 {
-		t.Fatalf("stats %+v, want 3 open, 1 refused per source, 1 evicted", st)
+	echo(t, s2)
+	echo(t, s3)
+	over := dialFrom(t, "127.0.0.2", addr)
+	closedByServer(t, over, "a third connection from a source whose two carried traffic")
+	if !warn.has("test port: refused a connection from 127.0.0.2:") || !warn.has("already holds 2") {
+		t.Fatalf("no WARN line for the refusal: %q", warn.all())
+	}
+	idle := dialFrom(t, "127.0.0.4", addr)
+	<-seen
+	fresh := dialFrom(t, "127.0.0.3", addr)
+	<-seen
+	closedByServer(t, idle, "at the total cap, the stranger's idle connection")
+	echo(t, fresh)
+	echo(t, legit)
+	if st := l.Stats(); st.Open != 4 || st.RefusedPerSource != 1 || st.Evicted != 2 || st.RefusedTotal != 0 {
+		t.Fatalf("stats %+v, want 4 open, 1 refused per source, 2 evicted", st)
 	}
 }
 

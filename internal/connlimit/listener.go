@@ -148,8 +148,8 @@ func (l *Listener) accept() {
 		l.mu.Unlock()
 		if evicted != nil {
 			if l.cfg.Debugf != nil {
-				l.cfg.Debugf("%s: closed an idle connection from %s to make room for one from %s (%d connections, the most kept)",
-					l.cfg.Name, evicted.Value.RemoteAddr(), tc.RemoteAddr(), l.cfg.Total)
+				l.cfg.Debugf("%s: closed an idle connection from %s to make room for one from %s (the most kept: %d in all, %d from one address)",
+					l.cfg.Name, evicted.Value.RemoteAddr(), tc.RemoteAddr(), l.cfg.Total, l.cfg.PerSource)
 			}
 			evicted.Value.drop()
 		}
@@ -184,6 +184,11 @@ func (c *Conn) Busy() bool { return c.m.Busy() }
 // Idle marks c between requests: it may be evicted, the least recently
 // used first.
 func (c *Conn) Idle() { c.m.Idle() }
+
+// Greeted marks c as having finished its handshake: until its first
+// request it is evicted before the unproven connections still in theirs,
+// which may be a peer's not served yet.
+func (c *Conn) Greeted() { c.m.Greeted() }
 
 // Prove marks c as having carried successful traffic (an authenticated
 // handshake, a write that landed): it is evicted after every connection

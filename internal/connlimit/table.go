@@ -7,11 +7,18 @@
 //
 // Which member goes (Table.Admit): first those that have carried no
 // successful traffic yet (a connection that only said hello, an endpoint
-// nobody wrote through), then those from the source that holds the most,
-// then the least recently used. A source at its own cap is refused rather
-// than let it displace anyone. So a stranger flooding the port pushes out
-// its own and other strangers' members before any peer that has done
-// real work, and one address cannot take more than its share.
+// nobody wrote through), of those first the quiet ones, that finished
+// their handshake or a request and wait for nothing (a peer's connection
+// goes on to a write at once; one still in its handshake may be a peer's
+// not served yet), then those from the source that holds the most, then
+// the least recently used. A source at its own cap displaces only
+// its own unproven members, the least recently used first, and is
+// refused when all of them are proven or in use. So a stranger flooding
+// the port pushes out its own and other strangers' members before any
+// peer that has done real work, one address cannot take more than its
+// share, and a stranger sharing a peer's address (the same host, one
+// NAT) cannot lock the peer out: the peer's proven members stay, and its
+// newcomers take the stranger's places.
 package connlimit
 
 import (
@@ -41,7 +48,7 @@ func (l Limits) Or(d Limits) Limits {
 // Reasons a member is refused or closed early, as metrics label them.
 const (
 	ReasonTotal     = "total"      // refused: the table is full of members in use
-	ReasonPerSource = "per_source" // refused: its source is at its cap
+	ReasonPerSource = "per_source" // refused: its source is at its cap, its members proven or in use
 	ReasonEvicted   = "evicted"    // closed to make room for a newcomer
 	ReasonIdle      = "idle"       // closed by its port's idle timeout
 	ReasonTimeout   = "handshake"  // closed: it did not say who it is in time
@@ -55,7 +62,7 @@ type Refusal struct {
 
 func (r *Refusal) Error() string {
 	if r.Reason == ReasonPerSource {
-		return fmt.Sprintf("its address already holds %d, the most one address may", r.Limit)
+		return fmt.Sprintf("its address already holds %d, the most one address may, each proven or in use", r.Limit)
 	}
 	return fmt.Sprintf("all %d places are in use", r.Limit)
 }
@@ -95,6 +102,7 @@ type Member[V any] struct {
 	t      *Table[V]
 	source string
 	proven bool   // has carried successful traffic
+	quiet  bool   // finished its handshake or a request, and waits for nothing
 	busy   bool   // in use: never evicted
 	used   uint64 // the table's tick when last used
 	gone   bool   // released or evicted
@@ -132,15 +140,19 @@ func (t *Table[V]) Replace(old *Member[V], source string, v V) (m *Member[V], ev
 			}
 		}()
 	}
-	if source != "" && t.lim.PerSource > 0 && t.per[source] >= t.lim.PerSource {
-		t.stats.RefusedPerSource++
-		return nil, nil, &Refusal{Reason: ReasonPerSource, Limit: t.lim.PerSource}
-	}
-	if t.lim.Total > 0 && len(t.all) >= t.lim.Total {
-		if evicted = t.victim(); evicted == nil {
+	switch {
+	case source != "" && t.lim.PerSource > 0 && t.per[source] >= t.lim.PerSource:
+		if evicted = t.victim(source); evicted == nil {
+			t.stats.RefusedPerSource++
+			return nil, nil, &Refusal{Reason: ReasonPerSource, Limit: t.lim.PerSource}
+		}
+	case t.lim.Total > 0 && len(t.all) >= t.lim.Total:
+		if evicted = t.victim(""); evicted == nil {
 			t.stats.RefusedTotal++
 			return nil, nil, &Refusal{Reason: ReasonTotal, Limit: t.lim.Total}
 		}
+	}
+	if evicted != nil {
 		t.remove(evicted)
 		t.stats.Evicted++
 	}
@@ -158,19 +170,25 @@ func (t *Table[V]) add(m *Member[V]) {
 }
 
 // victim is the member to evict: not in use; unproven before proven;
-// then from the source holding the most; then the least recently used.
-// t.mu is held.
-func (t *Table[V]) victim() *Member[V] {
+// then quiet before the rest; then from the source holding the most;
+// then the least recently used. With a source, only that source's
+// unproven members are weighed: a newcomer over its address's cap never
+// displaces what proved itself there, nor anyone elsewhere. t.mu is
+// held.
+func (t *Table[V]) victim(source string) *Member[V] {
 	var v *Member[V]
 	for m := range t.all {
-		if m.busy {
+		if m.busy || source != "" && (m.source != source || m.proven) {
 			continue
 		}
-		if v == nil || m.proven != v.proven && !m.proven {
+		if v == nil {
 			v = m
 			continue
 		}
-		if m.proven != v.proven {
+		if a, b := m.rank(), v.rank(); a != b {
+			if a < b {
+				v = m
+			}
 			continue
 		}
 		if a, b := t.per[m.source], t.per[v.source]; a != b {
@@ -184,6 +202,18 @@ func (t *Table[V]) victim() *Member[V] {
 		}
 	}
 	return v
+}
+
+// rank orders members for eviction, the lowest first: quiet, unproven
+// (0); unproven (1); proven (2).
+func (m *Member[V]) rank() int {
+	switch {
+	case m.proven:
+		return 2
+	case m.quiet:
+		return 0
+	}
+	return 1
 }
 
 // remove takes m out of the table. t.mu is held.
@@ -239,17 +269,27 @@ func (m *Member[V]) Busy() bool {
 		return false
 	}
 	t.tick++
-	m.busy, m.used = true, t.tick
+	m.busy, m.quiet, m.used = true, false, t.tick
 	return true
 }
 
-// Idle marks m no longer in use, and used now.
+// Greeted marks m as having finished its handshake: quiet until its
+// first request (Busy), it is evicted before the unproven members still
+// in theirs.
+func (m *Member[V]) Greeted() {
+	t := m.t
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	m.quiet = true
+}
+
+// Idle marks m no longer in use, and used now: quiet.
 func (m *Member[V]) Idle() {
 	t := m.t
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.tick++
-	m.busy, m.used = false, t.tick
+	m.busy, m.quiet, m.used = false, true, t.tick
 }
 
 // Prove marks m as having carried successful traffic, and used now.

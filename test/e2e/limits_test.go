@@ -129,8 +129,9 @@ func TestPeerPortLimitsIdleConnections(t *testing.T) {
 }
 
 // TestPeerPortLimitsPerAddress: one address gets at most its share of
-// the peer port; the rest of its connections are closed at once and
-// counted, with a (rate-limited) WARN line.
+// the peer port: past it, each of its newcomers takes the place of its
+// own oldest connection that carried nothing (closed and counted, a
+// debug line), never another address's.
 func TestPeerPortLimitsPerAddress(t *testing.T) {
 	rcv := startDaemon(t, t.TempDir(), "rcv")
 	for range peerPortPerSource + 5 {
@@ -139,9 +140,61 @@ func TestPeerPortLimitsPerAddress(t *testing.T) {
 		c.Write(peerHello())
 		io.ReadFull(c, make([]byte, 28))
 	}
-	rcv.log.wait(t, 5*time.Second, "the refusal's WARN line", logSays("warn", "peer port: refused a connection from 127.0.0.2", "the most one address may"))
-	if n := rcv.metric(t, `ferry_port_refused_connections_total{port="peer",reason="per_source"}`); n != 5 {
-		t.Fatalf("ferry_port_refused_connections_total{per_source} = %v, want 5", n)
+	rcv.log.wait(t, 5*time.Second, "the eviction's debug line", logSays("debug", "peer port: closed an idle connection from 127.0.0.2", "to make room for one from 127.0.0.2"))
+	if n := rcv.metric(t, `ferry_port_closed_connections_total{port="peer",reason="evicted"}`); n != 5 {
+		t.Fatalf("ferry_port_closed_connections_total{evicted} = %v, want 5", n)
+	}
+	if n := rcv.metric(t, `ferry_port_connections{port="peer"}`); n != peerPortPerSource {
+		t.Fatalf("ferry_port_connections{port=\"peer\"} = %v, want %d", n, peerPortPerSource)
+	}
+}
+
+// TestPeerPortStrangerOnPeerAddress: a stranger on the peer's own
+// address (127.0.0.1: the same host; behind one NAT alike) fills that
+// address's quota with connections that only said hello, again before
+// each send; the peer's sends all land, with or without a peer secret
+// (with one, the stranger claims it and stalls where its proof is due).
+func TestPeerPortStrangerOnPeerAddress(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		secret bool
+	}{{"NoSecret", false}, {"Secret", true}} {
+		t.Run(c.name, func(t *testing.T) {
+			const sends = 5
+			dir := t.TempDir()
+			var extra []string
+			hello := peerHello()
+			if c.secret {
+				extra = []string{"--peer-secret-file", secretFile(t, dir, "peer.secret", "cluster-secret-0123456789abcdef")}
+				binary.LittleEndian.PutUint32(hello[20:], 1) // flagAuth
+			}
+			snd, rcv := startDaemon(t, dir, "snd", extra...), startDaemon(t, dir, "rcv", extra...)
+			flood := func() {
+				for range peerPortPerSource {
+					s := transporttest.DialFrom(t, "127.0.0.1", rcv.listen)
+					s.Write(hello)
+					if _, err := io.ReadFull(s, make([]byte, 28)); err != nil {
+						t.Fatalf("a stranger's hello from the peer's address: %v", err)
+					}
+				}
+			}
+			ok := 0
+			for i := range sends {
+				flood()
+				id := fmt.Sprintf("shared-addr-%d", i)
+				data := stageOn(t, snd, id, 64<<10, uint64(80+i))
+				if _, err := snd.c.Send(ctxT(t), id, slotFor(t, rcv, id, int64(len(data)))); err != nil {
+					t.Errorf("send %d of %d with its address's quota full of strangers: %v", i+1, sends, err)
+					continue
+				}
+				received(t, rcv, id, data)
+				ok++
+			}
+			t.Logf("peer_ok=%d/%d", ok, sends)
+			if n := rcv.metric(t, `ferry_port_refused_connections_total{port="peer",reason="per_source"}`); n != 0 {
+				t.Fatalf("ferry_port_refused_connections_total{per_source} = %v, want 0: the strangers' places were the peer's to take", n)
+			}
+		})
 	}
 }
 

@@ -1,6 +1,7 @@
 package tcp
 
 import (
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -195,24 +196,82 @@ func TestHandshakeWarningsAreRateLimited(t *testing.T) {
 
 // TestFullPortStillServesPeers: strangers that fill the peer port with
 // connections that only said hello lose their places to a peer's new
-// connection, and one address cannot take more than its share.
+// connection, and one address that goes on takes its own places only.
 func TestFullPortStillServesPeers(t *testing.T) {
-	warn := newLineWaiter()
+	debug := newLineWaiter()
 	slots := transporttest.NewSlots(1 << 16)
-	rx := listen(t, peer.Config{Sink: slots, Limits: connlimit.Limits{Total: 4, PerSource: 2}, Logf: warn.logf})
-	for _, src := range []string{"127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"} {
-		helloFrom(t, src, rx)
+	rx := listen(t, peer.Config{Sink: slots, Limits: connlimit.Limits{Total: 4, PerSource: 2}, Debugf: debug.logf})
+	var first net.Conn
+	for i, src := range []string{"127.0.0.2", "127.0.0.2", "127.0.0.3", "127.0.0.3"} {
+		if c := helloFrom(t, src, rx); i == 0 {
+			first = c
+		}
 	}
-	over := transporttest.DialFrom(t, "127.0.0.2", rx.Addr().String())
-	over.SetReadDeadline(time.Now().Add(10 * time.Second))
-	if n, err := over.Read(make([]byte, 1)); n != 0 || err == nil {
-		t.Fatalf("a third connection from one address: read %d, %v; want it closed at once", n, err)
+	helloFrom(t, "127.0.0.2", rx)
+	debug.wait(t, "peer port: closed an idle connection from 127.0.0.2")
+	first.SetReadDeadline(time.Now().Add(10 * time.Second))
+	if n, err := first.Read(make([]byte, 1)); n != 0 || err == nil {
+		t.Fatalf("a third connection from one address: its oldest read %d, %v; want it closed", n, err)
 	}
-	warn.wait(t, "peer port: refused a connection from 127.0.0.2")
 	stillServes(t, rx, slots)
 	st := rx.PortStats()
-	if st.Evicted != 1 || st.RefusedPerSource != 1 || st.Open > 4 {
-		t.Fatalf("port stats %+v: want one stranger evicted for the peer, one refused", st)
+	if st.Evicted != 2 || st.RefusedPerSource != 0 || st.Open > 4 {
+		t.Fatalf("port stats %+v: want one stranger evicted for its own newcomer and one for the peer, none refused", st)
+	}
+}
+
+// TestStrangerSharingAddressLeavesPeerIn: a stranger on the peer's own
+// address (the same host, one NAT) fills that address's quota with
+// connections that only said hello, and fills it again before every
+// send; the peer's sends all land, with or without a peer secret. Its
+// newcomers take the stranger's places, and what proved itself (a write
+// that landed; with a secret, the handshake) is not displaced by the
+// stranger's next connections.
+func TestStrangerSharingAddressLeavesPeerIn(t *testing.T) {
+	for _, c := range []struct {
+		name   string
+		secret []byte
+	}{{"NoSecret", nil}, {"Secret", secretA}} {
+		t.Run(c.name, func(t *testing.T) {
+			const sends = 5
+			slots := transporttest.NewSlots(1 << 16)
+			rx := listen(t, peer.Config{Sink: slots, Secret: c.secret})
+			tx := listen(t, peer.Config{Sink: transporttest.NewSlots(0), Secret: c.secret})
+			hello := helloBytes(version)
+			if c.secret != nil {
+				// A stranger without the secret claims one and stalls
+				// where its proof is due.
+				binary.LittleEndian.PutUint32(hello[20:], flagAuth)
+			}
+			flood := func() {
+				for range peer.DefaultLimits.PerSource {
+					s := transporttest.DialFrom(t, "127.0.0.1", rx.Addr().String())
+					s.Write(hello)
+					if _, err := io.ReadFull(s, make([]byte, welcomeSize)); err != nil {
+						t.Fatalf("a stranger's hello on the peer's address: %v", err)
+					}
+				}
+			}
+			flood()
+			ctx := ctxFor(t, 10*time.Second)
+			s, err := tx.Dial(ctx, rx.Addr().String())
+			if err != nil {
+				t.Fatalf("the peer's dial with its address's quota full of strangers: %v", err)
+			}
+			defer s.Close()
+			for i := range sends {
+				addr := uint64(i * 4096)
+				w := transport.Write{Src: []byte(fmt.Sprintf("send %d", i)), Remote: addr, Key: slots.Add(addr, 6), Tag: uint32(i)}
+				if _, err := s.Write(ctx, w); err != nil {
+					t.Fatalf("send %d of %d with its address's quota full of strangers: %v", i+1, sends, err)
+				}
+				flood()
+			}
+			st := rx.PortStats()
+			if st.RefusedPerSource != 0 || st.Open != peer.DefaultLimits.PerSource {
+				t.Fatalf("port stats %+v: want no refusal, the address's %d places held", st, peer.DefaultLimits.PerSource)
+			}
+		})
 	}
 }
 

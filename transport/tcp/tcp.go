@@ -116,6 +116,7 @@ func (t *Transport) quiet(c *connlimit.Conn) bool { return c.Dropped() || t.isCl
 // ServeData serves the writes of a data connection the port accepted,
 // until it ends.
 func (t *Transport) ServeData(c *connlimit.Conn, _ uint64) {
+	c.Greeted() // the handshake is done; a peer's first header follows at once
 	r := receiver{t: t, c: c, gate: t.port.Gate("connection")}
 	if err := r.run(); err != nil && !t.quiet(c) {
 		t.port.Warnf("tcp: connection from %s: %v", c.RemoteAddr(), err)
