@@ -55,12 +55,13 @@ ibv_devinfo -d rxe0 | grep -E 'state|active_mtu|link_layer'
 # its device capability flags for them, and how many it allows.
 ibv_devinfo -v -d rxe0 | grep -E 'MEM_WINDOW|max_mw' | tr -s ' \t' ' ' | sed 's/^/== rxe0 memory windows:/'
 
-# Host files on this kernel's tmpfs (its fallocate stops at a signal)
-# and hugetlbfs (a few 2 MiB pages).
+# Host files on this kernel's tmpfs (its fallocate stops at a signal),
+# and the sealed memfd arena, on hugetlbfs pages too
+# (a few 2 MiB pages).
 mkdir -p /dev/hugepages
 echo 8 >/proc/sys/vm/nr_hugepages
 mount -t hugetlbfs none /dev/hugepages || { echo "== FAIL mount hugetlbfs"; FAIL=1; }
-check "arena host-file tests" 120 /opt/arena.test -test.v -test.count=${COUNT:-1} -test.run 'HostFile'
+check "arena host-file and sealed-memory tests" 120 /opt/arena.test -test.v -test.count=${COUNT:-1} -test.run 'HostFile|Sealed'
 export FERRY_RDMA_REQUIRED=1
 check "rdma package tests" 600 /opt/rdma.test -test.v -test.count=${COUNT:-1} -test.timeout=590s -test.run "$RUN"
 cd /opt && FERRY_BIN=/opt/bin FERRY_FAKECUDA=/opt/fakecuda check "e2e tests over rdma" 900 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=890s -test.run "${E2E:-RDMA}"
