@@ -36,6 +36,8 @@ type CPU struct {
 	WithNIC    float64 `json:"with_nic_us_per_send"` // the process's CPU, both
 	Control    float64 `json:"control_per_send"`     // the sender's control messages (headers sent, grants read)
 	Posts      float64 `json:"posts_per_send"`       // ibv_post_send calls
+	Credits    float64 `json:"credit_per_send"`      // receive credits read (flow control)
+	Stalls     uint64  `json:"credit_stalls"`        // sends that waited for a credit
 }
 
 // SendCPUConfig is an rdma-cpu run: each mode at each concurrency.
@@ -73,7 +75,7 @@ func SendCPU(ctx context.Context, cfg SendCPUConfig) ([]Row, error) {
 				return rows, fmt.Errorf("rdma-cpu %s %s x%d: %w", m, size.Format(cfg.Size), c, err)
 			}
 			row := Row{Op: OpSendCPU, Size: cfg.Size, Concurrency: c, Lanes: cfg.Lanes,
-				CPU: &CPU{Mode: r.Mode, NIC: cfg.NIC, PerSend: r.CPU, NICLeftOut: r.NIC, WithNIC: r.CPU + r.NIC, Control: r.Control, Posts: r.Posts}}
+				CPU: &CPU{Mode: r.Mode, NIC: cfg.NIC, PerSend: r.CPU, NICLeftOut: r.NIC, WithNIC: r.CPU + r.NIC, Control: r.Control, Posts: r.Posts, Credits: r.Credits, Stalls: r.Stalls}}
 			row.Iterations, row.Seconds = r.Sends, r.Wall.Seconds()
 			row.OpsPerSec = float64(r.Sends) / r.Wall.Seconds()
 			rows = append(rows, row)
@@ -88,7 +90,7 @@ func WriteCPU(w io.Writer, rows []Row) {
 		if r.CPU == nil {
 			continue
 		}
-		fmt.Fprintf(w, "rdma-cpu mode=%s nic=%s size=%s in_flight=%d lanes=%d sends=%d cpu_us_per_send=%.2f nic_us_left_out=%.2f with_nic_us_per_send=%.2f control_per_send=%.2f posts_per_send=%.2f\n",
-			r.CPU.Mode, r.CPU.NIC, size.Format(r.Size), r.Concurrency, r.Lanes, r.Iterations, r.CPU.PerSend, r.CPU.NICLeftOut, r.CPU.WithNIC, r.CPU.Control, r.CPU.Posts)
+		fmt.Fprintf(w, "rdma-cpu mode=%s nic=%s size=%s in_flight=%d lanes=%d sends=%d cpu_us_per_send=%.2f nic_us_left_out=%.2f with_nic_us_per_send=%.2f control_per_send=%.2f posts_per_send=%.2f credit_per_send=%.3f credit_stalls=%d\n",
+			r.CPU.Mode, r.CPU.NIC, size.Format(r.Size), r.Concurrency, r.Lanes, r.Iterations, r.CPU.PerSend, r.CPU.NICLeftOut, r.CPU.WithNIC, r.CPU.Control, r.CPU.Posts, r.CPU.Credits, r.CPU.Stalls)
 	}
 }

@@ -334,7 +334,7 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		{"ferry_rdma_direct_refused_total", "Of them, those that counted for nothing (no live slot with that tag, a slot already full, a length not the slot's); each also logged, rate-limited.", func(s rdma.Stats) uint64 { return s.DirectRefused }},
 		{"ferry_rdma_window_binds_total", "Memory windows bound over receive slots (windows mode).", func(s rdma.Stats) uint64 { return s.WindowBinds }},
 		{"ferry_rdma_window_invalidations_total", "Memory windows invalidated as their slots were freed (windows mode).", func(s rdma.Stats) uint64 { return s.WindowInvalidations }},
-		{"ferry_rdma_credit_messages_total", "Receive credits returned on RDMA lanes (one per 16 writes a receiver took), sent as receiver or read as sender.", func(s rdma.Stats) uint64 { return s.CreditMessages }},
+		{"ferry_rdma_credit_messages_total", "Receive credits returned on RDMA lanes (one per 32 writes a receiver took), sent as receiver or read as sender.", func(s rdma.Stats) uint64 { return s.CreditMessages }},
 		{"ferry_rdma_credit_stalls_total", "RDMA writes that found their lane out of receive credits and waited for the receiving daemon to take the writes before (it was descheduled, stopped or busy).", func(s rdma.Stats) uint64 { return s.CreditStalls }},
 	} {
 		out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: c.name, Help: c.help},

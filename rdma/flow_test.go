@@ -26,7 +26,8 @@ func TestSlowReceiverStallsSenders(t *testing.T) {
 	if onDevice(t) {
 		t.Skip("holds the fake NIC's polls; on a device, test/e2e TestStoppedReceiver stops a real ferryd")
 	}
-	const writes, inFlight, size = 3 * recvPosted, 16, 64 << 10
+	const inFlight, size = 16, 64 << 10
+	const writes = recvPosted + 4*inFlight // past the receives posted: senders must stall
 	for _, c := range []struct {
 		name    string
 		secret  []byte

@@ -76,7 +76,11 @@ type CPUResult struct {
 	// The sender's control messages (headers sent, grants read) and
 	// posts (ibv_post_send calls) per send.
 	Control, Posts float64
-	Wall           time.Duration
+	// Credit messages read per send (flow control, wire.go), and the
+	// sends that waited for a credit, in all.
+	Credits float64
+	Stalls  uint64
+	Wall    time.Duration
 }
 
 // SendCPU runs c over the simulated NIC. ctx bounds the run.
@@ -192,6 +196,7 @@ func (p *sendPair) measure(ctx context.Context, c CPUConfig) (CPUResult, error) 
 	return CPUResult{
 		Mode: p.rx.Mode(), Sends: c.Sends, CPU: cpu - nic, NIC: nic,
 		Control: per(after.ControlMessages, before.ControlMessages), Posts: per(after.Posts, before.Posts),
+		Credits: per(after.CreditMessages, before.CreditMessages), Stalls: after.CreditStalls - before.CreditStalls,
 		Wall: wall,
 	}, nil
 }

@@ -80,8 +80,8 @@ const (
 	flyingMax    = 7
 	flyingChunks = signalEvery
 	recvDepth    = 16
-	recvPosted   = 64
-	recvBatch    = 16
+	recvPosted   = 256
+	recvBatch    = 32
 	// directMax is the largest direct write: one work request, within
 	// every RDMA NIC's max_msg_sz (mlx5 1 GiB, soft-RoCE 2 GiB). A
 	// longer write asks for a grant and goes in chunks.

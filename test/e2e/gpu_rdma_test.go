@@ -109,12 +109,12 @@ func TestGPUArenaOverRDMA(t *testing.T) {
 			line := fmt.Sprintf("control_msgs_per_send=%.2f posts_per_send=%.2f signaled_per_send=%.2f reg_mr_per_send=%.2f cpu_copy_bytes_per_send=%.0f",
 				per("ferry_rdma_control_messages_total"), per("ferry_rdma_posts_total"), per("ferry_rdma_signaled_total"),
 				per(`ferry_registrations_total{mode="per-send"}`), per("ferry_rdma_copied_bytes_total"))
-			// Credits come back asynchronously (one per 16 writes a lane
+			// Credits come back asynchronously (one per 32 writes a lane
 			// carried): printed, bounded, not matched.
 			credits, stalls := per("ferry_rdma_credit_messages_total"), delta(sa, sb, "ferry_rdma_credit_stalls_total")
 			fmt.Printf("== DATAPLANE arena=gpu registration=%s mode=%s %s credit_msgs_per_send=%.2f credit_stalls=%.0f\n", c.path, c.mode, line, credits, stalls)
-			if line != c.line || credits > 1.0/16 || stalls != 0 {
-				t.Errorf("DATAPLANE %s credit_msgs_per_send=%.2f credit_stalls=%.0f\nwant      %s credit_msgs_per_send=(at most 0.06) credit_stalls=0", line, credits, stalls, c.line)
+			if line != c.line || credits > 1.0/32 || stalls != 0 {
+				t.Errorf("DATAPLANE %s credit_msgs_per_send=%.2f credit_stalls=%.0f\nwant      %s credit_msgs_per_send=(at most 0.03) credit_stalls=0", line, credits, stalls, c.line)
 			}
 			// What the GPU copied besides: nothing where the NIC reaches
 			// the arena; each send out of it and each receive into it

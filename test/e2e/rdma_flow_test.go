@@ -118,10 +118,12 @@ func TestRDMAStoppedReceiver(t *testing.T) {
 	requireRDMA(t)
 	args := []string{"--transport", "rdma", "--max-conns", "1", "--arena-size", "128MiB"}
 	snd, rcv := pair(t, args...)
-	const perStop = 120
-	for i, stop := range []time.Duration{50 * time.Millisecond, 500 * time.Millisecond, 5 * time.Second} {
-		ctx := flowCtx(t)
-		fs := make([]flowSend, perStop)
+	for i, c := range []struct {
+		stop  time.Duration
+		sends int // the 5 s stop: more than the lane's 256 receives
+	}{{50 * time.Millisecond, 120}, {500 * time.Millisecond, 120}, {5 * time.Second, 400}} {
+		stop, ctx := c.stop, flowCtx(t)
+		fs := make([]flowSend, c.sends)
 		for j := range fs {
 			var err error
 			if fs[j], err = stageFlow(ctx, snd, rcv, fmt.Sprintf("stop%d-%d", i, j), uint64(1000*i+j), true); err != nil {
