@@ -88,6 +88,16 @@ type column struct {
 
 func num(v float64, prec int) string { return strconv.FormatFloat(v, 'f', prec, 64) }
 
+// gbps is a GB/s figure: three decimals, or three significant digits
+// below 0.01, so a slow point (tiny sends on a busy host) reads as what
+// it was, not 0.000.
+func gbps(v float64) string {
+	if v != 0 && v < 0.01 {
+		return strconv.FormatFloat(v, 'g', 3, 64)
+	}
+	return num(v, 3)
+}
+
 var (
 	colOp   = column{"op", "op", func(r Row) string { return r.Op }}
 	colSize = column{"size", "size_bytes", func(r Row) string {
@@ -100,7 +110,7 @@ var (
 	colBatch  = column{"batch", "batch", func(r Row) string { return strconv.Itoa(r.Batch) }}
 	colItems  = column{"items/s", "items_per_s", func(r Row) string { return num(r.OpsPerSec, 0) }}
 	colIters  = column{"iters", "iterations", func(r Row) string { return strconv.Itoa(r.Iterations) }}
-	colGBps   = column{"GB/s", "gb_per_s", func(r Row) string { return num(r.GBps, 3) }}
+	colGBps   = column{"GB/s", "gb_per_s", func(r Row) string { return gbps(r.GBps) }}
 	colGbit   = column{"Gbit/s", "gbit_per_s", func(r Row) string { return num(r.Gbitps, 2) }}
 	colRate   = column{"req/s", "ops_per_s", func(r Row) string { return num(r.OpsPerSec, 0) }}
 	colP50    = column{"p50µs", "p50_us", func(r Row) string { return num(r.Latency.P50, 1) }}
@@ -119,7 +129,7 @@ var (
 		if r.Stage == nil {
 			return "-"
 		}
-		return num(r.Stage.GBps, 3)
+		return gbps(r.Stage.GBps)
 	}}
 )
 
