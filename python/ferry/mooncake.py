@@ -3,11 +3,17 @@
 sglang's encoder and vLLM's Mooncake connector call a handful of the
 engine's methods; this class has them, with Mooncake's return
 conventions (0 on success, a negative int on failure), so that moving a
-sender to ferry is one import (a receiving engine's registered buffers
-take no peer's writes: receivers hand out ferry receive slots instead;
-docs/python.md says how)::
+sender to ferry is one import::
 
     from ferry.mooncake import TransferEngine      # was: from mooncake.engine import TransferEngine
+
+Senders only, and it says so: peers cannot write into memory this class
+registers (ferryd's Mooncake segment takes writes only into receive
+slots made with ``mooncake=True``), so ``register_memory`` returns -1
+with the reason unless the engine was told it only sends from that
+memory: ``TransferEngine(send_only=True)``, or ``FERRY_MOONCAKE_SEND_ONLY=1``
+in the environment of a framework that makes the engine itself. A
+receiving side hands out receive slots instead (docs/python.md).
 
 Transfers go through the local ferryd (the socket from ``FERRY_SOCKET``,
 else /run/ferry/ferryd.sock), which writes them into the peer's segment
@@ -98,8 +104,14 @@ class Failure:
 class TransferEngine:
     """The Mooncake TransferEngine methods sglang and vLLM call, on ferry."""
 
-    def __init__(self, raise_on_failure=False, socket_path=None):
+    def __init__(self, raise_on_failure=False, socket_path=None, send_only=None):
         self.raise_on_failure = raise_on_failure
+        # Registered memory is a source only, which the caller says it
+        # knows: else register_memory refuses it, since no peer's write
+        # can land there (a receiver would read what was there before).
+        if send_only is None:
+            send_only = os.environ.get("FERRY_MOONCAKE_SEND_ONLY", "").lower() in ("1", "true", "yes")
+        self.send_only = send_only
         self.last_failure = None
         self._client = None
         self._socket_path = socket_path
@@ -138,12 +150,22 @@ class TransferEngine:
 
     def register_memory(self, ptr, length):
         """Registers [ptr, ptr+length) of this process's memory as a source
-        of transfers: host memory, or CUDA device memory (lent to ferryd as
-        a region by its IPC handle). Returns 0, or -1 for a range that
-        overlaps one registered before or device memory ferryd could not
-        take."""
+        of transfers, on an engine made with send_only: host memory, or
+        CUDA device memory (lent to ferryd as a region by its IPC handle).
+        Returns 0, or -1 for a range that overlaps one registered before
+        or device memory ferryd could not take. Without send_only it
+        returns -1 and registers nothing: Mooncake's registered memory is
+        also where peers write, and peers cannot write into this."""
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
+        if not self.send_only:
+            return self._fail("register_memory", "", length, BadRequest(
+                f"register_memory({ptr:#x}, {length}): peers cannot write into memory a ferry engine registers "
+                "(ferryd's Mooncake segment takes writes only into receive slots made with mooncake=True), so a "
+                "receiver publishing this address would read what was there before. A receiving side hands out "
+                "slots instead: ferry.Client.receive(req_id, nbytes, mooncake=True). An engine that only sends from "
+                "its registered memory says so: TransferEngine(send_only=True), or FERRY_MOONCAKE_SEND_ONLY=1 in its "
+                "environment (docs/python.md)", code="not_writable"))
         with self._lock:
             i = bisect.bisect_left(self._regions, (ptr, ptr + length))
             near = self._regions[max(i - 1, 0):i + 1]

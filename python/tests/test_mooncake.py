@@ -1,6 +1,7 @@
 """ferry.mooncake.TransferEngine replaying the calls sglang's encoder and
 vLLM's Mooncake connector make, into a ferry receive slot's Mooncake
-segment (the receiving ferryd runs --mooncake-listen)."""
+segment (the receiving ferryd runs --mooncake-listen), and the calls of
+their receiving sides, which ferry refuses at registration."""
 
 import ctypes
 import json
@@ -18,7 +19,7 @@ torch = pytest.importorskip("torch", reason="Debian's python3-torch (make test-p
 
 @pytest.fixture
 def engine(pair):
-    e = TransferEngine(socket_path=pair[0].socket)
+    e = TransferEngine(socket_path=pair[0].socket, send_only=True)
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     return e
 
@@ -168,7 +169,7 @@ def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
     # The staged copy of the failed write does not linger in ferryd.
     assert not [e for e in engine._need_client().embeddings() if e["req_id"].startswith("mooncake-")]
     # Opt-in: raise instead.
-    raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path)
+    raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path, send_only=True)
     assert raising.register_memory(ptr, 4096) == 0
     with pytest.raises(ferry.TransferFailed) as e:
         raising.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address + 8192, 4096)
@@ -190,7 +191,7 @@ def test_an_empty_batch_succeeds_at_once(engine, rx, req_id):
 def test_two_engines_name_their_staged_entries_apart(pair, rx, req_id):
     # Host pieces go through a staged entry per call; two engines in one
     # process must not give two calls' entries one name.
-    engines = [TransferEngine(socket_path=pair[0].socket) for _ in range(2)]
+    engines = [TransferEngine(socket_path=pair[0].socket, send_only=True) for _ in range(2)]
     src = (ctypes.c_char * 4096).from_buffer_copy(os.urandom(4096))
     for i, e in enumerate(engines):
         assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -229,3 +230,41 @@ def test_an_unreachable_ferryd_fails_initialize(tmp_path):
     engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
     assert engine.initialize("h", "P2PHANDSHAKE", "tcp", "") == -1
     assert engine.last_failure.ret == "unreachable"
+
+
+def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypatch, caplog):
+    # sglang's multimodal receiver: register_memory of a torch.empty
+    # landing buffer, its address published, then the encoder's
+    # transfer_sync_write into it. Peers cannot write into memory a ferry
+    # engine registers, so registration says so (-1, the reason logged
+    # and kept), never 0 followed by refused writes and a receiver
+    # reading an uninitialised buffer.
+    monkeypatch.delenv("FERRY_MOONCAKE_SEND_ONLY", raising=False)
+    receiver = TransferEngine(socket_path=pair[1].socket)
+    assert receiver.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    landing = torch.empty(16 << 10, dtype=torch.uint8)
+    landing.fill_(0xAB)  # what "uninitialised" holds here
+    with caplog.at_level(logging.WARNING, logger="ferry.mooncake"):
+        assert receiver.register_memory(landing.data_ptr(), landing.numel()) == -1
+    f = receiver.last_failure
+    assert (f.method, f.ret) == ("register_memory", "not_writable"), f
+    assert "mooncake=True" in f.message and "send_only=True" in f.message
+    assert "ret=not_writable" in caplog.text
+    # vLLM's decode worker and sglang's PD decode register their KV
+    # buffers in one batch: refused the same way (vLLM raises on it).
+    k, v = torch.empty(4096, dtype=torch.uint8), torch.empty(4096, dtype=torch.uint8)
+    assert receiver.batch_register_memory([k.data_ptr(), v.data_ptr()], [4096, 4096]) == -1
+    assert receiver.last_failure.ret == "not_writable"
+    # Nothing was registered: there is nothing to unregister.
+    assert receiver.unregister_memory(landing.data_ptr()) == -1
+    # The encoder's write (which sglang does not check) lands nowhere.
+    sender = TransferEngine(socket_path=pair[0].socket, send_only=True)
+    emb = torch.randint(0, 255, (16 << 10,), dtype=torch.uint8)
+    assert sender.register_memory(emb.data_ptr(), emb.numel()) == 0
+    session = f"127.0.0.1:{receiver.get_rpc_port()}"
+    assert sender.transfer_sync_write(session, emb.data_ptr(), landing.data_ptr(), emb.numel()) == -1
+    assert bytes(landing.numpy()) == b"\xab" * landing.numel()
+    assert sender.unregister_memory(emb.data_ptr()) == 0
+    # The environment says send-only for a framework that makes the engine.
+    monkeypatch.setenv("FERRY_MOONCAKE_SEND_ONLY", "1")
+    assert TransferEngine(socket_path=pair[0].socket).register_memory(emb.data_ptr(), emb.numel()) == 0
