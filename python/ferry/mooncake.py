@@ -1,19 +1,22 @@
 """A drop-in for Mooncake's Python ``TransferEngine``, backed by ferryd.
 
-sglang's encoder and vLLM's Mooncake connector call a handful of the
-engine's methods; this class has them, with Mooncake's return
-conventions (0 on success, a negative int on failure), so that moving a
-sender to ferry is one import::
+Every method of Mooncake's engine is here, with Mooncake's return
+conventions (0 on success, a negative int on failure; those ferry does
+not have raise NotImplementedError saying why), so that moving sglang's
+or vLLM's Mooncake path to ferry is one import::
 
     from ferry.mooncake import TransferEngine      # was: from mooncake.engine import TransferEngine
 
-Senders only, and it says so: peers cannot write into memory this class
-registers (ferryd's Mooncake segment takes writes only into receive
-slots made with ``mooncake=True``), so ``register_memory`` returns -1
-with the reason unless the engine was told it only sends from that
-memory: ``TransferEngine(send_only=True)``, or ``FERRY_MOONCAKE_SEND_ONLY=1``
-in the environment of a framework that makes the engine itself. A
-receiving side hands out receive slots instead (docs/python.md).
+Memory an engine registers is, as with Mooncake's, where peers write:
+host memory (torch's, numpy's) has its pages remapped in place onto a
+memfd lent to ferryd (ferry.remap), whose Mooncake segment lists them,
+so a peer's write at the caller's own addresses lands in the caller's
+tensor. Memory peers cannot write into (GPU memory, a file's mapping, a
+ferryd with no Mooncake segment) is refused: ``register_memory`` returns
+-1 with the reason, unless the engine was told it only sends from that
+memory: ``TransferEngine(send_only=True)``, or
+``FERRY_MOONCAKE_SEND_ONLY=1`` in the environment of a framework that
+makes the engine itself (docs/python.md).
 
 Transfers go through the local ferryd (the socket from ``FERRY_SOCKET``,
 else /run/ferry/ferryd.sock), which writes them into the peer's segment
@@ -49,6 +52,7 @@ import threading
 import time
 from dataclasses import dataclass
 
+from . import remap
 from .client import Client, Slot
 from .cuda import device_ordinal, ipc_handle
 from .errors import BadRequest, Busy, FerryError
@@ -130,6 +134,7 @@ class TransferEngine:
         self._regions = []     # sorted (start, end)
         self._in_flight = {}   # region start -> transfers reading it now
         self._gpu = {}         # start of a GPU range -> the ferryd region lent for it
+        self._pages = {}       # start of a host range peers write into -> the page ranges it holds (ferry.remap)
         # What initialize recorded: the host part of local_hostname, the
         # protocol, the NIC ferryd sends over ("" over tcp).
         self.local_hostname, self.protocol, self.device_name = "", "", ""
@@ -204,23 +209,21 @@ class TransferEngine:
     # --- memory
 
     def register_memory(self, ptr, length):
-        """Registers [ptr, ptr+length) of this process's memory as a source
-        of transfers, on an engine made with send_only: host memory, or
-        CUDA device memory (lent to ferryd as a region by its IPC handle).
-        Returns 0, or -1 for a range that overlaps one registered before
-        or device memory ferryd could not take. Without send_only it
-        returns -1 and registers nothing: Mooncake's registered memory is
-        also where peers write, and peers cannot write into this."""
+        """Registers [ptr, ptr+length) of this process's memory, as
+        Mooncake's engine does: a source of transfers and a target of
+        peers' writes at these very addresses. Host memory (anonymous:
+        torch's, numpy's, malloc's) has its pages remapped in place onto
+        a memfd lent to ferryd, whose Mooncake segment then lists them
+        (ferry.remap has the limits). CUDA memory is lent by its IPC
+        handle, as a source only: peers cannot write into it yet, so it
+        is refused (-1, not_writable) unless the engine was made
+        send_only. A send_only engine registers host memory as a source
+        only, with no remap. Returns 0, or -1 with the reason: a range
+        overlapping one registered before, memory that cannot be made a
+        write target (no Mooncake segment in ferryd, memory not
+        anonymous), or memory ferryd could not take."""
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
-        if not self.send_only:
-            return self._fail("register_memory", "", length, BadRequest(
-                f"register_memory({ptr:#x}, {length}): peers cannot write into memory a ferry engine registers "
-                "(ferryd's Mooncake segment takes writes only into receive slots made with mooncake=True), so a "
-                "receiver publishing this address would read what was there before. A receiving side hands out "
-                "slots instead: ferry.Client.receive(req_id, nbytes, mooncake=True). An engine that only sends from "
-                "its registered memory says so: TransferEngine(send_only=True), or FERRY_MOONCAKE_SEND_ONLY=1 in its "
-                "environment (docs/python.md)", code="not_writable"))
         with self._lock:
             i = bisect.bisect_left(self._regions, (ptr, ptr + length))
             near = self._regions[max(i - 1, 0):i + 1]
@@ -228,21 +231,48 @@ class TransferEngine:
                 return self._refuse("register_memory", length,
                                     f"register_memory({ptr:#x}, {length}): overlaps a registered range: unregister it first")
             ordinal = device_ordinal(ptr)
-            if ordinal is not None:
-                # GPU memory is lent to ferryd as a region: sent with no copy.
-                name = f"mooncake-{os.getpid()}-{ptr:x}"
-                try:
+            if ordinal is not None and not self.send_only:
+                return self._fail("register_memory", "", length, BadRequest(
+                    f"register_memory({ptr:#x}, {length}): peers cannot write into GPU memory a ferry engine "
+                    "registers yet, so a receiver publishing this address would read what was there before. An "
+                    "engine that only sends from its registered memory says so: TransferEngine(send_only=True), or "
+                    "FERRY_MOONCAKE_SEND_ONLY=1 in its environment (docs/python.md)", code="not_writable"))
+            try:
+                if ordinal is not None:
+                    # GPU memory is lent to ferryd as a region: sent with no copy.
+                    name = f"{remap.MEMFD_PREFIX}{os.getpid()}-{ptr:x}"
                     handle, offset = ipc_handle(ptr)
                     self._need_client().request("POST", "/v1/regions", json.dumps({
                         "name": name, "nbytes": length, "cuda": {
                             "device": f"cuda:{ordinal}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}).encode(),
                         "application/json")
-                except (FerryError, ValueError, ImportError) as e:
-                    err = e if isinstance(e, FerryError) else BadRequest(f"register_memory({ptr:#x}, {length}): {e}", code="bad_request")
-                    return self._fail("register_memory", "", length, err)
-                self._gpu[ptr] = name
+                    self._gpu[ptr] = name
+                elif not self.send_only:
+                    self._pages[ptr] = self._lend_writable(ptr, length)
+            except (FerryError, ValueError, OSError, ImportError) as e:
+                code = "bad_request" if ordinal is not None else "not_writable"
+                err = e if isinstance(e, FerryError) else BadRequest(f"register_memory({ptr:#x}, {length}): {e}", code=code)
+                return self._fail("register_memory", "", length, err)
             self._regions.insert(i, (ptr, ptr + length))
         return 0
+
+    def _lend_writable(self, ptr, length):
+        """Makes the host memory [ptr, ptr+length) a target of peers'
+        writes at these very addresses: its pages remapped in place onto
+        memfds (ferry.remap), lent to ferryd as regions that its Mooncake
+        segment lists at them. The page ranges held; FerryError
+        (not_writable) or ValueError/OSError saying why not."""
+        client = self._need_client()
+        if not client.status().get("mooncake"):
+            raise FerryError(f"register_memory({ptr:#x}, {length}): ferryd serves no Mooncake segment, so no peer can "
+                             "write into this memory: start ferryd with --mooncake-listen, or, for an engine that only "
+                             "sends from it, TransferEngine(send_only=True) or FERRY_MOONCAKE_SEND_ONLY=1", code="not_writable")
+
+        def lend(start, end, name, fd):
+            client.register_fd(name, fd, end - start, mooncake_addr=start)
+            return lambda: client.unregister_region(name)
+
+        return remap.acquire(ptr, length, lend)
 
     def batch_register_memory(self, ptrs, lengths):
         """register_memory for each pair; 0, or -1 at the first refusal
@@ -264,11 +294,14 @@ class TransferEngine:
             self._lock.wait_for(lambda: not self._in_flight.get(ptr))
             del self._regions[i]
             name = self._gpu.pop(ptr, None)
-        if name is not None:
-            try:
+            held = self._pages.pop(ptr, None)
+        try:
+            if name is not None:
                 self._need_client().unregister_region(name)
-            except FerryError as e:
-                return self._fail("unregister_memory", "", 0, e)
+            if held is not None:
+                remap.release(held)  # returns once peers' writes into them have ended
+        except FerryError as e:
+            return self._fail("unregister_memory", "", 0, e)
         return 0
 
     def batch_unregister_memory(self, ptrs):
@@ -495,8 +528,7 @@ _NO_READ = ("ferryd's Mooncake path writes only: it does not read from Mooncake 
             "serves no READ (its receive slots take writes)")
 _NO_NOTIFY = "ferryd does not send Mooncake notifies for an engine, nor pass on those it receives"
 _NO_ASYNC = "the asynchronous calls are not built yet: call the synchronous ones (from a thread to overlap them)"
-_NO_MANAGED = ("a managed buffer is registered memory peers write into, and peers cannot write into an engine's memory "
-               "on ferry: a receiver hands out ferry receive slots (Client.receive(..., mooncake=True))")
+_NO_MANAGED = "not built yet: allocate the memory yourself (torch.empty, numpy) and register_memory it"
 _NO_CUDA_STREAM = ("ferry's transfers are not ordered on a CUDA stream: synchronise the stream, then call the "
                    "synchronous ones")
 _NOT_IMPLEMENTED = {

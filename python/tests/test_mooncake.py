@@ -233,42 +233,114 @@ def test_an_unreachable_ferryd_fails_initialize(tmp_path):
     assert engine.last_failure.ret == "unreachable"
 
 
-def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypatch, caplog):
+def test_a_receivers_registered_buffers_take_peers_writes_in_place(pair, monkeypatch):
     # sglang's multimodal receiver: register_memory of a torch.empty
     # landing buffer, its address published, then the encoder's
-    # transfer_sync_write into it. Peers cannot write into memory a ferry
-    # engine registers, so registration says so (-1, the reason logged
-    # and kept), never 0 followed by refused writes and a receiver
-    # reading an uninitialised buffer.
+    # transfer_sync_write into it; when that returns 0 the bytes are in
+    # the receiver's own tensor (sglang's "done" message follows).
     monkeypatch.delenv("FERRY_MOONCAKE_SEND_ONLY", raising=False)
     receiver = TransferEngine(socket_path=pair[1].socket)
     assert receiver.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    landing = torch.empty(16 << 10, dtype=torch.uint8)
-    landing.fill_(0xAB)  # what "uninitialised" holds here
-    with caplog.at_level(logging.WARNING, logger="ferry.mooncake"):
-        assert receiver.register_memory(landing.data_ptr(), landing.numel()) == -1
-    f = receiver.last_failure
-    assert (f.method, f.ret) == ("register_memory", "not_writable"), f
-    assert "mooncake=True" in f.message and "send_only=True" in f.message
-    assert "ret=not_writable" in caplog.text
-    # vLLM's decode worker and sglang's PD decode register their KV
-    # buffers in one batch: refused the same way (vLLM raises on it).
-    k, v = torch.empty(4096, dtype=torch.uint8), torch.empty(4096, dtype=torch.uint8)
-    assert receiver.batch_register_memory([k.data_ptr(), v.data_ptr()], [4096, 4096]) == -1
-    assert receiver.last_failure.ret == "not_writable"
-    # Nothing was registered: there is nothing to unregister.
-    assert receiver.unregister_memory(landing.data_ptr()) == -1
-    # The encoder's write (which sglang does not check) lands nowhere.
-    sender = TransferEngine(socket_path=pair[0].socket, send_only=True)
-    emb = torch.randint(0, 255, (16 << 10,), dtype=torch.uint8)
-    assert sender.register_memory(emb.data_ptr(), emb.numel()) == 0
     session = f"127.0.0.1:{receiver.get_rpc_port()}"
-    assert sender.transfer_sync_write(session, emb.data_ptr(), landing.data_ptr(), emb.numel()) == -1
-    assert bytes(landing.numpy()) == b"\xab" * landing.numel()
-    assert sender.unregister_memory(emb.data_ptr()) == 0
+    sender = TransferEngine(socket_path=pair[0].socket, send_only=True)
+    n = (64 << 10) + 123
+    block = torch.full((n + 300,), 0xAB, dtype=torch.uint8)
+    landing = block[100:100 + n]  # not page-aligned: its pages go along
+    assert receiver.register_memory(landing.data_ptr(), n) == 0, receiver.last_failure
+    assert bytes(block.numpy()) == b"\xab" * len(block)  # contents kept
+    [lent] = [g for g in pair[1].client().regions() if g.get("mooncake_addr")]
+    assert lent["mooncake_addr"] <= landing.data_ptr() and landing.data_ptr() + n <= lent["mooncake_addr"] + lent["nbytes"]
+    emb = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    assert sender.register_memory(emb.data_ptr(), n) == 0
+    assert sender.transfer_sync_write(session, emb.data_ptr(), landing.data_ptr(), n) == 0, sender.last_failure
+    assert torch.equal(landing, emb)
+    assert bytes(block[:100].numpy()) == b"\xab" * 100 and bytes(block[100 + n:].numpy()) == b"\xab" * 200
+
+    # sglang PD decode: batch_register of per-layer K and V buffers torch
+    # allocated before; prefill: one batch_transfer_sync_write of 2,048
+    # scattered pages.
+    page, count = 1024, 1024
+    kv = [torch.zeros(page * count, dtype=torch.uint8) for _ in range(2)]
+    assert receiver.batch_register_memory([t.data_ptr() for t in kv], [t.numel() for t in kv]) == 0, receiver.last_failure
+    src = torch.randint(0, 255, (2 * page * count,), dtype=torch.uint8)
+    assert sender.register_memory(src.data_ptr(), src.numel()) == 0
+    rng = random.Random(3)
+    order = [(layer, p) for layer in range(2) for p in range(count)]
+    rng.shuffle(order)
+    dest_pages = list(range(count))
+    rng.shuffle(dest_pages)
+    bufs = [src.data_ptr() + (layer * count + p) * page for layer, p in order]
+    dsts = [kv[layer].data_ptr() + dest_pages[p] * page for layer, p in order]
+    assert sender.batch_transfer_sync_write(session, bufs, dsts, [page] * len(order)) == 0, sender.last_failure
+    for layer in range(2):
+        for p in range(count):
+            got = kv[layer][dest_pages[p] * page:(dest_pages[p] + 1) * page]
+            assert torch.equal(got, src[(layer * count + p) * page:(layer * count + p + 1) * page]), (layer, p)
+
+    # Tensors sharing a page (the allocator places them side by side): a
+    # registration lends only the pages none lent before, as an adjacent
+    # region, and a write may span both.
+    block2 = torch.zeros(6 * 4096, dtype=torch.uint8)
+    q = -(-block2.data_ptr() // 4096) * 4096
+    a, b = (q + 100, 4096), (q + 4096 + 200, 3 * 4096 - 200)  # a's pages [q, q+8K), b's [q+4K, q+16K)
+    def lent():
+        return sorted((g["mooncake_addr"], g["nbytes"]) for g in pair[1].client().regions() if g.get("mooncake_addr"))
+
+    before = lent()
+    assert receiver.register_memory(*a) == 0 and receiver.register_memory(*b) == 0, receiver.last_failure
+    assert sorted(set(lent()) - set(before)) == [(q, 8192), (q + 8192, 8192)]
+    span = torch.randint(0, 255, (7000,), dtype=torch.uint8)
+    assert sender.register_memory(span.data_ptr(), 7000) == 0
+    assert sender.transfer_sync_write(session, span.data_ptr(), q + 5000, 7000) == 0, sender.last_failure
+    assert ctypes.string_at(q + 5000, 7000) == bytes(span.numpy())
+    # a's unregistration leaves the page b shares lent.
+    assert receiver.unregister_memory(a[0]) == 0
+    assert sender.transfer_sync_write(session, span.data_ptr(), q + 4096 + 200, 100) == 0, sender.last_failure
+    assert receiver.unregister_memory(b[0]) == 0 and sender.unregister_memory(span.data_ptr()) == 0
+
+    # Unregistered: the segment no longer lists it, a write is refused.
+    assert receiver.batch_unregister_memory([landing.data_ptr()] + [t.data_ptr() for t in kv]) == 0, receiver.last_failure
+    assert not [g for g in pair[1].client().regions() if g.get("mooncake_addr")]
+    assert sender.transfer_sync_write(session, emb.data_ptr(), landing.data_ptr(), n) == -1
+    # Registered again (its pages were remapped once): writable again.
+    assert receiver.register_memory(landing.data_ptr(), n) == 0, receiver.last_failure
+    emb2 = torch.randint(0, 255, (n,), dtype=torch.uint8)
+    assert sender.register_memory(emb2.data_ptr(), n) == 0
+    assert sender.transfer_sync_write(session, emb2.data_ptr(), landing.data_ptr(), n) == 0, sender.last_failure
+    assert torch.equal(landing, emb2)
+    assert receiver.unregister_memory(landing.data_ptr()) == 0
+    assert sender.batch_unregister_memory([emb.data_ptr(), src.data_ptr(), emb2.data_ptr()]) == 0
+
+
+def test_memory_peers_cannot_write_is_refused_at_registration(pair, monkeypatch, tmp_path, caplog):
+    # Never 0 for memory peers cannot write: -1, the reason logged and kept.
+    monkeypatch.delenv("FERRY_MOONCAKE_SEND_ONLY", raising=False)
+    buf = torch.zeros(8192, dtype=torch.uint8)
+    # A ferryd serving no Mooncake segment: nothing can write.
+    no_segment = TransferEngine(socket_path=pair[0].socket)
+    with caplog.at_level(logging.WARNING, logger="ferry.mooncake"):
+        assert no_segment.register_memory(buf.data_ptr(), 8192) == -1
+    f = no_segment.last_failure
+    assert (f.method, f.ret) == ("register_memory", "not_writable") and "--mooncake-listen" in f.message
+    assert "send_only=True" in f.message and "ret=not_writable" in caplog.text
+    assert no_segment.batch_register_memory([buf.data_ptr()], [8192]) == -1
+    assert no_segment.unregister_memory(buf.data_ptr()) == -1  # nothing was registered
+    # A file's mapping is not memory ferry can take over in place.
+    receiver = TransferEngine(socket_path=pair[1].socket)
+    path = tmp_path / "file"
+    path.write_bytes(b"\0" * 8192)
+    with open(path, "r+b") as fh:
+        import mmap
+        mm = mmap.mmap(fh.fileno(), 8192)
+        view = (ctypes.c_char * 8192).from_buffer(mm)
+        assert receiver.register_memory(ctypes.addressof(view), 8192) == -1
+        assert receiver.last_failure.ret == "not_writable" and "not anonymous" in receiver.last_failure.message
+        del view
+        mm.close()
     # The environment says send-only for a framework that makes the engine.
     monkeypatch.setenv("FERRY_MOONCAKE_SEND_ONLY", "1")
-    assert TransferEngine(socket_path=pair[0].socket).register_memory(emb.data_ptr(), emb.numel()) == 0
+    e = TransferEngine(socket_path=pair[0].socket)
+    assert e.register_memory(buf.data_ptr(), 8192) == 0 and e.unregister_memory(buf.data_ptr()) == 0
 
 
 # Mooncake's Python engine, every method (mooncake-integration's
