@@ -10,11 +10,12 @@ malloc, torch's and numpy's host allocators give; not a file's mapping,
 huge pages of hugetlbfs, or the stack); the range grows to whole pages,
 so bytes that share its first and last pages go along (they stay where
 they are, with their contents); a thread writing into the pages while
-they are copied loses that write; after fork the child shares the pages
-instead of copying them; CUDA pinned memory (cudaHostRegister) would no
-longer be what CUDA pinned. The memfd stays mapped for the life of the
-allocation: when the allocator unmaps or reuses it, the memory goes as
-any. Pages a registration in this process lent already are not lent
+they are copied loses that write; while registered, a child after fork
+shares the pages instead of copying them; CUDA pinned memory
+(cudaHostRegister) would no longer be what CUDA pinned. Once ferryd
+gives a range back, anonymous private memory is mapped over it again,
+contents kept (one more copy), so the allocator's memory behaves as
+before. Pages a registration in this process lent already are not lent
 again: registrations sharing pages (tensors the allocator placed side
 by side) hold them together, as adjacent regions, which ferryd's
 segment lists as one buffer.
@@ -29,7 +30,8 @@ from .regions import new_memfd
 
 PAGE = mmap.PAGESIZE
 
-# How the memfds remap makes begin their names (/proc/self/maps shows them).
+# How the memfds remap makes begin their names (/proc/self/maps shows
+# them), and the regions ferry.mooncake lends.
 MEMFD_PREFIX = "mooncake-"
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -69,10 +71,7 @@ def check_anonymous(start, end):
             continue
         if lo > at:
             break
-        # Anonymous memory, or pages a registration remapped before (a
-        # freed range the allocator handed out again).
-        remapped = perms == "rw-s" and path.startswith("/memfd:" + MEMFD_PREFIX)
-        if not remapped and (perms != "rw-p" or inode != "0" or path not in ("", "[heap]")):
+        if perms != "rw-p" or inode != "0" or path not in ("", "[heap]"):
             raise ValueError(f"[{at:#x}, {min(hi, end):#x}) is not anonymous private read-write memory "
                              f"(it is {perms} {path or 'anonymous'}): only memory malloc, torch's or numpy's host "
                              "allocators gave can be made a write target in place")
@@ -146,10 +145,26 @@ def acquire(ptr, length, lend):
         return held
 
 
+def _restore(start, end):
+    """Maps anonymous private memory over the pages [start, end) again,
+    their contents kept: the memory is as the allocator gave it (fork
+    copies it, a freed page reads as zeros) once ferryd has let it go."""
+    size = end - start
+    saved = ctypes.create_string_buffer(size)
+    ctypes.memmove(saved, start, size)
+    got = _libc.mmap(start, size, mmap.PROT_READ | mmap.PROT_WRITE,
+                     mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_FIXED, -1, 0)
+    if got in (None, _MAP_FAILED) or got != start:
+        e = ctypes.get_errno()
+        raise OSError(e, f"mapping anonymous memory over [{start:#x}, {end:#x}) again: {os.strerror(e)}")
+    ctypes.memmove(start, saved, size)
+
+
 def release(held):
     """Drops a registration's hold on its ranges; those no other holds
-    are taken back from ferryd (which waits for writes into them). They
-    stay mapped here, the caller's memory. Raises what taking one back
+    are taken back from ferryd (which waits for writes into them) and
+    made anonymous private memory again, contents kept (a range ferryd
+    did not give back stays on its memfd). Raises what taking one back
     raised (the rest are taken back all the same)."""
     with _lent_lock:
         failed = None
@@ -160,6 +175,7 @@ def release(held):
                 del _lent[k]
                 try:
                     entry[2]()
+                    _restore(*k)
                 except Exception as e:  # noqa: BLE001 - the first is raised once all are tried
                     failed = failed or e
         if failed is not None:

@@ -302,7 +302,11 @@ def test_a_receivers_registered_buffers_take_peers_writes_in_place(pair, monkeyp
     assert receiver.batch_unregister_memory([landing.data_ptr()] + [t.data_ptr() for t in kv]) == 0, receiver.last_failure
     assert not [g for g in pair[1].client().regions() if g.get("mooncake_addr")]
     assert sender.transfer_sync_write(session, emb.data_ptr(), landing.data_ptr(), n) == -1
-    # Registered again (its pages were remapped once): writable again.
+    # Given back, the pages are anonymous private memory again, contents kept.
+    import ferry.remap
+    ferry.remap.check_anonymous(*ferry.remap.pages(landing.data_ptr(), n))
+    assert torch.equal(landing, emb) and bytes(block[:100].numpy()) == b"\xab" * 100
+    # Registered again: writable again.
     assert receiver.register_memory(landing.data_ptr(), n) == 0, receiver.last_failure
     emb2 = torch.randint(0, 255, (n,), dtype=torch.uint8)
     assert sender.register_memory(emb2.data_ptr(), n) == 0
