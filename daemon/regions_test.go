@@ -566,16 +566,7 @@ func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
 		t.Fatal(err)
 	}
 	off := 0
-	for {
-		piece, err := body()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(piece) == 0 {
-			break
-		}
-		off += copy(piece, want[off:])
-	}
+	eachPiece(t, body, func(piece []byte) { off += copy(piece, want[off:]) })
 	if off != len(want) {
 		t.Fatalf("the body lent %d bytes, want %d", off, len(want))
 	}
