@@ -52,8 +52,10 @@ type region struct {
 	// DELETE tries again.
 	dropErr error
 	// mooncakeAddr is the address Mooncake peers write into it at (its
-	// owner's own address of its first byte); 0: they do not.
+	// owner's own address of its first byte); 0: they do not. owner is
+	// the process that lent it then: the region goes when it exits.
 	mooncakeAddr uint64
+	owner        int32
 }
 
 // regionEnd is one try at ending a closing region: dropping its
@@ -140,14 +142,14 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 // registration with the NIC (nil, and why not). The claim its request
 // made on the name ends here, the region added or refused.
 func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicErr error) (api.Region, error) {
-	return r.addRegionAt(name, mem, nic, nicErr, 0)
+	return r.addRegionAt(name, mem, nic, nicErr, 0, 0)
 }
 
 // addRegionAt is addRegion, the region open to Mooncake peers' writes at
 // mooncakeAddr unless that is 0: a range that must overlap neither the
 // arena's addresses nor another such region's, as one segment lists
-// them all.
-func (r *registry) addRegionAt(name string, mem arena.Memory, nic io.Closer, nicErr error, mooncakeAddr uint64) (api.Region, error) {
+// them all, lent by process owner.
+func (r *registry) addRegionAt(name string, mem arena.Memory, nic io.Closer, nicErr error, mooncakeAddr uint64, owner int32) (api.Region, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	delete(r.claims, name)
@@ -168,7 +170,7 @@ func (r *registry) addRegionAt(name string, mem arena.Memory, nic io.Closer, nic
 		}
 		r.mooncakeRegions.Add(1)
 	}
-	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), mooncakeAddr: mooncakeAddr}
+	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), mooncakeAddr: mooncakeAddr, owner: owner}
 	r.regions[name] = g
 	return r.describeRegion(g), nil
 }
@@ -645,7 +647,11 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	nic, nicErr := d.registerRegionNIC(mem)
-	g, err := d.reg.addRegionAt(req.Name, mem, nic, nicErr, req.MooncakeAddr)
+	owner := int32(0)
+	if req.MooncakeAddr != 0 {
+		owner = callerOf(r.Context()).pid
+	}
+	g, err := d.reg.addRegionAt(req.Name, mem, nic, nicErr, req.MooncakeAddr, owner)
 	if err != nil {
 		if nic != nil {
 			_ = nic.Close()
@@ -663,6 +669,9 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 		d.metrics.regionRegistrations.WithLabelValues("registered").Inc()
 	}
 	d.log.Info().Str("region", req.Name).Str("kind", g.Kind).Int64("nbytes", req.NBytes).Bool("nic", nic != nil).Msg("region registered")
+	if owner > 0 {
+		d.watchOwner(owner)
+	}
 	writeJSON(w, http.StatusCreated, g)
 	return nil
 }
@@ -683,6 +692,87 @@ func (d *Daemon) mayOpenToMooncake(req api.RegionRequest) error {
 		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr %#x plus nbytes %d passes the end of the address space", req.Name, a, req.NBytes)
 	}
 	return nil
+}
+
+// watchOwner drops the regions process pid lent for Mooncake peers once
+// it exits: their addresses are that process's, and nothing else would
+// unregister them. One watcher per process, polling its pidfd; it ends
+// when the process has no such region left or ferryd stops.
+func (d *Daemon) watchOwner(pid int32) {
+	r := d.reg
+	r.mu.Lock()
+	if r.watched[pid] {
+		r.mu.Unlock()
+		return
+	}
+	if r.watched == nil {
+		r.watched = make(map[int32]bool)
+	}
+	r.watched[pid] = true
+	r.mu.Unlock()
+	unwatch := func(err error) {
+		r.mu.Lock()
+		delete(r.watched, pid)
+		r.mu.Unlock()
+		d.regionLog.Printf("watching process %d, which lent regions for Mooncake peers: %v; its regions stay until unregistered", pid, err)
+	}
+	fd, err := unix.PidfdOpen(int(pid), 0)
+	if err != nil && err != unix.ESRCH {
+		unwatch(fmt.Errorf("pidfd_open: %w", err))
+		return
+	}
+	go func() {
+		if fd >= 0 {
+			defer unix.Close(fd)
+		}
+		for exited := err == unix.ESRCH; !exited; {
+			n, perr := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 1000)
+			switch {
+			case perr != nil && perr != unix.EINTR:
+				unwatch(fmt.Errorf("poll: %w", perr))
+				return
+			case n > 0:
+				exited = true
+			case r.ownerGone(pid):
+				return
+			}
+		}
+		for _, name := range r.ownedBy(pid) {
+			if _, err := r.removeRegion(name); err == nil {
+				d.log.Info().Str("region", name).Int32("pid", pid).Msg("region unregistered: the process that lent it for Mooncake peers exited")
+			}
+		}
+	}()
+}
+
+// ownerGone says whether pid lent no open region any more, or ferryd is
+// stopping; then pid is no longer watched.
+func (r *registry) ownerGone(pid int32) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if !r.stopping {
+		for _, g := range r.regions {
+			if g.owner == pid && !g.closing {
+				return false
+			}
+		}
+	}
+	delete(r.watched, pid)
+	return true
+}
+
+// ownedBy is the open regions pid lent, no longer watched.
+func (r *registry) ownedBy(pid int32) []string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	delete(r.watched, pid)
+	var names []string
+	for _, g := range r.regions {
+		if g.owner == pid && !g.closing {
+			names = append(names, g.name)
+		}
+	}
+	return names
 }
 
 // registerRegionNIC registers a region with the RDMA NIC, once, so that

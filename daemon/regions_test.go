@@ -543,17 +543,17 @@ func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
 	r := newTestRegistry(t, 1<<16)
 	const at = 0x7f0000000000
 	a, b := hostRegion(make([]byte, 8192)), hostRegion(make([]byte, 4096))
-	if _, err := r.addRegionAt("a", a, nil, nil, at); err != nil {
+	if _, err := r.addRegionAt("a", a, nil, nil, at, 0); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.addRegionAt("b", b, nil, nil, at+8192); err != nil {
+	if _, err := r.addRegionAt("b", b, nil, nil, at+8192, 0); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.addRegionAt("over-a", hostRegion(make([]byte, 4096)), nil, nil, at+4096); !isCode(err, api.CodeExists) || !strings.Contains(err.Error(), "overlaps region a") {
+	if _, err := r.addRegionAt("over-a", hostRegion(make([]byte, 4096)), nil, nil, at+4096, 0); !isCode(err, api.CodeExists) || !strings.Contains(err.Error(), "overlaps region a") {
 		t.Fatalf("a range over region a's: %v", err)
 	}
 	base := r.arena.Addr(arena.Slice{})
-	if _, err := r.addRegionAt("over-arena", hostRegion(make([]byte, 4096)), nil, nil, base+100); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "arena") {
+	if _, err := r.addRegionAt("over-arena", hostRegion(make([]byte, 4096)), nil, nil, base+100, 0); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "arena") {
 		t.Fatalf("a range over the arena's: %v", err)
 	}
 	if got, want := fmt.Sprint(r.mooncakeBuffers("seg")), fmt.Sprint([]mooncake.Buffer{{Name: "seg", Addr: at, Length: 12288}}); got != want {

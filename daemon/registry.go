@@ -142,6 +142,9 @@ type registry struct {
 	// (api.RegionRequest.MooncakeAddr): with none, a write without a key
 	// that no slot holds is refused without mu.
 	mooncakeRegions atomic.Int32
+	// watched is the processes whose regions for Mooncake peers go when
+	// they exit (watchOwner).
+	watched map[int32]bool
 }
 
 // hostLimit is max_region_bytes: as written, what a share is of, and in

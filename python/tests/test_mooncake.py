@@ -9,11 +9,15 @@ import logging
 import os
 import random
 import socket
+import subprocess
+import sys
 
 import pytest
 
 import ferry
 from ferry.mooncake import TransferEngine, TransferOpcode
+
+from conftest import poll_until
 
 torch = pytest.importorskip("torch", reason="Debian's python3-torch (make test-python installs it)")
 
@@ -455,3 +459,34 @@ def test_batch_unregister_and_transfer_sync_write(engine, rx, req_id):
     assert "no range is registered" in engine.last_failure.message
     assert engine.batch_unregister_memory([pa, pb]) == -1  # both gone already
     assert engine.batch_unregister_memory([]) == 0
+
+
+def test_an_engines_registrations_go_when_its_process_dies(pair):
+    # A receiver killed without unregistering: ferryd drops the memory it
+    # lent for Mooncake peers (its addresses were that process's).
+    child = subprocess.Popen([sys.executable, "-c", f"""
+import sys, torch
+from ferry.mooncake import TransferEngine
+engine = TransferEngine(socket_path={pair[1].socket!r})
+buf = torch.zeros(1 << 16, dtype=torch.uint8)
+assert engine.register_memory(buf.data_ptr(), buf.numel()) == 0, engine.last_failure
+print("registered", flush=True)
+sys.stdin.read()
+"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={k: v for k, v in os.environ.items() if k != "FERRY_MOONCAKE_SEND_ONLY"})
+    try:
+        assert child.stdout.readline() == b"registered\n"
+        rx = pair[1].client()
+
+        def lent():
+            return [g["name"] for g in rx.regions() if g["name"].startswith(f"mooncake-{child.pid}-")]
+
+        assert lent()
+        child.kill()
+        child.wait(10)
+        poll_until(lambda: not lent(), 10, f"ferryd dropping the regions of killed pid {child.pid}")
+        pair[1].wait_log(lambda line: line.get("pid") == child.pid and "exited" in line.get("message", ""), 10,
+                         "the line saying why the regions went")
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait(10)
