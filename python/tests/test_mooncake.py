@@ -11,6 +11,7 @@ import random
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -473,8 +474,11 @@ assert engine.register_memory(buf.data_ptr(), buf.numel()) == 0, engine.last_fai
 print("registered", flush=True)
 sys.stdin.read()
 """], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={k: v for k, v in os.environ.items() if k != "FERRY_MOONCAKE_SEND_ONLY"})
+    deadline = threading.Timer(60, child.kill)  # bounds the wait for its line
+    deadline.start()
     try:
         assert child.stdout.readline() == b"registered\n"
+        deadline.cancel()
         rx = pair[1].client()
 
         def lent():
@@ -487,6 +491,7 @@ sys.stdin.read()
         pair[1].wait_log(lambda line: line.get("pid") == child.pid and "exited" in line.get("message", ""), 10,
                          "the line saying why the regions went")
     finally:
+        deadline.cancel()
         if child.poll() is None:
             child.kill()
             child.wait(10)
