@@ -9,7 +9,7 @@ Limits (docs/python.md): only anonymous private read-write memory (what
 malloc, torch's and numpy's host allocators give; not a file's mapping,
 huge pages of hugetlbfs, or the stack); the range grows to whole pages,
 so bytes that share its first and last pages go along (they stay where
-they are, with their contents); a thread writing into the pages while
+they are, with their contents, and peers may write them too); a thread writing into the pages while
 they are copied loses that write; while registered, a child after fork
 shares the pages instead of copying them; CUDA pinned memory
 (cudaHostRegister) would no longer be what CUDA pinned. Once ferryd
