@@ -474,7 +474,7 @@ assert engine.register_memory(buf.data_ptr(), buf.numel()) == 0, engine.last_fai
 print("registered", flush=True)
 sys.stdin.read()
 """], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={k: v for k, v in os.environ.items() if k != "FERRY_MOONCAKE_SEND_ONLY"})
-    deadline = threading.Timer(60, child.kill)  # bounds the wait for its line
+    deadline = threading.Timer(240, child.kill)  # bounds the wait for its line (importing torch on a busy host is slow)
     deadline.start()
     try:
         assert child.stdout.readline() == b"registered\n"
