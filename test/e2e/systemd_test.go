@@ -45,6 +45,12 @@ func TestUnitFilesInstallAndVerify(t *testing.T) {
 	if !strings.Contains(string(service), wantExec+"\n") {
 		t.Fatalf("installed unit lacks %q", wantExec)
 	}
+	// The status ferryd exits with on a configuration error
+	// (TestConfigErrorsStopFerrydNamingTheKey) is the one systemd does not
+	// restart.
+	if !strings.Contains(string(service), "\nRestartPreventExitStatus=78\n") {
+		t.Fatalf("installed unit lacks RestartPreventExitStatus=78")
+	}
 	// verify exits 0 on warnings (an unknown key, a bad value): any output
 	// at all is a failure.
 	out := run("systemd-analyze", "verify", filepath.Join(units, "ferryd.socket"), filepath.Join(units, "ferryd.service"))
