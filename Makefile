@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e test-python test-rdma fuzz fuzz-smoke soak bench install deb test-deb clean gpu-bundle test-gpu
+.PHONY: all deps build demo test vet unit e2e test-python test-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
 
 # The version every build carries (ferryd --version, GET /v1/status) and the
 # package is named by: git describe made a Debian version (scripts/version.sh
@@ -126,6 +126,14 @@ deb:
 # upgrade, remove and purge with dpkg into a scratch root (never this host's).
 test-deb: deb
 	timeout 600 test/deb/run.sh $(BIN)/ferry_$(VERSION)_$$(dpkg --print-architecture).deb
+
+# The package on a booted Debian 12 with systemd: a QEMU (TCG) guest of
+# 4 GiB built from Debian's packages with mmdebstrap (cached in
+# .cache/systemdvm), which installs the package, exercises it under systemd
+# and reboots, upgrades, removes and purges it; one PASS/FAIL line per
+# check (test/systemd/run.sh). Not part of make test: minutes of TCG.
+test-systemd: deb
+	timeout 2400 test/systemd/run.sh $(BIN)/ferry_$(VERSION)_$$(dpkg --print-architecture).deb
 
 # Everything make test-gpu runs, built here for a GPU host that may lack
 # Go: stripped binaries and test binaries plus the scripts. Copy the folder

@@ -399,6 +399,9 @@ type Receive struct {
 	// meanwhile keeps its memory until they end, so a newer slot never
 	// receives their bytes.
 	WritesInFlight int `json:"writes_in_flight"`
+	// Waiters counts the waits (GET ?wait=) in flight for its data. While
+	// ferryd drains, a slot with one still takes its sender's write.
+	Waiters int `json:"waiters"`
 	// Offset is where the slot lies in the arena, or in Region when the
 	// slot is in a registered region.
 	Offset    int64     `json:"offset"`

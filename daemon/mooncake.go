@@ -201,11 +201,11 @@ func (r *registry) deliverNotified(msg string) (reqID string, nbytes int64, err 
 		return "", 0, fmt.Errorf("notify_msg is not a receive slot's buffer_address (decimal or 0x-hex): ferry completes the slot a notify names")
 	}
 	r.mu.Lock()
-	if r.stopping {
+	s := r.unkeyed.at(addr) // Mooncake slots only
+	if r.closedTo(s) {
 		r.mu.Unlock()
 		return "", 0, errRefuseStopping
 	}
-	s := r.unkeyed.at(addr)
 	if s == nil || s.addr != addr {
 		r.mu.Unlock()
 		return "", 0, fmt.Errorf("no live receive slot open to Mooncake writers starts at %#x: it was freed, timed out, made without \"mooncake\": true, or never existed; whatever was written there is not delivered", addr)

@@ -57,6 +57,7 @@ type slot struct {
 	since    time.Time
 	pins     int // writes landing and reads in progress
 	writes   int // writes landing
+	waiters  int // waits in flight for its data (GET ?wait=)
 	arrived  bool
 	received int64
 	tag      uint32
@@ -579,10 +580,10 @@ func (r *registry) AcceptChunks(addr, n uint64, key transport.Key, tag uint32) (
 func (r *registry) acceptKeyed(addr, n uint64, key transport.Key, tag uint32, chunk int64) (transport.Body, func(error), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.stopping {
+	s := r.byKey[key]
+	if r.closedTo(s) {
 		return nil, nil, errRefuseStopping
 	}
-	s := r.byKey[key]
 	if s == nil || addr < s.addr || addr >= s.addr+uint64(s.nbytes) {
 		r.refused(transport.NoSlot)
 		return nil, nil, errRefuseNoSlot
@@ -597,10 +598,10 @@ func (r *registry) acceptKeyed(addr, n uint64, key transport.Key, tag uint32, ch
 func (r *registry) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) (func(error), error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.stopping {
+	s := r.byKey[key]
+	if r.closedTo(s) {
 		return nil, errRefuseStopping
 	}
-	s := r.byKey[key]
 	if s == nil || addr < s.addr || addr >= s.addr+uint64(s.nbytes) {
 		r.refused(transport.NoSlot)
 		return nil, errRefuseNoSlot
@@ -630,11 +631,14 @@ func (r *registry) AcceptUnkeyed(addr, n uint64) (transport.Body, func(error), e
 	}
 	r.mu.Lock()
 	defer r.unlock()
+	if s := r.unkeyed.at(addr); s != nil {
+		if r.closedTo(s) { // a wait in flight at the drain's start still takes its write
+			return nil, nil, errRefuseStopping
+		}
+		return r.land(s, addr, n, s.key.Tag(), stageChunk)
+	}
 	if r.stopping {
 		return nil, nil, errRefuseStopping
-	}
-	if s := r.unkeyed.at(addr); s != nil {
-		return r.land(s, addr, n, s.key.Tag(), stageChunk)
 	}
 	if r.mooncakeRegionAt(addr) != nil {
 		return r.landInRegions(addr, n)
@@ -672,10 +676,10 @@ func (r *registry) refused(code transport.Code) {
 func (r *registry) Arrived(tag uint32, n uint64) error {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	if r.stopping {
+	s := r.byTag[tag]
+	if r.closedTo(s) {
 		return errRefuseStopping
 	}
-	s := r.byTag[tag]
 	switch {
 	case s == nil:
 		r.refused(transport.NoSlot)
@@ -907,6 +911,7 @@ func (r *registry) describeSlot(s *slot) api.Receive {
 		ReceiveSlot: api.ReceiveSlot{ReqID: s.reqID, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes},
 		Arrived:     s.arrived, Received: s.received, Tag: s.tag, Mooncake: s.mooncake, Offset: s.slice.Offset, Since: s.since,
 		WritesInFlight: s.writes,
+		Waiters:        s.waiters,
 	}
 	if s.region != nil {
 		d.Offset, d.Region = s.regionOff, s.region.name
@@ -929,11 +934,11 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 	deadline := time.NewTimer(wait)
 	defer deadline.Stop()
 	for {
+		// Not refused while stopping: only waits already in flight get
+		// here then (serveOne turns new ones away), and the drain lets
+		// them wait on for their data, which writes into their slot may
+		// still bring (closedTo), until drain_timeout cancels them.
 		r.mu.Lock()
-		if r.stopping {
-			r.mu.Unlock()
-			return api.Receive{}, nil, nil, errStopping
-		}
 		s, ok := r.slots[reqID]
 		if !ok {
 			r.mu.Unlock()
@@ -975,12 +980,20 @@ func (r *registry) waitSlot(ctx context.Context, reqID string, wait time.Duratio
 			return desc, data, func() { data.Close(); unpin() }, nil
 		}
 		changed := r.changed
+		s.waiters++
 		r.mu.Unlock()
+		woken := false
 		select {
 		case <-changed:
-			continue
+			woken = true
 		case <-ctx.Done():
 		case <-deadline.C:
+		}
+		r.mu.Lock()
+		s.waiters--
+		r.mu.Unlock()
+		if woken {
+			continue
 		}
 		return api.Receive{}, nil, nil, apiErr(api.CodeTimeout,
 			"req_id %s: nothing arrived in its receive slot within %s: check the sender, or wait again", reqID, wait)
@@ -1074,6 +1087,14 @@ func (r *registry) sweep(now time.Time, stageTTL, receiveTTL time.Duration) []dr
 		r.notify()
 	}
 	return out
+}
+
+// closedTo says whether a peer's write into s (nil: no slot) is refused
+// for the shutdown. Once stopping, only a slot a wait in flight is waiting
+// on still takes writes: the drain lets that wait finish with its data.
+// Callers hold mu.
+func (r *registry) closedTo(s *slot) bool {
+	return r.stopping && (s == nil || s.waiters == 0)
 }
 
 // stop refuses new work from now on and wakes every waiter.

@@ -4,6 +4,7 @@
 #   scripts/deps.sh      what build, demo, unit and e2e tests need
 #   scripts/deps.sh vm   and what the soft-RoCE VM of make test-rdma needs
 #   scripts/deps.sh deb  and what make deb and make test-deb need
+#   scripts/deps.sh systemdvm  and what the booted guest of make test-systemd needs
 #   scripts/deps.sh python  and what make test-python needs
 set -euo pipefail
 export PATH="$PATH:/usr/local/go/bin"
@@ -30,6 +31,14 @@ if [[ ${1:-} == vm ]]; then
     command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
   done
   [[ -e /etc/libibverbs.d/rxe.driver ]] || need+=(ibverbs-providers)
+fi
+if [[ ${1:-} == systemdvm ]]; then
+  # test/systemd: mmdebstrap builds the guest's root, mkfs.ext4 images it,
+  # qemu-img overlays it, QEMU boots it, debugfs reads the results back.
+  for c in mmdebstrap:mmdebstrap qemu-system-x86_64:qemu-system-x86 qemu-img:qemu-utils \
+    mkfs.ext4:e2fsprogs debugfs:e2fsprogs; do
+    command -v "${c%%:*}" >/dev/null || need+=("${c#*:}")
+  done
 fi
 if [[ ${1:-} == deb ]]; then
   # dpkg-shlibdeps for the package's dependencies, lintian to check it,

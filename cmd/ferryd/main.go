@@ -32,14 +32,34 @@ func main() {
 			return
 		}
 		fmt.Fprintln(os.Stderr, "ferryd:", err)
+		var ce configError
+		if errors.As(err, &ce) {
+			os.Exit(exitConfig)
+		}
 		os.Exit(1)
 	}
 }
 
+// exitConfig is the exit status of a configuration error (EX_CONFIG of
+// sysexits.h): the unit names it in RestartPreventExitStatus=, since a
+// restart cannot fix the file, and stops ferryd.socket on it, so clients
+// get an error at once rather than queueing for a daemon that will not
+// come. Other failures exit 1 and are restarted, a bounded number of times.
+const exitConfig = 78
+
+// configError marks an error in the configuration itself (file, flags,
+// variables), as opposed to the host failing what it asks for.
+type configError struct{ error }
+
+func (e configError) Unwrap() error { return e.error }
+
 func run(ctx context.Context, args []string, sigs <-chan os.Signal) error {
 	ld, err := config.Load(args, os.LookupEnv, os.Stderr)
 	if err != nil {
-		return err
+		if errors.Is(err, flag.ErrHelp) {
+			return err
+		}
+		return configError{err}
 	}
 	switch {
 	case ld.Version:
@@ -55,11 +75,11 @@ func run(ctx context.Context, args []string, sigs <-chan os.Signal) error {
 	}
 	log, err := newLogger(ld.Settings.LogFormat)
 	if err != nil {
-		return err
+		return configError{err}
 	}
 	setLevel(ld.Settings.LogLevel)
 	if err := ld.Check(); err != nil {
-		return err
+		return configError{err}
 	}
 	if ld.CheckOnly {
 		fmt.Printf("ferryd: configuration OK (file: %s)\n", orNone(ld.File))

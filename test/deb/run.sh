@@ -63,6 +63,8 @@ expected='./
 ./usr/share/doc/ferry/api.md
 ./usr/share/doc/ferry/changelog.gz
 ./usr/share/doc/ferry/copyright
+./usr/share/doc/ferry/design.md
+./usr/share/doc/ferry/features.md
 ./usr/share/doc/ferry/ferryd.toml
 ./usr/share/doc/ferry/mooncake-rdma-wire.md
 ./usr/share/doc/ferry/operations.md

@@ -39,6 +39,11 @@ func TestConfigErrorsStopFerrydNamingTheKey(t *testing.T) {
 			t.Errorf("%s: ferryd started with %q", c.name, c.body)
 			continue
 		}
+		// A status of its own, which ferryd.service names in
+		// RestartPreventExitStatus=: systemd does not restart it.
+		if code := exitCode(err); code != 78 {
+			t.Errorf("%s: ferryd exited %d, want 78 (EX_CONFIG, a configuration error): %v", c.name, code, err)
+		}
 		for _, n := range append(c.names, conf) {
 			if !strings.Contains(string(out), n) {
 				t.Errorf("%s: the error does not name %s:\n%s", c.name, n, out)
@@ -48,19 +53,19 @@ func TestConfigErrorsStopFerrydNamingTheKey(t *testing.T) {
 			t.Errorf("%s: ferryd created its socket before rejecting the configuration", c.name)
 		}
 		// --check-config says the same, without starting anything.
-		if out, err := ferryd("--config", conf, "--check-config").CombinedOutput(); err == nil {
-			t.Errorf("%s: --check-config passed:\n%s", c.name, out)
+		if out, err := ferryd("--config", conf, "--check-config").CombinedOutput(); exitCode(err) != 78 {
+			t.Errorf("%s: --check-config: %v, want exit status 78:\n%s", c.name, err, out)
 		}
 	}
 
 	// A bad value in a variable or a flag is named as such.
 	cmd := ferryd("--check-config")
 	cmd.Env = append(os.Environ(), "FERRY_CONFIG="+os.DevNull, "FERRY_SEND_TIMEOUT=soon")
-	if out, err := cmd.CombinedOutput(); err == nil || !strings.Contains(string(out), "FERRY_SEND_TIMEOUT") {
+	if out, err := cmd.CombinedOutput(); exitCode(err) != 78 || !strings.Contains(string(out), "FERRY_SEND_TIMEOUT") {
 		t.Errorf("bad FERRY_SEND_TIMEOUT: err=%v\n%s", err, out)
 	}
 	out, err := ferryd("--config", os.DevNull, "--arena-size", "big", "--check-config").CombinedOutput()
-	if err == nil || !strings.Contains(string(out), "arena-size") {
+	if exitCode(err) != 78 || !strings.Contains(string(out), "arena-size") {
 		t.Errorf("bad --arena-size: err=%v\n%s", err, out)
 	}
 }

@@ -259,14 +259,23 @@ func (d *daemon) waitExit(t *testing.T, timeout time.Duration) int {
 		t.Fatalf("ferryd pid %d still running after %s; log:\n%s", d.cmd.Process.Pid, timeout, d.log.dump())
 	}
 	<-d.log.done // its last lines are in
-	if d.exitErr == nil {
+	code := exitCode(d.exitErr)
+	if code < 0 {
+		t.Fatalf("waiting for ferryd: %v", d.exitErr)
+	}
+	return code
+}
+
+// exitCode is the exit status a command's error carries: 0 for none, -1
+// when it did not exit (it never started, or a signal ended it).
+func exitCode(err error) int {
+	if err == nil {
 		return 0
 	}
 	var ee *exec.ExitError
-	if errors.As(d.exitErr, &ee) {
+	if errors.As(err, &ee) {
 		return ee.ExitCode()
 	}
-	t.Fatalf("waiting for ferryd: %v", d.exitErr)
 	return -1
 }
 

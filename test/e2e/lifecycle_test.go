@@ -172,3 +172,69 @@ func TestSigusr1DumpsGoroutines(t *testing.T) {
 	})
 	d.alive(t)
 }
+
+// TestDrainLetsAnInFlightWaitGetItsData: a wait for a receive slot's data
+// that is in flight when ferryd starts draining keeps waiting, and a
+// sender's write into that slot during the drain still lands and answers
+// it; a write into a slot nobody waits on is refused as shutting down.
+func TestDrainLetsAnInFlightWaitGetItsData(t *testing.T) {
+	dir := t.TempDir()
+	rcv := startDaemon(t, dir, "rcv", "--drain-timeout", "30s")
+	snd := startDaemon(t, dir, "snd")
+	ctx := ctxT(t)
+	const n = 1 << 20
+	data := randomBytes(n, 12)
+	waited := slotFor(t, rcv, "late-1", n)
+	idle := slotFor(t, rcv, "idle-1", n)
+	type waitResult struct {
+		data []byte
+		err  error
+	}
+	got := make(chan waitResult, 1)
+	go func() {
+		b, err := rcv.c.Wait(ctx, "late-1", time.Minute)
+		got <- waitResult{b, err}
+	}()
+	// The slot's description counts the wait once it is in flight.
+	for deadline := time.Now().Add(10 * time.Second); ; {
+		info, err := rcv.c.WaitInfo(ctx, "late-1", 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if info.Waiters == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the wait is not in flight after 10s: %+v", info)
+		}
+		select {
+		case r := <-got:
+			t.Fatalf("the wait ended before the drain: %v", r.err)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
+
+	rcv.signal(syscall.SIGTERM)
+	line := rcv.log.wait(t, 10*time.Second, "the draining line", msg("draining: new requests get 503, requests in flight may finish"))
+	if line["in_flight"] != 1.0 {
+		t.Errorf("draining with in_flight=%v, want 1 (the wait); log:\n%s", line["in_flight"], rcv.log.dump())
+	}
+	for _, id := range []string{"late-1", "idle-1"} {
+		if _, err := snd.c.Stage(ctx, id, []int64{n}, "u8", bytes.NewReader(data), n); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if _, err := snd.c.Send(ctx, "idle-1", idle); err == nil || !strings.Contains(err.Error(), "shutting down") {
+		t.Errorf("a send into a slot nobody waits on during the drain: %v, want a refusal saying the receiver is shutting down", err)
+	}
+	if _, err := snd.c.Send(ctx, "late-1", waited); err != nil {
+		t.Fatalf("a send into the slot a wait in flight waits on, during the drain: %v", err)
+	}
+	r := <-got
+	if r.err != nil || !bytes.Equal(r.data, data) {
+		t.Fatalf("the wait in flight at SIGTERM: %v (%d bytes), want the %d bytes sent; log:\n%s", r.err, len(r.data), n, rcv.log.dump())
+	}
+	if code := rcv.waitExit(t, 20*time.Second); code != 0 {
+		t.Fatalf("ferryd exited %d after draining; log:\n%s", code, rcv.log.dump())
+	}
+}
