@@ -167,7 +167,7 @@ func TestRDMASilentReceiver(t *testing.T) {
 	args := []string{"--transport", "rdma", "--max-conns", "1", "--arena-size", "128MiB", "--io-timeout", "1s"}
 	snd, rcv := pair(t, args...)
 	ctx := flowCtx(t)
-	fs := make([]flowSend, 100)
+	fs := make([]flowSend, 320) // past the lane's 256 receives: some must wait for credits
 	for j := range fs {
 		var err error
 		if fs[j], err = stageFlow(ctx, snd, rcv, fmt.Sprintf("silent-%d", j), uint64(j), true); err != nil {

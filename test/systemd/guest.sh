@@ -42,7 +42,7 @@ status() { curl -sS --max-time "${1:-30}" --unix-socket "$SOCK" -o /dev/null -w 
 journal_since() { journalctl -u ferryd.service --since "@$1" -o cat --no-pager; }
 CONF=/etc/ferry/ferryd.toml
 PEER=(--socket /run/ferry-peer.sock --listen 127.0.0.1:17200 --arena-size 64MiB
-	--arena-file /run/ferry-peer.arena --transport tcp --advertise 127.0.0.1:17200)
+	--transport tcp --advertise 127.0.0.1:17200)
 peer_pid=
 start_peer() {
 	ferryd "${PEER[@]}" >/var/log/ferry-peer.log 2>&1 &
