@@ -1,31 +1,24 @@
 """ferry.mooncake.TransferEngine replaying the calls sglang's encoder and
 vLLM's Mooncake connector make, into a ferry receive slot's Mooncake
-segment (the receiving ferryd runs --mooncake-listen), and the calls of
-their receiving sides, which ferry refuses at registration."""
+segment (the receiving ferryd runs --mooncake-listen)."""
 
 import ctypes
 import json
 import logging
 import os
 import random
-import socket
-import subprocess
-import sys
-import threading
 
 import pytest
 
 import ferry
-from ferry.mooncake import TransferEngine, TransferOpcode
-
-from conftest import poll_until
+from ferry.mooncake import TransferEngine
 
 torch = pytest.importorskip("torch", reason="Debian's python3-torch (make test-python installs it)")
 
 
 @pytest.fixture
 def engine(pair):
-    e = TransferEngine(socket_path=pair[0].socket, send_only=True)
+    e = TransferEngine(socket_path=pair[0].socket)
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     return e
 
@@ -175,7 +168,7 @@ def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
     # The staged copy of the failed write does not linger in ferryd.
     assert not [e for e in engine._need_client().embeddings() if e["req_id"].startswith("mooncake-")]
     # Opt-in: raise instead.
-    raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path, send_only=True)
+    raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path)
     assert raising.register_memory(ptr, 4096) == 0
     with pytest.raises(ferry.TransferFailed) as e:
         raising.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address + 8192, 4096)
@@ -197,7 +190,7 @@ def test_an_empty_batch_succeeds_at_once(engine, rx, req_id):
 def test_two_engines_name_their_staged_entries_apart(pair, rx, req_id):
     # Host pieces go through a staged entry per call; two engines in one
     # process must not give two calls' entries one name.
-    engines = [TransferEngine(socket_path=pair[0].socket, send_only=True) for _ in range(2)]
+    engines = [TransferEngine(socket_path=pair[0].socket) for _ in range(2)]
     src = (ctypes.c_char * 4096).from_buffer_copy(os.urandom(4096))
     for i, e in enumerate(engines):
         assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -236,262 +229,3 @@ def test_an_unreachable_ferryd_fails_initialize(tmp_path):
     engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
     assert engine.initialize("h", "P2PHANDSHAKE", "tcp", "") == -1
     assert engine.last_failure.ret == "unreachable"
-
-
-def test_a_receivers_registered_buffers_take_peers_writes_in_place(pair, monkeypatch):
-    # sglang's multimodal receiver: register_memory of a torch.empty
-    # landing buffer, its address published, then the encoder's
-    # transfer_sync_write into it; when that returns 0 the bytes are in
-    # the receiver's own tensor (sglang's "done" message follows).
-    monkeypatch.delenv("FERRY_MOONCAKE_SEND_ONLY", raising=False)
-    receiver = TransferEngine(socket_path=pair[1].socket)
-    assert receiver.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    session = f"127.0.0.1:{receiver.get_rpc_port()}"
-    sender = TransferEngine(socket_path=pair[0].socket, send_only=True)
-    n = (64 << 10) + 123
-    block = torch.full((n + 300,), 0xAB, dtype=torch.uint8)
-    landing = block[100:100 + n]  # not page-aligned: its pages go along
-    assert receiver.register_memory(landing.data_ptr(), n) == 0, receiver.last_failure
-    assert bytes(block.numpy()) == b"\xab" * len(block)  # contents kept
-    [lent] = [g for g in pair[1].client().regions() if g.get("mooncake_addr")]
-    assert lent["mooncake_addr"] <= landing.data_ptr() and landing.data_ptr() + n <= lent["mooncake_addr"] + lent["nbytes"]
-    emb = torch.randint(0, 255, (n,), dtype=torch.uint8)
-    assert sender.register_memory(emb.data_ptr(), n) == 0
-    assert sender.transfer_sync_write(session, emb.data_ptr(), landing.data_ptr(), n) == 0, sender.last_failure
-    assert torch.equal(landing, emb)
-    assert bytes(block[:100].numpy()) == b"\xab" * 100 and bytes(block[100 + n:].numpy()) == b"\xab" * 200
-
-    # sglang PD decode: batch_register of per-layer K and V buffers torch
-    # allocated before; prefill: one batch_transfer_sync_write of 2,048
-    # scattered pages.
-    page, count = 1024, 1024
-    kv = [torch.zeros(page * count, dtype=torch.uint8) for _ in range(2)]
-    assert receiver.batch_register_memory([t.data_ptr() for t in kv], [t.numel() for t in kv]) == 0, receiver.last_failure
-    src = torch.randint(0, 255, (2 * page * count,), dtype=torch.uint8)
-    assert sender.register_memory(src.data_ptr(), src.numel()) == 0
-    rng = random.Random(3)
-    order = [(layer, p) for layer in range(2) for p in range(count)]
-    rng.shuffle(order)
-    dest_pages = list(range(count))
-    rng.shuffle(dest_pages)
-    bufs = [src.data_ptr() + (layer * count + p) * page for layer, p in order]
-    dsts = [kv[layer].data_ptr() + dest_pages[p] * page for layer, p in order]
-    assert sender.batch_transfer_sync_write(session, bufs, dsts, [page] * len(order)) == 0, sender.last_failure
-    for layer in range(2):
-        for p in range(count):
-            got = kv[layer][dest_pages[p] * page:(dest_pages[p] + 1) * page]
-            assert torch.equal(got, src[(layer * count + p) * page:(layer * count + p + 1) * page]), (layer, p)
-
-    # Tensors sharing a page (the allocator places them side by side): a
-    # registration lends only the pages none lent before, as an adjacent
-    # region, and a write may span both.
-    block2 = torch.zeros(6 * 4096, dtype=torch.uint8)
-    q = -(-block2.data_ptr() // 4096) * 4096
-    a, b = (q + 100, 4096), (q + 4096 + 200, 3 * 4096 - 200)  # a's pages [q, q+8K), b's [q+4K, q+16K)
-    def lent():
-        return sorted((g["mooncake_addr"], g["nbytes"]) for g in pair[1].client().regions() if g.get("mooncake_addr"))
-
-    before = lent()
-    assert receiver.register_memory(*a) == 0 and receiver.register_memory(*b) == 0, receiver.last_failure
-    assert sorted(set(lent()) - set(before)) == [(q, 8192), (q + 8192, 8192)]
-    span = torch.randint(0, 255, (7000,), dtype=torch.uint8)
-    assert sender.register_memory(span.data_ptr(), 7000) == 0
-    assert sender.transfer_sync_write(session, span.data_ptr(), q + 5000, 7000) == 0, sender.last_failure
-    assert ctypes.string_at(q + 5000, 7000) == bytes(span.numpy())
-    # a's unregistration leaves the page b shares lent.
-    assert receiver.unregister_memory(a[0]) == 0
-    assert sender.transfer_sync_write(session, span.data_ptr(), q + 4096 + 200, 100) == 0, sender.last_failure
-    assert receiver.unregister_memory(b[0]) == 0 and sender.unregister_memory(span.data_ptr()) == 0
-
-    # Unregistered: the segment no longer lists it, a write is refused.
-    assert receiver.batch_unregister_memory([landing.data_ptr()] + [t.data_ptr() for t in kv]) == 0, receiver.last_failure
-    assert not [g for g in pair[1].client().regions() if g.get("mooncake_addr")]
-    assert sender.transfer_sync_write(session, emb.data_ptr(), landing.data_ptr(), n) == -1
-    # Given back, the pages are anonymous private memory again, contents kept.
-    import ferry.remap
-    ferry.remap.check_anonymous(*ferry.remap.pages(landing.data_ptr(), n))
-    assert torch.equal(landing, emb) and bytes(block[:100].numpy()) == b"\xab" * 100
-    # Registered again: writable again.
-    assert receiver.register_memory(landing.data_ptr(), n) == 0, receiver.last_failure
-    emb2 = torch.randint(0, 255, (n,), dtype=torch.uint8)
-    assert sender.register_memory(emb2.data_ptr(), n) == 0
-    assert sender.transfer_sync_write(session, emb2.data_ptr(), landing.data_ptr(), n) == 0, sender.last_failure
-    assert torch.equal(landing, emb2)
-    assert receiver.unregister_memory(landing.data_ptr()) == 0
-    assert sender.batch_unregister_memory([emb.data_ptr(), src.data_ptr(), emb2.data_ptr()]) == 0
-
-
-def test_memory_peers_cannot_write_is_refused_at_registration(pair, monkeypatch, tmp_path, caplog):
-    # Never 0 for memory peers cannot write: -1, the reason logged and kept.
-    monkeypatch.delenv("FERRY_MOONCAKE_SEND_ONLY", raising=False)
-    buf = torch.zeros(8192, dtype=torch.uint8)
-    # A ferryd serving no Mooncake segment: nothing can write.
-    no_segment = TransferEngine(socket_path=pair[0].socket)
-    with caplog.at_level(logging.WARNING, logger="ferry.mooncake"):
-        assert no_segment.register_memory(buf.data_ptr(), 8192) == -1
-    f = no_segment.last_failure
-    assert (f.method, f.ret) == ("register_memory", "not_writable") and "--mooncake-listen" in f.message
-    assert "send_only=True" in f.message and "ret=not_writable" in caplog.text
-    assert no_segment.batch_register_memory([buf.data_ptr()], [8192]) == -1
-    assert no_segment.unregister_memory(buf.data_ptr()) == -1  # nothing was registered
-    # A file's mapping is not memory ferry can take over in place.
-    receiver = TransferEngine(socket_path=pair[1].socket)
-    path = tmp_path / "file"
-    path.write_bytes(b"\0" * 8192)
-    with open(path, "r+b") as fh:
-        import mmap
-        mm = mmap.mmap(fh.fileno(), 8192)
-        view = (ctypes.c_char * 8192).from_buffer(mm)
-        assert receiver.register_memory(ctypes.addressof(view), 8192) == -1
-        assert receiver.last_failure.ret == "not_writable" and "not anonymous" in receiver.last_failure.message
-        del view
-        mm.close()
-    # The environment says send-only for a framework that makes the engine.
-    monkeypatch.setenv("FERRY_MOONCAKE_SEND_ONLY", "1")
-    e = TransferEngine(socket_path=pair[0].socket)
-    assert e.register_memory(buf.data_ptr(), 8192) == 0 and e.unregister_memory(buf.data_ptr()) == 0
-
-
-# Mooncake's Python engine, every method (mooncake-integration's
-# TransferEnginePy; ../shared/reference/inference-frameworks.md).
-MOONCAKE_METHODS = [
-    "initialize", "initialize_ext", "get_rpc_port",
-    "register_memory", "unregister_memory", "batch_register_memory", "batch_unregister_memory",
-    "allocate_managed_buffer", "free_managed_buffer", "get_first_buffer_address",
-    "write_bytes_to_buffer", "read_bytes_from_buffer",
-    "transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write", "batch_transfer_sync_read",
-    "transfer_sync", "batch_transfer_sync",
-    "transfer_submit_write", "transfer_check_status", "batch_transfer_async_write", "batch_transfer_async_read",
-    "batch_transfer_async", "get_batch_transfer_status",
-    "get_notifies", "send_probe",
-    "transfer_write_on_cuda", "transfer_read_on_cuda", "batch_transfer_write_on_cuda", "batch_transfer_read_on_cuda",
-    "batch_transfer_on_cuda",
-    "get_engine", "get_engine_ptr", "get_local_topology", "warmup_efa_segment",
-]
-
-
-def test_every_method_of_mooncakes_engine_is_there(tmp_path):
-    import ferry.mooncake as mc
-    engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
-    for name in MOONCAKE_METHODS:
-        assert callable(getattr(engine, name, None)), name
-        if name in mc._NOT_IMPLEMENTED:
-            with pytest.raises(NotImplementedError, match=f"TransferEngine.{name}: .*docs/python.md"):
-                getattr(engine, name)("127.0.0.1:1", 1, 2, 3)
-    assert set(mc._NOT_IMPLEMENTED) <= set(MOONCAKE_METHODS)
-    assert engine.get_engine() is engine
-    # transfer_sync's READ and notify are reads and notifies: not there.
-    with pytest.raises(NotImplementedError, match="transfer_sync with opcode READ"):
-        engine.transfer_sync("127.0.0.1:1", 1, 2, 3, TransferOpcode.READ)
-    with pytest.raises(NotImplementedError, match="batch_transfer_sync with a notify"):
-        engine.batch_transfer_sync("127.0.0.1:1", [1], [2], [3], TransferOpcode.WRITE, notify=("a", "b"))
-    assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, 7) == -1 and "opcode 7" in engine.last_failure.message
-
-
-def test_initialize_honours_its_arguments(pair, monkeypatch):
-    tx, rx = pair
-    engine = TransferEngine(socket_path=rx.socket)
-    port = rx.client().status()["mooncake"]["segment"].rsplit(":", 1)[1]
-    refusals = [
-        (("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", ""), "P2PHANDSHAKE"),
-        (("127.0.0.1", "P2PHANDSHAKE", "nvmeof", ""), '"tcp" or "rdma"'),
-        (("127.0.0.1", "P2PHANDSHAKE", "rdma", ""), "--transport rdma"),   # a tcp ferryd: never silently TCP
-        (("127.0.0.1:1", "P2PHANDSHAKE", "tcp", ""), "pass the host alone"),
-    ]
-    for args, why in refusals:
-        assert engine.initialize(*args) == -1, args
-        assert why in engine.last_failure.message, (args, engine.last_failure)
-    assert engine.initialize_ext("127.0.0.1", "P2PHANDSHAKE", "tcp", "", "etcd") == -1
-    assert "metadata_type 'etcd'" in engine.last_failure.message
-    assert engine.initialize_ext(f"127.0.0.1:{port}", "P2PHANDSHAKE", "tcp", "mlx5_0", "p2p") == 0
-    assert (engine.local_hostname, engine.protocol, engine.device_name) == ("127.0.0.1", "tcp", "")
-    # No segment: no port to be.
-    assert TransferEngine(socket_path=tx.socket).initialize("h:1", "P2PHANDSHAKE", "tcp", "") == -1
-    # An rdma ferryd (its status stood in for beneath the client):
-    # device_name must be the NIC it sends over.
-    real = ferry.Client.status
-
-    def rdma_status(self):
-        st = real(self)
-        st["transport"] = {"name": "rdma", "reason": "--transport rdma", "rdma": {"chosen": {"device": "mlx5_0"}}}
-        return st
-
-    monkeypatch.setattr(ferry.Client, "status", rdma_status)
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
-    assert "initialize with 'rdma'" in engine.last_failure.message
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0,mlx5_1") == -1
-    assert "one NIC, mlx5_0" in engine.last_failure.message
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") == 0 and engine.device_name == "mlx5_0"
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0 and engine.device_name == "mlx5_0"
-
-
-def test_probe_first_buffer_and_local_buffers(engine, pair):
-    rx_status = pair[1].client().status()
-    segment = rx_status["mooncake"]["segment"]
-    assert engine.send_probe(segment) == 0, engine.last_failure
-    # A ferry segment's first buffer is ferryd's arena.
-    assert engine.get_first_buffer_address(segment) == rx_status["memory"]["arena_base"]
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        closed = f"127.0.0.1:{s.getsockname()[1]}"
-    assert engine.send_probe(closed) == -1
-    f = engine.last_failure
-    assert (f.method, f.session, f.ret) == ("send_probe", closed, "unreachable") and closed in f.message
-    assert engine.get_first_buffer_address(closed) == -1
-    assert engine.send_probe("no-port") == -1 and "host:rpc_port" in engine.last_failure.message
-    # write_bytes_to_buffer and read_bytes_from_buffer copy in this process.
-    buf = ctypes.create_string_buffer(64)
-    assert engine.write_bytes_to_buffer(ctypes.addressof(buf), b"hello ferry", 11) == 0
-    assert engine.read_bytes_from_buffer(ctypes.addressof(buf), 11) == b"hello ferry"
-    assert engine.write_bytes_to_buffer(ctypes.addressof(buf), b"abc", 4) == -1
-
-
-def test_batch_unregister_and_transfer_sync_write(engine, rx, req_id):
-    a, b = (ctypes.c_char * 4096).from_buffer_copy(os.urandom(4096)), (ctypes.c_char * 4096)()
-    pa, pb = ctypes.addressof(a), ctypes.addressof(b)
-    assert engine.batch_register_memory([pa, pb], [4096, 4096]) == 0
-    slot = rx.receive(req_id, 4096, mooncake=True)
-    assert engine.transfer_sync(slot.mooncake_session, pa, slot.buffer_address, 4096, TransferOpcode.WRITE) == 0, \
-        engine.last_failure
-    assert rx.wait(req_id, 10) == bytes(a)
-    rx.free(req_id)
-    # All are tried; any not registered makes it -1 (sglang's teardown).
-    assert engine.batch_unregister_memory([pa, pa + 1, pb]) == -1
-    assert "no range is registered" in engine.last_failure.message
-    assert engine.batch_unregister_memory([pa, pb]) == -1  # both gone already
-    assert engine.batch_unregister_memory([]) == 0
-
-
-def test_an_engines_registrations_go_when_its_process_dies(pair):
-    # A receiver killed without unregistering: ferryd drops the memory it
-    # lent for Mooncake peers (its addresses were that process's).
-    child = subprocess.Popen([sys.executable, "-c", f"""
-import sys, torch
-from ferry.mooncake import TransferEngine
-engine = TransferEngine(socket_path={pair[1].socket!r})
-buf = torch.zeros(1 << 16, dtype=torch.uint8)
-assert engine.register_memory(buf.data_ptr(), buf.numel()) == 0, engine.last_failure
-print("registered", flush=True)
-sys.stdin.read()
-"""], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env={k: v for k, v in os.environ.items() if k != "FERRY_MOONCAKE_SEND_ONLY"})
-    deadline = threading.Timer(240, child.kill)  # bounds the wait for its line (importing torch on a busy host is slow)
-    deadline.start()
-    try:
-        assert child.stdout.readline() == b"registered\n"
-        deadline.cancel()
-        rx = pair[1].client()
-
-        def lent():
-            return [g["name"] for g in rx.regions() if g["name"].startswith(f"mooncake-{child.pid}-")]
-
-        assert lent()
-        child.kill()
-        child.wait(10)
-        poll_until(lambda: not lent(), 10, f"ferryd dropping the regions of killed pid {child.pid}")
-        pair[1].wait_log(lambda line: line.get("pid") == child.pid and "exited" in line.get("message", ""), 10,
-                         "the line saying why the regions went")
-    finally:
-        deadline.cancel()
-        if child.poll() is None:
-            child.kill()
-            child.wait(10)
