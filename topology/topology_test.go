@@ -2,75 +2,13 @@ package topology
 
 import (
 	"fmt"
-	"os"
 	"path/filepath"
 	"slices"
 	"strings"
 	"testing"
+
+	"github.com/ferry-project/ferry/topology/topologytest"
 )
-
-// host builds a fake sysfs tree: PCI functions at their paths under
-// sys/devices with the sys/bus/pci/devices links, and NICs under
-// sys/class/infiniband as the kernel lays them out.
-type host struct {
-	t    *testing.T
-	root string
-}
-
-func newHost(t *testing.T) *host { return &host{t: t, root: t.TempDir()} }
-
-func (h *host) write(rel, data string) {
-	h.t.Helper()
-	p := filepath.Join(h.root, rel)
-	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-		h.t.Fatal(err)
-	}
-	if err := os.WriteFile(p, []byte(data), 0o644); err != nil {
-		h.t.Fatal(err)
-	}
-}
-
-func (h *host) link(rel, target string) {
-	h.t.Helper()
-	p := filepath.Join(h.root, rel)
-	if err := os.MkdirAll(filepath.Dir(p), 0o755); err != nil {
-		h.t.Fatal(err)
-	}
-	if err := os.Symlink(target, p); err != nil {
-		h.t.Fatal(err)
-	}
-}
-
-// pci adds the function at path (host bridge first, the function last).
-func (h *host) pci(path string, numa int) string {
-	h.write("sys/devices/"+path+"/numa_node", fmt.Sprintf("%d\n", numa))
-	bdf := filepath.Base(path)
-	h.link("sys/bus/pci/devices/"+bdf, "../../../devices/"+path)
-	return bdf
-}
-
-// nic adds RDMA device name on the function at path, with netdev and a
-// RoCE v2 GID of ipv4 at index 1 (index 0 is link-local, as on RoCE).
-func (h *host) nic(name, path string, numa int, netdev, ipv4 string) {
-	h.pci(path, numa)
-	dev := "sys/devices/" + path + "/infiniband/" + name
-	h.link(dev+"/device", "../..")
-	h.write("sys/devices/"+path+"/net/"+netdev+"/ifindex", "3\n")
-	h.write(dev+"/ports/1/gids/0", "fe80:0000:0000:0000:0000:0000:0000:0001\n")
-	h.write(dev+"/ports/1/gid_attrs/types/0", "RoCE v2\n")
-	h.write(dev+"/ports/1/gid_attrs/ndevs/0", netdev+"\n")
-	h.write(dev+"/ports/1/gids/1", "0000:0000:0000:0000:0000:ffff:"+hexIPv4(ipv4)+"\n")
-	h.write(dev+"/ports/1/gid_attrs/types/1", "RoCE v2\n")
-	h.write(dev+"/ports/1/gid_attrs/ndevs/1", netdev+"\n")
-	h.write(dev+"/ports/1/gids/2", "0000:0000:0000:0000:0000:0000:0000:0000\n")
-	h.link("sys/class/infiniband/"+name, "../../devices/"+path+"/infiniband/"+name)
-}
-
-func hexIPv4(s string) string {
-	var a, b, c, d int
-	fmt.Sscanf(s, "%d.%d.%d.%d", &a, &b, &c, &d)
-	return fmt.Sprintf("%02x%02x:%02x%02x", a, b, c, d)
-}
 
 // switchAt is the path of a PCIe switch's downstream port under root
 // port rp of host bridge hb: hb/rp/up/down.
@@ -90,8 +28,8 @@ func fnUnder(down string, bus int) string {
 // per socket; GPU i under switch i, NIC j under switch j*8/nics (one per
 // switch with 8, one per two switches' GPU pair with 4: those switches
 // hold two GPUs).
-func railHost(t *testing.T, nics int) (*host, []GPU) {
-	h := newHost(t)
+func railHost(t *testing.T, nics int) (*topologytest.Host, []GPU) {
+	h := topologytest.New(t)
 	var gpus []GPU
 	for i := range 8 {
 		node := i / 4
@@ -102,7 +40,7 @@ func railHost(t *testing.T, nics int) (*host, []GPU) {
 		}
 		base := 0x10 + sw*0x10
 		down := switchAt(hb, base, i%2)
-		gpus = append(gpus, GPU{Device: fmt.Sprintf("cuda:%d", i), BusID: h.pci(fnUnder(down, base+1+i%2*4), node)})
+		gpus = append(gpus, GPU{Device: fmt.Sprintf("cuda:%d", i), BusID: h.PCI(fnUnder(down, base+1+i%2*4), node)})
 	}
 	for j := range nics {
 		gpuOf := j * 8 / nics
@@ -110,7 +48,7 @@ func railHost(t *testing.T, nics int) (*host, []GPU) {
 		hb := []string{"pci0000:00", "pci0000:80"}[node]
 		base := 0x10 + j*0x10 // switch j
 		down := switchAt(hb, base, 2)
-		h.nic(fmt.Sprintf("mlx5_%d", j), fnUnder(down, base+8), node, fmt.Sprintf("ens%d", j), fmt.Sprintf("10.0.%d.1", j))
+		h.NIC(fmt.Sprintf("mlx5_%d", j), fnUnder(down, base+8), node, fmt.Sprintf("ens%d", j), fmt.Sprintf("10.0.%d.1", j))
 	}
 	return h, gpus
 }
@@ -119,7 +57,7 @@ func nicNames(a *Affinity, dev string) string { return strings.Join(a.NICsFor(de
 
 func TestRailOptimizedPairsEachGPUWithTheNICOnItsSwitch(t *testing.T) {
 	h, gpus := railHost(t, 8)
-	a, err := Read(h.root, gpus, nil)
+	a, err := Read(h.Root, gpus, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -144,7 +82,7 @@ func TestRailOptimizedPairsEachGPUWithTheNICOnItsSwitch(t *testing.T) {
 
 func TestTwoGPUsPerSwitchShareItsNIC(t *testing.T) {
 	h, gpus := railHost(t, 4)
-	a, err := Read(h.root, gpus, nil)
+	a, err := Read(h.Root, gpus, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -159,23 +97,23 @@ func TestTwoGPUsPerSwitchShareItsNIC(t *testing.T) {
 // other GPUs of socket 0 get both by NUMA node, and socket 1's GPUs get
 // every NIC, "none near", with a warning each.
 func TestNICsOnOneNodeOnly(t *testing.T) {
-	h := newHost(t)
+	h := topologytest.New(t)
 	var gpus []GPU
 	for i := range 8 {
 		node := i / 4
 		hb := []string{"pci0000:00", "pci0000:80"}[node]
 		base := 0x10 + i*0x10
 		down := switchAt(hb, base, 0)
-		gpus = append(gpus, GPU{Device: fmt.Sprintf("cuda:%d", i), BusID: h.pci(fnUnder(down, base+1), node)})
+		gpus = append(gpus, GPU{Device: fmt.Sprintf("cuda:%d", i), BusID: h.PCI(fnUnder(down, base+1), node)})
 		if i < 2 {
 			nicDown := switchAt(hb, base, 1)
-			h.nic(fmt.Sprintf("mlx5_%d", i), fnUnder(nicDown, base+8), node, fmt.Sprintf("ens%d", i), fmt.Sprintf("10.0.%d.1", i))
+			h.NIC(fmt.Sprintf("mlx5_%d", i), fnUnder(nicDown, base+8), node, fmt.Sprintf("ens%d", i), fmt.Sprintf("10.0.%d.1", i))
 		}
 	}
 	// A third root complex on node 0 makes GPU 2 and 3's NICs "numa node",
 	// not "host bridge": move GPU 3 there.
-	gpus[3].BusID = h.pci("pci0000:c0/0000:c0:01.0/0000:c1:00.0", 0)
-	a, err := Read(h.root, gpus, nil)
+	gpus[3].BusID = h.PCI("pci0000:c0/0000:c0:01.0/0000:c1:00.0", 0)
+	a, err := Read(h.Root, gpus, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -206,11 +144,11 @@ func TestNICsOnOneNodeOnly(t *testing.T) {
 // A GPU and a NIC sharing a root port but no switch (functions of one
 // slot) are "root port".
 func TestSharedRootPort(t *testing.T) {
-	h := newHost(t)
-	gpus := []GPU{{Device: "cuda:0", BusID: h.pci("pci0000:00/0000:00:02.0/0000:05:00.0", 0)}}
-	h.nic("mlx5_0", "pci0000:00/0000:00:02.0/0000:05:00.1", 0, "ens5", "10.0.0.5")
-	h.nic("mlx5_1", "pci0000:00/0000:00:03.0/0000:06:00.0", 0, "ens6", "10.0.0.6")
-	a, err := Read(h.root, gpus, nil)
+	h := topologytest.New(t)
+	gpus := []GPU{{Device: "cuda:0", BusID: h.PCI("pci0000:00/0000:00:02.0/0000:05:00.0", 0)}}
+	h.NIC("mlx5_0", "pci0000:00/0000:00:02.0/0000:05:00.1", 0, "ens5", "10.0.0.5")
+	h.NIC("mlx5_1", "pci0000:00/0000:00:03.0/0000:06:00.0", 0, "ens6", "10.0.0.6")
+	a, err := Read(h.Root, gpus, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -221,7 +159,7 @@ func TestSharedRootPort(t *testing.T) {
 
 func TestOverrideBeatsTheTopology(t *testing.T) {
 	h, gpus := railHost(t, 8)
-	a, err := Read(h.root, gpus, map[string][]string{"cuda:0": {"mlx5_7", "mlx5_1"}})
+	a, err := Read(h.Root, gpus, map[string][]string{"cuda:0": {"mlx5_7", "mlx5_1"}})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -247,7 +185,7 @@ func TestOverrideNamingWhatIsNotHereIsRefused(t *testing.T) {
 		{map[string][]string{"cuda:1": {"mlx5_9"}}, `"mlx5_9", which is not an RDMA device here (there are mlx5_0, mlx5_1, mlx5_2, mlx5_3)`},
 		{map[string][]string{"cuda:1": {}}, `cuda:1 maps to no NIC`},
 	} {
-		if _, err := Read(h.root, gpus, c.m); err == nil || !strings.Contains(err.Error(), c.want) {
+		if _, err := Read(h.Root, gpus, c.m); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%v: got %v, want %q", c.m, err, c.want)
 		}
 	}
@@ -256,8 +194,8 @@ func TestOverrideNamingWhatIsNotHereIsRefused(t *testing.T) {
 // No NICs, a GPU sysfs does not show, and a virtual NIC without a PCI
 // device: rows still say why.
 func TestHostsWithoutPCIFacts(t *testing.T) {
-	h := newHost(t)
-	a, err := Read(h.root, []GPU{{Device: "cuda:0", BusID: "0000:3b:00.0"}}, nil)
+	h := topologytest.New(t)
+	a, err := Read(h.Root, []GPU{{Device: "cuda:0", BusID: "0000:3b:00.0"}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -265,10 +203,10 @@ func TestHostsWithoutPCIFacts(t *testing.T) {
 		t.Errorf("no NICs: %+v %q", r, a.Table().Warnings)
 	}
 	// soft-RoCE: a class entry without a device link; its netdev from the GID.
-	h.write("sys/class/infiniband/rxe0/ports/1/gids/1", "0000:0000:0000:0000:0000:ffff:0a00:0002\n")
-	h.write("sys/class/infiniband/rxe0/ports/1/gid_attrs/types/1", "RoCE v2\n")
-	h.write("sys/class/infiniband/rxe0/ports/1/gid_attrs/ndevs/1", "eth0\n")
-	a, err = Read(h.root, []GPU{{Device: "cuda:0", BusID: "0000:3b:00.0"}}, nil)
+	h.Write("sys/class/infiniband/rxe0/ports/1/gids/1", "0000:0000:0000:0000:0000:ffff:0a00:0002\n")
+	h.Write("sys/class/infiniband/rxe0/ports/1/gid_attrs/types/1", "RoCE v2\n")
+	h.Write("sys/class/infiniband/rxe0/ports/1/gid_attrs/ndevs/1", "eth0\n")
+	a, err = Read(h.Root, []GPU{{Device: "cuda:0", BusID: "0000:3b:00.0"}}, nil)
 	if err != nil {
 		t.Fatal(err)
 	}
