@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"fmt"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -10,6 +11,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/cuda/cudatest"
 	"github.com/ferry-project/ferry/internal/fakecuda"
 	"github.com/ferry-project/ferry/topology/topologytest"
 )
@@ -125,5 +127,39 @@ func TestAffinityTableOfAFakeHost(t *testing.T) {
 	out, err = bad.CombinedOutput()
 	if exitCode(err) == 0 || !strings.Contains(string(out), `cuda:1 maps to "mlx5_7", which is not an RDMA device here (there are mlx5_0, mlx5_1)`) {
 		t.Errorf("a map naming a missing NIC: exit %d\n%s", exitCode(err), out)
+	}
+}
+
+// make test-gpu: the table this host gives, printed for the run's log
+// ("== AFFINITY" lines), each GPU the driver lists with a bus id sysfs
+// shows, and each NIC of a row one sysfs lists.
+func TestGPUAffinityTable(t *testing.T) {
+	cudatest.Require(t)
+	d := startDaemon(t, t.TempDir(), "gpu", "--device", "cuda:0", "--arena-size", "64MiB", "--bounce-size", "16MiB")
+	ctx := ctxT(t)
+	st, err := d.c.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(st.Affinity.Devices) == 0 {
+		t.Fatalf("no affinity rows on a GPU host: %+v", st.Affinity)
+	}
+	for _, r := range st.Affinity.Devices {
+		if _, err := os.Stat("/sys/bus/pci/devices/" + r.BusID); err != nil {
+			t.Errorf("%s: bus id %q is not in sysfs: %v", r.Device, r.BusID, err)
+		}
+		for _, n := range r.NICs {
+			if _, err := os.Stat("/sys/class/infiniband/" + n.Name); err != nil {
+				t.Errorf("%s: NIC %q is not in sysfs: %v", r.Device, n.Name, err)
+			}
+		}
+	}
+	out, err := exec.CommandContext(ctx, filepath.Join(bin, "ferryctl"), "--socket", d.socket, "status").CombinedOutput()
+	if err != nil {
+		t.Fatalf("ferryctl status: %v\n%s", err, out)
+	}
+	_, table, _ := strings.Cut(string(out), "affinity\n")
+	for _, line := range strings.Split(strings.TrimRight(table, "\n"), "\n") {
+		fmt.Println("== AFFINITY", line)
 	}
 }
