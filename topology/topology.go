@@ -118,10 +118,11 @@ func Read(root string, gpus []GPU, override map[string][]string) (*Affinity, err
 	if err := checkOverride(override, gpus, byName); err != nil {
 		return nil, err
 	}
+	oneNode := numaNodes(root) <= 1
 	for _, g := range gpus {
 		node := readPCI(root, g.BusID)
 		row := api.DeviceAffinity{Device: g.Device, BusID: g.BusID, NUMANode: node.numa, NICs: []api.AffinityNIC{}}
-		chosen, level, why := nearest(node, nics)
+		chosen, level, why := nearest(node, nics, oneNode)
 		row.Distance, row.Why = level.String(), why
 		if names, ok := override[g.Device]; ok {
 			chosen = nil
@@ -178,8 +179,9 @@ func nicList(nics map[string]nic) string {
 }
 
 // nearest picks the NICs nearest gpu: those of the best level, and at
-// the switch level those under the deepest shared bridge.
-func nearest(gpu pciNode, nics []nic) ([]nic, Level, string) {
+// the switch level those under the deepest shared bridge. On a host of
+// one NUMA node every device is on it, whatever numa_node says (-1 or 0).
+func nearest(gpu pciNode, nics []nic, oneNode bool) ([]nic, Level, string) {
 	if len(nics) == 0 {
 		return nil, Other, "no RDMA NIC on this host"
 	}
@@ -191,7 +193,7 @@ func nearest(gpu pciNode, nics []nic) ([]nic, Level, string) {
 	}
 	rs := make([]ranked, len(nics))
 	for i, n := range nics {
-		l, shared, why := distance(gpu, n.pci)
+		l, shared, why := distance(gpu, n.pci, oneNode)
 		rs[i] = ranked{n, l, shared, why}
 	}
 	sort.SliceStable(rs, func(i, j int) bool {
@@ -211,7 +213,7 @@ func nearest(gpu pciNode, nics []nic) ([]nic, Level, string) {
 }
 
 // distance says how near n is to gpu, how many bridges they share, and why.
-func distance(gpu, n pciNode) (Level, int, string) {
+func distance(gpu, n pciNode, oneNode bool) (Level, int, string) {
 	if gpu.chain == nil {
 		return Other, 0, gpu.why
 	}
@@ -228,11 +230,12 @@ func distance(gpu, n pciNode) (Level, int, string) {
 		return HostBridge, shared, "on the root complex " + gpu.chain[0]
 	case n.chain == nil:
 		return Other, 0, n.why
+	case oneNode:
+		return NUMANode, 0, "the host has one NUMA node"
 	case gpu.numa >= 0 && gpu.numa == n.numa:
 		return NUMANode, 0, fmt.Sprintf("on NUMA node %d", gpu.numa)
 	case gpu.numa < 0 && n.numa < 0:
-		// The kernel gives -1 on hosts of one node.
-		return NUMANode, 0, "the kernel gives no NUMA node (one node)"
+		return NUMANode, 0, "the kernel gives neither a NUMA node"
 	}
 	return Other, 0, fmt.Sprintf("the GPU is on NUMA node %d, the NIC on %d", gpu.numa, n.numa)
 }
@@ -270,6 +273,12 @@ func placeAt(path string) pciNode {
 	}
 	fn := strings.Join(parts[:last+1], "/")
 	return pciNode{chain: slices.Clone(parts[start:last]), numa: readInt(filepath.Join(fn, "numa_node"), -1)}
+}
+
+// numaNodes counts sys/devices/system/node/nodeN.
+func numaNodes(root string) int {
+	nodes, _ := filepath.Glob(filepath.Join(root, "sys/devices/system/node/node[0-9]*"))
+	return len(nodes)
 }
 
 func readInt(path string, def int) int {

@@ -30,6 +30,7 @@ func fnUnder(down string, bus int) string {
 // hold two GPUs).
 func railHost(t *testing.T, nics int) (*topologytest.Host, []GPU) {
 	h := topologytest.New(t)
+	h.Nodes(2)
 	var gpus []GPU
 	for i := range 8 {
 		node := i / 4
@@ -98,6 +99,7 @@ func TestTwoGPUsPerSwitchShareItsNIC(t *testing.T) {
 // every NIC, "none near", with a warning each.
 func TestNICsOnOneNodeOnly(t *testing.T) {
 	h := topologytest.New(t)
+	h.Nodes(2)
 	var gpus []GPU
 	for i := range 8 {
 		node := i / 4
@@ -220,5 +222,28 @@ func TestHostsWithoutPCIFacts(t *testing.T) {
 	}
 	if !slices.Equal(a.NICsFor("cuda:0"), []string{"rxe0"}) {
 		t.Errorf("NICsFor: %q", a.NICsFor("cuda:0"))
+	}
+}
+
+// On a host of one NUMA node the kernel may give a GPU -1 and a NIC 0:
+// they are on the one node, no warning; the same devices on a host of
+// two nodes are "other".
+func TestOneNodeHost(t *testing.T) {
+	h := topologytest.New(t)
+	gpus := []GPU{{Device: "cuda:0", BusID: h.PCI("pci0000:00/0000:00:02.0/0000:05:00.0", -1)}}
+	h.NIC("mlx5_0", "pci0000:40/0000:40:03.0/0000:41:00.0", 0, "ens5", "10.0.0.5")
+	a, err := Read(h.Root, gpus, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := a.Table().Devices[0]; r.Distance != "numa node" || r.Why != "the host has one NUMA node" || len(a.Table().Warnings) != 0 {
+		t.Errorf("one node: %+v, warnings %q", r, a.Table().Warnings)
+	}
+	h.Nodes(2)
+	if a, err = Read(h.Root, gpus, nil); err != nil {
+		t.Fatal(err)
+	}
+	if r := a.Table().Devices[0]; r.Distance != "other" || len(a.Table().Warnings) != 1 {
+		t.Errorf("two nodes: %+v, warnings %q", r, a.Table().Warnings)
 	}
 }

@@ -37,6 +37,7 @@ func fakeSysfsPrefix(t *testing.T, h *topologytest.Host, env ...string) []string
 // GPU arena of that ferryd arrives byte-exact.
 func TestAffinityTableOfAFakeHost(t *testing.T) {
 	h := topologytest.New(t)
+	h.Nodes(2)
 	gpus := []string{
 		h.PCI("pci0000:00/0000:00:01.0/0000:01:00.0/0000:02:00.0/0000:03:00.0", 0),
 		h.PCI("pci0000:00/0000:00:02.0/0000:11:00.0/0000:12:00.0/0000:13:00.0", 0),

@@ -44,6 +44,15 @@ func (h *Host) link(rel, target string) {
 	}
 }
 
+// Nodes lays out n NUMA nodes (sys/devices/system/node/nodeN); a tree
+// without them is a host of one node.
+func (h *Host) Nodes(n int) {
+	h.t.Helper()
+	for i := range n {
+		h.Write(fmt.Sprintf("sys/devices/system/node/node%d/cpulist", i), fmt.Sprintf("%d-%d\n", i*16, i*16+15))
+	}
+}
+
 // PCI adds the function at path (host bridge first, the function last).
 func (h *Host) PCI(path string, numa int) string {
 	h.t.Helper()
