@@ -102,14 +102,16 @@ type nic struct {
 // Read builds the table for gpus from the sysfs tree under root ("/" on a
 // host). override maps a device ("cuda:N") to NIC names, in order, and
 // beats the topology for that device; naming a device or NIC that is not
-// here is an error. A host without RDMA NICs is no error: each row says
-// so.
+// here is an error. A host without RDMA NICs is no error (each row says
+// so), nor is a sysfs that cannot be read (a warning says so).
 func Read(root string, gpus []GPU, override map[string][]string) (*Affinity, error) {
+	a := &Affinity{table: api.Affinity{Devices: []api.DeviceAffinity{}}}
 	nics, err := readNICs(root)
 	if err != nil {
-		return nil, err
+		// The table informs; a sysfs ferryd may not read costs it the NICs,
+		// not its start.
+		a.table.Warnings = append(a.table.Warnings, err.Error()+": the table lists no NICs")
 	}
-	a := &Affinity{table: api.Affinity{Devices: []api.DeviceAffinity{}}}
 	byName := map[string]nic{}
 	for _, n := range nics {
 		a.nics = append(a.nics, n.Name)
@@ -294,7 +296,8 @@ func readInt(path string, def int) int {
 }
 
 // readNICs lists sys/class/infiniband: each NIC's PCI function, NUMA
-// node, netdev and GID. A host without the directory has no NICs.
+// node, netdev and GID. A host without the directory has no NICs; one
+// whose directory cannot be read is an error.
 func readNICs(root string) ([]nic, error) {
 	class := filepath.Join(root, "sys/class/infiniband")
 	entries, err := os.ReadDir(class)
@@ -302,7 +305,7 @@ func readNICs(root string) ([]nic, error) {
 		return nil, nil
 	}
 	if err != nil {
-		return nil, fmt.Errorf("listing RDMA devices: %w", err)
+		return nil, fmt.Errorf("listing the RDMA devices: %w", err)
 	}
 	var out []nic
 	for _, e := range entries {

@@ -247,3 +247,17 @@ func TestOneNodeHost(t *testing.T) {
 		t.Errorf("two nodes: %+v, warnings %q", r, a.Table().Warnings)
 	}
 }
+
+// A class directory ferryd may not read costs the table its NICs, with a
+// warning, and not ferryd its start.
+func TestUnreadableNICsAreAWarning(t *testing.T) {
+	h := topologytest.New(t)
+	h.Write("sys/class/infiniband", "not a directory\n")
+	a, err := Read(h.Root, []GPU{{Device: "cuda:0", BusID: "0000:3b:00.0"}}, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := a.Table().Warnings; len(w) != 1 || !strings.HasPrefix(w[0], "listing the RDMA devices: ") || !strings.HasSuffix(w[0], ": the table lists no NICs") {
+		t.Errorf("warnings %q", w)
+	}
+}
