@@ -134,7 +134,7 @@ func Read(root string, gpus []GPU, override map[string][]string) (*Affinity, err
 			row.Distance, row.Why = Configured, fmt.Sprintf("the configuration's affinity map (the topology's choice: %s, %s)", level, why)
 		} else if len(nics) > 0 && level == Other {
 			a.table.Warnings = append(a.table.Warnings, fmt.Sprintf(
-				"%s (%s) has no RDMA NIC near it (%s): its transfers cross the host's socket interconnect; map it to a NIC with [affinity] in the configuration if another is better",
+				"%s (%s) has no RDMA NIC near it (%s): its transfers may cross the host's socket interconnect; map it to a NIC with [affinity] in the configuration if another is better",
 				g.Device, g.BusID, why))
 		}
 		for _, n := range chosen {
