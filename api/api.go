@@ -80,6 +80,39 @@ type Status struct {
 	Sessions     []Session         `json:"sessions"`
 	Settings     Settings          `json:"settings"`
 	Counters     map[string]uint64 `json:"counters"`
+	// Affinity pairs each GPU with its nearest RDMA NICs (docs/operations.md).
+	Affinity Affinity `json:"affinity"`
+}
+
+// Affinity is the GPU-to-NIC table ferryd read from the PCIe topology
+// (sysfs) at start, or took from the configuration's affinity map.
+type Affinity struct {
+	Devices []DeviceAffinity `json:"devices"`
+	// Warnings: GPUs with no NIC near them, NICs or devices sysfs does
+	// not show; each a sentence saying what it costs.
+	Warnings []string `json:"warnings,omitempty"`
+}
+
+// DeviceAffinity is one GPU's row: its nearest NICs, nearest first, how
+// near (Distance) and why.
+type DeviceAffinity struct {
+	Device   string `json:"device"`    // "cuda:N"
+	BusID    string `json:"bus_id"`    // as sysfs names it, e.g. 0000:3b:00.0
+	NUMANode int    `json:"numa_node"` // -1: the kernel does not say
+	// Distance is "pcie switch", "root port", "numa node", "other" (no
+	// NIC nearer than across the host), or "configured".
+	Distance string        `json:"distance"`
+	Why      string        `json:"why"`
+	NICs     []AffinityNIC `json:"nics"`
+}
+
+// AffinityNIC is one NIC as the affinity table shows it.
+type AffinityNIC struct {
+	Name     string `json:"name"`             // e.g. mlx5_0
+	BusID    string `json:"bus_id,omitempty"` // empty for a virtual NIC (soft-RoCE)
+	NUMANode int    `json:"numa_node"`
+	Netdev   string `json:"netdev,omitempty"`
+	GID      string `json:"gid,omitempty"` // port 1's RoCE v2 IPv4 GID, else its GID 0
 }
 
 // RegionsStatus is the memory clients lent ferryd (POST /v1/regions).

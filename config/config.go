@@ -84,6 +84,8 @@ type Settings struct {
 	DrainTimeout     Duration             `toml:"drain_timeout"`
 	LogLevel         string               `toml:"log_level"`
 	LogFormat        string               `toml:"log_format"`
+	// A table, so last: TOML puts a table after the plain keys.
+	Affinity Affinity `toml:"affinity"`
 }
 
 // option is one setting: its key, its default (as text, "" for an empty
@@ -225,6 +227,8 @@ var options = []option{
 		}, nil},
 	{"log_format", "json", "`format`: json (for journald) or console",
 		func(s *Settings) value { return choice[string]{&s.LogFormat, []string{"json", "console"}} }, nil},
+	{"affinity", "", "`map` of GPUs to the RDMA NICs their memory uses, over the PCIe topology's choice, e.g. cuda:0=mlx5_0+mlx5_1,cuda:1=mlx5_2; in the file a table: [affinity] then \"cuda:0\" = [\"mlx5_0\", \"mlx5_1\"] (empty: the nearest NICs by the topology; ferryctl status shows the table)",
+		func(s *Settings) value { return &s.Affinity }, nil},
 }
 
 func lookup(key string) (option, bool) {
@@ -438,10 +442,10 @@ func (l *Loaded) where(row, col int) string {
 	return fmt.Sprintf("config file %s, line %d", l.File, row)
 }
 
-// lineOf finds the line that sets key; the file has no tables, so it is
-// the one that starts with the key.
+// lineOf finds the line that sets key: the one that starts with the
+// key, or the header of its table (affinity).
 func lineOf(data []byte, key string) int {
-	re := regexp.MustCompile(`^\s*["']?` + regexp.QuoteMeta(key) + `["']?\s*=`)
+	re := regexp.MustCompile(`^\s*(["']?` + regexp.QuoteMeta(key) + `["']?\s*=|\[\s*` + regexp.QuoteMeta(key) + `\s*\])`)
 	for i, line := range bytes.Split(data, []byte("\n")) {
 		if re.Match(line) {
 			return i + 1
@@ -510,11 +514,22 @@ func (l *Loaded) TOML() ([]byte, error) {
 	if l.File != "" {
 		fmt.Fprintf(&b, "# file: %s\n", l.File)
 	}
+	table := ""
 	for _, line := range strings.Split(strings.TrimRight(string(body), "\n"), "\n") {
 		key, _, _ := strings.Cut(line, " =")
+		if t, ok := strings.CutPrefix(line, "["); ok {
+			table = strings.TrimSuffix(t, "]")
+		}
+		if table != "" {
+			key = table // a table's entries came from where the table did
+		}
 		from := "default"
 		if src, ok := l.Source[key]; ok {
 			from = src
+		}
+		if line == "" {
+			fmt.Fprintln(&b)
+			continue
 		}
 		fmt.Fprintf(&b, "%s  # %s\n", line, from)
 	}

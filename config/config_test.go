@@ -123,6 +123,9 @@ func TestFileErrorsNameKeyAndLine(t *testing.T) {
 		{"negative uid", "allow_gids = [5, -1]\n", []string{"line 1", "allow_gids", "negative"}},
 		{"syntax", "listen = \"unterminated\n", []string{"line 1", "not valid TOML"}},
 		{"two errors", "io_timeout = \"soon\"\nreceive_ttl = \"later\"\n", []string{"line 1: io_timeout", "line 2: receive_ttl"}},
+		{"affinity of a non-GPU", "log_level = \"info\"\n[affinity]\n\"gpu0\" = [\"mlx5_0\"]\n", []string{"line 2: affinity", `"gpu0" is not a GPU`}},
+		{"affinity to a bad NIC name", "[affinity]\n\"cuda:1\" = [\"mlx5_0\", \"a b\"]\n", []string{"line 1: affinity", `cuda:1 maps to "a b", which is not an RDMA device name`}},
+		{"affinity as a string", "affinity = \"cuda:0\"\n", []string{"line 1", "affinity", `[affinity] then "cuda:0" = ["mlx5_0"]`}},
 	}
 	for _, c := range cases {
 		file := writeFile(t, c.body)
@@ -300,6 +303,49 @@ func TestExplicitZeros(t *testing.T) {
 		}
 		if err == nil || !strings.Contains(err.Error(), "--"+FlagName(key)) {
 			t.Errorf("%s = %s: got %v, want a refusal naming --%s", key, zero, err, FlagName(key))
+		}
+	}
+}
+
+// The affinity map: a table in the file, a list of device=NIC+NIC as a
+// flag or variable, each checked, and printed back as a table.
+func TestAffinityFromEachSource(t *testing.T) {
+	file := writeFile(t, "max_conns = 3\n\n[affinity]\n\"cuda:0\" = [\"mlx5_0\", \"mlx5_1\"]\n\"cuda:3\" = [\"mlx5_2\"]\n")
+	l, err := load(t, []string{"--config", file}, env())
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := Affinity{"cuda:0": {"mlx5_0", "mlx5_1"}, "cuda:3": {"mlx5_2"}}
+	if !reflect.DeepEqual(l.Settings.Affinity, want) || l.Source["affinity"] != "file" || l.Settings.MaxConns != 3 {
+		t.Fatalf("file: %v from %q", l.Settings.Affinity, l.Source["affinity"])
+	}
+	out, err := l.TOML()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(string(out), "[affinity]  # file\n'cuda:0' = ['mlx5_0', 'mlx5_1']  # file\n") {
+		t.Errorf("printed config:\n%s", out)
+	}
+	again, err := load(t, []string{"--config", writeFile(t, string(out))}, env())
+	if err != nil || !reflect.DeepEqual(again.Settings, l.Settings) {
+		t.Fatalf("round trip: %v\n%+v", err, again)
+	}
+	l, err = load(t, []string{"--config", file, "--affinity", "cuda:1=mlx5_3"}, env("FERRY_AFFINITY", "cuda:2=mlx5_0+mlx5_1"))
+	if err != nil || !reflect.DeepEqual(l.Settings.Affinity, Affinity{"cuda:1": {"mlx5_3"}}) {
+		t.Fatalf("flag: %v %v", l.Settings.Affinity, err)
+	}
+	l, err = load(t, []string{"--config", os.DevNull}, env("FERRY_AFFINITY", "cuda:2=mlx5_0+mlx5_1"))
+	if err != nil || !reflect.DeepEqual(l.Settings.Affinity, Affinity{"cuda:2": {"mlx5_0", "mlx5_1"}}) {
+		t.Fatalf("variable: %v %v", l.Settings.Affinity, err)
+	}
+	for arg, msg := range map[string]string{
+		"cuda:0":                      "maps a device to no NIC",
+		"cuda:0=mlx5_0,cuda:0=mlx5_1": "cuda:0 is mapped twice",
+		"cpu=mlx5_0":                  `"cpu" is not a GPU`,
+		"cuda:0=mlx5_0+":              `cuda:0 maps to "", which is not an RDMA device name`,
+	} {
+		if _, err := load(t, []string{"--config", os.DevNull, "--affinity", arg}, env()); err == nil || !strings.Contains(err.Error(), msg) {
+			t.Errorf("--affinity %s: %v, want %q", arg, err, msg)
 		}
 	}
 }

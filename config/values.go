@@ -2,7 +2,9 @@ package config
 
 import (
 	"fmt"
+	"maps"
 	"net/netip"
+	"regexp"
 	"slices"
 	"strconv"
 	"strings"
@@ -213,4 +215,61 @@ func ParsePrefix(s string) (netip.Prefix, error) {
 		return netip.Prefix{}, fmt.Errorf("%q is neither an IP address nor a CIDR prefix (e.g. 10.0.1.7 or 10.0.0.0/24)", s)
 	}
 	return netip.PrefixFrom(a, a.BitLen()), nil
+}
+
+// Affinity maps a GPU ("cuda:N") to the RDMA NICs its memory goes out
+// through, in order, over what the PCIe topology says (package topology):
+// a TOML table ([affinity] then "cuda:0" = ["mlx5_0"]), or
+// "cuda:0=mlx5_0+mlx5_1,cuda:1=mlx5_2" as a flag or variable.
+type Affinity map[string][]string
+
+var (
+	affinityDevice = regexp.MustCompile(`^cuda:[0-9]+$`)
+	nicName        = regexp.MustCompile(`^[A-Za-z0-9_.-]+$`)
+)
+
+func (a *Affinity) Set(s string) error {
+	out := Affinity{}
+	for _, f := range strings.FieldsFunc(s, func(r rune) bool { return r == ',' }) {
+		dev, list, ok := strings.Cut(strings.TrimSpace(f), "=")
+		if !ok || list == "" {
+			return fmt.Errorf("%q maps a device to no NIC: write cuda:N=NIC, several NICs joined by +, e.g. cuda:0=mlx5_0+mlx5_1", f)
+		}
+		if err := addAffinity(out, dev, strings.Split(list, "+")); err != nil {
+			return err
+		}
+	}
+	*a = out
+	return nil
+}
+
+// add checks one mapping and puts it in out.
+func addAffinity(out Affinity, dev string, nics []string) error {
+	if !affinityDevice.MatchString(dev) {
+		return fmt.Errorf("%q is not a GPU: affinity maps cuda:N devices to NICs", dev)
+	}
+	if _, dup := out[dev]; dup {
+		return fmt.Errorf("%s is mapped twice", dev)
+	}
+	if len(nics) == 0 {
+		return fmt.Errorf("%s maps to no NIC: name at least one, e.g. mlx5_0", dev)
+	}
+	for _, n := range nics {
+		if !nicName.MatchString(n) {
+			return fmt.Errorf("%s maps to %q, which is not an RDMA device name (e.g. mlx5_0)", dev, n)
+		}
+	}
+	out[dev] = slices.Clone(nics)
+	return nil
+}
+
+func (a *Affinity) String() string {
+	parts := make([]string, 0, len(*a))
+	for _, dev := range slices.Sorted(maps.Keys(*a)) {
+		parts = append(parts, dev+"="+strings.Join((*a)[dev], "+"))
+	}
+	return strings.Join(parts, ",")
+}
+func (a *Affinity) want() string {
+	return `a table of devices and NIC lists, e.g. [affinity] then "cuda:0" = ["mlx5_0"]`
 }

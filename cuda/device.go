@@ -39,10 +39,7 @@ func (d *Driver) Open(ordinal int) (*Device, error) {
 			ErrNoDevice, ordinal, n, ordinals(n))
 	}
 	dev := &Device{drv: d}
-	if err := check("cuDeviceGet", Result(C.ferry_cuDeviceGet(d.sym.deviceGet, &dev.cu, C.int(ordinal)))); err != nil {
-		return nil, err
-	}
-	if dev.info, err = d.info(ordinal, dev.cu); err != nil {
+	if dev.cu, dev.info, err = d.describe(ordinal); err != nil {
 		return nil, err
 	}
 	dev.w, err = startWorker(func() error {
@@ -59,6 +56,22 @@ func (d *Driver) Open(ordinal int) (*Device, error) {
 		return nil, fmt.Errorf("%v: %w", dev.info, err)
 	}
 	return dev, nil
+}
+
+// Describe reads GPU ordinal's description (its PCI bus id among it)
+// without opening it: no context, no thread.
+func (d *Driver) Describe(ordinal int) (Info, error) {
+	_, in, err := d.describe(ordinal)
+	return in, err
+}
+
+func (d *Driver) describe(ordinal int) (C.CUdevice, Info, error) {
+	var cu C.CUdevice
+	if err := check("cuDeviceGet", Result(C.ferry_cuDeviceGet(d.sym.deviceGet, &cu, C.int(ordinal)))); err != nil {
+		return cu, Info{}, fmt.Errorf("cuda:%d: %w", ordinal, err)
+	}
+	in, err := d.info(ordinal, cu)
+	return cu, in, err
 }
 
 func ordinals(n int) string {

@@ -3,6 +3,7 @@ package cuda
 import (
 	"bytes"
 	"errors"
+	"fmt"
 	"path/filepath"
 	"strings"
 	"sync"
@@ -129,6 +130,54 @@ func TestFakeDriverRunsTheRealCallPath(t *testing.T) {
 	}
 	if err := dev.Close(); err != nil {
 		t.Errorf("second Close: %v", err)
+	}
+}
+
+// The fake with four GPUs at the bus ids a test lays out: each is
+// described without being opened, and each opened holds an arena of its
+// own whose bytes stay its own.
+func TestFakeDriverWithSeveralDevices(t *testing.T) {
+	t.Setenv("FAKECUDA_BUS_IDS", "0000:17:00.0,0000:3D:00.0,0001:ae:1f.3,0000:c1:00.0")
+	d, err := load(buildFakeDriver(t, fakecuda.Working))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n, err := d.DeviceCount(); n != 4 || err != nil {
+		t.Fatalf("DeviceCount = %d, %v; want 4", n, err)
+	}
+	for i, want := range []string{"0000:17:00.0", "0000:3d:00.0", "0001:ae:1f.3", "0000:c1:00.0"} {
+		in, err := d.Describe(i)
+		if err != nil || in.PCIBusID != want || in.Ordinal != i || in.Name != fmt.Sprintf("Fake GPU %d", i) {
+			t.Errorf("Describe(%d) = %+v, %v; want bus id %s", i, in, err, want)
+		}
+	}
+	if _, err := d.Describe(4); err == nil || !strings.Contains(err.Error(), "cuda:4") {
+		t.Errorf("Describe(4): %v", err)
+	}
+	var arenas []*Arena
+	for i := range 4 {
+		dev, err := d.Open(i)
+		if err != nil {
+			t.Fatal(err)
+		}
+		a, err := NewArena(dev, 2<<20, 1<<20)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() {
+			a.Close()
+			dev.Close()
+		})
+		if err := a.CopyIn(0, bytes.Repeat([]byte{byte(i + 1)}, 4096)); err != nil {
+			t.Fatal(err)
+		}
+		arenas = append(arenas, a)
+	}
+	for i, a := range arenas {
+		got := make([]byte, 4096)
+		if err := a.CopyOut(got, 0); err != nil || !bytes.Equal(got, bytes.Repeat([]byte{byte(i + 1)}, 4096)) {
+			t.Errorf("cuda:%d's arena holds %v... (%v)", i, got[:4], err)
+		}
 	}
 }
 

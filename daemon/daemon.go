@@ -25,6 +25,7 @@ import (
 	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/topology"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -52,6 +53,7 @@ type Daemon struct {
 
 	arena     *arena.Arena
 	mem       *memory
+	affinity  *topology.Affinity // GPUs and their nearest NICs
 	reg       *registry
 	tr        transport.Transport
 	dp        *dataPlane
@@ -126,6 +128,9 @@ func New(cfg Config) (*Daemon, error) {
 	var err error
 	d.mem, err = openMemory(cfg, d.log)
 	if err != nil {
+		return nil, err
+	}
+	if d.affinity, err = readAffinity(cfg, d.mem, d.log); err != nil {
 		return nil, err
 	}
 	d.arena, err = arena.New(d.mem.Memory, config.ArenaAlign)

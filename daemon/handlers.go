@@ -317,6 +317,7 @@ func (d *Daemon) Status() api.Status {
 			SlowThreshold: d.slowThreshold().String(), SendRetries: d.cfg.SendRetries,
 			SendTimeout: d.cfg.SendTimeout.String(), StageTTL: d.cfg.StageTTL.String(), ReceiveTTL: d.cfg.ReceiveTTL.String(),
 		},
+		Affinity: d.affinity.Table(),
 	}
 }
 

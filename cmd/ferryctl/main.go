@@ -2,6 +2,7 @@
 package main
 
 import (
+	"cmp"
 	"context"
 	"encoding/json"
 	"errors"
@@ -239,7 +240,34 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 				}
 			}
 			fmt.Fprintf(w, "staged     %d embeddings, %d receive slots, %d sessions\n", st.Staged, st.Receives, len(st.Sessions))
+			printAffinity(w, st.Affinity)
 		})
+	}
+}
+
+// printAffinity writes the GPU-to-NIC table, a line per GPU and NIC
+// (docs/operations.md, "Hosts with many GPUs and NICs"), then its
+// warnings.
+func printAffinity(w io.Writer, a api.Affinity) {
+	if len(a.Devices) == 0 {
+		return
+	}
+	fmt.Fprintln(w, "affinity")
+	tw := tabwriter.NewWriter(w, 0, 0, 2, ' ', 0)
+	fmt.Fprintln(tw, "  GPU\tBUS ID\tNUMA\tNIC\tNETDEV\tGID\tDISTANCE\tWHY")
+	dash := func(s string) string { return cmp.Or(s, "-") }
+	for _, r := range a.Devices {
+		nics := r.NICs
+		if len(nics) == 0 {
+			nics = []api.AffinityNIC{{}}
+		}
+		for _, n := range nics {
+			fmt.Fprintf(tw, "  %s\t%s\t%d\t%s\t%s\t%s\t%s\t%s\n", r.Device, r.BusID, r.NUMANode, dash(n.Name), dash(n.Netdev), dash(n.GID), r.Distance, r.Why)
+		}
+	}
+	tw.Flush()
+	for _, warn := range a.Warnings {
+		fmt.Fprintf(w, "warning    %s\n", warn)
 	}
 }
 

@@ -9,7 +9,8 @@
 #      a torch process staging and reading in place through IPC handles,
 #      and GPU memory of the test's own (Go, then torch through the ferry
 #      Python package) lent to both daemons as regions, a batch between them;
-#      and the path the NIC registers a GPU arena by ("== GPU registration");
+#      the path the NIC registers a GPU arena by ("== GPU registration"),
+#      and the GPU-to-NIC table from the PCIe topology ("== AFFINITY");
 #   3. ferry's host<->device copy bandwidth beside torch's, same sizes, run
 #      A B A B, quoted as ratios.
 # FERRY_REQUIRE_GPU=1 makes a missing GPU fail the tests instead of
@@ -44,6 +45,9 @@ run e2e 120 ./e2e.test -test.v -test.count=1 -test.run '^TestGPU|^TestFerrydDoes
 # The path this host's NIC registers a GPU arena by (dmabuf, peermem or
 # bounce) and why not the others, or that there is no RDMA NIC here.
 grep -a '^== GPU registration' "$log/e2e.log" || echo "== GPU registration: not reported (TestGPURegistrationReport's output above says why)"
+
+# The GPU-to-NIC table this host gives (TestGPUAffinityTable).
+grep -a '^== AFFINITY' "$log/e2e.log" || echo "== AFFINITY: not reported (TestGPUAffinityTable's output above says why)"
 
 echo "== copy bandwidth: ferry (pinned bounce area <-> device arena) beside torch (pinned tensor <-> device tensor)"
 for round in 1 2; do

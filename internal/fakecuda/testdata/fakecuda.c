@@ -12,6 +12,10 @@
 // descriptor and the size, and cuIpcOpenMemHandle maps the owner's memfd
 // (through /proc/<pid>/fd) at an address of the opener's own.
 //
+// It has two GPUs, at PCI bus ids 0000:3b:00.0 and 0000:3c:00.0, unless
+// FAKECUDA_BUS_IDS lists others (comma-separated, at most 8): one GPU
+// each, so a test can lay them out as a fake sysfs tree does.
+//
 // Variants, by macro: FAKE_NO_DEVICE (cuInit finds no GPU), FAKE_STUB
 // (cuInit answers like the toolkit's stub library), FAKE_OLD (no
 // cuMemGetHandleForAddressRange), FAKE_BROKEN (no cuMemHostAlloc).
@@ -29,11 +33,12 @@ typedef unsigned long long CUdeviceptr;
 typedef struct { char reserved[64]; } ipc_handle;
 
 enum { OK = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, STUB = 34, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201 };
-enum { NDEV = 2, MAXALLOC = 64 };
+enum { MAXDEV = 8, MAXALLOC = 64 };
 
-static int inited;
-static int ctx_refs[NDEV];
-static char ctxs[NDEV]; // a context is the address of its byte
+static int inited, ndev = 2;
+static unsigned bus_ids[MAXDEV][4] = {{0, 0x3b, 0, 0}, {0, 0x3c, 0, 0}}; // domain, bus, device, function
+static int ctx_refs[MAXDEV];
+static char ctxs[MAXDEV]; // a context is the address of its byte
 static __thread void *current;
 
 // An allocation of this process (fd its memfd), or another's opened by
@@ -72,6 +77,19 @@ CUresult cuInit(unsigned int flags) {
 	return STUB;
 #endif
 	if (flags != 0) return INVALID_VALUE;
+	const char *ids = getenv("FAKECUDA_BUS_IDS");
+	if (ids && *ids) {
+		int n = 0, used = 0;
+		unsigned *b;
+		while (n < MAXDEV && (b = bus_ids[n], sscanf(ids, "%x:%x:%x.%x%n", &b[0], &b[1], &b[2], &b[3], &used) == 4)) {
+			n++;
+			ids += used;
+			if (*ids != ',') break;
+			ids++;
+		}
+		if (n == 0 || *ids) return INVALID_VALUE; // a list the fake cannot read
+		ndev = n;
+	}
 	inited = 1;
 	return OK;
 }
@@ -80,12 +98,12 @@ CUresult cuDriverGetVersion(int *v) { *v = 12040; return OK; }
 
 CUresult cuDeviceGetCount(int *n) {
 	if (!inited) return NOT_INITIALIZED;
-	*n = NDEV;
+	*n = ndev;
 	return OK;
 }
 
 CUresult cuDeviceGet(int *d, int ordinal) {
-	if (ordinal < 0 || ordinal >= NDEV) return INVALID_DEVICE;
+	if (ordinal < 0 || ordinal >= ndev) return INVALID_DEVICE;
 	*d = ordinal;
 	return OK;
 }
@@ -102,7 +120,9 @@ CUresult cuDeviceGetUuid_v2(unsigned char *uuid, int d) {
 
 // The driver writes an 8-digit domain in upper case.
 CUresult cuDeviceGetPCIBusId(char *id, int len, int d) {
-	snprintf(id, len, "00000000:%02X:00.0", 0x3b + d);
+	if (d < 0 || d >= ndev) return INVALID_DEVICE;
+	unsigned *b = bus_ids[d];
+	snprintf(id, len, "%08X:%02X:%02X.%X", b[0], b[1], b[2], b[3]);
 	return OK;
 }
 
@@ -119,14 +139,14 @@ CUresult cuDeviceGetAttribute(int *v, int attr, int d) {
 }
 
 CUresult cuDevicePrimaryCtxRetain(void **ctx, int d) {
-	if (d < 0 || d >= NDEV) return INVALID_DEVICE;
+	if (d < 0 || d >= ndev) return INVALID_DEVICE;
 	ctx_refs[d]++;
 	*ctx = &ctxs[d];
 	return OK;
 }
 
 CUresult cuDevicePrimaryCtxRelease_v2(int d) {
-	if (d < 0 || d >= NDEV || ctx_refs[d] == 0) return INVALID_CONTEXT;
+	if (d < 0 || d >= ndev || ctx_refs[d] == 0) return INVALID_CONTEXT;
 	ctx_refs[d]--;
 	return OK;
 }
