@@ -185,6 +185,8 @@ class Transport:
         conn, reused = self._take(timeout, False)
         sent = 0
         try:
+            if n > _SNDBUF:
+                _grow_sndbuf(conn.sock)
             sent = _send_all(conn.sock, out)
             status, close, data = _read_answer(conn.sock)
         except BaseException as e:
@@ -207,6 +209,19 @@ class Transport:
         else:
             self._put(conn)
         return status, data
+
+
+# A Unix stream socket's send buffer bounds the bytes in flight to the
+# peer: a large body at the default (some 200 KiB) costs both ends a
+# wake-up per buffer-full. A connection that sends more asks for _BIG_SNDBUF
+# (the kernel caps it at net.core.wmem_max).
+_SNDBUF = 256 << 10
+_BIG_SNDBUF = 4 << 20
+
+
+def _grow_sndbuf(sock):
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < _BIG_SNDBUF:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BIG_SNDBUF)
 
 
 # The most buffers one sendmsg takes (the kernel's IOV_MAX).

@@ -247,3 +247,16 @@ def test_a_list_of_buffers_is_staged_one_after_another(tx, rx, req_id):
     tx.send(req_id, slot)
     assert rx.wait(req_id, 10) == b"".join(parts)
     rx.free(req_id)
+
+
+def test_a_large_body_goes_out_on_a_larger_send_buffer(pair, req_id):
+    # A Unix socket's default send buffer (some 200 KiB) makes a 64 MiB
+    # upload cost both ends hundreds of wake-ups: the connection that
+    # sends one asks for more (the kernel caps it at wmem_max).
+    dial = CountingDial(pair[0].socket)
+    c = ferry.Client(pair[0].socket, dial=dial)
+    c.stage(req_id, [bytes(1 << 20)])
+    conn = c._transport._idle[0]
+    assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(2 << 20, int(open("/proc/sys/net/core/wmem_max").read()))
+    c.delete(req_id)
+    assert dial.count == 1
