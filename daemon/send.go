@@ -70,8 +70,8 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 
 	res, err = d.sendFrom(ctx, res, req, isMooncake, d.entrySource(e, 0, e.nbytes), sendKept{
 		what: reqID, log: d.log.With().Str("req_id", reqID).Logger(),
-		staging: "the staged embedding out of the arena", kept: "the staged embedding is kept",
-		resend: ", or DELETE /v1/embeddings/" + reqID,
+		staging: "the staged embedding out of the arena", stays: "it stays staged",
+		kept: "the staged embedding is kept", resend: ", or DELETE /v1/embeddings/" + reqID,
 	})
 	sent = err == nil
 	return res, err
@@ -83,7 +83,8 @@ type sendKept struct {
 	what    string // the req_id, or "write" for POST /v1/writes
 	log     zerolog.Logger
 	staging string // "reading <staging> failed"
-	kept    string // what stays after a failure
+	stays   string // what stays after that
+	kept    string // what stays after a failed write
 	resend  string // after "resend when ...": the client's other way out
 }
 
@@ -112,7 +113,7 @@ func (d *Daemon) sendFrom(ctx context.Context, res api.SendResult, req api.SendR
 	if errors.As(lastErr, new(*copyOutError)) {
 		d.failed("staging", "failed", time.Since(start))
 		return res, apiErr(internalCode(lastErr),
-			"%s: reading %s failed: %v; %s", k.what, k.staging, lastErr, k.kept)
+			"%s: reading %s failed: %v; %s", k.what, k.staging, lastErr, k.stays)
 	}
 	var rf *transport.Refusal
 	if errors.As(lastErr, &rf) {

@@ -72,7 +72,7 @@ func (d *Daemon) handleWrite(w http.ResponseWriter, r *http.Request) error {
 	res.NBytes = n
 	src := source{mem: d.arena.Memory(), off: s.Offset, n: n, inPlace: d.dp.inPlace()}
 	res, err = d.sendFrom(r.Context(), res, req, isMooncake, src, sendKept{
-		what: "write", log: d.log, staging: "the body out of the arena", kept: "nothing is kept",
+		what: "write", log: d.log, staging: "the body out of the arena", stays: "nothing is kept", kept: "nothing is kept",
 		resend: " (POST /v1/writes again)",
 	})
 	if err != nil {
