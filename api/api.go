@@ -358,6 +358,10 @@ type CommitRequest struct {
 }
 
 // SendRequest: POST /v1/embeddings/{req_id}/send.
+// KeyHeader carries a POST /v1/writes' slot key: a capability, kept out
+// of the URL.
+const KeyHeader = "Ferry-Key"
+
 type SendRequest struct {
 	Session       string `json:"session"`
 	BufferAddress uint64 `json:"buffer_address"`

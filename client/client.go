@@ -106,6 +106,12 @@ func (c *Client) do(ctx context.Context, method, path string, body io.Reader, co
 	if body != nil && contentLength < 0 {
 		req.Header.Set("Content-Type", "application/json")
 	}
+	return c.doRequest(ctx, req, out)
+}
+
+// doRequest is do for a request made by the caller (its own headers).
+func (c *Client) doRequest(ctx context.Context, req *http.Request, out any) (*http.Response, error) {
+	method, path := req.Method, req.URL.RequestURI()
 	resp, err := c.http().Do(req)
 	if err != nil {
 		if ctx.Err() != nil {
@@ -198,6 +204,27 @@ func (c *Client) Embeddings(ctx context.Context) ([]api.Embedding, error) {
 // Send writes req_id's staged embedding into a peer's receive slot.
 func (c *Client) Send(ctx context.Context, reqID string, req api.SendRequest) (api.SendResult, error) {
 	return call[api.SendResult](ctx, c, "POST", "/v1/embeddings/"+esc(reqID)+"/send", req)
+}
+
+// Write writes data into a peer's receive slot at slot.BufferAddress
+// with one request (POST /v1/writes), the bytes inline: nothing is
+// staged, nor kept after a failure.
+func (c *Client) Write(ctx context.Context, slot api.ReceiveSlot, data []byte) (api.SendResult, error) {
+	q := url.Values{"session": {slot.Session}, "buffer_address": {strconv.FormatUint(slot.BufferAddress, 10)}}
+	if slot.NBytes > 0 {
+		q.Set("nbytes", strconv.FormatInt(slot.NBytes, 10))
+	}
+	req, err := http.NewRequestWithContext(ctx, "POST", "http://ferryd/v1/writes?"+q.Encode(), bytes.NewReader(data))
+	if err != nil {
+		return api.SendResult{}, err
+	}
+	req.Header.Set("Content-Type", "application/octet-stream")
+	if !slot.Key.IsZero() {
+		req.Header.Set(api.KeyHeader, slot.Key.String())
+	}
+	var out api.SendResult
+	_, err = c.doRequest(ctx, req, &out)
+	return out, err
 }
 
 // Delete drops a staged embedding.

@@ -75,6 +75,7 @@ func (d *Daemon) routes() http.Handler {
 		"POST /v1/embeddings/{req_id}/slice":  d.handleSlice,
 		"POST /v1/embeddings/{req_id}/commit": d.handleCommit,
 		"POST /v1/embeddings/{req_id}/send":   d.handleSend,
+		"POST /v1/writes":                     d.handleWrite,
 		"POST /v1/receives":                   d.handleNewReceive,
 		"GET /v1/receives":                    d.handleListReceives,
 		"GET /v1/receives/{req_id}":           d.handleGetReceive,
@@ -413,21 +414,9 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 			d.reg.finishUpload(e, false)
 		}
 	}()
-	// For a GPU arena the body lands in host staging, stageChunk bytes at
-	// a time, each copied in before the next is read.
-	fill, err := arena.NewFiller(d.arena.Memory(), e.slice, 0, n, stageChunk)
-	if err != nil {
-		return err
-	}
-	defer fill.Close()
-	rc := http.NewResponseController(w)
-	err = transport.ReadBody(requestBody{r.Body, rc}, uint64(n), fill.Next, d.cfg.IOTimeout.D())
-	_ = rc.SetReadDeadline(time.Time{})
-	var extra [1]byte
-	if err == nil {
-		if k, _ := r.Body.Read(extra[:]); k > 0 {
-			err = errors.New("the body is longer than that")
-		}
+	setupErr, err := d.readBodyInto(w, r, e.slice, n)
+	if setupErr != nil {
+		return setupErr
 	}
 	if pe := (*transport.PlaceError)(nil); errors.As(err, &pe) {
 		// Ferryd's fault, not the body's.
@@ -442,6 +431,30 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	e2, _ := d.reg.embedding(id)
 	writeJSON(w, http.StatusCreated, e2)
 	return nil
+}
+
+// readBodyInto reads a request's body, n bytes and no more, into the
+// arena slice s. For a GPU arena the body lands in host staging,
+// stageChunk bytes at a time, each copied in before the next is read.
+// setupErr is ferryd's failing to set that up; err, the body's failing
+// to arrive, or a *transport.PlaceError for a copy into GPU memory that
+// failed.
+func (d *Daemon) readBodyInto(w http.ResponseWriter, r *http.Request, s arena.Slice, n int64) (setupErr, err error) {
+	fill, err := arena.NewFiller(d.arena.Memory(), s, 0, n, stageChunk)
+	if err != nil {
+		return err, nil
+	}
+	defer fill.Close()
+	rc := http.NewResponseController(w)
+	err = transport.ReadBody(requestBody{r.Body, rc}, uint64(n), fill.Next, d.cfg.IOTimeout.D())
+	_ = rc.SetReadDeadline(time.Time{})
+	var extra [1]byte
+	if err == nil {
+		if k, _ := r.Body.Read(extra[:]); k > 0 {
+			err = errors.New("the body is longer than that")
+		}
+	}
+	return nil, err
 }
 
 // requestBody is an upload's body as a transport.Stream: each chunk read

@@ -250,6 +250,23 @@ func (r *registry) placed(reqID string, n int64, s arena.Slice, err error) (aren
 	return s, err
 }
 
+// scratch allocates n bytes of the arena that no entry or slot names:
+// an inline write's body (POST /v1/writes), for the request's length.
+func (r *registry) scratch(n int64) (arena.Slice, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if r.stopping {
+		return arena.Slice{}, errStopping
+	}
+	return r.alloc("write", n)
+}
+
+func (r *registry) freeScratch(s arena.Slice) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	r.free(s)
+}
+
 func (r *registry) free(s arena.Slice) {
 	// A failure here is a bookkeeping bug, never the client's doing.
 	if err := r.arena.Free(s); err != nil {

@@ -68,49 +68,73 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 			reqID, e.nbytes, req.NBytes, req.Session, e.nbytes)
 	}
 
+	res, err = d.sendFrom(ctx, res, req, isMooncake, d.entrySource(e, 0, e.nbytes), sendKept{
+		what: reqID, log: d.log.With().Str("req_id", reqID).Logger(),
+		staging: "the staged embedding out of the arena", stays: "it stays staged",
+		kept: "the staged embedding is kept", resend: ", or DELETE /v1/embeddings/" + reqID,
+	})
+	sent = err == nil
+	return res, err
+}
+
+// sendKept is how a send's messages name what it sends, what stays
+// after a failure, and what else the client may do.
+type sendKept struct {
+	what    string // the req_id, or "write" for POST /v1/writes
+	log     zerolog.Logger
+	staging string // "reading <staging> failed"
+	stays   string // what stays after that
+	kept    string // what stays after a failed write
+	resend  string // after "resend when ...": the client's other way out
+}
+
+// sendFrom writes src (res.NBytes bytes) to req's slot, striped over TCP
+// as tcp_stripes says, and phrases the outcome: a send's, or an inline
+// write's (POST /v1/writes).
+func (d *Daemon) sendFrom(ctx context.Context, res api.SendResult, req api.SendRequest, isMooncake bool, src source, k sendKept) (api.SendResult, error) {
+	n := src.n
 	ctx, cancel := context.WithTimeout(ctx, d.cfg.SendTimeout.D())
 	defer cancel()
 	// Whole (a direct write's condition) only when the sender knows the
 	// slot is exactly this size: a longer direct write would run past the
 	// slot before the receiver could see it.
-	w := transport.Write{Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag(), Whole: req.NBytes == e.nbytes}
+	w := transport.Write{Remote: req.BufferAddress, Key: req.Key, Tag: req.Key.Tag(), Whole: req.NBytes == n}
 	start := time.Now()
 	stripes := 1
 	if !isMooncake && d.tr.Name() == string(config.TransportTCP) {
 		stripes = d.cfg.TCPStripes
 	}
-	dl, lastErr := d.deliverSend(ctx, req.Session, w, d.entrySource(e, 0, e.nbytes), stripes, d.log.With().Str("req_id", reqID).Logger())
+	dl, lastErr := d.deliverSend(ctx, req.Session, w, src, stripes, k.log)
 	res.Attempts, res.Writes = dl.attempts, dl.writes
 	if dl.transport != "" {
 		res.Transport = dl.transport
 	}
 	res.SharedMR = sharedMR(dl.report)
-	sent = lastErr == nil
 	if errors.As(lastErr, new(*copyOutError)) {
 		d.failed("staging", "failed", time.Since(start))
 		return res, apiErr(internalCode(lastErr),
-			"%s: reading the staged embedding out of the arena failed: %v; it stays staged", reqID, lastErr)
+			"%s: reading %s failed: %v; %s", k.what, k.staging, lastErr, k.stays)
 	}
 	var rf *transport.Refusal
 	if errors.As(lastErr, &rf) {
 		d.failed(rf.Code.Label(), "refused", time.Since(start))
 		return res, apiErr(api.CodeRefused,
-			"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; the staged embedding is kept%s",
-			reqID, req.Session, e.nbytes, req.BufferAddress, lastErr, lostCompletion(lastErr, dl.attempts))
+			"%s: the receiver at session %s refused the write of %d bytes to %#x: %v; %s%s",
+			k.what, req.Session, n, req.BufferAddress, lastErr, k.kept, lostCompletion(lastErr, dl.attempts))
 	}
 	elapsed := time.Since(start)
 	res.Millis = float64(elapsed.Microseconds()) / 1000
-	if !sent {
+	if lastErr != nil {
 		d.failed(retCode(lastErr), "failed", elapsed)
 		return res, apiErr(api.CodeTransferFailed,
-			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; the staged embedding is kept: resend %s, or DELETE /v1/embeddings/%s",
-			reqID, req.Session, e.nbytes, retCode(lastErr), res.Attempts, res.Millis, lastErr, whenToResend(lastErr), reqID)
+			"transfer of %s failed (session=%s, nbytes=%d, ret=%s) after %d attempt(s) in %.1f ms: %v; %s: resend %s%s",
+			k.what, req.Session, n, retCode(lastErr), res.Attempts, res.Millis, lastErr, k.kept, whenToResend(lastErr), k.resend)
 	}
 	if elapsed > 0 {
-		res.GBps = float64(e.nbytes) / elapsed.Seconds() / 1e9
+		res.GBps = float64(n) / elapsed.Seconds() / 1e9
 	}
 	d.metrics.transfers.WithLabelValues(d.tr.Name(), "ok").Inc()
-	d.metrics.transferBytes.WithLabelValues(d.tr.Name()).Add(float64(e.nbytes))
+	d.metrics.transferBytes.WithLabelValues(d.tr.Name()).Add(float64(n))
 	d.metrics.transferSeconds.WithLabelValues(d.tr.Name(), "ok").Observe(elapsed.Seconds())
 	slow := elapsed > d.slowThreshold()
 	if slow {
@@ -122,7 +146,7 @@ func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (a
 		if !slow {
 			what = "transfer with a per-send registration"
 		}
-		d.log.Info().Str("req_id", reqID).Str("session", req.Session).Int64("nbytes", e.nbytes).
+		k.log.Info().Str("session", req.Session).Int64("nbytes", n).
 			Float64("ms", res.Millis).Str("transport", res.Transport).Bool("shared_mr", res.SharedMR).
 			Int("attempts", res.Attempts).Msg(what)
 	}

@@ -60,20 +60,42 @@ func Read(ctx context.Context, r Request) error {
 	return do(ctx, OpRead, r)
 }
 
-func do(ctx context.Context, op Opcode, r Request) (err error) {
-	if r.IOTimeout <= 0 {
-		r.IOTimeout = 10 * time.Second
+func do(ctx context.Context, op Opcode, r Request) error {
+	c, err := dialData(ctx, r)
+	if err != nil {
+		return err
 	}
+	defer c.Close()
+	return request(ctx, c, op, r)
+}
+
+// ioTimeout is r.IOTimeout, or its default.
+func (r *Request) ioTimeout() time.Duration {
+	if r.IOTimeout <= 0 {
+		return 10 * time.Second
+	}
+	return r.IOTimeout
+}
+
+// dialData opens a data connection to r.Data, within r's I/O timeout.
+func dialData(ctx context.Context, r Request) (*net.TCPConn, error) {
 	var d net.Dialer
-	dctx, cancel := context.WithTimeout(ctx, r.IOTimeout)
+	dctx, cancel := context.WithTimeout(ctx, r.ioTimeout())
 	nc, err := d.DialContext(dctx, "tcp", r.Data)
 	cancel()
 	if err != nil {
-		return fmt.Errorf("connecting to the data port %s: %w", r.Data, err)
+		return nil, fmt.Errorf("connecting to the data port %s: %w", r.Data, err)
 	}
 	c := nc.(*net.TCPConn)
-	defer c.Close()
 	c.SetNoDelay(true)
+	return c, nil
+}
+
+// request carries out one request on c; ctx's end closes c. A v2 WRITE
+// or READ that returns nil leaves c in step for the next request (a v1
+// WRITE has shut c's write side).
+func request(ctx context.Context, c *net.TCPConn, op Opcode, r Request) (err error) {
+	r.IOTimeout = r.ioTimeout()
 	stop := context.AfterFunc(ctx, func() { c.Close() })
 	defer func() {
 		if !stop() && err != nil {

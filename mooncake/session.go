@@ -9,6 +9,8 @@ import (
 	"sync"
 	"time"
 
+	"golang.org/x/sys/unix"
+
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -105,8 +107,9 @@ type Session struct {
 	ctx    context.Context // ended by Close
 	cancel context.CancelFunc
 
-	mu  sync.Mutex
-	seg *Segment
+	mu   sync.Mutex
+	seg  *Segment
+	idle []*net.TCPConn // v2 data connections kept for the next write (at most cap(sem))
 }
 
 var _ transport.Session = (*Session)(nil)
@@ -134,6 +137,13 @@ func (s *Session) segment() *Segment {
 
 func (s *Session) Close() error {
 	s.cancel()
+	s.mu.Lock()
+	idle := s.idle
+	s.idle = nil
+	s.mu.Unlock()
+	for _, c := range idle {
+		c.Close()
+	}
 	return nil
 }
 
@@ -205,7 +215,12 @@ func (s *Session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	}
 	defer func() { <-s.sem }()
 	v2 := seg.TCPProtoVersion >= 2
-	if err := Write(ctx, Request{Data: seg.DataAddr(s.rpc), Addr: w.Remote, Buf: w.Src, V2: v2, IOTimeout: s.d.IOTimeout}); err != nil {
+	req := Request{Data: seg.DataAddr(s.rpc), Addr: w.Remote, Buf: w.Src, V2: v2, IOTimeout: s.d.IOTimeout}
+	write := Write
+	if v2 {
+		write = s.writePooled
+	}
+	if err := write(ctx, req); err != nil {
 		return transport.Report{}, s.fail(ctx, err)
 	}
 	// The header, and in v2 the status word.
@@ -221,4 +236,76 @@ func (s *Session) fail(ctx context.Context, err error) error {
 		return fmt.Errorf("mooncake write to %s: %w: %w", s.peer, transport.ErrClosed, err)
 	}
 	return fmt.Errorf("mooncake write to %s: %w", s.peer, err)
+}
+
+// writePooled is a v2 WRITE on a data connection kept from an earlier
+// write, or a new one; the connection is kept again once the status said
+// the bytes are in memory. Mooncake's data port (and ferry's) reads the
+// next header on a connection after its status word, as a Mooncake
+// connection pool has it do, so a write in a row pays no connect, no
+// accept and no new goroutine at either end. A kept connection the peer
+// closed meanwhile (a restart, a port making room) reads EOF and is
+// dropped before use; one it closes in the instant after that fails the
+// write as a broken path does (the daemon re-dials and retries). A
+// connection whose write failed, or was rejected (Mooncake's port closes
+// after a rejection), is not kept.
+func (s *Session) writePooled(ctx context.Context, r Request) error {
+	c := s.takeIdle()
+	if c == nil {
+		var err error
+		if c, err = dialData(ctx, r); err != nil {
+			return err
+		}
+	}
+	err := request(ctx, c, OpWrite, r)
+	if err != nil || !s.putIdle(c) {
+		c.Close()
+	}
+	return err
+}
+
+// takeIdle is a kept data connection that is still open and in step
+// (nothing waits to be read on it: a closed one reads EOF), or nil.
+func (s *Session) takeIdle() *net.TCPConn {
+	for {
+		s.mu.Lock()
+		var c *net.TCPConn
+		if n := len(s.idle); n > 0 {
+			c, s.idle = s.idle[n-1], s.idle[:n-1]
+		}
+		s.mu.Unlock()
+		if c == nil || quiet(c) {
+			return c
+		}
+		c.Close()
+	}
+}
+
+// putIdle keeps c for the next write, unless the session closed or
+// keeps as many as it may have in flight.
+func (s *Session) putIdle(c *net.TCPConn) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ctx.Err() != nil || len(s.idle) >= cap(s.sem) {
+		return false
+	}
+	s.idle = append(s.idle, c)
+	return true
+}
+
+// quiet reports whether c is open with nothing to read: a peek that
+// would block.
+func quiet(c *net.TCPConn) bool {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return false
+	}
+	ok := false
+	err = rc.Read(func(fd uintptr) bool {
+		var b [1]byte
+		_, _, rerr := unix.Recvfrom(int(fd), b[:], unix.MSG_PEEK|unix.MSG_DONTWAIT)
+		ok = rerr == unix.EAGAIN
+		return true
+	})
+	return err == nil && ok
 }

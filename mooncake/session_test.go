@@ -311,3 +311,87 @@ func sendRaw(t *testing.T, addr string, raw []byte) ([]byte, error) {
 func lenPrefix(n uint64, rest []byte) []byte {
 	return append(binary.LittleEndian.AppendUint64(nil, n), rest...)
 }
+
+// acceptCounter is a listener that keeps what it accepted.
+type acceptCounter struct {
+	net.Listener
+	mu    sync.Mutex
+	conns []net.Conn
+}
+
+func (l *acceptCounter) Accept() (net.Conn, error) {
+	c, err := l.Listener.Accept()
+	if err == nil {
+		l.mu.Lock()
+		l.conns = append(l.conns, c)
+		l.mu.Unlock()
+	}
+	return c, err
+}
+
+func (l *acceptCounter) accepted() []net.Conn {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return append([]net.Conn(nil), l.conns...)
+}
+
+// A session's v2 writes in a row go on one data connection, kept between
+// them (as a Mooncake connection pool's do): no connect per write. One
+// the peer closed meanwhile is not used again, and Close closes the kept
+// one.
+func TestSessionKeepsItsDataConnection(t *testing.T) {
+	p := startPeer(t, mooncaketest.Config{BufferSize: 1 << 20})
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	counted := &acceptCounter{Listener: ln}
+	data := mooncake.ServeData(counted, p, mooncake.DataConfig{Logf: t.Logf})
+	defer data.Close()
+	rpc, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hs := mooncake.Serve(rpc, mooncake.Handlers{Segment: func() *mooncake.Segment {
+		seg := p.Segment()
+		seg.Name, seg.TCPDataPort = rpc.Addr().String(), ln.Addr().(*net.TCPAddr).Port
+		return seg
+	}}, mooncake.ServerConfig{})
+	defer hs.Close()
+	d := &mooncake.Dialer{Self: &mooncake.Segment{Name: "ferry-test", Protocol: "tcp"}}
+	sess, err := d.Dial(ctxT(t), mooncake.Scheme+rpc.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	write := func(i int) {
+		t.Helper()
+		addr := p.Base() + uint64(i%16)*(64<<10)
+		if _, err := sess.Write(ctxT(t), transport.Write{Src: noise(64<<10, uint64(i)), Remote: addr}); err != nil {
+			t.Fatalf("write %d: %v", i, err)
+		}
+		if !bytes.Equal(p.Bytes(addr, 64<<10), noise(64<<10, uint64(i))) {
+			t.Fatalf("write %d: bytes differ", i)
+		}
+	}
+	for i := range 20 {
+		write(i)
+	}
+	if n := len(counted.accepted()); n != 1 {
+		t.Fatalf("20 writes in a row opened %d data connections, want 1 kept between them", n)
+	}
+	counted.accepted()[0].Close() // the peer ends it (a restart, a port making room)
+	write(20)
+	if n := len(counted.accepted()); n != 2 {
+		t.Fatalf("after the peer closed the kept connection, %d connections were opened in all, want 2", n)
+	}
+	if open := data.Stats().Open; open != 1 {
+		t.Fatalf("the data port holds %d connections, want the 1 kept", open)
+	}
+	sess.Close()
+	// The port's goroutine sees the client's close and ends the connection.
+	for deadline := time.Now().Add(10 * time.Second); data.Stats().Open != 0; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("the data port still holds %d connections 10 s after the session closed", data.Stats().Open)
+		}
+	}
+}

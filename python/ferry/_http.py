@@ -165,6 +165,134 @@ class Transport:
             return resp.status, resp.headers, data
 
 
+    def send_buffers(self, method, path, parts, headers=None, timeout=None):
+        """Sends the buffers in parts, one after another, as the body of a
+        POST or PUT, and reads the whole answer: (status, body). The lean
+        path of one request per call (Client.write, a staged batch of
+        pages): the head is written by hand and
+        goes out with the buffers in one sendmsg, straight from where
+        they lie, and the answer is read without http.client's parsing,
+        which costs more than the request on a small write. A kept
+        connection ferryd closed meanwhile is found before the request
+        goes out (as round_trip's are); a request cut off after its first
+        byte raises NoAnswer, as it may have been acted on."""
+        parts = [memoryview(b).cast("B") for b in parts]
+        n = sum(p.nbytes for p in parts)
+        head = [f"{method} {path} HTTP/1.1\r\nHost: ferryd\r\nContent-Length: {n}\r\n"]
+        head += [f"{k}: {v}\r\n" for k, v in (headers or {}).items()]
+        head.append("\r\n")
+        out = [memoryview("".join(head).encode())] + parts
+        conn, reused = self._take(timeout, False)
+        sent = 0
+        try:
+            if n > _SNDBUF:
+                _grow_sndbuf(conn.sock)
+            sent = _send_all(conn.sock, out)
+            status, close, data = _read_answer(conn.sock)
+        except BaseException as e:
+            conn.close()
+            sent = getattr(e, "sent", sent)
+            if isinstance(e, socket.timeout):
+                raise NoAnswer(
+                    f"no answer from ferryd at {self.socket_path} to {method} {path} within {timeout:g} s (the client's timeout); "
+                    "the connection was closed, and what was asked may still be carried out: look before repeating it, "
+                    "or raise Client(timeout=...)") from None
+            if not isinstance(e, (OSError, http.client.HTTPException)):
+                raise
+            if reused and not sent and isinstance(e, OSError):
+                return self.send_buffers(method, path, parts, headers, timeout)  # nothing reached ferryd
+            raise NoAnswer(
+                f"ferryd at {self.socket_path} closed the connection before answering {method} {path} ({e!r}); "
+                "what was asked may have been carried out: look before repeating it") from e
+        if close:
+            conn.close()
+        else:
+            self._put(conn)
+        return status, data
+
+
+# A Unix stream socket's send buffer bounds the bytes in flight to the
+# peer: a large body at the default (some 200 KiB) costs both ends a
+# wake-up per buffer-full. A connection that sends more asks for _BIG_SNDBUF
+# (the kernel caps it at net.core.wmem_max).
+_SNDBUF = 256 << 10
+_BIG_SNDBUF = 4 << 20
+
+
+def _grow_sndbuf(sock):
+    if sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) < _BIG_SNDBUF:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _BIG_SNDBUF)
+
+
+# The most buffers one sendmsg takes (the kernel's IOV_MAX).
+_IOV_MAX = 1024
+
+
+def _send_all(sock, bufs):
+    """Writes every buffer (sendmsg, from where they lie); returns how
+    many bytes went, raising what stopped it."""
+    total = 0
+    while bufs:
+        try:
+            k = sock.sendmsg(bufs[:_IOV_MAX])
+        except OSError as e:
+            e.sent = total
+            raise
+        total += k
+        while bufs and k >= bufs[0].nbytes:
+            k -= bufs[0].nbytes
+            bufs = bufs[1:]
+        if k:
+            bufs[0] = bufs[0][k:]
+    return total
+
+
+def _read_answer(sock):
+    """Reads one HTTP/1.1 answer: (status, whether the connection closes
+    after it, the body), its body by Content-Length or chunked."""
+    buf = bytearray()
+    while (end := buf.find(b"\r\n\r\n")) < 0:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise http.client.RemoteDisconnected("ferryd closed the connection without an answer")
+        buf += chunk
+    lines = bytes(buf[:end]).decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise http.client.BadStatusLine(lines[0])
+    fields = {}
+    for line in lines[1:]:
+        k, _, v = line.partition(":")
+        fields[k.strip().lower()] = v.strip()
+    rest = buf[end + 4:]
+    if fields.get("transfer-encoding", "").lower() == "chunked":
+        body = bytearray()
+        while True:
+            while (eol := rest.find(b"\r\n")) < 0:
+                rest += _recv_some(sock)
+            size = int(bytes(rest[:eol]).split(b";")[0], 16)
+            while len(rest) < eol + 2 + size + 2:
+                rest += _recv_some(sock)
+            if size == 0:
+                break  # ferryd sends no trailers
+            body += rest[eol + 2:eol + 2 + size]
+            rest = rest[eol + 2 + size + 2:]
+    else:
+        size = int(fields.get("content-length", "0"))
+        while len(rest) < size:
+            rest += _recv_some(sock)
+        body = rest[:size]
+    close = fields.get("connection", "").lower() == "close" or parts[0] == "HTTP/1.0"
+    return int(parts[1]), close, bytes(body)
+
+
+def _recv_some(sock):
+    chunk = sock.recv(65536)
+    if not chunk:
+        raise http.client.IncompleteRead(b"")
+    return chunk
+
+
 def _exchange(conn, method, path, body, headers):
     """Writes the request on conn and reads the answer's head."""
     try:

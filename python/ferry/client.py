@@ -160,7 +160,21 @@ class Client:
         data is a torch tensor (its shape and dtype go with it) or any
         contiguous buffer (bytes, bytearray, memoryview, a numpy array):
         give its shape and dtype, or neither to stage it as u8 of its
-        length. Returns the staged entry."""
+        length. A list of buffers is staged as their bytes one after
+        another, u8, each sent from where it lies (no copy into one
+        first). Returns the staged entry."""
+        if isinstance(data, list):
+            parts = [memoryview(b) for b in data]
+            if not all(p.c_contiguous for p in parts):
+                raise ValueError("a buffer to stage is not contiguous: pass a contiguous copy (bytes(data))")
+            if shape is not None or dtype is not None:
+                raise ValueError("a list of buffers is staged as u8 of their length: pass neither shape nor dtype")
+            n = sum(p.nbytes for p in parts)
+            path = f"/v1/embeddings/{_id(req_id)}?{urlencode({'shape': str(n), 'dtype': 'u8'})}"
+            status, body = self._transport.send_buffers("PUT", path, parts, {"Content-Type": "application/octet-stream"}, self.timeout)
+            if status >= 300:
+                raise from_answer(status, body)
+            return json.loads(body)
         if dtypes.is_tensor(data):
             if shape is not None or dtype is not None:
                 raise ValueError("a tensor carries its own shape and dtype: pass neither with it")
@@ -230,6 +244,33 @@ class Client:
         if wait_ms:
             payload["wait_ms"] = wait_ms
         return self._json("POST", f"/v1/embeddings/{_id(req_id)}/send", payload, self.timeout + wait_ms / 1000)
+
+    def write(self, slot, data):
+        """Writes data (a contiguous buffer: bytes, a memoryview, a numpy
+        array) at the start of a peer's receive slot, or at a
+        ``buffer_address`` inside it, with one request (POST /v1/writes):
+        the bytes go with the request, straight from where they lie, and
+        the answer comes once they are in the receiver's slot, as a send's
+        does. Nothing is staged, nor kept after a failure: write again.
+        Returns the write's figures (``nbytes``, ``ms``, ``attempts``,
+        ...)."""
+        slot = slot if isinstance(slot, Slot) else Slot.from_dict(self._slot_dict(slot))
+        if not isinstance(slot.buffer_address, int) or isinstance(slot.buffer_address, bool):
+            raise TypeError(f"buffer_address must be an int, not {type(slot.buffer_address).__name__}")
+        body = memoryview(data)
+        if not body.c_contiguous:
+            raise ValueError("the buffer to write is not contiguous: pass a contiguous copy (bytes(data))")
+        q = {"session": slot.session, "buffer_address": slot.buffer_address}
+        if slot.nbytes is not None:
+            q["nbytes"] = slot.nbytes
+        path = f"/v1/writes?{urlencode(q)}"
+        headers = {"Content-Type": "application/octet-stream"}
+        if slot.key is not None:
+            headers["Ferry-Key"] = slot.key
+        status, data = self._transport.send_buffers("POST", path, [body], headers, self.timeout)
+        if status >= 300:
+            raise from_answer(status, data)
+        return json.loads(data)
 
     def delete(self, req_id):
         """Drops a staged (or reserved) entry."""

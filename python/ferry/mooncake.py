@@ -240,25 +240,31 @@ class TransferEngine:
 
     def _write(self, session, pieces, starts):
         """Writes the pieces with one batch transfer (one completion): those
-        in GPU ranges straight from their regions, the host ones copied
-        into one staged entry first (one upload). starts are the registered
-        ranges the pieces lie in."""
+        in GPU ranges straight from their regions, the host ones staged
+        as one entry first (one upload, sent from where they lie); one
+        piece of host memory goes inline instead (Client.write). starts
+        are the registered ranges the pieces lie in."""
         client = self._need_client()
+        if len(pieces) == 1 and starts[0] not in self._gpu:
+            # One piece of host memory: its bytes go with the request
+            # (POST /v1/writes), one round trip, no staged entry.
+            (src, dst, n), = pieces
+            body = (ctypes.c_char * n).from_address(src)
+            _when_room(lambda: client.write(Slot(session=session, buffer_address=dst), body), client.timeout)
+            return
         base = min(dst for _, dst, _ in pieces)
-        sources, items, staged, by_region = [], [], bytearray(), {}
+        sources, items, staged, by_region = [], [], [], {}
         host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in self._gpu]
         req_id = None
         if host:
             req_id = f"mooncake-{os.getpid()}-{next(_entry_ids)}"
             sources.append(req_id)
-            staged = bytearray(sum(n for _, _, n in host))
-            window = (ctypes.c_char * len(staged)).from_buffer(staged)
             off = 0
             for src, dst, n in host:
-                ctypes.memmove(ctypes.byref(window, off), src, n)
+                # Staged from where the pieces lie, one after another.
+                staged.append((ctypes.c_char * n).from_address(src))
                 items.append((0, off, 0, dst - base, n))
                 off += n
-            del window
         for (src, dst, n), st in zip(pieces, starts):
             if st in self._gpu:
                 if st not in by_region:

@@ -134,14 +134,20 @@ def scripted(tmp_path):
         s.close()
 
 
-def test_a_post_the_server_may_have_acted_on_is_not_sent_again(scripted):
-    path, server = scripted(["answer", "drop", "answer"])
-    dial = CountingDial(path)
-    c = ferry.Client(path, dial=dial)
+@pytest.mark.parametrize("post, path", [
+    (lambda c: c.request("POST", "/v1/receives", b'{"req_id":"r1","nbytes":16}', "application/json"), "/v1/receives"),
+    # Client.write's own lean request, on the same kept connections.
+    (lambda c: c.write(ferry.Slot(session="127.0.0.1:1", buffer_address=4096, key="00" * 20), b"z" * 64), "/v1/writes?"),
+])
+def test_a_post_the_server_may_have_acted_on_is_not_sent_again(scripted, post, path):
+    sock, server = scripted(["answer", "drop", "answer"])
+    dial = CountingDial(sock)
+    c = ferry.Client(sock, dial=dial)
     c.status()
     with pytest.raises(ferry.NoAnswer, match="may have been carried out"):
-        c.request("POST", "/v1/receives", b'{"req_id":"r1","nbytes":16}', "application/json")
-    assert server.seen == [("GET", "/v1/status"), ("POST", "/v1/receives")]
+        post(c)
+    assert len(server.seen) == 2 and server.seen[0] == ("GET", "/v1/status")
+    assert server.seen[1][0] == "POST" and server.seen[1][1].startswith(path)
     assert dial.count == 1
 
 
@@ -194,3 +200,57 @@ def test_a_forked_child_does_not_share_kept_connections(pair):
         assert os.waitstatus_to_exitcode(status) == 0
         assert c.status()["pid"] == pair[0].pid
         assert dial.count == 1
+
+
+def test_a_write_is_one_request_on_a_kept_connection(pair, rx, req_id):
+    # Client.write: the bytes go inline with one POST /v1/writes, on the
+    # connection the other calls keep; the answer comes once they landed.
+    dial = CountingDial(pair[0].socket)
+    c = ferry.Client(pair[0].socket, dial=dial)
+    data = os.urandom(200_000)
+    slot = rx.receive(req_id, len(data))
+    assert c.write(slot, memoryview(data))["nbytes"] == len(data)
+    assert rx.wait(req_id, 10) == data
+    rx.free(req_id)
+    for i in range(3):
+        slot = rx.receive(f"{req_id}-{i}", 16)
+        c.write(slot, b"x" * 16)
+        rx.free(f"{req_id}-{i}")
+    assert dial.count == 1
+    assert c.embeddings() == []  # nothing was staged
+
+
+def test_a_refused_write_raises_and_keeps_the_connection(pair, rx, req_id):
+    dial = CountingDial(pair[0].socket)
+    c = ferry.Client(pair[0].socket, dial=dial)
+    slot = rx.receive(req_id, 16)
+    rx.free(req_id)
+    with pytest.raises(ferry.Refused, match="nothing is kept"):
+        c.write(slot, b"y" * 16)
+    with pytest.raises(ferry.BadRequest, match="more than the 16 of the receive slot"):
+        c.write(slot, b"y" * 17)
+    c.status()
+    assert dial.count == 1
+
+
+def test_a_list_of_buffers_is_staged_one_after_another(tx, rx, req_id):
+    parts = [os.urandom(n) for n in (1, 4096, 70_000)]
+    e = tx.stage(req_id, [memoryview(p) for p in parts])
+    assert e["nbytes"] == sum(map(len, parts))
+    slot = rx.receive(req_id, e["nbytes"])
+    tx.send(req_id, slot)
+    assert rx.wait(req_id, 10) == b"".join(parts)
+    rx.free(req_id)
+
+
+def test_a_large_body_goes_out_on_a_larger_send_buffer(pair, req_id):
+    # A Unix socket's default send buffer (some 200 KiB) makes a 64 MiB
+    # upload cost both ends hundreds of wake-ups: the connection that
+    # sends one asks for more (the kernel caps it at wmem_max).
+    dial = CountingDial(pair[0].socket)
+    c = ferry.Client(pair[0].socket, dial=dial)
+    c.stage(req_id, [bytes(1 << 20)])
+    conn = c._transport._idle[0]
+    assert conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) >= min(2 << 20, int(open("/proc/sys/net/core/wmem_max").read()))
+    c.delete(req_id)
+    assert dial.count == 1

@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import random
+import time
 
 import pytest
 
@@ -38,6 +39,32 @@ def test_the_encoders_call_sequence_delivers_the_embedding(engine, rx, req_id):
     rx.free(req_id)
 
 
+def test_one_piece_of_host_memory_is_one_request(pair, engine, rx, req_id):
+    # transfer_sync_write of one host range goes with its bytes inline:
+    # one POST /v1/writes to the sending ferryd, nothing staged.
+    data = os.urandom(64 << 10)
+    src = (ctypes.c_char * len(data)).from_buffer_copy(data)
+    base = ctypes.addressof(src)
+    assert engine.register_memory(base, len(data)) == 0
+    slot = rx.receive(req_id, len(data), mooncake=True)
+    tx = pair[0]
+    with tx._cond:
+        seen = len(tx.lines)
+    assert engine.transfer_sync_write(slot.mooncake_session, base, slot.buffer_address, len(data)) == 0, engine.last_failure
+    assert rx.wait(req_id, 10) == data
+    # ferryd logs each request (DEBUG) once it answered it.
+    deadline = time.monotonic() + 10
+    with tx._cond:
+        while True:
+            asked = [(line["method"], line["path"]) for line in tx.lines[seen:] if line.get("message") == "request"]
+            if ("POST", "/v1/writes") in asked or time.monotonic() > deadline:
+                break
+            tx._cond.wait(max(deadline - time.monotonic(), 0.001))
+    assert asked == [("POST", "/v1/writes")], asked
+    assert engine.unregister_memory(base) == 0
+    rx.free(req_id)
+
+
 def test_a_batch_of_scattered_pages_fills_one_slot(engine, rx, req_id):
     # vLLM's and sglang's KV path: registered once, many (src, dst, len)
     # pieces in one batch_transfer_sync_write, in any order.
@@ -63,12 +90,13 @@ def test_a_busy_ferryd_is_asked_again_within_the_timeout(engine, rx, req_id, mon
     # Engines splitting large batches can fill the room ferryd gives
     # running transfers for a moment (409 busy): the engine asks again,
     # pausing, and gives -1 only once its client's timeout ran out.
-    # ferryd's busy answers are stood in for beneath the client's seam.
+    # ferryd's busy answers are stood in for beneath the client's seam
+    # (one piece goes as one write).
     data = os.urandom(64 << 10)
     src = (ctypes.c_char * len(data)).from_buffer_copy(data)
     base = ctypes.addressof(src)
     assert engine.register_memory(base, len(data)) == 0
-    real = ferry.Client.transfer_sync
+    real = ferry.Client.write
     tries = []
 
     def busy_twice(self, *args, **kw):
@@ -77,7 +105,7 @@ def test_a_busy_ferryd_is_asked_again_within_the_timeout(engine, rx, req_id, mon
             raise ferry.Busy("running transfers hold all ferryd lets them hold at once")
         return real(self, *args, **kw)
 
-    monkeypatch.setattr(ferry.Client, "transfer_sync", busy_twice)
+    monkeypatch.setattr(ferry.Client, "write", busy_twice)
     slot = rx.receive(req_id, len(data), mooncake=True)
     assert engine.transfer_sync_write(slot.mooncake_session, base, slot.buffer_address, len(data)) == 0, engine.last_failure
     assert len(tries) == 3
@@ -88,7 +116,7 @@ def test_a_busy_ferryd_is_asked_again_within_the_timeout(engine, rx, req_id, mon
         tries.append(1)
         raise ferry.Busy("running transfers hold all ferryd lets them hold at once")
 
-    monkeypatch.setattr(ferry.Client, "transfer_sync", always_busy)
+    monkeypatch.setattr(ferry.Client, "write", always_busy)
     monkeypatch.setattr(engine._need_client(), "timeout", 0.05)
     tries.clear()
     assert engine.transfer_sync_write(slot.mooncake_session, base, slot.buffer_address, len(data)) == -1
@@ -143,7 +171,8 @@ def test_a_batch_past_one_transfer_goes_as_several(engine, rx, req_id, monkeypat
         bufs = [base + 8192 * i for i in range(9)]  # not adjacent: nine pieces
         dsts = [slot.buffer_address + 4096 * i for i in range(9)]  # the ninth lies past the slot
         assert engine.batch_transfer_sync_write(slot.mooncake_session, bufs, dsts, [4096] * 9) == -1
-    assert [len(c) for c in calls] == [4, 4, 1] and engine.last_failure.ret == "rejected"
+    # The ninth, a run of one piece, goes as one write (POST /v1/writes).
+    assert [len(c) for c in calls] == [4, 4] and engine.last_failure.ret == "rejected"
     assert rx.wait(req_id, 10) == b"".join(ctypes.string_at(b, 4096) for b in bufs[:8])
     rx.free(req_id)
     assert engine.unregister_memory(base) == 0
@@ -188,10 +217,12 @@ def test_an_empty_batch_succeeds_at_once(engine, rx, req_id):
 
 
 def test_two_engines_name_their_staged_entries_apart(pair, rx, req_id):
-    # Host pieces go through a staged entry per call; two engines in one
-    # process must not give two calls' entries one name.
+    # Host pieces go through a staged entry per call (more than one piece:
+    # one goes inline); two engines in one process must not give two
+    # calls' entries one name.
     engines = [TransferEngine(socket_path=pair[0].socket) for _ in range(2)]
     src = (ctypes.c_char * 4096).from_buffer_copy(os.urandom(4096))
+    half = ctypes.addressof(src) + 2048
     for i, e in enumerate(engines):
         assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
         assert e.register_memory(ctypes.addressof(src), 4096) == 0
@@ -206,12 +237,14 @@ def test_two_engines_name_their_staged_entries_apart(pair, rx, req_id):
     ferry.Client.stage = stage
     try:
         for e, slot in zip(engines, slots):
-            assert e.transfer_sync_write(slot.mooncake_session, ctypes.addressof(src), slot.buffer_address, 4096) == 0, e.last_failure
+            # Swapped halves: not adjacent at both ends, two pieces.
+            assert e.batch_transfer_sync_write(slot.mooncake_session, [ctypes.addressof(src), half],
+                                               [slot.buffer_address + 2048, slot.buffer_address], [2048, 2048]) == 0, e.last_failure
     finally:
         ferry.Client.stage = real_stage
     assert len(names) == 2 and names[0] != names[1]
     for i in range(2):
-        assert rx.wait(f"{req_id}-{i}", 10) == bytes(src)
+        assert rx.wait(f"{req_id}-{i}", 10) == bytes(src)[2048:] + bytes(src)[:2048]
         rx.free(f"{req_id}-{i}")
 
 

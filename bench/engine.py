@@ -1,0 +1,244 @@
+#!/usr/bin/env python3
+"""Times ferry.mooncake.TransferEngine, the Mooncake drop-in, as sglang and
+vLLM drive it, beside `ferrybench batch` on the same two ferryd, taking
+turns (A B A B) so that a noisy machine's drift falls on all of them:
+
+- kv: an sglang-shaped KV transfer per request: LAYERS x (K, V) x PAGES
+  pages of PAGE bytes, scattered (each layer's K and V its own registered
+  tensor, the pages picked at random and landing in reverse order in the
+  receiver's slot, so that none merge), one batch_transfer_sync_write per
+  request: pages/s and GB/s.
+- single: SINGLE bytes transfer_sync_write one call at a time, each to
+  the next place of a receive slot: µs per call and GB/s.
+- ferrybench batch with the same page size and pages per request (the Go
+  client, ferry's own batch transfer of a staged source): the yardstick
+  of the kv figure (`ratio kv/batch`).
+
+The engine sends as sglang's prefill does: into receive slots made with
+mooncake=True on the receiving ferryd (its --mooncake-listen segment),
+registered host memory on the sending side. Receive slots are made and
+freed untimed. Before timing, the receiving arena is written through
+once: a long-running ferryd's arena pages have all been touched, while
+a fresh one's first write to a page pays its allocation (the slots lie
+at random places in the arena).
+
+  python3 bench/engine.py --ferryd bin/ferryd --ferrybench bin/ferrybench
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import random
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import ferry
+from ferry.mooncake import TransferEngine
+
+
+def size(text):
+    units = {"KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+    for u, m in units.items():
+        if text.endswith(u):
+            return int(text[:-len(u)]) * m
+    return int(text)
+
+
+class Daemon:
+    """One ferryd, started and waited for ("ready"), stopped by its PID."""
+
+    def __init__(self, ferryd, directory, name, arena, *extra):
+        self.socket = os.path.join(directory, name + ".sock")
+        env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        env["FERRY_CONFIG"] = os.devnull
+        self.proc = subprocess.Popen(
+            [ferryd, "--socket", self.socket, "--listen", "127.0.0.1:0", "--arena-size", arena, "--device", "cpu",
+             "--transport", "tcp", "--log-format", "json", "--log-level", "warn", *extra],
+            env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        deadline = time.monotonic() + 60
+        # --log-level warn logs no "ready": the socket answering is the sign.
+        while True:
+            try:
+                ferry.Client(self.socket, timeout=5).status()
+                break
+            except ferry.FerryError:
+                if self.proc.poll() is not None or time.monotonic() > deadline:
+                    self.stop()
+                    raise SystemExit(f"ferryd {name} did not start: {self.proc.stderr.read().decode()[-2000:]}")
+                time.sleep(0.05)
+        threading.Thread(target=self.proc.stderr.read, daemon=True).start()
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def buffer(n, seed):
+    b = (ctypes.c_char * n).from_buffer_copy(random.Random(seed).randbytes(n))
+    return b, ctypes.addressof(b)
+
+
+class KV:
+    """LAYERS x (K, V) registered tensors of PAGES_TOTAL pages each; a
+    request sends PAGES pages of every one of them."""
+
+    def __init__(self, engine, layers, pages, page, total_pages, seed):
+        self.engine, self.page, self.pages = engine, page, pages
+        self.tensors = [buffer(total_pages * page, seed + i) for i in range(2 * layers)]
+        for _, base in self.tensors:
+            assert engine.register_memory(base, total_pages * page) == 0, engine.last_failure
+        rng = random.Random(seed)
+        self.picked = [rng.sample(range(total_pages), pages) for _ in self.tensors]
+        self.nbytes = len(self.tensors) * pages * page
+
+    def request(self, rx, name, verify):
+        slot = rx.receive(name, self.nbytes, mooncake=True)
+        srcs, dsts, lens = [], [], []
+        k = len(self.tensors) * self.pages
+        for (_, base), picked in zip(self.tensors, self.picked):
+            for p in picked:
+                k -= 1  # in reverse: no two pages adjacent at both ends
+                srcs.append(base + p * self.page)
+                dsts.append(slot.buffer_address + k * self.page)
+                lens.append(self.page)
+        t0 = time.perf_counter()
+        ret = self.engine.batch_transfer_sync_write(slot.mooncake_session, srcs, dsts, lens)
+        took = time.perf_counter() - t0
+        if ret != 0:
+            raise SystemExit(f"kv: batch_transfer_sync_write returned {ret}: {self.engine.last_failure}")
+        if verify:
+            got = rx.wait(name, 10)
+            want = b"".join(ctypes.string_at(src, self.page) for _, src in sorted(zip(dsts, srcs)))
+            if got != want:
+                raise SystemExit("kv: the receiver's slot does not hold the pages sent")
+        rx.free(name)
+        return took
+
+
+def single_calls(engine, rx, src, n, per_slot, seconds, tag, verify):
+    """transfer_sync_write of n bytes, one call at a time, for seconds:
+    each call's time."""
+    out, spent, k = [], 0.0, 0
+    while spent < seconds:
+        name = f"single-{tag}-{k}"
+        slot = rx.receive(name, n * per_slot, mooncake=True)
+        for i in range(per_slot):
+            t0 = time.perf_counter()
+            ret = engine.transfer_sync_write(slot.mooncake_session, src, slot.buffer_address + i * n, n)
+            took = time.perf_counter() - t0
+            if ret != 0:
+                raise SystemExit(f"single: transfer_sync_write returned {ret}: {engine.last_failure}")
+            out.append(took)
+            spent += took
+        if verify and k == 0:
+            if rx.wait(name, 10) != ctypes.string_at(src, n) * per_slot:
+                raise SystemExit("single: the receiver's slot does not hold the bytes sent")
+        rx.free(name)
+        k += 1
+    return out
+
+
+def ferrybench_batch(ferrybench, tx, rx, page, pages, seconds):
+    """One `ferrybench batch` point against the same daemons: (its output line, items/s, GB/s)."""
+    cmd = [ferrybench, "batch", "--from", tx.socket, "--to", rx.socket, "--item-size", str(page),
+           "--batches", str(pages), "--duration", f"{seconds * 2}s", "--json"]
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
+    rows = [r for r in json.loads(out)["rows"] if r["op"] == "batch"]
+    return rows[0]
+
+
+def pct(xs, p):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(p * len(xs)))]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--ferryd", default="bin/ferryd")
+    ap.add_argument("--ferrybench", default="bin/ferrybench", help="'' to leave ferrybench batch out")
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--pages", type=int, default=64, help="pages per request per layer's K or V")
+    ap.add_argument("--page", type=size, default=16 << 10)
+    ap.add_argument("--single", type=size, default=64 << 10)
+    ap.add_argument("--rounds", type=int, default=2, help="turns of each (A B A B)")
+    ap.add_argument("--seconds", type=float, default=2.0, help="per turn")
+    ap.add_argument("--arena", default="512MiB")
+    a = ap.parse_args()
+
+    directory = tempfile.mkdtemp(prefix="ferry-engine-bench-")
+    tx = Daemon(a.ferryd, directory, "tx", a.arena)
+    try:
+        rx = Daemon(a.ferryd, directory, "rx", a.arena, "--mooncake-listen", "127.0.0.1:0")
+    except BaseException:
+        tx.stop()
+        raise
+    try:
+        run(a, tx, rx)
+    finally:
+        rx.stop()
+        tx.stop()
+
+
+def run(a, tx, rx):
+    rxc = ferry.Client(rx.socket)
+    engine = TransferEngine(socket_path=tx.socket)
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+    kv = KV(engine, a.layers, a.pages, a.page, 4 * a.pages, seed=1)
+    single, single_base = buffer(a.single, 99)
+    assert engine.register_memory(single_base, a.single) == 0, engine.last_failure
+
+    # Touch the receiving arena once, as a running ferryd's has been.
+    total = size(a.arena)
+    slot = rxc.receive("warm", total - (1 << 20), mooncake=True)
+    chunk, chunk_base = buffer(16 << 20, 7)
+    assert engine.register_memory(chunk_base, 16 << 20) == 0
+    for off in range(0, slot.nbytes, 16 << 20):
+        n = min(16 << 20, slot.nbytes - off)
+        assert engine.transfer_sync_write(slot.mooncake_session, chunk_base, slot.buffer_address + off, n) == 0, engine.last_failure
+    rxc.free("warm")
+
+    print(f"# bench/engine.py  {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  cpus={os.cpu_count()} "
+          f"ferryd={a.ferryd} transport=tcp (loopback) kv={a.layers}x2x{a.pages}x{a.page}B single={a.single}B "
+          f"{a.rounds} rounds x {a.seconds}s", flush=True)
+    kv_times, single_times, fb = [], [], []
+    for r in range(a.rounds):
+        spent, i = 0.0, 0
+        while spent < a.seconds or i < 2:
+            took = kv.request(rxc, f"kv-{r}-{i}", verify=(r == 0 and i == 0))
+            kv_times.append(took)
+            spent += took
+            i += 1
+        single_times += single_calls(engine, rxc, single_base, a.single, 256, a.seconds, r, verify=(r == 0))
+        if a.ferrybench:
+            fb.append(ferrybench_batch(a.ferrybench, tx, rx, a.page, 2 * a.layers * a.pages, a.seconds))
+
+    pages = 2 * a.layers * a.pages
+    kv_mean = statistics.mean(kv_times)
+    print(f"kv      pages/request={pages} page={a.page}B requests={len(kv_times)} "
+          f"pages/s={pages / kv_mean:.0f} GB/s={kv.nbytes / kv_mean / 1e9:.3f} "
+          f"p50_ms={pct(kv_times, 0.5) * 1e3:.2f} p90_ms={pct(kv_times, 0.9) * 1e3:.2f}")
+    s_mean = statistics.mean(single_times)
+    print(f"single  size={a.single}B calls={len(single_times)} us/call(mean)={s_mean * 1e6:.1f} "
+          f"p50_us={pct(single_times, 0.5) * 1e6:.1f} p90_us={pct(single_times, 0.9) * 1e6:.1f} "
+          f"p99_us={pct(single_times, 0.99) * 1e6:.1f} GB/s={a.single / s_mean / 1e9:.3f}")
+    if fb:
+        items = sum(f["ops_per_s"] for f in fb) / len(fb)
+        gbps = sum(f["gb_per_s"] for f in fb) / len(fb)
+        print(f"ferrybench batch  items/batch={pages} item={a.page}B pages/s={items:.0f} GB/s={gbps:.3f} "
+              f"p50_ms={statistics.mean(f['latency']['p50_us'] for f in fb) / 1e3:.2f}")
+        print(f"ratio kv/batch = {(pages / kv_mean) / items:.2f}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
