@@ -256,10 +256,10 @@ func TestDeviceList(t *testing.T) {
 // one size for every arena or one per device; printed back as they load.
 func TestDeviceAndArenaSizeLists(t *testing.T) {
 	for body, want := range map[string][2]string{
-		"device = \"cuda:0\"\narena_size = \"64MiB\"\n":                                 {"cuda:0", "64MiB"},
-		"device = [\"cuda:0\", \"cuda:1\", \"cpu\"]\narena_size = \"64MiB\"\n":            {"cuda:0,cuda:1,cpu", "64MiB"},
-		"device = [\"cuda:1\", \"cuda:3\"]\narena_size = [\"64MiB\", \"1GiB\"]\n":         {"cuda:1,cuda:3", "64MiB,1GiB"},
-		"device = \"cuda:all\"\narena_size = [\"64MiB\", \"1GiB\", \"2GiB\"]\n": {"cuda:all", "64MiB,1GiB,2GiB"},
+		"device = \"cuda:0\"\narena_size = \"64MiB\"\n":                           {"cuda:0", "64MiB"},
+		"device = [\"cuda:0\", \"cuda:1\", \"cpu\"]\narena_size = \"64MiB\"\n":    {"cuda:0,cuda:1,cpu", "64MiB"},
+		"device = [\"cuda:1\", \"cuda:3\"]\narena_size = [\"64MiB\", \"1GiB\"]\n": {"cuda:1,cuda:3", "64MiB,1GiB"},
+		"device = \"cuda:all\"\narena_size = [\"64MiB\", \"1GiB\", \"2GiB\"]\n":   {"cuda:all", "64MiB,1GiB,2GiB"},
 	} {
 		l, err := load(t, []string{"--config", writeFile(t, body)}, env())
 		if err == nil {
