@@ -48,7 +48,7 @@ func arenaRegion(m *memory) (*region, error) {
 // a transport with several NICs registers it with those
 // d.affinity.NICsFor(device) names.
 func (d *Daemon) registerArenas() {
-	for _, a := range d.arenas[1:] {
+	for _, a := range d.arenas[1:] { // New made at least one
 		g := a.region
 		g.nic, g.nicErr = d.registerRegionNIC(a.mem.Memory)
 		switch {
@@ -63,8 +63,8 @@ func (d *Daemon) registerArenas() {
 // closeArenas drops the NIC registrations of the arenas after the
 // first: once no write is in flight, before the transport closes.
 func (d *Daemon) closeArenas() {
-	for _, a := range d.arenas[1:] {
-		if g := a.region; g.nic != nil {
+	for _, a := range d.arenas { // none when New failed before they were made
+		if g := a.region; g != nil && g.nic != nil {
 			if err := g.nic.Close(); err != nil {
 				d.log.Warn().Str("device", g.device).Err(err).Msg("dropping the arena's registration with the NIC failed")
 			}

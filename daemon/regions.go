@@ -118,7 +118,7 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 	switch {
 	case c.Device == "" || err != nil || on.mem.dev == nil:
 		return nil, apiErr(api.CodeBadRequest,
-			"region %s: the memory is on %q, where this ferryd has no GPU arena (it has arenas on %s): lend memory of one of its GPUs, or add that GPU to its --device", req.Name, c.Device, strings.Join(d.devices(), ", "))
+			"region %s: the memory is on %q, where this ferryd has no GPU arena (it has arenas on %s): lend memory of one of its GPUs, or start it with --device %s (or a list naming it)", req.Name, c.Device, strings.Join(d.devices(), ", "), c.Device)
 	case len(c.IPCHandle) != len(cuda.IPCHandle{}):
 		return nil, apiErr(api.CodeBadRequest,
 			"region %s: ipc_handle has %d bytes, not the %d of a CUipcMemHandle (base64 in JSON): pass what cuIpcGetMemHandle gave", req.Name, len(c.IPCHandle), len(cuda.IPCHandle{}))

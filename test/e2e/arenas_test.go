@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"os"
 	"os/exec"
 	"path/filepath"
 	"strings"
@@ -140,5 +141,21 @@ func TestAnArenaPerDevice(t *testing.T) {
 	// The daemon stays up, and the default is the first device.
 	if slot, err := gpu.c.Receive(ctx, "default", n); err != nil || slot.Device != "cuda:0" {
 		t.Fatalf("a slot naming no device: %+v, %v; want it on cuda:0", slot, err)
+	}
+
+	// cuda:all is every GPU the driver lists, one size each.
+	all := startDaemonIn(t, env, dir, "all", "--device", "cuda:all", "--arena-size", "8MiB", "--bounce-size", "4MiB")
+	st, err := all.c.Status(ctx)
+	if err != nil || len(st.Arenas) != 2 || st.Arenas[0].Device != "cuda:0" || st.Arenas[1].Device != "cuda:1" || st.Arenas[1].Size != 8<<20 {
+		t.Fatalf("cuda:all: %+v, %v; want an 8 MiB arena on each of the two GPUs", st.Arenas, err)
+	}
+	// A size for each of three devices where the driver lists two stops
+	// ferryd at start, naming both settings.
+	bad := exec.CommandContext(ctx, env[0], append(env[1:], filepath.Join(bin, "ferryd"), "--socket", filepath.Join(dir, "bad.sock"),
+		"--listen", "127.0.0.1:0", "--transport", "tcp", "--device", "cuda:all", "--arena-size", "8MiB,8MiB,8MiB")...)
+	bad.Env = append(os.Environ(), "FERRY_CONFIG="+os.DevNull)
+	out, err = bad.CombinedOutput()
+	if exitCode(err) == 0 || !strings.Contains(string(out), "--arena-size 8MiB,8MiB,8MiB lists 3 sizes for the 2 devices of --device cuda:all") {
+		t.Errorf("three sizes for two GPUs: exit %d\n%s", exitCode(err), out)
 	}
 }
