@@ -265,7 +265,10 @@ func TestDeviceAndArenaSizeLists(t *testing.T) {
 		if err == nil {
 			err = l.Check()
 		}
-		if err != nil || string(l.Settings.Device) != want[0] || string(l.Settings.ArenaSize) != want[1] {
+		if err != nil {
+			t.Fatalf("%s: %v", body, err)
+		}
+		if string(l.Settings.Device) != want[0] || string(l.Settings.ArenaSize) != want[1] {
 			t.Fatalf("%s: %v: device %q, arena_size %q", body, err, l.Settings.Device, l.Settings.ArenaSize)
 		}
 		out, err := l.TOML()
