@@ -134,6 +134,35 @@ func TestAnArenaPerDevice(t *testing.T) {
 		}
 	}
 
+	// A CUDA region of the second GPU opens on that GPU's arena (the
+	// stand-in's handles are not bound to a device, so this shows the
+	// daemon takes it there; a real driver opens it in that GPU's context).
+	own := startCUDAOwner(t, lib, n, 61)
+	if g, err := gpu.c.RegisterCUDARegion(ctx, "kv1", "cuda:1", own.handle, n, n); err != nil || g.Kind != "cuda" {
+		t.Fatalf("a CUDA region on cuda:1: %+v, %v", g, err)
+	}
+	_, err = gpu.c.RegisterCUDARegion(ctx, "kv7", "cuda:7", own.handle, n, n)
+	wantErr(t, err, 400, api.CodeBadRequest, `the memory is on "cuda:7"`, "it has arenas on cuda:0, cuda:1, cpu")
+	slot, err := gpu.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "in-kv1", NBytes: n, Region: "kv1"})
+	if err != nil || slot.Device != "" {
+		t.Fatalf("a slot in the region: %+v, %v", slot, err)
+	}
+	data := randomBytes(n, 62)
+	if _, err := host.c.Stage(ctx, "in-kv1", shape, "u8", bytes.NewReader(data), n); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := host.c.Send(ctx, "in-kv1", api.SendRequest{Session: slot.Session, BufferAddress: slot.BufferAddress, Key: slot.Key, NBytes: n}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := gpu.c.WaitInfo(ctx, "in-kv1", 10*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if got := own.read(t, n, n); !bytes.Equal(got, data) {
+		t.Fatal("the write did not land in the owner's memory on cuda:1")
+	}
+	_, err = gpu.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "both", NBytes: n, Region: "kv1", Device: "cuda:1"})
+	wantErr(t, err, 400, api.CodeBadRequest, "name one of region and device")
+
 	_, err = gpu.c.ReceiveOn(ctx, "cuda:7", "nowhere", n)
 	wantErr(t, err, 400, api.CodeBadRequest, `device "cuda:7"`, "cuda:0, cuda:1, cpu")
 	_, err = gpu.c.StageOn(ctx, "cuda:7", "nowhere", shape, "u8", bytes.NewReader(make([]byte, n)), n)
