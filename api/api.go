@@ -66,11 +66,14 @@ type Error struct {
 
 // Status answers GET /v1/status.
 type Status struct {
-	Version      string            `json:"version"`
-	PID          int               `json:"pid"`
-	Instance     string            `json:"instance"`
-	StartedAt    time.Time         `json:"started_at"`
-	Memory       MemoryStatus      `json:"memory"`
+	Version   string       `json:"version"`
+	PID       int          `json:"pid"`
+	Instance  string       `json:"instance"`
+	StartedAt time.Time    `json:"started_at"`
+	Memory    MemoryStatus `json:"memory"`
+	// Arenas is each device's arena, in --device's order; the first is
+	// Memory's.
+	Arenas       []ArenaStatus     `json:"arenas"`
 	Registration Registration      `json:"registration"`
 	Transport    TransportStatus   `json:"transport"`
 	Mooncake     *MooncakeStatus   `json:"mooncake,omitempty"` // with --mooncake-listen
@@ -177,6 +180,20 @@ type CUDAStatus struct {
 type CUDAIPC struct {
 	Device    string `json:"device"`     // "cuda:N"
 	IPCHandle []byte `json:"ipc_handle"` // the 64-byte CUipcMemHandle, base64 in JSON
+}
+
+// ArenaStatus is one device's arena: its size and use, and the staged
+// entries and receive slots in it.
+type ArenaStatus struct {
+	Device string `json:"device"` // "cpu" or "cuda:N"
+	Kind   string `json:"kind"`   // "host" or "cuda"
+	Size   int64  `json:"size"`
+	Used   int64  `json:"used"`
+	Free   int64  `json:"free"`
+	Staged int    `json:"staged"`
+	Slots  int    `json:"slots"`
+	// NIC says whether the RDMA NIC registered it (nil without RDMA).
+	NIC *RegionNIC `json:"nic,omitempty"`
 }
 
 // RegistrationMode is how the arena is made visible to the NIC, spelt
@@ -317,6 +334,7 @@ type Embedding struct {
 	Shape     []int64   `json:"shape,omitempty"`
 	DType     string    `json:"dtype,omitempty"`
 	NBytes    int64     `json:"nbytes"`
+	Device    string    `json:"device"` // the device whose arena holds it
 	Offset    int64     `json:"offset"`
 	Since     time.Time `json:"since"`
 	ArenaFile string    `json:"arena_file,omitempty"`
@@ -329,6 +347,8 @@ type SliceRequest struct {
 	Shape  []int64 `json:"shape,omitempty"`
 	DType  string  `json:"dtype,omitempty"`
 	NBytes int64   `json:"nbytes,omitempty"`
+	// Device names the arena ("cuda:1", "cpu"); empty: the first.
+	Device string `json:"device,omitempty"`
 }
 
 // Arena answers GET /v1/arena on a host-memory arena. The answer carries
@@ -348,6 +368,7 @@ type Slice struct {
 	ArenaFile string `json:"arena_file"`
 	Offset    int64  `json:"offset"`
 	NBytes    int64  `json:"nbytes"`
+	Device    string `json:"device"` // the device whose arena holds it
 	*CUDAIPC         // set instead of ArenaFile for a GPU arena
 }
 
@@ -406,6 +427,9 @@ type ReceiveRequest struct {
 	// bytes land in the client's own memory.
 	Region       string `json:"region,omitempty"`
 	RegionOffset int64  `json:"region_offset,omitempty"`
+	// Device names the arena the slot is in ("cuda:3", "cpu"), one of
+	// --device's; empty: the first.
+	Device string `json:"device,omitempty"`
 }
 
 // ReceiveSlot is what a receiver hands to the sender out of band.
@@ -419,6 +443,9 @@ type ReceiveSlot struct {
 	// sender unchanged.
 	Key    transport.Key `json:"key"`
 	NBytes int64         `json:"nbytes"`
+	// Device is the device whose arena holds the slot ("cuda:3", "cpu";
+	// empty for a slot in a region).
+	Device string `json:"device,omitempty"`
 	// MooncakeSession is the receiver's Mooncake segment name
 	// ("ip:rpcport") for a slot made with "mooncake": true: a Mooncake
 	// sender writes nbytes to buffer_address in that segment.
@@ -428,6 +455,9 @@ type ReceiveSlot struct {
 // Receive describes a slot: GET /v1/receives/{req_id}?format=json.
 type Receive struct {
 	ReceiveSlot
+	// Device is ReceiveSlot's, and the CUDA IPC handle's below (the
+	// same device): declared here, it is the one "device" JSON carries.
+	Device   string `json:"device,omitempty"`
 	Arrived  bool   `json:"arrived"`
 	Received int64  `json:"received"` // bytes that arrived
 	Tag      uint32 `json:"tag"`      // the tag the write carried (the key's first 32 bits)

@@ -173,9 +173,19 @@ func (c *Client) Status(ctx context.Context) (api.Status, error) {
 	return call[api.Status](ctx, c, "GET", "/v1/status", nil)
 }
 
-// Stage uploads n bytes from r as req_id's embedding of shape and dtype.
+// Stage uploads n bytes from r as req_id's embedding of shape and dtype,
+// into the arena of ferryd's first device.
 func (c *Client) Stage(ctx context.Context, reqID string, shape []int64, dtype string, r io.Reader, n int64) (api.Embedding, error) {
+	return c.StageOn(ctx, "", reqID, shape, dtype, r, n)
+}
+
+// StageOn is Stage into the arena on device ("cuda:1", "cpu"; "": the
+// first), one of ferryd's --device: the device the tensor is on.
+func (c *Client) StageOn(ctx context.Context, device, reqID string, shape []int64, dtype string, r io.Reader, n int64) (api.Embedding, error) {
 	q := url.Values{"shape": {api.ShapeString(shape)}, "dtype": {dtype}}
+	if device != "" {
+		q.Set("device", device)
+	}
 	var out api.Embedding
 	_, err := c.do(ctx, "PUT", "/v1/embeddings/"+esc(reqID)+"?"+q.Encode(), r, n, &out)
 	return out, err
@@ -232,9 +242,16 @@ func (c *Client) Delete(ctx context.Context, reqID string) error {
 	return c.noContent(ctx, "DELETE", "/v1/embeddings/"+esc(reqID))
 }
 
-// Receive allocates a receive slot of nbytes for req_id.
+// Receive allocates a receive slot of nbytes for req_id, in the arena
+// of ferryd's first device.
 func (c *Client) Receive(ctx context.Context, reqID string, nbytes int64) (api.ReceiveSlot, error) {
-	return c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: reqID, NBytes: nbytes})
+	return c.ReceiveOn(ctx, "", reqID, nbytes)
+}
+
+// ReceiveOn allocates the slot in the arena on device ("cuda:3", "cpu";
+// "": the first), one of ferryd's --device: where the data is wanted.
+func (c *Client) ReceiveOn(ctx context.Context, device, reqID string, nbytes int64) (api.ReceiveSlot, error) {
+	return c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: reqID, NBytes: nbytes, Device: device})
 }
 
 // ReceiveWith allocates a receive slot as req says (a slot Mooncake

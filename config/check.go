@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/user"
 	"strconv"
-	"strings"
 
 	"github.com/ferry-project/ferry/internal/size"
 	"github.com/ferry-project/ferry/transport/peer"
@@ -53,28 +52,6 @@ func (l *Loaded) name(key string) string {
 		return src
 	}
 }
-
-// Ordinal reads a Device: -1 for cpu and auto, N for cuda:N.
-func (d Device) Ordinal() (int, error) {
-	switch d {
-	case DeviceAuto, DeviceCPU:
-		return -1, nil
-	}
-	if n, ok := strings.CutPrefix(string(d), "cuda:"); ok {
-		if i, err := strconv.Atoi(n); err == nil && i >= 0 {
-			return i, nil
-		}
-	}
-	return -1, errors.New("is not a device: use auto (a GPU when there is one, else host memory), cpu, or cuda:N (e.g. cuda:0)")
-}
-
-// Device is the arena's memory: the device setting.
-type Device string
-
-const (
-	DeviceAuto Device = "auto" // cuda:0 when the CUDA driver and a GPU are there, else cpu
-	DeviceCPU  Device = "cpu"
-)
 
 // HugePageBytes is arena_huge_pages in bytes, 0 for ordinary pages.
 func (s *Settings) HugePageBytes() int64 {

@@ -71,7 +71,7 @@ type Settings struct {
 	RDMARegistration api.RegistrationMode `toml:"rdma_registration"`
 	GPURegistration  api.GPURegistration  `toml:"gpu_registration"`
 	Device           Device               `toml:"device"`
-	ArenaSize        Size                 `toml:"arena_size"`
+	ArenaSize        Sizes                `toml:"arena_size"`
 	BounceSize       Size                 `toml:"bounce_size"`
 	ArenaHugePages   string               `toml:"arena_huge_pages"`
 	ArenaFile        string               `toml:"arena_file"`
@@ -196,11 +196,11 @@ var options = []option{
 		func(s *Settings) value { return (*prefixes)(&s.MooncakeFetch) }, nil},
 	{"mooncake_allow", "", "`addresses` (IP addresses or CIDR prefixes, comma-separated) that may connect to the Mooncake RPC and data ports: Mooncake's wire carries no key, so only these may write into receive slots made with \"mooncake\": true (empty: loopback and this host's own addresses)",
 		func(s *Settings) value { return (*prefixes)(&s.MooncakeAllow) }, nil},
-	{"device", string(DeviceAuto), "arena `memory`: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, or cuda:N",
+	{"device", string(DeviceAuto), "arena `memory`, one arena per device listed: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, cuda:N, several joined by commas (cuda:0,1,3 or cuda:0,cpu; in the file also a list), or cuda:all (every GPU the driver lists); receive slots and staged entries name their device, the first by default",
 		func(s *Settings) value { return (*text)(&s.Device) },
-		func(s *Settings) error { _, err := s.Device.Ordinal(); return err }},
-	{"arena_size", "1GiB", "arena `size`, e.g. 64MiB or 8GiB",
-		func(s *Settings) value { return &s.ArenaSize }, sizeWithin(func(s *Settings) Size { return s.ArenaSize }, ArenaAlign, 1<<50)},
+		func(s *Settings) error { _, err := s.Device.List(); return err }},
+	{"arena_size", "1GiB", "arena `size`, e.g. 64MiB or 8GiB: one for every device's arena, or one per device joined by commas (in the file also a list)",
+		func(s *Settings) value { return &s.ArenaSize }, checkArenaSizes},
 	{"bounce_size", "256MiB", "pinned host memory (`size`) that copies to and from a GPU arena are staged in",
 		func(s *Settings) value { return &s.BounceSize }, nil},
 	{"arena_huge_pages", "", "huge page `size` (e.g. 2MiB or 1GiB, one the kernel lists in /sys/kernel/mm/hugepages) a host-memory arena takes its pages in, from vm.nr_hugepages' pool (empty: ordinary pages)",
@@ -373,7 +373,12 @@ func (l *Loaded) readFile(explicit bool) error {
 	}
 	dec := toml.NewDecoder(bytes.NewReader(data))
 	dec.DisallowUnknownFields()
+	dec.EnableUnmarshalerInterface() // device and arena_size: a string or a list
 	if err := dec.Decode(&l.Settings); err != nil {
+		if le := (*listError)(nil); errors.As(err, &le) {
+			o, _ := lookup(le.key)
+			return fmt.Errorf("%s: %s: %v; want %s", l.where(lineOf(data, le.key), 0), le.key, le.err, o.of(&Settings{}).want())
+		}
 		return l.explain(err)
 	}
 	// Decoding checked the types; the values are checked here, the same

@@ -229,15 +229,91 @@ func TestShareBytes(t *testing.T) {
 	}
 }
 
-func TestDeviceOrdinal(t *testing.T) {
-	for in, want := range map[Device]int{"auto": -1, "cpu": -1, "cuda:0": 0, "cuda:7": 7} {
-		if got, err := in.Ordinal(); err != nil || got != want {
-			t.Errorf("Device(%q).Ordinal() = %d, %v; want %d", in, got, err, want)
+func TestDeviceList(t *testing.T) {
+	for in, want := range map[Device][]Device{
+		"auto": {"auto"}, "cpu": {"cpu"}, "cuda:0": {"cuda:0"}, "cuda:7": {"cuda:7"},
+		"cuda:0,1,3": {"cuda:0", "cuda:1", "cuda:3"}, "cuda:2, cuda:0": {"cuda:2", "cuda:0"},
+		"cuda:all": {"cuda:all"}, "cuda:0,1,cpu": {"cuda:0", "cuda:1", "cpu"}, "cpu,cuda:all": {"cpu", "cuda:all"},
+	} {
+		if got, err := in.List(); err != nil || !reflect.DeepEqual(got, want) {
+			t.Errorf("Device(%q).List() = %q, %v; want %q", in, got, err, want)
 		}
 	}
-	for _, in := range []Device{"", "gpu", "cuda", "cuda:", "cuda:-1", "cuda:x", "CUDA:0", "cuda:0 "} {
-		if _, err := in.Ordinal(); err == nil || !strings.Contains(err.Error(), "use auto") {
-			t.Errorf("Device(%q).Ordinal() = %v, want an error listing the choices", in, err)
+	for in, msg := range map[Device]string{
+		"": "use auto", "gpu": "use auto", "cuda": "use auto", "cuda:": "use auto", "cuda:-1": "use auto", "cuda:x": "use auto",
+		"CUDA:0": "use auto", "cuda:+1": "use auto", "0,1": `"0" is not a device`, "cpu,1": `"1" is not a device`, "cuda:0,": `"" is not a device`,
+		"cuda:0,1,0": "cuda:0 is listed twice", "cpu,cpu": "cpu is listed twice", "cuda:all,cuda:1": "cuda:1 is listed twice",
+		"auto,cpu": "auto picks the one device itself",
+	} {
+		if _, err := in.List(); err == nil || !strings.Contains(err.Error(), msg) {
+			t.Errorf("Device(%q).List() = %v, want an error with %q", in, err, msg)
+		}
+	}
+}
+
+// device and arena_size take lists: joined by commas as flags and
+// variables, TOML lists in the file (a plain string still works), with
+// one size for every arena or one per device; printed back as they load.
+func TestDeviceAndArenaSizeLists(t *testing.T) {
+	for body, want := range map[string][2]string{
+		"device = \"cuda:0\"\narena_size = \"64MiB\"\n":                           {"cuda:0", "64MiB"},
+		"device = [\"cuda:0\", \"cuda:1\", \"cpu\"]\narena_size = \"64MiB\"\n":    {"cuda:0,cuda:1,cpu", "64MiB"},
+		"device = [\"cuda:1\", \"cuda:3\"]\narena_size = [\"64MiB\", \"1GiB\"]\n": {"cuda:1,cuda:3", "64MiB,1GiB"},
+		"device = \"cuda:all\"\narena_size = [\"64MiB\", \"1GiB\", \"2GiB\"]\n":   {"cuda:all", "64MiB,1GiB,2GiB"},
+	} {
+		l, err := load(t, []string{"--config", writeFile(t, body)}, env())
+		if err == nil {
+			err = l.Check()
+		}
+		if err != nil {
+			t.Fatalf("%s: %v", body, err)
+		}
+		if string(l.Settings.Device) != want[0] || string(l.Settings.ArenaSize) != want[1] {
+			t.Fatalf("%s: %v: device %q, arena_size %q", body, err, l.Settings.Device, l.Settings.ArenaSize)
+		}
+		out, err := l.TOML()
+		if err != nil {
+			t.Fatal(err)
+		}
+		again, err := load(t, []string{"--config", writeFile(t, string(out))}, env())
+		if err != nil || !reflect.DeepEqual(again.Settings, l.Settings) {
+			t.Fatalf("%s: round trip: %v\n%s", body, err, out)
+		}
+	}
+	l, err := load(t, []string{"--config", os.DevNull, "--device", "cuda:0,2", "--arena-size", "1GiB,2GiB"}, env("FERRY_DEVICE", "cpu"))
+	if err != nil || l.Check() != nil {
+		t.Fatal(err, l.Check())
+	}
+	if z := l.Settings.ArenaSize; z.For(0) != "1GiB" || z.For(1) != "2GiB" || z.Bytes() != 1<<30 || z.Max() != 2<<30 {
+		t.Fatalf("sizes %q: %q %q %d %d", z, z.For(0), z.For(1), z.Bytes(), z.Max())
+	}
+	if z := Sizes("8MiB"); z.For(0) != "8MiB" || z.For(5) != "8MiB" {
+		t.Fatalf("one size is every arena's: %q %q", z.For(0), z.For(5))
+	}
+	for _, c := range []struct {
+		args []string
+		file string
+		msg  string
+	}{
+		{[]string{"--device", "cuda:0,1", "--arena-size", "1GiB,2GiB,3GiB"}, "", `lists 3 sizes for the 2 devices of device "cuda:0,1"`},
+		{[]string{"--arena-size", "1GiB,100"}, "", "100 is outside 256B..1PiB"},
+		{[]string{"--device", "cuda:0,0"}, "", "--device \"cuda:0,0\": cuda:0 is listed twice"},
+		{nil, "device = [\"cuda:0\", 1]\n", "line 1"},
+		{nil, "device = [\"cuda:0\", \"gpu1\"]\n", `device "cuda:0,gpu1": "gpu1" is not a device`},
+		{nil, "arena_size = [\"1GiB\", \"lots\"]\n", "arena_size"},
+	} {
+		args := c.args
+		if c.file != "" {
+			args = append(args, "--config", writeFile(t, c.file))
+		} else {
+			args = append(args, "--config", os.DevNull)
+		}
+		l, err := load(t, args, env())
+		if err == nil {
+			err = l.Check()
+		}
+		if err == nil || !strings.Contains(err.Error(), c.msg) {
+			t.Errorf("%q %q: %v, want an error with %q", c.args, c.file, err, c.msg)
 		}
 	}
 }
@@ -253,7 +329,7 @@ func TestCheckNamesEachSettingWhereItCameFrom(t *testing.T) {
 	}
 	err = l.Check()
 	for _, want := range []string{
-		`--device "tpu:0": is not a device: use auto`,
+		`--device "tpu:0": "tpu:0" is not a device: use auto`,
 		`--rdma-gid-index "-2": is below -1`,
 		`FERRY_STAGE_TTL "0s": must be above zero`,
 		`FERRY_METRICS_LISTEN "9464": is not host:port`,

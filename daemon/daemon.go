@@ -52,7 +52,8 @@ type Daemon struct {
 	started  time.Time
 
 	arena     *arena.Arena
-	mem       *memory
+	mem       *memory            // the first device's arena's memory
+	arenas    []*deviceArena     // one per device --device lists, the first mem's
 	affinity  *topology.Affinity // GPUs and their nearest NICs
 	reg       *registry
 	tr        transport.Transport
@@ -125,12 +126,26 @@ func New(cfg Config) (*Daemon, error) {
 		}
 	}()
 
-	var err error
-	d.mem, err = openMemory(cfg, d.log)
+	mems, err := openMemories(cfg, d.log)
 	if err != nil {
 		return nil, err
 	}
-	if d.affinity, err = readAffinity(cfg, d.mem, d.log); err != nil {
+	for _, m := range mems {
+		d.arenas = append(d.arenas, &deviceArena{mem: m})
+	}
+	for _, a := range d.arenas[1:] {
+		if a.region, err = arenaRegion(a.mem); err != nil {
+			return nil, err
+		}
+	}
+	d.mem = mems[0]
+	// The GPUs' table comes from the driver, which the first GPU arena
+	// loaded (a first device of cpu loads none).
+	gpuMem := d.mem
+	if i := slices.IndexFunc(mems, func(m *memory) bool { return m.drv != nil }); i >= 0 {
+		gpuMem = mems[i]
+	}
+	if d.affinity, err = readAffinity(cfg, gpuMem, d.log); err != nil {
 		return nil, err
 	}
 	d.arena, err = arena.New(d.mem.Memory, config.ArenaAlign)
@@ -138,6 +153,7 @@ func New(cfg Config) (*Daemon, error) {
 		return nil, err
 	}
 	d.reg = newRegistry(d.arena)
+	d.reg.device = d.mem.device
 	if d.reg.hostLimit, err = regionLimit(cfg.MaxRegionBytes, func(err error) { d.log.Warn().Err(err).Msg("max_region_bytes") }); err != nil {
 		return nil, err
 	}
@@ -212,6 +228,8 @@ func New(cfg Config) (*Daemon, error) {
 		d.log.Error().Str("region", name).Err(err).Msg("the region's registration with the NIC could not be dropped: it stays registered, pinned and listed (closing) until a DELETE of it tries again or ferryd restarts")
 	}
 	d.reg.mu.Unlock()
+	d.registerArenas()
+	d.metrics.reg.MustRegister(d.arenaCollectors()...)
 	// Clients cause these: a loop of failing registrations must not
 	// flood the log.
 	d.regionLog = loglimit.New("regions", func(format string, args ...any) {
@@ -349,7 +367,7 @@ func (d *Daemon) slowThreshold() time.Duration { return time.Duration(d.slowNano
 func (d *Daemon) Serve(ctx context.Context, drain time.Duration) error {
 	ev := d.log.Info().
 		Str("socket", d.cfg.Socket).Str("listen", d.tr.Addr().String()).Str("advertise", d.advertise).
-		Str("transport", d.tr.Name()).Str("device", d.mem.device).Int64("arena_size", d.mem.Size()).
+		Str("transport", d.tr.Name()).Str("device", d.mem.device).Int64("arena_size", d.mem.Size()).Int("arenas", len(d.arenas)).
 		Str("arena_file", d.mem.Path()).Str("registration", string(d.dp.registration().Mode))
 	if d.metricsLn != nil {
 		ev = ev.Str("metrics", d.metricsLn.Addr().String())
@@ -401,6 +419,7 @@ func (d *Daemon) closeAll() {
 			d.log.Warn().Dur("waited", slowEnd).Msg("stopping: waiting for the NIC to drop the registrations of regions being unregistered before closing it")
 		})
 	}
+	d.closeArenas()
 	if d.dp != nil {
 		_ = d.dp.close()
 	}
@@ -419,8 +438,8 @@ func (d *Daemon) closeAll() {
 	if d.control != nil {
 		_ = d.control.Close() // unlinks the socket file, unless systemd passed it
 	}
-	if d.mem != nil {
-		_ = d.mem.close()
+	for _, a := range d.arenas {
+		_ = a.mem.close()
 	}
 }
 

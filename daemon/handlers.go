@@ -312,6 +312,7 @@ func (d *Daemon) Status() api.Status {
 			Name: d.tr.Name(), Listen: d.tr.Addr().String(), Advertise: d.advertise,
 			Reason: d.dp.reason, RDMA: d.dp.rdmaStatus(),
 		},
+		Arenas:   d.arenasStatus(),
 		Mooncake: mc,
 		Staged:   staged, Receives: receives, Regions: d.reg.regionsStatus(), Sessions: d.sessions.list(),
 		Settings: api.Settings{
@@ -328,15 +329,20 @@ func (d *Daemon) Status() api.Status {
 // can. The answer needs its own sendmsg, so the connection is taken over
 // from the HTTP server and closed after it.
 func (d *Daemon) handleArena(w http.ResponseWriter, r *http.Request) error {
-	if d.mem.host == nil {
+	a, err := d.arenaOn(r.URL.Query().Get("device"))
+	if err != nil {
+		return err
+	}
+	mem := a.mem
+	if mem.host == nil {
 		return apiErr(api.CodeBadRequest,
-			"ferryd's arena is GPU memory (%s), which has no file to map: open it with cuIpcOpenMemHandle on the ipc_handle of GET /v1/status", d.mem.device)
+			"ferryd's arena is GPU memory (%s), which has no file to map: open it with cuIpcOpenMemHandle on the ipc_handle of GET /v1/status", mem.device)
 	}
 	hj, ok := w.(http.Hijacker)
 	if !ok {
 		return fmt.Errorf("the control connection cannot carry a file descriptor")
 	}
-	body, err := json.Marshal(api.Arena{ArenaFile: d.mem.Path(), Size: d.mem.Size(), HugePages: d.mem.HugePages()})
+	body, err := json.Marshal(api.Arena{ArenaFile: mem.Path(), Size: mem.Size(), HugePages: mem.HugePages()})
 	if err != nil {
 		return err
 	}
@@ -351,7 +357,7 @@ func (d *Daemon) handleArena(w http.ResponseWriter, r *http.Request) error {
 	}
 	head := fmt.Sprintf("HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n", len(body))
 	uc.SetWriteDeadline(time.Now().Add(d.cfg.IOTimeout.D()))
-	if _, _, err := uc.WriteMsgUnix(append([]byte(head), body...), unix.UnixRights(d.mem.host.Fd()), nil); err != nil {
+	if _, _, err := uc.WriteMsgUnix(append([]byte(head), body...), unix.UnixRights(mem.host.Fd()), nil); err != nil {
 		d.log.Debug().Err(err).Msg("passing the arena's descriptor failed")
 	}
 	return nil
@@ -371,7 +377,8 @@ func (d *Daemon) handleGetEmbedding(w http.ResponseWriter, r *http.Request) erro
 	if err != nil {
 		return err
 	}
-	e.ArenaFile, e.CUDAIPC = d.mem.Path(), d.mem.ipc()
+	mem := d.memOn(e.Device)
+	e.ArenaFile, e.CUDAIPC = mem.Path(), mem.ipc()
 	writeJSON(w, http.StatusOK, e)
 	return nil
 }
@@ -392,7 +399,11 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return apiErr(api.CodeBadRequest, "%s: %v", id, err)
 	}
-	size := d.arena.Stats().Size
+	on, err := d.arenaOn(q.Get("device"))
+	if err != nil {
+		return err
+	}
+	size := d.reg.arenaOf(on.region).Stats().Size
 	if r.ContentLength > size || n > size {
 		return apiErr(api.CodeTooLarge,
 			"%s: %d bytes is larger than the whole arena (%d bytes): raise --arena-size", id, max(n, r.ContentLength), size)
@@ -401,7 +412,7 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 		return apiErr(api.CodeBadRequest,
 			"%s: the body is %d bytes but shape %s %s needs %d bytes (rows*cols*elem_size)", id, r.ContentLength, api.ShapeString(shape), dtype, n)
 	}
-	e, err := d.reg.reserve(id, n, shape, dtype, uploading)
+	e, err := d.reg.reserveOn(on.region, id, n, shape, dtype, uploading)
 	if err != nil {
 		return err
 	}
@@ -414,7 +425,7 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 			d.reg.finishUpload(e, false)
 		}
 	}()
-	setupErr, err := d.readBodyInto(w, r, e.slice, n)
+	setupErr, err := d.readBodyInto(w, r, d.reg.entryMemory(e), e.slice, n)
 	if setupErr != nil {
 		return setupErr
 	}
@@ -439,8 +450,8 @@ func (d *Daemon) handleUpload(w http.ResponseWriter, r *http.Request) error {
 // setupErr is ferryd's failing to set that up; err, the body's failing
 // to arrive, or a *transport.PlaceError for a copy into GPU memory that
 // failed.
-func (d *Daemon) readBodyInto(w http.ResponseWriter, r *http.Request, s arena.Slice, n int64) (setupErr, err error) {
-	fill, err := arena.NewFiller(d.arena.Memory(), s, 0, n, stageChunk)
+func (d *Daemon) readBodyInto(w http.ResponseWriter, r *http.Request, mem arena.Memory, s arena.Slice, n int64) (setupErr, err error) {
+	fill, err := arena.NewFiller(mem, s, 0, n, stageChunk)
 	if err != nil {
 		return err, nil
 	}
@@ -491,11 +502,15 @@ func (d *Daemon) handleSlice(w http.ResponseWriter, r *http.Request) error {
 	case n <= 0:
 		return apiErr(api.CodeBadRequest, "%s: give shape and dtype, or a positive nbytes", id)
 	}
-	e, err := d.reg.reserve(id, n, req.Shape, dtype, reserved)
+	on, err := d.arenaOn(req.Device)
 	if err != nil {
 		return err
 	}
-	writeJSON(w, http.StatusCreated, api.Slice{ReqID: id, ArenaFile: d.mem.Path(), Offset: e.slice.Offset, NBytes: n, CUDAIPC: d.mem.ipc()})
+	e, err := d.reg.reserveOn(on.region, id, n, req.Shape, dtype, reserved)
+	if err != nil {
+		return err
+	}
+	writeJSON(w, http.StatusCreated, api.Slice{ReqID: id, ArenaFile: on.mem.Path(), Offset: e.slice.Offset, NBytes: n, Device: on.mem.device, CUDAIPC: on.mem.ipc()})
 	return nil
 }
 
@@ -562,9 +577,17 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 		return apiErr(api.CodeBadRequest,
 			"%s: \"mooncake\": true asks for a slot Mooncake senders may write into, but this ferryd serves no Mooncake segment: start it with --mooncake-listen", req.ReqID)
 	}
+	on, err := d.arenaOn(req.Device)
+	if err != nil {
+		return err
+	}
 	var s *slot
-	var err error
 	switch {
+	case req.Region != "" && req.Device != "":
+		return apiErr(api.CodeBadRequest, "%s: a slot goes in a region or in a device's arena: name one of region and device", req.ReqID)
+	case on.region != nil && req.Mooncake:
+		return apiErr(api.CodeBadRequest,
+			"%s: a slot open to Mooncake senders goes in the arena of %s, the one the Mooncake segment publishes: leave device out", req.ReqID, d.mem.device)
 	case req.Region != "" && req.Mooncake:
 		return apiErr(api.CodeBadRequest,
 			"%s: a slot in a region cannot be open to Mooncake senders (ferryd cannot see when their writes end, so it could not tell when the region's memory is free of them): use an arena slot", req.ReqID)
@@ -573,12 +596,15 @@ func (d *Daemon) handleNewReceive(w http.ResponseWriter, r *http.Request) error 
 	case req.RegionOffset != 0:
 		return apiErr(api.CodeBadRequest, "%s: region_offset without a region: name the region the slot goes in", req.ReqID)
 	default:
-		s, err = d.reg.newSlot(req.ReqID, req.NBytes, req.Mooncake)
+		s, err = d.reg.newSlotOn(on.region, req.ReqID, req.NBytes, req.Mooncake)
 	}
 	if err != nil {
 		return err
 	}
 	slot := api.ReceiveSlot{ReqID: req.ReqID, Session: d.advertise, BufferAddress: s.addr, Key: s.key, NBytes: s.nbytes}
+	if req.Region == "" {
+		slot.Device = on.mem.device
+	}
 	if s.mooncake {
 		slot.MooncakeSession = d.mooncake.name
 	}
@@ -611,7 +637,8 @@ func (d *Daemon) handleCompleteReceive(w http.ResponseWriter, r *http.Request) e
 func (d *Daemon) locate(desc *api.Receive) {
 	desc.Session = d.advertise
 	if desc.Region == "" {
-		desc.ArenaFile, desc.CUDAIPC = d.mem.Path(), d.mem.ipc()
+		mem := d.memOn(desc.Device)
+		desc.ArenaFile, desc.CUDAIPC = mem.Path(), mem.ipc()
 	}
 }
 

@@ -3,6 +3,7 @@ package daemon
 import (
 	"errors"
 	"fmt"
+	"slices"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
@@ -30,40 +31,92 @@ type memory struct {
 	drv  *cuda.Driver
 }
 
-// openMemory allocates the arena's memory as --device says. auto takes
-// cuda:0 when the driver and a GPU are there, else host memory with one
-// INFO line saying why; cuda:N without them fails with a sentence naming
-// what is missing.
-func openMemory(cfg Config, log zerolog.Logger) (*memory, error) {
-	ordinal, err := cfg.Device.Ordinal()
+// openMemories allocates an arena's memory on each device --device
+// lists, in order, --arena-size's size for each (cuda:all: every GPU the
+// driver lists). What was opened is closed again when one fails.
+func openMemories(cfg Config, log zerolog.Logger) ([]*memory, error) {
+	devs, err := cfg.Device.List()
 	if err != nil {
 		return nil, fmt.Errorf("--device %s: %w", cfg.Device, err)
 	}
+	if i := slices.Index(devs, config.DeviceAllGPUs); i >= 0 {
+		gpus, err := allGPUs()
+		if err != nil {
+			return nil, fmt.Errorf("--device %s: %s", cfg.Device, missingGPU(err))
+		}
+		devs = slices.Replace(devs, i, i+1, gpus...)
+	}
+	if n := len(cfg.ArenaSize.List()); n > 1 && n != len(devs) {
+		return nil, fmt.Errorf("--arena-size %s lists %d sizes for the %d devices of --device %s: give one size for every arena, or one per device", cfg.ArenaSize, n, len(devs), cfg.Device)
+	}
+	var out []*memory
+	for i, dev := range devs {
+		m, err := openMemory(cfg, dev, cfg.ArenaSize.For(i), log)
+		if err != nil {
+			for _, o := range out {
+				_ = o.close()
+			}
+			return nil, err
+		}
+		out = append(out, m)
+	}
+	return out, nil
+}
+
+// allGPUs is cuda:0 onwards, every GPU the driver lists.
+func allGPUs() ([]config.Device, error) {
+	drv, err := cuda.Load()
+	if err != nil {
+		return nil, err
+	}
+	n, err := gpuCount(drv)
+	out := make([]config.Device, n)
+	for i := range out {
+		out[i] = config.Device(fmt.Sprintf("cuda:%d", i))
+	}
+	return out, err
+}
+
+// gpuCount is how many GPUs drv lists; none is an error.
+func gpuCount(drv *cuda.Driver) (int, error) {
+	n, err := drv.DeviceCount()
+	if err == nil && n == 0 {
+		err = fmt.Errorf("%w: the driver (CUDA %s) sees no GPU", cuda.ErrNoDevice, drv.Version())
+	}
+	return n, err
+}
+
+// openMemory allocates one arena's memory, of size bytes on dev. auto
+// takes cuda:0 when the driver and a GPU are there, else host memory
+// with one INFO line saying why; cuda:N without them fails with a
+// sentence naming what is missing.
+func openMemory(cfg Config, dev config.Device, size config.Size, log zerolog.Logger) (*memory, error) {
+	ordinal, err := dev.Ordinal()
+	if err != nil {
+		return nil, fmt.Errorf("--device %s: %w", dev, err)
+	}
 	reason := "--device cpu"
-	if cfg.Device != config.DeviceCPU {
+	if dev != config.DeviceCPU {
 		drv, err := cuda.Load()
 		if err == nil && ordinal < 0 {
-			var n int
-			if n, err = drv.DeviceCount(); err == nil && n == 0 {
-				err = fmt.Errorf("%w: the driver (CUDA %s) sees no GPU", cuda.ErrNoDevice, drv.Version())
-			}
+			_, err = gpuCount(drv)
 		}
 		switch {
 		case err == nil:
-			return openGPU(cfg, log, drv, max(ordinal, 0))
+			return openGPU(cfg, dev, size, log, drv, max(ordinal, 0))
 		case ordinal >= 0:
-			return nil, fmt.Errorf("--device %s: %s", cfg.Device, missingGPU(err))
+			return nil, fmt.Errorf("--device %s: %s", dev, missingGPU(err))
 		}
 		reason = "--device auto found no usable GPU: " + missingGPU(err)
 		log.Info().Str("reason", reason).Msg("the arena is in host memory")
 	}
-	setting := "--arena-size " + string(cfg.ArenaSize)
+	setting := "--arena-size " + string(size)
 	if cfg.ArenaHugePages != "" {
 		setting += ", --arena-huge-pages " + cfg.ArenaHugePages
-	} else if err := hostRoom(cfg.ArenaSize.Bytes(), memlimit.Host); err != nil {
+	} else if err := hostRoom(size.Bytes(), memlimit.Host); err != nil {
 		return nil, fmt.Errorf("%s: %w", setting, err)
 	}
-	host, err := arena.NewSealedMemory(cfg.ArenaSize.Bytes(), cfg.HugePageBytes())
+	host, err := arena.NewSealedMemory(size.Bytes(), cfg.HugePageBytes())
 	if err != nil {
 		return nil, fmt.Errorf("%s: %w", setting, err)
 	}
@@ -101,19 +154,19 @@ func missingGPU(err error) string {
 	return fmt.Sprintf("the CUDA driver failed: %v: check nvidia-smi and the kernel log, or run with --device cpu", err)
 }
 
-func openGPU(cfg Config, log zerolog.Logger, drv *cuda.Driver, ordinal int) (*memory, error) {
+func openGPU(cfg Config, device config.Device, size config.Size, log zerolog.Logger, drv *cuda.Driver, ordinal int) (*memory, error) {
 	dev, err := drv.Open(ordinal)
 	if err != nil {
-		return nil, fmt.Errorf("--device %s: %s", cfg.Device, missingGPU(err))
+		return nil, fmt.Errorf("--device %s: %s", device, missingGPU(err))
 	}
-	gpu, err := cuda.NewArena(dev, cfg.ArenaSize.Bytes(), min(cfg.BounceSize.Bytes(), cfg.ArenaSize.Bytes()))
+	gpu, err := cuda.NewArena(dev, size.Bytes(), min(cfg.BounceSize.Bytes(), size.Bytes()))
 	if err != nil {
 		dev.Close()
-		return nil, fmt.Errorf("--device %s, --arena-size %s, --bounce-size %s: %w", cfg.Device, cfg.ArenaSize, cfg.BounceSize, err)
+		return nil, fmt.Errorf("--device %s, --arena-size %s, --bounce-size %s: %w", device, size, cfg.BounceSize, err)
 	}
 	in := dev.Info()
 	m := &memory{Memory: gpu, device: fmt.Sprintf("cuda:%d", ordinal), gpu: gpu, dev: dev, drv: drv,
-		reason: fmt.Sprintf("--device %s: %v", cfg.Device, in)}
+		reason: fmt.Sprintf("--device %s: %v", device, in)}
 	ev := log.Info().Str("device", m.device).Str("name", in.Name).Str("uuid", in.UUID).Str("pci_bus_id", in.PCIBusID).
 		Str("driver", drv.Version()).Int64("arena_size", gpu.Size()).Int64("bounce_size", int64(len(gpu.BounceArea()))).
 		Bool("gpudirect_rdma", in.GPUDirectRDMA).Bool("dmabuf", in.DMABuf).Bool("vmm", in.VMM)

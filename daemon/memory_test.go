@@ -26,7 +26,7 @@ func TestOpenMemoryWithoutAGPU(t *testing.T) {
 
 	var logs bytes.Buffer
 	cfg.Device = "auto"
-	m, err := openMemory(cfg, zerolog.New(&logs))
+	m, err := openMemory(cfg, cfg.Device, cfg.ArenaSize.For(0), zerolog.New(&logs))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -44,13 +44,13 @@ func TestOpenMemoryWithoutAGPU(t *testing.T) {
 
 	logs.Reset()
 	cfg.Device = "cpu"
-	if m, err = openMemory(cfg, zerolog.New(&logs)); err != nil || m.reason != "--device cpu" || logs.Len() != 0 {
+	if m, err = openMemory(cfg, cfg.Device, cfg.ArenaSize.For(0), zerolog.New(&logs)); err != nil || m.reason != "--device cpu" || logs.Len() != 0 {
 		t.Fatalf("cpu: %+v, %v, log %q", m, err, logs.String())
 	}
 	m.close()
 
 	cfg.Device = "cuda:0"
-	_, err = openMemory(cfg, zerolog.New(&logs))
+	_, err = openMemory(cfg, cfg.Device, cfg.ArenaSize.For(0), zerolog.New(&logs))
 	if err == nil || !strings.HasPrefix(err.Error(), "--device cuda:0: ") || !strings.Contains(err.Error(), "or run with --device cpu") {
 		t.Fatalf("cuda:0 without a GPU: %v", err)
 	}
@@ -66,7 +66,7 @@ func TestArenaLargerThanMemoryFailsAtStart(t *testing.T) {
 	dir := t.TempDir()
 	cfg := testConfig(dir, "big")
 	cfg.ArenaSize = "64TiB"
-	_, err := openMemory(cfg, zerolog.Nop())
+	_, err := openMemory(cfg, cfg.Device, cfg.ArenaSize.For(0), zerolog.Nop())
 	if err == nil || !strings.Contains(err.Error(), "--arena-size 64TiB") || !strings.Contains(err.Error(), "MemAvailable in /proc/meminfo") {
 		t.Fatalf("a 64 TiB arena: %v; want an error naming --arena-size and MemAvailable", err)
 	}

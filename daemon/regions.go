@@ -50,6 +50,10 @@ type region struct {
 	// drop it: the region stays, closing, mapped and counted, until a
 	// DELETE tries again.
 	dropErr error
+	// alloc, for a device arena (arenas.go), places its slots and staged
+	// entries; device names it. Both unset for a client's region.
+	alloc  *arena.Arena
+	device string
 }
 
 // regionEnd is one try at ending a closing region: dropping its
@@ -107,16 +111,14 @@ func mapRegion(fd int, name string, n int64) (arena.Memory, error) {
 }
 
 // openCUDARegion opens a client's GPU allocation by its IPC handle, on
-// ferryd's own GPU.
+// the GPU of ferryd's arena on that device.
 func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 	c := req.CUDA
+	on, err := d.arenaOn(c.Device)
 	switch {
-	case d.mem.dev == nil:
+	case c.Device == "" || err != nil || on.mem.dev == nil:
 		return nil, apiErr(api.CodeBadRequest,
-			"region %s: a CUDA region needs ferryd's arena on that GPU, and this ferryd's arena is %s memory: start it with --device %s", req.Name, d.mem.Kind(), c.Device)
-	case c.Device != d.mem.device:
-		return nil, apiErr(api.CodeBadRequest,
-			"region %s: the memory is on %s, but this ferryd works on %s: lend memory of %s, or use the ferryd of %s", req.Name, c.Device, d.mem.device, d.mem.device, c.Device)
+			"region %s: the memory is on %q, where this ferryd has no GPU arena (it has arenas on %s): lend memory of one of its GPUs, or start it with --device %s (or a list naming it)", req.Name, c.Device, strings.Join(d.devices(), ", "), c.Device)
 	case len(c.IPCHandle) != len(cuda.IPCHandle{}):
 		return nil, apiErr(api.CodeBadRequest,
 			"region %s: ipc_handle has %d bytes, not the %d of a CUipcMemHandle (base64 in JSON): pass what cuIpcGetMemHandle gave", req.Name, len(c.IPCHandle), len(cuda.IPCHandle{}))
@@ -125,7 +127,7 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 	}
 	var h cuda.IPCHandle
 	copy(h[:], c.IPCHandle)
-	mem, err := cuda.OpenRegion(d.mem.dev, h, c.Offset, req.NBytes, d.mem.gpu)
+	mem, err := cuda.OpenRegion(on.mem.dev, h, c.Offset, req.NBytes, on.mem.gpu)
 	if err != nil {
 		return nil, apiErr(api.CodeBadRequest, "region %s: %v", req.Name, err)
 	}

@@ -35,6 +35,7 @@ type entry struct {
 	reqID  string
 	state  entryState
 	slice  arena.Slice
+	region *region // a device arena other than the first (see arenas.go), or nil
 	shape  []int64
 	dtype  string
 	nbytes int64
@@ -78,7 +79,8 @@ type slot struct {
 // registry holds the staged entries and receive slots over one arena. It is
 // the transports' Sink.
 type registry struct {
-	arena *arena.Arena
+	arena  *arena.Arena
+	device string // the first arena's device ("cpu", "cuda:0"); the others' are regions (arenas.go)
 
 	mu      sync.Mutex
 	entries map[string]*entry
@@ -208,9 +210,10 @@ func (r *registry) notify() {
 
 // alloc takes arena memory, turning the allocator's refusal into the API's
 // 413 (can never fit) or 507 (does not fit now).
-func (r *registry) alloc(reqID string, n int64) (arena.Slice, error) {
-	s, err := r.arena.Alloc(n)
-	return r.placed(reqID, n, s, err)
+func (r *registry) alloc(g *region, reqID string, n int64) (arena.Slice, error) {
+	a := r.arenaOf(g)
+	s, err := a.Alloc(n)
+	return placed(a, reqID, n, s, err)
 }
 
 // allocUnguessable allocates n bytes at a random place (a slot Mooncake
@@ -219,7 +222,7 @@ func (r *registry) alloc(reqID string, n int64) (arena.Slice, error) {
 // anyone who reads it.
 func (r *registry) allocUnguessable(reqID string, n int64) (arena.Slice, error) {
 	s, err := r.arena.AllocRandom(n, randUint64N)
-	return r.placed(reqID, n, s, err)
+	return placed(r.arena, reqID, n, s, err)
 }
 
 // randUint64N is a uniform random integer in [0, k), from the system's
@@ -234,12 +237,12 @@ func randUint64N(k uint64) uint64 {
 
 // placed is alloc's answer for an allocation of n bytes that returned s
 // and err: the error turned into what the client should do.
-func (r *registry) placed(reqID string, n int64, s arena.Slice, err error) (arena.Slice, error) {
+func placed(a *arena.Arena, reqID string, n int64, s arena.Slice, err error) (arena.Slice, error) {
 	if err == nil {
 		return s, nil
 	}
 	if errors.Is(err, arena.ErrNoSpace) {
-		st := r.arena.Stats()
+		st := a.Stats()
 		if n > st.Size {
 			return s, apiErr(api.CodeTooLarge,
 				"%s: %d bytes is larger than the whole arena (%d bytes): raise --arena-size", reqID, n, st.Size)
@@ -258,18 +261,18 @@ func (r *registry) scratch(n int64) (arena.Slice, error) {
 	if r.stopping {
 		return arena.Slice{}, errStopping
 	}
-	return r.alloc("write", n)
+	return r.alloc(nil, "write", n)
 }
 
 func (r *registry) freeScratch(s arena.Slice) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
-	r.free(s)
+	r.free(nil, s)
 }
 
-func (r *registry) free(s arena.Slice) {
+func (r *registry) free(g *region, s arena.Slice) {
 	// A failure here is a bookkeeping bug, never the client's doing.
-	if err := r.arena.Free(s); err != nil {
+	if err := r.arenaOf(g).Free(s); err != nil {
 		panic(fmt.Sprintf("ferryd: arena bookkeeping broken: %v", err))
 	}
 }
@@ -284,8 +287,9 @@ func (r *registry) exists(reqID string) error {
 	return nil
 }
 
-// reserve creates an entry in state st with n bytes of arena memory.
-func (r *registry) reserve(reqID string, n int64, shape []int64, dtype string, st entryState) (*entry, error) {
+// reserveOn creates an entry in state st with n bytes of g's arena
+// (nil: the first device's).
+func (r *registry) reserveOn(g *region, reqID string, n int64, shape []int64, dtype string, st entryState) (*entry, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if r.stopping {
@@ -294,11 +298,11 @@ func (r *registry) reserve(reqID string, n int64, shape []int64, dtype string, s
 	if err := r.exists(reqID); err != nil {
 		return nil, err
 	}
-	s, err := r.alloc(reqID, n)
+	s, err := r.alloc(g, reqID, n)
 	if err != nil {
 		return nil, err
 	}
-	e := &entry{reqID: reqID, state: st, slice: s, shape: shape, dtype: dtype, nbytes: n, since: time.Now()}
+	e := &entry{reqID: reqID, state: st, slice: s, region: g, shape: shape, dtype: dtype, nbytes: n, since: time.Now()}
 	r.entries[reqID] = e
 	return e, nil
 }
@@ -313,7 +317,7 @@ func (r *registry) finishUpload(e *entry, ok bool) {
 		e.since = time.Now()
 	} else {
 		delete(r.entries, e.reqID)
-		r.free(e.slice)
+		r.free(e.region, e.slice)
 	}
 	r.notify()
 }
@@ -394,7 +398,7 @@ func (r *registry) finishSend(e *entry, sent bool) {
 	defer r.mu.Unlock()
 	if sent {
 		delete(r.entries, e.reqID)
-		r.free(e.slice)
+		r.free(e.region, e.slice)
 	} else {
 		e.state = staged
 	}
@@ -412,7 +416,7 @@ func (r *registry) deleteEntry(reqID string) error {
 		return apiErr(api.CodeBusy, "req_id %s is %s: delete it once that finishes", reqID, e.state)
 	}
 	delete(r.entries, reqID)
-	r.free(e.slice)
+	r.free(e.region, e.slice)
 	r.notify()
 	return nil
 }
@@ -420,7 +424,7 @@ func (r *registry) deleteEntry(reqID string) error {
 func (r *registry) describe(e *entry) api.Embedding {
 	return api.Embedding{
 		ReqID: e.reqID, State: e.state.String(), Shape: e.shape, DType: e.dtype,
-		NBytes: e.nbytes, Offset: e.slice.Offset, Since: e.since,
+		NBytes: e.nbytes, Device: r.deviceOf(e.region), Offset: e.slice.Offset, Since: e.since,
 	}
 }
 
@@ -447,29 +451,41 @@ func (r *registry) embeddings() []api.Embedding {
 
 // --- receiving side ---
 
-// newSlot allocates a receive slot in the arena with a fresh random key
-// whose tag no live slot uses. Only a slot made with mooncake takes
-// unkeyed writes.
-func (r *registry) newSlot(reqID string, n int64, mooncake bool) (*slot, error) {
+// newSlotOn allocates a receive slot in g's arena (nil: the first
+// device's) with a fresh random key whose tag no live slot uses. Only a
+// slot made with mooncake (in the first arena, which the Mooncake
+// segment publishes) takes unkeyed writes.
+func (r *registry) newSlotOn(g *region, reqID string, n int64, mooncake bool) (*slot, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	if err := r.mayAddSlot(reqID); err != nil {
 		return nil, err
 	}
-	alloc := r.alloc
+	var sl arena.Slice
+	var err error
 	if mooncake {
-		alloc = r.allocUnguessable
+		sl, err = r.allocUnguessable(reqID, n)
+	} else {
+		sl, err = r.alloc(g, reqID, n)
 	}
-	sl, err := alloc(reqID, n)
 	if err != nil {
 		return nil, err
 	}
-	s := &slot{reqID: reqID, slice: sl, addr: r.arena.Addr(sl), mooncake: mooncake, nbytes: n}
-	if r.windows != nil {
+	s := &slot{reqID: reqID, slice: sl, addr: r.arenaOf(g).Addr(sl), mooncake: mooncake, nbytes: n}
+	if g != nil {
+		s.region, s.regionOff = g, sl.Offset
+	}
+	// A device arena the NIC did not register is reached as such a
+	// region is: through staging, with no window.
+	if r.windows != nil && (g == nil || g.nic != nil) {
 		if err := r.openWindow(s); err != nil {
-			r.free(sl)
+			r.free(g, sl)
 			return nil, err
 		}
+	}
+	if g != nil {
+		g.uses++
+		g.slots++
 	}
 	return r.addSlot(s), nil
 }
@@ -891,11 +907,13 @@ func (r *registry) release(s *slot) {
 	}
 	if s.region != nil {
 		delete(s.region.freed, s)
-		r.unuseRegion(s.region) // a region slot's memory is its client's
-		return
+		r.unuseRegion(s.region)
+		if s.region.alloc == nil {
+			return // a region slot's memory is its client's
+		}
 	}
 	if r.quarantine <= 0 || r.stopping {
-		r.free(s.slice)
+		r.free(s.region, s.slice)
 		return
 	}
 	r.held[s] = r.afterFunc(r.quarantine, func() {
@@ -903,7 +921,7 @@ func (r *registry) release(s *slot) {
 		defer r.mu.Unlock()
 		if _, ok := r.held[s]; ok { // stop may have freed it first
 			delete(r.held, s)
-			r.free(s.slice)
+			r.free(s.region, s.slice)
 		}
 	})
 }
@@ -915,7 +933,12 @@ func (r *registry) describeSlot(s *slot) api.Receive {
 		WritesInFlight: s.writes,
 		Waiters:        s.waiters,
 	}
-	if s.region != nil {
+	switch {
+	case s.region == nil:
+		d.Device = r.device
+	case s.region.alloc != nil:
+		d.Device = s.region.device
+	default:
 		d.Offset, d.Region = s.regionOff, s.region.name
 	}
 	return d
@@ -1071,7 +1094,7 @@ func (r *registry) sweep(now time.Time, stageTTL, receiveTTL time.Duration) []dr
 	for id, e := range r.entries {
 		if (e.state == staged || e.state == reserved) && now.Sub(e.since) > stageTTL {
 			delete(r.entries, id)
-			r.free(e.slice)
+			r.free(e.region, e.slice)
 			out = append(out, dropped{"staged", id, e.state.String(), e.nbytes, now.Sub(e.since)})
 		}
 	}
@@ -1108,7 +1131,7 @@ func (r *registry) stop() {
 	for s, stopTimer := range r.held {
 		stopTimer()
 		delete(r.held, s)
-		r.free(s.slice)
+		r.free(s.region, s.slice)
 	}
 	r.notify()
 }

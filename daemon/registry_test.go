@@ -542,3 +542,12 @@ func TestFreedRegionSlotKeepsItsBytesWhileWritesLand(t *testing.T) {
 		t.Fatalf("the same bytes once the write ended: %v", err)
 	}
 }
+
+// newSlot and reserve make slots and entries in the first device's arena.
+func (r *registry) newSlot(reqID string, n int64, mooncake bool) (*slot, error) {
+	return r.newSlotOn(nil, reqID, n, mooncake)
+}
+
+func (r *registry) reserve(reqID string, n int64, shape []int64, dtype string, st entryState) (*entry, error) {
+	return r.reserveOn(nil, reqID, n, shape, dtype, st)
+}

@@ -178,7 +178,11 @@ func (s source) part(from, to int64) source {
 
 // entrySource is n bytes at off of the staged entry e.
 func (d *Daemon) entrySource(e *entry, off, n int64) source {
-	return source{mem: d.arena.Memory(), off: e.slice.Offset + off, n: n, inPlace: d.dp.inPlace()}
+	inPlace := d.dp.inPlace()
+	if e.region != nil { // another device's arena
+		inPlace = e.region.inPlace()
+	}
+	return source{mem: d.reg.entryMemory(e), off: e.slice.Offset + off, n: n, inPlace: inPlace}
 }
 
 // stageChunk bounds the host memory one write or request over a stream

@@ -47,7 +47,7 @@ func openTransport(cfg Config, sink transport.Sink, instance uint64, mem *memory
 		// addresses, which the port takes as the address connections
 		// arrive on.
 		Addr: cfg.Listen, Advertise: cfg.Advertise, Sink: sink, Instance: instance,
-		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Bytes()),
+		MaxConnsPerPeer: cfg.MaxConns, IOTimeout: cfg.IOTimeout.D(), MaxWrite: uint64(cfg.ArenaSize.Max()),
 		SendBuffer: int(cfg.TCPSendBuffer.Bytes()),
 		// The peer port rate-limits the WARNs a remote party can make it
 		// log; dp.debug its DEBUG lines.

@@ -59,7 +59,7 @@ func (d *Daemon) handleWrite(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	defer d.reg.freeScratch(s)
-	setupErr, err := d.readBodyInto(w, r, s, n)
+	setupErr, err := d.readBodyInto(w, r, d.arena.Memory(), s, n)
 	if setupErr != nil {
 		return setupErr
 	}

@@ -197,6 +197,16 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 				fmt.Fprintf(w, "arena file %s\n", m.ArenaFile)
 			}
 			fmt.Fprintf(w, "chosen     %s\n", m.Reason)
+			if len(st.Arenas) > 1 { // one per device: the first is memory's
+				for _, a := range st.Arenas {
+					nic := ""
+					if a.NIC != nil {
+						nic = fmt.Sprintf(", nic registered=%v", a.NIC.Registered)
+					}
+					fmt.Fprintf(w, "arena      %s (%s) %s, used %s, free %s, %d staged, %d slots%s\n",
+						a.Device, a.Kind, size.Format(a.Size), size.Format(a.Used), size.Format(a.Free), a.Staged, a.Slots, nic)
+				}
+			}
 			if g := m.CUDA; g != nil {
 				fmt.Fprintf(w, "gpu        %s, %s, pci %s, driver CUDA %s; gpudirect_rdma=%v dmabuf=%v vmm=%v; dmabuf exported=%v; pinned bounce %s\n",
 					g.Name, g.UUID, g.PCIBusID, g.DriverVersion, g.GPUDirectRDMA, g.DMABuf, g.VMM, g.DMABufExported, size.Format(g.BounceSize))

@@ -34,6 +34,7 @@ class Slot:
     nbytes: Optional[int] = None
     req_id: Optional[str] = None
     mooncake_session: Optional[str] = None
+    device: Optional[str] = None  # the device whose arena holds the slot
 
     @classmethod
     def from_dict(cls, d):
@@ -112,6 +113,7 @@ class Client:
         self.socket_path = socket_path or os.environ.get("FERRY_SOCKET") or DEFAULT_SOCKET
         self.timeout = timeout
         self._transport = Transport(self.socket_path, dial)
+        self._devices = None  # ferryd's arenas' devices, read once (_arena_for)
 
     def close(self):
         """Closes the connections kept open between calls."""
@@ -154,7 +156,7 @@ class Client:
 
     # --- sending side
 
-    def stage(self, req_id, data, shape=None, dtype=None):
+    def stage(self, req_id, data, shape=None, dtype=None, device=None):
         """Stages data for req_id by upload (PUT /v1/embeddings/{req_id}).
 
         data is a torch tensor (its shape and dtype go with it) or any
@@ -162,19 +164,26 @@ class Client:
         give its shape and dtype, or neither to stage it as u8 of its
         length. A list of buffers is staged as their bytes one after
         another, u8, each sent from where it lies (no copy into one
-        first). Returns the staged entry."""
+        first). ``device`` ("cuda:1", "cpu", a torch.device or a tensor)
+        names the arena it goes in; a tensor's own device is taken where
+        ferryd has an arena on it, else ferryd's first. Returns the staged
+        entry."""
         if isinstance(data, list):
             parts = [memoryview(b) for b in data]
             if not all(p.c_contiguous for p in parts):
                 raise ValueError("a buffer to stage is not contiguous: pass a contiguous copy (bytes(data))")
             if shape is not None or dtype is not None:
                 raise ValueError("a list of buffers is staged as u8 of their length: pass neither shape nor dtype")
-            n = sum(p.nbytes for p in parts)
-            path = f"/v1/embeddings/{_id(req_id)}?{urlencode({'shape': str(n), 'dtype': 'u8'})}"
+            query = {"shape": str(sum(p.nbytes for p in parts)), "dtype": "u8"}
+            if device is not None:
+                query["device"] = dtypes.device_name(device)
+            path = f"/v1/embeddings/{_id(req_id)}?{urlencode(query)}"
             status, body = self._transport.send_buffers("PUT", path, parts, {"Content-Type": "application/octet-stream"}, self.timeout)
             if status >= 300:
                 raise from_answer(status, body)
             return json.loads(body)
+        if device is None and dtypes.is_tensor(data):
+            device = self._arena_for(data)
         if dtypes.is_tensor(data):
             if shape is not None or dtype is not None:
                 raise ValueError("a tensor carries its own shape and dtype: pass neither with it")
@@ -192,8 +201,10 @@ class Client:
                 shape, dtype = (body.nbytes,), "u8"
             elif shape is None or dtype is None:
                 raise ValueError("give both shape and dtype, or neither (the bytes are then staged as u8 of their length)")
-        q = urlencode({"shape": ",".join(map(str, dtypes.shape_of(shape))), "dtype": dtypes.canonical(dtype)})
-        path = f"/v1/embeddings/{_id(req_id)}?{q}"
+        query = {"shape": ",".join(map(str, dtypes.shape_of(shape))), "dtype": dtypes.canonical(dtype)}
+        if device is not None:
+            query["device"] = dtypes.device_name(device)
+        path = f"/v1/embeddings/{_id(req_id)}?{urlencode(query)}"
         return _decode("PUT", path, self.request("PUT", path, body, "application/octet-stream"))
 
     def slice(self, req_id, shape=None, dtype=None, nbytes=None):
@@ -211,6 +222,15 @@ class Client:
         """Seals a reserved slice with its shape and dtype: the entry."""
         return self._json("POST", f"/v1/embeddings/{_id(req_id)}/commit",
                           {"shape": list(dtypes.shape_of(shape)), "dtype": dtypes.canonical(dtype)})
+
+    def _arena_for(self, tensor):
+        """The tensor's device where ferryd has an arena on it, else None
+        (ferryd's first): a client of a ferryd with one arena stages as
+        it always did."""
+        if self._devices is None:
+            self._devices = [a["device"] for a in self.status().get("arenas") or []]
+        name = dtypes.device_name(tensor)
+        return name if name in self._devices else None
 
     def embedding(self, req_id):
         """Describes a staged (or reserved) entry."""
@@ -278,14 +298,19 @@ class Client:
 
     # --- receiving side
 
-    def receive(self, req_id, nbytes, mooncake=False, region=None, region_offset=0):
+    def receive(self, req_id, nbytes, mooncake=False, region=None, region_offset=0, device=None):
         """Makes a receive slot of nbytes for req_id (``ferry.nbytes(shape,
         dtype)`` counts them) and returns it, to hand to the sender.
         ``mooncake=True`` opens it to Mooncake senders too (ferryd with
         --mooncake-listen); the slot then carries ``mooncake_session``.
         ``region`` (a Region or its name) places the slot at
-        ``region_offset`` of a registered region: the bytes land there."""
+        ``region_offset`` of a registered region: the bytes land there.
+        ``device`` ("cuda:3", "cpu", a torch.device, or a tensor: the
+        device it is on) places it in that device's arena, one of
+        ferryd's --device (default: the first)."""
         payload = {"req_id": req_id, "nbytes": nbytes}
+        if device is not None:
+            payload["device"] = dtypes.device_name(device)
         if mooncake:
             payload["mooncake"] = True
         if region is not None:
@@ -425,7 +450,7 @@ class Client:
     def register_cuda_region(self, name, tensor):
         """Lends ferryd the GPU memory of a contiguous CUDA tensor as region
         ``name`` (by the IPC handle of the allocation holding it): a
-        CUDARegion. ferryd must work on the tensor's GPU (--device cuda:N)."""
+        CUDARegion. ferryd must have an arena on the tensor's GPU (--device lists it)."""
         dtypes.require_torch()
         if not tensor.is_cuda or not tensor.is_contiguous():
             raise ValueError("register_cuda_region takes a contiguous CUDA tensor")

@@ -120,3 +120,21 @@ def tensor_over(memory, shape, dtype):
     if memory.nbytes != need:
         raise ValueError(f"shape {shape} {canonical(dtype)} is {need} bytes, but the memory is {memory.nbytes} bytes")
     return torch.frombuffer(memory, dtype=tdt).view(shape)
+
+
+def device_name(device):
+    """ferryd's name for a device ("cuda:3", "cpu"): such a name as given,
+    a torch.device, or a tensor's (its ``.device``); None stays None (the
+    first of ferryd's devices)."""
+    if device is None or isinstance(device, str):
+        return device
+    device = getattr(device, "device", device)  # a tensor: the device it is on
+    kind, index = getattr(device, "type", None), getattr(device, "index", None)
+    if kind == "cpu":
+        return "cpu"
+    if kind == "cuda":
+        if index is None:  # torch.device("cuda"): the current one
+            index = require_torch().cuda.current_device()
+        return f"cuda:{index}"
+    raise ValueError(f"{device!r} is not a device ferryd keeps an arena on: give \"cuda:N\" or \"cpu\", "
+                     "a torch.device, or a tensor on one")

@@ -1,0 +1,100 @@
+package daemon
+
+import (
+	"testing"
+	"time"
+
+	"github.com/rs/zerolog"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
+)
+
+// A second device's arena, as ferryd makes it (a region it owns), is
+// registered with the NIC once through the transport's RegionRegistrar
+// and dropped at close; its slots and entries are placed in it, its
+// slots take windows as the first arena's do, a freed slot's quarantined
+// memory goes back to it, not to the first arena; status counts each
+// arena and a device there is none on is refused naming those there are.
+func TestASecondArenaHoldsItsOwnSlotsAndEntries(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	r.device = "cuda:0"
+	host, err := arena.NewSealedMemory(1<<16, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	second := &memory{Memory: host, device: "cpu", host: host}
+	t.Cleanup(func() { second.close() })
+	g, err := arenaRegion(second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	dropped := 0
+	nic := &countingRegistrar{drop: func() error { dropped++; return nil }}
+	r.registrar = nic
+	first := &memory{Memory: r.arena.Memory(), device: "cuda:0"}
+	d := &Daemon{log: zerolog.Nop(), reg: r, dp: &dataPlane{}, mem: first,
+		arenas: []*deviceArena{{mem: first}, {mem: second, region: g}}}
+	d.registerArenas()
+	if nic.registered.Load() != 1 || g.nic == nil || g.nicErr != nil {
+		t.Fatalf("registrations %d, nic %v (%v); want the second arena registered once", nic.registered.Load(), g.nic, g.nicErr)
+	}
+
+	w := &fakeWindows{open: make(map[uint32][2]uint64)}
+	r.UseWindows(w)
+	var fire func()
+	r.quarantineFreedSlots(time.Minute)
+	r.afterFunc = func(_ time.Duration, f func()) func() bool { fire = f; return func() bool { return true } }
+	on, err := d.arenaOn("cpu")
+	if err != nil || on.region != g {
+		t.Fatalf("arenaOn(cpu) = %+v, %v", on, err)
+	}
+	s, err := r.newSlotOn(g, "s", 1000, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.addr < host.Base() || s.addr+1000 > host.Base()+1<<16 {
+		t.Fatalf("the slot at %#x lies outside the second arena [%#x, +64KiB)", s.addr, host.Base())
+	}
+	if got, ok := w.open[s.key.Window()]; !ok || got != [2]uint64{s.addr, 1000} {
+		t.Fatalf("the slot's window: %v %v", got, ok)
+	}
+	if desc := r.describeSlot(s); desc.Device != "cpu" || desc.Region != "" {
+		t.Fatalf("slot described as %+v; want it on cpu, in no region", desc)
+	}
+	e, err := r.reserveOn(g, "e", 100, []int64{100}, "u8", staged)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if src := d.entrySource(e, 10, 50); src.mem != second.Memory || src.off != e.slice.Offset+10 || src.inPlace {
+		t.Fatalf("the entry's source: %+v; want the second arena's memory", src)
+	}
+	st := d.arenasStatus()
+	if len(st) != 2 || st[0].Slots != 0 || st[0].Used != 0 || st[1].Device != "cpu" || st[1].Slots != 1 || st[1].Staged != 1 ||
+		st[1].Used < 1100 || st[1].NIC == nil || !st[1].NIC.Registered {
+		t.Fatalf("status: %+v", st)
+	}
+
+	if err := r.deleteSlot("s"); err != nil {
+		t.Fatal(err)
+	}
+	if err := r.deleteEntry("e"); err != nil {
+		t.Fatal(err)
+	}
+	if used := g.alloc.Stats().Used; used != 1024 || fire == nil {
+		t.Fatalf("the second arena holds %d bytes after the delete; want the slot's, quarantined", used)
+	}
+	fire()
+	if used, first := g.alloc.Stats().Used, r.arena.Stats().Used; used != 0 || first != 0 {
+		t.Fatalf("after the quarantine: %d bytes used in the second arena, %d in the first; want none", used, first)
+	}
+
+	_, err = d.arenaOn("cuda:5")
+	if !isCode(err, api.CodeBadRequest) || err.Error() != `device "cuda:5": this ferryd has arenas on cuda:0, cpu only (--device): name one of them, or leave device out for cuda:0` {
+		t.Fatalf("an unknown device: %v", err)
+	}
+	d.closeArenas()
+	if dropped != 1 || g.nic != nil {
+		t.Fatalf("close dropped %d registrations; want the second arena's", dropped)
+	}
+}
