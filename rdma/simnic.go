@@ -82,6 +82,11 @@ type fakeNIC struct {
 	// closed: the daemon on this NIC descheduled, taking no completions,
 	// while the NIC goes on placing writes.
 	held atomic.Pointer[chan struct{}]
+	// wrote counts the bytes its QPs' writes placed. downAt, once set
+	// above 0, takes the NIC down when wrote reaches it: every write it
+	// sends from then on fails with RETRY_EXC_ERR and places nothing, as
+	// over a link gone down (a rail failing mid-transfer, rails.go).
+	wrote, downAt atomic.Uint64
 }
 
 // holdPolls holds every Poll on n's QPs until the returned func is
@@ -536,6 +541,9 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	if f.hold != nil {
 		<-f.hold
 	}
+	if d := q.n.downAt.Load(); d > 0 && q.n.wrote.Load() >= d {
+		return wcRetryExcErr, 0
+	}
 	q.mu.Lock()
 	peerNum, dgid := q.peer, q.dgid
 	q.mu.Unlock()
@@ -554,6 +562,9 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	}
 	f.mu.RLock()
 	local, ok := f.bytes(o.LKey, o.Local, o.Len)
+	if m := f.mrs[o.LKey]; o.Len > 0 && m != nil && m.n != q.n {
+		ok = false // an lkey is its own NIC's, as an rkey is
+	}
 	if !ok {
 		f.mu.RUnlock()
 		return wcLocProtErr, 0
@@ -574,6 +585,7 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	}
 	copy(remote, local)
 	f.mu.RUnlock()
+	q.n.wrote.Add(uint64(o.Len))
 	if !o.WithImm {
 		return wcSuccess, opcodeRDMAWrite
 	}
