@@ -3,6 +3,7 @@ package rdma
 import (
 	"bytes"
 	"fmt"
+	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -301,3 +302,56 @@ func TestConnectRecordRails(t *testing.T) {
 }
 
 var _ transport.WindowSink = windowedSink{}
+
+// TestChooseRails: no device is today's one choice; a list is each in
+// its order, any unusable one failing; all is the advertised address's
+// device first, then the others with a usable port, the rest skipped
+// with why.
+func TestChooseRails(t *testing.T) {
+	port := func(ip, dev string, active bool) Port {
+		state := "DOWN"
+		if active {
+			state = "ACTIVE"
+		}
+		return Port{Num: 1, State: state, Active: active, LinkLayer: "Ethernet", MTU: 1024,
+			GIDs: []GID{{Index: 1, GID: net.ParseIP(ip).String(), Type: "RoCE v2", Netdev: dev}}}
+	}
+	inv := Inventory{NICs: []NIC{
+		{Name: "rxe0", Ports: []Port{port("10.0.0.5", "eth0", true)}},
+		{Name: "rxe1", Ports: []Port{port("10.0.1.5", "eth1", true)}},
+		{Name: "rxe2", Ports: []Port{port("10.0.2.5", "eth2", false)}},
+	}}
+	names := func(cs []Choice) string {
+		var out []string
+		for _, c := range cs {
+			out = append(out, c.Device)
+		}
+		return strings.Join(out, ",")
+	}
+	w := Want{GIDIndex: -1, Addr: net.ParseIP("10.0.1.5")}
+	for _, c := range []struct {
+		name    string
+		devices []string
+		want    string
+		skipped int
+		fail    string
+	}{
+		{"None", nil, "rxe1", 0, ""},
+		{"List", []string{"rxe0", "rxe1"}, "rxe0,rxe1", 0, ""},
+		{"ListWithADownPort", []string{"rxe0", "rxe2"}, "", 0, "rxe2 port 1 is DOWN"},
+		{"All", []string{AllDevices}, "rxe1,rxe0", 1, ""},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got, skipped, err := ChooseRails(inv, c.devices, w)
+			if c.fail != "" {
+				if err == nil || !strings.Contains(err.Error(), c.fail) {
+					t.Fatalf("got %s, %v; want an error saying %q", names(got), err, c.fail)
+				}
+				return
+			}
+			if err != nil || names(got) != c.want || len(skipped) != c.skipped {
+				t.Fatalf("got %s, skipped %q, %v; want %s, %d skipped", names(got), skipped, err, c.want, c.skipped)
+			}
+		})
+	}
+}
