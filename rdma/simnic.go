@@ -82,11 +82,9 @@ type fakeNIC struct {
 	// closed: the daemon on this NIC descheduled, taking no completions,
 	// while the NIC goes on placing writes.
 	held atomic.Pointer[chan struct{}]
-	// wrote counts the bytes its QPs' writes placed. downAt, once set
-	// above 0, takes the NIC down when wrote reaches it: every write it
-	// sends from then on fails with RETRY_EXC_ERR and places nothing, as
-	// over a link gone down (a rail failing mid-transfer, rails.go).
-	wrote, downAt atomic.Uint64
+	// wrote counts the bytes its QPs' writes placed (what left through
+	// each rail, rails.go).
+	wrote atomic.Uint64
 }
 
 // holdPolls holds every Poll on n's QPs until the returned func is
@@ -540,9 +538,6 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	f := q.n.f
 	if f.hold != nil {
 		<-f.hold
-	}
-	if d := q.n.downAt.Load(); d > 0 && q.n.wrote.Load() >= d {
-		return wcRetryExcErr, 0
 	}
 	q.mu.Lock()
 	peerNum, dgid := q.peer, q.dgid
