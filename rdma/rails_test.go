@@ -304,27 +304,45 @@ func TestRailsStripeEvenly(t *testing.T) {
 	})
 }
 
-// TestRailsFailover: a 64 MiB write striped evenly over two NICs, then
-// another during which one sending NIC fails after 3 MiB more (its queue
-// pairs break: the NIC flushes what was posted on them): its pieces left
-// go out of the other NIC, the write succeeds, and the slot arrives
-// once, byte-exact. In the soft-RoCE VM it runs on rxe0 and rxe1 and
-// prints the RAILS line.
+// TestRailsFailover: a 64 MiB write striped evenly over two NICs, one
+// through the first NIC alone and another striped (timed, side by side,
+// on lanes already open), then a striped one during which one sending NIC fails after 3 MiB more (its
+// queue pairs break: the NIC flushes what was posted on them): its
+// pieces left go out of the other NIC, the write succeeds, and the slot
+// arrives once, byte-exact. In the soft-RoCE VM it runs on rxe0 and
+// rxe1 and prints the RAILS line.
 func TestRailsFailover(t *testing.T) {
 	modes(t, func(t *testing.T, windows bool) {
 		const size = 64 << 20
 		p := newRailsPair(t, 2, 2, size, windows)
-		p.send(t, true)
+		p.send(t, true) // opens the lanes of both rail pairs
 		even := p.tx.Rails()
 		if even[0].Bytes != size/2 || even[1].Bytes != size/2 {
 			t.Fatalf("the first 64 MiB went %+v, want half out of each NIC", even)
 		}
+		p.tx.cfg.StripeMin = 0 // no write of this session is in flight
+		fill(p.src, 9)
+		clear(p.sink.mem)
+		start := time.Now()
+		p.send(t, false)
+		oneNIC := time.Since(start)
+		p.tx.cfg.StripeMin = 8 << 20
+		mid := p.tx.Rails()
+		if mid[0].Bytes != even[0].Bytes+size || mid[1].Bytes != even[1].Bytes {
+			t.Fatalf("the unstriped 64 MiB moved the rails from %+v to %+v, want it all on rail 0", even, mid)
+		}
+		fill(p.src, 10)
+		clear(p.sink.mem)
+		start = time.Now()
+		p.send(t, true)
+		striped := time.Since(start)
+		mid = p.tx.Rails()
 		p.txNICs[1].breakAt.Store(p.txNICs[1].posted.Load() + 3<<20)
 		fill(p.src, 11)
 		clear(p.sink.mem)
 		p.send(t, true)
 		rails := p.tx.Rails()
-		second := [2]uint64{rails[0].Bytes - even[0].Bytes, rails[1].Bytes - even[1].Bytes}
+		second := [2]uint64{rails[0].Bytes - mid[0].Bytes, rails[1].Bytes - mid[1].Bytes}
 		if second[0]+second[1] != size || second[1] >= size/2 {
 			t.Errorf("the second write went %v bytes over the rails: want rail 1 short of half (it failed after 3 MiB) and rail 0 the rest", second)
 		}
@@ -332,11 +350,13 @@ func TestRailsFailover(t *testing.T) {
 			t.Errorf("NIC %s placed %d bytes, fewer than the %d the transport counts", rails[1].NIC, fn.wrote.Load(), rails[1].Bytes)
 		}
 		st := p.tx.Stats()
-		if st.Failovers != 1 || st.Striped != 2 {
-			t.Fatalf("stats: failovers %d, striped %d; want 1, 2", st.Failovers, st.Striped)
+		if st.Failovers != 1 || st.Striped != 3 {
+			t.Fatalf("stats: failovers %d, striped %d; want 1, 3", st.Failovers, st.Striped)
 		}
-		fmt.Printf("== RAILS mode=%s nic=%s bytes=%d nic=%s bytes=%d striped=%d failover=ok (the second write: %s %d, %s %d after it failed)%s\n",
-			p.rx.Mode(), even[0].NIC, even[0].Bytes, even[1].NIC, even[1].Bytes, st.Striped, rails[0].NIC, second[0], rails[1].NIC, second[1], sysfsSent(even))
+		mbps := func(d time.Duration) float64 { return size / d.Seconds() / 1e6 }
+		fmt.Printf("== RAILS mode=%s nic=%s bytes=%d nic=%s bytes=%d striped=%d failover=ok striped_MBps=%.1f one_nic_MBps=%.1f (the write during the failure: %s %d, %s %d after it failed)%s\n",
+			p.rx.Mode(), even[0].NIC, even[0].Bytes, even[1].NIC, even[1].Bytes, st.Striped, mbps(striped), mbps(oneNIC),
+			rails[0].NIC, second[0], rails[1].NIC, second[1], sysfsSent(even))
 	})
 }
 
