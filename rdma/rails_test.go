@@ -215,12 +215,7 @@ func newRailsPair(t *testing.T, txRails, rxRails, size int, windows bool) *rails
 	if windows && p.rx.Mode() != ModeWindows {
 		t.Skipf("the receiver's NIC has no windows: %s", p.rx.ModeWhy())
 	}
-	s, err := p.tx.Dial(ctxFor(t, 30*time.Second), p.rx.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
-	p.s = s
+	p.s = dialT(t, p.tx, p.rx)
 	return p
 }
 
