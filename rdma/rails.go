@@ -107,7 +107,7 @@ func (t *Transport) openRails(more []nic) error {
 		return nil
 	}
 	if t.cfg.Device != nil || t.shared == nil {
-		return fmt.Errorf("%d more RDMA devices, but only a host arena registered once is striped over several: %s", len(more), t.reg.Mode)
+		return fmt.Errorf("%d RDMA devices asked for, but sends are striped over several only from a host arena registered once, and this one's registration is %s (%v): name one device in --rdma-device, or fix what registration.reason says", len(more)+1, t.reg.Mode, t.reg.Err)
 	}
 	u := peerWrites
 	if t.windows != nil {
