@@ -476,3 +476,21 @@ func TestChooseRails(t *testing.T) {
 		})
 	}
 }
+
+// TestRailsNeedTheSharedRegistration: several NICs over an arena whose
+// shared registration failed (the memlock limit) refuse to start, saying
+// what to do, and close nothing they do not own.
+func TestRailsNeedTheSharedRegistration(t *testing.T) {
+	f := newFabric()
+	f.failRegister = 1 << 20
+	n0, n1 := f.nic(1), f.nic(2)
+	_, err := listen(testConfig(t, Config{Memory: mapT(t, 4<<20)}), n0, n1)
+	if err == nil || !strings.Contains(err.Error(), "2 RDMA devices asked for") || !strings.Contains(err.Error(), "name one device") {
+		t.Fatalf("listen over two NICs without a shared registration: %v", err)
+	}
+	for _, n := range []*fakeNIC{n0, n1} {
+		if err := n.Close(); err != nil {
+			t.Errorf("closing a NIC the failed listen left to its caller: %v", err)
+		}
+	}
+}
