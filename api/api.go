@@ -277,6 +277,21 @@ type RDMAStatus struct {
 	// per write). docs/rdma.md. WriteModeWhy says why not a better one.
 	WriteMode    string `json:"write_mode,omitempty"`
 	WriteModeWhy string `json:"write_mode_why,omitempty"`
+	// Rails are the RDMA devices the transport drives (--rdma-device),
+	// Chosen first, each with what left through it as sender; Skipped,
+	// with --rdma-device all, the devices left out and why.
+	Rails   []Rail   `json:"rails,omitempty"`
+	Skipped []string `json:"rails_skipped,omitempty"`
+	// StripeMin is the size from which a send is striped over the rails.
+	StripeMin int64 `json:"stripe_min_bytes,omitempty"`
+}
+
+// Rail is one RDMA device the transport drives: its port and GID, and
+// the writes and striped pieces that left through it, with their bytes.
+type Rail struct {
+	NICChoice
+	Sends uint64 `json:"sends"`
+	Bytes uint64 `json:"bytes"`
 }
 
 // NIC is an RDMA device.

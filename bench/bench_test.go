@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 	"unicode/utf8"
+
+	"github.com/ferry-project/ferry/api"
 )
 
 func us(v ...int) []time.Duration {
@@ -140,5 +142,24 @@ func TestForEachCoversEveryIndexOnce(t *testing.T) {
 		if seen[i].Load() != 1 {
 			t.Fatalf("index %d ran %d times", i, seen[i].Load())
 		}
+	}
+}
+
+// TestNICRates: a send row's per-NIC figures are each rail's bytes over
+// the point (the sender's status before and after), shown per NIC.
+func TestNICRates(t *testing.T) {
+	rail := func(dev string, b uint64) api.Rail {
+		return api.Rail{NICChoice: api.NICChoice{Device: dev}, Bytes: b}
+	}
+	got := since([]api.Rail{rail("rxe0", 100), rail("rxe1", 50)}, []api.Rail{rail("rxe0", 100+3e9), rail("rxe1", 50+1e9)})
+	if len(got) != 2 || got[0] != (NICRate{NIC: "rxe0", Bytes: 3e9}) || got[1] != (NICRate{NIC: "rxe1", Bytes: 1e9}) {
+		t.Fatalf("since: %+v", got)
+	}
+	if since(nil, []api.Rail{rail("rxe0", 1)}) != nil {
+		t.Fatal("rails that changed under a point must give no rates")
+	}
+	r := Row{NICs: []NICRate{{NIC: "rxe0", GBps: 1.5}, {NIC: "rxe1", GBps: 0.5}}}
+	if cell := colNICs.cell(r); cell != "rxe0=1.500,rxe1=0.500" {
+		t.Fatalf("per-NIC cell %q", cell)
 	}
 }

@@ -42,6 +42,10 @@ type Row struct {
 	// and their CPU per send.
 	Lanes int  `json:"lanes,omitempty"`
 	CPU   *CPU `json:"cpu,omitempty"`
+	// NICs is a send row's throughput through each RDMA device of the
+	// sending ferryd (its rails, --rdma-device): their bytes over the
+	// send time; GBps is their sum.
+	NICs []NICRate `json:"nics,omitempty"`
 
 	samples []time.Duration // sorted, for the latency CDF
 }
@@ -86,6 +90,13 @@ type column struct {
 	cell func(Row) string
 }
 
+// NICRate is what one RDMA device of the sender carried in a point.
+type NICRate struct {
+	NIC   string  `json:"nic"`
+	Bytes int64   `json:"bytes"`
+	GBps  float64 `json:"gb_per_s"`
+}
+
 func num(v float64, prec int) string { return strconv.FormatFloat(v, 'f', prec, 64) }
 
 // gbps is a GB/s figure: three decimals, or three significant digits
@@ -125,6 +136,16 @@ var (
 		}
 		return num(r.DaemonWrite.P50, 1)
 	}}
+	colNICs = column{"per-NIC GB/s", "nic_gb_per_s", func(r Row) string {
+		if len(r.NICs) == 0 {
+			return "-"
+		}
+		var parts []string
+		for _, n := range r.NICs {
+			parts = append(parts, n.NIC+"="+gbps(n.GBps))
+		}
+		return strings.Join(parts, ",")
+	}}
 	colStage = column{"stage GB/s", "stage_gb_per_s", func(r Row) string {
 		if r.Stage == nil {
 			return "-"
@@ -146,7 +167,7 @@ var (
 
 // Column sets per command. The size column shows bytes in the CSV.
 var (
-	transferColumns = []column{colOp, colSize, colConc, colIters, colGBps, colGbit, colP50, colP90, colP99, colP999, colMax, colErrors, colWrite, colStage}
+	transferColumns = []column{colOp, colSize, colConc, colIters, colGBps, colGbit, colP50, colP90, colP99, colP999, colMax, colErrors, colWrite, colStage, colNICs}
 	apiColumns      = []column{colOp, colSize, colConc, colIters, colRate, colP50, colP90, colP99, colP999, colMax, colErrors}
 	batchColumns    = []column{colOp, colSize, colBatch, colIters, colItems, colGBps, colGbit, colP50, colP90, colP99, colMax}
 	cpuColumns      = []column{colMode, colSize, colConc, colLanes, colIters, colCPU, colNIC, colWithNIC, colControl, colPosts}

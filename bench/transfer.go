@@ -156,6 +156,7 @@ func (t *transferRun) point(ctx context.Context, to receiver, sz int64, c int, l
 		return roundResult{}, fmt.Errorf("warm-up: %w", err)
 	}
 	var all roundResult
+	before := t.nicBytes(ctx)
 	for first := true; ; first = false {
 		n := batch
 		if lim.Iterations > 0 {
@@ -171,7 +172,31 @@ func (t *transferRun) point(ctx context.Context, to receiver, sz int64, c int, l
 			break
 		}
 	}
+	all.nics = since(before, t.nicBytes(ctx))
 	return all, nil
+}
+
+// nicBytes is what left the sending daemon through each of its RDMA
+// devices so far (its status's rails); nil over TCP. Only sends move it,
+// so its change over a point's rounds is their bytes.
+func (t *transferRun) nicBytes(ctx context.Context) []api.Rail {
+	st, err := t.p.From.Status(ctx)
+	if err != nil || st.Transport.RDMA == nil {
+		return nil
+	}
+	return st.Transport.RDMA.Rails
+}
+
+// since is each rail's bytes from before to after.
+func since(before, after []api.Rail) []NICRate {
+	if len(after) != len(before) {
+		return nil
+	}
+	out := make([]NICRate, len(after))
+	for i, r := range after {
+		out[i] = NICRate{NIC: r.Device, Bytes: int64(r.Bytes - before[i].Bytes)}
+	}
+	return out
 }
 
 // row is a point's figures from all its turns.
@@ -182,6 +207,12 @@ func (t *transferRun) row(op string, sz int64, c int, all roundResult) Row {
 	row.DaemonWrite = &w
 	stage := Summarize(all.stage.lat)
 	row.Stage = &Stage{Method: t.cfg.Stage, Seconds: all.stage.wall.Seconds(), Latency: stage}
+	if all.send.wall > 0 && op == "send" {
+		for _, n := range all.nics {
+			n.GBps = float64(n.Bytes) / all.send.wall.Seconds() / 1e9
+			row.NICs = append(row.NICs, n)
+		}
+	}
 	if all.stage.wall > 0 {
 		row.Stage.GBps = float64(sz) * float64(stage.N) / all.stage.wall.Seconds() / 1e9
 	}
@@ -195,6 +226,7 @@ func (t *transferRun) row(op string, sz int64, c int, all roundResult) Row {
 type roundResult struct {
 	stage, send timed
 	writes      []time.Duration // the daemon's own timing of each send
+	nics        []NICRate       // bytes per RDMA device of the sender
 }
 
 func (r *roundResult) sends() int { return len(r.send.lat) + r.send.errs }

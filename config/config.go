@@ -66,7 +66,8 @@ type Settings struct {
 	MooncakeMTU      int                  `toml:"mooncake_mtu"`
 	MooncakeFetch    []string             `toml:"mooncake_fetch_allow"`
 	MooncakeAllow    []string             `toml:"mooncake_allow"`
-	RDMADevice       string               `toml:"rdma_device"`
+	RDMADevice       Names                `toml:"rdma_device"`
+	RDMAStripeMin    Size                 `toml:"rdma_stripe_min"`
 	RDMAGIDIndex     int                  `toml:"rdma_gid_index"`
 	RDMARegistration api.RegistrationMode `toml:"rdma_registration"`
 	GPURegistration  api.GPURegistration  `toml:"gpu_registration"`
@@ -143,8 +144,10 @@ var options = []option{
 		func(s *Settings) value {
 			return choice[Transport]{&s.Transport, []Transport{TransportAuto, TransportRDMA, TransportTCP}}
 		}, nil},
-	{"rdma_device", "", "RDMA `device` to use, e.g. mlx5_0 (empty: the one whose GID carries the advertised address)",
-		func(s *Settings) value { return (*text)(&s.RDMADevice) }, nil},
+	{"rdma_device", "", "RDMA `devices` to use, comma-separated, e.g. mlx5_0 or mlx5_0,mlx5_1, or all (every device with an active port); the first carries every send below rdma_stripe_min, and larger sends are striped over all (empty: the one whose GID carries the advertised address)",
+		func(s *Settings) value { return (*names)(&s.RDMADevice) }, nil},
+	{"rdma_stripe_min", "8MiB", "`size` from which a send from the arena is striped in 1 MiB pieces over every RDMA device pair the two daemons share (rdma_device); a device failing mid-send gives its pieces to the others (0: never stripe)",
+		func(s *Settings) value { return &s.RDMAStripeMin }, sizeWithin(func(s *Settings) Size { return s.RDMAStripeMin }, 0, 1<<40)},
 	{"rdma_gid_index", "-1", "GID table `index` to use (-1: the RoCE v2 GID of the advertised address)",
 		func(s *Settings) value { return (*number)(&s.RDMAGIDIndex) },
 		func(s *Settings) error {

@@ -425,3 +425,42 @@ func TestAffinityFromEachSource(t *testing.T) {
 		}
 	}
 }
+
+// TestRDMADevices: rdma_device takes a TOML array, or a string of names
+// as before (and as a flag or variable gives it); "all" stands alone,
+// and no name twice.
+func TestRDMADevices(t *testing.T) {
+	for _, c := range []struct {
+		name, file string
+		args       []string
+		want       string
+		fail       string
+	}{
+		{"Array", `rdma_device = ["mlx5_0", "mlx5_1"]`, nil, "mlx5_0,mlx5_1", ""},
+		{"String", `rdma_device = "mlx5_0"`, nil, "mlx5_0", ""},
+		{"Flag", "", []string{"--rdma-device", "rxe0,rxe1"}, "rxe0,rxe1", ""},
+		{"All", `rdma_device = "all"`, nil, "all", ""},
+		{"AllAndMore", `rdma_device = ["all", "mlx5_0"]`, nil, "", `"all" takes every device`},
+		{"Twice", "", []string{"--rdma-device", "rxe0,rxe0"}, "", `names "rxe0" twice`},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			args := c.args
+			if c.file != "" {
+				args = append(args, "--config", writeFile(t, c.file))
+			}
+			l, err := load(t, args, env())
+			if c.fail != "" {
+				if err == nil || !strings.Contains(err.Error(), c.fail) {
+					t.Fatalf("got %v, want an error saying %s", err, c.fail)
+				}
+				return
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			if got := strings.Join(l.Settings.RDMADevice, ","); got != c.want {
+				t.Fatalf("rdma_device %q, want %q", got, c.want)
+			}
+		})
+	}
+}

@@ -273,3 +273,36 @@ func (a *Affinity) String() string {
 func (a *Affinity) want() string {
 	return `a table of devices and NIC lists, e.g. [affinity] then "cuda:0" = ["mlx5_0"]`
 }
+
+// Names is a list of device names: a TOML array of strings, or a string
+// of names separated by commas, as a flag or a variable gives it (and as
+// rdma_device was written when it took one device).
+type Names []string
+
+// UnmarshalText reads the string form, for a TOML file.
+func (n *Names) UnmarshalText(b []byte) error { return (*names)(n).Set(string(b)) }
+
+// names is the value of a Names setting: "all" alone, or distinct names.
+type names Names
+
+func (l *names) Set(s string) error {
+	out := names{}
+	seen := map[string]bool{}
+	for _, f := range strings.FieldsFunc(s, func(r rune) bool { return r == ',' || r == ' ' }) {
+		if seen[f] {
+			return fmt.Errorf("names %q twice: name each device once", f)
+		}
+		seen[f] = true
+		out = append(out, f)
+	}
+	if seen["all"] && len(out) > 1 {
+		return fmt.Errorf("%q: \"all\" takes every device, so it stands alone", s)
+	}
+	*l = out
+	return nil
+}
+
+func (l *names) String() string { return strings.Join(*l, ",") }
+func (l *names) want() string {
+	return `a list of device names, e.g. ["mlx5_0", "mlx5_1"], or "all"`
+}

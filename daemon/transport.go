@@ -3,6 +3,8 @@ package daemon
 import (
 	"fmt"
 	"net"
+	"slices"
+	"strings"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/rs/zerolog"
@@ -93,9 +95,9 @@ func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem *memory, log z
 	if err != nil {
 		return fmt.Errorf("RDMA discovery failed: %w", err)
 	}
-	choice, err := rdma.Choose(inv, rdma.Want{Device: cfg.RDMADevice, GIDIndex: cfg.RDMAGIDIndex, Addr: advertisedIP(cfg)})
-	if err != nil && (cfg.RDMADevice != "" || cfg.RDMAGIDIndex >= 0) {
-		return fmt.Errorf("--rdma-device %q, --rdma-gid-index %d: %w", cfg.RDMADevice, cfg.RDMAGIDIndex, err)
+	choices, skipped, err := rdma.ChooseRails(inv, cfg.RDMADevice, rdma.Want{GIDIndex: cfg.RDMAGIDIndex, Addr: advertisedIP(cfg)})
+	if err != nil && (len(cfg.RDMADevice) > 0 || cfg.RDMAGIDIndex >= 0) {
+		return fmt.Errorf("--rdma-device %q, --rdma-gid-index %d: %w", strings.Join(cfg.RDMADevice, ","), cfg.RDMAGIDIndex, err)
 	}
 	if err != nil {
 		return err
@@ -103,13 +105,23 @@ func (dp *dataPlane) openRDMA(cfg Config, pc peerport.Config, mem *memory, log z
 	infof := func(format string, args ...any) {
 		log.Info().Str("component", "transport").Msg(fmt.Sprintf(format, args...))
 	}
-	rc := rdma.Config{Peer: pc, TCP: overTCP, Memory: mem.Host(), PerSend: cfg.RDMARegistration == api.RegistrationPerSend}
+	rc := rdma.Config{Peer: pc, TCP: overTCP, Memory: mem.Host(), PerSend: cfg.RDMARegistration == api.RegistrationPerSend,
+		StripeMin: int(cfg.RDMAStripeMin.Bytes())}
 	if mem.gpu != nil {
 		rc.Device = mem.nicView(cfg.GPURegistration)
 	}
-	rt, err := rdma.Listen(rc, choice)
+	rt, err := rdma.ListenRails(rc, choices)
 	if err != nil {
 		return err
+	}
+	choice := choices[0]
+	for _, c := range choices {
+		dp.nics.Rails = append(dp.nics.Rails, api.Rail{NICChoice: c})
+	}
+	dp.nics.Skipped, dp.nics.StripeMin = skipped, int64(cfg.RDMAStripeMin.Bytes())
+	if len(choices) > 1 {
+		log.Info().Strs("rails", rt.RailNames()).Int64("stripe_min_bytes", int64(cfg.RDMAStripeMin.Bytes())).Strs("skipped", skipped).
+			Msg("RDMA rails: sends below rdma_stripe_min go through the first, larger ones are striped over all")
 	}
 	dp.tr, dp.rdma, dp.reg = rt, rt, rt.Registration()
 	dp.mooncake = mooncake.NewEndpoints(rt, mooncake.EndpointConfig{MTU: cfg.MooncakeMTU, Infof: infof})
@@ -202,6 +214,10 @@ func (dp *dataPlane) rdmaStatus() *api.RDMAStatus {
 	st.NICs = rdma.WithCounters(st.NICs)
 	if dp.rdma != nil {
 		st.WriteMode, st.WriteModeWhy = dp.rdma.Mode(), dp.rdma.ModeWhy()
+		st.Rails = slices.Clone(st.Rails)
+		for i, r := range dp.rdma.Rails() {
+			st.Rails[i].Sends, st.Rails[i].Bytes = r.Sends, r.Bytes
+		}
 	}
 	return &st
 }
@@ -336,9 +352,29 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		{"ferry_rdma_window_invalidations_total", "Memory windows invalidated as their slots were freed (windows mode).", func(s rdma.Stats) uint64 { return s.WindowInvalidations }},
 		{"ferry_rdma_credit_messages_total", "Receive credits returned on RDMA lanes (one per 32 writes a receiver took), sent as receiver or read as sender.", func(s rdma.Stats) uint64 { return s.CreditMessages }},
 		{"ferry_rdma_credit_stalls_total", "RDMA writes that found their lane out of receive credits and waited for the receiving daemon to take the writes before (it was descheduled, stopped or busy).", func(s rdma.Stats) uint64 { return s.CreditStalls }},
+		{"ferry_rdma_striped_sends_total", "Of the RDMA writes, those striped in pieces over several RDMA devices (rdma_device, rdma_stripe_min).", func(s rdma.Stats) uint64 { return s.Striped }},
+		{"ferry_rdma_stripe_failovers_total", "RDMA devices that failed under a striped write, whose pieces left went through the others.", func(s rdma.Stats) uint64 { return s.Failovers }},
 	} {
 		out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: c.name, Help: c.help},
 			func() float64 { return float64(c.of(stats())) }))
+	}
+	// Per RDMA device, named as the host names it, fixed at start; a
+	// daemon without RDMA shows nic="none" at zero, so that one
+	// dashboard fits every host.
+	rails := func() []rdma.RailStats { return []rdma.RailStats{{NIC: "none"}} }
+	if dp.rdma != nil {
+		rails = dp.rdma.Rails
+	}
+	for i := range rails() {
+		rail := func() rdma.RailStats { return rails()[i] }
+		labels := prometheus.Labels{"nic": rail().NIC}
+		out = append(out,
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_rdma_nic_sends_total", ConstLabels: labels,
+				Help: "RDMA writes and striped pieces this daemon completed as sender, per RDMA device (rdma_device)."},
+				func() float64 { return float64(rail().Sends) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_rdma_nic_sent_bytes_total", ConstLabels: labels,
+				Help: "Their bytes, per RDMA device."},
+				func() float64 { return float64(rail().Bytes) }))
 	}
 	out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "ferry_rdma_credit_stall_seconds_total",

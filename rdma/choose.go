@@ -123,3 +123,47 @@ func names(nics []NIC) string {
 	}
 	return strings.Join(s, ", ")
 }
+
+// AllDevices, as the only device asked for, takes every device with a
+// usable port.
+const AllDevices = "all"
+
+// ChooseRails picks the port and GID of each device asked for (rails.go),
+// in the order given: with none, the one device Choose picks; with
+// AllDevices, that one first, then every other device with a usable
+// port in discovery order (a device without one is skipped, and said so
+// in skipped). Any named device that has no usable port fails.
+func ChooseRails(inv Inventory, devices []string, w Want) (rails []Choice, skipped []string, err error) {
+	if len(devices) != 1 || devices[0] != AllDevices {
+		if len(devices) == 0 {
+			devices = []string{""}
+		}
+		for _, d := range devices {
+			w.Device = d
+			c, err := Choose(inv, w)
+			if err != nil {
+				return nil, nil, err
+			}
+			rails = append(rails, c)
+		}
+		return rails, nil, nil
+	}
+	first, err := Choose(inv, w)
+	if err != nil {
+		return nil, nil, err
+	}
+	rails = append(rails, first)
+	for _, n := range inv.NICs {
+		if n.Name == first.Device {
+			continue
+		}
+		w.Device = n.Name
+		c, err := Choose(inv, w)
+		if err != nil {
+			skipped = append(skipped, fmt.Sprintf("%s: %v", n.Name, err))
+			continue
+		}
+		rails = append(rails, c)
+	}
+	return rails, skipped, nil
+}

@@ -51,12 +51,7 @@ func newPair(t *testing.T, f *fabric, srcSize, memSize int, secret []byte, lanes
 	}
 	p.tx = listenT(t, f, txc)
 	p.rx = listenT(t, f, Config{Peer: peer.Config{Sink: sink, Secret: secret, Logf: p.logs.Logf}, Memory: p.slots.Mem})
-	s, err := p.tx.Dial(ctxFor(t, 30*time.Second), p.rx.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
-	p.s = s
+	p.s = dialT(t, p.tx, p.rx)
 	return p
 }
 

@@ -146,12 +146,7 @@ func (p *faultPair) dial(t *testing.T) {
 	if p.s != nil {
 		p.s.Close()
 	}
-	s, err := p.tx.Dial(ctxFor(t, 30*time.Second), p.rx.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	p.s = s
-	t.Cleanup(func() { s.Close() })
+	p.s = dialT(t, p.tx, p.rx)
 }
 
 // slot makes a receive slot of n bytes and a write of src[:n] to it.

@@ -102,6 +102,9 @@ type lane struct {
 	ansErr   error
 	lastWord peer.Reply // a reply with flagFailed: why the receiver gave up
 
+	// rail is the index of the NIC the lane's QP is on (rails.go).
+	rail int
+
 	// The sender's bounce buffer, mapped and registered on first use.
 	bounce    []byte
 	bounceReg region

@@ -200,7 +200,12 @@ type target struct {
 // registration, or a region's, or a window: see reach), or registered
 // for this write; else a buffer mapped and registered for this write
 // and copied into dst once the write is complete.
-func (t *Transport) target(dst []byte, window uint32) (*target, error) {
+//
+// A write arriving on a rail other than 0 (a striped piece, rails.go)
+// lands under that rail's NIC's registrations: the arena's, or in
+// windows mode one of the piece's bytes alone, since the slot's window
+// is rail 0's NIC's.
+func (t *Transport) target(dst []byte, window uint32, r *rail) (*target, error) {
 	tg := &target{dst: dst, copied: &t.stats.copied}
 	if len(dst) == 0 {
 		return tg, nil
@@ -213,9 +218,15 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	} else if g := t.lent.holdingBytes(dst); g != nil {
 		mr = g.mr
 	}
-	forThisWrite := func() (region, error) { return t.nic.Register(dst, peerWrites) }
+	forThisWrite := func() (region, error) { return r.nic.Register(dst, peerWrites) }
+	otherRail := r != t.rails[0]
 	switch {
-	case mr != nil:
+	case otherRail && inArena && t.windows == nil:
+		tg.rkey = r.shared.RKey()
+		return tg, nil
+	case otherRail && inArena:
+		return tg, t.registerFor(tg, forThisWrite)
+	case mr != nil && !otherRail:
 		return tg, t.reach(tg, window, mr, forThisWrite)
 	case inArena:
 		return tg, t.registerFor(tg, forThisWrite)
@@ -224,7 +235,7 @@ func (t *Transport) target(dst []byte, window uint32) (*target, error) {
 	if err != nil {
 		return nil, err
 	}
-	reg, err := t.nic.Register(stage, peerWrites)
+	reg, err := r.nic.Register(stage, peerWrites)
 	if err != nil {
 		unmap(stage)
 		return nil, fmt.Errorf("registering a %d-byte staging buffer: %w", len(dst), err)

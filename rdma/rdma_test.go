@@ -137,6 +137,17 @@ func closeAtEnd(t testing.TB, tr *Transport) {
 	})
 }
 
+// dialT opens a session from tx to rx, closed when t ends.
+func dialT(t *testing.T, tx, rx *Transport) transport.Session {
+	t.Helper()
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	return s
+}
+
 func ctxFor(t *testing.T, d time.Duration) context.Context {
 	ctx, cancel := context.WithTimeout(t.Context(), d)
 	t.Cleanup(cancel)

@@ -77,7 +77,12 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 	if t.isClosing() {
 		return nil, refuse(transport.ShuttingDown, errors.New("the receiver is shutting down"))
 	}
-	qp, err := t.nic.NewQP(1, recvPosted)
+	ri := int(b[connectRail])
+	if ri >= len(t.rails) {
+		return nil, refuse(transport.Internal, fmt.Errorf("the dialer asked for a lane on rail %d, and this daemon drives %d RDMA device(s) (%v)", ri, len(t.rails), t.RailNames()))
+	}
+	rl := t.rails[ri]
+	qp, err := rl.nic.NewQP(1, recvPosted)
 	if err != nil {
 		return nil, refuse(transport.Internal, fmt.Errorf("creating a queue pair: %w", err))
 	}
@@ -93,8 +98,13 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 	if err := qp.Connect(psn, remote); err != nil {
 		return nil, refuse(transport.Internal, fmt.Errorf("connecting to queue pair %#x: %w", remote.QPN, err))
 	}
-	a := accept{endpoint: t.nic.Endpoint(), peerRegion: t.region()}
-	a.Direct = t.direct != nil
+	a := accept{endpoint: rl.nic.Endpoint(), peerRegion: t.region(), Rail: ri}
+	if ri != 0 {
+		// Its lanes carry granted pieces only, which need nothing of it.
+		a.peerRegion = peerRegion{Mode: a.Mode}
+	}
+	a.Direct = t.direct != nil && ri == 0
+	a.Rails = len(t.rails)
 	a.QPN, a.PSN = qp.QPN(), psn
 	var ab [acceptSize]byte
 	a.encode(&ab)
@@ -102,7 +112,9 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 		return nil, err
 	}
 	c.SetDeadline(time.Time{})
-	return newLane(qp, c, 1+recvPosted), nil
+	l := newLane(qp, c, 1+recvPosted)
+	l.rail = ri
+	return l, nil
 }
 
 // region describes the shared registration to dialers. Where it lies
@@ -293,7 +305,7 @@ func (r *receiver) serve(h peer.Header) error {
 	} else {
 		var dst []byte
 		if dst, done, no = r.gate.Admit(&h); no == nil {
-			tg, err = t.target(dst, h.Key.Window())
+			tg, err = t.target(dst, h.Key.Window(), t.rails[r.l.rail])
 		}
 	}
 	if err != nil {

@@ -21,7 +21,7 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	if t.isClosing() {
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, transport.ErrClosed)
 	}
-	l, instance, region, err := t.dialLane(ctx, addr)
+	l, instance, region, err := t.dialLane(ctx, addr, 0)
 	if errors.Is(err, peer.ErrNoRDMA) {
 		t.logf("rdma: %s serves no RDMA (it runs the tcp transport, or has no usable RDMA port): this session falls back to TCP", addr)
 		return t.tcp.Dial(ctx, addr)
@@ -34,26 +34,30 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	// write to its slot; under the arena's rkey only between peers that
 	// proved the peer secret in the handshake (else it failed).
 	s.direct = region.Direct && (region.Mode == modeWindows || t.cfg.Peer.Secret != nil)
-	s.pool = pool.New(t.cfg.Peer.MaxConnsPerPeer, s.open, func(l *lane) { l.close() })
+	s.pool = pool.New(t.cfg.Peer.MaxConnsPerPeer, func(ctx context.Context) (*lane, error) { return s.openOn(ctx, 0) }, func(l *lane) { l.close() })
 	s.pool.Add(l)
+	s.pools = []*pool.Pool[*lane]{s.pool}
+	s.openRailPools(region.Rails)
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
-		s.pool.Close()
+		s.closePools()
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, transport.ErrClosed)
 	}
 	t.sessions[s] = struct{}{}
 	return s, nil
 }
 
-// dialLane opens a control connection to addr and connects a new QP over
-// it. It returns the peer's instance and what it says of its memory.
-func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instance uint64, _ peerRegion, err error) {
+// dialLane opens a control connection to addr and connects a new QP on
+// rail r's NIC over it to a QP on the peer's rail r. It returns the
+// peer's instance and what it says of its memory.
+func (t *Transport) dialLane(ctx context.Context, addr string, ri int) (_ *lane, instance uint64, _ peerRegion, err error) {
 	c, instance, err := t.port.Dial(ctx, addr, peer.KindRDMA)
 	if err != nil {
 		return nil, 0, peerRegion{}, err
 	}
-	qp, err := t.nic.NewQP(sendDepth+flyingMax*flyingChunks, 1)
+	n := t.rails[ri].nic
+	qp, err := n.NewQP(sendDepth+flyingMax*flyingChunks, 1)
 	if err != nil {
 		c.Close()
 		return nil, 0, peerRegion{}, fmt.Errorf("creating a queue pair: %w", err)
@@ -71,10 +75,11 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 	c.SetDeadline(deadline)
 
 	psn := rand.Uint32() & 0xffffff
-	local := t.nic.Endpoint()
+	local := n.Endpoint()
 	local.QPN, local.PSN = qp.QPN(), psn
 	var b [endpointSize]byte
 	local.encode(b[:])
+	b[connectRail], b[connectRails] = byte(ri), byte(len(t.rails))
 	var ab [acceptSize]byte
 	var r peer.Reply
 	if _, err = c.Write(b[:]); err == nil {
@@ -88,6 +93,9 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 	}
 	var a accept
 	a.decode(&ab)
+	if a.Rail != ri {
+		return nil, 0, peerRegion{}, fmt.Errorf("asked the peer for a lane on its rail %d, and it connected one on rail %d", ri, a.Rail)
+	}
 	if err = qp.Connect(psn, a.endpoint); err != nil {
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting to the peer's queue pair %#x: %w", a.QPN, err)
 	}
@@ -95,7 +103,9 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting a queue pair: %w", transport.ContextErr(hctx))
 	}
 	c.SetDeadline(time.Time{})
-	return newDialedLane(qp, c, &t.stats), instance, a.peerRegion, nil
+	l := newDialedLane(qp, c, &t.stats)
+	l.rail = ri
+	return l, instance, a.peerRegion, nil
 }
 
 // session is a pool of lanes to one peer. A write holds a lane from its
@@ -105,23 +115,32 @@ func (t *Transport) dialLane(ctx context.Context, addr string) (_ *lane, instanc
 type session struct {
 	peer.Session
 	t      *Transport
-	region peerRegion // the peer's shared registration, from the connect
-	direct bool       // the peer takes direct writes from this daemon
-	pool   *pool.Pool[*lane]
+	region peerRegion        // the peer's shared registration, from the connect
+	direct bool              // the peer takes direct writes from this daemon
+	pool   *pool.Pool[*lane] // rail 0's lanes: pools[0]
+	// pools holds the lanes of each rail pair, rail 0's first (rails.go).
+	pools []*pool.Pool[*lane]
 }
 
 // Close destroys every lane of the session; writes in flight fail.
 func (s *session) Close() error {
-	s.pool.Close()
+	s.closePools()
 	s.t.mu.Lock()
 	delete(s.t.sessions, s)
 	s.t.mu.Unlock()
 	return nil
 }
 
-// open dials one more lane, to the same peer process as the first.
-func (s *session) open(ctx context.Context) (*lane, error) {
-	l, instance, _, err := s.t.dialLane(ctx, s.Peer())
+func (s *session) closePools() {
+	for _, p := range s.pools {
+		p.Close()
+	}
+}
+
+// openOn dials one more lane on rail r, to the same peer process as the
+// first.
+func (s *session) openOn(ctx context.Context, r int) (*lane, error) {
+	l, instance, _, err := s.t.dialLane(ctx, s.Peer(), r)
 	if err != nil {
 		return nil, err
 	}
@@ -140,16 +159,42 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	}
 	var p plan
 	p.kind, p.lkey = s.t.kindOf(&w)
+	if s.stripes(&w, &p) {
+		if err := s.stripe(ctx, &w); err != nil {
+			return transport.Report{}, err
+		}
+		s.t.stats.sends.Add(1)
+		s.t.stats.striped.Add(1)
+		rep := p.kind.report(w.Len())
+		rep.Messages = peer.Messages * ((w.Len() + stripePiece - 1) / stripePiece) // a header and a grant per piece
+		return rep, nil
+	}
 	if g, ok := s.directGrant(&w, p.kind); ok {
 		p.dg = &g
 	}
+	if err := s.writeOn(ctx, 0, &w, &p); err != nil {
+		return transport.Report{}, err
+	}
+	s.t.sent(0, w.Len())
+	rep := p.kind.report(w.Len())
+	s.t.stats.sends.Add(1)
+	if p.dg != nil {
+		s.t.stats.direct.Add(1)
+	} else {
+		rep.Messages = peer.Messages
+	}
+	return rep, nil
+}
+
+// writeOn carries w on a lane of rail r.
+func (s *session) writeOn(ctx context.Context, r int, w *transport.Write, p *plan) error {
 	for {
-		l, err := s.lane(ctx)
+		l, err := s.lane(ctx, r)
 		if err != nil {
-			return transport.Report{}, s.Take(ctx, err, "lane")
+			return s.Take(ctx, err, "lane")
 		}
 		stale := l.answered.Load()
-		err = s.write(ctx, l, &w, &p)
+		err = s.write(ctx, l, w, p)
 		// A receiver closes a lane it finds idle (or needs the room for)
 		// without a word, and the close can cross a header just sent:
 		// that write was never granted, nothing of it was posted, so it
@@ -158,17 +203,7 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 		if err != nil && stale && l.unanswered.Load() {
 			continue
 		}
-		if err != nil {
-			return transport.Report{}, err
-		}
-		rep := p.kind.report(w.Len())
-		s.t.stats.sends.Add(1)
-		if p.dg != nil {
-			s.t.stats.direct.Add(1)
-		} else {
-			rep.Messages = peer.Messages
-		}
-		return rep, nil
+		return err
 	}
 }
 
@@ -200,13 +235,13 @@ func (s *session) directGrant(w *transport.Write, kind sourceKind) (grant, bool)
 // lane takes a lane from the pool, dropping those that a write which
 // had let go of them found broken, and those whose receiver has closed
 // their control connection meanwhile.
-func (s *session) lane(ctx context.Context) (*lane, error) {
+func (s *session) lane(ctx context.Context, r int) (*lane, error) {
 	for {
-		l, err := s.pool.Get(ctx)
+		l, err := s.pools[r].Get(ctx)
 		if err != nil || !l.broken.Load() && !l.ended() {
 			return l, err
 		}
-		s.pool.Drop(l)
+		s.pools[r].Drop(l)
 	}
 }
 
@@ -236,9 +271,9 @@ func (s *session) write(ctx context.Context, l *lane, w *transport.Write, p *pla
 	case l.retiring.Load():
 		s.closeIfRetired(l)
 	case reuse && !l.broken.Load():
-		s.pool.Put(l)
+		s.pools[l.rail].Put(l)
 	default:
-		s.pool.Drop(l)
+		s.pools[l.rail].Drop(l)
 	}
 	return err
 }
@@ -257,7 +292,7 @@ func (s *session) closeIfRetired(l *lane) {
 		return
 	}
 	wait(l, l.answers, time.Now().Add(drainWait), nil)
-	s.pool.Drop(l)
+	s.pools[l.rail].Drop(l)
 }
 
 // run is write under l.use (close waits for it). held reports whether
@@ -294,7 +329,7 @@ func (s *session) run(ctx context.Context, l *lane, w *transport.Write, p *plan)
 	}
 	// Others may take l now; if this write breaks its QP it marks l
 	// broken, and the next to take it drops it. write counts it down.
-	s.pool.Put(l)
+	s.pools[l.rail].Put(l)
 	return false, false, s.transfer(ctx, l, f, true)
 }
 
@@ -379,7 +414,7 @@ func (s *session) start(ctx context.Context, l *lane, w *transport.Write, p *pla
 	}
 	if src.kind == fromBounce {
 		f.every, f.window = 1, bounceSlots
-		if f.ring, f.ringKey, err = l.bounceBuffer(s.t.nic); err != nil {
+		if f.ring, f.ringKey, err = l.bounceBuffer(s.t.rails[l.rail].nic); err != nil {
 			return nil, false, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 		}
 	}

@@ -82,6 +82,9 @@ type fakeNIC struct {
 	// closed: the daemon on this NIC descheduled, taking no completions,
 	// while the NIC goes on placing writes.
 	held atomic.Pointer[chan struct{}]
+	// wrote counts the bytes its QPs' writes placed (what left through
+	// each rail, rails.go).
+	wrote atomic.Uint64
 }
 
 // holdPolls holds every Poll on n's QPs until the returned func is
@@ -554,6 +557,9 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	}
 	f.mu.RLock()
 	local, ok := f.bytes(o.LKey, o.Local, o.Len)
+	if m := f.mrs[o.LKey]; o.Len > 0 && m != nil && m.n != q.n {
+		ok = false // an lkey is its own NIC's, as an rkey is
+	}
 	if !ok {
 		f.mu.RUnlock()
 		return wcLocProtErr, 0
@@ -574,6 +580,7 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 	}
 	copy(remote, local)
 	f.mu.RUnlock()
+	q.n.wrote.Add(uint64(o.Len))
 	if !o.WithImm {
 		return wcSuccess, opcodeRDMAWrite
 	}

@@ -53,6 +53,9 @@ type Config struct {
 	// Memory registers its range for that write (a debugging and
 	// benchmarking switch; the daemon's --rdma-registration per-send).
 	PerSend bool
+	// StripeMin is the size from which a write from the host arena is
+	// striped over every rail pair (rails.go); 0 never stripes.
+	StripeMin int
 }
 
 // Fallback is the data plane for peers without RDMA, on the same port:
@@ -157,6 +160,12 @@ type Stats struct {
 	// Windows mode: windows bound over slots, and invalidated.
 	WindowBinds         uint64 `json:"window_binds"`
 	WindowInvalidations uint64 `json:"window_invalidations"`
+
+	// Rails (rails.go): of Sends, those striped over several NICs, and
+	// the rails that failed under a striped write, whose pieces went on
+	// the others.
+	Striped   uint64 `json:"striped"`
+	Failovers uint64 `json:"failovers"`
 }
 
 type counters struct {
@@ -165,6 +174,7 @@ type counters struct {
 	credits, creditStalls, creditWait                      atomic.Uint64 // creditWait in ns
 	directCompletions, directRefused                       atomic.Uint64
 	windowBinds, windowInvalidations                       atomic.Uint64
+	striped, failovers                                     atomic.Uint64
 }
 
 // Transport is the RDMA data plane. It implements transport.Transport.
@@ -175,6 +185,9 @@ type Transport struct {
 	nic    nic
 	shared region
 	reg    Registration
+	// rails are the NICs the transport drives, rail 0 being nic and
+	// shared (rails.go).
+	rails []*rail
 	// mem is the host memory writes reach the NIC from and land in
 	// without a copy: Config.Memory, or a GPU arena's bounce area. dev
 	// is a GPU arena the NIC reaches itself (dmabuf or peer memory).
@@ -210,20 +223,12 @@ var _ transport.Transport = (*Transport)(nil)
 // Listen opens the port and GID of choice (see Discover and Choose),
 // registers cfg.Memory, and listens on the peer port.
 func Listen(cfg Config, choice Choice) (*Transport, error) {
-	n, err := openNIC(choice)
-	if err != nil {
-		return nil, fmt.Errorf("rdma: opening %s port %d: %w", choice.Device, choice.Port, err)
-	}
-	t, err := listen(cfg, n)
-	if err != nil {
-		n.Close()
-		return nil, err
-	}
-	return t, nil
+	return ListenRails(cfg, []Choice{choice})
 }
 
-// listen runs a Transport over n, which it owns from here on.
-func listen(cfg Config, n nic) (*Transport, error) {
+// listen runs a Transport over n, and more NICs as rails 1 and on, which
+// it owns from here on.
+func listen(cfg Config, n nic, more ...nic) (*Transport, error) {
 	if cfg.TCP == nil {
 		return nil, errors.New("rdma: Config.TCP is required")
 	}
@@ -241,10 +246,16 @@ func listen(cfg Config, n nic) (*Transport, error) {
 	} else {
 		t.registerShared(windowed)
 	}
+	if err == nil {
+		err = t.openRails(more)
+	}
 	if err != nil {
+		t.closeRails(false)
+		t.closeShared()
 		return nil, fmt.Errorf("rdma: %w", err)
 	}
 	if t.port, err = peer.Listen(cfg.Peer); err != nil {
+		t.closeRails(false)
 		t.closeShared()
 		return nil, fmt.Errorf("rdma: %w", err)
 	}
@@ -375,6 +386,7 @@ func (t *Transport) Stats() Stats {
 		CreditMessages: c.credits.Load(), CreditStalls: c.creditStalls.Load(), CreditStallTime: time.Duration(c.creditWait.Load()),
 		DirectCompletions: c.directCompletions.Load(), DirectRefused: c.directRefused.Load(),
 		WindowBinds: c.windowBinds.Load(), WindowInvalidations: c.windowInvalidations.Load(),
+		Striped: c.striped.Load(), Failovers: c.failovers.Load(),
 	}
 }
 
@@ -472,7 +484,7 @@ func (t *Transport) Close() error {
 		for _, q := range mooncake {
 			q.Close()
 		}
-		errs := []error{t.tcp.Close(), t.closeShared(), t.nic.Close()}
+		errs := []error{t.tcp.Close(), t.closeRails(true), t.closeShared(), t.nic.Close()}
 		if err := errors.Join(errs...); err != nil {
 			t.closeErr = fmt.Errorf("rdma close: %w", err)
 		}

@@ -19,11 +19,7 @@ func pairOver(t *testing.T, f *fabric, src []byte, slots *transporttest.Slots, p
 	t.Helper()
 	tx = listenT(t, f, Config{Memory: src, PerSend: perSend})
 	rx = listenT(t, f, Config{Peer: peer.Config{Sink: slots}, Memory: slots.Mem, PerSend: perSend})
-	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { s.Close() })
+	s = dialT(t, tx, rx)
 	return tx, rx, s
 }
 
@@ -265,7 +261,7 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
 	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.Logf}, Memory: slots.Mem})
-	l, _, _, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String())
+	l, _, _, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String(), 0)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -15,7 +15,12 @@ package rdma
 //	 26  mtu       u8      the port's active MTU (enum ibv_mtu)
 //	 27  flags     u8      0 from the client; in the server's reply, bit 0
 //	                       (acceptDirect): it takes direct writes, below
-//	 28  reserved  [4]byte
+//	 28  rail      u8      from the client: the server's rail (its NIC, in
+//	                       the order of its --rdma-device) the lane's QP is
+//	                       to be on; in the reply, the rail it is on
+//	 29  rails     u8      how many rails (RDMA NICs) the sender of the
+//	                       record drives, 1 to 16 (version 8)
+//	 30  reserved  [2]byte
 //
 //	server → client  a reply (peer.EncodeReply): code 0, or a code and a
 //	                 message saying why no lane (no QP, shutting down);
@@ -29,7 +34,15 @@ package rdma
 //	                       rkey of a window over it, transport.Key.Window)
 //
 // Both sides then move their QP to RTS; the path MTU is the smaller of
-// the two. The dialer holds grants to the receiver's registration: one
+// the two. The reply's endpoint is the GID of the rail's NIC, and base,
+// size, rkey and mode are the arena's registration on that NIC (a rail
+// other than 0 is never in mode 3 for grants: a piece arriving on it is
+// granted under a registration of the piece's bytes alone, since the
+// slot's key names rail 0's window only). A dialer opens lanes on rail
+// 0 first, learns the server's rails from the reply, and then opens
+// lanes on rails 1 to min(its rails, the server's)-1 for striped writes
+// (rails.go): its rail i's NIC to the server's rail i. A server asked
+// for a rail it does not have refuses the connect (code internal). The dialer holds grants to the receiver's registration: one
 // that names the shared rkey must lie inside base and size.
 //
 // Direct writes. A server sets acceptDirect when it has the shared
@@ -182,6 +195,12 @@ const flagCredit = 4
 // writes.
 const acceptDirect = 1
 
+// Where the connect record carries the rail and the rail count.
+const (
+	connectRail  = 28
+	connectRails = 29
+)
+
 // Registration modes as the connect reply carries them.
 const (
 	modeNone    = 0
@@ -196,7 +215,7 @@ func (e *endpoint) encode(b []byte) {
 	binary.LittleEndian.PutUint32(b[20:], e.PSN)
 	binary.LittleEndian.PutUint16(b[24:], e.LID)
 	b[26] = byte(e.MTU)
-	clear(b[27:endpointSize])
+	clear(b[27:endpointSize]) // flags, rail and rails are the caller's
 }
 
 func (e *endpoint) decode(b []byte) {
@@ -213,6 +232,7 @@ type peerRegion struct {
 	RKey       uint32
 	Mode       uint32
 	Direct     bool // acceptDirect
+	Rails      int  // the server's rails: its RDMA NICs
 }
 
 // direct finds where a direct write of n bytes to addr lands: in
@@ -249,6 +269,7 @@ func (r peerRegion) check(g grant, n uint64) error {
 type accept struct {
 	endpoint
 	peerRegion
+	Rail int // the rail the server's QP is on
 }
 
 func (a *accept) encode(b *[acceptSize]byte) {
@@ -256,6 +277,7 @@ func (a *accept) encode(b *[acceptSize]byte) {
 	if a.Direct {
 		b[27] = acceptDirect
 	}
+	b[connectRail], b[connectRails] = byte(a.Rail), byte(a.Rails)
 	binary.LittleEndian.PutUint64(b[32:], a.Base)
 	binary.LittleEndian.PutUint64(b[40:], a.Size)
 	binary.LittleEndian.PutUint32(b[48:], a.RKey)
@@ -265,6 +287,7 @@ func (a *accept) encode(b *[acceptSize]byte) {
 func (a *accept) decode(b *[acceptSize]byte) {
 	a.endpoint.decode(b[:endpointSize])
 	a.Direct = b[27]&acceptDirect != 0
+	a.Rail, a.Rails = int(b[connectRail]), max(1, int(b[connectRails]))
 	a.Base = binary.LittleEndian.Uint64(b[32:])
 	a.Size = binary.LittleEndian.Uint64(b[40:])
 	a.RKey = binary.LittleEndian.Uint32(b[48:])

@@ -121,6 +121,24 @@ func (p *Pool[C]) Drop(c C) {
 	<-p.tokens
 }
 
+// Sweep shuts the idle connections bad reports, and keeps the others: a
+// connection found broken while idle (rdma's lanes of a rail gone down)
+// need not wait for the next Get to be shut.
+func (p *Pool[C]) Sweep(bad func(C) bool) {
+	for range len(p.idle) {
+		select {
+		case c := <-p.idle:
+			if bad(c) {
+				p.Drop(c)
+			} else {
+				p.Put(c)
+			}
+		default:
+			return
+		}
+	}
+}
+
 // Close shuts every open connection, idle or in use; uses in flight fail
 // and their connections come back through Put or Drop.
 func (p *Pool[C]) Close() {

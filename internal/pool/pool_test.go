@@ -120,3 +120,29 @@ func TestClose(t *testing.T) {
 		t.Error("Add after Close kept the connection")
 	}
 }
+
+// TestSweep: Sweep shuts the idle connections it is told are bad, frees
+// their places, and keeps the others idle.
+func TestSweep(t *testing.T) {
+	cs := newConns()
+	p := New(2, cs.open, cs.close)
+	a, _ := p.Get(ctx(t))
+	b, _ := p.Get(ctx(t))
+	p.Put(a)
+	p.Put(b)
+	p.Sweep(func(c int) bool { return c == b })
+	if cs.shut[b] != 1 || cs.shut[a] != 0 {
+		t.Fatalf("shut %v after sweeping %d, want it alone shut", cs.shut, b)
+	}
+	got := map[int]bool{}
+	for range 2 {
+		c, err := p.Get(ctx(t))
+		if err != nil {
+			t.Fatal(err)
+		}
+		got[c] = true
+	}
+	if !got[a] || got[b] || len(got) != 2 {
+		t.Fatalf("Gets after the sweep gave %v: want %d kept and a new one in %d's place", got, a, b)
+	}
+}

@@ -50,6 +50,16 @@ for i in $(seq 1 50); do
 done
 echo "== rxe0 RoCE v2 GID index ${GIDX:-none}"
 [ -n "$GIDX" ] || FAIL=1
+# A second soft-RoCE device on a second netdev, for the rails tests
+# (rdma/rails_test.go: a write striped over two NICs, one failing).
+ip link add dummy1 type dummy
+ip addr add 10.11.13.1/24 dev dummy1
+ip link set dummy1 up
+check "rdma link add rxe1" 10 rdma link add rxe1 type rxe netdev dummy1
+for i in $(seq 1 50); do
+  grep -qs 'ffff:0a0b:0d01' /sys/class/infiniband/rxe1/ports/1/gids/* && break
+  sleep 0.1
+done
 ibv_devinfo -d rxe0 | grep -E 'state|active_mtu|link_layer'
 # What rxe0 says of memory windows (per-slot remote keys, not used yet):
 # its device capability flags for them, and how many it allows.

@@ -1,6 +1,8 @@
 package peer
 
-// Wire protocol of the peer port, version 7 (7 returns receive credits
+// Wire protocol of the peer port, version 8 (8 carries RDMA rails in
+// the lane's connect, rdma/wire.go: the rail a QP is on and how many
+// NICs each side drives; 7 returns receive credits
 // on RDMA lanes, rdma/wire.go; 6 binds the address the
 // client dialed into the challenge-response; 5 grew the write header's
 // key by its window's rkey). Every integer is little-endian; every
@@ -101,7 +103,7 @@ import (
 
 const (
 	magic   = "FERY"
-	version = 7
+	version = 8
 
 	helloSize   = 24
 	welcomeSize = 28

@@ -1,0 +1,321 @@
+package rdma
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+
+	"github.com/ferry-project/ferry/internal/pool"
+	"github.com/ferry-project/ferry/transport"
+)
+
+// Rails: a transport drives one or more RDMA NICs (--rdma-device a,b or
+// all), each a rail with its own protection domain, its own registration
+// of the arena and its own lanes. Rail 0 is the first NIC: every write
+// that is not striped goes through it, exactly as with one NIC, and its
+// windows are the ones a slot's key names. A session opens lanes per
+// rail pair, local rail i to the peer's rail i, as many pairs as both sides have rails. A write of at least
+// Config.StripeMin bytes from the arena is striped: cut into pieces of
+// stripePiece bytes, dealt round-robin over the rail pairs, each piece a
+// granted write of its range (wire.go), so the receiving Sink delivers
+// the slot once, when the pieces have covered all of it, whichever lanes
+// they came by. A rail whose piece fails (its NIC down, its lane broken)
+// gives its pieces left to the others, and the send fails only when no
+// rail is left or the receiver refuses. Unstriped writes keep the zero
+// control message of direct writes; a striped one costs a header and a
+// grant per piece. docs/rdma.md, "Rails", says what it costs.
+
+// stripePiece is the size of a striped write's pieces.
+const stripePiece = 1 << 20
+
+// maxRails bounds the NICs one transport drives (the wire carries the
+// count in a byte).
+const maxRails = 16
+
+// rail is one RDMA NIC the transport drives and the arena's registration
+// on it. Rail 0's nic and shared are the Transport's own nic and shared.
+type rail struct {
+	name   string
+	nic    nic
+	shared region // the host arena registered on this NIC; nil: none
+	// What left through this NIC as sender: writes and striped pieces
+	// completed, and their bytes.
+	sends, bytes atomic.Uint64
+}
+
+// RailStats is one NIC's share of the sending side's work.
+type RailStats struct {
+	NIC   string `json:"nic"`
+	Sends uint64 `json:"sends"` // writes and striped pieces completed out of it
+	Bytes uint64 `json:"bytes"` // their bytes
+}
+
+// nicName is n's device name (mlx5_0, rxe1), or fallback.
+func nicName(n nic, fallback string) string {
+	if m, ok := n.(mooncakeNIC); ok {
+		return m.deviceName()
+	}
+	return fallback
+}
+
+// ListenRails is Listen over several NICs: the first is rail 0, the
+// others carry striped writes (see above). Each choice is opened and the
+// host arena registered on each; a GPU arena is registered with the
+// first NIC only, so it takes one choice.
+func ListenRails(cfg Config, choices []Choice) (*Transport, error) {
+	if len(choices) == 0 {
+		return nil, errors.New("rdma: no RDMA device chosen")
+	}
+	if len(choices) > maxRails {
+		return nil, fmt.Errorf("rdma: %d RDMA devices chosen, at most %d: name fewer in --rdma-device", len(choices), maxRails)
+	}
+	if cfg.Device != nil && len(choices) > 1 {
+		return nil, fmt.Errorf("rdma: --rdma-device names %d devices, but a GPU arena is registered with one NIC in this release: name one device", len(choices))
+	}
+	nics := make([]nic, 0, len(choices))
+	closeAll := func() {
+		for _, n := range nics {
+			n.Close()
+		}
+	}
+	for _, c := range choices {
+		n, err := openNIC(c)
+		if err != nil {
+			closeAll()
+			return nil, fmt.Errorf("rdma: opening %s port %d: %w", c.Device, c.Port, err)
+		}
+		nics = append(nics, n)
+	}
+	t, err := listen(cfg, nics[0], nics[1:]...)
+	if err != nil {
+		closeAll()
+		return nil, err
+	}
+	return t, nil
+}
+
+// openRails makes the rails over t.nic and more, registering the host
+// arena on each of more: for local reads only in windows mode (a peer
+// writes a piece arriving on such a rail under a registration of the
+// piece's bytes alone, made for its write), else as rail 0's is. With
+// a GPU arena, or no shared registration on rail 0, more must be empty.
+func (t *Transport) openRails(more []nic) error {
+	t.rails = []*rail{{name: nicName(t.nic, "nic0"), nic: t.nic, shared: t.shared}}
+	if len(more) == 0 {
+		return nil
+	}
+	if t.cfg.Device != nil || t.shared == nil {
+		return fmt.Errorf("%d RDMA devices asked for, but sends are striped over several only from a host arena registered once, and this one's registration is %s (%v): name one device in --rdma-device, or fix what registration.reason says", len(more)+1, t.reg.Mode, t.reg.Err)
+	}
+	u := peerWrites
+	if t.windows != nil {
+		u = localUse
+	}
+	for i, n := range more {
+		reg, err := n.Register(t.mem, u)
+		if err != nil {
+			t.closeRails(false) // the caller closes the NICs of a listen that failed
+			t.rails = t.rails[:1]
+			return fmt.Errorf("registering the arena with RDMA device %s: %w", nicName(n, fmt.Sprint("nic", i+1)), memlockAdvice(err, len(t.mem)))
+		}
+		t.rails = append(t.rails, &rail{name: nicName(n, fmt.Sprint("nic", i+1)), nic: n, shared: reg})
+	}
+	return nil
+}
+
+// closeRails drops the arena's registrations on rails 1 and on (rail
+// 0's is the Transport's own shared), and with nics their NICs too.
+func (t *Transport) closeRails(nics bool) error {
+	var errs []error
+	for _, r := range t.rails[min(1, len(t.rails)):] {
+		if r.shared != nil {
+			errs = append(errs, r.shared.Close())
+		}
+		if nics {
+			errs = append(errs, r.nic.Close())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// Rails is each NIC's share of what this transport sent, in rails order.
+func (t *Transport) Rails() []RailStats {
+	out := make([]RailStats, len(t.rails))
+	for i, r := range t.rails {
+		out[i] = RailStats{NIC: r.name, Sends: r.sends.Load(), Bytes: r.bytes.Load()}
+	}
+	return out
+}
+
+// RailNames are the NICs this transport drives, rail 0 first.
+func (t *Transport) RailNames() []string {
+	out := make([]string, len(t.rails))
+	for i, r := range t.rails {
+		out[i] = r.name
+	}
+	return out
+}
+
+// sent counts a write or piece of n bytes completed out of rail i.
+func (t *Transport) sent(i int, n int) {
+	r := t.rails[i]
+	r.sends.Add(1)
+	r.bytes.Add(uint64(n))
+}
+
+// openRailPools gives s a pool of lanes per rail pair beyond rail 0's,
+// local rail i to the peer's rail i, for as many rails as both
+// have; each pool may hold its share of MaxConnsPerPeer.
+func (s *session) openRailPools(peerRails int) {
+	pairs := min(len(s.t.rails), peerRails)
+	per := max(1, s.t.cfg.Peer.MaxConnsPerPeer/max(1, pairs))
+	for i := 1; i < pairs; i++ {
+		s.pools = append(s.pools, pool.New(per, func(ctx context.Context) (*lane, error) { return s.openOn(ctx, i) }, func(l *lane) { l.close() }))
+	}
+}
+
+// stripes reports whether w goes striped: the peer and this transport
+// pair two rails or more, w is long enough, and its source lies in the
+// host arena, which every rail registered.
+func (s *session) stripes(w *transport.Write, p *plan) bool {
+	return len(s.pools) > 1 && s.t.cfg.StripeMin > 0 && w.Len() >= s.t.cfg.StripeMin &&
+		w.Src != nil && p.kind == fromShared && within(s.t.mem, w.Src)
+}
+
+// piece is one stripe piece: a range of the write.
+type piece struct{ off, n int }
+
+// stripe writes w as pieces over every rail pair. Pieces are dealt
+// round-robin, so each rail carries an even share; a rail whose write
+// fails for any reason but a refusal or the caller giving up is out of
+// the stripe, and its pieces left (the failed one too: it may have
+// landed, and a resent range counts once) go round-robin to the rails
+// still in. The receiver delivers the slot once, when its pieces have
+// covered it.
+func (s *session) stripe(ctx context.Context, w *transport.Write) error {
+	n := w.Len()
+	queues := make([][]piece, len(s.pools))
+	for i, off := 0, 0; off < n; i, off = i+1, off+stripePiece {
+		q := &queues[i%len(queues)]
+		*q = append(*q, piece{off, min(stripePiece, n-off)})
+	}
+	out := make([]bool, len(s.pools)) // rails out of this stripe
+	var failures []error
+	for {
+		left, errs, fatal := s.stripeRound(ctx, w, queues, out)
+		if fatal != nil {
+			return fatal
+		}
+		failures = append(failures, errs...)
+		if len(left) == 0 {
+			return nil
+		}
+		var in []int
+		for i, o := range out {
+			if !o {
+				in = append(in, i)
+			}
+		}
+		if len(in) == 0 {
+			return fmt.Errorf("rdma striped write to %s: every rail failed: %w", s.Peer(), errors.Join(failures...))
+		}
+		// The failed rails' lanes are broken and idle: shut them now,
+		// so their receivers let go of the grants they hold.
+		for _, r := range s.pools {
+			r.Sweep(func(l *lane) bool { return l.broken.Load() || l.ended() })
+		}
+		s.t.stats.failovers.Add(uint64(len(errs)))
+		s.t.logf("rdma: a striped %d-byte write to %s lost %d rail(s) (%v): their %d pieces left go over the %d rail(s) still up",
+			n, s.Peer(), len(errs), errors.Join(errs...), len(left), len(in))
+		queues = make([][]piece, len(s.pools))
+		for j, pc := range left {
+			queues[in[j%len(in)]] = append(queues[in[j%len(in)]], pc)
+		}
+	}
+}
+
+// stripeWorkers is how many pieces each rail keeps in flight.
+const stripeWorkers = 4
+
+// stripeRound sends each rail's queue over it, stripeWorkers pieces at a
+// time. It returns the pieces of the rails that failed in this round
+// (marked in out) and why each failed, or the error that ends the
+// stripe: a refusal, the caller giving up, the session closing.
+func (s *session) stripeRound(ctx context.Context, w *transport.Write, queues [][]piece, out []bool) (left []piece, errs []error, fatal error) {
+	var mu sync.Mutex
+	var wg sync.WaitGroup
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	for r, q := range queues {
+		if len(q) == 0 {
+			continue
+		}
+		next := 0
+		failed := false
+		take := func() (piece, bool) {
+			mu.Lock()
+			defer mu.Unlock()
+			if failed || fatal != nil || next == len(q) {
+				return piece{}, false
+			}
+			next++
+			return q[next-1], true
+		}
+		for range min(stripeWorkers, len(q)) {
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				for {
+					pc, ok := take()
+					if !ok {
+						return
+					}
+					err := s.writePiece(ctx, r, w, pc)
+					if err == nil {
+						continue
+					}
+					mu.Lock()
+					switch {
+					case fatal != nil:
+					case isFatal(ctx, err):
+						fatal = err
+						cancel()
+					case !failed:
+						failed, out[r] = true, true
+						errs = append(errs, fmt.Errorf("rail %s: %w", s.t.rails[r].name, err))
+						left = append(left, q[next:]...)
+						fallthrough
+					default:
+						left = append(left, pc)
+					}
+					mu.Unlock()
+					return
+				}
+			}()
+		}
+	}
+	wg.Wait()
+	return left, errs, fatal
+}
+
+// isFatal reports an error a piece met that another rail would meet
+// too: the receiver refused it, the caller gave up, or the session or
+// transport closed.
+func isFatal(ctx context.Context, err error) bool {
+	var refused *transport.Refusal
+	return errors.As(err, &refused) || transport.ContextErr(ctx) != nil || errors.Is(err, transport.ErrClosed)
+}
+
+// writePiece writes pc of w on rail r: a granted write of its range from
+// the arena's registration on that rail.
+func (s *session) writePiece(ctx context.Context, r int, w *transport.Write, pc piece) error {
+	pw := transport.Write{Src: w.Src[pc.off : pc.off+pc.n], Remote: w.Remote + uint64(pc.off), Key: w.Key, Tag: w.Tag}
+	p := plan{kind: fromShared, lkey: s.t.rails[r].shared.LKey()}
+	if err := s.writeOn(ctx, r, &pw, &p); err != nil {
+		return err
+	}
+	s.t.sent(r, pc.n)
+	return nil
+}
