@@ -3,11 +3,17 @@
 sglang's encoder and vLLM's Mooncake connector call a handful of the
 engine's methods; this class has them, with Mooncake's return
 conventions (0 on success, a negative int on failure), so that moving a
-sender to ferry is one import (a receiving engine's registered buffers
-take no peer's writes: receivers hand out ferry receive slots instead;
-docs/python.md says how)::
+sender to ferry is one import::
 
     from ferry.mooncake import TransferEngine      # was: from mooncake.engine import TransferEngine
+
+Senders only, and it says so: peers cannot write into memory this class
+registers (ferryd's Mooncake segment takes writes only into receive
+slots made with ``mooncake=True``), so ``register_memory`` returns -1
+with the reason unless the engine was told it only sends from that
+memory: ``TransferEngine(send_only=True)``, or ``FERRY_MOONCAKE_SEND_ONLY=1``
+in the environment of a framework that makes the engine itself. A
+receiving side hands out receive slots instead (docs/python.md).
 
 Transfers go through the local ferryd (the socket from ``FERRY_SOCKET``,
 else /run/ferry/ferryd.sock), which writes them into the peer's segment
@@ -32,10 +38,13 @@ The GPU path has not yet run on a GPU (make test-gpu has its test).
 import base64
 import bisect
 import ctypes
+import enum
 import itertools
 import json
 import logging
 import os
+import socket
+import struct
 import threading
 import time
 from dataclasses import dataclass
@@ -44,7 +53,7 @@ from .client import Client, Slot
 from .cuda import device_ordinal, ipc_handle
 from .errors import BadRequest, Busy, FerryError
 
-__all__ = ["TransferEngine", "Failure"]
+__all__ = ["TransferEngine", "TransferOpcode", "Failure"]
 
 log = logging.getLogger("ferry.mooncake")
 
@@ -85,6 +94,12 @@ def _when_room(start, timeout):
             pause = min(2 * pause, _BUSY_PAUSE_MAX)
 
 
+class TransferOpcode(enum.IntEnum):
+    """Mooncake's opcodes for transfer_sync and batch_transfer_sync."""
+    READ = 0
+    WRITE = 1
+
+
 @dataclass
 class Failure:
     """The last failed call: what Mooncake's -1 does not say."""
@@ -96,10 +111,18 @@ class Failure:
 
 
 class TransferEngine:
-    """The Mooncake TransferEngine methods sglang and vLLM call, on ferry."""
+    """Mooncake's TransferEngine on ferry: every method of Mooncake's
+    Python engine is here; those ferry does not have raise
+    NotImplementedError saying why (_NOT_IMPLEMENTED)."""
 
-    def __init__(self, raise_on_failure=False, socket_path=None):
+    def __init__(self, raise_on_failure=False, socket_path=None, send_only=None):
         self.raise_on_failure = raise_on_failure
+        # Registered memory is a source only, which the caller says it
+        # knows: else register_memory refuses it, since no peer's write
+        # can land there (a receiver would read what was there before).
+        if send_only is None:
+            send_only = os.environ.get("FERRY_MOONCAKE_SEND_ONLY", "").lower() in ("1", "true", "yes")
+        self.send_only = send_only
         self.last_failure = None
         self._client = None
         self._socket_path = socket_path
@@ -107,18 +130,62 @@ class TransferEngine:
         self._regions = []     # sorted (start, end)
         self._in_flight = {}   # region start -> transfers reading it now
         self._gpu = {}         # start of a GPU range -> the ferryd region lent for it
+        # What initialize recorded: the host part of local_hostname, the
+        # protocol, the NIC ferryd sends over ("" over tcp).
+        self.local_hostname, self.protocol, self.device_name = "", "", ""
 
     # --- set-up
 
     def initialize(self, local_hostname, metadata_server, protocol, device_name):
-        """Connects to the local ferryd. The arguments are Mooncake's
-        (sglang passes "P2PHANDSHAKE" and "rdma" or "tcp"); ferryd's own
-        configuration decides the transport. Returns 0, or -1 when ferryd
-        cannot be reached."""
+        """Connects to the local ferryd and checks that it gives what the
+        arguments ask: metadata_server "P2PHANDSHAKE" (session ids are
+        "host:rpc_port"; no etcd, redis or http metadata servers),
+        protocol ferryd's transport ("rdma" or "tcp": ferryd cannot
+        change its transport per engine), device_name "" or the NIC
+        ferryd uses (over rdma; Mooncake's tcp ignores it), and a port in
+        local_hostname, if any, that of ferryd's Mooncake segment.
+        Returns 0, or -1 saying which argument ferryd cannot honour (or
+        that it cannot be reached)."""
+        return self._initialize("initialize", local_hostname, metadata_server, protocol, device_name)
+
+    def initialize_ext(self, local_hostname, metadata_server, protocol, device_name, metadata_type):
+        """initialize, with Mooncake's metadata_type: "p2p" (or "") only,
+        as ferry speaks only the P2P handshake."""
+        if str(metadata_type).lower() not in ("", "p2p", "p2phandshake"):
+            return self._refuse("initialize_ext", 0, f"metadata_type {metadata_type!r}: ferry speaks Mooncake's P2P "
+                                                     "handshake only: pass \"p2p\" and metadata_server \"P2PHANDSHAKE\"")
+        return self._initialize("initialize_ext", local_hostname, metadata_server, protocol, device_name)
+
+    def _initialize(self, method, local_hostname, metadata_server, protocol, device_name):
+        if metadata_server != "P2PHANDSHAKE":
+            return self._refuse(method, 0, f"metadata_server {metadata_server!r}: ferry speaks Mooncake's P2P handshake "
+                                           "only (session ids are \"host:rpc_port\"): pass \"P2PHANDSHAKE\"; etcd, "
+                                           "redis and http metadata servers are not supported")
+        if protocol not in ("tcp", "rdma"):
+            return self._refuse(method, 0, f"protocol {protocol!r}: ferry moves Mooncake transfers over \"tcp\" or \"rdma\"")
         try:
-            self._need_client().status()
+            status = self._need_client().status()
         except FerryError as e:
-            return self._fail("initialize", "", 0, e)
+            return self._fail(method, "", 0, e)
+        transport = status["transport"]
+        if protocol != transport["name"]:
+            return self._refuse(method, 0, f"protocol {protocol!r}: ferryd runs the {transport['name']} transport "
+                                           f"({transport.get('reason', '')}), and it reaches Mooncake segments over that: "
+                                           f"initialize with {transport['name']!r}, or use a ferryd started with "
+                                           f"--transport {protocol}")
+        nic = ((transport.get("rdma") or {}).get("chosen") or {}).get("device", "")
+        names = [n.strip() for n in (device_name or "").split(",") if n.strip()]
+        if protocol == "rdma" and any(n != nic for n in names):
+            return self._refuse(method, 0, f"device_name {device_name!r}: ferryd sends over one NIC, {nic} (its "
+                                           "--rdma-device, or its own choice: GET /v1/status transport.rdma.chosen): "
+                                           f"pass {nic!r}, or \"\" for ferryd's choice")
+        host, port = _split_host_port(str(local_hostname))
+        segment = (status.get("mooncake") or {}).get("segment", "")
+        if port and (not segment or port != segment.rsplit(":", 1)[1]):
+            return self._refuse(method, 0, f"local_hostname {local_hostname!r}: this engine's RPC port is that of "
+                                           f"ferryd's Mooncake segment ({segment or 'none: start ferryd with --mooncake-listen'}): "
+                                           "pass the host alone")
+        self.local_hostname, self.protocol, self.device_name = host, protocol, nic if protocol == "rdma" else ""
         return 0
 
     def get_rpc_port(self):
@@ -138,12 +205,22 @@ class TransferEngine:
 
     def register_memory(self, ptr, length):
         """Registers [ptr, ptr+length) of this process's memory as a source
-        of transfers: host memory, or CUDA device memory (lent to ferryd as
-        a region by its IPC handle). Returns 0, or -1 for a range that
-        overlaps one registered before or device memory ferryd could not
-        take."""
+        of transfers, on an engine made with send_only: host memory, or
+        CUDA device memory (lent to ferryd as a region by its IPC handle).
+        Returns 0, or -1 for a range that overlaps one registered before
+        or device memory ferryd could not take. Without send_only it
+        returns -1 and registers nothing: Mooncake's registered memory is
+        also where peers write, and peers cannot write into this."""
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
+        if not self.send_only:
+            return self._fail("register_memory", "", length, BadRequest(
+                f"register_memory({ptr:#x}, {length}): peers cannot write into memory a ferry engine registers "
+                "(ferryd's Mooncake segment takes writes only into receive slots made with mooncake=True), so a "
+                "receiver publishing this address would read what was there before. A receiving side hands out "
+                "slots instead: ferry.Client.receive(req_id, nbytes, mooncake=True). An engine that only sends from "
+                "its registered memory says so: TransferEngine(send_only=True), or FERRY_MOONCAKE_SEND_ONLY=1 in its "
+                "environment (docs/python.md)", code="not_writable"))
         with self._lock:
             i = bisect.bisect_left(self._regions, (ptr, ptr + length))
             near = self._regions[max(i - 1, 0):i + 1]
@@ -194,7 +271,83 @@ class TransferEngine:
                 return self._fail("unregister_memory", "", 0, e)
         return 0
 
+    def batch_unregister_memory(self, ptrs):
+        """unregister_memory for each address, all of them tried (a
+        teardown frees what it can); 0, or -1 when any failed
+        (last_failure: the last)."""
+        failed = [p for p in ptrs if self.unregister_memory(p) != 0]
+        return FAILED if failed else 0
+
+    def write_bytes_to_buffer(self, dest_address, src, length):
+        """Copies length bytes of src (bytes) to dest_address in this
+        process, as Mooncake's does (a local memcpy); 0, or -1 when src is
+        shorter than length."""
+        if not isinstance(length, int) or length < 0 or length > len(src):
+            return self._refuse("write_bytes_to_buffer", 0, f"write_bytes_to_buffer: length {length!r} for "
+                                                            f"{len(src)} bytes: want 0 to {len(src)}")
+        ctypes.memmove(dest_address, bytes(src[:length]), length)
+        return 0
+
+    def read_bytes_from_buffer(self, source_address, length):
+        """The length bytes at source_address in this process (a local copy)."""
+        return ctypes.string_at(source_address, length)
+
+    # --- peers
+
+    def send_probe(self, peer_server_name):
+        """Mooncake's liveness probe: a probe message to the RPC port of
+        the segment peer_server_name ("host:rpc_port"), 0 once it answers
+        success, else -1 with the reason (sglang clears a failed session
+        on 0). It goes from this process, as Mooncake's does."""
+        try:
+            reply = _handshake(peer_server_name, _PROBE, {})
+            if reply.get("status") != "success":
+                raise ValueError(f"it answered {reply!r}, not status \"success\"")
+        except (OSError, ValueError) as e:
+            return self._fail("send_probe", peer_server_name, 0, FerryError(
+                f"send_probe({peer_server_name!r}): {e}", code="unreachable"))
+        return 0
+
+    def get_first_buffer_address(self, segment_name):
+        """The address of the first buffer the segment segment_name
+        ("host:rpc_port") lists in its descriptor, fetched over the
+        metadata handshake; -1 on failure. A ferry segment lists ferryd's
+        arena, whose only write targets are its Mooncake receive slots."""
+        try:
+            desc = _handshake(segment_name, _METADATA, {"name": self.local_hostname, "protocol": self.protocol or "tcp",
+                                                        "buffers": []})
+            buffers = desc.get("buffers") or []
+            if not buffers:
+                raise ValueError("its descriptor lists no buffer")
+            return int(buffers[0]["addr"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return self._fail("get_first_buffer_address", segment_name, 0, FerryError(
+                f"get_first_buffer_address({segment_name!r}): {e}", code="unreachable"))
+
+    def get_engine(self):
+        """Mooncake's gives its C++ engine; ferry's engine is this object."""
+        return self
+
     # --- transfers
+
+    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None):
+        """transfer_sync_write for TransferOpcode.WRITE (reads and notifies
+        raise NotImplementedError)."""
+        return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify,
+                                        method="transfer_sync")
+
+    def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None,
+                            method="batch_transfer_sync"):
+        """batch_transfer_sync_write for TransferOpcode.WRITE (reads and
+        notifies raise NotImplementedError)."""
+        if notify is not None:
+            raise NotImplementedError(f"ferry.mooncake.TransferEngine.{method} with a notify: {_NO_NOTIFY}")
+        if opcode == TransferOpcode.READ:
+            raise NotImplementedError(f"ferry.mooncake.TransferEngine.{method} with opcode READ: {_NO_READ}")
+        if opcode != TransferOpcode.WRITE:
+            return self._refuse(method, 0, f"{method}: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
+        return self.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
+
 
     def transfer_sync_write(self, session_id, buffer, peer_buffer_address, length):
         """Writes length bytes at buffer (inside a registered range) to
@@ -334,6 +487,99 @@ class TransferEngine:
 
     def _refuse(self, method, nbytes, message):
         return self._fail(method, "", nbytes, BadRequest(message, code="bad_request"))
+
+
+# Why the Mooncake methods ferry does not have are not there; each raises
+# NotImplementedError naming itself and this (docs/python.md lists them).
+_NO_READ = ("ferryd's Mooncake path writes only: it does not read from Mooncake segments, and its own segment "
+            "serves no READ (its receive slots take writes)")
+_NO_NOTIFY = "ferryd does not send Mooncake notifies for an engine, nor pass on those it receives"
+_NO_ASYNC = "the asynchronous calls are not built yet: call the synchronous ones (from a thread to overlap them)"
+_NO_MANAGED = ("a managed buffer is registered memory peers write into, and peers cannot write into an engine's memory "
+               "on ferry: a receiver hands out ferry receive slots (Client.receive(..., mooncake=True))")
+_NO_CUDA_STREAM = ("ferry's transfers are not ordered on a CUDA stream: synchronise the stream, then call the "
+                   "synchronous ones")
+_NOT_IMPLEMENTED = {
+    "transfer_sync_read": _NO_READ,
+    "batch_transfer_sync_read": _NO_READ,
+    "batch_transfer_async_read": _NO_READ,
+    "transfer_submit_write": _NO_ASYNC,
+    "transfer_check_status": _NO_ASYNC,
+    "batch_transfer_async_write": _NO_ASYNC,
+    "batch_transfer_async": _NO_ASYNC,
+    "get_batch_transfer_status": _NO_ASYNC,
+    "get_notifies": _NO_NOTIFY,
+    "allocate_managed_buffer": _NO_MANAGED,
+    "free_managed_buffer": _NO_MANAGED,
+    "transfer_write_on_cuda": _NO_CUDA_STREAM,
+    "transfer_read_on_cuda": _NO_CUDA_STREAM,
+    "batch_transfer_write_on_cuda": _NO_CUDA_STREAM,
+    "batch_transfer_read_on_cuda": _NO_CUDA_STREAM,
+    "batch_transfer_on_cuda": _NO_CUDA_STREAM,
+    "get_engine_ptr": "there is no C++ engine in this process: transfers run in ferryd (get_engine gives this object)",
+    "get_local_topology": "ferryd chooses the one NIC it sends over: GET /v1/status, transport.rdma, shows it",
+    "warmup_efa_segment": "ferry has no EFA transport",
+}
+
+
+def _not_implemented(name, why):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"ferry.mooncake.TransferEngine.{name}: {why} (docs/python.md)")
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Not on ferry: raises NotImplementedError ({why})."
+    return method
+
+
+for _name, _why in _NOT_IMPLEMENTED.items():
+    setattr(TransferEngine, _name, _not_implemented(_name, _why))
+
+
+# Mooncake's handshake messages (mooncake/frame.go): a u64 little-endian
+# length (type byte and JSON), the type, the JSON; one request and one
+# reply per connection, each at most 1 MiB.
+_METADATA, _PROBE = 1, 3
+_HANDSHAKE_MAX = 1 << 20
+_HANDSHAKE_TIMEOUT = 5.0  # as ferryd's (and Mooncake's server's receive timeout)
+
+
+def _split_host_port(name):
+    """("host", "port") of "host:port" or "[v6]:port"; ("name", "") without a port."""
+    if name.startswith("[") and "]:" in name:
+        host, _, port = name[1:].partition("]:")
+        return host, port
+    if name.count(":") == 1:
+        host, _, port = name.partition(":")
+        return host, port
+    return name, ""
+
+
+def _handshake(segment, kind, body):
+    """Sends one handshake message of type kind to the RPC port of the
+    segment "host:port" and returns the JSON reply; OSError or ValueError
+    saying what went wrong, within _HANDSHAKE_TIMEOUT."""
+    host, port = _split_host_port(segment)
+    if not port.isdigit():
+        raise ValueError("want a session id \"host:rpc_port\"")
+    deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
+    payload = json.dumps(body).encode() + b"\n"
+    with socket.create_connection((host, int(port)), _HANDSHAKE_TIMEOUT) as conn:
+        def recv(n):
+            out = bytearray()
+            while len(out) < n:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                chunk = conn.recv(n - len(out))
+                if not chunk:
+                    raise ValueError("the peer closed the connection without a reply: is it a Mooncake RPC port?")
+                out += chunk
+            return bytes(out)
+        conn.sendall(struct.pack("<QB", len(payload) + 1, kind) + payload)
+        length, got = struct.unpack("<QB", recv(9))
+        if got != kind or not 1 <= length <= _HANDSHAKE_MAX:
+            raise ValueError(f"the reply (type {got}, {length} bytes) is not a Mooncake handshake reply of type {kind}")
+        reply = json.loads(recv(length - 1))
+        if not isinstance(reply, dict):
+            raise ValueError(f"the reply {reply!r} is not a JSON object")
+        return reply
 
 
 def _merge(pieces):
