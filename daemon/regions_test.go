@@ -3,6 +3,7 @@ package daemon
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
 	"os"
 	"slices"
@@ -12,9 +13,11 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/internal/memlimit"
+	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -528,4 +531,133 @@ func (c *countingRegistrar) register() io.Closer {
 		}
 		return c.drop()
 	})
+}
+
+// Memory a Mooncake engine registered (a region with mooncake_addr):
+// peers' writes without a key land in it at its owner's addresses, a
+// write may span regions that follow one another (tensors sharing a
+// page are lent as adjacent regions), the segment lists those as one
+// buffer, ranges overlapping the arena or each other are refused, and a
+// closing region takes no write and waits for those landing.
+func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	const at = 0x7f0000000000
+	a, b := hostRegion(make([]byte, 8192)), hostRegion(make([]byte, 4096))
+	if _, err := r.addRegionAt("a", a, nil, nil, at, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegionAt("b", b, nil, nil, at+8192, 0); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegionAt("over-a", hostRegion(make([]byte, 4096)), nil, nil, at+4096, 0); !isCode(err, api.CodeExists) || !strings.Contains(err.Error(), "overlaps region a") {
+		t.Fatalf("a range over region a's: %v", err)
+	}
+	base := r.arena.Addr(arena.Slice{})
+	if _, err := r.addRegionAt("over-arena", hostRegion(make([]byte, 4096)), nil, nil, base+100, 0); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "arena") {
+		t.Fatalf("a range over the arena's: %v", err)
+	}
+	if got, want := fmt.Sprint(r.mooncakeBuffers("seg")), fmt.Sprint([]mooncake.Buffer{{Name: "seg", Addr: at, Length: 12288}}); got != want {
+		t.Errorf("the segment's buffers: %s, want %s", got, want)
+	}
+	// A write spanning a's end and b's start lands in both.
+	want := []byte("across two regions")
+	body, done, err := r.AcceptUnkeyed(at+8192-5, uint64(len(want)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	off := 0
+	eachPiece(t, body, func(piece []byte) { off += copy(piece, want[off:]) })
+	if off != len(want) {
+		t.Fatalf("the body lent %d bytes, want %d", off, len(want))
+	}
+	// Closing while the write lands: no new write, the end waits.
+	end, err := r.removeRegion("b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.AcceptUnkeyed(at+8192, 1); refusalCode(t, err) != transport.NoSlot {
+		t.Fatalf("a write into a closing region: %v", err)
+	}
+	select {
+	case <-end.done:
+		t.Fatal("region b ended while a write still lands in it")
+	default:
+	}
+	done(nil)
+	<-end.done
+	if string(a[8192-5:])+string(b[:len(want)-5]) != string(want) {
+		t.Errorf("the bytes landed %q %q, want %q", a[8192-5:], b[:len(want)-5], want)
+	}
+	// Past a's end, now that b is gone; an empty write.
+	if _, _, err := r.AcceptUnkeyed(at+8190, 4); refusalCode(t, err) != transport.OutOfBounds {
+		t.Fatalf("a write running past the registered memory: %v", err)
+	}
+	if _, _, err := r.AcceptUnkeyed(at, 0); refusalCode(t, err) != transport.OutOfBounds {
+		t.Fatalf("an empty write: %v", err)
+	}
+	if _, err := r.removeRegion("a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.AcceptUnkeyed(at, 1); refusalCode(t, err) != transport.NoSlot || r.mooncakeRegions.Load() != 0 {
+		t.Fatalf("a write once no region is open to Mooncake peers: %v (%d open)", err, r.mooncakeRegions.Load())
+	}
+}
+
+// A region asked to take Mooncake peers' writes needs a Mooncake
+// segment speaking tcp, and a memfd; each refusal says what to do.
+func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
+	tcp := &mooncakeSegment{seg: mooncake.Segment{Protocol: "tcp"}}
+	rdma := &mooncakeSegment{seg: mooncake.Segment{Protocol: "rdma"}}
+	for _, c := range []struct {
+		seg  *mooncakeSegment
+		req  api.RegionRequest
+		want string // "" accepted
+	}{
+		{nil, api.RegionRequest{Name: "r", NBytes: 4096}, ""},
+		{nil, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "--mooncake-listen"},
+		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "over tcp only"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, CUDA: &api.RegionCUDA{}}, "lend a memfd"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: ^uint64(0) - 100}, "end of the address space"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, ""},
+	} {
+		err := (&Daemon{mooncake: c.seg}).mayOpenToMooncake(c.req)
+		if c.want == "" && err != nil || c.want != "" && (!isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("%+v: %v, want %q", c.req, err, c.want)
+		}
+	}
+}
+
+// A region at an offset of a memfd (ferry's allocator lends one memfd per
+// process, each registered tensor a region of it): only the pages holding
+// it are mapped, its memory is exactly its bytes, and a range past the
+// file is refused saying so.
+func TestMapRegionAtAnOffsetMapsItsBytesOnly(t *testing.T) {
+	f := regionFile(t, "window", 4*4096)
+	want := make([]byte, 4*4096)
+	for i := range want {
+		want[i] = byte(i * 7)
+	}
+	if _, err := f.WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := mapRegion(int(f.Fd()), "t", 5000, 6000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mem.Size() != 6000 || !slices.Equal(mem.Host(), want[5000:11000]) {
+		t.Fatalf("the region holds %d bytes, want bytes 5000..11000 of the memfd", mem.Size())
+	}
+	copy(mem.Host(), "landed")
+	got := make([]byte, 6)
+	if _, err := f.ReadAt(got, 5000); err != nil || string(got) != "landed" {
+		t.Fatalf("a write into the region reads back from the memfd as %q (%v)", got, err)
+	}
+	if err := mem.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ off, n int64 }{{-1, 10}, {4 * 4096, 1}, {3 * 4096, 4097}} {
+		if _, err := mapRegion(int(f.Fd()), "t", c.off, c.n); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "fd_offset") {
+			t.Errorf("fd_offset %d, nbytes %d: %v", c.off, c.n, err)
+		}
+	}
 }

@@ -51,6 +51,9 @@ from dataclasses import dataclass
 
 from .client import Client, Slot
 from .cuda import device_ordinal, ipc_handle
+from .alloc import buffer as alloc_buffer
+from .alloc import free as alloc_free
+from .alloc import preload_hint, window
 from .errors import BadRequest, Busy, FerryError
 
 __all__ = ["TransferEngine", "TransferOpcode", "Failure"]
@@ -129,7 +132,7 @@ class TransferEngine:
         self._lock = threading.Condition()
         self._regions = []     # sorted (start, end)
         self._in_flight = {}   # region start -> transfers reading it now
-        self._gpu = {}         # start of a GPU range -> the ferryd region lent for it
+        self._lent = {}        # start of a range -> the ferryd region lent for it (GPU or window memory)
         # What initialize recorded: the host part of local_hostname, the
         # protocol, the NIC ferryd sends over ("" over tcp).
         self.local_hostname, self.protocol, self.device_name = "", "", ""
@@ -204,45 +207,68 @@ class TransferEngine:
     # --- memory
 
     def register_memory(self, ptr, length):
-        """Registers [ptr, ptr+length) of this process's memory as a source
-        of transfers, on an engine made with send_only: host memory, or
-        CUDA device memory (lent to ferryd as a region by its IPC handle).
-        Returns 0, or -1 for a range that overlaps one registered before
-        or device memory ferryd could not take. Without send_only it
-        returns -1 and registers nothing: Mooncake's registered memory is
-        also where peers write, and peers cannot write into this."""
+        """Registers [ptr, ptr+length) of this process's memory: where
+        peers write (and a source of this engine's transfers). Host memory
+        born in ferry's allocator window (a process started with
+        ``python -m ferry.run`` or LD_PRELOAD=libferry_alloc.so) is lent to
+        ferryd by the window's memfd, so peers' writes land in these very
+        pages at these addresses, and transfers send from them with no copy.
+        Returns 0, or -1 with the reason in last_failure: memory peers
+        cannot write (allocated outside the window, GPU memory), a range
+        overlapping one registered before, or a ferryd that refused it.
+        An engine made with send_only also registers such memory, as a
+        source only (host pieces are then copied per transfer)."""
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
-        if not self.send_only:
-            return self._fail("register_memory", "", length, BadRequest(
-                f"register_memory({ptr:#x}, {length}): peers cannot write into memory a ferry engine registers "
-                "(ferryd's Mooncake segment takes writes only into receive slots made with mooncake=True), so a "
-                "receiver publishing this address would read what was there before. A receiving side hands out "
-                "slots instead: ferry.Client.receive(req_id, nbytes, mooncake=True). An engine that only sends from "
-                "its registered memory says so: TransferEngine(send_only=True), or FERRY_MOONCAKE_SEND_ONLY=1 in its "
-                "environment (docs/python.md)", code="not_writable"))
         with self._lock:
             i = bisect.bisect_left(self._regions, (ptr, ptr + length))
             near = self._regions[max(i - 1, 0):i + 1]
             if any(s < ptr + length and ptr < e for s, e in near):
                 return self._refuse("register_memory", length,
                                     f"register_memory({ptr:#x}, {length}): overlaps a registered range: unregister it first")
-            ordinal = device_ordinal(ptr)
-            if ordinal is not None:
-                # GPU memory is lent to ferryd as a region: sent with no copy.
-                name = f"mooncake-{os.getpid()}-{ptr:x}"
-                try:
-                    handle, offset = ipc_handle(ptr)
-                    self._need_client().request("POST", "/v1/regions", json.dumps({
-                        "name": name, "nbytes": length, "cuda": {
-                            "device": f"cuda:{ordinal}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}).encode(),
-                        "application/json")
-                except (FerryError, ValueError, ImportError) as e:
-                    err = e if isinstance(e, FerryError) else BadRequest(f"register_memory({ptr:#x}, {length}): {e}", code="bad_request")
-                    return self._fail("register_memory", "", length, err)
-                self._gpu[ptr] = name
+            try:
+                name = self._lend(ptr, length)
+            except (FerryError, ValueError, ImportError) as e:
+                code = getattr(e, "code", None) or "bad_request"
+                err = e if isinstance(e, FerryError) else BadRequest(f"register_memory({ptr:#x}, {length}): {e}", code=code)
+                return self._fail("register_memory", "", length, err)
+            if name is not None:
+                self._lent[ptr] = name
             self._regions.insert(i, (ptr, ptr + length))
         return 0
+
+    def _lend(self, ptr, length):
+        """Lends [ptr, +length) to ferryd as a region and returns its name,
+        or None for host memory an engine made with send_only keeps (its
+        pieces are copied per transfer); raises what refused it."""
+        name = f"mooncake-{os.getpid()}-{id(self):x}-{ptr:x}"
+        ordinal = device_ordinal(ptr)
+        if ordinal is not None:
+            if not self.send_only:
+                raise _NotWritable(f"register_memory({ptr:#x}, {length}): GPU memory (cuda:{ordinal}) is not yet "
+                                   "a target of peers' writes on ferry; register host memory, or make the engine "
+                                   "with send_only=True if it only sends from this memory (docs/python.md)")
+            # GPU memory is lent to ferryd as a region: sent with no copy.
+            handle, offset = ipc_handle(ptr)
+            self._need_client().request("POST", "/v1/regions", json.dumps({
+                "name": name, "nbytes": length, "cuda": {
+                    "device": f"cuda:{ordinal}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}).encode(),
+                "application/json")
+            return name
+        w = window()
+        if w is None or not w.holds(ptr, length):
+            if self.send_only:
+                return None
+            where = "outside ferry's allocator window" if w is not None else "in a process started without ferry's allocator"
+            raise _NotWritable(f"register_memory({ptr:#x}, {length}): the memory at {ptr:#x} was not allocated through "
+                               f"ferry's allocator ({where}), so ferryd cannot reach its pages and no peer's write could "
+                               f"land there; {preload_hint()} so tensors are born where ferryd can reach them, or "
+                               "allocate with allocate_managed_buffer. An engine that only sends from this memory "
+                               "says so: TransferEngine(send_only=True) or FERRY_MOONCAKE_SEND_ONLY=1 (docs/python.md)")
+        # The window's memfd, the range's own pages: peers write at ptr.
+        self._need_client().register_fd(name, w.fd, length, mooncake_addr=0 if self.send_only else ptr,
+                                        offset=ptr - w.base)
+        return name
 
     def batch_register_memory(self, ptrs, lengths):
         """register_memory for each pair; 0, or -1 at the first refusal
@@ -263,7 +289,7 @@ class TransferEngine:
                 return self._refuse("unregister_memory", 0, f"unregister_memory({ptr:#x}): no range is registered there")
             self._lock.wait_for(lambda: not self._in_flight.get(ptr))
             del self._regions[i]
-            name = self._gpu.pop(ptr, None)
+            name = self._lent.pop(ptr, None)
         if name is not None:
             try:
                 self._need_client().unregister_region(name)
@@ -277,6 +303,30 @@ class TransferEngine:
         (last_failure: the last)."""
         failed = [p for p in ptrs if self.unregister_memory(p) != 0]
         return FAILED if failed else 0
+
+    def allocate_managed_buffer(self, length):
+        """length bytes from ferry's allocator window, registered (peers
+        write into them): their address, or 0 with the reason in
+        last_failure (the process was started without the allocator)."""
+        if not isinstance(length, int) or length <= 0:
+            self._refuse("allocate_managed_buffer", 0, f"allocate_managed_buffer({length!r}): want a positive length")
+            return 0
+        ptr = alloc_buffer(length)
+        if not ptr:
+            self._fail("allocate_managed_buffer", "", length, _NotWritable(
+                f"allocate_managed_buffer({length}): no room from ferry's allocator: {preload_hint()}"))
+            return 0
+        if self.register_memory(ptr, length) != 0:
+            alloc_free(ptr)
+            return 0
+        return ptr
+
+    def free_managed_buffer(self, buffer, length):
+        """Unregisters and frees what allocate_managed_buffer gave: 0, or -1."""
+        if self.unregister_memory(buffer) != 0:
+            return FAILED
+        alloc_free(buffer)
+        return 0
 
     def write_bytes_to_buffer(self, dest_address, src, length):
         """Copies length bytes of src (bytes) to dest_address in this
@@ -399,7 +449,7 @@ class TransferEngine:
         client = self._need_client()
         base = min(dst for _, dst, _ in pieces)
         sources, items, staged, by_region = [], [], bytearray(), {}
-        host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in self._gpu]
+        host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in self._lent]
         req_id = None
         if host:
             req_id = f"mooncake-{os.getpid()}-{next(_entry_ids)}"
@@ -413,10 +463,10 @@ class TransferEngine:
                 off += n
             del window
         for (src, dst, n), st in zip(pieces, starts):
-            if st in self._gpu:
+            if st in self._lent:
                 if st not in by_region:
                     by_region[st] = len(sources)
-                    sources.append({"region": self._gpu[st]})
+                    sources.append({"region": self._lent[st]})
                 items.append((by_region[st], src - st, 0, dst - base, n))
         if req_id is not None:
             client.stage(req_id, staged)
@@ -439,10 +489,10 @@ class TransferEngine:
         TRANSFER_ITEM_BYTES. An item's length is bounded from above as the
         whole batch would write it (a run's offsets are no larger)."""
         base = min(dst for _, dst, _ in pieces)
-        index = len(str(len(self._gpu)))  # the most digits a source's index has
+        index = len(str(len(self._lent)))  # the most digits a source's index has
         lo, size, host = 0, 0, 0
         for i, ((src, dst, n), st) in enumerate(zip(pieces, starts)):
-            if st in self._gpu:
+            if st in self._lent:
                 off = src - st
             else:
                 off, host = host, host + n
@@ -489,14 +539,19 @@ class TransferEngine:
         return self._fail(method, "", nbytes, BadRequest(message, code="bad_request"))
 
 
+class _NotWritable(BadRequest):
+    """Memory register_memory refuses: no peer's write could land there."""
+
+    def __init__(self, message):
+        super().__init__(message, code="not_writable")
+
+
 # Why the Mooncake methods ferry does not have are not there; each raises
 # NotImplementedError naming itself and this (docs/python.md lists them).
 _NO_READ = ("ferryd's Mooncake path writes only: it does not read from Mooncake segments, and its own segment "
             "serves no READ (its receive slots take writes)")
 _NO_NOTIFY = "ferryd does not send Mooncake notifies for an engine, nor pass on those it receives"
 _NO_ASYNC = "the asynchronous calls are not built yet: call the synchronous ones (from a thread to overlap them)"
-_NO_MANAGED = ("a managed buffer is registered memory peers write into, and peers cannot write into an engine's memory "
-               "on ferry: a receiver hands out ferry receive slots (Client.receive(..., mooncake=True))")
 _NO_CUDA_STREAM = ("ferry's transfers are not ordered on a CUDA stream: synchronise the stream, then call the "
                    "synchronous ones")
 _NOT_IMPLEMENTED = {
@@ -509,8 +564,6 @@ _NOT_IMPLEMENTED = {
     "batch_transfer_async": _NO_ASYNC,
     "get_batch_transfer_status": _NO_ASYNC,
     "get_notifies": _NO_NOTIFY,
-    "allocate_managed_buffer": _NO_MANAGED,
-    "free_managed_buffer": _NO_MANAGED,
     "transfer_write_on_cuda": _NO_CUDA_STREAM,
     "transfer_read_on_cuda": _NO_CUDA_STREAM,
     "batch_transfer_write_on_cuda": _NO_CUDA_STREAM,

@@ -52,14 +52,14 @@ def test_torch_and_numpy_allocations_are_born_in_the_window():
         z = torch.zeros(1 << 20, dtype=torch.uint8)
         a = np.empty(1 << 20, dtype=np.uint8)                # malloc
         c = np.zeros(1 << 20, dtype=np.uint8)                # calloc
-        small = np.empty(1024, dtype=np.uint8)
+        small = np.empty(16 << 10, dtype=np.uint8)
         print(json.dumps({"window": w is not None, "torch": inside(t.data_ptr(), t.numel() * 4),
                           "zeros": inside(z.data_ptr()) and int(z.sum()) == 0,
                           "numpy": inside(a.ctypes.data, a.nbytes), "calloc": inside(c.ctypes.data) and int(c.sum()) == 0,
                           "small": inside(small.ctypes.data), "threshold": ferry.alloc.stats()[2]}))
     """))
     assert got == {"window": True, "torch": True, "zeros": True, "numpy": True, "calloc": True, "small": False,
-                   "threshold": 256 << 10}, got
+                   "threshold": 64 << 10}, got
 
 
 def test_without_the_preload_there_is_no_window():
@@ -114,7 +114,7 @@ def test_threads_allocating_at_once_get_blocks_of_their_own():
         bad = []
         def work(i):
             for round in range(60):
-                arrays = [np.full((300 << 10) + 4096 * k, (i * 7 + k + round) % 251, dtype=np.uint8) for k in range(4)]
+                arrays = [np.full((100 << 10) + 4096 * k, (i * 7 + k + round) % 251, dtype=np.uint8) for k in range(4)]
                 for k, a in enumerate(arrays):
                     if not inside(a.ctypes.data, a.nbytes) or int(a.min()) != int(a.max()) or int(a[0]) != (i * 7 + k + round) % 251:
                         bad.append((i, round, k))
@@ -156,7 +156,7 @@ def test_a_fork_child_sees_the_data_and_writes_its_own_copy():
 def test_the_threshold_comes_from_the_environment():
     got = run_child(PRELUDE + textwrap.dedent("""
         import numpy as np
-        a = np.empty(64 << 10, dtype=np.uint8)
+        a = np.empty(16 << 10, dtype=np.uint8)
         print(json.dumps([ferry.alloc.stats()[2], inside(a.ctypes.data)]))
-    """), env={"FERRY_ALLOC_MIN": "64K"})
-    assert got == [64 << 10, True]
+    """), env={"FERRY_ALLOC_MIN": "16K"})
+    assert got == [16 << 10, True]

@@ -1,7 +1,8 @@
 """ferry.mooncake.TransferEngine replaying the calls sglang's encoder and
 vLLM's Mooncake connector make, into a ferry receive slot's Mooncake
 segment (the receiving ferryd runs --mooncake-listen), and the calls of
-their receiving sides, which ferry refuses at registration."""
+their receiving sides in a process without ferry's allocator, which
+ferry refuses at registration (test_mooncake_receivers.py: with it)."""
 
 import ctypes
 import json
@@ -236,10 +237,11 @@ def test_an_unreachable_ferryd_fails_initialize(tmp_path):
 def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypatch, caplog):
     # sglang's multimodal receiver: register_memory of a torch.empty
     # landing buffer, its address published, then the encoder's
-    # transfer_sync_write into it. Peers cannot write into memory a ferry
-    # engine registers, so registration says so (-1, the reason logged
-    # and kept), never 0 followed by refused writes and a receiver
-    # reading an uninitialised buffer.
+    # transfer_sync_write into it. This process was not started with
+    # ferry's allocator, so ferryd cannot reach the tensor's pages, and
+    # registration says so (-1, the reason logged and kept), never 0
+    # followed by refused writes and a receiver reading an uninitialised
+    # buffer (test_mooncake_receivers.py has the receiver that works).
     monkeypatch.delenv("FERRY_MOONCAKE_SEND_ONLY", raising=False)
     receiver = TransferEngine(socket_path=pair[1].socket)
     assert receiver.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
@@ -249,7 +251,8 @@ def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypa
         assert receiver.register_memory(landing.data_ptr(), landing.numel()) == -1
     f = receiver.last_failure
     assert (f.method, f.ret) == ("register_memory", "not_writable"), f
-    assert "mooncake=True" in f.message and "send_only=True" in f.message
+    assert "not allocated through ferry's allocator" in f.message and "LD_PRELOAD=" in f.message, f.message
+    assert "send_only=True" in f.message
     assert "ret=not_writable" in caplog.text
     # vLLM's decode worker and sglang's PD decode register their KV
     # buffers in one batch: refused the same way (vLLM raises on it).

@@ -6,7 +6,7 @@ by hand::
 
     LD_PRELOAD=$(python -c 'import ferry.alloc; print(ferry.alloc.LIBRARY)') python serve.py
 
-Allocations of FERRY_ALLOC_MIN bytes or more (default 256 KiB) then come
+Allocations of FERRY_ALLOC_MIN bytes or more (default 64 KiB) then come
 from one memfd of the process, mapped MAP_SHARED over a window of address
 space; ferry.mooncake lends that memfd to ferryd, which writes peers'
 bytes into the very pages a registered tensor lies in.
@@ -15,7 +15,7 @@ bytes into the very pages a registered tensor lies in.
 import ctypes
 import os
 
-__all__ = ["LIBRARY", "Window", "window", "stats"]
+__all__ = ["LIBRARY", "Window", "window", "stats", "buffer", "free"]
 
 # Where make alloc builds the library: beside this file.
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libferry_alloc.so")
@@ -54,6 +54,25 @@ def window():
     if lib.ferry_alloc_window(ctypes.byref(fd), ctypes.byref(base), ctypes.byref(length)) != 0:
         return None
     return Window(fd.value, base.value, length.value)
+
+
+def buffer(nbytes):
+    """The address of nbytes from the window, whatever their size (free it
+    with free()); 0 without the preload or room in the window."""
+    lib = _lib()
+    if lib is None or lib.ferry_alloc_window(ctypes.byref(ctypes.c_int()), ctypes.byref(ctypes.c_uint64()),
+                                             ctypes.byref(ctypes.c_uint64())) != 0:
+        return 0
+    lib.ferry_alloc_buffer.restype = ctypes.c_void_p
+    lib.ferry_alloc_buffer.argtypes = [ctypes.c_size_t]
+    return lib.ferry_alloc_buffer(nbytes) or 0
+
+
+def free(addr):
+    """Frees what buffer() gave."""
+    lib = ctypes.CDLL(None)
+    lib.free.argtypes = [ctypes.c_void_p]
+    lib.free(addr)
 
 
 def stats():

@@ -3,7 +3,7 @@
  *
  * Loaded with LD_PRELOAD (ferry-run, or python -m ferry.run), it takes
  * over malloc and its family. An allocation of FERRY_ALLOC_MIN bytes or
- * more (default 256 KiB: tensors, numpy arrays) comes from one memfd of
+ * more (default 64 KiB: tensors, numpy arrays) comes from one memfd of
  * this process, mapped MAP_SHARED over a window of address space reserved
  * once; smaller ones go to glibc. ferry.mooncake lends that memfd to
  * ferryd, which maps the pages an engine registers and lands peers' writes
@@ -40,7 +40,7 @@ extern void __libc_free(void *);
 extern void *__libc_memalign(size_t, size_t);
 
 #define PAGE 4096UL
-#define DEFAULT_MIN (256UL << 10)
+#define DEFAULT_MIN (64UL << 10)
 #define DEFAULT_WINDOW (256UL << 30)
 
 struct extent {
@@ -356,6 +356,13 @@ int ferry_alloc_window(int *fd, uint64_t *base, uint64_t *len)
 		return -1;
 	*fd = win_fd, *base = win_base, *len = win_len;
 	return 0;
+}
+
+/* ferry_alloc_buffer: n bytes from the window whatever their size (a
+ * Mooncake managed buffer), freed with free(); NULL without a window. */
+void *ferry_alloc_buffer(size_t n)
+{
+	return n ? take(n, PAGE) : NULL;
 }
 
 /* ferry_alloc_stats: the bytes and blocks the window holds now, and the

@@ -1,0 +1,201 @@
+"""Both halves of sglang's and vLLM's Mooncake paths on ferry: the
+receiving side is a real process started with ferry's allocator (python -m
+ferry.run, as docs/python.md says to start a framework), whose torch
+tensors, allocated before any engine exists, are registered with
+ferry.mooncake.TransferEngine and written by a ferry engine through two
+real ferryd; every byte is checked where it landed, in the receiver's own
+tensors."""
+
+import ctypes
+import hashlib
+import os
+import random
+
+import pytest
+
+from conftest import poll_until
+from ferry.mooncake import TransferEngine
+
+torch = pytest.importorskip("torch", reason="Debian's python3-torch (make test-python installs it)")
+
+PAGE = 4096
+
+
+def sender(pair):
+    e = TransferEngine(socket_path=pair[0].socket, send_only=True)
+    assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    return e
+
+
+def source(nbytes, seed):
+    """nbytes of seeded random bytes in this process, and their address."""
+    buf = (ctypes.c_char * nbytes).from_buffer_copy(random.Random(seed).randbytes(nbytes))
+    return buf, ctypes.addressof(buf)
+
+
+def digests(images):
+    return [hashlib.sha256(bytes(b)).hexdigest() for b in images]
+
+
+RECEIVER = """
+    import hashlib, torch
+    from ferry.mooncake import TransferEngine
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+    session = f"127.0.0.1:{engine.get_rpc_port()}"
+    def digest(ts):
+        return [hashlib.sha256(t.numpy().tobytes()).hexdigest() for t in ts]
+    out = session
+"""
+
+
+def test_sglang_pd_decode_registers_its_kv_and_prefill_writes_2048_scattered_pages(pair, engine_child):
+    # sglang PD: the decode worker's KV pool (per layer a K and a V buffer,
+    # torch CPU tensors allocated before the engine), registered in one
+    # batch_register_memory; the prefill worker's one
+    # batch_transfer_sync_write of every page it sends, scattered.
+    layers, pages = 16, 128
+    rx = engine_child(pair[1].socket)
+    session = rx.run(RECEIVER)
+    got = rx.run(f"""
+        kv = [torch.zeros(({pages}, {PAGE}), dtype=torch.uint8) for _ in range({2 * layers})]
+        ptrs, lens = [t.data_ptr() for t in kv], [t.numel() for t in kv]
+        out = [engine.batch_register_memory(ptrs, lens), ptrs, lens, engine.last_failure and engine.last_failure.message]
+    """)
+    ret, ptrs, lens, why = got
+    assert ret == 0, why
+    # The receiver's ferryd lent the pages, at the receiver's addresses.
+    regions = [g for g in pair[1].client().regions() if g.get("mooncake_addr") in ptrs]
+    assert len(regions) == 2 * layers, regions
+    rng = random.Random(30)
+    per_tensor = 64
+    src, base = source(2 * layers * per_tensor * PAGE, 1)
+    expect = [bytearray(pages * PAGE) for _ in range(2 * layers)]
+    srcs, dsts, sizes = [], [], []
+    for t in range(2 * layers):
+        for k, page in enumerate(rng.sample(range(pages), per_tensor)):
+            off = (t * per_tensor + k) * PAGE
+            srcs.append(base + off)
+            dsts.append(ptrs[t] + page * PAGE)
+            sizes.append(PAGE)
+            expect[t][page * PAGE:(page + 1) * PAGE] = bytes(src[off:off + PAGE])
+    order = list(range(len(srcs)))
+    rng.shuffle(order)
+    assert len(order) >= 2000
+    tx = sender(pair)
+    assert tx.register_memory(base, len(src)) == 0
+    ret = tx.batch_transfer_sync_write(session, [srcs[i] for i in order], [dsts[i] for i in order],
+                                       [sizes[i] for i in order])
+    assert ret == 0, tx.last_failure
+    # 0 means the bytes are in the receiver's memory: no slot, no wait.
+    assert rx.run("out = digest(kv)") == digests(expect)
+    assert rx.run("out = engine.batch_unregister_memory(ptrs)") == 0
+    assert not [g for g in pair[1].client().regions() if g.get("mooncake_addr") in ptrs]
+    assert tx.unregister_memory(base) == 0
+
+
+def test_sglang_encoder_writes_into_the_receivers_torch_empty(pair, engine_child):
+    # sglang's multimodal receiver: register_memory of a torch.empty
+    # landing buffer; the encoder's register, transfer_sync_write,
+    # unregister; the receiver reads its buffer on the encoder's "done".
+    rx = engine_child(pair[1].socket)
+    session = rx.run(RECEIVER)
+    ptr, nbytes = rx.run("""
+        landing = torch.empty((16, 4096), dtype=torch.bfloat16)
+        ptr, nbytes = landing.data_ptr(), landing.numel() * landing.element_size()
+        assert engine.register_memory(ptr, nbytes) == 0, engine.last_failure
+        out = [ptr, nbytes]
+    """)
+    tx = sender(pair)
+    emb, src = source(nbytes, 2)
+    assert tx.register_memory(src, nbytes) == 0
+    assert tx.transfer_sync_write(session, src, ptr, nbytes) == 0, tx.last_failure
+    assert tx.unregister_memory(src) == 0
+    assert rx.run("out = digest([landing.view(torch.uint8)])") == digests([bytes(emb)])
+    assert rx.run("out = engine.unregister_memory(ptr)") == 0
+    # Unregistered: a late write lands nowhere, and says so.
+    assert tx.register_memory(src, nbytes) == 0
+    assert tx.transfer_sync_write(session, src, ptr, nbytes) == -1
+    assert tx.last_failure.ret == "refused" and "lies in none of the buffers" in tx.last_failure.message, tx.last_failure
+
+
+def test_vllm_producer_and_consumer(pair, engine_child):
+    # vLLM's Mooncake connector: the consumer (decode) registers its KV
+    # caches (register_kv_caches: batch_register_memory), the producer
+    # sends each request's blocks with batch_transfer_sync_write, an
+    # empty batch for a request whose blocks the consumer had cached, and
+    # tears down with batch_unregister_memory.
+    rx = engine_child(pair[1].socket)
+    session = rx.run(RECEIVER)
+    blocks, block = 64, 16 << 10
+    ptrs = rx.run(f"""
+        caches = [torch.zeros(({blocks}, {block}), dtype=torch.uint8) for _ in range(4)]
+        ptrs = [c.data_ptr() for c in caches]
+        assert engine.batch_register_memory(ptrs, [c.numel() for c in caches]) == 0, engine.last_failure
+        out = ptrs
+    """)
+    tx = sender(pair)
+    src, base = source(4 * blocks * block, 3)
+    assert tx.batch_register_memory([base], [len(src)]) == 0
+    expect = [bytearray(blocks * block) for _ in range(4)]
+    rng = random.Random(4)
+    for request in range(3):
+        ids = rng.sample(range(blocks), 8)
+        s, d, n = [], [], []
+        for c in range(4):
+            for b in ids:
+                off = (c * blocks + b) * block
+                s.append(base + off)
+                d.append(ptrs[c] + b * block)
+                n.append(block)
+                expect[c][b * block:(b + 1) * block] = bytes(src[off:off + block])
+        assert tx.batch_transfer_sync_write(session, s, d, n) == 0, tx.last_failure
+    assert tx.batch_transfer_sync_write(session, [], [], []) == 0
+    assert rx.run("out = digest(caches)") == digests(expect)
+    assert rx.run("out = engine.batch_unregister_memory(ptrs)") == 0
+    assert tx.batch_unregister_memory([base]) == 0
+
+
+def test_memory_outside_the_window_is_refused_with_the_fix(pair, engine_child):
+    # In a process with the allocator: a small allocation (glibc's) cannot
+    # be lent; without the allocator nothing can (test_mooncake.py).
+    rx = engine_child(pair[1].socket)
+    rx.run(RECEIVER)
+    ret, f = rx.run("""
+        small = torch.empty(1024, dtype=torch.uint8)
+        ret = engine.register_memory(small.data_ptr(), 1024)
+        f = engine.last_failure
+        out = [ret, [f.method, f.ret, f.message]]
+    """)
+    assert ret == -1
+    assert f[:2] == ["register_memory", "not_writable"], f
+    assert "outside ferry's allocator window" in f[2] and "LD_PRELOAD=" in f[2], f
+    # A managed buffer is born in the window whatever its size.
+    ptr, ret = rx.run("""
+        ptr = engine.allocate_managed_buffer(4096)
+        out = [ptr, engine.free_managed_buffer(ptr, 4096)]
+    """)
+    assert ptr != 0 and ret == 0
+
+
+def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
+    # The process that lent the memory dies (SIGKILL: no teardown): its
+    # addresses mean nothing now, and ferryd unregisters what it lent.
+    rx = engine_child(pair[1].socket)
+    rx.run(RECEIVER)
+    ptrs = rx.run("""
+        kv = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(4)]
+        ptrs = [t.data_ptr() for t in kv]
+        assert engine.batch_register_memory(ptrs, [t.numel() for t in kv]) == 0, engine.last_failure
+        out = ptrs
+    """)
+    client = pair[1].client()
+
+    def lent():
+        return [g for g in client.regions() if g.get("mooncake_addr") in ptrs]
+
+    assert len(lent()) == 4
+    rx.kill()
+    poll_until(lambda: not lent(), 30, f"ferryd dropping the regions of the killed engine pid {rx.pid}")
+    pair[1].wait_log(lambda line: line.get("message") == "region unregistered: the process that lent it for "
+                     "Mooncake peers exited" and line.get("pid") == rx.pid, 10, "the dropped region's line")
