@@ -56,6 +56,7 @@ type Daemon struct {
 	tr        transport.Transport
 	dp        *dataPlane
 	mooncake  *mooncakeSegment // --mooncake-listen, or nil
+	engines   engines          // ferry.mooncake engines' own segments (engines.go)
 	sessions  *sessions
 	transfers *transfers // batch transfers, running and recently ended
 	events    *eventLog  // arrivals and batch endings, for GET /v1/events
@@ -386,6 +387,7 @@ func (d *Daemon) closeAll() {
 	if d.sessions != nil {
 		d.sessions.closeAll()
 	}
+	d.closeEngines()
 	if d.mooncake != nil {
 		d.mooncake.close()
 	}

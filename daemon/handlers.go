@@ -88,6 +88,9 @@ func (d *Daemon) routes() http.Handler {
 		"DELETE /v1/regions/{name}":           d.handleDeleteRegion,
 		"GET /v1/sessions":                    d.handleListSessions,
 		"DELETE /v1/sessions/{id}":            d.handleDeleteSession,
+		"POST /v1/mooncake/segments":          d.handleNewEngineSegment,
+		"GET /v1/mooncake/segments":           d.handleListEngineSegments,
+		"DELETE /v1/mooncake/segments/{id}":   d.handleDeleteEngineSegment,
 	} {
 		mux.Handle(pattern, d.wrap(h))
 	}

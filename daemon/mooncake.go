@@ -35,8 +35,11 @@ type mooncakeSegment struct {
 	hs   *mooncake.Server
 	data *mooncake.DataServer
 	// debug limits the DEBUG lines anyone reaching the ports can cause
-	// (a notify received, a connection closed to make room).
+	// (a notify received, a connection closed to make room); warnf logs
+	// the ports' WARNs (the mooncake package rate-limits them). Engine
+	// segments log through both.
 	debug *loglimit.Limiter
+	warnf func(format string, args ...any)
 }
 
 // openMooncake listens on cfg.MooncakeListen and a data port on the same
@@ -69,7 +72,7 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 	if ra.IP.IsUnspecified() {
 		name = net.JoinHostPort(advertiseHost, strconv.Itoa(ra.Port))
 	}
-	m := &mooncakeSegment{name: name, debug: debug, seg: mooncake.Segment{
+	m := &mooncakeSegment{name: name, debug: debug, warnf: logf, seg: mooncake.Segment{
 		Name: name, Protocol: "tcp", TCPDataPort: dl.Addr().(*net.TCPAddr).Port, TCPProtoVersion: 2,
 		Timestamp: time.Now().UTC().Format("2006-01-02 15:04:05.000000"),
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
@@ -89,7 +92,7 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 		// descriptor again for an address outside the one it holds.
 		Segment: func() *mooncake.Segment {
 			seg := m.seg
-			seg.Buffers = append(slices.Clip(m.seg.Buffers), reg.mooncakeBuffers(m.seg.Buffers[0].Name)...)
+			seg.Buffers = append(slices.Clip(m.seg.Buffers), reg.mooncakeBuffers("", m.seg.Buffers[0].Name)...)
 			return &seg
 		},
 		Notify: func(from net.Addr, n mooncake.NotifyDesc) error {

@@ -18,7 +18,6 @@ import (
 	"github.com/ferry-project/ferry/cuda"
 	"github.com/ferry-project/ferry/internal/memlimit"
 	"github.com/ferry-project/ferry/internal/size"
-	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -52,11 +51,9 @@ type region struct {
 	// drop it: the region stays, closing, mapped and counted, until a
 	// DELETE tries again.
 	dropErr error
-	// mooncakeAddr is the address Mooncake peers write into it at (its
-	// owner's own address of its first byte); 0: they do not. owner is
-	// the process that lent it then: the region goes when it exits.
-	mooncakeAddr uint64
-	owner        int32
+	// lend: where Mooncake peers write into it, in which segment, lent
+	// by which process (engines.go); the zero value: they do not.
+	lend
 }
 
 // regionEnd is one try at ending a closing region: dropping its
@@ -158,121 +155,24 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 // registration with the NIC (nil, and why not). The claim its request
 // made on the name ends here, the region added or refused.
 func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicErr error) (api.Region, error) {
-	return r.addRegionAt(name, mem, nic, nicErr, 0, 0)
+	return r.addRegionAt(name, mem, nic, nicErr, lend{})
 }
 
-// addRegionAt is addRegion, the region open to Mooncake peers' writes at
-// mooncakeAddr unless that is 0: a range that must overlap neither the
-// arena's addresses nor another such region's, as one segment lists
-// them all, lent by process owner.
-func (r *registry) addRegionAt(name string, mem arena.Memory, nic io.Closer, nicErr error, mooncakeAddr uint64, owner int32) (api.Region, error) {
+// addRegionAt is addRegion, the region lent for Mooncake peers' writes
+// as l says (engines.go), unless l is the zero value.
+func (r *registry) addRegionAt(name string, mem arena.Memory, nic io.Closer, nicErr error, l lend) (api.Region, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	delete(r.claims, name)
 	if err := r.mayAddRegion(name, hostBytes(mem)); err != nil {
 		return api.Region{}, err
 	}
-	if mooncakeAddr != 0 {
-		end := mooncakeAddr + uint64(mem.Size())
-		if base := r.arena.Addr(arena.Slice{}); mooncakeAddr < base+uint64(r.arena.Memory().Size()) && base < end {
-			return api.Region{}, apiErr(api.CodeBadRequest, "region %s: mooncake_addr [%#x, %#x) overlaps ferryd's arena [%#x, %#x), which its Mooncake segment lists too: peers could not tell them apart; lend memory at other addresses",
-				name, mooncakeAddr, end, base, base+uint64(r.arena.Memory().Size()))
-		}
-		for _, o := range r.regions {
-			if o.mooncakeAddr != 0 && !o.closing && mooncakeAddr < o.mooncakeAddr+uint64(o.size()) && o.mooncakeAddr < end {
-				return api.Region{}, apiErr(api.CodeExists, "region %s: mooncake_addr [%#x, %#x) overlaps region %s's [%#x, %#x) in ferryd's one Mooncake segment (another engine, maybe another process, registered memory at those addresses): unregister that first",
-					name, mooncakeAddr, end, o.name, o.mooncakeAddr, o.mooncakeAddr+uint64(o.size()))
-			}
-		}
-		r.mooncakeRegions.Add(1)
+	if err := r.mayLend(name, uint64(mem.Size()), l); err != nil {
+		return api.Region{}, err
 	}
-	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), mooncakeAddr: mooncakeAddr, owner: owner}
+	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), lend: l}
 	r.regions[name] = g
 	return r.describeRegion(g), nil
-}
-
-// mooncakeRegionAt is the open region Mooncake peers write into at addr,
-// or nil; callers hold mu.
-func (r *registry) mooncakeRegionAt(addr uint64) *region {
-	for _, g := range r.regions {
-		if g.mooncakeAddr != 0 && !g.closing && addr >= g.mooncakeAddr && addr-g.mooncakeAddr < uint64(g.size()) {
-			return g
-		}
-	}
-	return nil
-}
-
-// mooncakeBuffers is the open regions Mooncake peers write into, as
-// buffers of the segment named name, by address, regions that follow
-// one another as one buffer: a framework's tensors sharing a page are
-// lent as adjacent regions (the pages one registration already lent are
-// not lent again), and a write may span them.
-func (r *registry) mooncakeBuffers(name string) []mooncake.Buffer {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var out []mooncake.Buffer
-	for _, g := range r.regions {
-		if g.mooncakeAddr != 0 && !g.closing {
-			out = append(out, mooncake.Buffer{Name: name, Addr: g.mooncakeAddr, Length: uint64(g.size())})
-		}
-	}
-	sort.Slice(out, func(i, j int) bool { return out[i].Addr < out[j].Addr })
-	merged := out[:0]
-	for _, b := range out {
-		if k := len(merged) - 1; k >= 0 && merged[k].Addr+merged[k].Length == b.Addr {
-			merged[k].Length += b.Length
-			continue
-		}
-		merged = append(merged, b)
-	}
-	return merged
-}
-
-// landInRegions takes a Mooncake peer's write of n bytes at addr into
-// the open regions Mooncake peers write into there, one after another
-// without a gap, each pinned until done; callers hold mu and release it
-// with unlock.
-func (r *registry) landInRegions(addr, n uint64) (transport.Body, func(error), error) {
-	refuse := func(at uint64) error {
-		r.refused(transport.OutOfBounds)
-		return &transport.Refusal{Code: transport.OutOfBounds,
-			Message: fmt.Sprintf("a write of %d bytes at %#x does not fit the memory registered there (it is empty, or runs past it at %#x)", n, addr, at)}
-	}
-	if n == 0 || addr+n < addr {
-		return nil, nil, refuse(addr)
-	}
-	var parts [][]byte
-	var pinned []*region
-	for at, end := addr, addr+n; at < end; {
-		g := r.mooncakeRegionAt(at)
-		if g == nil {
-			return nil, nil, refuse(at)
-		}
-		off := at - g.mooncakeAddr
-		take := min(end-at, uint64(g.size())-off)
-		parts = append(parts, g.mem.Host()[off:off+take])
-		pinned = append(pinned, g)
-		at += take
-	}
-	for _, g := range pinned {
-		g.uses++
-	}
-	done := func(error) {
-		r.mu.Lock()
-		for _, g := range pinned {
-			r.unuseRegion(g)
-		}
-		r.unlock()
-	}
-	body := func() ([]byte, error) {
-		if len(parts) == 0 {
-			return nil, nil
-		}
-		piece := parts[0]
-		parts = parts[1:]
-		return piece, nil
-	}
-	return body, done, nil
 }
 
 // regionClaim is a new region's place from before ferryd maps it until
@@ -415,7 +315,7 @@ func (r *registry) hostRegionBytes() int64 {
 
 // describeRegion describes g; callers hold mu.
 func (r *registry) describeRegion(g *region) api.Region {
-	d := api.Region{Name: g.name, NBytes: g.size(), Kind: g.mem.Kind(), Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since, MooncakeAddr: g.mooncakeAddr}
+	d := api.Region{Name: g.name, NBytes: g.size(), Kind: g.mem.Kind(), Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since, MooncakeAddr: g.mooncakeAddr, MooncakeSegment: g.segment}
 	if r.registrar != nil {
 		d.NIC = &api.RegionNIC{Registered: g.nic != nil}
 		switch {
@@ -589,9 +489,7 @@ func (r *registry) removeRegion(name string) (*regionEnd, error) {
 			name, len(ids), clipList(ids))
 	}
 	g.closing, g.end = true, newRegionEnd(g)
-	if g.mooncakeAddr != 0 {
-		r.mooncakeRegions.Add(-1)
-	}
+	r.unlend(g)
 	g.uses++ // the removal's own pin, dropped at once so the last user ends it
 	r.unuseRegion(g)
 	return g.end, nil
@@ -639,7 +537,8 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if req.CUDA != nil {
 		host = 0 // device memory: see hostBytes
 	}
-	if err := d.mayOpenToMooncake(req); err != nil {
+	l, err := d.lendFor(r.Context(), req)
+	if err != nil {
 		return err
 	}
 	claim, err := d.reg.claimRegion(req.Name, host)
@@ -665,11 +564,7 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	nic, nicErr := d.registerRegionNIC(mem)
-	owner := int32(0)
-	if req.MooncakeAddr != 0 {
-		owner = callerOf(r.Context()).pid
-	}
-	g, err := d.reg.addRegionAt(req.Name, mem, nic, nicErr, req.MooncakeAddr, owner)
+	g, err := d.reg.addRegionAt(req.Name, mem, nic, nicErr, l)
 	if err != nil {
 		if nic != nil {
 			_ = nic.Close()
@@ -687,110 +582,11 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 		d.metrics.regionRegistrations.WithLabelValues("registered").Inc()
 	}
 	d.log.Info().Str("region", req.Name).Str("kind", g.Kind).Int64("nbytes", req.NBytes).Bool("nic", nic != nil).Msg("region registered")
-	if owner > 0 {
-		d.watchOwner(owner)
+	if l.owner > 0 {
+		d.watchOwner(l.owner)
 	}
 	writeJSON(w, http.StatusCreated, g)
 	return nil
-}
-
-// mayOpenToMooncake checks a region asked to take Mooncake peers' writes
-// at its owner's address: a memfd, a segment served, over tcp.
-func (d *Daemon) mayOpenToMooncake(req api.RegionRequest) error {
-	switch a := req.MooncakeAddr; {
-	case a == 0:
-		return nil
-	case d.mooncake == nil:
-		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr asks that Mooncake peers write into it, but this ferryd serves no Mooncake segment: start it with --mooncake-listen", req.Name)
-	case d.mooncake.seg.Protocol != "tcp":
-		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segment speaks %s, and its peers write there under the arena's rkey only; a region as a Mooncake write target is served over tcp only so far", req.Name, d.mooncake.seg.Protocol)
-	case req.CUDA != nil:
-		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: GPU memory is not yet a Mooncake write target; lend a memfd", req.Name)
-	case a+uint64(req.NBytes) < a:
-		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr %#x plus nbytes %d passes the end of the address space", req.Name, a, req.NBytes)
-	}
-	return nil
-}
-
-// watchOwner drops the regions process pid lent for Mooncake peers once
-// it exits: their addresses are that process's, and nothing else would
-// unregister them. One watcher per process, polling its pidfd; it ends
-// when the process has no such region left or ferryd stops.
-func (d *Daemon) watchOwner(pid int32) {
-	r := d.reg
-	r.mu.Lock()
-	if r.watched[pid] {
-		r.mu.Unlock()
-		return
-	}
-	if r.watched == nil {
-		r.watched = make(map[int32]bool)
-	}
-	r.watched[pid] = true
-	r.mu.Unlock()
-	unwatch := func(err error) {
-		r.mu.Lock()
-		delete(r.watched, pid)
-		r.mu.Unlock()
-		d.regionLog.Printf("watching process %d, which lent regions for Mooncake peers: %v; its regions stay until unregistered", pid, err)
-	}
-	fd, err := unix.PidfdOpen(int(pid), 0)
-	if err != nil && err != unix.ESRCH {
-		unwatch(fmt.Errorf("pidfd_open: %w", err))
-		return
-	}
-	go func() {
-		if fd >= 0 {
-			defer unix.Close(fd)
-		}
-		for exited := err == unix.ESRCH; !exited; {
-			n, perr := unix.Poll([]unix.PollFd{{Fd: int32(fd), Events: unix.POLLIN}}, 1000)
-			switch {
-			case perr != nil && perr != unix.EINTR:
-				unwatch(fmt.Errorf("poll: %w", perr))
-				return
-			case n > 0:
-				exited = true
-			case r.ownerGone(pid):
-				return
-			}
-		}
-		for _, name := range r.ownedBy(pid) {
-			if _, err := r.removeRegion(name); err == nil {
-				d.log.Info().Str("region", name).Int32("pid", pid).Msg("region unregistered: the process that lent it for Mooncake peers exited")
-			}
-		}
-	}()
-}
-
-// ownerGone says whether pid lent no open region any more, or ferryd is
-// stopping; then pid is no longer watched.
-func (r *registry) ownerGone(pid int32) bool {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	if !r.stopping {
-		for _, g := range r.regions {
-			if g.owner == pid && !g.closing {
-				return false
-			}
-		}
-	}
-	delete(r.watched, pid)
-	return true
-}
-
-// ownedBy is the open regions pid lent, no longer watched.
-func (r *registry) ownedBy(pid int32) []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	delete(r.watched, pid)
-	var names []string
-	for _, g := range r.regions {
-		if g.owner == pid && !g.closing {
-			names = append(names, g.name)
-		}
-	}
-	return names
 }
 
 // registerRegionNIC registers a region with the RDMA NIC, once, so that

@@ -5,12 +5,15 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"os"
 	"slices"
 	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
+
+	"github.com/rs/zerolog"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
@@ -543,20 +546,20 @@ func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
 	r := newTestRegistry(t, 1<<16)
 	const at = 0x7f0000000000
 	a, b := hostRegion(make([]byte, 8192)), hostRegion(make([]byte, 4096))
-	if _, err := r.addRegionAt("a", a, nil, nil, at, 0); err != nil {
+	if _, err := r.addRegionAt("a", a, nil, nil, lend{mooncakeAddr: at}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.addRegionAt("b", b, nil, nil, at+8192, 0); err != nil {
+	if _, err := r.addRegionAt("b", b, nil, nil, lend{mooncakeAddr: at + 8192}); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := r.addRegionAt("over-a", hostRegion(make([]byte, 4096)), nil, nil, at+4096, 0); !isCode(err, api.CodeExists) || !strings.Contains(err.Error(), "overlaps region a") {
+	if _, err := r.addRegionAt("over-a", hostRegion(make([]byte, 4096)), nil, nil, lend{mooncakeAddr: at + 4096}); !isCode(err, api.CodeExists) || !strings.Contains(err.Error(), "overlaps region a") {
 		t.Fatalf("a range over region a's: %v", err)
 	}
 	base := r.arena.Addr(arena.Slice{})
-	if _, err := r.addRegionAt("over-arena", hostRegion(make([]byte, 4096)), nil, nil, base+100, 0); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "arena") {
+	if _, err := r.addRegionAt("over-arena", hostRegion(make([]byte, 4096)), nil, nil, lend{mooncakeAddr: base + 100}); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "arena") {
 		t.Fatalf("a range over the arena's: %v", err)
 	}
-	if got, want := fmt.Sprint(r.mooncakeBuffers("seg")), fmt.Sprint([]mooncake.Buffer{{Name: "seg", Addr: at, Length: 12288}}); got != want {
+	if got, want := fmt.Sprint(r.mooncakeBuffers("", "seg")), fmt.Sprint([]mooncake.Buffer{{Name: "seg", Addr: at, Length: 12288}}); got != want {
 		t.Errorf("the segment's buffers: %s, want %s", got, want)
 	}
 	// A write spanning a's end and b's start lands in both.
@@ -604,25 +607,33 @@ func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
 }
 
 // A region asked to take Mooncake peers' writes needs a Mooncake
-// segment speaking tcp, and a memfd; each refusal says what to do.
+// segment speaking tcp, a memfd, and an engine segment, if named, that
+// exists and is the caller's; each refusal says what to do.
 func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
 	tcp := &mooncakeSegment{seg: mooncake.Segment{Protocol: "tcp"}}
 	rdma := &mooncakeSegment{seg: mooncake.Segment{Protocol: "rdma"}}
+	theirs := &engineSegment{id: "e1", owner: 1}
+	bad, missing, forbidden := api.CodeBadRequest, api.CodeNotFound, api.CodeForbidden
 	for _, c := range []struct {
 		seg  *mooncakeSegment
 		req  api.RegionRequest
+		code string
 		want string // "" accepted
 	}{
-		{nil, api.RegionRequest{Name: "r", NBytes: 4096}, ""},
-		{nil, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "--mooncake-listen"},
-		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "over tcp only"},
-		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, CUDA: &api.RegionCUDA{}}, "lend a memfd"},
-		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: ^uint64(0) - 100}, "end of the address space"},
-		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, ""},
+		{nil, api.RegionRequest{Name: "r", NBytes: 4096}, "", ""},
+		{nil, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "--mooncake-listen"},
+		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "over tcp only"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, CUDA: &api.RegionCUDA{}}, bad, "lend a memfd"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: ^uint64(0) - 100}, bad, "end of the address space"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeSegment: "e1"}, bad, "without mooncake_addr"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, MooncakeSegment: "e9"}, missing, "POST /v1/mooncake/segments"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, MooncakeSegment: "e1"}, forbidden, "belongs to process 1"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "", ""},
 	} {
-		err := (&Daemon{mooncake: c.seg}).mayOpenToMooncake(c.req)
-		if c.want == "" && err != nil || c.want != "" && (!isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), c.want)) {
-			t.Errorf("%+v: %v, want %q", c.req, err, c.want)
+		d := &Daemon{mooncake: c.seg, engines: engines{byID: map[string]*engineSegment{"e1": theirs}}}
+		_, err := d.lendFor(context.Background(), c.req)
+		if c.want == "" && err != nil || c.want != "" && (!isCode(err, c.code) || !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("%+v: %v, want %s %q", c.req, err, c.code, c.want)
 		}
 	}
 }
@@ -659,5 +670,71 @@ func TestMapRegionAtAnOffsetMapsItsBytesOnly(t *testing.T) {
 		if _, err := mapRegion(int(f.Fd()), "t", c.off, c.n); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "fd_offset") {
 			t.Errorf("fd_offset %d, nbytes %d: %v", c.off, c.n, err)
 		}
+	}
+}
+
+// An engine segment lists and lands writes in its own regions only
+// (another segment's addresses are out of bounds there, the same
+// addresses may be lent in two segments), serves reads from one region,
+// and closing it waits for the writes landing in it.
+func TestEngineSegmentsKeepTheirMemoryApart(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	const at = 0x7f0000000000
+	a, b := hostRegion(make([]byte, 8192)), hostRegion(make([]byte, 8192))
+	if _, err := r.addRegionAt("a", a, nil, nil, lend{mooncakeAddr: at, segment: "e1"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegionAt("b", b, nil, nil, lend{mooncakeAddr: at, segment: "e2"}); err != nil {
+		t.Fatalf("the same addresses in another engine's segment: %v", err)
+	}
+	if got := fmt.Sprint(r.mooncakeBuffers("e1", "s")); got != fmt.Sprint([]mooncake.Buffer{{Name: "s", Addr: at, Length: 8192}}) {
+		t.Errorf("e1's buffers: %s", got)
+	}
+	if got := r.mooncakeBuffers("", "s"); len(got) != 0 || r.mooncakeRegions.Load() != 0 {
+		t.Errorf("ferryd's own segment lists engine memory: %v", got)
+	}
+	if _, _, err := (engineMemory{r, "e3"}).Write(at, 1); refusalCode(t, err) != transport.OutOfBounds {
+		t.Fatalf("a write into a segment with no memory: %v", err)
+	}
+	body, done, err := (engineMemory{r, "e2"}).Write(at+100, 5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	piece, _ := body()
+	copy(piece, "hello")
+	src, release, err := (engineMemory{r, "e1"}).Read(at, 8192)
+	if err != nil || &src[0] != &a[0] {
+		t.Fatalf("a read of e1's region: %v", err)
+	}
+	release()
+	d := &Daemon{reg: r, log: zerolog.Nop()}
+	es := &engineSegment{id: "e2"}
+	ln := func() net.Listener {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	es.hs = mooncake.Serve(ln(), mooncake.Handlers{Segment: func() *mooncake.Segment { return &es.seg }}, mooncake.ServerConfig{})
+	es.data = mooncake.ServeData(ln(), engineMemory{r, "e2"}, mooncake.DataConfig{})
+	d.engines.byID = map[string]*engineSegment{"e2": es}
+	dropped := make(chan error, 1)
+	go func() { dropped <- d.dropEngineSegment(es, 10*time.Second, "test") }()
+	poll := time.Now().Add(10 * time.Second)
+	for len(r.lentIn("e2")) > 0 && time.Now().Before(poll) {
+		time.Sleep(time.Millisecond) // the drop marks the region closing first
+	}
+	select {
+	case err := <-dropped:
+		t.Fatalf("the segment closed while a write still lands in it: %v", err)
+	default:
+	}
+	done(nil)
+	if err := <-dropped; err != nil {
+		t.Fatal(err)
+	}
+	if string(b[100:105]) != "hello" || d.engines.get("e2") != nil {
+		t.Fatalf("after the drop: %q, segment listed %v", b[100:105], d.engines.get("e2") != nil)
 	}
 }

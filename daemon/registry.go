@@ -638,8 +638,8 @@ func (r *registry) AcceptUnkeyed(addr, n uint64) (transport.Body, func(error), e
 	if s != nil {
 		return r.land(s, addr, n, s.key.Tag(), stageChunk)
 	}
-	if r.mooncakeRegionAt(addr) != nil {
-		return r.landInRegions(addr, n)
+	if r.mooncakeRegionAt("", addr) != nil {
+		return r.landInRegions("", addr, n)
 	}
 	return nil, nil, r.refuseUnkeyed(addr)
 }

@@ -47,6 +47,7 @@ import socket
 import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from .client import Client, Slot
@@ -54,7 +55,7 @@ from .cuda import device_ordinal, ipc_handle
 from .alloc import buffer as alloc_buffer
 from .alloc import free as alloc_free
 from .alloc import preload_hint, window
-from .errors import BadRequest, Busy, FerryError
+from .errors import BadRequest, Busy, FerryError, NotFound
 
 __all__ = ["TransferEngine", "TransferOpcode", "Failure"]
 
@@ -136,6 +137,9 @@ class TransferEngine:
         # What initialize recorded: the host part of local_hostname, the
         # protocol, the NIC ferryd sends over ("" over tcp).
         self.local_hostname, self.protocol, self.device_name = "", "", ""
+        # This engine's own Mooncake segment (initialize opens it) and what
+        # closes it when the engine is closed or collected.
+        self._segment, self._closer = None, None
 
     # --- set-up
 
@@ -183,18 +187,35 @@ class TransferEngine:
                                            "--rdma-device, or its own choice: GET /v1/status transport.rdma.chosen): "
                                            f"pass {nic!r}, or \"\" for ferryd's choice")
         host, port = _split_host_port(str(local_hostname))
-        segment = (status.get("mooncake") or {}).get("segment", "")
-        if port and (not segment or port != segment.rsplit(":", 1)[1]):
-            return self._refuse(method, 0, f"local_hostname {local_hostname!r}: this engine's RPC port is that of "
-                                           f"ferryd's Mooncake segment ({segment or 'none: start ferryd with --mooncake-listen'}): "
-                                           "pass the host alone")
+        if not status.get("mooncake"):
+            if port:
+                return self._refuse(method, 0, f"local_hostname {local_hostname!r}: a port asks for this engine's own "
+                                               "RPC port, and ferryd serves no Mooncake segment to open it beside: "
+                                               "start ferryd with --mooncake-listen, or pass the host alone")
+        elif self._segment is None:
+            # This engine's own segment: its session id, listing exactly
+            # the memory it registers, dropped when it closes or its
+            # process exits.
+            try:
+                body = json.dumps({"port": int(port)} if port.isdigit() else {}).encode()
+                self._segment = json.loads(self._need_client().request(
+                    "POST", "/v1/mooncake/segments", body, "application/json").body)
+            except (FerryError, ValueError) as e:
+                return self._fail(method, "", 0, e if isinstance(e, FerryError) else BadRequest(str(e)))
+            self._closer = weakref.finalize(self, _close_segment, self._need_client(), self._segment["id"])
+        elif port and int(port) != self._segment["rpc_port"]:
+            return self._refuse(method, 0, f"local_hostname {local_hostname!r}: this engine's RPC port is "
+                                           f"{self._segment['rpc_port']} already: pass that port, or the host alone")
         self.local_hostname, self.protocol, self.device_name = host, protocol, nic if protocol == "rdma" else ""
         return 0
 
     def get_rpc_port(self):
-        """The RPC port of ferryd's Mooncake segment (--mooncake-listen):
-        peers write into this host at f"{hostname}:{port}". -1 when ferryd
-        serves no segment."""
+        """This engine's RPC port: peers write into the memory it
+        registered at session f"{hostname}:{port}". Before initialize (or
+        from a ferryd that could not open one) the port of ferryd's own
+        segment (--mooncake-listen); -1 when ferryd serves none."""
+        if self._segment is not None:
+            return self._segment["rpc_port"]
         try:
             seg = self._need_client().status().get("mooncake")
         except FerryError as e:
@@ -266,8 +287,9 @@ class TransferEngine:
                                "allocate with allocate_managed_buffer. An engine that only sends from this memory "
                                "says so: TransferEngine(send_only=True) or FERRY_MOONCAKE_SEND_ONLY=1 (docs/python.md)")
         # The window's memfd, the range's own pages: peers write at ptr.
+        segment = self._segment["id"] if self._segment is not None else ""
         self._need_client().register_fd(name, w.fd, length, mooncake_addr=0 if self.send_only else ptr,
-                                        offset=ptr - w.base)
+                                        offset=ptr - w.base, mooncake_segment=segment)
         return name
 
     def batch_register_memory(self, ptrs, lengths):
@@ -373,6 +395,32 @@ class TransferEngine:
         except (OSError, ValueError, KeyError, TypeError) as e:
             return self._fail("get_first_buffer_address", segment_name, 0, FerryError(
                 f"get_first_buffer_address({segment_name!r}): {e}", code="unreachable"))
+
+    def close(self):
+        """Closes this engine's segment: ferryd stops listing and serving
+        the memory it registered (waiting for writes landing in it) and
+        closes its ports; 0, or -1. Collecting the engine does the same."""
+        with self._lock:
+            self._lock.wait_for(lambda: not any(self._in_flight.values()))
+            closer, self._closer, self._segment = self._closer, None, None
+            lent, self._lent, self._regions = self._lent, {}, []
+        failed = None
+        detached = closer.detach() if closer is not None else None
+        if detached is not None:
+            try:
+                _close_segment(*detached[2], raise_errors=True)
+            except FerryError as e:
+                failed = e
+        for name in lent.values():
+            try:
+                self._need_client().unregister_region(name)
+            except NotFound:
+                pass  # it was in the segment, gone with it
+            except FerryError as e:
+                failed = e
+        if failed is not None:
+            return self._fail("close", "", 0, failed)
+        return 0
 
     def get_engine(self):
         """Mooncake's gives its C++ engine; ferry's engine is this object."""
@@ -537,6 +585,17 @@ class TransferEngine:
 
     def _refuse(self, method, nbytes, message):
         return self._fail(method, "", nbytes, BadRequest(message, code="bad_request"))
+
+
+def _close_segment(client, segment_id, raise_errors=False):
+    """DELETE an engine's segment (at close, or when the engine is
+    collected: then errors are dropped, as ferryd also drops it when the
+    process exits)."""
+    try:
+        client.request("DELETE", f"/v1/mooncake/segments/{segment_id}")
+    except FerryError:
+        if raise_errors:
+            raise
 
 
 class _NotWritable(BadRequest):

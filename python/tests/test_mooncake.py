@@ -5,6 +5,7 @@ their receiving sides in a process without ferry's allocator, which
 ferry refuses at registration (test_mooncake_receivers.py: with it)."""
 
 import ctypes
+import gc
 import json
 import logging
 import os
@@ -218,12 +219,29 @@ def test_two_engines_name_their_staged_entries_apart(pair, rx, req_id):
         rx.free(f"{req_id}-{i}")
 
 
-def test_rpc_port_is_the_segments(pair):
+def test_each_engine_has_a_segment_of_its_own(pair):
+    # sglang keys its per-peer state by session id: two engines in one
+    # process (or two ranks on one host) must never share one.
     tx, rx = pair
-    engine = TransferEngine(socket_path=rx.socket)
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    segment = rx.client().status()["mooncake"]["segment"]
-    assert engine.get_rpc_port() == int(segment.rsplit(":", 1)[1])
+    client = rx.client()
+    ferryds = int(client.status()["mooncake"]["segment"].rsplit(":", 1)[1])
+    engines = [TransferEngine(socket_path=rx.socket) for _ in range(2)]
+    assert engines[0].get_rpc_port() == ferryds  # before initialize: ferryd's own
+    for e in engines:
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    ports = [e.get_rpc_port() for e in engines]
+    assert len({*ports, ferryds}) == 3, ports
+    listed = {s["rpc_port"]: s for s in json.loads(client.request("GET", "/v1/mooncake/segments").body)}
+    assert set(ports) <= set(listed) and all(listed[p]["pid"] == os.getpid() for p in ports)
+    # Each answers Mooncake's handshake on its own port; closing one drops it.
+    assert all(e.send_probe(f"127.0.0.1:{p}") == 0 for e, p in zip(engines, ports))
+    assert engines[0].close() == 0
+    assert engines[1].send_probe(f"127.0.0.1:{ports[0]}") == -1
+    assert ports[0] not in {s["rpc_port"] for s in json.loads(client.request("GET", "/v1/mooncake/segments").body)}
+    # Collected without close: dropped all the same.
+    del engines[1], e  # the last references
+    gc.collect()
+    assert ports[1] not in {s["rpc_port"] for s in json.loads(client.request("GET", "/v1/mooncake/segments").body)}
     no_segment = TransferEngine(socket_path=tx.socket)
     assert no_segment.get_rpc_port() == -1 and "--mooncake-listen" in no_segment.last_failure.message
 
@@ -313,12 +331,13 @@ def test_every_method_of_mooncakes_engine_is_there(tmp_path):
 def test_initialize_honours_its_arguments(pair, monkeypatch):
     tx, rx = pair
     engine = TransferEngine(socket_path=rx.socket)
-    port = rx.client().status()["mooncake"]["segment"].rsplit(":", 1)[1]
+    with socket.socket() as s:  # a free port to ask for
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     refusals = [
         (("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", ""), "P2PHANDSHAKE"),
         (("127.0.0.1", "P2PHANDSHAKE", "nvmeof", ""), '"tcp" or "rdma"'),
         (("127.0.0.1", "P2PHANDSHAKE", "rdma", ""), "--transport rdma"),   # a tcp ferryd: never silently TCP
-        (("127.0.0.1:1", "P2PHANDSHAKE", "tcp", ""), "pass the host alone"),
     ]
     for args, why in refusals:
         assert engine.initialize(*args) == -1, args
@@ -327,6 +346,10 @@ def test_initialize_honours_its_arguments(pair, monkeypatch):
     assert "metadata_type 'etcd'" in engine.last_failure.message
     assert engine.initialize_ext(f"127.0.0.1:{port}", "P2PHANDSHAKE", "tcp", "mlx5_0", "p2p") == 0
     assert (engine.local_hostname, engine.protocol, engine.device_name) == ("127.0.0.1", "tcp", "")
+    assert engine.get_rpc_port() == port  # the port local_hostname asked for
+    assert engine.initialize("127.0.0.1:1", "P2PHANDSHAKE", "tcp", "") == -1
+    assert f"RPC port is {port} already" in engine.last_failure.message
+    assert engine.close() == 0
     # No segment: no port to be.
     assert TransferEngine(socket_path=tx.socket).initialize("h:1", "P2PHANDSHAKE", "tcp", "") == -1
     # An rdma ferryd (its status stood in for beneath the client):

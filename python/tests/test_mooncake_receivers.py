@@ -8,6 +8,7 @@ tensors."""
 
 import ctypes
 import hashlib
+import json
 import os
 import random
 
@@ -194,8 +195,11 @@ def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
     def lent():
         return [g for g in client.regions() if g.get("mooncake_addr") in ptrs]
 
-    assert len(lent()) == 4
+    def segments():
+        return [s for s in json.loads(client.request("GET", "/v1/mooncake/segments").body) if s["pid"] == rx.pid]
+
+    assert len(lent()) == 4 and [s["regions"] for s in segments()] == [4]
     rx.kill()
-    poll_until(lambda: not lent(), 30, f"ferryd dropping the regions of the killed engine pid {rx.pid}")
-    pair[1].wait_log(lambda line: line.get("message") == "region unregistered: the process that lent it for "
-                     "Mooncake peers exited" and line.get("pid") == rx.pid, 10, "the dropped region's line")
+    poll_until(lambda: not lent() and not segments(), 30, f"ferryd dropping what the killed engine pid {rx.pid} lent")
+    pair[1].wait_log(lambda line: line.get("message") == "engine segment closed: the process that opened it exited"
+                     and line.get("pid") == rx.pid and line.get("regions") == 4, 10, "the dropped segment's line")
