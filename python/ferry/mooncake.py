@@ -429,19 +429,20 @@ class TransferEngine:
     # --- transfers
 
     def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None):
-        """transfer_sync_write for TransferOpcode.WRITE (reads and notifies
-        raise NotImplementedError)."""
+        """transfer_sync_write for TransferOpcode.WRITE, transfer_sync_read
+        for READ (a notify raises NotImplementedError)."""
         return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify,
                                         method="transfer_sync")
 
     def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None,
                             method="batch_transfer_sync"):
-        """batch_transfer_sync_write for TransferOpcode.WRITE (reads and
-        notifies raise NotImplementedError)."""
+        """batch_transfer_sync_write for TransferOpcode.WRITE,
+        batch_transfer_sync_read for READ (a notify raises
+        NotImplementedError)."""
         if notify is not None:
             raise NotImplementedError(f"ferry.mooncake.TransferEngine.{method} with a notify: {_NO_NOTIFY}")
         if opcode == TransferOpcode.READ:
-            raise NotImplementedError(f"ferry.mooncake.TransferEngine.{method} with opcode READ: {_NO_READ}")
+            return self.batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
         if opcode != TransferOpcode.WRITE:
             return self._refuse(method, 0, f"{method}: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
         return self.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
@@ -487,6 +488,46 @@ class TransferEngine:
         finally:
             for region in held:
                 self._release(region)
+        return 0
+
+    def transfer_sync_read(self, session_id, buffer, peer_buffer_address, length):
+        """Reads length bytes at peer_buffer_address of the segment
+        session_id into buffer (inside a registered range): 0, or -1."""
+        return self.batch_transfer_sync_read(session_id, [buffer], [peer_buffer_address], [length],
+                                             method="transfer_sync_read")
+
+    def batch_transfer_sync_read(self, session_id, buffers, peer_buffer_addresses, lengths,
+                                 method="batch_transfer_sync_read"):
+        """Reads every (peer address, length) piece into (buffer): 0 once
+        all are in this process's memory, or -1 at the first that fails.
+        From this process, over the segment's TCP data port (Mooncake's
+        READ, protocol v2 where the segment says so), straight into the
+        registered memory: a ferry engine's segment serves reads from the
+        memory its engine registered (ferryd's own segment, its arena and
+        slots, serves none); a Mooncake engine's from its buffers."""
+        if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
+            return self._refuse(method, 0, f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
+        if any(not isinstance(n, int) or n < 0 for n in lengths):
+            return self._refuse(method, 0, f"{method} from {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative")
+        pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
+        if not pieces:
+            return 0
+        nbytes = sum(n for _, _, n in pieces)
+        held = []
+        try:
+            for dst, _, n in pieces:
+                start = self._hold(dst, n)
+                if start is None:
+                    return self._refuse(method, n, f"{method} from {session_id}: [{dst:#x}, +{n}) lies in no registered "
+                                                   "range: register_memory it first")
+                held.append(start)
+            _read_pieces(session_id, self.local_hostname, self.protocol, pieces)
+        except (OSError, ValueError) as e:
+            code = "refused" if isinstance(e, _ReadRefused) else "transfer_failed"
+            return self._fail(method, session_id, nbytes, FerryError(f"{method} from {session_id}: {e}", code=code))
+        finally:
+            for start in held:
+                self._release(start)
         return 0
 
     def _write(self, session, pieces, starts):
@@ -607,16 +648,13 @@ class _NotWritable(BadRequest):
 
 # Why the Mooncake methods ferry does not have are not there; each raises
 # NotImplementedError naming itself and this (docs/python.md lists them).
-_NO_READ = ("ferryd's Mooncake path writes only: it does not read from Mooncake segments, and its own segment "
-            "serves no READ (its receive slots take writes)")
+_NO_ASYNC_READ = "the asynchronous reads are not built yet: call batch_transfer_sync_read (from a thread to overlap them)"
 _NO_NOTIFY = "ferryd does not send Mooncake notifies for an engine, nor pass on those it receives"
 _NO_ASYNC = "the asynchronous calls are not built yet: call the synchronous ones (from a thread to overlap them)"
 _NO_CUDA_STREAM = ("ferry's transfers are not ordered on a CUDA stream: synchronise the stream, then call the "
                    "synchronous ones")
 _NOT_IMPLEMENTED = {
-    "transfer_sync_read": _NO_READ,
-    "batch_transfer_sync_read": _NO_READ,
-    "batch_transfer_async_read": _NO_READ,
+    "batch_transfer_async_read": _NO_ASYNC_READ,
     "transfer_submit_write": _NO_ASYNC,
     "transfer_check_status": _NO_ASYNC,
     "batch_transfer_async_write": _NO_ASYNC,
@@ -692,6 +730,55 @@ def _handshake(segment, kind, body):
         if not isinstance(reply, dict):
             raise ValueError(f"the reply {reply!r} is not a JSON object")
         return reply
+
+
+class _ReadRefused(ValueError):
+    """The peer refused a READ: the range lies in none of its buffers."""
+
+
+_IO_TIMEOUT = 10.0  # per recv or send, as ferryd's io_timeout
+_STATUS_MAGIC = 0x4D435456  # "MCTV", the high half of a v2 status word
+
+
+def _read_pieces(segment, self_name, protocol, pieces):
+    """Reads each (local, remote, n) piece from the segment over its TCP
+    data port (mooncake/data.go has the wire), into local memory in place;
+    raises OSError or ValueError saying what failed."""
+    desc = _handshake(segment, _METADATA, {"name": self_name, "protocol": protocol or "tcp", "buffers": []})
+    if desc.get("protocol") != "tcp" or not desc.get("tcp_data_port"):
+        raise ValueError(f"the segment speaks {desc.get('protocol')!r}: reads go over Mooncake's tcp transport only so far")
+    buffers = desc.get("buffers") or []
+    for _, remote, n in pieces:
+        if not any(b["addr"] <= remote and remote + n <= b["addr"] + b["length"] for b in buffers):
+            listed = "; ".join(f"[{b['addr']:#x}, +{b['length']})" for b in buffers) or "none"
+            raise _ReadRefused(f"[{remote:#x}, +{n}) lies in none of the segment's buffers ({listed}): read memory "
+                               "its engine registered")
+    v2 = int(desc.get("tcp_proto_version") or 1) >= 2
+    host, _ = _split_host_port(segment)
+    with socket.create_connection((host, int(desc["tcp_data_port"])), _IO_TIMEOUT) as conn:
+        conn.settimeout(_IO_TIMEOUT)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for local, remote, n in pieces:
+            conn.sendall(struct.pack("<QQB7x", n, remote, 0x80 if v2 else 0))
+            if v2:
+                word = _recv_exactly(conn, memoryview(bytearray(8)))
+                status = struct.unpack("<Q", word)[0]
+                if status >> 32 != _STATUS_MAGIC:
+                    raise ValueError(f"status word {status:#018x} lacks the MCTV magic: not Mooncake's TCP protocol v2")
+                if status & 0xFFFFFFFF != 0:
+                    raise _ReadRefused(f"the segment rejected the read of {n} bytes at {remote:#x}")
+            _recv_exactly(conn, memoryview((ctypes.c_char * n).from_address(local)).cast("B"))
+
+
+def _recv_exactly(conn, view):
+    """Fills view from conn; the bytes as a bytes object when view is small."""
+    got = 0
+    while got < len(view):
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise ValueError(f"the segment closed the connection after {got} of {len(view)} bytes (a rejected v1 read?)")
+        got += k
+    return bytes(view) if len(view) <= 8 else None
 
 
 def _merge(pieces):

@@ -15,7 +15,7 @@ import random
 import pytest
 
 from conftest import poll_until
-from ferry.mooncake import TransferEngine
+from ferry.mooncake import TransferEngine, TransferOpcode
 
 torch = pytest.importorskip("torch", reason="Debian's python3-torch (make test-python installs it)")
 
@@ -40,7 +40,7 @@ def digests(images):
 
 RECEIVER = """
     import hashlib, torch
-    from ferry.mooncake import TransferEngine
+    from ferry.mooncake import TransferEngine, TransferOpcode
     engine = TransferEngine()
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
     session = f"127.0.0.1:{engine.get_rpc_port()}"
@@ -203,3 +203,38 @@ def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
     poll_until(lambda: not lent() and not segments(), 30, f"ferryd dropping what the killed engine pid {rx.pid} lent")
     pair[1].wait_log(lambda line: line.get("message") == "engine segment closed: the process that opened it exited"
                      and line.get("pid") == rx.pid and line.get("regions") == 4, 10, "the dropped segment's line")
+
+
+def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
+    # sglang's expert backup and Mooncake's READ: the reader pulls pages
+    # from memory a peer engine registered, into its own registered
+    # memory; memory the peer did not register (ferryd's arena, its
+    # slots) is never served.
+    rx = engine_child(pair[1].socket)
+    session = rx.run(RECEIVER)
+    pages = 64
+    ptr = rx.run(f"""
+        import random
+        held = torch.frombuffer(bytearray(random.Random(5).randbytes({pages} * {PAGE})), dtype=torch.uint8).clone()
+        assert engine.register_memory(held.data_ptr(), held.numel()) == 0, engine.last_failure
+        out = held.data_ptr()
+    """)
+    want = random.Random(5).randbytes(pages * PAGE)
+    reader = sender(pair)
+    dst, base = source(pages * PAGE, 6)
+    assert reader.register_memory(base, len(dst)) == 0
+    assert reader.transfer_sync_read(session, base, ptr, PAGE) == 0, reader.last_failure
+    assert bytes(dst[:PAGE]) == want[:PAGE]
+    order = list(range(1, pages))
+    random.Random(7).shuffle(order)
+    assert reader.batch_transfer_sync_read(session, [base + i * PAGE for i in order], [ptr + i * PAGE for i in order],
+                                           [PAGE] * len(order)) == 0, reader.last_failure
+    assert bytes(dst) == want
+    assert reader.transfer_sync(session, base, ptr, PAGE, TransferOpcode.READ) == 0
+    # Outside what the peer registered: refused, nothing read.
+    assert reader.transfer_sync_read(session, base, ptr + pages * PAGE, PAGE) == -1
+    assert reader.last_failure.ret == "refused" and "lies in none of the segment's buffers" in reader.last_failure.message
+    own = pair[1].client().status()["mooncake"]["segment"]  # ferryd's own segment: its arena
+    assert reader.transfer_sync_read(own, base, reader.get_first_buffer_address(own), PAGE) == -1, "the arena was read"
+    assert reader.unregister_memory(base) == 0
+    assert rx.run("out = engine.unregister_memory(held.data_ptr())") == 0
