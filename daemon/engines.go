@@ -346,11 +346,21 @@ func (d *Daemon) dropEngineSegment(es *engineSegment, wait time.Duration, why st
 
 // lentIn is the open regions listed in segment.
 func (r *registry) lentIn(segment string) []string {
+	return r.lentWhere(func(g *region) bool { return g.mooncakeAddr != 0 && g.segment == segment })
+}
+
+// ownedBy is the open regions pid lent.
+func (r *registry) ownedBy(pid int32) []string {
+	return r.lentWhere(func(g *region) bool { return g.owner == pid })
+}
+
+// lentWhere names the open regions match accepts.
+func (r *registry) lentWhere(match func(*region) bool) []string {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var names []string
 	for _, g := range r.regions {
-		if g.mooncakeAddr != 0 && g.segment == segment && !g.closing {
+		if match(g) && !g.closing {
 			names = append(names, g.name)
 		}
 	}
@@ -535,17 +545,4 @@ func (d *Daemon) ownerGone(pid int32) bool {
 	}
 	delete(r.watched, pid)
 	return true
-}
-
-// ownedBy is the open regions pid lent.
-func (r *registry) ownedBy(pid int32) []string {
-	r.mu.Lock()
-	defer r.mu.Unlock()
-	var names []string
-	for _, g := range r.regions {
-		if g.owner == pid && !g.closing {
-			names = append(names, g.name)
-		}
-	}
-	return names
 }

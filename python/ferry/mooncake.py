@@ -464,30 +464,40 @@ class TransferEngine:
         cached), or -1 at the first that fails (the pieces written before
         it stay written). A batch larger than one transfer carries goes as
         several, one after another."""
+        session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
+
+        def write(pieces, held):
+            for lo, hi in self._runs(pieces, held):
+                self._write(session, pieces[lo:hi], held[lo:hi])
+        return self._batch(method, session_id, buffers, peer_buffer_addresses, lengths, write)
+
+    def _batch(self, method, session_id, buffers, peer_buffer_addresses, lengths, move):
+        """Checks a batch's lists, merges its pieces (adjacent at both
+        ends), holds the registered ranges their local ends lie in (so
+        unregister_memory waits) and calls move(pieces, held): 0, at once
+        when no piece has a byte, or -1 with the failure."""
         if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
-            return self._refuse(method, sum(lengths),
+            return self._refuse(method, 0,
                                 f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
         if any(not isinstance(n, int) or n < 0 for n in lengths):
-            return self._refuse(method, 0, f"{method} to {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative")
+            return self._refuse(method, 0, f"{method} with {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative")
         pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
         if not pieces:
             return 0
-        session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
         held = []
         try:
-            for src, dst, n in pieces:
-                region = self._hold(src, n)
-                if region is None:
-                    return self._refuse(method, n, f"{method} to {session_id}: [{src:#x}, +{n}) lies in no registered "
+            for local, _, n in pieces:
+                start = self._hold(local, n)
+                if start is None:
+                    return self._refuse(method, n, f"{method} with {session_id}: [{local:#x}, +{n}) lies in no registered "
                                                    "range: register_memory it first")
-                held.append(region)
-            for lo, hi in self._runs(pieces, held):
-                self._write(session, pieces[lo:hi], held[lo:hi])
+                held.append(start)
+            move(pieces, held)
         except FerryError as e:
             return self._fail(method, session_id, sum(n for _, _, n in pieces), e)
         finally:
-            for region in held:
-                self._release(region)
+            for start in held:
+                self._release(start)
         return 0
 
     def transfer_sync_read(self, session_id, buffer, peer_buffer_address, length):
@@ -505,30 +515,13 @@ class TransferEngine:
         registered memory: a ferry engine's segment serves reads from the
         memory its engine registered (ferryd's own segment, its arena and
         slots, serves none); a Mooncake engine's from its buffers."""
-        if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
-            return self._refuse(method, 0, f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
-        if any(not isinstance(n, int) or n < 0 for n in lengths):
-            return self._refuse(method, 0, f"{method} from {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative")
-        pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
-        if not pieces:
-            return 0
-        nbytes = sum(n for _, _, n in pieces)
-        held = []
-        try:
-            for dst, _, n in pieces:
-                start = self._hold(dst, n)
-                if start is None:
-                    return self._refuse(method, n, f"{method} from {session_id}: [{dst:#x}, +{n}) lies in no registered "
-                                                   "range: register_memory it first")
-                held.append(start)
-            _read_pieces(session_id, self.local_hostname, self.protocol, pieces)
-        except (OSError, ValueError) as e:
-            code = "refused" if isinstance(e, _ReadRefused) else "transfer_failed"
-            return self._fail(method, session_id, nbytes, FerryError(f"{method} from {session_id}: {e}", code=code))
-        finally:
-            for start in held:
-                self._release(start)
-        return 0
+        def read(pieces, held):
+            try:
+                _read_pieces(session_id, self.local_hostname, self.protocol, pieces)
+            except (OSError, ValueError) as e:
+                raise FerryError(f"{method} from {session_id}: {e}",
+                                 code="refused" if isinstance(e, _ReadRefused) else "transfer_failed") from e
+        return self._batch(method, session_id, buffers, peer_buffer_addresses, lengths, read)
 
     def _write(self, session, pieces, starts):
         """Writes the pieces with one batch transfer (one completion): those

@@ -273,15 +273,6 @@ class EngineChild:
             self.proc.kill()
         self.proc.wait(10)
 
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.stdin.close()
-            try:
-                self.proc.wait(30)
-            except subprocess.TimeoutExpired:
-                self.kill()
-                pytest.fail(f"the engine process pid {self.pid} did not end within 30 s of its stdin closing")
-
 
 @pytest.fixture
 def engine_child():
