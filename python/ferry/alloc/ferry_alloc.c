@@ -12,9 +12,12 @@
  *
  * The window: offset in the memfd = address - base, so free() of a
  * pointer is one range compare. Blocks are whole pages, first fit with
- * coalescing under one mutex; a freed block's pages are punched out of
- * the memfd (FALLOC_FL_PUNCH_HOLE), so memory returns to the system and
- * every free page reads as zeros (calloc needs no memset).
+ * coalescing under one mutex. A freed block of FERRY_ALLOC_PUNCH bytes or
+ * more (default 2 MiB) has its pages punched out of the memfd
+ * (FALLOC_FL_PUNCH_HOLE), so memory returns to the system; smaller ones
+ * keep theirs for the next allocation, as glibc's heap does, so that
+ * temporaries do not fault their pages in again each time. calloc zeroes
+ * a large block by punching it (no page touched), a small one by memset.
  *
  * Fork: the child maps the used part of the window MAP_PRIVATE over the
  * same memfd (the parent's data kept, its own writes private) and then
@@ -42,6 +45,7 @@ extern void *__libc_memalign(size_t, size_t);
 #define PAGE 4096UL
 #define DEFAULT_MIN (64UL << 10)
 #define DEFAULT_WINDOW (256UL << 30)
+#define DEFAULT_PUNCH (2UL << 20)
 
 struct extent {
 	uintptr_t start, len;
@@ -58,6 +62,7 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int win_fd = -1;
 static uintptr_t win_base, win_len, win_used; /* win_used: the highest block end ever given */
 static size_t threshold = DEFAULT_MIN;
+static size_t punch_min = DEFAULT_PUNCH;
 static int in_child; /* a fork child: the window is private, glibc only */
 static struct list free_list, used_list;
 static size_t (*libc_usable)(void *);
@@ -140,6 +145,7 @@ static int give_back(uintptr_t start, uintptr_t len)
 static void init(void)
 {
 	threshold = env_size("FERRY_ALLOC_MIN", DEFAULT_MIN);
+	punch_min = env_size("FERRY_ALLOC_PUNCH", DEFAULT_PUNCH);
 	size_t want = round_up(env_size("FERRY_ALLOC_WINDOW", DEFAULT_WINDOW), PAGE);
 	libc_usable = (size_t (*)(void *))dlsym(RTLD_NEXT, "malloc_usable_size");
 	int fd = memfd_create("ferry-alloc", MFD_CLOEXEC | MFD_ALLOW_SEALING);
@@ -219,6 +225,11 @@ static size_t block_size(const void *p)
 	return n;
 }
 
+static void punch(uintptr_t start, uintptr_t len)
+{
+	fallocate(win_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(start - win_base), (off_t)len);
+}
+
 static void release(void *p)
 {
 	if (in_child)
@@ -232,8 +243,9 @@ static void release(void *p)
 	}
 	struct extent e = used_list.v[i];
 	remove_at(&used_list, (size_t)i);
-	/* The pages go back to the system and read as zeros when reused. */
-	fallocate(win_fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, (off_t)(e.start - win_base), (off_t)e.len);
+	/* A large block's pages go back to the system. */
+	if (e.len >= punch_min)
+		punch(e.start, e.len);
 	give_back(e.start, e.len);
 	pthread_mutex_unlock(&mu);
 }
@@ -256,9 +268,16 @@ void *calloc(size_t k, size_t n)
 		return NULL;
 	}
 	if (total >= threshold) {
-		void *p = take(total, PAGE); /* free pages are holes: zeros */
-		if (p)
+		void *p = take(total, PAGE);
+		if (p) {
+			/* A freed small block keeps its bytes: zero it. A large one
+			 * becomes a hole, zeros with no page touched. */
+			if (round_up(total, PAGE) >= punch_min)
+				punch((uintptr_t)p, round_up(total, PAGE));
+			else
+				memset(p, 0, total);
 			return p;
+		}
 	}
 	return __libc_calloc(k, n);
 }
