@@ -238,3 +238,43 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     assert reader.transfer_sync_read(own, base, reader.get_first_buffer_address(own), PAGE) == -1, "the arena was read"
     assert reader.unregister_memory(base) == 0
     assert rx.run("out = engine.unregister_memory(held.data_ptr())") == 0
+
+
+def test_both_halves_started_with_the_allocator(pair, start_daemon, engine_child):
+    # The deployment docs/python.md describes: prefill and decode both
+    # started with python -m ferry.run. The prefill's registered KV is
+    # lent to its ferryd too, so its pages are sent from where they lie:
+    # no upload of them through the control socket.
+    txd = start_daemon("txm", "--mooncake-listen", "127.0.0.1:0")
+    rx = engine_child(pair[1].socket)
+    session = rx.run(RECEIVER)
+    ptrs = rx.run("""
+        kv = [torch.zeros((64, 4096), dtype=torch.uint8) for _ in range(8)]
+        ptrs = [t.data_ptr() for t in kv]
+        assert engine.batch_register_memory(ptrs, [t.numel() for t in kv]) == 0, engine.last_failure
+        out = ptrs
+    """)
+    tx = engine_child(txd.socket)
+    sent = tx.run(f"""
+        import hashlib, random
+        import numpy as np
+        from ferry.mooncake import TransferEngine
+        engine = TransferEngine()
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+        src = np.frombuffer(random.Random(9).randbytes(8 * 64 * 4096), dtype=np.uint8).copy()
+        assert engine.register_memory(src.ctypes.data, src.nbytes) == 0, engine.last_failure
+        rng = random.Random(10)
+        pieces = [(t, p) for t in range(8) for p in rng.sample(range(64), 32)]
+        ret = engine.batch_transfer_sync_write({session!r}, [src.ctypes.data + (t * 64 + p) * 4096 for t, p in pieces],
+                                               [{ptrs!r}[t] + p * 4096 for t, p in pieces], [4096] * len(pieces))
+        expect = [bytearray(64 * 4096) for _ in range(8)]
+        for t, p in pieces:
+            expect[t][p * 4096:(p + 1) * 4096] = src[(t * 64 + p) * 4096:(t * 64 + p + 1) * 4096].tobytes()
+        out = [ret, engine.last_failure and engine.last_failure.message, [hashlib.sha256(e).hexdigest() for e in expect]]
+    """)
+    ret, why, expect = sent
+    assert ret == 0, why
+    assert rx.run("out = digest(kv)") == expect
+    uploads = [line for line in txd.lines if line.get("message") == "request" and line.get("method") == "PUT"]
+    assert not uploads, f"the sender's pages went up the control socket: {uploads[:2]}"
+    assert tx.run("out = engine.close()") == 0 and rx.run("out = engine.close()") == 0
