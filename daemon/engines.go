@@ -29,6 +29,14 @@ import (
 // closes it, the segment, its listeners and its regions go. Regions lent
 // without a segment are listed in ferryd's own (--mooncake-listen).
 
+// Between two ferryd on the TCP transport an engine's memory is written
+// over ferry's own peer protocol, not Mooncake's wire: the segment's
+// descriptor names its ferryd's peer port and the segment's key
+// (mooncake.FerryTarget), and a write carrying that key lands in the
+// segment's regions at its Mooncake address (registry.acceptKeyed). With
+// a peer secret those connections are authenticated, as all peer
+// connections are.
+
 // lend says where Mooncake peers write into a region: at addr (its
 // owner's address of its first byte; 0: they do not), in the engine
 // segment named segment ("": ferryd's own), lent by process owner.
@@ -209,6 +217,7 @@ func (r *registry) unpinRegions(pinned []*region) {
 // data port landing writes there and serving reads from there only.
 type engineSegment struct {
 	id    string
+	key   transport.Key // ferry peers' writes carry it
 	owner int32
 	since time.Time
 	seg   mooncake.Segment // the descriptor, less its buffers
@@ -277,10 +286,19 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 		ahost, _, _ := net.SplitHostPort(d.advertise)
 		name = net.JoinHostPort(ahost, strconv.Itoa(ra.Port))
 	}
-	es := &engineSegment{id: id, owner: owner, since: time.Now(), seg: mooncake.Segment{
+	es := &engineSegment{id: id, key: transport.NewKey(), owner: owner, since: time.Now(), seg: mooncake.Segment{
 		Name: name, Protocol: "tcp", TCPDataPort: dl.Addr().(*net.TCPAddr).Port, TCPProtoVersion: 2,
 		Timestamp: time.Now().UTC().Format("2006-01-02 15:04:05.000000"),
 	}}
+	if d.tr.Name() == "tcp" {
+		es.seg.Ferry = &mooncake.FerryTarget{Peer: d.advertise, Key: es.key}
+	}
+	d.reg.mu.Lock()
+	if d.reg.engineKeys == nil {
+		d.reg.engineKeys = make(map[transport.Key]string)
+	}
+	d.reg.engineKeys[es.key] = id
+	d.reg.mu.Unlock()
 	logf := d.mooncake.warnf
 	es.data = mooncake.ServeData(dl, engineMemory{d.reg, id}, mooncake.DataConfig{
 		IOTimeout: d.cfg.IOTimeout.D(), Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow,
@@ -319,6 +337,9 @@ func (d *Daemon) dropEngineSegment(es *engineSegment, wait time.Duration, why st
 	}
 	delete(d.engines.byID, es.id)
 	d.engines.mu.Unlock()
+	d.reg.mu.Lock()
+	delete(d.reg.engineKeys, es.key)
+	d.reg.mu.Unlock()
 	var ends []*regionEnd
 	for _, name := range d.reg.lentIn(es.id) {
 		if end, err := d.reg.removeRegion(name); err == nil {

@@ -738,3 +738,36 @@ func TestEngineSegmentsKeepTheirMemoryApart(t *testing.T) {
 		t.Fatalf("after the drop: %q, segment listed %v", b[100:105], d.engines.get("e2") != nil)
 	}
 }
+
+// A ferry peer's write carrying an engine segment's key lands in that
+// segment's regions at their Mooncake addresses (across adjacent ones);
+// outside them it is out of bounds, and a key no segment has is no slot.
+func TestEngineKeysLandFerryPeersWritesInEngineMemory(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	const at = 0x7f0000000000
+	a, b := hostRegion(make([]byte, 4096)), hostRegion(make([]byte, 4096))
+	for i, g := range []hostRegion{a, b} {
+		if _, err := r.addRegionAt(fmt.Sprint("r", i), g, nil, nil, lend{mooncakeAddr: at + uint64(i)*4096, segment: "e1"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	key := transport.NewKey()
+	r.engineKeys = map[transport.Key]string{key: "e1"}
+	want := []byte("spans two tensors")
+	body, done, err := r.AcceptChunks(at+4090, uint64(len(want)), key, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	off := 0
+	eachPiece(t, body, func(piece []byte) { off += copy(piece, want[off:]) })
+	done(nil)
+	if got := string(a[4090:]) + string(b[:len(want)-6]); got != string(want) {
+		t.Fatalf("landed %q, want %q", got, want)
+	}
+	if _, _, err := r.AcceptChunks(at+8000, 200, key, 0); refusalCode(t, err) != transport.OutOfBounds {
+		t.Fatalf("past the engine's memory: %v", err)
+	}
+	if _, _, err := r.AcceptChunks(at, 1, transport.NewKey(), 0); refusalCode(t, err) != transport.NoSlot {
+		t.Fatalf("a key no segment has: %v", err)
+	}
+}

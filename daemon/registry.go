@@ -143,6 +143,9 @@ type registry struct {
 	// (api.RegionRequest.MooncakeAddr): with none, a write without a key
 	// that no slot holds is refused without mu.
 	mooncakeRegions atomic.Int32
+	// engineKeys names the engine segments ferry peers write into by
+	// key (engines.go): key -> segment id.
+	engineKeys map[transport.Key]string
 	// watched is the processes whose regions for Mooncake peers go when
 	// they exit (watchOwner).
 	watched map[int32]bool
@@ -583,6 +586,9 @@ func (r *registry) acceptKeyed(addr, n uint64, key transport.Key, tag uint32, ch
 	s := r.byKey[key]
 	if r.closedTo(s) {
 		return nil, nil, errRefuseStopping
+	}
+	if segment, ok := r.engineKeys[key]; ok && s == nil {
+		return r.landInRegions(segment, addr, n) // a ferry peer's write into engine memory
 	}
 	if s == nil || addr < s.addr || addr >= s.addr+uint64(s.nbytes) {
 		r.refused(transport.NoSlot)

@@ -63,11 +63,11 @@ func openFDs(t *testing.T, pid int) int {
 	return len(ents)
 }
 
-// peerHello is a ferry hello of protocol version 7 for a data
+// peerHello is a ferry hello of protocol version 8 for a data
 // connection (transport/peer/wire.go), written from the notes.
 func peerHello() []byte {
 	b := []byte("FERY")
-	b = binary.LittleEndian.AppendUint32(b, 7)
+	b = binary.LittleEndian.AppendUint32(b, 8)
 	b = binary.LittleEndian.AppendUint64(b, 0x5eed)
 	b = binary.LittleEndian.AppendUint32(b, 0) // kind: data
 	return binary.LittleEndian.AppendUint32(b, 0)

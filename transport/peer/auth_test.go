@@ -211,9 +211,9 @@ func TestShortSecret(t *testing.T) {
 // whole and its version mismatch reaches the dialer intact.
 func TestAuthDialOlderPeer(t *testing.T) {
 	tx := listen(t, Config{Secret: secretA}, nil)
-	addr := transporttest.FakePeer(t, welcomeAs(6, statusBadVersion))
+	addr := transporttest.FakePeer(t, welcomeAs(7, statusBadVersion))
 	_, _, err := tx.Dial(ctxFor(t, 10*time.Second), addr, KindData)
-	for _, w := range []string{"peer speaks version 6", "this daemon speaks version 7", "upgrade the older daemon"} {
+	for _, w := range []string{"peer speaks version 7", "this daemon speaks version 8", "upgrade the older daemon"} {
 		if err == nil || !strings.Contains(err.Error(), w) {
 			t.Errorf("dial error %v does not mention %q", err, w)
 		}

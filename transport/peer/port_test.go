@@ -78,8 +78,8 @@ func TestHostileHandshake(t *testing.T) {
 		log    []string // words of the expected log line; nil: no line
 	}{
 		{"WrongMagic", []byte("GET / HTTP/1.1\r\nHost:x\r\n"), statusBadMagic, []string{"bad magic", `"GET "`}},
-		{"WrongVersion", helloBytes(99), statusBadVersion, []string{"version 99", "version 7", "upgrade the older daemon"}},
-		{"OldVersion", helloBytes(6), statusBadVersion, []string{"peer speaks version 6", "version 7", "upgrade the older daemon"}},
+		{"WrongVersion", helloBytes(99), statusBadVersion, []string{"version 99", "version 8", "upgrade the older daemon"}},
+		{"OldVersion", helloBytes(7), statusBadVersion, []string{"peer speaks version 7", "version 8", "upgrade the older daemon"}},
 		{"Truncated", helloBytes(version)[:5], noWelcome, []string{"read 5 of the 24-byte hello", "EOF"}},
 		{"Silent", nil, noWelcome, []string{"read 0 of the 24-byte hello", "timeout"}},
 		{"ConnectAndClose", []byte{}, noWelcome, nil},
@@ -146,7 +146,7 @@ func TestDialHostilePeer(t *testing.T) {
 		want         []string
 		incompatible bool // no re-dial can help: the daemon must not retry
 	}{
-		{"WrongVersion", KindData, welcomeAs(8, statusBadVersion), []string{"peer speaks version 8", "this daemon speaks version 7", "upgrade the older daemon"}, true},
+		{"WrongVersion", KindData, welcomeAs(9, statusBadVersion), []string{"peer speaks version 9", "this daemon speaks version 8", "upgrade the older daemon"}, true},
 		{"NotFerry", KindData, func(c net.Conn) { io.WriteString(c, "HTTP/1.1 400 Bad Request\r\n\r\n") }, []string{"bad magic", "HTTP"}, true},
 		{"Refused", KindData, welcomeAs(version, 77), []string{"status 77"}, false},
 		{"ClosesEarly", KindData, func(c net.Conn) { c.Read(make([]byte, 1)) }, []string{"peer closed the connection"}, false},

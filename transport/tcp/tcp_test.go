@@ -49,7 +49,7 @@ func ctxFor(t *testing.T, d time.Duration) context.Context {
 // clients and fake servers of these tests write and read it: from the
 // notes, not from package peer's codec.
 const (
-	version         = 7
+	version         = 8
 	helloSize       = 24
 	welcomeSize     = 28
 	nonceSize       = 32
