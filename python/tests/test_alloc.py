@@ -42,6 +42,12 @@ PRELUDE = textwrap.dedent("""
     w = ferry.alloc.window()
     def inside(addr, n=1):
         return w is not None and w.holds(addr, n)
+    libc = ctypes.CDLL(None)   # malloc and its family, as ferry's allocator serves them
+    libc.malloc.restype = libc.calloc.restype = libc.realloc.restype = ctypes.c_void_p
+    libc.malloc.argtypes = [ctypes.c_size_t]
+    libc.calloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
+    libc.realloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.free.argtypes = [ctypes.c_void_p]
 """)
 
 
@@ -86,11 +92,6 @@ def test_calloc_of_a_reused_block_reads_zeros():
     # Freed blocks under FERRY_ALLOC_PUNCH keep their pages (and bytes)
     # for the next allocation: calloc zeroes them.
     got = run_child(PRELUDE + textwrap.dedent("""
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = libc.calloc.restype = ctypes.c_void_p
-        libc.malloc.argtypes = [ctypes.c_size_t]
-        libc.calloc.argtypes = [ctypes.c_size_t, ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
         seen = []
         for n in (128 << 10, 8 << 20):          # kept, then punched
             p = libc.malloc(n)
@@ -107,11 +108,6 @@ def test_calloc_of_a_reused_block_reads_zeros():
 
 def test_realloc_across_the_threshold_keeps_the_bytes():
     got = run_child(PRELUDE + textwrap.dedent("""
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype = libc.realloc.restype = ctypes.c_void_p
-        libc.malloc.argtypes = [ctypes.c_size_t]
-        libc.realloc.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-        libc.free.argtypes = [ctypes.c_void_p]
         pattern = bytes(range(256)) * 4
         p = libc.malloc(1024)
         ctypes.memmove(p, pattern, 1024)
