@@ -11,6 +11,8 @@ import hashlib
 import json
 import os
 import random
+import socket
+import struct
 
 import pytest
 
@@ -283,3 +285,54 @@ def test_both_halves_started_with_the_allocator(pair, start_daemon, engine_child
     uploads = [line for line in txd.lines if line.get("message") == "request" and line.get("method") == "PUT"]
     assert not uploads, f"the sender's pages went up the control socket: {uploads[:2]}"
     assert tx.run("out = engine.close()") == 0 and rx.run("out = engine.close()") == 0
+
+
+def mooncake_write(session, pieces):
+    """Writes (addr, bytes) pieces into the segment session as a Mooncake
+    initiator does (its TCP transport, protocol v2: mooncake/data.go), one
+    connection; the status of each write."""
+    from ferry.mooncake import _METADATA, _handshake
+    desc = _handshake(session, _METADATA, {"name": "mooncake-initiator", "protocol": "tcp", "buffers": []})
+    assert desc["protocol"] == "tcp" and desc["tcp_proto_version"] >= 2, desc
+    statuses = []
+    with socket.create_connection(("127.0.0.1", desc["tcp_data_port"]), 10) as conn:
+        conn.settimeout(10)
+        for addr, data in pieces:
+            conn.sendall(struct.pack("<QQB7x", len(data), addr, 0x81) + data)
+            word = b""
+            while len(word) < 8:
+                chunk = conn.recv(8 - len(word))
+                assert chunk, "the data port closed the connection"
+                word += chunk
+            status = struct.unpack("<Q", word)[0]
+            assert status >> 32 == 0x4D435456, hex(status)
+            statuses.append(status & 0xFFFFFFFF)
+    return statuses
+
+
+def test_a_mooncake_initiator_writes_into_a_ferry_engines_memory(pair, engine_child):
+    # The other half on Mooncake: an initiator speaking Mooncake's TCP
+    # wire (what a Mooncake prefill's engine sends) writes scattered pages
+    # into the tensors a ferry engine registered, at their addresses; its
+    # status says OK once they are in memory, rejected outside them.
+    rx = engine_child(pair[1].socket)
+    session = rx.run(RECEIVER)
+    ptrs = rx.run("""
+        kv = [torch.zeros((32, 4096), dtype=torch.uint8) for _ in range(4)]
+        ptrs = [t.data_ptr() for t in kv]
+        assert engine.batch_register_memory(ptrs, [t.numel() for t in kv]) == 0, engine.last_failure
+        out = ptrs
+    """)
+    rng = random.Random(11)
+    expect = [bytearray(32 * PAGE) for _ in range(4)]
+    pieces = []
+    for t in range(4):
+        for p in rng.sample(range(32), 16):
+            data = rng.randbytes(PAGE)
+            expect[t][p * PAGE:(p + 1) * PAGE] = data
+            pieces.append((ptrs[t] + p * PAGE, data))
+    assert mooncake_write(session, pieces) == [0] * len(pieces)
+    assert rx.run("out = digest(kv)") == digests(expect)
+    # Running past the highest registered tensor's end: rejected, nothing written.
+    assert mooncake_write(session, [(max(ptrs) + 32 * PAGE - 10, b"x" * 20)]) == [1]
+    assert rx.run("out = digest(kv)") == digests(expect)
