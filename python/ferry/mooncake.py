@@ -1,38 +1,39 @@
 """A drop-in for Mooncake's Python ``TransferEngine``, backed by ferryd.
 
-sglang's encoder and vLLM's Mooncake connector call a handful of the
-engine's methods; this class has them, with Mooncake's return
-conventions (0 on success, a negative int on failure), so that moving a
-sender to ferry is one import::
+sglang (PD disaggregation, the multimodal encoder) and vLLM's Mooncake
+connector call the engine on both sides; this class has every method of
+Mooncake's, with Mooncake's return conventions (0 on success, a negative
+int on failure), so that moving a framework to ferry is one import::
 
     from ferry.mooncake import TransferEngine      # was: from mooncake.engine import TransferEngine
 
-Senders only, and it says so: peers cannot write into memory this class
-registers (ferryd's Mooncake segment takes writes only into receive
-slots made with ``mooncake=True``), so ``register_memory`` returns -1
-with the reason unless the engine was told it only sends from that
-memory: ``TransferEngine(send_only=True)``, or ``FERRY_MOONCAKE_SEND_ONLY=1``
-in the environment of a framework that makes the engine itself. A
-receiving side hands out receive slots instead (docs/python.md).
+The receiving side works for host memory born in ferry's allocator: start
+the process with ``python -m ferry.run`` (LD_PRELOAD=libferry_alloc.so,
+ferry.alloc), and ``register_memory`` lends the tensor's own pages to
+ferryd, which lands peers' writes there at the caller's addresses. Other
+memory is refused at registration (-1, the fix in ``last_failure``),
+unless the engine was told it only sends from it:
+``TransferEngine(send_only=True)`` or ``FERRY_MOONCAKE_SEND_ONLY=1``.
+``initialize`` opens the engine's own Mooncake segment in ferryd (its
+session id, ``get_rpc_port()``), closed by ``close()``, by collection or
+when the process exits.
 
 Transfers go through the local ferryd (the socket from ``FERRY_SOCKET``,
-else /run/ferry/ferryd.sock), which writes them into the peer's segment
-over Mooncake's wire: a ferry receive slot made with ``mooncake=True``
-(its ``mooncake_session`` and ``buffer_address``), or a real Mooncake
-segment. On failure the method returns -1 as Mooncake's does, logs the
-failure with its session, nbytes and ferryd's ``ret``, and keeps it in
-``last_failure``; ``TransferEngine(raise_on_failure=True)`` raises
-``ferry.TransferFailed`` (or the error ferryd answered with) instead.
+else /run/ferry/ferryd.sock): into a ferry engine's memory over ferry's
+peer protocol, into a Mooncake segment (or a ferry receive slot made with
+``mooncake=True``) over Mooncake's wire; 0 means every byte is in the
+receiver's memory. Reads go from this process over Mooncake's TCP READ.
+On failure a method returns -1 as Mooncake's does, logs the failure with
+its session, nbytes and ``ret``, and keeps it in ``last_failure``;
+``TransferEngine(raise_on_failure=True)`` raises instead.
 
-Each call is one batch transfer (one completion), however many pieces it
-carries, up to what one transfer may carry (1,048,576 items in a body of
-16 MiB: docs/api.md); a larger batch goes as several transfers, one after
-another, and the call returns 0 once all are done. CUDA device memory given to ``register_memory`` is lent to ferryd
-as a region by its IPC handle (ferryd must run on that GPU) and sent with
-no copy; host memory is the caller's anonymous memory, which ferryd cannot
-map, so its pieces are copied into one staged entry per transfer (one
-upload).
-The GPU path has not yet run on a GPU (make test-gpu has its test).
+Each write call is one batch transfer (one completion), however many
+pieces it carries, up to what one transfer may carry (1,048,576 items in
+a body of 16 MiB: docs/api.md); a larger batch goes as several, one
+after another. Memory in the allocator's window and CUDA device memory
+(send_only: lent by its IPC handle; not yet run on a GPU) are sent from
+where they lie; other host memory of a send_only engine is copied into
+one staged entry per transfer. docs/python.md has the rest.
 """
 
 import base64
