@@ -300,7 +300,10 @@ func (d *Daemon) Status() api.Status {
 	staged, receives := d.reg.counts()
 	var mc *api.MooncakeStatus
 	if d.mooncake != nil {
-		mc = &api.MooncakeStatus{Segment: d.mooncake.name, RPC: d.mooncake.hs.Addr().String(), DataPort: d.mooncake.seg.TCPDataPort}
+		d.engines.mu.Lock()
+		engines := len(d.engines.byID)
+		d.engines.mu.Unlock()
+		mc = &api.MooncakeStatus{Segment: d.mooncake.name, RPC: d.mooncake.hs.Addr().String(), DataPort: d.mooncake.seg.TCPDataPort, Engines: engines}
 	}
 	return api.Status{
 		Version: Version, PID: os.Getpid(), Instance: fmt.Sprintf("%016x", d.instance), StartedAt: d.started,

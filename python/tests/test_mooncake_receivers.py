@@ -206,8 +206,10 @@ def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
         return [s for s in json.loads(client.request("GET", "/v1/mooncake/segments").body) if s["pid"] == rx.pid]
 
     assert len(lent()) == 4 and [s["regions"] for s in segments()] == [4]
+    engines = client.status()["mooncake"]["engines"]
     rx.kill()
     poll_until(lambda: not lent() and not segments(), 30, f"ferryd dropping what the killed engine pid {rx.pid} lent")
+    assert client.status()["mooncake"]["engines"] <= engines - 1  # (other tests' engines may end meanwhile)
     pair[1].wait_log(lambda line: line.get("message") == "engine segment closed: the process that opened it exited"
                      and line.get("pid") == rx.pid and line.get("regions") == 4, 10, "the dropped segment's line")
 
