@@ -251,11 +251,22 @@ func (e *engines) ownedBy(pid int32) []*engineSegment {
 	return out
 }
 
+// maxEngineSegments bounds the engine segments open at once, two
+// listeners each: a host's engines, one per GPU rank and a few more, with
+// room to spare; a client opening them in a loop meets the bound.
+const maxEngineSegments = 256
+
 // openEngineSegment listens on the host of --mooncake-listen, port (0:
 // one the kernel picks) for the RPC port and any for the data port.
 func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error) {
 	if d.mooncake == nil {
 		return nil, apiErr(api.CodeBadRequest, "an engine segment listens beside ferryd's own Mooncake segment, and this ferryd serves none: start it with --mooncake-listen HOST:PORT")
+	}
+	d.engines.mu.Lock()
+	open := len(d.engines.byID)
+	d.engines.mu.Unlock()
+	if open >= maxEngineSegments {
+		return nil, apiErr(api.CodeBusy, "%d engine segments are open, this ferryd's limit: close engines no longer used (engine.close(); GET /v1/mooncake/segments lists them)", open)
 	}
 	if port < 0 || port > 65535 {
 		return nil, apiErr(api.CodeBadRequest, "port %d: want 0 (any) or a port number", port)

@@ -771,3 +771,16 @@ func TestEngineKeysLandFerryPeersWritesInEngineMemory(t *testing.T) {
 		t.Fatalf("a key no segment has: %v", err)
 	}
 }
+
+// Engine segments are bounded: past maxEngineSegments open, a new one is
+// refused (busy) before it listens.
+func TestEngineSegmentsAreBounded(t *testing.T) {
+	d := &Daemon{mooncake: &mooncakeSegment{seg: mooncake.Segment{Protocol: "tcp"}}}
+	d.engines.byID = make(map[string]*engineSegment)
+	for i := range maxEngineSegments {
+		d.engines.byID[fmt.Sprint("e", i)] = &engineSegment{}
+	}
+	if _, err := d.openEngineSegment(1, 0); !isCode(err, api.CodeBusy) || !strings.Contains(err.Error(), "close engines no longer used") {
+		t.Fatalf("an engine segment past the bound: %v", err)
+	}
+}
