@@ -52,6 +52,18 @@ RECEIVER = """
 """
 
 
+def register_kv(rx, tensors, pages):
+    """The decode side's KV pool in the engine process rx: tensors torch CPU
+    tensors of pages pages each, allocated first, then registered in one
+    batch_register_memory; their addresses."""
+    return rx.run(f"""
+        kv = [torch.zeros(({pages}, {PAGE}), dtype=torch.uint8) for _ in range({tensors})]
+        ptrs = [t.data_ptr() for t in kv]
+        assert engine.batch_register_memory(ptrs, [t.numel() for t in kv]) == 0, engine.last_failure
+        out = ptrs
+    """)
+
+
 def test_sglang_pd_decode_registers_its_kv_and_prefill_writes_2048_scattered_pages(pair, engine_child):
     # sglang PD: the decode worker's KV pool (per layer a K and a V buffer,
     # torch CPU tensors allocated before the engine), registered in one
@@ -191,12 +203,7 @@ def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
     # addresses mean nothing now, and ferryd unregisters what it lent.
     rx = engine_child(pair[1].socket)
     rx.run(RECEIVER)
-    ptrs = rx.run("""
-        kv = [torch.zeros(1 << 20, dtype=torch.uint8) for _ in range(4)]
-        ptrs = [t.data_ptr() for t in kv]
-        assert engine.batch_register_memory(ptrs, [t.numel() for t in kv]) == 0, engine.last_failure
-        out = ptrs
-    """)
+    ptrs = register_kv(rx, 4, 256)
     client = pair[1].client()
 
     def lent():
@@ -257,12 +264,7 @@ def test_both_halves_started_with_the_allocator(pair, start_daemon, engine_child
     txd = start_daemon("txm", "--mooncake-listen", "127.0.0.1:0")
     rx = engine_child(pair[1].socket)
     session = rx.run(RECEIVER)
-    ptrs = rx.run("""
-        kv = [torch.zeros((64, 4096), dtype=torch.uint8) for _ in range(8)]
-        ptrs = [t.data_ptr() for t in kv]
-        assert engine.batch_register_memory(ptrs, [t.numel() for t in kv]) == 0, engine.last_failure
-        out = ptrs
-    """)
+    ptrs = register_kv(rx, 8, 64)
     tx = engine_child(txd.socket)
     sent = tx.run(f"""
         import hashlib, random
@@ -319,12 +321,7 @@ def test_a_mooncake_initiator_writes_into_a_ferry_engines_memory(pair, engine_ch
     # status says OK once they are in memory, rejected outside them.
     rx = engine_child(pair[1].socket)
     session = rx.run(RECEIVER)
-    ptrs = rx.run("""
-        kv = [torch.zeros((32, 4096), dtype=torch.uint8) for _ in range(4)]
-        ptrs = [t.data_ptr() for t in kv]
-        assert engine.batch_register_memory(ptrs, [t.numel() for t in kv]) == 0, engine.last_failure
-        out = ptrs
-    """)
+    ptrs = register_kv(rx, 4, 32)
     rng = random.Random(11)
     expect = [bytearray(32 * PAGE) for _ in range(4)]
     pieces = []
