@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build demo test vet unit e2e test-python test-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
+.PHONY: all deps build alloc demo test vet unit e2e test-python test-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
 
 # The version every build carries (ferryd --version, GET /v1/status) and the
 # package is named by: git describe made a Debian version (scripts/version.sh
@@ -24,6 +24,13 @@ deps:
 
 build: deps
 	$(GO) build -trimpath -ldflags '$(VERSION_LDFLAGS) $(EXTRA_LDFLAGS)' -o $(BIN)/ ./cmd/...
+
+# ferry's preload allocator (python/ferry/alloc, docs/python.md): built
+# into the package, which ships it.
+ALLOC_SO := python/ferry/alloc/libferry_alloc.so
+alloc: $(ALLOC_SO)
+$(ALLOC_SO): python/ferry/alloc/ferry_alloc.c
+	gcc -O2 -g -fPIC -shared -Wall -Wextra -Werror -o $@ $< -ldl -lpthread
 
 # Two ferryd on loopback: stage a random 16x4096 bf16 embedding, send, verify.
 demo: build
@@ -50,7 +57,7 @@ e2e: deps
 # limit, 900 s, leaves room). python/build goes first: setuptools
 # builds there and would ship files the source no longer has.
 PYVENV := $(BIN)/python-venv
-test-python: build
+test-python: build alloc
 	@scripts/deps.sh python
 	rm -rf $(PYVENV) python/build python/ferry.egg-info
 	/usr/bin/python3 -m venv --system-site-packages --without-pip $(PYVENV)
@@ -165,4 +172,4 @@ bench: build
 	FERRYBENCH=$(BIN)/ferrybench bench/compare-raw.sh
 
 clean:
-	rm -rf $(BIN)
+	rm -rf $(BIN) $(ALLOC_SO)

@@ -133,6 +133,7 @@ type MooncakeStatus struct {
 	Segment  string `json:"segment"`   // "ip:rpcport", the name Mooncake senders use
 	RPC      string `json:"rpc"`       // the handshake listener
 	DataPort int    `json:"data_port"` // the TCP data port, as the descriptor names it
+	Engines  int    `json:"engines"`   // engine segments open (GET /v1/mooncake/segments)
 }
 
 type MemoryStatus struct {

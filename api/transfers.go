@@ -228,10 +228,26 @@ type Events struct {
 // so that no one can cut the mapping short under ferryd.
 type RegionRequest struct {
 	Name   string `json:"name"`
-	NBytes int64  `json:"nbytes"` // from the memfd's start, or from CUDA.Offset
+	NBytes int64  `json:"nbytes"` // from the memfd's start (or FDOffset), or from CUDA.Offset
+	// FDOffset is where in the memfd the region starts (any byte): ferryd
+	// maps only the pages holding [FDOffset, FDOffset+NBytes). ferry's
+	// allocator lends one memfd per process, and each registered tensor
+	// is a region of it.
+	FDOffset int64 `json:"fd_offset,omitempty"`
 	// CUDA, instead of a descriptor, lends GPU memory: an allocation on
 	// ferryd's GPU, by its IPC handle.
 	CUDA *RegionCUDA `json:"cuda,omitempty"`
+	// MooncakeAddr, when not 0, opens a memfd region to Mooncake peers'
+	// writes at this address, its owner's own virtual address of the
+	// memfd's first byte: ferryd's Mooncake segment (tcp) lists
+	// [MooncakeAddr, +NBytes) among its buffers, and a write there lands
+	// in the region, which its owner maps at that address
+	// (ferry.mooncake.TransferEngine's register_memory).
+	MooncakeAddr uint64 `json:"mooncake_addr,omitempty"`
+	// MooncakeSegment, with MooncakeAddr, lists the region in that engine
+	// segment (POST /v1/mooncake/segments) instead of ferryd's own: an
+	// engine's segment lists exactly the memory its engine registered.
+	MooncakeSegment string `json:"mooncake_segment,omitempty"`
 }
 
 // RegionCUDA names GPU memory a client lends: the allocation its IPC
@@ -254,6 +270,10 @@ type Region struct {
 	Uses    int       `json:"uses"`
 	Closing bool      `json:"closing,omitempty"`
 	Since   time.Time `json:"since"`
+	// MooncakeAddr is where Mooncake peers write into it; absent when
+	// they do not.
+	MooncakeAddr    uint64 `json:"mooncake_addr,omitempty"`
+	MooncakeSegment string `json:"mooncake_segment,omitempty"` // the engine segment listing it; absent: ferryd's own
 	// NIC says whether the RDMA NIC reaches the region where it lies;
 	// absent when the transport is TCP.
 	NIC *RegionNIC `json:"nic,omitempty"`
@@ -460,4 +480,24 @@ func (p *itemParser) int() (int64, error) {
 
 func (p *itemParser) fail(format string, args ...any) error {
 	return fmt.Errorf(format+" (at byte %d of the items)", append(args, p.i)...)
+}
+
+// EngineSegmentRequest opens a Mooncake segment for one engine
+// (ferry.mooncake.TransferEngine): POST /v1/mooncake/segments.
+type EngineSegmentRequest struct {
+	// Port is its RPC port on the host of --mooncake-listen; 0: one the
+	// kernel picks.
+	Port int `json:"port,omitempty"`
+}
+
+// EngineSegment describes an engine's own Mooncake segment: its session
+// id, ports, the process it belongs to and the buffers it lists.
+type EngineSegment struct {
+	ID       string    `json:"id"`
+	Session  string    `json:"session"` // "host:rpc_port", the engine's session id
+	RPCPort  int       `json:"rpc_port"`
+	DataPort int       `json:"data_port"`
+	PID      int32     `json:"pid"`
+	Regions  int       `json:"regions"` // registered memory it lists
+	Since    time.Time `json:"since"`
 }

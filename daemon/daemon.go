@@ -59,6 +59,7 @@ type Daemon struct {
 	tr        transport.Transport
 	dp        *dataPlane
 	mooncake  *mooncakeSegment // --mooncake-listen, or nil
+	engines   engines          // ferry.mooncake engines' own segments (engines.go)
 	sessions  *sessions
 	transfers *transfers // batch transfers, running and recently ended
 	events    *eventLog  // arrivals and batch endings, for GET /v1/events
@@ -192,6 +193,11 @@ func New(cfg Config) (*Daemon, error) {
 		Self: &mooncake.Segment{Name: d.advertise, Protocol: "tcp", Buffers: []mooncake.Buffer{}}}
 	if d.dp.mooncake != nil {
 		mc.RDMA = d.dp.mooncake
+	}
+	if d.tr.Name() == "tcp" {
+		// A ferry engine's segment names this port of its ferryd: written
+		// over ferry's peer protocol (engines.go).
+		mc.Ferry = d.tr.Dial
 	}
 	d.sessions = newSessions(d.tr, mc)
 	if cfg.MooncakeListen != "" {
@@ -409,6 +415,7 @@ func (d *Daemon) closeAll() {
 	if d.sessions != nil {
 		d.sessions.closeAll()
 	}
+	d.closeEngines()
 	if d.mooncake != nil {
 		d.mooncake.close()
 	}

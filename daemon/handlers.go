@@ -89,6 +89,9 @@ func (d *Daemon) routes() http.Handler {
 		"DELETE /v1/regions/{name}":           d.handleDeleteRegion,
 		"GET /v1/sessions":                    d.handleListSessions,
 		"DELETE /v1/sessions/{id}":            d.handleDeleteSession,
+		"POST /v1/mooncake/segments":          d.handleNewEngineSegment,
+		"GET /v1/mooncake/segments":           d.handleListEngineSegments,
+		"DELETE /v1/mooncake/segments/{id}":   d.handleDeleteEngineSegment,
 	} {
 		mux.Handle(pattern, d.wrap(h))
 	}
@@ -298,7 +301,10 @@ func (d *Daemon) Status() api.Status {
 	staged, receives := d.reg.counts()
 	var mc *api.MooncakeStatus
 	if d.mooncake != nil {
-		mc = &api.MooncakeStatus{Segment: d.mooncake.name, RPC: d.mooncake.hs.Addr().String(), DataPort: d.mooncake.seg.TCPDataPort}
+		d.engines.mu.Lock()
+		engines := len(d.engines.byID)
+		d.engines.mu.Unlock()
+		mc = &api.MooncakeStatus{Segment: d.mooncake.name, RPC: d.mooncake.hs.Addr().String(), DataPort: d.mooncake.seg.TCPDataPort, Engines: engines}
 	}
 	return api.Status{
 		Version: Version, PID: os.Getpid(), Instance: fmt.Sprintf("%016x", d.instance), StartedAt: d.started,

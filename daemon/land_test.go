@@ -184,19 +184,12 @@ func TestUnkeyedWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 		t.Fatal(err)
 	}
 	var lens []int
-	for {
-		piece, err := body()
-		if err != nil {
-			t.Fatal(err)
-		}
-		if len(piece) == 0 {
-			break
-		}
+	eachPiece(t, body, func(piece []byte) {
 		for i := range piece {
 			piece[i] = byte(len(lens) + 1)
 		}
 		lens = append(lens, len(piece))
-	}
+	})
 	done(nil)
 	if !slices.Equal(lens, []int{stageChunk, stageChunk, 5}) || gpu.takePeak() != stageChunk {
 		t.Fatalf("pieces of %v bytes; want two chunks and the 5-byte tail, through one chunk of staging", lens)
@@ -242,5 +235,20 @@ func TestUnkeyedWritesLandInGPUMemoryAChunkAtATime(t *testing.T) {
 		if err := complete(); !isCode(err, api.CodeInternal) || !strings.Contains(err.Error(), "could not be copied into GPU memory") {
 			t.Fatalf("completing a slot whose write could not be copied in: %v; want it refused as internal", err)
 		}
+	}
+}
+
+// eachPiece hands fill each piece body lends, until the empty one.
+func eachPiece(t *testing.T, body transport.Body, fill func(piece []byte)) {
+	t.Helper()
+	for {
+		piece, err := body()
+		if err != nil {
+			t.Fatal(err)
+		}
+		if len(piece) == 0 {
+			return
+		}
+		fill(piece)
 	}
 }

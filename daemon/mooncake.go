@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"net"
 	"net/netip"
+	"slices"
 	"strconv"
 	"strings"
 	"time"
@@ -20,8 +21,9 @@ import (
 
 // mooncakeSegment is ferryd serving as a Mooncake segment
 // (--mooncake-listen): the handshake on the RPC port, advertising the
-// arena as the segment's one buffer, and a TCP data port whose writes
-// land in live receive slots only. With an RDMA data plane whose shared
+// arena and the regions open to Mooncake writers as the segment's
+// buffers, and a TCP data port whose writes land in live receive slots
+// made for them and in those regions only. With an RDMA data plane whose shared
 // registration covers the arena, the segment speaks protocol rdma
 // instead: its descriptor lists the NIC and the arena's keys, connection
 // handshakes set up QPs (the passive side), and Mooncake's one-sided
@@ -33,8 +35,11 @@ type mooncakeSegment struct {
 	hs   *mooncake.Server
 	data *mooncake.DataServer
 	// debug limits the DEBUG lines anyone reaching the ports can cause
-	// (a notify received, a connection closed to make room).
+	// (a notify received, a connection closed to make room); warnf logs
+	// the ports' WARNs (the mooncake package rate-limits them). Engine
+	// segments log through both.
 	debug *loglimit.Limiter
+	warnf func(format string, args ...any)
 }
 
 // openMooncake listens on cfg.MooncakeListen and a data port on the same
@@ -67,7 +72,7 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 	if ra.IP.IsUnspecified() {
 		name = net.JoinHostPort(advertiseHost, strconv.Itoa(ra.Port))
 	}
-	m := &mooncakeSegment{name: name, debug: debug, seg: mooncake.Segment{
+	m := &mooncakeSegment{name: name, debug: debug, warnf: logf, seg: mooncake.Segment{
 		Name: name, Protocol: "tcp", TCPDataPort: dl.Addr().(*net.TCPAddr).Port, TCPProtoVersion: 2,
 		Timestamp: time.Now().UTC().Format("2006-01-02 15:04:05.000000"),
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
@@ -82,7 +87,14 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 		IOTimeout: cfg.IOTimeout.D(), MaxSize: uint64(size), Logf: logf, Debugf: debug.Printf, Allow: allow,
 	})
 	h := mooncake.Handlers{
-		Segment: func() *mooncake.Segment { return &m.seg },
+		// The arena, then the regions open to Mooncake writers now
+		// (ferry.mooncake's registered memory): a sender fetches the
+		// descriptor again for an address outside the one it holds.
+		Segment: func() *mooncake.Segment {
+			seg := m.seg
+			seg.Buffers = append(slices.Clip(m.seg.Buffers), reg.mooncakeBuffers("", m.seg.Buffers[0].Name)...)
+			return &seg
+		},
 		Notify: func(from net.Addr, n mooncake.NotifyDesc) error {
 			if debug.Allow() {
 				log.Debug().Str("component", "mooncake").Stringer("addr", from).Str("from", loglimit.Clip(n.Name)).Str("notify_msg", loglimit.Clip(n.NotifyMsg)).Msg("mooncake notify received")

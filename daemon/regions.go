@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"io"
 	"net/http"
+	"os"
 	"sort"
 	"strings"
 	"time"
@@ -54,6 +55,9 @@ type region struct {
 	// entries; device names it. Both unset for a client's region.
 	alloc  *arena.Arena
 	device string
+	// lend: where Mooncake peers write into it, in which segment, lent
+	// by which process (engines.go); the zero value: they do not.
+	lend
 }
 
 // regionEnd is one try at ending a closing region: dropping its
@@ -83,10 +87,20 @@ func (h hostRegion) Host() []byte { return h }
 func (h hostRegion) Kind() string { return "host" }
 func (h hostRegion) Close() error { return unix.Munmap(h) }
 
+// mappedAt is a region lying at an offset in the pages mapped for it:
+// the pages round it out, and only the region's bytes are its memory.
+type mappedAt struct {
+	hostRegion
+	pages []byte
+}
+
+func (m mappedAt) Close() error { return unix.Munmap(m.pages) }
+
 // mapRegion maps a client's memfd: it must be sealed against shrinking,
 // for a file cut short under a mapping kills the process that touches
-// the lost pages (SIGBUS), and hold at least n bytes.
-func mapRegion(fd int, name string, n int64) (arena.Memory, error) {
+// the lost pages (SIGBUS), and hold at least off+n bytes. Only the pages
+// holding [off, off+n) are mapped.
+func mapRegion(fd int, name string, off, n int64) (arena.Memory, error) {
 	seals, err := unix.FcntlInt(uintptr(fd), unix.F_GET_SEALS, 0)
 	if err != nil {
 		return nil, apiErr(api.CodeBadRequest,
@@ -100,14 +114,19 @@ func mapRegion(fd int, name string, n int64) (arena.Memory, error) {
 	if err := unix.Fstat(fd, &st); err != nil {
 		return nil, apiErr(api.CodeBadRequest, "region %s: fstat of the descriptor passed: %v", name, err)
 	}
-	if st.Size < n {
-		return nil, apiErr(api.CodeBadRequest, "region %s: the memfd holds %d bytes, fewer than the %d asked for: size it (ftruncate) before sealing", name, st.Size, n)
+	if off < 0 || st.Size < n || off > st.Size-n {
+		return nil, apiErr(api.CodeBadRequest, "region %s: fd_offset %d and nbytes %d: the memfd holds %d bytes; size it (ftruncate) before sealing, and name bytes inside it", name, off, n, st.Size)
 	}
-	mem, err := unix.Mmap(fd, 0, int(n), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	page := int64(os.Getpagesize())
+	first := off / page * page
+	mem, err := unix.Mmap(fd, first, int((off+n-first+page-1)/page*page), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
 	if err != nil {
 		return nil, apiErr(api.CodeBadRequest, "region %s: mapping %d bytes of the memfd read-write: %v (was it opened read-only, or sealed against writes?)", name, n, err)
 	}
-	return hostRegion(mem), nil
+	if first == off && int64(len(mem)) == n {
+		return hostRegion(mem), nil
+	}
+	return mappedAt{hostRegion(mem[off-first : off-first+n]), mem}, nil
 }
 
 // openCUDARegion opens a client's GPU allocation by its IPC handle, on
@@ -138,13 +157,22 @@ func (d *Daemon) openCUDARegion(req api.RegionRequest) (arena.Memory, error) {
 // registration with the NIC (nil, and why not). The claim its request
 // made on the name ends here, the region added or refused.
 func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicErr error) (api.Region, error) {
+	return r.addRegionAt(name, mem, nic, nicErr, lend{})
+}
+
+// addRegionAt is addRegion, the region lent for Mooncake peers' writes
+// as l says (engines.go), unless l is the zero value.
+func (r *registry) addRegionAt(name string, mem arena.Memory, nic io.Closer, nicErr error, l lend) (api.Region, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	delete(r.claims, name)
 	if err := r.mayAddRegion(name, hostBytes(mem)); err != nil {
 		return api.Region{}, err
 	}
-	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now()}
+	if err := r.mayLend(name, uint64(mem.Size()), l); err != nil {
+		return api.Region{}, err
+	}
+	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), lend: l}
 	r.regions[name] = g
 	return r.describeRegion(g), nil
 }
@@ -289,7 +317,7 @@ func (r *registry) hostRegionBytes() int64 {
 
 // describeRegion describes g; callers hold mu.
 func (r *registry) describeRegion(g *region) api.Region {
-	d := api.Region{Name: g.name, NBytes: g.size(), Kind: g.mem.Kind(), Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since}
+	d := api.Region{Name: g.name, NBytes: g.size(), Kind: g.mem.Kind(), Slots: g.slots, Uses: g.uses, Closing: g.closing, Since: g.since, MooncakeAddr: g.mooncakeAddr, MooncakeSegment: g.segment}
 	if r.registrar != nil {
 		d.NIC = &api.RegionNIC{Registered: g.nic != nil}
 		switch {
@@ -463,6 +491,7 @@ func (r *registry) removeRegion(name string) (*regionEnd, error) {
 			name, len(ids), clipList(ids))
 	}
 	g.closing, g.end = true, newRegionEnd(g)
+	r.unlend(g)
 	g.uses++ // the removal's own pin, dropped at once so the last user ends it
 	r.unuseRegion(g)
 	return g.end, nil
@@ -510,6 +539,10 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if req.CUDA != nil {
 		host = 0 // device memory: see hostBytes
 	}
+	l, err := d.lendFor(r.Context(), req)
+	if err != nil {
+		return err
+	}
 	claim, err := d.reg.claimRegion(req.Name, host)
 	if err != nil {
 		return err
@@ -519,19 +552,21 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	switch {
 	case req.CUDA != nil && fd >= 0:
 		return apiErr(api.CodeBadRequest, "region %s: a descriptor and a CUDA handle came: lend a memfd or GPU memory, one per region", req.Name)
+	case req.CUDA != nil && req.FDOffset != 0:
+		return apiErr(api.CodeBadRequest, "region %s: fd_offset is for a memfd; GPU memory takes cuda.offset", req.Name)
 	case req.CUDA != nil:
 		mem, err = d.openCUDARegion(req)
 	case fd < 0:
 		return apiErr(api.CodeBadRequest,
 			"region %s: no file descriptor came with the request: pass the memfd beside the request's bytes (sendmsg with SCM_RIGHTS on the control socket; the Go and Python clients do this), or name GPU memory with \"cuda\"", req.Name)
 	default:
-		mem, err = mapRegion(fd, req.Name, req.NBytes)
+		mem, err = mapRegion(fd, req.Name, req.FDOffset, req.NBytes)
 	}
 	if err != nil {
 		return err
 	}
 	nic, nicErr := d.registerRegionNIC(mem)
-	g, err := d.reg.addRegion(req.Name, mem, nic, nicErr)
+	g, err := d.reg.addRegionAt(req.Name, mem, nic, nicErr, l)
 	if err != nil {
 		if nic != nil {
 			_ = nic.Close()
@@ -549,6 +584,9 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 		d.metrics.regionRegistrations.WithLabelValues("registered").Inc()
 	}
 	d.log.Info().Str("region", req.Name).Str("kind", g.Kind).Int64("nbytes", req.NBytes).Bool("nic", nic != nil).Msg("region registered")
+	if l.owner > 0 {
+		d.watchOwner(l.owner)
+	}
 	writeJSON(w, http.StatusCreated, g)
 	return nil
 }

@@ -3,7 +3,9 @@ package daemon
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"net"
 	"os"
 	"slices"
 	"strings"
@@ -11,10 +13,14 @@ import (
 	"testing"
 	"time"
 
+	"github.com/rs/zerolog"
+
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/internal/memlimit"
+	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -528,4 +534,253 @@ func (c *countingRegistrar) register() io.Closer {
 		}
 		return c.drop()
 	})
+}
+
+// Memory a Mooncake engine registered (a region with mooncake_addr):
+// peers' writes without a key land in it at its owner's addresses, a
+// write may span regions that follow one another (tensors sharing a
+// page are lent as adjacent regions), the segment lists those as one
+// buffer, ranges overlapping the arena or each other are refused, and a
+// closing region takes no write and waits for those landing.
+func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	const at = 0x7f0000000000
+	a, b := hostRegion(make([]byte, 8192)), hostRegion(make([]byte, 4096))
+	if _, err := r.addRegionAt("a", a, nil, nil, lend{mooncakeAddr: at}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegionAt("b", b, nil, nil, lend{mooncakeAddr: at + 8192}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegionAt("over-a", hostRegion(make([]byte, 4096)), nil, nil, lend{mooncakeAddr: at + 4096}); !isCode(err, api.CodeExists) || !strings.Contains(err.Error(), "overlaps region a") {
+		t.Fatalf("a range over region a's: %v", err)
+	}
+	base := r.arena.Addr(arena.Slice{})
+	if _, err := r.addRegionAt("over-arena", hostRegion(make([]byte, 4096)), nil, nil, lend{mooncakeAddr: base + 100}); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "arena") {
+		t.Fatalf("a range over the arena's: %v", err)
+	}
+	if got, want := fmt.Sprint(r.mooncakeBuffers("", "seg")), fmt.Sprint([]mooncake.Buffer{{Name: "seg", Addr: at, Length: 12288}}); got != want {
+		t.Errorf("the segment's buffers: %s, want %s", got, want)
+	}
+	// A write spanning a's end and b's start lands in both.
+	want := []byte("across two regions")
+	body, done, err := r.AcceptUnkeyed(at+8192-5, uint64(len(want)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	off := 0
+	eachPiece(t, body, func(piece []byte) { off += copy(piece, want[off:]) })
+	if off != len(want) {
+		t.Fatalf("the body lent %d bytes, want %d", off, len(want))
+	}
+	// Closing while the write lands: no new write, the end waits.
+	end, err := r.removeRegion("b")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.AcceptUnkeyed(at+8192, 1); refusalCode(t, err) != transport.NoSlot {
+		t.Fatalf("a write into a closing region: %v", err)
+	}
+	select {
+	case <-end.done:
+		t.Fatal("region b ended while a write still lands in it")
+	default:
+	}
+	done(nil)
+	<-end.done
+	if string(a[8192-5:])+string(b[:len(want)-5]) != string(want) {
+		t.Errorf("the bytes landed %q %q, want %q", a[8192-5:], b[:len(want)-5], want)
+	}
+	// Past a's end, now that b is gone; an empty write.
+	if _, _, err := r.AcceptUnkeyed(at+8190, 4); refusalCode(t, err) != transport.OutOfBounds {
+		t.Fatalf("a write running past the registered memory: %v", err)
+	}
+	if _, _, err := r.AcceptUnkeyed(at, 0); refusalCode(t, err) != transport.OutOfBounds {
+		t.Fatalf("an empty write: %v", err)
+	}
+	if _, err := r.removeRegion("a"); err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := r.AcceptUnkeyed(at, 1); refusalCode(t, err) != transport.NoSlot || r.mooncakeRegions.Load() != 0 {
+		t.Fatalf("a write once no region is open to Mooncake peers: %v (%d open)", err, r.mooncakeRegions.Load())
+	}
+}
+
+// A region asked to take Mooncake peers' writes needs a Mooncake
+// segment speaking tcp, a memfd, and an engine segment, if named, that
+// exists and is the caller's; each refusal says what to do.
+func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
+	tcp := &mooncakeSegment{seg: mooncake.Segment{Protocol: "tcp"}}
+	rdma := &mooncakeSegment{seg: mooncake.Segment{Protocol: "rdma"}}
+	theirs := &engineSegment{id: "e1", owner: 1}
+	bad, missing, forbidden := api.CodeBadRequest, api.CodeNotFound, api.CodeForbidden
+	for _, c := range []struct {
+		seg  *mooncakeSegment
+		req  api.RegionRequest
+		code string
+		want string // "" accepted
+	}{
+		{nil, api.RegionRequest{Name: "r", NBytes: 4096}, "", ""},
+		{nil, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "--mooncake-listen"},
+		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "over tcp only"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, CUDA: &api.RegionCUDA{}}, bad, "lend a memfd"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: ^uint64(0) - 100}, bad, "end of the address space"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeSegment: "e1"}, bad, "without mooncake_addr"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, MooncakeSegment: "e9"}, missing, "POST /v1/mooncake/segments"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, MooncakeSegment: "e1"}, forbidden, "belongs to process 1"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "", ""},
+	} {
+		d := &Daemon{mooncake: c.seg, engines: engines{byID: map[string]*engineSegment{"e1": theirs}}}
+		_, err := d.lendFor(context.Background(), c.req)
+		if c.want == "" && err != nil || c.want != "" && (!isCode(err, c.code) || !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("%+v: %v, want %s %q", c.req, err, c.code, c.want)
+		}
+	}
+}
+
+// A region at an offset of a memfd (ferry's allocator lends one memfd per
+// process, each registered tensor a region of it): only the pages holding
+// it are mapped, its memory is exactly its bytes, and a range past the
+// file is refused saying so.
+func TestMapRegionAtAnOffsetMapsItsBytesOnly(t *testing.T) {
+	f := regionFile(t, "window", 4*4096)
+	want := make([]byte, 4*4096)
+	for i := range want {
+		want[i] = byte(i * 7)
+	}
+	if _, err := f.WriteAt(want, 0); err != nil {
+		t.Fatal(err)
+	}
+	mem, err := mapRegion(int(f.Fd()), "t", 5000, 6000)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if mem.Size() != 6000 || !slices.Equal(mem.Host(), want[5000:11000]) {
+		t.Fatalf("the region holds %d bytes, want bytes 5000..11000 of the memfd", mem.Size())
+	}
+	copy(mem.Host(), "landed")
+	got := make([]byte, 6)
+	if _, err := f.ReadAt(got, 5000); err != nil || string(got) != "landed" {
+		t.Fatalf("a write into the region reads back from the memfd as %q (%v)", got, err)
+	}
+	if err := mem.Close(); err != nil {
+		t.Fatal(err)
+	}
+	for _, c := range []struct{ off, n int64 }{{-1, 10}, {4 * 4096, 1}, {3 * 4096, 4097}} {
+		if _, err := mapRegion(int(f.Fd()), "t", c.off, c.n); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), "fd_offset") {
+			t.Errorf("fd_offset %d, nbytes %d: %v", c.off, c.n, err)
+		}
+	}
+}
+
+// An engine segment lists and lands writes in its own regions only
+// (another segment's addresses are out of bounds there, the same
+// addresses may be lent in two segments), serves reads from one region,
+// and closing it waits for the writes landing in it.
+func TestEngineSegmentsKeepTheirMemoryApart(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	const at = 0x7f0000000000
+	a, b := hostRegion(make([]byte, 8192)), hostRegion(make([]byte, 8192))
+	if _, err := r.addRegionAt("a", a, nil, nil, lend{mooncakeAddr: at, segment: "e1"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegionAt("b", b, nil, nil, lend{mooncakeAddr: at, segment: "e2"}); err != nil {
+		t.Fatalf("the same addresses in another engine's segment: %v", err)
+	}
+	if got := fmt.Sprint(r.mooncakeBuffers("e1", "s")); got != fmt.Sprint([]mooncake.Buffer{{Name: "s", Addr: at, Length: 8192}}) {
+		t.Errorf("e1's buffers: %s", got)
+	}
+	if got := r.mooncakeBuffers("", "s"); len(got) != 0 || r.mooncakeRegions.Load() != 0 {
+		t.Errorf("ferryd's own segment lists engine memory: %v", got)
+	}
+	if _, _, err := (engineMemory{r, "e3"}).Write(at, 1); refusalCode(t, err) != transport.OutOfBounds {
+		t.Fatalf("a write into a segment with no memory: %v", err)
+	}
+	body, done, err := (engineMemory{r, "e2"}).Write(at+100, 5)
+	if err != nil {
+		t.Fatal(err)
+	}
+	piece, _ := body()
+	copy(piece, "hello")
+	src, release, err := (engineMemory{r, "e1"}).Read(at, 8192)
+	if err != nil || &src[0] != &a[0] {
+		t.Fatalf("a read of e1's region: %v", err)
+	}
+	release()
+	d := &Daemon{reg: r, log: zerolog.Nop()}
+	es := &engineSegment{id: "e2"}
+	ln := func() net.Listener {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		return l
+	}
+	es.hs = mooncake.Serve(ln(), mooncake.Handlers{Segment: func() *mooncake.Segment { return &es.seg }}, mooncake.ServerConfig{})
+	es.data = mooncake.ServeData(ln(), engineMemory{r, "e2"}, mooncake.DataConfig{})
+	d.engines.byID = map[string]*engineSegment{"e2": es}
+	dropped := make(chan error, 1)
+	go func() { dropped <- d.dropEngineSegment(es, 10*time.Second, "test") }()
+	poll := time.Now().Add(10 * time.Second)
+	for len(r.lentIn("e2")) > 0 && time.Now().Before(poll) {
+		time.Sleep(time.Millisecond) // the drop marks the region closing first
+	}
+	select {
+	case err := <-dropped:
+		t.Fatalf("the segment closed while a write still lands in it: %v", err)
+	default:
+	}
+	done(nil)
+	if err := <-dropped; err != nil {
+		t.Fatal(err)
+	}
+	if string(b[100:105]) != "hello" || d.engines.get("e2") != nil {
+		t.Fatalf("after the drop: %q, segment listed %v", b[100:105], d.engines.get("e2") != nil)
+	}
+}
+
+// A ferry peer's write carrying an engine segment's key lands in that
+// segment's regions at their Mooncake addresses (across adjacent ones);
+// outside them it is out of bounds, and a key no segment has is no slot.
+func TestEngineKeysLandFerryPeersWritesInEngineMemory(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	const at = 0x7f0000000000
+	a, b := hostRegion(make([]byte, 4096)), hostRegion(make([]byte, 4096))
+	for i, g := range []hostRegion{a, b} {
+		if _, err := r.addRegionAt(fmt.Sprint("r", i), g, nil, nil, lend{mooncakeAddr: at + uint64(i)*4096, segment: "e1"}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	key := transport.NewKey()
+	r.engineKeys = map[transport.Key]string{key: "e1"}
+	want := []byte("spans two tensors")
+	body, done, err := r.AcceptChunks(at+4090, uint64(len(want)), key, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	off := 0
+	eachPiece(t, body, func(piece []byte) { off += copy(piece, want[off:]) })
+	done(nil)
+	if got := string(a[4090:]) + string(b[:len(want)-6]); got != string(want) {
+		t.Fatalf("landed %q, want %q", got, want)
+	}
+	if _, _, err := r.AcceptChunks(at+8000, 200, key, 0); refusalCode(t, err) != transport.OutOfBounds {
+		t.Fatalf("past the engine's memory: %v", err)
+	}
+	if _, _, err := r.AcceptChunks(at, 1, transport.NewKey(), 0); refusalCode(t, err) != transport.NoSlot {
+		t.Fatalf("a key no segment has: %v", err)
+	}
+}
+
+// Engine segments are bounded: past maxEngineSegments open, a new one is
+// refused (busy) before it listens.
+func TestEngineSegmentsAreBounded(t *testing.T) {
+	d := &Daemon{mooncake: &mooncakeSegment{seg: mooncake.Segment{Protocol: "tcp"}}}
+	d.engines.byID = make(map[string]*engineSegment)
+	for i := range maxEngineSegments {
+		d.engines.byID[fmt.Sprint("e", i)] = &engineSegment{}
+	}
+	if _, err := d.openEngineSegment(1, 0); !isCode(err, api.CodeBusy) || !strings.Contains(err.Error(), "close engines no longer used") {
+		t.Fatalf("an engine segment past the bound: %v", err)
+	}
 }

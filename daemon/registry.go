@@ -8,6 +8,7 @@ import (
 	"math/big"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/ferry-project/ferry/api"
@@ -139,6 +140,17 @@ type registry struct {
 	// before the control API serves.
 	claims    map[string]*regionClaim
 	hostLimit hostLimit
+
+	// mooncakeRegions counts the open regions Mooncake peers write into
+	// (api.RegionRequest.MooncakeAddr): with none, a write without a key
+	// that no slot holds is refused without mu.
+	mooncakeRegions atomic.Int32
+	// engineKeys names the engine segments ferry peers write into by
+	// key (engines.go): key -> segment id.
+	engineKeys map[transport.Key]string
+	// watched is the processes whose regions for Mooncake peers go when
+	// they exit (watchOwner).
+	watched map[int32]bool
 }
 
 // hostLimit is max_region_bytes: as written, what a share is of, and in
@@ -608,6 +620,9 @@ func (r *registry) acceptKeyed(addr, n uint64, key transport.Key, tag uint32, ch
 	if r.closedTo(s) {
 		return nil, nil, errRefuseStopping
 	}
+	if segment, ok := r.engineKeys[key]; ok && s == nil {
+		return r.landInRegions(segment, addr, n) // a ferry peer's write into engine memory
+	}
 	if s == nil || addr < s.addr || addr >= s.addr+uint64(s.nbytes) {
 		r.refused(transport.NoSlot)
 		return nil, nil, errRefuseNoSlot
@@ -641,7 +656,8 @@ func (r *registry) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) 
 
 // AcceptUnkeyed takes a write that carries no key (a Mooncake peer's):
 // it must lie inside one live receive slot made for Mooncake writers,
-// found by its address. Such writes may fill a slot piece by piece; the
+// found by its address, or inside memory a Mooncake engine registered
+// (regions with a mooncake_addr, landInRegions). Such writes may fill a slot piece by piece; the
 // slot arrives when its last byte has. The data port reads them off a
 // stream, stageChunk bytes of host staging at a time at most.
 func (r *registry) AcceptUnkeyed(addr, n uint64) (transport.Body, func(error), error) {
@@ -649,19 +665,22 @@ func (r *registry) AcceptUnkeyed(addr, n uint64) (transport.Body, func(error), e
 	// lock, which strangers' guesses would otherwise hold from the
 	// control API; one that does is looked up again under it, as its
 	// slot may have gone meanwhile.
-	if r.unkeyed.at(addr) == nil {
+	if r.unkeyed.at(addr) == nil && r.mooncakeRegions.Load() == 0 {
 		return nil, nil, r.refuseUnkeyed(addr)
 	}
 	r.mu.Lock()
-	defer r.mu.Unlock()
+	defer r.unlock()
 	s := r.unkeyed.at(addr)
 	if r.closedTo(s) { // a wait in flight at the drain's start still takes its write
 		return nil, nil, errRefuseStopping
 	}
-	if s == nil {
-		return nil, nil, r.refuseUnkeyed(addr)
+	if s != nil {
+		return r.land(s, addr, n, s.key.Tag(), stageChunk)
 	}
-	return r.land(s, addr, n, s.key.Tag(), stageChunk)
+	if r.mooncakeRegionAt("", addr) != nil {
+		return r.landInRegions("", addr, n)
+	}
+	return nil, nil, r.refuseUnkeyed(addr)
 }
 
 // refuseUnkeyed counts and explains a write without a key that no live
@@ -669,7 +688,7 @@ func (r *registry) AcceptUnkeyed(addr, n uint64) (transport.Body, func(error), e
 func (r *registry) refuseUnkeyed(addr uint64) error {
 	r.refused(transport.NoSlot)
 	return &transport.Refusal{Code: transport.NoSlot,
-		Message: fmt.Sprintf("no live receive slot open to Mooncake writers at address %#x: it was freed, timed out, made without \"mooncake\": true, or the receiver restarted; ask the receiver for a new slot", addr)}
+		Message: fmt.Sprintf("no live receive slot open to Mooncake writers, nor memory a Mooncake engine registered, at address %#x: it was freed or unregistered, timed out, made without \"mooncake\": true, or the receiver restarted; ask the receiver for a new slot or address", addr)}
 }
 
 var (

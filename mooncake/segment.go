@@ -9,6 +9,7 @@ import (
 	"strings"
 
 	"github.com/ferry-project/ferry/internal/strictjson"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // Segment is a Mooncake segment descriptor, the reply to a metadata
@@ -25,6 +26,17 @@ type Segment struct {
 	Devices         []Device `json:"devices,omitempty"`
 	Buffers         []Buffer `json:"buffers"`
 	PriorityMatrix  Priority `json:"priority_matrix,omitempty"`
+	// Ferry, in a ferry engine's segment, is how a ferryd sends into it
+	// instead of over Mooncake's wire: ferry's own peer protocol
+	// (transport/peer/wire.go, version 8). Mooncake ignores the field.
+	Ferry *FerryTarget `json:"ferry,omitempty"`
+}
+
+// FerryTarget names a ferry engine segment's memory on ferry's peer
+// port: writes there carry Key and land at their Mooncake addresses.
+type FerryTarget struct {
+	Peer string        `json:"peer"` // the receiving ferryd's peer port, host:port
+	Key  transport.Key `json:"key"`  // the engine segment's key (40 hex digits)
 }
 
 // Buffer is one registered memory range of a segment. Addr is an absolute

@@ -69,7 +69,12 @@ type Dialer struct {
 	MaxConns  int           // data connections at once per session; default 8
 	// RDMA writes into rdma segments; nil refuses them.
 	RDMA RDMAWriter
-	QPs  int // QPs per RDMA endpoint (the peers' MC_NUM_QP_PER_EP); 0 is DefaultQPs
+	// Ferry, if set, opens a session to a ferry peer port: a segment
+	// whose descriptor names one (Segment.Ferry, a ferry engine's) is
+	// written over ferry's peer protocol with its key, not over
+	// Mooncake's wire.
+	Ferry func(ctx context.Context, peer string) (transport.Session, error)
+	QPs   int // QPs per RDMA endpoint (the peers' MC_NUM_QP_PER_EP); 0 is DefaultQPs
 }
 
 // Dial fetches the segment's descriptor from its RPC port and returns a
@@ -88,11 +93,33 @@ func (d *Dialer) Dial(ctx context.Context, session string) (transport.Session, e
 	}
 	s := &Session{d: d, peer: session, rpc: rpc, sem: make(chan struct{}, conns)}
 	s.ctx, s.cancel = context.WithCancel(context.Background())
-	if _, err := s.refresh(ctx); err != nil {
+	seg, err := s.refresh(ctx)
+	if err != nil {
 		s.cancel()
 		return nil, err
 	}
+	if seg.Ferry != nil && d.Ferry != nil {
+		s.cancel()
+		fs, err := d.Ferry(ctx, seg.Ferry.Peer)
+		if err != nil {
+			return nil, fmt.Errorf("mooncake segment %s (session %s) is a ferry engine's, served on ferry's peer port %s: %w", seg.Name, session, seg.Ferry.Peer, err)
+		}
+		return &ferrySession{Session: fs, key: seg.Ferry.Key}, nil
+	}
 	return s, nil
+}
+
+// ferrySession writes into a ferry engine's segment over ferry's peer
+// protocol: each write carries the segment's key and lands at its
+// Mooncake address (its owner's own); the receiver checks the range.
+type ferrySession struct {
+	transport.Session
+	key transport.Key
+}
+
+func (f *ferrySession) Write(ctx context.Context, w transport.Write) (transport.Report, error) {
+	w.Key, w.Tag, w.Whole = f.key, 0, false
+	return f.Session.Write(ctx, w)
 }
 
 // Session writes into one Mooncake segment. Its descriptor is cached and

@@ -460,10 +460,13 @@ class Client:
             "device": f"cuda:{tensor.device.index}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}})
         return CUDARegion(self, name, nbytes, tensor)
 
-    def register_fd(self, name, fd, nbytes):
-        """Lends ferryd nbytes of a memfd this process made (MFD_ALLOW_SEALING,
-        sized, then sealed with F_SEAL_SHRINK) as region ``name``: its description."""
-        return register_fd(self._transport, self.timeout, name, fd, nbytes)
+    def register_fd(self, name, fd, nbytes, mooncake_addr=0, offset=0, mooncake_segment=""):
+        """Lends ferryd nbytes from offset of a memfd this process made
+        (MFD_ALLOW_SEALING, sized, then sealed with F_SEAL_SHRINK) as
+        region ``name``: its description. mooncake_addr, if not 0, is where
+        this process maps that byte: Mooncake peers' writes there land in it,
+        listed in engine segment mooncake_segment if given (docs/api.md)."""
+        return register_fd(self._transport, self.timeout, name, fd, nbytes, mooncake_addr, offset, mooncake_segment)
 
     def regions(self):
         """Lists the registered regions (slots, uses, closing)."""

@@ -1,50 +1,64 @@
 """A drop-in for Mooncake's Python ``TransferEngine``, backed by ferryd.
 
-sglang's encoder and vLLM's Mooncake connector call a handful of the
-engine's methods; this class has them, with Mooncake's return
-conventions (0 on success, a negative int on failure), so that moving a
-sender to ferry is one import (a receiving engine's registered buffers
-take no peer's writes: receivers hand out ferry receive slots instead;
-docs/python.md says how)::
+sglang (PD disaggregation, the multimodal encoder) and vLLM's Mooncake
+connector call the engine on both sides; this class has every method of
+Mooncake's, with Mooncake's return conventions (0 on success, a negative
+int on failure), so that moving a framework to ferry is one import::
 
     from ferry.mooncake import TransferEngine      # was: from mooncake.engine import TransferEngine
 
-Transfers go through the local ferryd (the socket from ``FERRY_SOCKET``,
-else /run/ferry/ferryd.sock), which writes them into the peer's segment
-over Mooncake's wire: a ferry receive slot made with ``mooncake=True``
-(its ``mooncake_session`` and ``buffer_address``), or a real Mooncake
-segment. On failure the method returns -1 as Mooncake's does, logs the
-failure with its session, nbytes and ferryd's ``ret``, and keeps it in
-``last_failure``; ``TransferEngine(raise_on_failure=True)`` raises
-``ferry.TransferFailed`` (or the error ferryd answered with) instead.
+The receiving side works for host memory born in ferry's allocator: start
+the process with ``python -m ferry.run`` (LD_PRELOAD=libferry_alloc.so,
+ferry.alloc), and ``register_memory`` lends the tensor's own pages to
+ferryd, which lands peers' writes there at the caller's addresses. Other
+memory is refused at registration (-1, the fix in ``last_failure``),
+unless the engine was told it only sends from it:
+``TransferEngine(send_only=True)`` or ``FERRY_MOONCAKE_SEND_ONLY=1``.
+``initialize`` opens the engine's own Mooncake segment in ferryd (its
+session id, ``get_rpc_port()``), closed by ``close()``, by collection or
+when the process exits.
 
-Each call is one batch transfer (one completion), however many pieces it
-carries, up to what one transfer may carry (1,048,576 items in a body of
-16 MiB: docs/api.md); a larger batch goes as several transfers, one after
-another, and the call returns 0 once all are done. CUDA device memory given to ``register_memory`` is lent to ferryd
-as a region by its IPC handle (ferryd must run on that GPU) and sent with
-no copy; host memory is the caller's anonymous memory, which ferryd cannot
-map, so its pieces are copied into one staged entry per transfer (one
-upload).
-The GPU path has not yet run on a GPU (make test-gpu has its test).
+Transfers go through the local ferryd (the socket from ``FERRY_SOCKET``,
+else /run/ferry/ferryd.sock): into a ferry engine's memory over ferry's
+peer protocol, into a Mooncake segment (or a ferry receive slot made with
+``mooncake=True``) over Mooncake's wire; 0 means every byte is in the
+receiver's memory. Reads go from this process over Mooncake's TCP READ.
+On failure a method returns -1 as Mooncake's does, logs the failure with
+its session, nbytes and ``ret``, and keeps it in ``last_failure``;
+``TransferEngine(raise_on_failure=True)`` raises instead.
+
+Each write call is one batch transfer (one completion), however many
+pieces it carries, up to what one transfer may carry (1,048,576 items in
+a body of 16 MiB: docs/api.md); a larger batch goes as several, one
+after another. Memory in the allocator's window and CUDA device memory
+(send_only: lent by its IPC handle; not yet run on a GPU) are sent from
+where they lie; other host memory of a send_only engine is copied into
+one staged entry per transfer. docs/python.md has the rest.
 """
 
 import base64
 import bisect
 import ctypes
+import enum
 import itertools
 import json
 import logging
 import os
+import socket
+import struct
 import threading
 import time
+import weakref
 from dataclasses import dataclass
 
 from .client import Client, Slot
 from .cuda import device_ordinal, ipc_handle
-from .errors import BadRequest, Busy, FerryError
+from .alloc import buffer as alloc_buffer
+from .alloc import free as alloc_free
+from .alloc import preload_hint, window
+from .errors import BadRequest, Busy, FerryError, NotFound
 
-__all__ = ["TransferEngine", "Failure"]
+__all__ = ["TransferEngine", "TransferOpcode", "Failure"]
 
 log = logging.getLogger("ferry.mooncake")
 
@@ -85,6 +99,12 @@ def _when_room(start, timeout):
             pause = min(2 * pause, _BUSY_PAUSE_MAX)
 
 
+class TransferOpcode(enum.IntEnum):
+    """Mooncake's opcodes for transfer_sync and batch_transfer_sync."""
+    READ = 0
+    WRITE = 1
+
+
 @dataclass
 class Failure:
     """The last failed call: what Mooncake's -1 does not say."""
@@ -96,35 +116,107 @@ class Failure:
 
 
 class TransferEngine:
-    """The Mooncake TransferEngine methods sglang and vLLM call, on ferry."""
+    """Mooncake's TransferEngine on ferry: every method of Mooncake's
+    Python engine is here; those ferry does not have raise
+    NotImplementedError saying why (_NOT_IMPLEMENTED)."""
 
-    def __init__(self, raise_on_failure=False, socket_path=None):
+    def __init__(self, raise_on_failure=False, socket_path=None, send_only=None):
         self.raise_on_failure = raise_on_failure
+        # Registered memory is a source only, which the caller says it
+        # knows: else register_memory refuses it, since no peer's write
+        # can land there (a receiver would read what was there before).
+        if send_only is None:
+            send_only = os.environ.get("FERRY_MOONCAKE_SEND_ONLY", "").lower() in ("1", "true", "yes")
+        self.send_only = send_only
         self.last_failure = None
         self._client = None
         self._socket_path = socket_path
         self._lock = threading.Condition()
         self._regions = []     # sorted (start, end)
         self._in_flight = {}   # region start -> transfers reading it now
-        self._gpu = {}         # start of a GPU range -> the ferryd region lent for it
+        self._lent = {}        # start of a range -> the ferryd region lent for it (GPU or window memory)
+        # What initialize recorded: the host part of local_hostname, the
+        # protocol, the NIC ferryd sends over ("" over tcp).
+        self.local_hostname, self.protocol, self.device_name = "", "", ""
+        # This engine's own Mooncake segment (initialize opens it) and what
+        # closes it when the engine is closed or collected.
+        self._segment, self._closer = None, None
 
     # --- set-up
 
     def initialize(self, local_hostname, metadata_server, protocol, device_name):
-        """Connects to the local ferryd. The arguments are Mooncake's
-        (sglang passes "P2PHANDSHAKE" and "rdma" or "tcp"); ferryd's own
-        configuration decides the transport. Returns 0, or -1 when ferryd
-        cannot be reached."""
+        """Connects to the local ferryd and checks that it gives what the
+        arguments ask: metadata_server "P2PHANDSHAKE" (session ids are
+        "host:rpc_port"; no etcd, redis or http metadata servers),
+        protocol ferryd's transport ("rdma" or "tcp": ferryd cannot
+        change its transport per engine), device_name "" or the NIC
+        ferryd uses (over rdma; Mooncake's tcp ignores it), and a port in
+        local_hostname, if any, that of ferryd's Mooncake segment.
+        Returns 0, or -1 saying which argument ferryd cannot honour (or
+        that it cannot be reached)."""
+        return self._initialize("initialize", local_hostname, metadata_server, protocol, device_name)
+
+    def initialize_ext(self, local_hostname, metadata_server, protocol, device_name, metadata_type):
+        """initialize, with Mooncake's metadata_type: "p2p" (or "") only,
+        as ferry speaks only the P2P handshake."""
+        if str(metadata_type).lower() not in ("", "p2p", "p2phandshake"):
+            return self._refuse("initialize_ext", 0, f"metadata_type {metadata_type!r}: ferry speaks Mooncake's P2P "
+                                                     "handshake only: pass \"p2p\" and metadata_server \"P2PHANDSHAKE\"")
+        return self._initialize("initialize_ext", local_hostname, metadata_server, protocol, device_name)
+
+    def _initialize(self, method, local_hostname, metadata_server, protocol, device_name):
+        if metadata_server != "P2PHANDSHAKE":
+            return self._refuse(method, 0, f"metadata_server {metadata_server!r}: ferry speaks Mooncake's P2P handshake "
+                                           "only (session ids are \"host:rpc_port\"): pass \"P2PHANDSHAKE\"; etcd, "
+                                           "redis and http metadata servers are not supported")
+        if protocol not in ("tcp", "rdma"):
+            return self._refuse(method, 0, f"protocol {protocol!r}: ferry moves Mooncake transfers over \"tcp\" or \"rdma\"")
         try:
-            self._need_client().status()
+            status = self._need_client().status()
         except FerryError as e:
-            return self._fail("initialize", "", 0, e)
+            return self._fail(method, "", 0, e)
+        transport = status["transport"]
+        if protocol != transport["name"]:
+            return self._refuse(method, 0, f"protocol {protocol!r}: ferryd runs the {transport['name']} transport "
+                                           f"({transport.get('reason', '')}), and it reaches Mooncake segments over that: "
+                                           f"initialize with {transport['name']!r}, or use a ferryd started with "
+                                           f"--transport {protocol}")
+        nic = ((transport.get("rdma") or {}).get("chosen") or {}).get("device", "")
+        names = [n.strip() for n in (device_name or "").split(",") if n.strip()]
+        if protocol == "rdma" and any(n != nic for n in names):
+            return self._refuse(method, 0, f"device_name {device_name!r}: ferryd sends over one NIC, {nic} (its "
+                                           "--rdma-device, or its own choice: GET /v1/status transport.rdma.chosen): "
+                                           f"pass {nic!r}, or \"\" for ferryd's choice")
+        host, port = _split_host_port(str(local_hostname))
+        if not status.get("mooncake"):
+            if port:
+                return self._refuse(method, 0, f"local_hostname {local_hostname!r}: a port asks for this engine's own "
+                                               "RPC port, and ferryd serves no Mooncake segment to open it beside: "
+                                               "start ferryd with --mooncake-listen, or pass the host alone")
+        elif self._segment is None:
+            # This engine's own segment: its session id, listing exactly
+            # the memory it registers, dropped when it closes or its
+            # process exits.
+            try:
+                body = json.dumps({"port": int(port)} if port.isdigit() else {}).encode()
+                self._segment = json.loads(self._need_client().request(
+                    "POST", "/v1/mooncake/segments", body, "application/json").body)
+            except (FerryError, ValueError) as e:
+                return self._fail(method, "", 0, e if isinstance(e, FerryError) else BadRequest(str(e)))
+            self._closer = weakref.finalize(self, _close_segment, self._need_client(), self._segment["id"])
+        elif port and int(port) != self._segment["rpc_port"]:
+            return self._refuse(method, 0, f"local_hostname {local_hostname!r}: this engine's RPC port is "
+                                           f"{self._segment['rpc_port']} already: pass that port, or the host alone")
+        self.local_hostname, self.protocol, self.device_name = host, protocol, nic if protocol == "rdma" else ""
         return 0
 
     def get_rpc_port(self):
-        """The RPC port of ferryd's Mooncake segment (--mooncake-listen):
-        peers write into this host at f"{hostname}:{port}". -1 when ferryd
-        serves no segment."""
+        """This engine's RPC port: peers write into the memory it
+        registered at session f"{hostname}:{port}". Before initialize (or
+        from a ferryd that could not open one) the port of ferryd's own
+        segment (--mooncake-listen); -1 when ferryd serves none."""
+        if self._segment is not None:
+            return self._segment["rpc_port"]
         try:
             seg = self._need_client().status().get("mooncake")
         except FerryError as e:
@@ -137,11 +229,17 @@ class TransferEngine:
     # --- memory
 
     def register_memory(self, ptr, length):
-        """Registers [ptr, ptr+length) of this process's memory as a source
-        of transfers: host memory, or CUDA device memory (lent to ferryd as
-        a region by its IPC handle). Returns 0, or -1 for a range that
-        overlaps one registered before or device memory ferryd could not
-        take."""
+        """Registers [ptr, ptr+length) of this process's memory: where
+        peers write (and a source of this engine's transfers). Host memory
+        born in ferry's allocator window (a process started with
+        ``python -m ferry.run`` or LD_PRELOAD=libferry_alloc.so) is lent to
+        ferryd by the window's memfd, so peers' writes land in these very
+        pages at these addresses, and transfers send from them with no copy.
+        Returns 0, or -1 with the reason in last_failure: memory peers
+        cannot write (allocated outside the window, GPU memory), a range
+        overlapping one registered before, or a ferryd that refused it.
+        An engine made with send_only also registers such memory, as a
+        source only (host pieces are then copied per transfer)."""
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
         with self._lock:
@@ -150,22 +248,50 @@ class TransferEngine:
             if any(s < ptr + length and ptr < e for s, e in near):
                 return self._refuse("register_memory", length,
                                     f"register_memory({ptr:#x}, {length}): overlaps a registered range: unregister it first")
-            ordinal = device_ordinal(ptr)
-            if ordinal is not None:
-                # GPU memory is lent to ferryd as a region: sent with no copy.
-                name = f"mooncake-{os.getpid()}-{ptr:x}"
-                try:
-                    handle, offset = ipc_handle(ptr)
-                    self._need_client().request("POST", "/v1/regions", json.dumps({
-                        "name": name, "nbytes": length, "cuda": {
-                            "device": f"cuda:{ordinal}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}).encode(),
-                        "application/json")
-                except (FerryError, ValueError, ImportError) as e:
-                    err = e if isinstance(e, FerryError) else BadRequest(f"register_memory({ptr:#x}, {length}): {e}", code="bad_request")
-                    return self._fail("register_memory", "", length, err)
-                self._gpu[ptr] = name
+            try:
+                name = self._lend(ptr, length)
+            except (FerryError, ValueError, ImportError) as e:
+                code = getattr(e, "code", None) or "bad_request"
+                err = e if isinstance(e, FerryError) else BadRequest(f"register_memory({ptr:#x}, {length}): {e}", code=code)
+                return self._fail("register_memory", "", length, err)
+            if name is not None:
+                self._lent[ptr] = name
             self._regions.insert(i, (ptr, ptr + length))
         return 0
+
+    def _lend(self, ptr, length):
+        """Lends [ptr, +length) to ferryd as a region and returns its name,
+        or None for host memory an engine made with send_only keeps (its
+        pieces are copied per transfer); raises what refused it."""
+        name = f"mooncake-{os.getpid()}-{id(self):x}-{ptr:x}"
+        ordinal = device_ordinal(ptr)
+        if ordinal is not None:
+            if not self.send_only:
+                raise _NotWritable(f"register_memory({ptr:#x}, {length}): GPU memory (cuda:{ordinal}) is not yet "
+                                   "a target of peers' writes on ferry; register host memory, or make the engine "
+                                   "with send_only=True if it only sends from this memory (docs/python.md)")
+            # GPU memory is lent to ferryd as a region: sent with no copy.
+            handle, offset = ipc_handle(ptr)
+            self._need_client().request("POST", "/v1/regions", json.dumps({
+                "name": name, "nbytes": length, "cuda": {
+                    "device": f"cuda:{ordinal}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}).encode(),
+                "application/json")
+            return name
+        w = window()
+        if w is None or not w.holds(ptr, length):
+            if self.send_only:
+                return None
+            where = "outside ferry's allocator window" if w is not None else "in a process started without ferry's allocator"
+            raise _NotWritable(f"register_memory({ptr:#x}, {length}): the memory at {ptr:#x} was not allocated through "
+                               f"ferry's allocator ({where}), so ferryd cannot reach its pages and no peer's write could "
+                               f"land there; {preload_hint()} so tensors are born where ferryd can reach them, or "
+                               "allocate with allocate_managed_buffer. An engine that only sends from this memory "
+                               "says so: TransferEngine(send_only=True) or FERRY_MOONCAKE_SEND_ONLY=1 (docs/python.md)")
+        # The window's memfd, the range's own pages: peers write at ptr.
+        segment = self._segment["id"] if self._segment is not None else ""
+        self._need_client().register_fd(name, w.fd, length, mooncake_addr=0 if self.send_only else ptr,
+                                        offset=ptr - w.base, mooncake_segment=segment)
+        return name
 
     def batch_register_memory(self, ptrs, lengths):
         """register_memory for each pair; 0, or -1 at the first refusal
@@ -186,7 +312,7 @@ class TransferEngine:
                 return self._refuse("unregister_memory", 0, f"unregister_memory({ptr:#x}): no range is registered there")
             self._lock.wait_for(lambda: not self._in_flight.get(ptr))
             del self._regions[i]
-            name = self._gpu.pop(ptr, None)
+            name = self._lent.pop(ptr, None)
         if name is not None:
             try:
                 self._need_client().unregister_region(name)
@@ -194,7 +320,134 @@ class TransferEngine:
                 return self._fail("unregister_memory", "", 0, e)
         return 0
 
+    def batch_unregister_memory(self, ptrs):
+        """unregister_memory for each address, all of them tried (a
+        teardown frees what it can); 0, or -1 when any failed
+        (last_failure: the last)."""
+        failed = [p for p in ptrs if self.unregister_memory(p) != 0]
+        return FAILED if failed else 0
+
+    def allocate_managed_buffer(self, length):
+        """length bytes from ferry's allocator window, registered (peers
+        write into them): their address, or 0 with the reason in
+        last_failure (the process was started without the allocator)."""
+        if not isinstance(length, int) or length <= 0:
+            self._refuse("allocate_managed_buffer", 0, f"allocate_managed_buffer({length!r}): want a positive length")
+            return 0
+        ptr = alloc_buffer(length)
+        if not ptr:
+            self._fail("allocate_managed_buffer", "", length, _NotWritable(
+                f"allocate_managed_buffer({length}): no room from ferry's allocator: {preload_hint()}"))
+            return 0
+        if self.register_memory(ptr, length) != 0:
+            alloc_free(ptr)
+            return 0
+        return ptr
+
+    def free_managed_buffer(self, buffer, length):
+        """Unregisters and frees what allocate_managed_buffer gave: 0, or -1."""
+        if self.unregister_memory(buffer) != 0:
+            return FAILED
+        alloc_free(buffer)
+        return 0
+
+    def write_bytes_to_buffer(self, dest_address, src, length):
+        """Copies length bytes of src (bytes) to dest_address in this
+        process, as Mooncake's does (a local memcpy); 0, or -1 when src is
+        shorter than length."""
+        if not isinstance(length, int) or length < 0 or length > len(src):
+            return self._refuse("write_bytes_to_buffer", 0, f"write_bytes_to_buffer: length {length!r} for "
+                                                            f"{len(src)} bytes: want 0 to {len(src)}")
+        ctypes.memmove(dest_address, bytes(src[:length]), length)
+        return 0
+
+    def read_bytes_from_buffer(self, source_address, length):
+        """The length bytes at source_address in this process (a local copy)."""
+        return ctypes.string_at(source_address, length)
+
+    # --- peers
+
+    def send_probe(self, peer_server_name):
+        """Mooncake's liveness probe: a probe message to the RPC port of
+        the segment peer_server_name ("host:rpc_port"), 0 once it answers
+        success, else -1 with the reason (sglang clears a failed session
+        on 0). It goes from this process, as Mooncake's does."""
+        try:
+            reply = _handshake(peer_server_name, _PROBE, {})
+            if reply.get("status") != "success":
+                raise ValueError(f"it answered {reply!r}, not status \"success\"")
+        except (OSError, ValueError) as e:
+            return self._fail("send_probe", peer_server_name, 0, FerryError(
+                f"send_probe({peer_server_name!r}): {e}", code="unreachable"))
+        return 0
+
+    def get_first_buffer_address(self, segment_name):
+        """The address of the first buffer the segment segment_name
+        ("host:rpc_port") lists in its descriptor, fetched over the
+        metadata handshake; -1 on failure. A ferry segment lists ferryd's
+        arena, whose only write targets are its Mooncake receive slots."""
+        try:
+            desc = _handshake(segment_name, _METADATA, {"name": self.local_hostname, "protocol": self.protocol or "tcp",
+                                                        "buffers": []})
+            buffers = desc.get("buffers") or []
+            if not buffers:
+                raise ValueError("its descriptor lists no buffer")
+            return int(buffers[0]["addr"])
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return self._fail("get_first_buffer_address", segment_name, 0, FerryError(
+                f"get_first_buffer_address({segment_name!r}): {e}", code="unreachable"))
+
+    def close(self):
+        """Closes this engine's segment: ferryd stops listing and serving
+        the memory it registered (waiting for writes landing in it) and
+        closes its ports; 0, or -1. Collecting the engine does the same."""
+        with self._lock:
+            self._lock.wait_for(lambda: not any(self._in_flight.values()))
+            closer, self._closer, self._segment = self._closer, None, None
+            lent, self._lent, self._regions = self._lent, {}, []
+        failed = None
+        detached = closer.detach() if closer is not None else None
+        if detached is not None:
+            try:
+                _close_segment(*detached[2], raise_errors=True)
+            except FerryError as e:
+                failed = e
+        for name in lent.values():
+            try:
+                self._need_client().unregister_region(name)
+            except NotFound:
+                pass  # it was in the segment, gone with it
+            except FerryError as e:
+                failed = e
+        if failed is not None:
+            return self._fail("close", "", 0, failed)
+        return 0
+
+    def get_engine(self):
+        """Mooncake's gives its C++ engine; ferry's engine is this object."""
+        return self
+
     # --- transfers
+
+    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None):
+        """transfer_sync_write for TransferOpcode.WRITE, transfer_sync_read
+        for READ (a notify raises NotImplementedError)."""
+        return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify,
+                                        method="transfer_sync")
+
+    def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None,
+                            method="batch_transfer_sync"):
+        """batch_transfer_sync_write for TransferOpcode.WRITE,
+        batch_transfer_sync_read for READ (a notify raises
+        NotImplementedError)."""
+        if notify is not None:
+            raise NotImplementedError(f"ferry.mooncake.TransferEngine.{method} with a notify: {_NO_NOTIFY}")
+        if opcode == TransferOpcode.READ:
+            return self.batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
+        if opcode != TransferOpcode.WRITE:
+            return self._refuse(method, 0, f"{method}: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
+        return self.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
+
 
     def transfer_sync_write(self, session_id, buffer, peer_buffer_address, length):
         """Writes length bytes at buffer (inside a registered range) to
@@ -212,31 +465,64 @@ class TransferEngine:
         cached), or -1 at the first that fails (the pieces written before
         it stay written). A batch larger than one transfer carries goes as
         several, one after another."""
+        session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
+
+        def write(pieces, held):
+            for lo, hi in self._runs(pieces, held):
+                self._write(session, pieces[lo:hi], held[lo:hi])
+        return self._batch(method, session_id, buffers, peer_buffer_addresses, lengths, write)
+
+    def _batch(self, method, session_id, buffers, peer_buffer_addresses, lengths, move):
+        """Checks a batch's lists, merges its pieces (adjacent at both
+        ends), holds the registered ranges their local ends lie in (so
+        unregister_memory waits) and calls move(pieces, held): 0, at once
+        when no piece has a byte, or -1 with the failure."""
         if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
-            return self._refuse(method, sum(lengths),
+            return self._refuse(method, 0,
                                 f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
         if any(not isinstance(n, int) or n < 0 for n in lengths):
-            return self._refuse(method, 0, f"{method} to {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative")
+            return self._refuse(method, 0, f"{method} with {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative")
         pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
         if not pieces:
             return 0
-        session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
         held = []
         try:
-            for src, dst, n in pieces:
-                region = self._hold(src, n)
-                if region is None:
-                    return self._refuse(method, n, f"{method} to {session_id}: [{src:#x}, +{n}) lies in no registered "
+            for local, _, n in pieces:
+                start = self._hold(local, n)
+                if start is None:
+                    return self._refuse(method, n, f"{method} with {session_id}: [{local:#x}, +{n}) lies in no registered "
                                                    "range: register_memory it first")
-                held.append(region)
-            for lo, hi in self._runs(pieces, held):
-                self._write(session, pieces[lo:hi], held[lo:hi])
+                held.append(start)
+            move(pieces, held)
         except FerryError as e:
             return self._fail(method, session_id, sum(n for _, _, n in pieces), e)
         finally:
-            for region in held:
-                self._release(region)
+            for start in held:
+                self._release(start)
         return 0
+
+    def transfer_sync_read(self, session_id, buffer, peer_buffer_address, length):
+        """Reads length bytes at peer_buffer_address of the segment
+        session_id into buffer (inside a registered range): 0, or -1."""
+        return self.batch_transfer_sync_read(session_id, [buffer], [peer_buffer_address], [length],
+                                             method="transfer_sync_read")
+
+    def batch_transfer_sync_read(self, session_id, buffers, peer_buffer_addresses, lengths,
+                                 method="batch_transfer_sync_read"):
+        """Reads every (peer address, length) piece into (buffer): 0 once
+        all are in this process's memory, or -1 at the first that fails.
+        From this process, over the segment's TCP data port (Mooncake's
+        READ, protocol v2 where the segment says so), straight into the
+        registered memory: a ferry engine's segment serves reads from the
+        memory its engine registered (ferryd's own segment, its arena and
+        slots, serves none); a Mooncake engine's from its buffers."""
+        def read(pieces, held):
+            try:
+                _read_pieces(session_id, self.local_hostname, self.protocol, pieces)
+            except (OSError, ValueError) as e:
+                raise FerryError(f"{method} from {session_id}: {e}",
+                                 code="refused" if isinstance(e, _ReadRefused) else "transfer_failed") from e
+        return self._batch(method, session_id, buffers, peer_buffer_addresses, lengths, read)
 
     def _write(self, session, pieces, starts):
         """Writes the pieces with one batch transfer (one completion): those
@@ -245,7 +531,7 @@ class TransferEngine:
         piece of host memory goes inline instead (Client.write). starts
         are the registered ranges the pieces lie in."""
         client = self._need_client()
-        if len(pieces) == 1 and starts[0] not in self._gpu:
+        if len(pieces) == 1 and starts[0] not in self._lent:
             # One piece of host memory: its bytes go with the request
             # (POST /v1/writes), one round trip, no staged entry.
             (src, dst, n), = pieces
@@ -254,7 +540,7 @@ class TransferEngine:
             return
         base = min(dst for _, dst, _ in pieces)
         sources, items, staged, by_region = [], [], [], {}
-        host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in self._gpu]
+        host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in self._lent]
         req_id = None
         if host:
             req_id = f"mooncake-{os.getpid()}-{next(_entry_ids)}"
@@ -266,10 +552,10 @@ class TransferEngine:
                 items.append((0, off, 0, dst - base, n))
                 off += n
         for (src, dst, n), st in zip(pieces, starts):
-            if st in self._gpu:
+            if st in self._lent:
                 if st not in by_region:
                     by_region[st] = len(sources)
-                    sources.append({"region": self._gpu[st]})
+                    sources.append({"region": self._lent[st]})
                 items.append((by_region[st], src - st, 0, dst - base, n))
         if req_id is not None:
             client.stage(req_id, staged)
@@ -292,10 +578,10 @@ class TransferEngine:
         TRANSFER_ITEM_BYTES. An item's length is bounded from above as the
         whole batch would write it (a run's offsets are no larger)."""
         base = min(dst for _, dst, _ in pieces)
-        index = len(str(len(self._gpu)))  # the most digits a source's index has
+        index = len(str(len(self._lent)))  # the most digits a source's index has
         lo, size, host = 0, 0, 0
         for i, ((src, dst, n), st) in enumerate(zip(pieces, starts)):
-            if st in self._gpu:
+            if st in self._lent:
                 off = src - st
             else:
                 off, host = host, host + n
@@ -340,6 +626,159 @@ class TransferEngine:
 
     def _refuse(self, method, nbytes, message):
         return self._fail(method, "", nbytes, BadRequest(message, code="bad_request"))
+
+
+def _close_segment(client, segment_id, raise_errors=False):
+    """DELETE an engine's segment (at close, or when the engine is
+    collected: then errors are dropped, as ferryd also drops it when the
+    process exits)."""
+    try:
+        client.request("DELETE", f"/v1/mooncake/segments/{segment_id}")
+    except FerryError:
+        if raise_errors:
+            raise
+
+
+class _NotWritable(BadRequest):
+    """Memory register_memory refuses: no peer's write could land there."""
+
+    def __init__(self, message):
+        super().__init__(message, code="not_writable")
+
+
+# Why the Mooncake methods ferry does not have are not there; each raises
+# NotImplementedError naming itself and this (docs/python.md lists them).
+_NO_ASYNC_READ = "the asynchronous reads are not built yet: call batch_transfer_sync_read (from a thread to overlap them)"
+_NO_NOTIFY = "ferryd does not send Mooncake notifies for an engine, nor pass on those it receives"
+_NO_ASYNC = "the asynchronous calls are not built yet: call the synchronous ones (from a thread to overlap them)"
+_NO_CUDA_STREAM = ("ferry's transfers are not ordered on a CUDA stream: synchronise the stream, then call the "
+                   "synchronous ones")
+_NOT_IMPLEMENTED = {
+    "batch_transfer_async_read": _NO_ASYNC_READ,
+    "transfer_submit_write": _NO_ASYNC,
+    "transfer_check_status": _NO_ASYNC,
+    "batch_transfer_async_write": _NO_ASYNC,
+    "batch_transfer_async": _NO_ASYNC,
+    "get_batch_transfer_status": _NO_ASYNC,
+    "get_notifies": _NO_NOTIFY,
+    "transfer_write_on_cuda": _NO_CUDA_STREAM,
+    "transfer_read_on_cuda": _NO_CUDA_STREAM,
+    "batch_transfer_write_on_cuda": _NO_CUDA_STREAM,
+    "batch_transfer_read_on_cuda": _NO_CUDA_STREAM,
+    "batch_transfer_on_cuda": _NO_CUDA_STREAM,
+    "get_engine_ptr": "there is no C++ engine in this process: transfers run in ferryd (get_engine gives this object)",
+    "get_local_topology": "ferryd chooses the one NIC it sends over: GET /v1/status, transport.rdma, shows it",
+    "warmup_efa_segment": "ferry has no EFA transport",
+}
+
+
+def _not_implemented(name, why):
+    def method(self, *args, **kwargs):
+        raise NotImplementedError(f"ferry.mooncake.TransferEngine.{name}: {why} (docs/python.md)")
+    method.__name__ = method.__qualname__ = name
+    method.__doc__ = f"Not on ferry: raises NotImplementedError ({why})."
+    return method
+
+
+for _name, _why in _NOT_IMPLEMENTED.items():
+    setattr(TransferEngine, _name, _not_implemented(_name, _why))
+
+
+# Mooncake's handshake messages (mooncake/frame.go): a u64 little-endian
+# length (type byte and JSON), the type, the JSON; one request and one
+# reply per connection, each at most 1 MiB.
+_METADATA, _PROBE = 1, 3
+_HANDSHAKE_MAX = 1 << 20
+_HANDSHAKE_TIMEOUT = 5.0  # as ferryd's (and Mooncake's server's receive timeout)
+
+
+def _split_host_port(name):
+    """("host", "port") of "host:port" or "[v6]:port"; ("name", "") without a port."""
+    if name.startswith("[") and "]:" in name:
+        host, _, port = name[1:].partition("]:")
+        return host, port
+    if name.count(":") == 1:
+        host, _, port = name.partition(":")
+        return host, port
+    return name, ""
+
+
+def _handshake(segment, kind, body):
+    """Sends one handshake message of type kind to the RPC port of the
+    segment "host:port" and returns the JSON reply; OSError or ValueError
+    saying what went wrong, within _HANDSHAKE_TIMEOUT."""
+    host, port = _split_host_port(segment)
+    if not port.isdigit():
+        raise ValueError("want a session id \"host:rpc_port\"")
+    deadline = time.monotonic() + _HANDSHAKE_TIMEOUT
+    payload = json.dumps(body).encode() + b"\n"
+    with socket.create_connection((host, int(port)), _HANDSHAKE_TIMEOUT) as conn:
+        def recv(n):
+            out = bytearray()
+            while len(out) < n:
+                conn.settimeout(max(deadline - time.monotonic(), 0.001))
+                chunk = conn.recv(n - len(out))
+                if not chunk:
+                    raise ValueError("the peer closed the connection without a reply: is it a Mooncake RPC port?")
+                out += chunk
+            return bytes(out)
+        conn.sendall(struct.pack("<QB", len(payload) + 1, kind) + payload)
+        length, got = struct.unpack("<QB", recv(9))
+        if got != kind or not 1 <= length <= _HANDSHAKE_MAX:
+            raise ValueError(f"the reply (type {got}, {length} bytes) is not a Mooncake handshake reply of type {kind}")
+        reply = json.loads(recv(length - 1))
+        if not isinstance(reply, dict):
+            raise ValueError(f"the reply {reply!r} is not a JSON object")
+        return reply
+
+
+class _ReadRefused(ValueError):
+    """The peer refused a READ: the range lies in none of its buffers."""
+
+
+_IO_TIMEOUT = 10.0  # per recv or send, as ferryd's io_timeout
+_STATUS_MAGIC = 0x4D435456  # "MCTV", the high half of a v2 status word
+
+
+def _read_pieces(segment, self_name, protocol, pieces):
+    """Reads each (local, remote, n) piece from the segment over its TCP
+    data port (mooncake/data.go has the wire), into local memory in place;
+    raises OSError or ValueError saying what failed."""
+    desc = _handshake(segment, _METADATA, {"name": self_name, "protocol": protocol or "tcp", "buffers": []})
+    if desc.get("protocol") != "tcp" or not desc.get("tcp_data_port"):
+        raise ValueError(f"the segment speaks {desc.get('protocol')!r}: reads go over Mooncake's tcp transport only so far")
+    buffers = desc.get("buffers") or []
+    for _, remote, n in pieces:
+        if not any(b["addr"] <= remote and remote + n <= b["addr"] + b["length"] for b in buffers):
+            listed = "; ".join(f"[{b['addr']:#x}, +{b['length']})" for b in buffers) or "none"
+            raise _ReadRefused(f"[{remote:#x}, +{n}) lies in none of the segment's buffers ({listed}): read memory "
+                               "its engine registered")
+    v2 = int(desc.get("tcp_proto_version") or 1) >= 2
+    host, _ = _split_host_port(segment)
+    with socket.create_connection((host, int(desc["tcp_data_port"])), _IO_TIMEOUT) as conn:
+        conn.settimeout(_IO_TIMEOUT)
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        for local, remote, n in pieces:
+            conn.sendall(struct.pack("<QQB7x", n, remote, 0x80 if v2 else 0))
+            if v2:
+                word = _recv_exactly(conn, memoryview(bytearray(8)))
+                status = struct.unpack("<Q", word)[0]
+                if status >> 32 != _STATUS_MAGIC:
+                    raise ValueError(f"status word {status:#018x} lacks the MCTV magic: not Mooncake's TCP protocol v2")
+                if status & 0xFFFFFFFF != 0:
+                    raise _ReadRefused(f"the segment rejected the read of {n} bytes at {remote:#x}")
+            _recv_exactly(conn, memoryview((ctypes.c_char * n).from_address(local)).cast("B"))
+
+
+def _recv_exactly(conn, view):
+    """Fills view from conn; the bytes as a bytes object when view is small."""
+    got = 0
+    while got < len(view):
+        k = conn.recv_into(view[got:])
+        if k == 0:
+            raise ValueError(f"the segment closed the connection after {got} of {len(view)} bytes (a rejected v1 read?)")
+        got += k
+    return bytes(view) if len(view) <= 8 else None
 
 
 def _merge(pieces):

@@ -25,9 +25,20 @@ def new_memfd(name, nbytes):
     return fd
 
 
-def register_fd(transport, timeout, name, fd, nbytes):
-    """POST /v1/regions with fd beside the request: the region's description."""
-    body = json.dumps({"name": name, "nbytes": int(nbytes)}).encode()
+def register_fd(transport, timeout, name, fd, nbytes, mooncake_addr=0, offset=0, mooncake_segment=""):
+    """POST /v1/regions with fd beside the request: the region's
+    description. The region is nbytes of the memfd from offset.
+    mooncake_addr, if not 0, opens it to Mooncake peers' writes at that
+    address, in the engine segment mooncake_segment if given (docs/api.md,
+    "Regions")."""
+    req = {"name": name, "nbytes": int(nbytes)}
+    if offset:
+        req["fd_offset"] = int(offset)
+    if mooncake_addr:
+        req["mooncake_addr"] = int(mooncake_addr)
+    if mooncake_segment:
+        req["mooncake_segment"] = mooncake_segment
+    body = json.dumps(req).encode()
     request = (b"POST /v1/regions HTTP/1.1\r\nHost: ferryd\r\nContent-Type: application/json\r\n"
                b"Content-Length: %d\r\nConnection: close\r\n\r\n" % len(body)) + body
     info, fds = exchange_with_rights(transport, timeout, request, "POST /v1/regions", pass_fd=fd)

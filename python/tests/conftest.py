@@ -11,7 +11,10 @@ import json
 import os
 import signal
 import socket
+import queue
 import subprocess
+import sys
+import textwrap
 import threading
 import time
 import uuid
@@ -225,3 +228,62 @@ def stalled_upload(socket_path, req_id, nbytes):
         yield sock
     finally:
         sock.close()
+
+
+class EngineChild:
+    """A Python process started with ferry's allocator preloaded (python -m
+    ferry.run), as a framework's would be: run(code) executes code there
+    and returns the value it left in `out`. Ended by its PID."""
+
+    def __init__(self, socket_path, preload=True, timeout=240):
+        here = os.path.dirname(os.path.abspath(__file__))
+        argv = ["-m", "ferry.run"] if preload else []
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_") and k != "LD_PRELOAD"}
+        environ["FERRY_SOCKET"] = socket_path
+        self.proc = subprocess.Popen([sys.executable, *argv, os.path.join(here, "engine_child.py")], env=environ,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.pid = self.proc.pid
+        self.timeout = timeout
+        self._lines = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self):
+        for raw in self.proc.stdout:
+            self._lines.put(raw)
+        self._lines.put(None)
+
+    def run(self, code, timeout=None):
+        self.proc.stdin.write((json.dumps(textwrap.dedent(code)) + "\n").encode())
+        self.proc.stdin.flush()
+        try:
+            raw = self._lines.get(timeout=timeout or self.timeout)
+        except queue.Empty:
+            pytest.fail(f"the engine process pid {self.pid} answered nothing within {timeout or self.timeout} s")
+        if raw is None:
+            self.proc.wait(10)
+            pytest.fail(f"the engine process pid {self.pid} exited ({self.proc.returncode}): "
+                        f"{self.proc.stderr.read().decode(errors='replace')}")
+        answer = json.loads(raw)
+        if "error" in answer:
+            pytest.fail(f"in the engine process: {answer['error']}")
+        return answer["out"]
+
+    def kill(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def engine_child():
+    """Starts engine processes (EngineChild) for one test; each is ended when it ends."""
+    started = []
+
+    def start(socket_path, **kw):
+        c = EngineChild(socket_path, **kw)
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        c.kill()

@@ -1,25 +1,29 @@
 """ferry.mooncake.TransferEngine replaying the calls sglang's encoder and
 vLLM's Mooncake connector make, into a ferry receive slot's Mooncake
-segment (the receiving ferryd runs --mooncake-listen)."""
+segment (the receiving ferryd runs --mooncake-listen), and the calls of
+their receiving sides in a process without ferry's allocator, which
+ferry refuses at registration (test_mooncake_receivers.py: with it)."""
 
 import ctypes
+import gc
 import json
 import logging
 import os
 import random
+import socket
 import time
 
 import pytest
 
 import ferry
-from ferry.mooncake import TransferEngine
+from ferry.mooncake import TransferEngine, TransferOpcode
 
 torch = pytest.importorskip("torch", reason="Debian's python3-torch (make test-python installs it)")
 
 
 @pytest.fixture
 def engine(pair):
-    e = TransferEngine(socket_path=pair[0].socket)
+    e = TransferEngine(socket_path=pair[0].socket, send_only=True)
     assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     return e
 
@@ -197,7 +201,7 @@ def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
     # The staged copy of the failed write does not linger in ferryd.
     assert not [e for e in engine._need_client().embeddings() if e["req_id"].startswith("mooncake-")]
     # Opt-in: raise instead.
-    raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path)
+    raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path, send_only=True)
     assert raising.register_memory(ptr, 4096) == 0
     with pytest.raises(ferry.TransferFailed) as e:
         raising.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address + 8192, 4096)
@@ -220,7 +224,7 @@ def test_two_engines_name_their_staged_entries_apart(pair, rx, req_id):
     # Host pieces go through a staged entry per call (more than one piece:
     # one goes inline); two engines in one process must not give two
     # calls' entries one name.
-    engines = [TransferEngine(socket_path=pair[0].socket) for _ in range(2)]
+    engines = [TransferEngine(socket_path=pair[0].socket, send_only=True) for _ in range(2)]
     src = (ctypes.c_char * 4096).from_buffer_copy(os.urandom(4096))
     half = ctypes.addressof(src) + 2048
     for i, e in enumerate(engines):
@@ -248,12 +252,29 @@ def test_two_engines_name_their_staged_entries_apart(pair, rx, req_id):
         rx.free(f"{req_id}-{i}")
 
 
-def test_rpc_port_is_the_segments(pair):
+def test_each_engine_has_a_segment_of_its_own(pair):
+    # sglang keys its per-peer state by session id: two engines in one
+    # process (or two ranks on one host) must never share one.
     tx, rx = pair
-    engine = TransferEngine(socket_path=rx.socket)
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
-    segment = rx.client().status()["mooncake"]["segment"]
-    assert engine.get_rpc_port() == int(segment.rsplit(":", 1)[1])
+    client = rx.client()
+    ferryds = int(client.status()["mooncake"]["segment"].rsplit(":", 1)[1])
+    engines = [TransferEngine(socket_path=rx.socket) for _ in range(2)]
+    assert engines[0].get_rpc_port() == ferryds  # before initialize: ferryd's own
+    for e in engines:
+        assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    ports = [e.get_rpc_port() for e in engines]
+    assert len({*ports, ferryds}) == 3, ports
+    listed = {s["rpc_port"]: s for s in json.loads(client.request("GET", "/v1/mooncake/segments").body)}
+    assert set(ports) <= set(listed) and all(listed[p]["pid"] == os.getpid() for p in ports)
+    # Each answers Mooncake's handshake on its own port; closing one drops it.
+    assert all(e.send_probe(f"127.0.0.1:{p}") == 0 for e, p in zip(engines, ports))
+    assert engines[0].close() == 0
+    assert engines[1].send_probe(f"127.0.0.1:{ports[0]}") == -1
+    assert ports[0] not in {s["rpc_port"] for s in json.loads(client.request("GET", "/v1/mooncake/segments").body)}
+    # Collected without close: dropped all the same.
+    del engines[1], e  # the last references
+    gc.collect()
+    assert ports[1] not in {s["rpc_port"] for s in json.loads(client.request("GET", "/v1/mooncake/segments").body)}
     no_segment = TransferEngine(socket_path=tx.socket)
     assert no_segment.get_rpc_port() == -1 and "--mooncake-listen" in no_segment.last_failure.message
 
@@ -262,3 +283,158 @@ def test_an_unreachable_ferryd_fails_initialize(tmp_path):
     engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
     assert engine.initialize("h", "P2PHANDSHAKE", "tcp", "") == -1
     assert engine.last_failure.ret == "unreachable"
+
+
+def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypatch, caplog):
+    # sglang's multimodal receiver: register_memory of a torch.empty
+    # landing buffer, its address published, then the encoder's
+    # transfer_sync_write into it. This process was not started with
+    # ferry's allocator, so ferryd cannot reach the tensor's pages, and
+    # registration says so (-1, the reason logged and kept), never 0
+    # followed by refused writes and a receiver reading an uninitialised
+    # buffer (test_mooncake_receivers.py has the receiver that works).
+    monkeypatch.delenv("FERRY_MOONCAKE_SEND_ONLY", raising=False)
+    receiver = TransferEngine(socket_path=pair[1].socket)
+    assert receiver.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    landing = torch.empty(16 << 10, dtype=torch.uint8)
+    landing.fill_(0xAB)  # what "uninitialised" holds here
+    with caplog.at_level(logging.WARNING, logger="ferry.mooncake"):
+        assert receiver.register_memory(landing.data_ptr(), landing.numel()) == -1
+    f = receiver.last_failure
+    assert (f.method, f.ret) == ("register_memory", "not_writable"), f
+    assert "not allocated through ferry's allocator" in f.message and "LD_PRELOAD=" in f.message, f.message
+    assert "send_only=True" in f.message
+    assert "ret=not_writable" in caplog.text
+    # vLLM's decode worker and sglang's PD decode register their KV
+    # buffers in one batch: refused the same way (vLLM raises on it).
+    k, v = torch.empty(4096, dtype=torch.uint8), torch.empty(4096, dtype=torch.uint8)
+    assert receiver.batch_register_memory([k.data_ptr(), v.data_ptr()], [4096, 4096]) == -1
+    assert receiver.last_failure.ret == "not_writable"
+    # Nothing was registered: there is nothing to unregister.
+    assert receiver.unregister_memory(landing.data_ptr()) == -1
+    # The encoder's write (which sglang does not check) lands nowhere.
+    sender = TransferEngine(socket_path=pair[0].socket, send_only=True)
+    emb = torch.randint(0, 255, (16 << 10,), dtype=torch.uint8)
+    assert sender.register_memory(emb.data_ptr(), emb.numel()) == 0
+    session = f"127.0.0.1:{receiver.get_rpc_port()}"
+    assert sender.transfer_sync_write(session, emb.data_ptr(), landing.data_ptr(), emb.numel()) == -1
+    assert bytes(landing.numpy()) == b"\xab" * landing.numel()
+    assert sender.unregister_memory(emb.data_ptr()) == 0
+    # The environment says send-only for a framework that makes the engine.
+    monkeypatch.setenv("FERRY_MOONCAKE_SEND_ONLY", "1")
+    assert TransferEngine(socket_path=pair[0].socket).register_memory(emb.data_ptr(), emb.numel()) == 0
+
+
+# Mooncake's Python engine, every method (mooncake-integration's
+# TransferEnginePy; ../shared/reference/inference-frameworks.md).
+MOONCAKE_METHODS = [
+    "initialize", "initialize_ext", "get_rpc_port",
+    "register_memory", "unregister_memory", "batch_register_memory", "batch_unregister_memory",
+    "allocate_managed_buffer", "free_managed_buffer", "get_first_buffer_address",
+    "write_bytes_to_buffer", "read_bytes_from_buffer",
+    "transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write", "batch_transfer_sync_read",
+    "transfer_sync", "batch_transfer_sync",
+    "transfer_submit_write", "transfer_check_status", "batch_transfer_async_write", "batch_transfer_async_read",
+    "batch_transfer_async", "get_batch_transfer_status",
+    "get_notifies", "send_probe",
+    "transfer_write_on_cuda", "transfer_read_on_cuda", "batch_transfer_write_on_cuda", "batch_transfer_read_on_cuda",
+    "batch_transfer_on_cuda",
+    "get_engine", "get_engine_ptr", "get_local_topology", "warmup_efa_segment",
+]
+
+
+def test_every_method_of_mooncakes_engine_is_there(tmp_path):
+    import ferry.mooncake as mc
+    engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
+    for name in MOONCAKE_METHODS:
+        assert callable(getattr(engine, name, None)), name
+        if name in mc._NOT_IMPLEMENTED:
+            with pytest.raises(NotImplementedError, match=f"TransferEngine.{name}: .*docs/python.md"):
+                getattr(engine, name)("127.0.0.1:1", 1, 2, 3)
+    assert set(mc._NOT_IMPLEMENTED) <= set(MOONCAKE_METHODS)
+    assert engine.get_engine() is engine
+    # transfer_sync's READ is a read (an unregistered buffer: -1); a notify is not there.
+    assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, TransferOpcode.READ) == -1
+    assert "register_memory it first" in engine.last_failure.message
+    with pytest.raises(NotImplementedError, match="batch_transfer_sync with a notify"):
+        engine.batch_transfer_sync("127.0.0.1:1", [1], [2], [3], TransferOpcode.WRITE, notify=("a", "b"))
+    assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, 7) == -1 and "opcode 7" in engine.last_failure.message
+
+
+def test_initialize_honours_its_arguments(pair, monkeypatch):
+    tx, rx = pair
+    engine = TransferEngine(socket_path=rx.socket)
+    with socket.socket() as s:  # a free port to ask for
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    refusals = [
+        (("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", ""), "P2PHANDSHAKE"),
+        (("127.0.0.1", "P2PHANDSHAKE", "nvmeof", ""), '"tcp" or "rdma"'),
+        (("127.0.0.1", "P2PHANDSHAKE", "rdma", ""), "--transport rdma"),   # a tcp ferryd: never silently TCP
+    ]
+    for args, why in refusals:
+        assert engine.initialize(*args) == -1, args
+        assert why in engine.last_failure.message, (args, engine.last_failure)
+    assert engine.initialize_ext("127.0.0.1", "P2PHANDSHAKE", "tcp", "", "etcd") == -1
+    assert "metadata_type 'etcd'" in engine.last_failure.message
+    assert engine.initialize_ext(f"127.0.0.1:{port}", "P2PHANDSHAKE", "tcp", "mlx5_0", "p2p") == 0
+    assert (engine.local_hostname, engine.protocol, engine.device_name) == ("127.0.0.1", "tcp", "")
+    assert engine.get_rpc_port() == port  # the port local_hostname asked for
+    assert engine.initialize("127.0.0.1:1", "P2PHANDSHAKE", "tcp", "") == -1
+    assert f"RPC port is {port} already" in engine.last_failure.message
+    assert engine.close() == 0
+    # No segment: no port to be.
+    assert TransferEngine(socket_path=tx.socket).initialize("h:1", "P2PHANDSHAKE", "tcp", "") == -1
+    # An rdma ferryd (its status stood in for beneath the client):
+    # device_name must be the NIC it sends over.
+    real = ferry.Client.status
+
+    def rdma_status(self):
+        st = real(self)
+        st["transport"] = {"name": "rdma", "reason": "--transport rdma", "rdma": {"chosen": {"device": "mlx5_0"}}}
+        return st
+
+    monkeypatch.setattr(ferry.Client, "status", rdma_status)
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
+    assert "initialize with 'rdma'" in engine.last_failure.message
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0,mlx5_1") == -1
+    assert "one NIC, mlx5_0" in engine.last_failure.message
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") == 0 and engine.device_name == "mlx5_0"
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0 and engine.device_name == "mlx5_0"
+
+
+def test_probe_first_buffer_and_local_buffers(engine, pair):
+    rx_status = pair[1].client().status()
+    segment = rx_status["mooncake"]["segment"]
+    assert engine.send_probe(segment) == 0, engine.last_failure
+    # A ferry segment's first buffer is ferryd's arena.
+    assert engine.get_first_buffer_address(segment) == rx_status["memory"]["arena_base"]
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        closed = f"127.0.0.1:{s.getsockname()[1]}"
+    assert engine.send_probe(closed) == -1
+    f = engine.last_failure
+    assert (f.method, f.session, f.ret) == ("send_probe", closed, "unreachable") and closed in f.message
+    assert engine.get_first_buffer_address(closed) == -1
+    assert engine.send_probe("no-port") == -1 and "host:rpc_port" in engine.last_failure.message
+    # write_bytes_to_buffer and read_bytes_from_buffer copy in this process.
+    buf = ctypes.create_string_buffer(64)
+    assert engine.write_bytes_to_buffer(ctypes.addressof(buf), b"hello ferry", 11) == 0
+    assert engine.read_bytes_from_buffer(ctypes.addressof(buf), 11) == b"hello ferry"
+    assert engine.write_bytes_to_buffer(ctypes.addressof(buf), b"abc", 4) == -1
+
+
+def test_batch_unregister_and_transfer_sync_write(engine, rx, req_id):
+    a, b = (ctypes.c_char * 4096).from_buffer_copy(os.urandom(4096)), (ctypes.c_char * 4096)()
+    pa, pb = ctypes.addressof(a), ctypes.addressof(b)
+    assert engine.batch_register_memory([pa, pb], [4096, 4096]) == 0
+    slot = rx.receive(req_id, 4096, mooncake=True)
+    assert engine.transfer_sync(slot.mooncake_session, pa, slot.buffer_address, 4096, TransferOpcode.WRITE) == 0, \
+        engine.last_failure
+    assert rx.wait(req_id, 10) == bytes(a)
+    rx.free(req_id)
+    # All are tried; any not registered makes it -1 (sglang's teardown).
+    assert engine.batch_unregister_memory([pa, pa + 1, pb]) == -1
+    assert "no range is registered" in engine.last_failure.message
+    assert engine.batch_unregister_memory([pa, pb]) == -1  # both gone already
+    assert engine.batch_unregister_memory([]) == 0

@@ -42,7 +42,7 @@ def main():
     # tensor as a region, transfer_sync_write sends it with no copy into a
     # slot the receiver opened to Mooncake senders.
     from ferry.mooncake import TransferEngine
-    engine = TransferEngine(raise_on_failure=True, socket_path=sys.argv[1])
+    engine = TransferEngine(raise_on_failure=True, socket_path=sys.argv[1], send_only=True)
     engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "")
     src2 = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda:0")
     torch.cuda.synchronize()

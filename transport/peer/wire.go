@@ -2,7 +2,9 @@ package peer
 
 // Wire protocol of the peer port, version 8 (8 carries RDMA rails in
 // the lane's connect, rdma/wire.go: the rail a QP is on and how many
-// NICs each side drives; 7 returns receive credits
+// NICs each side drives; and lets a write's key name an engine
+// segment's memory instead of a receive slot: see "Engine memory"
+// below; 7 returns receive credits
 // on RDMA lanes, rdma/wire.go; 6 binds the address the
 // client dialed into the challenge-response; 5 grew the write header's
 // key by its window's rkey). Every integer is little-endian; every
@@ -85,6 +87,17 @@ package peer
 //	  4  flags     u16     bit 0: the server closes the connection after
 //	                       this reply (the client must not reuse it)
 //	  6  msglen    u16     at most MaxMessage; 0 for OK
+//
+// Engine memory (version 8, additive: no record changes). A write's key
+// may be the key of a ferry engine's Mooncake segment (daemon/engines.go:
+// memory a ferry.mooncake engine registered, at its owner's addresses),
+// which that segment's descriptor publishes on its Mooncake RPC port
+// ("ferry": {"peer": host:port of this port, "key": 40 hex digits}). addr
+// is then the Mooncake address of the destination in that segment, len
+// may span registered ranges that follow one another, and tag is 0; the
+// reply is OK once every byte is in the engine's memory, out_of_bounds
+// when the range lies outside what the engine registered, no_slot when
+// the segment is gone. A version-7 receiver knows no such key (no_slot).
 //
 // A server refuses a write either before reading its body (and then reads
 // and discards the body so the stream stays in step) or, when len exceeds
