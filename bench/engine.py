@@ -55,7 +55,7 @@ class Daemon:
 
     def __init__(self, ferryd, directory, name, arena, *extra):
         self.socket = os.path.join(directory, name + ".sock")
-        env = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_")}
+        env = {k: v for k, v in _unpreloaded().items() if not k.startswith("FERRY_")}
         env["FERRY_CONFIG"] = os.devnull
         self.proc = subprocess.Popen(
             [ferryd, "--socket", self.socket, "--listen", "127.0.0.1:0", "--arena-size", arena, "--device", "cpu",
@@ -153,9 +153,16 @@ def ferrybench_batch(ferrybench, tx, rx, page, pages, seconds):
     """One `ferrybench batch` point against the same daemons: (its output line, items/s, GB/s)."""
     cmd = [ferrybench, "batch", "--from", tx.socket, "--to", rx.socket, "--item-size", str(page),
            "--batches", str(pages), "--duration", f"{seconds * 2}s", "--json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600).stdout
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=600, env=_unpreloaded()).stdout
     rows = [r for r in json.loads(out)["rows"] if r["op"] == "batch"]
     return rows[0]
+
+
+def _unpreloaded():
+    """This process's environment without LD_PRELOAD: under python -m
+    ferry.run the engine's process has ferry's allocator, and ferryd and
+    ferrybench, as in a deployment, do not."""
+    return {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
 
 
 def pct(xs, p):
@@ -192,7 +199,10 @@ def main():
 
 def run(a, tx, rx):
     rxc = ferry.Client(rx.socket)
-    engine = TransferEngine(socket_path=tx.socket)
+    # The prefill side only sends from its registered memory (send_only);
+    # under ferry's allocator (python -m ferry.run) that memory is lent to
+    # the sending ferryd and sent from in place, else staged per request.
+    engine = TransferEngine(socket_path=tx.socket, send_only=True)
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
     kv = KV(engine, a.layers, a.pages, a.page, 4 * a.pages, seed=1)
     single, single_base = buffer(a.single, 99)
