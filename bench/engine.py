@@ -102,49 +102,95 @@ class KV:
         self.picked = [rng.sample(range(total_pages), pages) for _ in self.tensors]
         self.nbytes = len(self.tensors) * pages * page
 
-    def request(self, rx, name, verify):
-        slot = rx.receive(name, self.nbytes, mooncake=True)
+    def request(self, into, name, verify):
+        session, base = into.open(name, self.nbytes)
         srcs, dsts, lens = [], [], []
         k = len(self.tensors) * self.pages
-        for (_, base), picked in zip(self.tensors, self.picked):
+        for (_, src_base), picked in zip(self.tensors, self.picked):
             for p in picked:
                 k -= 1  # in reverse: no two pages adjacent at both ends
-                srcs.append(base + p * self.page)
-                dsts.append(slot.buffer_address + k * self.page)
+                srcs.append(src_base + p * self.page)
+                dsts.append(base + k * self.page)
                 lens.append(self.page)
         t0 = time.perf_counter()
-        ret = self.engine.batch_transfer_sync_write(slot.mooncake_session, srcs, dsts, lens)
+        ret = self.engine.batch_transfer_sync_write(session, srcs, dsts, lens)
         took = time.perf_counter() - t0
         if ret != 0:
             raise SystemExit(f"kv: batch_transfer_sync_write returned {ret}: {self.engine.last_failure}")
         if verify:
-            got = rx.wait(name, 10)
             want = b"".join(ctypes.string_at(src, self.page) for _, src in sorted(zip(dsts, srcs)))
-            if got != want:
-                raise SystemExit("kv: the receiver's slot does not hold the pages sent")
-        rx.free(name)
+            if into.read(name) != want:
+                raise SystemExit(f"kv: the receiving {into.kind} does not hold the pages sent")
+        into.close(name)
         return took
 
 
-def single_calls(engine, rx, src, n, per_slot, seconds, tag, verify):
+class IntoSlots:
+    """Writes land in receive slots made with mooncake=True on the
+    receiving ferryd (its own Mooncake segment)."""
+    kind = "slot"
+
+    def __init__(self, rx):
+        self.rx = rx
+
+    def open(self, name, n):
+        slot = self.rx.receive(name, n, mooncake=True)
+        return slot.mooncake_session, slot.buffer_address
+
+    def read(self, name):
+        return self.rx.wait(name, 10)
+
+    def close(self, name):
+        self.rx.free(name)
+
+
+class IntoEngine:
+    """Writes land in memory a receiving TransferEngine registered (the
+    decode side of sglang PD): one buffer, born in ferry's allocator
+    window (this process runs under python -m ferry.run), registered once
+    and reused by every request; the sender's ferryd writes it over ferry's
+    peer protocol."""
+    kind = "engine"
+
+    def __init__(self, rx_socket, n):
+        self.engine = TransferEngine(socket_path=rx_socket)
+        assert self.engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, self.engine.last_failure
+        self.session = f"127.0.0.1:{self.engine.get_rpc_port()}"
+        self.buf, self.base = buffer(n, 5)
+        if self.engine.register_memory(self.base, n) != 0:
+            raise SystemExit(f"--into engine: {self.engine.last_failure.message}")
+        self.n = {}
+
+    def open(self, name, n):
+        self.n[name] = n
+        return self.session, self.base
+
+    def read(self, name):
+        return ctypes.string_at(self.base, self.n[name])
+
+    def close(self, name):
+        del self.n[name]
+
+
+def single_calls(engine, into, src, n, per_slot, seconds, tag, verify):
     """transfer_sync_write of n bytes, one call at a time, for seconds:
     each call's time."""
     out, spent, k = [], 0.0, 0
     while spent < seconds:
         name = f"single-{tag}-{k}"
-        slot = rx.receive(name, n * per_slot, mooncake=True)
+        session, base = into.open(name, n * per_slot)
         for i in range(per_slot):
             t0 = time.perf_counter()
-            ret = engine.transfer_sync_write(slot.mooncake_session, src, slot.buffer_address + i * n, n)
+            ret = engine.transfer_sync_write(session, src, base + i * n, n)
             took = time.perf_counter() - t0
             if ret != 0:
                 raise SystemExit(f"single: transfer_sync_write returned {ret}: {engine.last_failure}")
             out.append(took)
             spent += took
         if verify and k == 0:
-            if rx.wait(name, 10) != ctypes.string_at(src, n) * per_slot:
-                raise SystemExit("single: the receiver's slot does not hold the bytes sent")
-        rx.free(name)
+            if into.read(name) != ctypes.string_at(src, n) * per_slot:
+                raise SystemExit(f"single: the receiving {into.kind} does not hold the bytes sent")
+        into.close(name)
         k += 1
     return out
 
@@ -181,6 +227,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2, help="turns of each (A B A B)")
     ap.add_argument("--seconds", type=float, default=2.0, help="per turn")
     ap.add_argument("--arena", default="512MiB")
+    ap.add_argument("--into", choices=["slot", "engine"], default="slot",
+                    help="where writes land: receive slots made with mooncake=True, or memory a receiving "
+                         "engine registered (run under python -m ferry.run)")
     a = ap.parse_args()
 
     directory = tempfile.mkdtemp(prefix="ferry-engine-bench-")
@@ -207,6 +256,8 @@ def run(a, tx, rx):
     kv = KV(engine, a.layers, a.pages, a.page, 4 * a.pages, seed=1)
     single, single_base = buffer(a.single, 99)
     assert engine.register_memory(single_base, a.single) == 0, engine.last_failure
+    pages = 2 * a.layers * a.pages
+    into = IntoSlots(rxc) if a.into == "slot" else IntoEngine(rx.socket, max(pages * a.page, 256 * a.single))
 
     # Touch the receiving arena once, as a running ferryd's has been.
     total = size(a.arena)
@@ -219,21 +270,20 @@ def run(a, tx, rx):
     rxc.free("warm")
 
     print(f"# bench/engine.py  {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  cpus={os.cpu_count()} "
-          f"ferryd={a.ferryd} transport=tcp (loopback) kv={a.layers}x2x{a.pages}x{a.page}B single={a.single}B "
+          f"ferryd={a.ferryd} transport=tcp (loopback) into={a.into} kv={a.layers}x2x{a.pages}x{a.page}B single={a.single}B "
           f"{a.rounds} rounds x {a.seconds}s", flush=True)
     kv_times, single_times, fb = [], [], []
     for r in range(a.rounds):
         spent, i = 0.0, 0
         while spent < a.seconds or i < 2:
-            took = kv.request(rxc, f"kv-{r}-{i}", verify=(r == 0 and i == 0))
+            took = kv.request(into, f"kv-{r}-{i}", verify=(r == 0 and i == 0))
             kv_times.append(took)
             spent += took
             i += 1
-        single_times += single_calls(engine, rxc, single_base, a.single, 256, a.seconds, r, verify=(r == 0))
+        single_times += single_calls(engine, into, single_base, a.single, 256, a.seconds, r, verify=(r == 0))
         if a.ferrybench:
             fb.append(ferrybench_batch(a.ferrybench, tx, rx, a.page, 2 * a.layers * a.pages, a.seconds))
 
-    pages = 2 * a.layers * a.pages
     kv_mean = statistics.mean(kv_times)
     print(f"kv      pages/request={pages} page={a.page}B requests={len(kv_times)} "
           f"pages/s={pages / kv_mean:.0f} GB/s={kv.nbytes / kv_mean / 1e9:.3f} "
