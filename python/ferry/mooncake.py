@@ -38,6 +38,7 @@ one staged entry per transfer. docs/python.md has the rest.
 
 import base64
 import bisect
+import collections
 import ctypes
 import enum
 import itertools
@@ -49,6 +50,8 @@ import struct
 import threading
 import time
 import weakref
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from .client import Client, Slot
@@ -78,6 +81,19 @@ _entry_ids = itertools.count()
 
 # The longest pause between tries of a transfer ferryd answered busy.
 _BUSY_PAUSE_MAX = 0.2
+
+# The asynchronous calls run the synchronous ones on a pool of this many
+# threads per engine (each transfer already overlaps its pieces in ferryd).
+ASYNC_WORKERS = 4
+# At most this many batches submitted and not yet finished: past it a
+# submit fails (0), asking the caller to collect some.
+ASYNC_IN_FLIGHT = 1024
+# The finished batches whose status nobody read kept for a later read:
+# past this many the oldest is dropped (its id then reads as unknown).
+ASYNC_KEPT = 4096
+# Batch ids number the batches of every engine in this process from 1: 0
+# is Mooncake's failed submit.
+_batch_ids = itertools.count(1)
 
 
 def _when_room(start, timeout):
@@ -141,6 +157,10 @@ class TransferEngine:
         # This engine's own Mooncake segment (initialize opens it) and what
         # closes it when the engine is closed or collected.
         self._segment, self._closer = None, None
+        # The asynchronous calls: their pool (made at the first), batch id
+        # -> _Batch in submission order, and whether close has begun.
+        self._pool, self._batches, self._closing, self._dropped = None, collections.OrderedDict(), False, 0
+        self._tls = threading.local()  # a pool thread's last failure, for its batch
 
     # --- set-up
 
@@ -400,7 +420,14 @@ class TransferEngine:
     def close(self):
         """Closes this engine's segment: ferryd stops listing and serving
         the memory it registered (waiting for writes landing in it) and
-        closes its ports; 0, or -1. Collecting the engine does the same."""
+        closes its ports; 0, or -1. Collecting the engine does the same.
+        Asynchronous batches in flight finish first (each within its
+        transfer's deadline), their status still readable; later submits
+        fail (0)."""
+        with self._lock:
+            self._closing, pool = True, self._pool
+        if pool is not None:
+            pool.shutdown(wait=True)
         with self._lock:
             self._lock.wait_for(lambda: not any(self._in_flight.values()))
             closer, self._closer, self._segment = self._closer, None, None
@@ -422,6 +449,22 @@ class TransferEngine:
         if failed is not None:
             return self._fail("close", "", 0, failed)
         return 0
+
+    def get_local_topology(self, device_name=None):
+        """Mooncake's topology matrix as a JSON string, from what ferryd's
+        GET /v1/status knows: {"cuda:N": [[nearest NICs], [every NIC]],
+        "cpu:M": [[the NICs on NUMA node M], [every NIC]]}, where every NIC
+        is each rail ferryd drives (transport.rdma.rails) and a GPU's
+        nearest are its row of the affinity table that ferryd drives.
+        device_name ("mlx5_0,mlx5_1") keeps only those NICs. "{}" over
+        TCP, or with no NIC left; "{}" and the reason in last_failure when
+        ferryd cannot be asked."""
+        try:
+            status = self._need_client().status()
+        except FerryError as e:
+            self._fail("get_local_topology", "", 0, e)
+            return "{}"
+        return json.dumps(_topology(status, device_name), indent=3)
 
     def get_engine(self):
         """Mooncake's gives its C++ engine; ferry's engine is this object."""
@@ -477,11 +520,9 @@ class TransferEngine:
         ends), holds the registered ranges their local ends lie in (so
         unregister_memory waits) and calls move(pieces, held): 0, at once
         when no piece has a byte, or -1 with the failure."""
-        if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
-            return self._refuse(method, 0,
-                                f"{len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths")
-        if any(not isinstance(n, int) or n < 0 for n in lengths):
-            return self._refuse(method, 0, f"{method} with {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative")
+        wrong = _wrong_lists(method, session_id, buffers, peer_buffer_addresses, lengths)
+        if wrong:
+            return self._refuse(method, 0, wrong)
         pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
         if not pieces:
             return 0
@@ -523,6 +564,149 @@ class TransferEngine:
                 raise FerryError(f"{method} from {session_id}: {e}",
                                  code="refused" if isinstance(e, _ReadRefused) else "transfer_failed") from e
         return self._batch(method, session_id, buffers, peer_buffer_addresses, lengths, read)
+
+    # --- asynchronous: the synchronous calls on the engine's pool
+
+    def batch_transfer_async_write(self, session_id, buffers, peer_buffer_addresses, lengths):
+        """batch_transfer_sync_write on the engine's pool: its batch id (an
+        int > 0) at once, or 0 when it cannot be submitted (the reason
+        logged and in last_failure). get_batch_transfer_status or
+        transfer_check_status tell how it ended."""
+        return self._submit("batch_transfer_async_write", self.batch_transfer_sync_write,
+                            session_id, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_async_read(self, session_id, buffers, peer_buffer_addresses, lengths):
+        """batch_transfer_sync_read on the engine's pool: a batch id, or 0."""
+        return self._submit("batch_transfer_async_read", self.batch_transfer_sync_read,
+                            session_id, buffers, peer_buffer_addresses, lengths)
+
+    def batch_transfer_async(self, session_id, buffers, peer_buffer_addresses, lengths, opcode):
+        """batch_transfer_async_write for TransferOpcode.WRITE,
+        batch_transfer_async_read for READ: a batch id, or 0."""
+        if opcode == TransferOpcode.READ:
+            return self.batch_transfer_async_read(session_id, buffers, peer_buffer_addresses, lengths)
+        if opcode == TransferOpcode.WRITE:
+            return self.batch_transfer_async_write(session_id, buffers, peer_buffer_addresses, lengths)
+        self._refuse("batch_transfer_async", 0, f"batch_transfer_async: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
+        return 0
+
+    def transfer_submit_write(self, session_id, buffer, peer_buffer_address, length):
+        """transfer_sync_write on the engine's pool: a batch id for
+        transfer_check_status, or 0."""
+        return self._submit("transfer_submit_write", self.batch_transfer_sync_write,
+                            session_id, [buffer], [peer_buffer_address], [length])
+
+    def transfer_check_status(self, batch_id):
+        """Mooncake's: 0 while the batch runs; 1 when every byte is there
+        (a write: in the receiver's memory), -1 when it failed (the reason
+        in last_failure) or batch_id is unknown; a finished batch's id is
+        forgotten once read."""
+        with self._lock:
+            rec = self._batches.get(batch_id)
+            if rec is not None and rec.future.done():
+                del self._batches[batch_id]
+        if rec is None:
+            return self._unknown_batch("transfer_check_status", batch_id)
+        if not rec.future.done():
+            return 0
+        return 1 if self._outcome(rec) == 0 else FAILED
+
+    def get_batch_transfer_status(self, batch_ids):
+        """Mooncake's: waits for every batch in batch_ids to finish; 0 when
+        all moved every byte, -1 at the first that failed (the reason in
+        last_failure; the others' ids are forgotten too, as Mooncake frees
+        them) or when one is unknown (then no id is forgotten). Each wait
+        is bounded: a batch still running after its transfers' deadline
+        (twice ferryd's answer timeout, as busy answers are retried) is a
+        failure."""
+        ids = list(batch_ids)
+        with self._lock:
+            unknown = [b for b in ids if b not in self._batches]
+            recs = [self._batches[b] for b in ids if b in self._batches]
+        if unknown:
+            return self._unknown_batch("get_batch_transfer_status", unknown[0])
+        ret = 0
+        for rec in recs:
+            wait = 2 * self._need_client().timeout + 10
+            try:
+                rec.future.result(timeout=wait)
+            except FutureTimeout:
+                self._fail(rec.method, rec.session, rec.nbytes, FerryError(
+                    f"{rec.method} (batch {rec.batch_id}) with {rec.session} still running after {wait:.0f} s",
+                    code="timeout"))
+                ret = FAILED
+                break
+            except Exception:
+                pass  # raise_on_failure: _outcome raises it
+            if self._outcome(rec) != 0:
+                ret = FAILED
+                break
+        with self._lock:
+            for b in ids:
+                if ret != 0 or (b in self._batches and self._batches[b].future.done()):
+                    self._batches.pop(b, None)
+        return ret
+
+    def _submit(self, method, call, session_id, buffers, peer_buffer_addresses, lengths):
+        """Runs call(session_id, ...lists) on the pool: its batch id, or 0
+        (Mooncake's failed submit) with the reason."""
+        wrong = _wrong_lists(method, session_id, buffers, peer_buffer_addresses, lengths)
+        with self._lock:
+            if wrong is None and self._closing:
+                wrong = f"{method}: the engine is closed: submit to an open engine"
+            elif wrong is None and sum(not r.future.done() for r in self._batches.values()) >= ASYNC_IN_FLIGHT:
+                wrong = (f"{method}: {ASYNC_IN_FLIGHT} batches of this engine are in flight already: read their "
+                         "status (get_batch_transfer_status) before submitting more")
+            if wrong is None:
+                self._need_client()  # made once, here, not by racing pool threads
+                if self._pool is None:
+                    self._pool = ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="ferry-mooncake-async")
+                rec = _Batch(next(_batch_ids), method, session_id, sum(lengths), None)
+                rec.future = self._pool.submit(self._run_batch, call, session_id, list(buffers),
+                                               list(peer_buffer_addresses), list(lengths))
+                self._batches[rec.batch_id] = rec
+                self._drop_unread()
+        if wrong is not None:
+            self._refuse(method, sum(n for n in lengths if isinstance(n, int)), wrong)
+            return 0
+        return rec.batch_id
+
+    def _run_batch(self, call, *args):
+        """In a pool thread: the synchronous call's return, and the failure
+        it recorded (last_failure is the engine's, shared by its threads)."""
+        self._tls.failure = None
+        ret = call(*args)
+        return ret, self._tls.failure if ret != 0 else None
+
+    def _outcome(self, rec):
+        """A finished batch's return (0 or -1); a failure becomes
+        last_failure again, for the caller who reads its status; raised
+        with raise_on_failure."""
+        err = rec.future.exception()
+        if err is not None:
+            raise err  # only with raise_on_failure: the synchronous call raised it
+        ret, failure = rec.future.result()
+        if failure is not None:
+            self.last_failure = failure
+        return ret
+
+    def _drop_unread(self):
+        """Keeps at most ASYNC_KEPT finished batches nobody read, dropping
+        the oldest (called with the lock held)."""
+        done = [b for b, r in self._batches.items() if r.future.done()]
+        for b in done[:max(0, len(done) - ASYNC_KEPT)]:
+            del self._batches[b]
+            self._dropped += 1
+            if self._dropped == 1 or self._dropped % 1024 == 0:
+                log.warning("ferry.mooncake: %d finished batches dropped unread (batch %d the latest): more than %d "
+                            "finished batches were never read: call get_batch_transfer_status or "
+                            "transfer_check_status for each", self._dropped, b, ASYNC_KEPT)
+
+    def _unknown_batch(self, method, batch_id):
+        return self._refuse(method, 0, f"{method}: batch id {batch_id!r} is unknown to this engine, or its status was read "
+                                       f"already (a finished batch's id is forgotten once read; past {ASYNC_KEPT} "
+                                       "unread finished batches the oldest are dropped): pass an id this engine's "
+                                       "asynchronous calls returned")
 
     def _write(self, session, pieces, starts):
         """Writes the pieces with one batch transfer (one completion): those
@@ -618,7 +802,7 @@ class TransferEngine:
 
     def _fail(self, method, session, nbytes, err):
         ret = getattr(err, "ret", None) or err.code or type(err).__name__
-        self.last_failure = Failure(method, session, nbytes, ret, str(err))
+        self.last_failure = self._tls.failure = Failure(method, session, nbytes, ret, str(err))
         log.warning("ferry.mooncake: %s failed (session=%s, nbytes=%d, ret=%s): %s", method, session, nbytes, ret, err)
         if self.raise_on_failure:
             raise err
@@ -639,6 +823,46 @@ def _close_segment(client, segment_id, raise_errors=False):
             raise
 
 
+def _topology(status, device_name):
+    """Mooncake's topology matrix (storage type -> [preferred NICs, NICs])
+    of ferryd's GET /v1/status (get_local_topology)."""
+    rails = [r["device"] for r in ((status["transport"].get("rdma") or {}).get("rails") or [])]
+    keep = [n.strip() for n in (device_name or "").split(",") if n.strip()]
+    rails = [r for r in rails if not keep or r in keep]
+    if not rails:
+        return {}
+    matrix, numa = {}, {}
+    for row in (status.get("affinity") or {}).get("devices") or []:
+        near = [n["name"] for n in row.get("nics") or [] if n["name"] in rails]
+        matrix[row["device"]] = [near, rails]
+        for n in row.get("nics") or []:
+            if n["name"] in rails and n.get("numa_node", -1) >= 0:
+                numa.setdefault(n["numa_node"], []).append(n["name"])
+    for node, nics in sorted(numa.items()):
+        matrix[f"cpu:{node}"] = [list(dict.fromkeys(nics)), rails]
+    return matrix
+
+
+def _wrong_lists(method, session_id, buffers, peer_buffer_addresses, lengths):
+    """What is wrong with a batch's lists, or None."""
+    if not (len(buffers) == len(peer_buffer_addresses) == len(lengths)):
+        return f"{method}: {len(buffers)} buffers, {len(peer_buffer_addresses)} peer addresses and {len(lengths)} lengths"
+    if any(not isinstance(n, int) or n < 0 for n in lengths):
+        return f"{method} with {session_id}: lengths {lengths!r}: want whole numbers of bytes, none negative"
+    return None
+
+
+@dataclass
+class _Batch:
+    """An asynchronous batch: its id, what submitted it, its bytes, and the
+    pool's future of (return, failure)."""
+    batch_id: int
+    method: str
+    session: str
+    nbytes: int
+    future: object
+
+
 class _NotWritable(BadRequest):
     """Memory register_memory refuses: no peer's write could land there."""
 
@@ -648,18 +872,10 @@ class _NotWritable(BadRequest):
 
 # Why the Mooncake methods ferry does not have are not there; each raises
 # NotImplementedError naming itself and this (docs/python.md lists them).
-_NO_ASYNC_READ = "the asynchronous reads are not built yet: call batch_transfer_sync_read (from a thread to overlap them)"
 _NO_NOTIFY = "ferryd does not send Mooncake notifies for an engine, nor pass on those it receives"
-_NO_ASYNC = "the asynchronous calls are not built yet: call the synchronous ones (from a thread to overlap them)"
 _NO_CUDA_STREAM = ("ferry's transfers are not ordered on a CUDA stream: synchronise the stream, then call the "
                    "synchronous ones")
 _NOT_IMPLEMENTED = {
-    "batch_transfer_async_read": _NO_ASYNC_READ,
-    "transfer_submit_write": _NO_ASYNC,
-    "transfer_check_status": _NO_ASYNC,
-    "batch_transfer_async_write": _NO_ASYNC,
-    "batch_transfer_async": _NO_ASYNC,
-    "get_batch_transfer_status": _NO_ASYNC,
     "get_notifies": _NO_NOTIFY,
     "transfer_write_on_cuda": _NO_CUDA_STREAM,
     "transfer_read_on_cuda": _NO_CUDA_STREAM,
@@ -667,7 +883,6 @@ _NOT_IMPLEMENTED = {
     "batch_transfer_read_on_cuda": _NO_CUDA_STREAM,
     "batch_transfer_on_cuda": _NO_CUDA_STREAM,
     "get_engine_ptr": "there is no C++ engine in this process: transfers run in ferryd (get_engine gives this object)",
-    "get_local_topology": "ferryd chooses the one NIC it sends over: GET /v1/status, transport.rdma, shows it",
     "warmup_efa_segment": "ferry has no EFA transport",
 }
 

@@ -64,6 +64,18 @@ def register_kv(rx, tensors, pages):
     """)
 
 
+def register_held(rx, pages, seed):
+    """pages pages of seeded random bytes in a tensor `held` of the engine
+    process rx, registered: its address, and the bytes."""
+    ptr = rx.run(f"""
+        import random
+        held = torch.frombuffer(bytearray(random.Random({seed}).randbytes({pages} * {PAGE})), dtype=torch.uint8).clone()
+        assert engine.register_memory(held.data_ptr(), held.numel()) == 0, engine.last_failure
+        out = held.data_ptr()
+    """)
+    return ptr, random.Random(seed).randbytes(pages * PAGE)
+
+
 def test_sglang_pd_decode_registers_its_kv_and_prefill_writes_2048_scattered_pages(pair, engine_child):
     # sglang PD: the decode worker's KV pool (per layer a K and a V buffer,
     # torch CPU tensors allocated before the engine), registered in one
@@ -229,13 +241,7 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     rx = engine_child(pair[1].socket)
     session = rx.run(RECEIVER)
     pages = 64
-    ptr = rx.run(f"""
-        import random
-        held = torch.frombuffer(bytearray(random.Random(5).randbytes({pages} * {PAGE})), dtype=torch.uint8).clone()
-        assert engine.register_memory(held.data_ptr(), held.numel()) == 0, engine.last_failure
-        out = held.data_ptr()
-    """)
-    want = random.Random(5).randbytes(pages * PAGE)
+    ptr, want = register_held(rx, pages, 5)
     reader = sender(pair)
     dst, base = source(pages * PAGE, 6)
     assert reader.register_memory(base, len(dst)) == 0
