@@ -131,6 +131,11 @@ class Failure:
     message: str  # the whole sentence
 
 
+# The largest single piece of host memory a write sends inline with its
+# request (Client.write) rather than as a transfer from the range's region.
+INLINE_MAX = 1 << 20
+
+
 class TransferEngine:
     """Mooncake's TransferEngine on ferry: every method of Mooncake's
     Python engine is here; those ferry does not have raise
@@ -151,6 +156,7 @@ class TransferEngine:
         self._regions = []     # sorted (start, end)
         self._in_flight = {}   # region start -> transfers reading it now
         self._lent = {}        # start of a range -> the ferryd region lent for it (GPU or window memory)
+        self._on_gpu = set()   # starts of the ranges in GPU memory (of _lent)
         # What initialize recorded: the host part of local_hostname, the
         # protocol, the NIC ferryd sends over ("" over tcp).
         self.local_hostname, self.protocol, self.device_name = "", "", ""
@@ -201,12 +207,13 @@ class TransferEngine:
                                            f"({transport.get('reason', '')}), and it reaches Mooncake segments over that: "
                                            f"initialize with {transport['name']!r}, or use a ferryd started with "
                                            f"--transport {protocol}")
-        nic = ((transport.get("rdma") or {}).get("chosen") or {}).get("device", "")
+        rdma = transport.get("rdma") or {}
+        nics = [r.get("device", "") for r in rdma.get("rails") or [rdma.get("chosen") or {}]]
         names = [n.strip() for n in (device_name or "").split(",") if n.strip()]
-        if protocol == "rdma" and any(n != nic for n in names):
-            return self._refuse(method, 0, f"device_name {device_name!r}: ferryd sends over one NIC, {nic} (its "
-                                           "--rdma-device, or its own choice: GET /v1/status transport.rdma.chosen): "
-                                           f"pass {nic!r}, or \"\" for ferryd's choice")
+        if protocol == "rdma" and any(n not in nics for n in names):
+            return self._refuse(method, 0, f"device_name {device_name!r}: ferryd sends over {', '.join(nics)} (its "
+                                           "--rdma-device, or its own choice: GET /v1/status transport.rdma.rails): "
+                                           "name those, or pass \"\" for ferryd's choice")
         host, port = _split_host_port(str(local_hostname))
         if not status.get("mooncake"):
             if port:
@@ -227,7 +234,8 @@ class TransferEngine:
         elif port and int(port) != self._segment["rpc_port"]:
             return self._refuse(method, 0, f"local_hostname {local_hostname!r}: this engine's RPC port is "
                                            f"{self._segment['rpc_port']} already: pass that port, or the host alone")
-        self.local_hostname, self.protocol, self.device_name = host, protocol, nic if protocol == "rdma" else ""
+        self.local_hostname, self.protocol = host, protocol
+        self.device_name = ",".join(names or nics) if protocol == "rdma" else ""
         return 0
 
     def get_rpc_port(self):
@@ -292,6 +300,7 @@ class TransferEngine:
                                    "with send_only=True if it only sends from this memory (docs/python.md)")
             # GPU memory is lent to ferryd as a region: sent with no copy.
             handle, offset = ipc_handle(ptr)
+            self._on_gpu.add(ptr)
             self._need_client().request("POST", "/v1/regions", json.dumps({
                 "name": name, "nbytes": length, "cuda": {
                     "device": f"cuda:{ordinal}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}).encode(),
@@ -333,6 +342,7 @@ class TransferEngine:
             self._lock.wait_for(lambda: not self._in_flight.get(ptr))
             del self._regions[i]
             name = self._lent.pop(ptr, None)
+            self._on_gpu.discard(ptr)
         if name is not None:
             try:
                 self._need_client().unregister_region(name)
@@ -431,7 +441,7 @@ class TransferEngine:
         with self._lock:
             self._lock.wait_for(lambda: not any(self._in_flight.values()))
             closer, self._closer, self._segment = self._closer, None, None
-            lent, self._lent, self._regions = self._lent, {}, []
+            lent, self._lent, self._regions, self._on_gpu = self._lent, {}, [], set()
         failed = None
         detached = closer.detach() if closer is not None else None
         if detached is not None:
@@ -712,12 +722,15 @@ class TransferEngine:
         """Writes the pieces with one batch transfer (one completion): those
         in GPU ranges straight from their regions, the host ones staged
         as one entry first (one upload, sent from where they lie); one
-        piece of host memory goes inline instead (Client.write). starts
-        are the registered ranges the pieces lie in."""
+        piece of host memory up to INLINE_MAX bytes goes inline instead
+        (Client.write), lent or not. starts are the registered ranges the
+        pieces lie in."""
         client = self._need_client()
-        if len(pieces) == 1 and starts[0] not in self._lent:
+        if len(pieces) == 1 and starts[0] not in self._on_gpu and pieces[0][2] <= INLINE_MAX:
             # One piece of host memory: its bytes go with the request
-            # (POST /v1/writes), one round trip, no staged entry.
+            # (POST /v1/writes), one round trip, no staged entry; from a
+            # lent range too, where it is faster than a transfer from the
+            # region (bench/README.md, "Into a receiving engine's memory").
             (src, dst, n), = pieces
             body = (ctypes.c_char * n).from_address(src)
             _when_room(lambda: client.write(Slot(session=session, buffer_address=dst), body), client.timeout)

@@ -386,21 +386,22 @@ def test_initialize_honours_its_arguments(pair, monkeypatch):
     # No segment: no port to be.
     assert TransferEngine(socket_path=tx.socket).initialize("h:1", "P2PHANDSHAKE", "tcp", "") == -1
     # An rdma ferryd (its status stood in for beneath the client):
-    # device_name must be the NIC it sends over.
+    # device_name must name NICs it sends over (its rails).
     real = ferry.Client.status
 
     def rdma_status(self):
         st = real(self)
-        st["transport"] = {"name": "rdma", "reason": "--transport rdma", "rdma": {"chosen": {"device": "mlx5_0"}}}
+        st["transport"] = {"name": "rdma", "reason": "--transport rdma", "rdma": {
+            "chosen": {"device": "mlx5_0"}, "rails": [{"device": "mlx5_0"}, {"device": "mlx5_1"}]}}
         return st
 
     monkeypatch.setattr(ferry.Client, "status", rdma_status)
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
     assert "initialize with 'rdma'" in engine.last_failure.message
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0,mlx5_1") == -1
-    assert "one NIC, mlx5_0" in engine.last_failure.message
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0") == 0 and engine.device_name == "mlx5_0"
-    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0 and engine.device_name == "mlx5_0"
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_0,mlx5_2") == -1
+    assert "ferryd sends over mlx5_0, mlx5_1" in engine.last_failure.message
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_1") == 0 and engine.device_name == "mlx5_1"
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0 and engine.device_name == "mlx5_0,mlx5_1"
 
 
 def test_probe_first_buffer_and_local_buffers(engine, pair):
