@@ -494,3 +494,74 @@ func TestRailsNeedTheSharedRegistration(t *testing.T) {
 		}
 	}
 }
+
+// regionOnRail1 maps a region of size bytes on p's sender, registers it
+// on rail 1's NIC (and a NIC the sender does not drive, which it
+// names in Why), and makes it the source p.send writes.
+func (p *railsPair) regionOnRail1(t *testing.T, size int) {
+	t.Helper()
+	region := mapT(t, size)
+	fill(region, 5)
+	rails := p.tx.Rails()
+	c, on, err := p.tx.RegisterRegionOn(region, []string{rails[1].NIC, "mlx5_9"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if len(on.NICs) != 1 || on.NICs[0] != rails[1].NIC || !strings.Contains(on.Why, "mlx5_9 is not one of the RDMA devices") {
+		t.Fatalf("registered on %+v: want %s alone, and why mlx5_9 is not", on, rails[1].NIC)
+	}
+	p.src = region
+}
+
+// TestRailsRegionOnItsNIC: a send from a region registered on rail 1
+// goes out through rail 1 alone, in granted pieces (below StripeMin
+// too), and the slot arrives once, byte-exact; when rail 1's NIC fails
+// mid-send, rail 0 takes the pieces left and the send succeeds.
+func TestRailsRegionOnItsNIC(t *testing.T) {
+	modes(t, func(t *testing.T, windows bool) {
+		const size = 4 << 20
+		p := newRailsPair(t, 2, 2, size, windows)
+		p.regionOnRail1(t, size)
+		rep := p.send(t, true)
+		if want := peer.Messages * size / stripePiece; rep.Messages != want {
+			t.Errorf("report: %d messages, want %d (a header and a grant per piece)", rep.Messages, want)
+		}
+		rails := p.tx.Rails()
+		if rails[0].Bytes != 0 || rails[1].Bytes != size || p.txNICs[0].posted.Load() != 0 || p.txNICs[1].posted.Load() != size {
+			t.Fatalf("rails %+v, NICs posted %d and %d bytes: want all %d out of rail 1", rails, p.txNICs[0].posted.Load(), p.txNICs[1].posted.Load(), size)
+		}
+		if st := p.tx.Stats(); st.RegionRails != 1 || st.Striped != 0 || st.Sends != 1 {
+			t.Errorf("stats: region_rails %d, striped %d, sends %d; want 1, 0, 1", st.RegionRails, st.Striped, st.Sends)
+		}
+
+		p.txNICs[1].breakAt.Store(p.txNICs[1].posted.Load() + 1<<20)
+		fill(p.src, 6)
+		clear(p.sink.mem)
+		p.send(t, true)
+		after := p.tx.Rails()
+		if after[0].Bytes == 0 || after[0].Bytes+after[1].Bytes-rails[1].Bytes != size {
+			t.Fatalf("with rail 1 failing the send went %+v: want rail 0 to take the pieces left", after)
+		}
+		if st := p.tx.Stats(); st.Failovers != 1 || st.RegionRails != 2 {
+			t.Errorf("stats: failovers %d, region_rails %d; want 1, 2", st.Failovers, st.RegionRails)
+		}
+	})
+}
+
+// TestRailsRegionPeerHasOneRail: to a peer with one NIC, a send from a
+// region registered on rail 1 goes through rail 0, counted.
+func TestRailsRegionPeerHasOneRail(t *testing.T) {
+	modes(t, func(t *testing.T, windows bool) {
+		const size = 2 << 20
+		p := newRailsPair(t, 2, 1, size, windows)
+		p.regionOnRail1(t, size)
+		p.send(t, false)
+		if rails := p.tx.Rails(); rails[0].Bytes != size || rails[1].Bytes != 0 {
+			t.Errorf("rails carried %+v: want all on rail 0", rails)
+		}
+		if st := p.tx.Stats(); st.RegionRailsMissed != 1 || st.RegionRails != 0 {
+			t.Errorf("stats: region_rails_missed %d, region_rails %d; want 1, 0", st.RegionRailsMissed, st.RegionRails)
+		}
+	})
+}

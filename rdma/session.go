@@ -159,8 +159,11 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	}
 	var p plan
 	p.kind, p.lkey = s.t.kindOf(&w)
+	if on, ok := s.regionRails(&w); ok {
+		return s.sendOnRails(ctx, &w, &p, on)
+	}
 	if s.stripes(&w, &p) {
-		if err := s.stripe(ctx, &w); err != nil {
+		if err := s.stripe(ctx, &w, s.arenaRails()); err != nil {
 			return transport.Report{}, err
 		}
 		s.t.stats.sends.Add(1)
@@ -212,7 +215,10 @@ func (s *session) writeOn(ctx context.Context, r int, w *transport.Write, p *pla
 type plan struct {
 	kind sourceKind
 	lkey uint32 // a host source's registration made once (fromShared)
-	dg   *grant // nil: the write asks for a grant
+	// railKey: lkey is the source's registration on the lane's rail,
+	// for a device source too (a piece, rails.go).
+	railKey bool
+	dg      *grant // nil: the write asks for a grant
 }
 
 // directGrant is where w goes as a direct write (see wire.go), or false
@@ -377,7 +383,7 @@ type flight struct {
 // without the header, in one work request. With an error, reuse reports
 // whether l may carry another write.
 func (s *session) start(ctx context.Context, l *lane, w *transport.Write, p *plan) (_ *flight, reuse bool, err error) {
-	src, err := s.t.writeSource(w, p.kind, p.lkey)
+	src, err := s.t.writeSource(w, p)
 	if err != nil {
 		return nil, true, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 	}
