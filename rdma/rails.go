@@ -239,14 +239,15 @@ func (s *session) regionRails(w *transport.Write) (railSet, bool) {
 	return on, true
 }
 
-// sendOnRails writes w over on's rails in granted pieces, as a striped
-// write is: a region's source goes out through its own NICs.
-func (s *session) sendOnRails(ctx context.Context, w *transport.Write, p *plan, on railSet) (transport.Report, error) {
+// sendOnRails writes w over on's rails in granted pieces: a striped
+// write over every rail pair, or a region's send through its own NICs.
+// kind counts it (striped, railed).
+func (s *session) sendOnRails(ctx context.Context, w *transport.Write, p *plan, on railSet, kind *atomic.Uint64) (transport.Report, error) {
 	if err := s.stripe(ctx, w, on); err != nil {
 		return transport.Report{}, err
 	}
 	s.t.stats.sends.Add(1)
-	s.t.stats.railed.Add(1)
+	kind.Add(1)
 	rep := p.kind.report(w.Len())
 	rep.Messages = peer.Messages * ((w.Len() + stripePiece - 1) / stripePiece) // a header and a grant per piece
 	return rep, nil

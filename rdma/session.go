@@ -160,17 +160,10 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	var p plan
 	p.kind, p.lkey = s.t.kindOf(&w)
 	if on, ok := s.regionRails(&w); ok {
-		return s.sendOnRails(ctx, &w, &p, on)
+		return s.sendOnRails(ctx, &w, &p, on, &s.t.stats.railed)
 	}
 	if s.stripes(&w, &p) {
-		if err := s.stripe(ctx, &w, s.arenaRails()); err != nil {
-			return transport.Report{}, err
-		}
-		s.t.stats.sends.Add(1)
-		s.t.stats.striped.Add(1)
-		rep := p.kind.report(w.Len())
-		rep.Messages = peer.Messages * ((w.Len() + stripePiece - 1) / stripePiece) // a header and a grant per piece
-		return rep, nil
+		return s.sendOnRails(ctx, &w, &p, s.arenaRails(), &s.t.stats.striped)
 	}
 	if g, ok := s.directGrant(&w, p.kind); ok {
 		p.dg = &g
