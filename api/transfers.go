@@ -287,6 +287,12 @@ type Region struct {
 type RegionNIC struct {
 	Registered bool   `json:"registered"`
 	Error      string `json:"error,omitempty"`
+	// NICs, for a device's arena over RDMA, are the NICs its sends go
+	// out through (its device's nearest, from the affinity table, that
+	// the transport drives); NICsWhy says why a NIC named there is not
+	// one of them.
+	NICs    []string `json:"nics,omitempty"`
+	NICsWhy string   `json:"nics_why,omitempty"`
 }
 
 // Items are a transfer's pieces, each an array of integers (ItemFields

@@ -10,6 +10,7 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/rdma"
 )
 
 // A ferryd with several devices (--device cuda:0,1 or cuda:all) keeps an
@@ -26,6 +27,9 @@ import (
 type deviceArena struct {
 	mem    *memory
 	region *region // nil for the first device's, the registry's own
+	// rails are the NICs sends from it go through, for an arena after
+	// the first over RDMA (registerArenas).
+	rails rdma.RegionRails
 }
 
 // arenaRegion makes m, a device's memory other than the first's, an
@@ -45,17 +49,18 @@ func arenaRegion(m *memory) (*region, error) {
 // why. It runs before the control API serves.
 //
 // This is the one place an arena other than the first meets the NIC:
-// a transport with several NICs registers it with those
-// d.affinity.NICsFor(device) names.
+// a transport with several NICs registers it also with those
+// d.affinity.NICsFor(device) names that it drives, and its sends go out
+// through them (rdma.RegisterRegionOn).
 func (d *Daemon) registerArenas() {
 	for _, a := range d.arenas[1:] { // New made at least one
 		g := a.region
-		g.nic, g.nicErr = d.registerRegionNIC(a.mem.Memory)
+		g.nic, a.rails, g.nicErr = d.registerRegionNIC(a.mem.Memory, d.affinity.NICsFor(g.device))
 		switch {
 		case g.nicErr != nil:
 			d.log.Warn().Str("device", g.device).Err(g.nicErr).Msg("the arena could not be registered with the NIC: its transfers are copied through staging buffers")
 		case g.nic != nil:
-			d.log.Info().Str("device", g.device).Int64("bytes", g.size()).Msg("arena registered with the NIC")
+			d.log.Info().Str("device", g.device).Int64("bytes", g.size()).Strs("nics", a.rails.NICs).Str("why", a.rails.Why).Msg("arena registered with the NIC")
 		}
 	}
 }
@@ -157,16 +162,30 @@ func (d *Daemon) arenasStatus() []api.ArenaStatus {
 		out[i] = api.ArenaStatus{Device: a.mem.device, Kind: a.mem.Kind(), Size: st.Size, Used: st.Used, Free: st.Free, Staged: entries, Slots: slots}
 		if d.reg.registrar != nil {
 			registered, why := d.dp.registration().Mode == api.RegistrationShared, ""
+			nics := d.firstArenaNICs()
 			if g := a.region; g != nil {
-				registered = g.nic != nil
+				registered, nics = g.nic != nil, a.rails.NICs
 				if g.nicErr != nil {
 					why = g.nicErr.Error()
 				}
 			}
-			out[i].NIC = &api.RegionNIC{Registered: registered, Error: why}
+			out[i].NIC = &api.RegionNIC{Registered: registered, Error: why, NICs: nics, NICsWhy: a.rails.Why}
 		}
 	}
 	return out
+}
+
+// firstArenaNICs are the NICs sends from the first arena go through:
+// over RDMA, rail 0, and for a host arena every rail (striped sends).
+func (d *Daemon) firstArenaNICs() []string {
+	if d.dp.rdma == nil {
+		return nil
+	}
+	names := d.dp.rdma.RailNames()
+	if d.mem.Host() == nil {
+		return names[:1]
+	}
+	return names
 }
 
 // arenaCollectors are each device's arena figures, labelled by device:

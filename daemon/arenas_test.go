@@ -1,6 +1,8 @@
 package daemon
 
 import (
+	"io"
+	"slices"
 	"testing"
 	"time"
 
@@ -8,6 +10,10 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/rdma"
+	"github.com/ferry-project/ferry/topology"
+	"github.com/ferry-project/ferry/topology/topologytest"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // A second device's arena, as ferryd makes it (a region it owns), is
@@ -30,14 +36,24 @@ func TestASecondArenaHoldsItsOwnSlotsAndEntries(t *testing.T) {
 		t.Fatal(err)
 	}
 	dropped := 0
-	nic := &countingRegistrar{drop: func() error { dropped++; return nil }}
+	nic := &railsRegistrar{countingRegistrar: countingRegistrar{drop: func() error { dropped++; return nil }}}
 	r.registrar = nic
 	first := &memory{Memory: r.arena.Memory(), device: "cuda:0"}
-	d := &Daemon{log: zerolog.Nop(), reg: r, dp: &dataPlane{}, mem: first,
+	h := topologytest.New(t)
+	h.NIC("mlx5_0", "pci0000:00/0000:00:01.0/0000:01:00.0", 0, "ens1", "10.1.0.1")
+	h.NIC("mlx5_1", "pci0000:00/0000:00:02.0/0000:02:00.0", 0, "ens2", "10.1.0.2")
+	aff, err := topology.Read(h.Root, nil, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	d := &Daemon{log: zerolog.Nop(), reg: r, dp: &dataPlane{}, mem: first, affinity: aff,
 		arenas: []*deviceArena{{mem: first}, {mem: second, region: g}}}
 	d.registerArenas()
 	if nic.registered.Load() != 1 || g.nic == nil || g.nicErr != nil {
 		t.Fatalf("registrations %d, nic %v (%v); want the second arena registered once", nic.registered.Load(), g.nic, g.nicErr)
+	}
+	if want := aff.NICsFor("cpu"); len(want) != 2 || !slices.Equal(nic.asked, want) {
+		t.Fatalf("the second arena was registered on %q; want its device's NICs from the affinity table, %q", nic.asked, want)
 	}
 
 	w := &fakeWindows{open: make(map[uint32][2]uint64)}
@@ -74,6 +90,9 @@ func TestASecondArenaHoldsItsOwnSlotsAndEntries(t *testing.T) {
 		st[1].Used < 1100 || st[1].NIC == nil || !st[1].NIC.Registered {
 		t.Fatalf("status: %+v", st)
 	}
+	if n := st[1].NIC; !slices.Equal(n.NICs, []string{"mlx5_1"}) || n.NICsWhy != "mlx5_0 is away" {
+		t.Fatalf("the second arena's NIC status %+v: want the NIC it went on and why not the other", n)
+	}
 
 	if err := r.deleteSlot("s"); err != nil {
 		t.Fatal(err)
@@ -97,4 +116,24 @@ func TestASecondArenaHoldsItsOwnSlotsAndEntries(t *testing.T) {
 	if dropped != 1 || g.nic != nil {
 		t.Fatalf("close dropped %d registrations; want the second arena's", dropped)
 	}
+}
+
+// railsRegistrar is countingRegistrar registering on named NICs too, as
+// rdma with several RDMA devices does: it records the NICs asked for,
+// and says it went on the last of them.
+type railsRegistrar struct {
+	countingRegistrar
+	asked []string
+}
+
+func (c *railsRegistrar) RegisterRegionOn(_ []byte, nics []string) (io.Closer, rdma.RegionRails, error) {
+	c.asked = nics
+	if len(nics) == 0 {
+		return c.register(), rdma.RegionRails{}, nil
+	}
+	return c.register(), rdma.RegionRails{NICs: nics[len(nics)-1:], Why: nics[0] + " is away"}, nil
+}
+
+func (c *railsRegistrar) RegisterDeviceRegionOn(_ transport.Range, nics []string) (io.Closer, rdma.RegionRails, error) {
+	return c.RegisterRegionOn(nil, nics)
 }

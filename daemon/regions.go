@@ -18,6 +18,7 @@ import (
 	"github.com/ferry-project/ferry/cuda"
 	"github.com/ferry-project/ferry/internal/memlimit"
 	"github.com/ferry-project/ferry/internal/size"
+	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -565,7 +566,7 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	nic, nicErr := d.registerRegionNIC(mem)
+	nic, _, nicErr := d.registerRegionNIC(mem, nil)
 	g, err := d.reg.addRegionAt(req.Name, mem, nic, nicErr, l)
 	if err != nil {
 		if nic != nil {
@@ -594,27 +595,41 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 // registerRegionNIC registers a region with the RDMA NIC, once, so that
 // writes from it and into its slots go without a copy: a host region's
 // mapping, or a CUDA region's device memory (rdma registers it where it
-// reaches the GPU arena itself). A failure fails nothing: TCP peers read
-// and write the region as it lies, and RDMA copies its writes through
-// bounce and staging buffers (a CUDA region's through the pinned bounce
-// area); the caller logs the reason (rate-limited), counts it, and
-// lists it with the region.
-func (d *Daemon) registerRegionNIC(mem arena.Memory) (io.Closer, error) {
+// reaches the GPU arena itself). With nics (a device arena's nearest
+// NICs) rdma registers it on their rails too, and its sends go out
+// through them; on says which it went on. A failure fails nothing: TCP
+// peers read and write the region as it lies, and RDMA copies its
+// writes through bounce and staging buffers (a CUDA region's through
+// the pinned bounce area); the caller logs the reason (rate-limited),
+// counts it, and lists it with the region.
+func (d *Daemon) registerRegionNIC(mem arena.Memory, nics []string) (nic io.Closer, on rdma.RegionRails, err error) {
 	rr := d.reg.registrar
 	if rr == nil {
-		return nil, nil
+		return nil, on, nil
 	}
-	var nic io.Closer
-	var err error
-	if host := mem.Host(); host != nil {
+	host, dev := mem.Host(), transport.Range{Addr: mem.Base(), Len: uint64(mem.Size())}
+	if rails, ok := rr.(railRegistrar); ok {
+		if host != nil {
+			nic, on, err = rails.RegisterRegionOn(host, nics)
+		} else {
+			nic, on, err = rails.RegisterDeviceRegionOn(dev, nics)
+		}
+	} else if host != nil {
 		nic, err = rr.RegisterRegion(host)
 	} else {
-		nic, err = rr.RegisterDeviceRegion(transport.Range{Addr: mem.Base(), Len: uint64(mem.Size())})
+		nic, err = rr.RegisterDeviceRegion(dev)
 	}
 	if err != nil {
-		return nil, err
+		return nil, on, err
 	}
-	return nic, nil
+	return nic, on, nil
+}
+
+// railRegistrar registers a region on the rails of named NICs too
+// (rdma, with several RDMA devices).
+type railRegistrar interface {
+	RegisterRegionOn(mem []byte, nics []string) (io.Closer, rdma.RegionRails, error)
+	RegisterDeviceRegionOn(r transport.Range, nics []string) (io.Closer, rdma.RegionRails, error)
 }
 
 func (d *Daemon) handleListRegions(w http.ResponseWriter, r *http.Request) error {

@@ -354,6 +354,8 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		{"ferry_rdma_credit_stalls_total", "RDMA writes that found their lane out of receive credits and waited for the receiving daemon to take the writes before (it was descheduled, stopped or busy).", func(s rdma.Stats) uint64 { return s.CreditStalls }},
 		{"ferry_rdma_striped_sends_total", "Of the RDMA writes, those striped in pieces over several RDMA devices (rdma_device, rdma_stripe_min).", func(s rdma.Stats) uint64 { return s.Striped }},
 		{"ferry_rdma_stripe_failovers_total", "RDMA devices that failed under a striped write, whose pieces left went through the others.", func(s rdma.Stats) uint64 { return s.Failovers }},
+		{"ferry_rdma_arena_rail_sends_total", "Of the RDMA writes, those from a device's arena after the first that went out through its own NICs (the affinity table), in granted pieces.", func(s rdma.Stats) uint64 { return s.RegionRails }},
+		{"ferry_rdma_arena_rail_missed_total", "Of the RDMA writes from a device's arena after the first, those that went through rail 0 since the peer has none of its NICs' rails.", func(s rdma.Stats) uint64 { return s.RegionRailsMissed }},
 	} {
 		out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: c.name, Help: c.help},
 			func() float64 { return float64(c.of(stats())) }))

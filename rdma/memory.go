@@ -98,14 +98,19 @@ func (t *Transport) hostSource(src []byte) (sourceKind, uint32) {
 	return fromBounce, 0
 }
 
-// writeSource is source for w, whose host source kindOf placed (kind,
-// lkey); a device source must lie in device memory the NIC reaches
-// itself, the GPU arena or a registered CUDA region (regions.go).
-func (t *Transport) writeSource(w *transport.Write, kind sourceKind, lkey uint32) (source, error) {
+// writeSource is source for w, whose host source kindOf placed (p.kind,
+// p.lkey); a device source must lie in device memory the NIC reaches
+// itself, the GPU arena or a registered CUDA region (regions.go), and
+// goes under p.lkey where p.railKey says it is the registration on the
+// lane's rail (a piece of a region's send, rails.go).
+func (t *Transport) writeSource(w *transport.Write, p *plan) (source, error) {
 	if w.Src != nil || w.Device.Len == 0 {
-		return t.sourceAt(w.Src, kind, lkey)
+		return t.sourceAt(w.Src, p.kind, p.lkey)
 	}
 	d := w.Device
+	if p.railKey {
+		return source{kind: fromShared, addr: d.Addr, lkey: p.lkey}, nil
+	}
 	mr := t.inPlace(d.Addr, d.Len)
 	if mr == nil {
 		return source{}, fmt.Errorf("%d bytes of device memory at %#x lie outside the device memory the NIC reaches (%s): copy them to host memory first", d.Len, d.Addr, t.reachable())
@@ -201,10 +206,11 @@ type target struct {
 // for this write; else a buffer mapped and registered for this write
 // and copied into dst once the write is complete.
 //
-// A write arriving on a rail other than 0 (a striped piece, rails.go)
-// lands under that rail's NIC's registrations: the arena's, or in
-// windows mode one of the piece's bytes alone, since the slot's window
-// is rail 0's NIC's.
+// A write arriving on a rail other than 0 (a striped piece, or a piece
+// of a send from a region registered on that rail: rails.go) lands under
+// that rail's NIC's registrations: the arena's, or in windows mode or in
+// a region one of the piece's bytes alone, since the slot's window and
+// a region's registration are rail 0's NIC's.
 func (t *Transport) target(dst []byte, window uint32, r *rail) (*target, error) {
 	tg := &target{dst: dst, copied: &t.stats.copied}
 	if len(dst) == 0 {
@@ -224,11 +230,10 @@ func (t *Transport) target(dst []byte, window uint32, r *rail) (*target, error) 
 	case otherRail && inArena && t.windows == nil:
 		tg.rkey = r.shared.RKey()
 		return tg, nil
-	case otherRail && inArena:
-		return tg, t.registerFor(tg, forThisWrite)
 	case mr != nil && !otherRail:
 		return tg, t.reach(tg, window, mr, forThisWrite)
-	case inArena:
+	case inArena || mr != nil:
+		// The slot's window and a region's registration are rail 0's.
 		return tg, t.registerFor(tg, forThisWrite)
 	}
 	stage, err := mapAnon(len(dst))

@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 	"sync"
 	"sync/atomic"
 
 	"github.com/ferry-project/ferry/internal/pool"
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
 )
 
 // Rails: a transport drives one or more RDMA NICs (--rdma-device a,b or
@@ -61,18 +63,16 @@ func nicName(n nic, fallback string) string {
 }
 
 // ListenRails is Listen over several NICs: the first is rail 0, the
-// others carry striped writes (see above). Each choice is opened and the
-// host arena registered on each; a GPU arena is registered with the
-// first NIC only, so it takes one choice.
+// others carry striped writes and sends from regions registered on them
+// (see above). Each choice is opened and the host arena registered on
+// each; a GPU arena is registered with the first NIC only, and its
+// sends are not striped.
 func ListenRails(cfg Config, choices []Choice) (*Transport, error) {
 	if len(choices) == 0 {
 		return nil, errors.New("rdma: no RDMA device chosen")
 	}
 	if len(choices) > maxRails {
 		return nil, fmt.Errorf("rdma: %d RDMA devices chosen, at most %d: name fewer in --rdma-device", len(choices), maxRails)
-	}
-	if cfg.Device != nil && len(choices) > 1 {
-		return nil, fmt.Errorf("rdma: --rdma-device names %d devices, but a GPU arena is registered with one NIC in this release: name one device", len(choices))
 	}
 	nics := make([]nic, 0, len(choices))
 	closeAll := func() {
@@ -100,13 +100,21 @@ func ListenRails(cfg Config, choices []Choice) (*Transport, error) {
 // arena on each of more: for local reads only in windows mode (a peer
 // writes a piece arriving on such a rail under a registration of the
 // piece's bytes alone, made for its write), else as rail 0's is. With
-// a GPU arena, or no shared registration on rail 0, more must be empty.
+// a GPU arena the rails beyond 0 hold no registration of it: they carry
+// sends from regions registered on them (RegisterDeviceRegionOn). A host
+// arena with no shared registration on rail 0 takes no more rails.
 func (t *Transport) openRails(more []nic) error {
 	t.rails = []*rail{{name: nicName(t.nic, "nic0"), nic: t.nic, shared: t.shared}}
+	if t.cfg.Device != nil {
+		for i, n := range more {
+			t.rails = append(t.rails, &rail{name: nicName(n, fmt.Sprint("nic", i+1)), nic: n})
+		}
+		return nil
+	}
 	if len(more) == 0 {
 		return nil
 	}
-	if t.cfg.Device != nil || t.shared == nil {
+	if t.shared == nil {
 		return fmt.Errorf("%d RDMA devices asked for, but sends are striped over several only from a host arena registered once, and this one's registration is %s (%v): name one device in --rdma-device, or fix what registration.reason says", len(more)+1, t.reg.Mode, t.reg.Err)
 	}
 	u := peerWrites
@@ -178,33 +186,97 @@ func (s *session) openRailPools(peerRails int) {
 
 // stripes reports whether w goes striped: the peer and this transport
 // pair two rails or more, w is long enough, and its source lies in the
-// host arena, which every rail registered.
+// host arena, which every rail registered (a GPU arena's rails beyond 0
+// hold none).
 func (s *session) stripes(w *transport.Write, p *plan) bool {
-	return len(s.pools) > 1 && s.t.cfg.StripeMin > 0 && w.Len() >= s.t.cfg.StripeMin &&
+	return len(s.pools) > 1 && s.t.rails[1].shared != nil && s.t.cfg.StripeMin > 0 && w.Len() >= s.t.cfg.StripeMin &&
 		w.Src != nil && p.kind == fromShared && within(s.t.mem, w.Src)
+}
+
+// railSet is the rails a write goes over in pieces, and the
+// registration its source lies in on each.
+type railSet struct {
+	rails []int // indexes into the session's pools
+	// spare is the rail that takes the pieces left once every one of
+	// rails failed; -1: none, the write fails.
+	spare int
+	lkey  func(r int) uint32
+}
+
+// arenaRails is every rail pair, over the host arena's registration on
+// each: a striped write.
+func (s *session) arenaRails() railSet {
+	rails := make([]int, len(s.pools))
+	for i := range rails {
+		rails[i] = i
+	}
+	return railSet{rails: rails, spare: -1, lkey: func(r int) uint32 { return s.t.rails[r].shared.LKey() }}
+}
+
+// regionRails is the rails a send from w's source goes over when that
+// lies in a region registered on rails other than 0 (RegisterRegionOn):
+// those of them the peer has too, with rail 0 to take over if they all
+// fail. false: w goes as any other write, through rail 0 (striped or
+// not); a region whose rails the peer lacks is counted (railsMissed).
+func (s *session) regionRails(w *transport.Write) (railSet, bool) {
+	if len(s.t.rails) < 2 {
+		return railSet{}, false
+	}
+	g := s.t.lent.source(w)
+	if g == nil || len(g.rails) == 0 || w.Len() == 0 {
+		return railSet{}, false
+	}
+	on := railSet{spare: 0, lkey: g.lkeyOn}
+	for _, rr := range g.rails {
+		if rr.rail < len(s.pools) {
+			on.rails = append(on.rails, rr.rail)
+		}
+	}
+	if len(on.rails) == 0 {
+		s.t.stats.railsMissed.Add(1)
+		return railSet{}, false
+	}
+	return on, true
+}
+
+// sendOnRails writes w over on's rails in granted pieces: a striped
+// write over every rail pair, or a region's send through its own NICs.
+// kind counts it (striped, railed).
+func (s *session) sendOnRails(ctx context.Context, w *transport.Write, p *plan, on railSet, kind *atomic.Uint64) (transport.Report, error) {
+	if err := s.stripe(ctx, w, on); err != nil {
+		return transport.Report{}, err
+	}
+	s.t.stats.sends.Add(1)
+	kind.Add(1)
+	rep := p.kind.report(w.Len())
+	rep.Messages = peer.Messages * ((w.Len() + stripePiece - 1) / stripePiece) // a header and a grant per piece
+	return rep, nil
 }
 
 // piece is one stripe piece: a range of the write.
 type piece struct{ off, n int }
 
-// stripe writes w as pieces over every rail pair. Pieces are dealt
+// stripe writes w as pieces over on's rails. Pieces are dealt
 // round-robin, so each rail carries an even share; a rail whose write
 // fails for any reason but a refusal or the caller giving up is out of
 // the stripe, and its pieces left (the failed one too: it may have
 // landed, and a resent range counts once) go round-robin to the rails
-// still in. The receiver delivers the slot once, when its pieces have
-// covered it.
-func (s *session) stripe(ctx context.Context, w *transport.Write) error {
+// still in, or to on's spare once none is. The receiver delivers the
+// slot once, when its pieces have covered it.
+func (s *session) stripe(ctx context.Context, w *transport.Write, on railSet) error {
 	n := w.Len()
 	queues := make([][]piece, len(s.pools))
 	for i, off := 0, 0; off < n; i, off = i+1, off+stripePiece {
-		q := &queues[i%len(queues)]
+		q := &queues[on.rails[i%len(on.rails)]]
 		*q = append(*q, piece{off, min(stripePiece, n-off)})
 	}
 	out := make([]bool, len(s.pools)) // rails out of this stripe
+	for r := range out {
+		out[r] = !slices.Contains(on.rails, r)
+	}
 	var failures []error
 	for {
-		left, errs, fatal := s.stripeRound(ctx, w, queues, out)
+		left, errs, fatal := s.stripeRound(ctx, w, on, queues, out)
 		if fatal != nil {
 			return fatal
 		}
@@ -217,6 +289,10 @@ func (s *session) stripe(ctx context.Context, w *transport.Write) error {
 			if !o {
 				in = append(in, i)
 			}
+		}
+		if len(in) == 0 && on.spare >= 0 {
+			in, on.spare = []int{on.spare}, -1
+			out[in[0]] = false
 		}
 		if len(in) == 0 {
 			return fmt.Errorf("rdma striped write to %s: every rail failed: %w", s.Peer(), errors.Join(failures...))
@@ -243,7 +319,7 @@ const stripeWorkers = 4
 // time. It returns the pieces of the rails that failed in this round
 // (marked in out) and why each failed, or the error that ends the
 // stripe: a refusal, the caller giving up, the session closing.
-func (s *session) stripeRound(ctx context.Context, w *transport.Write, queues [][]piece, out []bool) (left []piece, errs []error, fatal error) {
+func (s *session) stripeRound(ctx context.Context, w *transport.Write, on railSet, queues [][]piece, out []bool) (left []piece, errs []error, fatal error) {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
 	ctx, cancel := context.WithCancel(ctx)
@@ -272,7 +348,7 @@ func (s *session) stripeRound(ctx context.Context, w *transport.Write, queues []
 					if !ok {
 						return
 					}
-					err := s.writePiece(ctx, r, w, pc)
+					err := s.writePiece(ctx, r, w, pc, on.lkey(r))
 					if err == nil {
 						continue
 					}
@@ -309,10 +385,15 @@ func isFatal(ctx context.Context, err error) bool {
 }
 
 // writePiece writes pc of w on rail r: a granted write of its range from
-// the arena's registration on that rail.
-func (s *session) writePiece(ctx context.Context, r int, w *transport.Write, pc piece) error {
-	pw := transport.Write{Src: w.Src[pc.off : pc.off+pc.n], Remote: w.Remote + uint64(pc.off), Key: w.Key, Tag: w.Tag}
-	p := plan{kind: fromShared, lkey: s.t.rails[r].shared.LKey()}
+// its source's registration on that rail (lkey).
+func (s *session) writePiece(ctx context.Context, r int, w *transport.Write, pc piece, lkey uint32) error {
+	pw := transport.Write{Remote: w.Remote + uint64(pc.off), Key: w.Key, Tag: w.Tag}
+	if w.Src != nil {
+		pw.Src = w.Src[pc.off : pc.off+pc.n]
+	} else {
+		pw.Device = transport.Range{Addr: w.Device.Addr + uint64(pc.off), Len: uint64(pc.n)}
+	}
+	p := plan{kind: fromShared, lkey: lkey, railKey: true}
 	if err := s.writeOn(ctx, r, &pw, &p); err != nil {
 		return err
 	}

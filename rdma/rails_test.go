@@ -8,6 +8,7 @@ import (
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
@@ -493,4 +494,144 @@ func TestRailsNeedTheSharedRegistration(t *testing.T) {
 			t.Errorf("closing a NIC the failed listen left to its caller: %v", err)
 		}
 	}
+}
+
+// regionOnRail1 maps a region of size bytes on p's sender, registers it
+// on rail 1's NIC (and a NIC the sender does not drive, which it
+// names in Why), and makes it the source p.send writes.
+func (p *railsPair) regionOnRail1(t *testing.T, size int) {
+	t.Helper()
+	region := mapT(t, size)
+	fill(region, 5)
+	rails := p.tx.Rails()
+	c, on, err := p.tx.RegisterRegionOn(region, []string{rails[1].NIC, "mlx5_9"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if len(on.NICs) != 1 || on.NICs[0] != rails[1].NIC || !strings.Contains(on.Why, "mlx5_9 is not one of the RDMA devices") {
+		t.Fatalf("registered on %+v: want %s alone, and why mlx5_9 is not", on, rails[1].NIC)
+	}
+	p.src = region
+}
+
+// TestRailsRegionOnItsNIC: a send from a region registered on rail 1
+// goes out through rail 1 alone, in granted pieces (below StripeMin
+// too), and the slot arrives once, byte-exact; when rail 1's NIC fails
+// mid-send, rail 0 takes the pieces left and the send succeeds.
+func TestRailsRegionOnItsNIC(t *testing.T) {
+	modes(t, func(t *testing.T, windows bool) {
+		const size = 4 << 20
+		p := newRailsPair(t, 2, 2, size, windows)
+		p.regionOnRail1(t, size)
+		rep := p.send(t, true)
+		if want := peer.Messages * size / stripePiece; rep.Messages != want {
+			t.Errorf("report: %d messages, want %d (a header and a grant per piece)", rep.Messages, want)
+		}
+		rails := p.tx.Rails()
+		if rails[0].Bytes != 0 || rails[1].Bytes != size || p.txNICs[0].posted.Load() != 0 || p.txNICs[1].posted.Load() != size {
+			t.Fatalf("rails %+v, NICs posted %d and %d bytes: want all %d out of rail 1", rails, p.txNICs[0].posted.Load(), p.txNICs[1].posted.Load(), size)
+		}
+		if st := p.tx.Stats(); st.RegionRails != 1 || st.Striped != 0 || st.Sends != 1 {
+			t.Errorf("stats: region_rails %d, striped %d, sends %d; want 1, 0, 1", st.RegionRails, st.Striped, st.Sends)
+		}
+
+		p.txNICs[1].breakAt.Store(p.txNICs[1].posted.Load() + 1<<20)
+		fill(p.src, 6)
+		clear(p.sink.mem)
+		p.send(t, true)
+		after := p.tx.Rails()
+		if after[0].Bytes == 0 || after[0].Bytes+after[1].Bytes-rails[1].Bytes != size {
+			t.Fatalf("with rail 1 failing the send went %+v: want rail 0 to take the pieces left", after)
+		}
+		if st := p.tx.Stats(); st.Failovers != 1 || st.RegionRails != 2 {
+			t.Errorf("stats: failovers %d, region_rails %d; want 1, 2", st.Failovers, st.RegionRails)
+		}
+	})
+}
+
+// TestRailsRegionPeerHasOneRail: to a peer with one NIC, a send from a
+// region registered on rail 1 goes through rail 0, counted.
+func TestRailsRegionPeerHasOneRail(t *testing.T) {
+	modes(t, func(t *testing.T, windows bool) {
+		const size = 2 << 20
+		p := newRailsPair(t, 2, 1, size, windows)
+		p.regionOnRail1(t, size)
+		p.send(t, false)
+		if rails := p.tx.Rails(); rails[0].Bytes != size || rails[1].Bytes != 0 {
+			t.Errorf("rails carried %+v: want all on rail 0", rails)
+		}
+		if st := p.tx.Stats(); st.RegionRailsMissed != 1 || st.RegionRails != 0 {
+			t.Errorf("stats: region_rails_missed %d, region_rails %d; want 1, 0", st.RegionRailsMissed, st.RegionRails)
+		}
+	})
+}
+
+// inPlaceSink is a stripeSink over device memory the NIC reaches: the
+// transport hands out no memory for its writes (AcceptInPlace).
+type inPlaceSink struct{ windowedSink }
+
+func (s inPlaceSink) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32) (func(error), error) {
+	_, done, err := s.Accept(addr, n, key, tag)
+	return done, err
+}
+
+// TestRailsDeviceRegionOnItsNIC: with GPU arenas on both sides (the
+// second GPU's arena stands as a CUDA region registered on rail 1's NIC,
+// as ferryd registers it), a send from that region goes out through rail
+// 1 alone into a slot in the receiver's GPU arena, in place, and lands
+// byte-exact: its pieces arriving on rail 1 go under a registration of
+// their bytes on that NIC, the arena's and the slot's window being rail
+// 0's. The fake NIC's keys are each its own NIC's, as a real one's are.
+func TestRailsDeviceRegionOnItsNIC(t *testing.T) {
+	if onDevice(t) {
+		t.Skip("on rxe, test/e2e's TestRDMARailsPerDevice runs this between two ferryd")
+	}
+	modes(t, func(t *testing.T, windows bool) {
+		f := newFabric()
+		f.noDMABuf, f.windows = syscall.EOPNOTSUPP, windows
+		const n = 2<<20 + 7
+		txDev, rxDev := mapT(t, 2*regionHalf), mapT(t, 2*regionHalf)
+		sink := &stripeSink{mem: rxDev[:n]}
+		start := func(cfg Config, first byte) *Transport {
+			tr, err := listen(testConfig(t, cfg), f.nic(first), f.nic(first+1))
+			if err != nil {
+				t.Fatal(err)
+			}
+			closeAtEnd(t, tr)
+			return tr
+		}
+		tx := start(Config{Device: gpuArenaIn(t, f, txDev, regionHalf, ""), Peer: peer.Config{MaxConnsPerPeer: 8}}, 1)
+		rx := start(Config{Peer: peer.Config{Sink: inPlaceSink{windowedSink{sink}}}, Device: gpuArenaIn(t, f, rxDev, regionHalf, "")}, 0x41)
+		rail1 := tx.Rails()[1].NIC
+		lent := transport.Range{Addr: addrOf(txDev) + regionHalf, Len: regionHalf - regionTail}
+		c, on, err := tx.RegisterDeviceRegionOn(lent, []string{rail1})
+		if err != nil || len(on.NICs) != 1 || on.NICs[0] != rail1 || on.Why != "" {
+			t.Fatalf("a CUDA region registered on %s: %+v, %v", rail1, on, err)
+		}
+		t.Cleanup(func() { c.Close() })
+		s := dialT(t, tx, rx)
+		fill(txDev, 7)
+		sink.open(t, txDev[regionHalf:regionHalf+n])
+		w := transport.Write{Device: transport.Range{Addr: lent.Addr, Len: n}, Remote: addrOf(sink.mem), Key: sink.key, Tag: sink.key.Tag(), Whole: true}
+		if _, err := s.Write(ctxFor(t, 60*time.Second), w); err != nil {
+			t.Fatal(err)
+		}
+		select {
+		case <-sink.arrived:
+		case <-time.After(30 * time.Second):
+			t.Fatal("the slot did not arrive within 30s of the write's return")
+		}
+		sink.mu.Lock()
+		if sink.arrivals != 1 || !sink.exact || sink.direct != 0 {
+			t.Fatalf("the slot arrived %d times, exact %v, %d direct writes: want once, exact, in granted pieces", sink.arrivals, sink.exact, sink.direct)
+		}
+		sink.mu.Unlock()
+		if rails, st := tx.Rails(), tx.Stats(); rails[0].Bytes != 0 || rails[1].Bytes != n || st.Failovers != 0 || st.RegionRails != 1 {
+			t.Fatalf("rails %+v, %d failovers, region_rails %d: want all %d bytes out of %s, none failing, one send", rails, st.Failovers, st.RegionRails, n, rail1)
+		}
+		if st := rx.Stats(); st.PerReceive != 3 {
+			t.Errorf("the receiver made %d per-receive registrations, want 3 (one per piece on rail 1)", st.PerReceive)
+		}
+	})
 }

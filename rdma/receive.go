@@ -300,7 +300,14 @@ func (r *receiver) serve(h peer.Header) error {
 		// so mr outlives the grant.
 		if done, no = r.gate.AdmitInPlace(&h, sink); no == nil {
 			tg = &target{addr: h.Addr}
-			err = t.reach(tg, h.Key.Window(), mr, func() (region, error) { return t.nic.RegisterDevice(h.Addr, h.Len, peerWrites) })
+			rl := t.rails[r.l.rail]
+			register := func() (region, error) { return rl.nic.RegisterDevice(h.Addr, h.Len, peerWrites) }
+			if r.l.rail != 0 {
+				// mr and the slot's window are rail 0's NIC's (memory.go, target).
+				err = t.registerFor(tg, register)
+			} else {
+				err = t.reach(tg, h.Key.Window(), mr, register)
+			}
 		}
 	} else {
 		var dst []byte

@@ -6,6 +6,7 @@ import (
 	"io"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 
 	"github.com/ferry-project/ferry/transport"
@@ -31,7 +32,40 @@ import (
 type lentRegion struct {
 	addr, size uint64
 	device     bool
-	mr         region
+	mr         region // on rail 0
+	// rails are its registrations on rails other than 0, in the order
+	// they were named (RegisterRegionOn): a send from it goes out
+	// through them (rails.go). They close once, before mr.
+	rails     []railRegion
+	railsDrop sync.Once
+}
+
+// railRegion is a region's registration on one rail.
+type railRegion struct {
+	rail int
+	mr   region
+}
+
+// lkeyOn is the region's lkey on rail r.
+func (g *lentRegion) lkeyOn(r int) uint32 {
+	for _, rr := range g.rails {
+		if rr.rail == r {
+			return rr.mr.LKey()
+		}
+	}
+	return g.mr.LKey()
+}
+
+// close drops the region's registrations, rail 0's last; the others
+// once only (a close that failed on mr is tried again).
+func (g *lentRegion) close() error {
+	var errs []error
+	g.railsDrop.Do(func() {
+		for _, rr := range g.rails {
+			errs = append(errs, rr.mr.Close())
+		}
+	})
+	return errors.Join(append(errs, g.mr.Close())...)
 }
 
 func (g *lentRegion) holds(addr, n uint64) bool {
@@ -78,6 +112,14 @@ func (rs *lentRegions) holdingBytes(b []byte) *lentRegion {
 	return nil
 }
 
+// source is the region w's source lies in, host or device, or nil.
+func (rs *lentRegions) source(w *transport.Write) *lentRegion {
+	if w.Src == nil && w.Device.Len > 0 {
+		return rs.holdingDevice(w.Device.Addr, w.Device.Len)
+	}
+	return rs.holdingBytes(w.Src)
+}
+
 // holdingDevice is the device region holding [addr, addr+n), or nil.
 func (rs *lentRegions) holdingDevice(addr, n uint64) *lentRegion {
 	if g := rs.holding(addr, n); g != nil && g.device {
@@ -95,20 +137,75 @@ var _ transport.RegionRegistrar = (*Transport)(nil)
 // flight and every window over it is closed (a NIC refuses to drop a
 // registration with windows bound over it).
 func (t *Transport) RegisterRegion(mem []byte) (io.Closer, error) {
+	c, _, err := t.RegisterRegionOn(mem, nil)
+	return c, err
+}
+
+// RegionRails says which NICs a region registered by RegisterRegionOn
+// or RegisterDeviceRegionOn sends through.
+type RegionRails struct {
+	// NICs are the NICs its sends go out through: those named that
+	// registered it, or rail 0's alone.
+	NICs []string `json:"nics"`
+	// Why names the NICs named that it is not on, and why: not driven
+	// by the transport, or the registration failed.
+	Why string `json:"why,omitempty"`
+}
+
+// RegisterRegionOn is RegisterRegion, registering mem also on the rails
+// of the NICs named (a device's nearest, from the affinity table): sends
+// from it then go out through them (rails.go). It is always registered
+// on rail 0, whose registration writes into its slots and a send's
+// fallback use. A NIC the transport does not drive, or whose
+// registration fails, leaves that rail out, with the reason in Why.
+func (t *Transport) RegisterRegionOn(mem []byte, nics []string) (io.Closer, RegionRails, error) {
 	if len(mem) == 0 {
-		return nil, errors.New("rdma: registering a region of no bytes")
+		return nil, RegionRails{}, errors.New("rdma: registering a region of no bytes")
 	}
 	base, n := addrOf(mem), uint64(len(mem))
 	if len(t.mem) > 0 && base < addrOf(t.mem)+uint64(len(t.mem)) && addrOf(t.mem) < base+n {
-		return nil, fmt.Errorf("rdma: a region of %d bytes at %#x overlaps the arena", n, base)
+		return nil, RegionRails{}, fmt.Errorf("rdma: a region of %d bytes at %#x overlaps the arena", n, base)
 	}
 	u, how := t.regionUse()
 	mr, err := t.nic.Register(mem, u)
 	if err != nil {
-		return nil, fmt.Errorf("rdma: registering a region of %d bytes %s with the NIC failed with %s (%w); %s; until then its writes are copied through bounce and staging buffers",
+		return nil, RegionRails{}, fmt.Errorf("rdma: registering a region of %d bytes %s with the NIC failed with %s (%w); %s; until then its writes are copied through bounce and staging buffers",
 			n, how, errnoName(err), err, memlockLimit())
 	}
-	return t.lent.add(&lentRegion{addr: base, size: n, mr: mr})
+	return t.addOnRails(&lentRegion{addr: base, size: n, mr: mr}, nics, func(n nic) (region, error) { return n.Register(mem, u) })
+}
+
+// addOnRails registers g also on the rails of nics by register, and
+// lists it.
+func (t *Transport) addOnRails(g *lentRegion, nics []string, register func(nic) (region, error)) (io.Closer, RegionRails, error) {
+	var on RegionRails
+	var why []string
+	for _, name := range nics {
+		r := slices.IndexFunc(t.rails, func(r *rail) bool { return r.name == name })
+		switch {
+		case r < 0:
+			why = append(why, fmt.Sprintf("%s is not one of the RDMA devices this daemon drives (%v): add it to --rdma-device", name, t.RailNames()))
+		case r == 0 || slices.ContainsFunc(g.rails, func(rr railRegion) bool { return rr.rail == r }):
+		default:
+			mr, err := register(t.rails[r].nic)
+			if err != nil {
+				why = append(why, fmt.Sprintf("registering it with %s failed with %s (%v)", name, errnoName(err), err))
+				continue
+			}
+			g.rails = append(g.rails, railRegion{rail: r, mr: mr})
+		}
+	}
+	for _, rr := range g.rails {
+		on.NICs = append(on.NICs, t.rails[rr.rail].name)
+	}
+	if len(on.NICs) == 0 {
+		on.NICs = []string{t.rails[0].name}
+	}
+	if len(why) > 0 {
+		on.Why = strings.Join(why, "; ") + fmt.Sprintf("; its sends go through %s", strings.Join(on.NICs, ", "))
+	}
+	c, err := t.lent.add(g)
+	return c, on, err
 }
 
 // RegisterDeviceRegion implements transport.RegionRegistrar for device
@@ -122,9 +219,16 @@ func (t *Transport) RegisterRegion(mem []byte) (io.Closer, error) {
 // range would need its own export. Closing the handle deregisters it,
 // as for RegisterRegion.
 func (t *Transport) RegisterDeviceRegion(r transport.Range) (io.Closer, error) {
+	c, _, err := t.RegisterDeviceRegionOn(r, nil)
+	return c, err
+}
+
+// RegisterDeviceRegionOn is RegisterDeviceRegion, registering r also on
+// the rails of the NICs named, as RegisterRegionOn does.
+func (t *Transport) RegisterDeviceRegionOn(r transport.Range, nics []string) (io.Closer, RegionRails, error) {
 	switch {
 	case r.Len == 0:
-		return nil, errors.New("rdma: registering a CUDA region of no bytes")
+		return nil, RegionRails{}, errors.New("rdma: registering a CUDA region of no bytes")
 	case t.dev.Len == 0:
 		why := "the transport has no GPU arena"
 		switch g := t.reg.GPU; {
@@ -133,17 +237,17 @@ func (t *Transport) RegisterDeviceRegion(r transport.Range) (io.Closer, error) {
 		case g != nil:
 			why = "no path registered the GPU arena"
 		}
-		return nil, fmt.Errorf("rdma: a CUDA region is registered with the NIC only where the NIC reaches the GPU arena itself (dmabuf or peermem), and %s: its bytes go through the pinned bounce area", why)
+		return nil, RegionRails{}, fmt.Errorf("rdma: a CUDA region is registered with the NIC only where the NIC reaches the GPU arena itself (dmabuf or peermem), and %s: its bytes go through the pinned bounce area", why)
 	case r.Addr < t.dev.Addr+t.dev.Len && t.dev.Addr < r.Addr+r.Len:
-		return nil, fmt.Errorf("rdma: a CUDA region of %d bytes at %#x overlaps the GPU arena", r.Len, r.Addr)
+		return nil, RegionRails{}, fmt.Errorf("rdma: a CUDA region of %d bytes at %#x overlaps the GPU arena", r.Len, r.Addr)
 	}
 	u, how := t.regionUse()
 	mr, err := t.nic.RegisterDevice(r.Addr, r.Len, u)
 	if err != nil {
-		return nil, fmt.Errorf("rdma: registering a CUDA region of %d bytes at %#x %s with the NIC by its device pointer (peermem; a region has no dmabuf path) failed with %s (%w): check that nvidia-peermem is loaded (modprobe nvidia-peermem; lsmod | grep nvidia_peermem) and the kernel log; until then its bytes go through the pinned bounce area",
+		return nil, RegionRails{}, fmt.Errorf("rdma: registering a CUDA region of %d bytes at %#x %s with the NIC by its device pointer (peermem; a region has no dmabuf path) failed with %s (%w): check that nvidia-peermem is loaded (modprobe nvidia-peermem; lsmod | grep nvidia_peermem) and the kernel log; until then its bytes go through the pinned bounce area",
 			r.Len, r.Addr, how, errnoName(err), err)
 	}
-	return t.lent.add(&lentRegion{addr: r.Addr, size: r.Len, device: true, mr: mr})
+	return t.addOnRails(&lentRegion{addr: r.Addr, size: r.Len, device: true, mr: mr}, nics, func(n nic) (region, error) { return n.RegisterDevice(r.Addr, r.Len, u) })
 }
 
 // regionUse is how a region is registered, and that in words.
@@ -162,10 +266,10 @@ func (rs *lentRegions) add(g *lentRegion) (io.Closer, error) {
 	overlaps := i > 0 && rs.by[i-1].addr+rs.by[i-1].size > g.addr || i < len(rs.by) && rs.by[i].addr < g.addr+g.size
 	switch {
 	case rs.closed:
-		g.mr.Close()
+		g.close()
 		return nil, fmt.Errorf("rdma: registering a region: %w", transport.ErrClosed)
 	case overlaps:
-		g.mr.Close()
+		g.close()
 		return nil, fmt.Errorf("rdma: a region of %d bytes at %#x overlaps one registered already", g.size, g.addr)
 	}
 	rs.by = slices.Insert(rs.by, i, g)
@@ -190,7 +294,7 @@ func (h lentHandle) Close() error {
 	if !h.rs.remove(h.g) {
 		return nil // deregistered already, by this or by the transport's Close
 	}
-	if err := h.g.mr.Close(); err != nil {
+	if err := h.g.close(); err != nil {
 		err = fmt.Errorf("rdma: deregistering a region of %d bytes: %w", h.g.size, err)
 		return errors.Join(err, h.rs.putBack(h.g))
 	}
@@ -217,7 +321,7 @@ func (rs *lentRegions) putBack(g *lentRegion) error {
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
 	if rs.closed {
-		return g.mr.Close()
+		return g.close()
 	}
 	rs.by = slices.Insert(rs.by, rs.after(g.addr), g)
 	return nil
@@ -230,7 +334,7 @@ func (rs *lentRegions) close() error {
 	defer rs.mu.Unlock()
 	var errs []error
 	for _, g := range rs.by {
-		errs = append(errs, g.mr.Close())
+		errs = append(errs, g.close())
 	}
 	rs.by, rs.closed = nil, true
 	return errors.Join(errs...)

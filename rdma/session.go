@@ -159,15 +159,11 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	}
 	var p plan
 	p.kind, p.lkey = s.t.kindOf(&w)
+	if on, ok := s.regionRails(&w); ok {
+		return s.sendOnRails(ctx, &w, &p, on, &s.t.stats.railed)
+	}
 	if s.stripes(&w, &p) {
-		if err := s.stripe(ctx, &w); err != nil {
-			return transport.Report{}, err
-		}
-		s.t.stats.sends.Add(1)
-		s.t.stats.striped.Add(1)
-		rep := p.kind.report(w.Len())
-		rep.Messages = peer.Messages * ((w.Len() + stripePiece - 1) / stripePiece) // a header and a grant per piece
-		return rep, nil
+		return s.sendOnRails(ctx, &w, &p, s.arenaRails(), &s.t.stats.striped)
 	}
 	if g, ok := s.directGrant(&w, p.kind); ok {
 		p.dg = &g
@@ -212,7 +208,10 @@ func (s *session) writeOn(ctx context.Context, r int, w *transport.Write, p *pla
 type plan struct {
 	kind sourceKind
 	lkey uint32 // a host source's registration made once (fromShared)
-	dg   *grant // nil: the write asks for a grant
+	// railKey: lkey is the source's registration on the lane's rail,
+	// for a device source too (a piece, rails.go).
+	railKey bool
+	dg      *grant // nil: the write asks for a grant
 }
 
 // directGrant is where w goes as a direct write (see wire.go), or false
@@ -377,7 +376,7 @@ type flight struct {
 // without the header, in one work request. With an error, reuse reports
 // whether l may carry another write.
 func (s *session) start(ctx context.Context, l *lane, w *transport.Write, p *plan) (_ *flight, reuse bool, err error) {
-	src, err := s.t.writeSource(w, p.kind, p.lkey)
+	src, err := s.t.writeSource(w, p)
 	if err != nil {
 		return nil, true, fmt.Errorf("rdma write to %s: %w", s.Peer(), err)
 	}

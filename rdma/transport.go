@@ -166,6 +166,12 @@ type Stats struct {
 	// the others.
 	Striped   uint64 `json:"striped"`
 	Failovers uint64 `json:"failovers"`
+	// Of Sends, those from a region registered on rails other than 0
+	// that went out through them (RegisterRegionOn), and those from such
+	// a region that went through rail 0 since the peer has none of its
+	// rails.
+	RegionRails       uint64 `json:"region_rails"`
+	RegionRailsMissed uint64 `json:"region_rails_missed"`
 }
 
 type counters struct {
@@ -174,7 +180,7 @@ type counters struct {
 	credits, creditStalls, creditWait                      atomic.Uint64 // creditWait in ns
 	directCompletions, directRefused                       atomic.Uint64
 	windowBinds, windowInvalidations                       atomic.Uint64
-	striped, failovers                                     atomic.Uint64
+	striped, failovers, railed, railsMissed                atomic.Uint64
 }
 
 // Transport is the RDMA data plane. It implements transport.Transport.
@@ -387,6 +393,7 @@ func (t *Transport) Stats() Stats {
 		DirectCompletions: c.directCompletions.Load(), DirectRefused: c.directRefused.Load(),
 		WindowBinds: c.windowBinds.Load(), WindowInvalidations: c.windowInvalidations.Load(),
 		Striped: c.striped.Load(), Failovers: c.failovers.Load(),
+		RegionRails: c.railed.Load(), RegionRailsMissed: c.railsMissed.Load(),
 	}
 }
 

@@ -202,6 +202,12 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 					nic := ""
 					if a.NIC != nil {
 						nic = fmt.Sprintf(", nic registered=%v", a.NIC.Registered)
+						if len(a.NIC.NICs) > 0 {
+							nic += " on " + strings.Join(a.NIC.NICs, ",")
+						}
+						if a.NIC.NICsWhy != "" {
+							nic += " (" + a.NIC.NICsWhy + ")"
+						}
 					}
 					fmt.Fprintf(w, "arena      %s (%s) %s, used %s, free %s, %d staged, %d slots%s\n",
 						a.Device, a.Kind, size.Format(a.Size), size.Format(a.Used), size.Format(a.Free), a.Staged, a.Slots, nic)

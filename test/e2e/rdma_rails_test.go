@@ -7,8 +7,29 @@ import (
 	"testing"
 	"time"
 
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/internal/fakecuda"
 	"github.com/ferry-project/ferry/rdma"
 )
+
+// requireRails skips (or fails, with FERRY_RDMA_REQUIRED=1) unless the
+// host has two RDMA devices with a usable port, and returns them.
+func requireRails(t *testing.T) []rdma.Choice {
+	t.Helper()
+	requireRDMA(t)
+	inv, err := rdma.Discover()
+	if err != nil {
+		t.Fatal(err)
+	}
+	cs, _, err := rdma.ChooseRails(inv, []string{rdma.AllDevices}, rdma.Want{GIDIndex: -1})
+	if err != nil || len(cs) < 2 {
+		if os.Getenv("FERRY_RDMA_REQUIRED") == "1" {
+			t.Fatalf("FERRY_RDMA_REQUIRED=1 but %d RDMA devices with a usable port (%v): the VM has two", len(cs), err)
+		}
+		t.Skipf("rails need two RDMA devices with a usable port; %d here", len(cs))
+	}
+	return cs
+}
 
 // TestRDMARails: two ferryd with --rdma-device all on a host with two
 // RDMA devices (the soft-RoCE VM's rxe0 and rxe1): status lists both
@@ -16,17 +37,7 @@ import (
 // striped over both, half the bytes out of each NIC (within 10 %, in
 // status and in /metrics), and lands byte-exact.
 func TestRDMARails(t *testing.T) {
-	requireRDMA(t)
-	inv, err := rdma.Discover()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if cs, _, err := rdma.ChooseRails(inv, []string{rdma.AllDevices}, rdma.Want{GIDIndex: -1}); err != nil || len(cs) < 2 {
-		if os.Getenv("FERRY_RDMA_REQUIRED") == "1" {
-			t.Fatalf("FERRY_RDMA_REQUIRED=1 but %d RDMA devices with a usable port (%v): the VM has two", len(cs), err)
-		}
-		t.Skipf("rails need two RDMA devices with a usable port; %d here", len(cs))
-	}
+	requireRails(t)
 	snd, rcv := pair(t, "--transport", "rdma", "--rdma-device", "all", "--arena-size", "160MiB")
 	ctx := ctxT(t)
 	st, err := snd.c.Status(ctx)
@@ -83,4 +94,79 @@ func TestRDMARails(t *testing.T) {
 	}
 	fmt.Printf("== RAILS e2e nic=%s bytes=%.0f nic=%s bytes=%.0f striped=1 (a 64 MiB send between two ferryd --rdma-device all; a 1 MiB one went through %s alone)\n",
 		rails[0].Device, big[0], rails[1].Device, big[1], rails[0].Device)
+}
+
+// TestRDMARailsPerDevice: two ferryd with an arena on each of two
+// stand-in GPUs (--device cuda:0,1), --rdma-device all and each GPU
+// mapped to its own NIC (--affinity cuda:0=<rail 0>,cuda:1=<rail 1>): the
+// second GPU's arena is registered on its NIC (status says which), an
+// entry staged on each device and sent into a slot on the receiver
+// arrives byte-exact, and each send is counted on its device's NIC
+// alone (status and /metrics).
+func TestRDMARailsPerDevice(t *testing.T) {
+	cs := requireRails(t)
+	nics := [2]string{cs[0].Device, cs[1].Device}
+	env := []string{"env", "LD_LIBRARY_PATH=" + fakecuda.Build(t, fakecuda.Working), "FAKECUDA_BUS_IDS=0000:3b:00.0,0000:86:00.0"}
+	dir := t.TempDir()
+	args := []string{"--device", "cuda:0,1", "--arena-size", "32MiB", "--bounce-size", "8MiB", "--transport", "rdma",
+		"--rdma-device", "all", "--affinity", fmt.Sprintf("cuda:0=%s,cuda:1=%s", nics[0], nics[1])}
+	snd := startDaemonIn(t, env, dir, "snd", args...)
+	rcv := startDaemonIn(t, env, dir, "rcv", args...)
+	ctx := ctxT(t)
+	status := func() api.Status {
+		t.Helper()
+		st, err := snd.c.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return st
+	}
+	st := status()
+	if r := st.Transport.RDMA.Rails; len(r) != 2 || r[0].Device != nics[0] || r[1].Device != nics[1] {
+		t.Fatalf("status rails %+v: want %v in that order", r, nics)
+	}
+	if len(st.Arenas) != 2 {
+		t.Fatalf("status arenas %+v: want cuda:0 and cuda:1", st.Arenas)
+	}
+	for i, a := range st.Arenas {
+		if a.NIC == nil || !a.NIC.Registered || len(a.NIC.NICs) != 1 || a.NIC.NICs[0] != nics[i] || a.NIC.NICsWhy != "" {
+			t.Fatalf("arena %s's NIC status %+v: want it registered on %s alone", a.Device, a.NIC, nics[i])
+		}
+	}
+
+	const n = 4<<20 + 5 // several 1 MiB pieces, not a whole number of them
+	var sent [2]float64
+	for i, dev := range []string{"cuda:0", "cuda:1"} {
+		id := "rails-" + dev
+		data := randomBytes(n, uint64(70+i))
+		if e, err := snd.c.StageOn(ctx, dev, id, []int64{n}, "u8", bytes.NewReader(data), n); err != nil || e.Device != dev {
+			t.Fatalf("stage on %s: %+v, %v", dev, e, err)
+		}
+		before := status().Transport.RDMA.Rails
+		if _, err := snd.c.Send(ctx, id, slotFor(t, rcv, id, n)); err != nil {
+			t.Fatalf("send from %s: %v", dev, err)
+		}
+		if got, err := rcv.c.Wait(ctx, id, 30*time.Second); err != nil || !bytes.Equal(got, data) {
+			t.Fatalf("%s: %d bytes back, %v: the bytes differ", dev, len(got), err)
+		}
+		after := status().Transport.RDMA.Rails
+		for r := range after {
+			moved, want := after[r].Bytes-before[r].Bytes, uint64(0)
+			if r == i {
+				want = n
+			}
+			if moved != want {
+				t.Fatalf("the send from %s moved %d bytes out of %s, want %d: rails before %+v, after %+v", dev, moved, after[r].Device, want, before, after)
+			}
+		}
+		sent[i] = snd.metric(t, fmt.Sprintf(`ferry_rdma_nic_sent_bytes_total{nic="%s"}`, nics[i]))
+		if sent[i] != float64(after[i].Bytes) {
+			t.Errorf("/metrics counts %v bytes out of %s, status %d", sent[i], nics[i], after[i].Bytes)
+		}
+	}
+	if v := snd.metric(t, "ferry_rdma_arena_rail_sends_total"); v != 1 {
+		t.Errorf("ferry_rdma_arena_rail_sends_total = %v, want 1 (the send from cuda:1)", v)
+	}
+	fmt.Printf("== RAILS devices cuda:0->%s bytes=%.0f cuda:1->%s bytes=%.0f (an entry staged on each stand-in GPU, sent between two ferryd --device cuda:0,1 --rdma-device all, each verified byte-exact)\n",
+		nics[0], sent[0], nics[1], sent[1])
 }
