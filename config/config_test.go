@@ -442,6 +442,7 @@ func TestRDMADevices(t *testing.T) {
 		{"All", `rdma_device = "all"`, nil, "all", ""},
 		{"AllAndMore", `rdma_device = ["all", "mlx5_0"]`, nil, "", `"all" takes every device`},
 		{"Twice", "", []string{"--rdma-device", "rxe0,rxe0"}, "", `names "rxe0" twice`},
+		{"NotAName", `rdma_device = ["mlx5_0", "m\u0083"]`, nil, "", `"m\u0083" is not an RDMA device name`},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			args := c.args

@@ -292,6 +292,9 @@ func (l *names) Set(s string) error {
 		if seen[f] {
 			return fmt.Errorf("names %q twice: name each device once", f)
 		}
+		if !nicName.MatchString(f) {
+			return fmt.Errorf("%q is not an RDMA device name (letters, digits, _ . -; e.g. mlx5_0): ibv_devices lists this host's", f)
+		}
 		seen[f] = true
 		out = append(out, f)
 	}
