@@ -230,6 +230,9 @@ type engines struct {
 	mu   sync.Mutex
 	next int
 	byID map[string]*engineSegment
+	// opening serialises openEngineSegment, so that its bounds hold
+	// however many callers ask at once.
+	opening sync.Mutex
 }
 
 func (e *engines) get(id string) *engineSegment {
@@ -253,8 +256,13 @@ func (e *engines) ownedBy(pid int32) []*engineSegment {
 
 // maxEngineSegments bounds the engine segments open at once, two
 // listeners each: a host's engines, one per GPU rank and a few more, with
-// room to spare; a client opening them in a loop meets the bound.
-const maxEngineSegments = 256
+// room to spare; a client opening them in a loop meets the bound. One
+// process may hold maxEngineSegmentsPerProcess of them (a framework's
+// rank holds one or two), so no one process takes them all.
+const (
+	maxEngineSegments           = 256
+	maxEngineSegmentsPerProcess = 16
+)
 
 // openEngineSegment listens on the host of --mooncake-listen, port (0:
 // one the kernel picks) for the RPC port and any for the data port.
@@ -262,11 +270,21 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 	if d.mooncake == nil {
 		return nil, apiErr(api.CodeBadRequest, "an engine segment listens beside ferryd's own Mooncake segment, and this ferryd serves none: start it with --mooncake-listen HOST:PORT")
 	}
+	d.engines.opening.Lock()
+	defer d.engines.opening.Unlock()
 	d.engines.mu.Lock()
-	open := len(d.engines.byID)
+	open, mine := len(d.engines.byID), 0
+	for _, es := range d.engines.byID {
+		if es.owner == owner {
+			mine++
+		}
+	}
 	d.engines.mu.Unlock()
-	if open >= maxEngineSegments {
+	switch {
+	case open >= maxEngineSegments:
 		return nil, apiErr(api.CodeBusy, "%d engine segments are open, this ferryd's limit: close engines no longer used (engine.close(); GET /v1/mooncake/segments lists them)", open)
+	case mine >= maxEngineSegmentsPerProcess:
+		return nil, apiErr(api.CodeBusy, "process %d holds %d engine segments, the limit for one process: close its engines no longer used (engine.close(); GET /v1/mooncake/segments lists them)", owner, mine)
 	}
 	if port < 0 || port > 65535 {
 		return nil, apiErr(api.CodeBadRequest, "port %d: want 0 (any) or a port number", port)

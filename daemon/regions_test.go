@@ -783,4 +783,12 @@ func TestEngineSegmentsAreBounded(t *testing.T) {
 	if _, err := d.openEngineSegment(1, 0); !isCode(err, api.CodeBusy) || !strings.Contains(err.Error(), "close engines no longer used") {
 		t.Fatalf("an engine segment past the bound: %v", err)
 	}
+	// One process meets its own bound first.
+	d.engines.byID = make(map[string]*engineSegment)
+	for i := range maxEngineSegmentsPerProcess {
+		d.engines.byID[fmt.Sprint("e", i)] = &engineSegment{owner: 7}
+	}
+	if _, err := d.openEngineSegment(7, 0); !isCode(err, api.CodeBusy) || !strings.Contains(err.Error(), "process 7 holds 16 engine segments") {
+		t.Fatalf("a process's engine segment past its bound: %v", err)
+	}
 }

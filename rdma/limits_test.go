@@ -7,6 +7,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
 	"github.com/ferry-project/ferry/transport/transporttest"
@@ -177,5 +178,20 @@ func TestEvictedLaneRedials(t *testing.T) {
 	}
 	if st := rx.PortStats(); st.Evicted != 2 {
 		t.Fatalf("port stats %+v: want 2 evictions (the lane, then the stranger)", st)
+	}
+}
+
+// TestWarningsAreRateLimited: the transport's WARN lines follow a peer's
+// failures (a lost rail, a canceled write, a peer without RDMA), one per
+// send, so a failing peer must not flood the log: at most loglimit.Burst
+// a window reach the daemon's logger.
+func TestWarningsAreRateLimited(t *testing.T) {
+	var logs transporttest.Logs
+	tr := listenT(t, newFabric(), Config{Peer: peer.Config{Logf: logs.Logf}})
+	for i := range 10 * loglimit.Burst {
+		tr.logf("rdma: a striped write to peer %d lost a rail", i)
+	}
+	if n := len(logs.Lines()); n == 0 || n > loglimit.Burst {
+		t.Fatalf("%d warnings logged of %d, want 1 to %d", n, 10*loglimit.Burst, loglimit.Burst)
 	}
 }

@@ -27,6 +27,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/transport"
 	"github.com/ferry-project/ferry/transport/peer"
 )
@@ -185,7 +186,11 @@ type counters struct {
 
 // Transport is the RDMA data plane. It implements transport.Transport.
 type Transport struct {
-	cfg    Config
+	cfg Config
+	// warn limits the WARN lines a peer's failures cause here (a lost
+	// rail, a write canceled mid-flight, a peer without RDMA): one per
+	// send, and a failing peer fails many.
+	warn   *loglimit.Limiter
 	port   *peer.Port
 	tcp    Fallback
 	nic    nic
@@ -244,6 +249,9 @@ func listen(cfg Config, n nic, more ...nic) (*Transport, error) {
 		sessions: make(map[*session]struct{}),
 		accepted: make(map[*lane]struct{}),
 		mooncake: make(map[*MooncakeQP]struct{}),
+	}
+	if cfg.Peer.Logf != nil {
+		t.warn = loglimit.New("rdma", cfg.Peer.Logf)
 	}
 	ws, windowed := cfg.Peer.Sink.(transport.WindowSink)
 	var err error
@@ -441,8 +449,8 @@ func (t *Transport) ModeWhy() string {
 }
 
 func (t *Transport) logf(format string, args ...any) {
-	if t.cfg.Peer.Logf != nil {
-		t.cfg.Peer.Logf(format, args...)
+	if t.warn != nil {
+		t.warn.Printf(format, args...)
 	}
 }
 
@@ -490,6 +498,9 @@ func (t *Transport) Close() error {
 		// Those of endpoints their owner left open.
 		for _, q := range mooncake {
 			q.Close()
+		}
+		if t.warn != nil {
+			t.warn.Stop()
 		}
 		errs := []error{t.tcp.Close(), t.closeRails(true), t.closeShared(), t.nic.Close()}
 		if err := errors.Join(errs...); err != nil {
