@@ -27,13 +27,13 @@ Usage: ferryctl [--socket PATH] [--json] COMMAND [flags] [args]
 
 Commands:
   status                              the daemon's memory, transport and sessions
-  stage REQ_ID --shape R,C --dtype D FILE|-
+  stage REQ_ID --shape R,C --dtype D [--device DEV] FILE|-
                                       stage an embedding (--zero-copy writes it in place)
   send REQ_ID --session HOST:PORT --addr ADDR --key KEY [--wait 2s]
   send REQ_ID --session mooncake://HOST:PORT --addr ADDR
                                       write into a Mooncake segment (its name and a buffer address)
   send REQ_ID --slot SLOT.json        send to a slot printed by 'ferryctl --json recv'
-  recv REQ_ID --nbytes N | --shape R,C --dtype D [--mooncake]
+  recv REQ_ID --nbytes N | --shape R,C --dtype D [--mooncake] [--device DEV]
                                       allocate a receive slot; prints session, addr, key
   wait REQ_ID -o FILE [--for 30s] [--keep]
                                       wait for the data, write it, free the slot
@@ -308,6 +308,7 @@ func cmdStage(fs *flag.FlagSet) func(context.Context, *env) error {
 	var sf shapeFlags
 	sf.register(fs)
 	zeroCopy := fs.Bool("zero-copy", false, "reserve a slice, write it through this process's own mapping of the arena, commit")
+	device := fs.String("device", "", "the arena to stage into (cuda:1, cpu: one of ferryd's --device; default its first)")
 	return func(ctx context.Context, e *env) error {
 		id, err := e.reqID()
 		if err != nil {
@@ -328,10 +329,13 @@ func cmdStage(fs *flag.FlagSet) func(context.Context, *env) error {
 			defer in.Close()
 		}
 		var emb api.Embedding
-		if *zeroCopy {
+		switch {
+		case *zeroCopy && *device != "":
+			return errors.New("--zero-copy writes through a mapping of ferryd's first arena: drop --device, or drop --zero-copy to upload into that device's arena")
+		case *zeroCopy:
 			emb, err = stageInPlace(ctx, e.c, id, shape, sf.dtype, n, in)
-		} else {
-			emb, err = e.c.Stage(ctx, id, shape, sf.dtype, io.LimitReader(in, n+1), n)
+		default:
+			emb, err = e.c.StageOn(ctx, *device, id, shape, sf.dtype, io.LimitReader(in, n+1), n)
 		}
 		if err != nil {
 			return err
@@ -417,6 +421,7 @@ func cmdRecv(fs *flag.FlagSet) func(context.Context, *env) error {
 	sf.register(fs)
 	nbytes := fs.Int64("nbytes", 0, "slot size in bytes (or give --shape and --dtype)")
 	mc := fs.Bool("mooncake", false, "let Mooncake senders write into the slot too (ferryd with --mooncake-listen)")
+	device := fs.String("device", "", "the arena the slot is in (cuda:1, cpu: one of ferryd's --device; default its first)")
 	return func(ctx context.Context, e *env) error {
 		id, err := e.reqID()
 		if err != nil {
@@ -428,7 +433,7 @@ func cmdRecv(fs *flag.FlagSet) func(context.Context, *env) error {
 				return err
 			}
 		}
-		slot, err := e.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: id, NBytes: n, Mooncake: *mc})
+		slot, err := e.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: id, NBytes: n, Mooncake: *mc, Device: *device})
 		if err != nil {
 			return err
 		}

@@ -2,6 +2,7 @@ package e2e
 
 import (
 	"bytes"
+	"encoding/json"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -131,6 +132,28 @@ func TestAnArenaPerDevice(t *testing.T) {
 	for _, line := range []string{"arena      cuda:0 (cuda) 16MiB, used 0B", "arena      cuda:1 (cuda) 32MiB", "arena      cpu (host) 8MiB"} {
 		if !strings.Contains(string(out), line) {
 			t.Errorf("ferryctl status lacks %q:\n%s", line, out)
+		}
+	}
+	// ferryctl names the device too.
+	out, err = exec.CommandContext(ctx, filepath.Join(bin, "ferryctl"), "--socket", gpu.socket, "--json", "recv", "ctl-in", "--nbytes", "4096", "--device", "cuda:1").CombinedOutput()
+	var ctlSlot api.ReceiveSlot
+	if err != nil || json.Unmarshal(out, &ctlSlot) != nil || ctlSlot.Device != "cuda:1" {
+		t.Fatalf("ferryctl recv --device cuda:1: %v\n%s", err, out)
+	}
+	stage := exec.CommandContext(ctx, filepath.Join(bin, "ferryctl"), "--socket", gpu.socket, "stage", "ctl-out", "--shape", "4096", "--dtype", "u8", "--device", "cpu", "-")
+	stage.Stdin = bytes.NewReader(randomBytes(4096, 70))
+	if out, err := stage.CombinedOutput(); err != nil {
+		t.Fatalf("ferryctl stage --device cpu: %v\n%s", err, out)
+	}
+	if e, err := gpu.c.Embedding(ctx, "ctl-out"); err != nil || e.Device != "cpu" {
+		t.Fatalf("ferryctl stage --device cpu: %+v, %v; want the entry in cpu's arena", e, err)
+	}
+	for _, free := range []func() error{
+		func() error { return gpu.c.FreeReceive(ctx, "ctl-in") },
+		func() error { return gpu.c.Delete(ctx, "ctl-out") },
+	} {
+		if err := free(); err != nil {
+			t.Fatal(err)
 		}
 	}
 
