@@ -208,8 +208,9 @@ func TestRDMASilentReceiver(t *testing.T) {
 }
 
 // TestRDMABusyCPUs: both CPUs kept busy by two loops at the receiving
-// daemon's priority for a 30 s stream of direct 64 KiB writes, 16 in
-// flight: no send fails, and every one is verified at the receiver.
+// daemon's priority for a 30 s stream (at most 1800 sends) of direct
+// 64 KiB writes, 16 in flight: no send fails, and every one is verified
+// at the receiver.
 func TestRDMABusyCPUs(t *testing.T) {
 	requireRDMA(t)
 	args := []string{"--transport", "rdma", "--max-conns", "2", "--arena-size", "128MiB"}
@@ -222,12 +223,17 @@ func TestRDMABusyCPUs(t *testing.T) {
 		t.Cleanup(func() { busy.Process.Kill(); busy.Wait() })
 	}
 	const stream = 30 * time.Second
+	// A freed slot's memory stays in quarantine for 30 s (direct writes
+	// pin no slot), so the 128 MiB arena holds 2048 slots of 64 KiB in the
+	// stream at most: a fast VM reached that, and its next slots found
+	// the arena full. The stream ends at its time or at maxSends.
+	const maxSends = 1800
 	end := time.Now().Add(stream)
-	var sent, failed atomic.Int64
+	var sent, failed, issued atomic.Int64
 	var wg sync.WaitGroup
 	for w := range flowInFlight {
 		wg.Go(func() {
-			for i := 0; time.Now().Before(end); i++ {
+			for i := 0; time.Now().Before(end) && issued.Add(1) <= maxSends; i++ {
 				ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 				err := busySend(ctx, snd, rcv, fmt.Sprintf("busy%d-%d", w, i), uint64(w<<20|i))
 				cancel()
