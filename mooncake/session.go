@@ -98,7 +98,7 @@ func (d *Dialer) Dial(ctx context.Context, session string) (transport.Session, e
 		s.cancel()
 		return nil, err
 	}
-	if seg.Ferry != nil && d.Ferry != nil {
+	if seg.Ferry != nil && d.Ferry != nil && sameHost(rpc, seg.Ferry.Peer) {
 		s.cancel()
 		fs, err := d.Ferry(ctx, seg.Ferry.Peer)
 		if err != nil {
@@ -107,6 +107,17 @@ func (d *Dialer) Dial(ctx context.Context, session string) (transport.Session, e
 		return &ferrySession{Session: fs, key: seg.Ferry.Key}, nil
 	}
 	return s, nil
+}
+
+// sameHost says whether a ferry engine segment's peer port lies on the
+// host its RPC port was reached on. A descriptor naming another host is
+// not followed: whoever serves the segment could otherwise send this
+// ferryd's writes, and its connections, to any address it likes; such a
+// segment is written over Mooncake's wire, to the host dialed.
+func sameHost(rpc, peer string) bool {
+	a, _, err1 := net.SplitHostPort(rpc)
+	b, _, err2 := net.SplitHostPort(peer)
+	return err1 == nil && err2 == nil && a == b
 }
 
 // ferrySession writes into a ferry engine's segment over ferry's peer

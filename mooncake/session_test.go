@@ -395,3 +395,40 @@ func TestSessionKeepsItsDataConnection(t *testing.T) {
 		}
 	}
 }
+
+// TestFerryTargetOnlyOnTheHostDialed: a segment whose descriptor names a
+// ferry peer port is written over ferry's peer protocol only when that
+// port is on the host its RPC port was reached on; one naming another
+// host (a hostile segment sending this ferryd's writes elsewhere) is
+// written over Mooncake's wire, to the host dialed.
+func TestFerryTargetOnlyOnTheHostDialed(t *testing.T) {
+	for _, c := range []struct {
+		peer  string
+		ferry bool
+	}{{"127.0.0.1:17100", true}, {"192.0.2.7:17100", false}} {
+		ln, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		seg := &mooncake.Segment{Name: ln.Addr().String(), Protocol: "tcp", TCPDataPort: 9, TCPProtoVersion: 2,
+			Buffers: []mooncake.Buffer{}, Ferry: &mooncake.FerryTarget{Peer: c.peer, Key: transport.NewKey()}}
+		srv := mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return seg }}, mooncake.ServerConfig{})
+		var asked []string
+		d := &mooncake.Dialer{Self: &mooncake.Segment{Name: "ferry-test", Protocol: "tcp"},
+			Ferry: func(_ context.Context, peer string) (transport.Session, error) {
+				asked = append(asked, peer)
+				return nil, errors.New("no ferry peer in this test")
+			}}
+		s, err := d.Dial(ctxT(t), mooncake.Scheme+ln.Addr().String())
+		switch {
+		case c.ferry && (len(asked) != 1 || asked[0] != c.peer || err == nil):
+			t.Errorf("ferry peer %s on the host dialed: asked %v, %v; want it dialed", c.peer, asked, err)
+		case !c.ferry && (len(asked) != 0 || err != nil):
+			t.Errorf("ferry peer %s on another host: asked %v, %v; want Mooncake's wire to the host dialed", c.peer, asked, err)
+		}
+		if s != nil {
+			s.Close()
+		}
+		srv.Close()
+	}
+}
