@@ -273,17 +273,55 @@ func (l *lane) completion(w *waiter, deadline time.Time, cancel <-chan struct{})
 			}
 			// A poke for an earlier wait of the same write.
 		case <-l.down:
-			// A receiver whose QP a write failed (REM_ACCESS_ERR) closes
-			// the control connection: the write's completion, in the CQ
-			// by then, says why better than the close.
-			if _, err := l.reap(); err == nil {
-				if c, ok := w.ready(); ok {
+			err := l.downErr()
+			if err == errDead {
+				// A receiver whose QP a write failed (REM_ACCESS_ERR)
+				// closes the control connection, which may overtake the
+				// NAK: the write's completion says why better than the
+				// close, and the NIC owes it shortly.
+				if c, ok := l.owed(w, deadline, cancel); ok {
 					return c, nil
 				}
 			}
-			return completion{}, l.downErr()
+			return completion{}, err
 		case <-cancel:
 			return completion{}, errCanceled
+		}
+	}
+}
+
+// deadGrace bounds how long a write whose receiver closed the control
+// connection waits for the completion its NIC owes it.
+const deadGrace = 200 * time.Millisecond
+
+// owed waits, for at most deadGrace (and not past deadline), for w's
+// completion after the receiver closed the control connection; the
+// poller reaps for w meanwhile. It reports false when none came, the
+// lane closed, or cancel closed.
+func (l *lane) owed(w *waiter, deadline time.Time, cancel <-chan struct{}) (completion, bool) {
+	if until := time.Until(deadline); until < deadGrace {
+		deadline = time.Now().Add(max(until, 0))
+	} else {
+		deadline = time.Now().Add(deadGrace)
+	}
+	t := time.NewTimer(time.Until(deadline))
+	defer t.Stop()
+	for {
+		select {
+		case c := <-w.wcs:
+			if c != poke {
+				return c, true
+			}
+		case <-t.C:
+			return completion{}, false
+		case <-l.quit:
+			return completion{}, false
+		case <-l.polled:
+			_, err := l.reap()
+			c, ok := w.ready()
+			return c, ok && err == nil
+		case <-cancel:
+			return completion{}, false
 		}
 	}
 }
