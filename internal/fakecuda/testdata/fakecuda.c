@@ -16,6 +16,11 @@
 // FAKECUDA_BUS_IDS lists others (comma-separated, at most 8): one GPU
 // each, so a test can lay them out as a fake sysfs tree does.
 //
+// cuPointerGetAttribute knows this process's allocations (and those it
+// opened) as device memory on the GPU current when they were made;
+// cuMemAllocAsync's (a stream-ordered pool's) have no IPC handle, as the
+// real driver's have none of cuIpcGetMemHandle's kind.
+//
 // Variants, by macro: FAKE_NO_DEVICE (cuInit finds no GPU), FAKE_STUB
 // (cuInit answers like the toolkit's stub library), FAKE_OLD (no
 // cuMemGetHandleForAddressRange), FAKE_BROKEN (no cuMemHostAlloc).
@@ -42,8 +47,9 @@ static char ctxs[MAXDEV]; // a context is the address of its byte
 static __thread void *current;
 
 // An allocation of this process (fd its memfd), or another's opened by
-// IPC handle (fd -1); len is its mapping's length.
-static struct alloc { char *p; size_t n, len; int fd, sync; } allocs[MAXALLOC];
+// IPC handle (fd -1); len is its mapping's length, dev its GPU; pool
+// marks cuMemAllocAsync's.
+static struct alloc { char *p; size_t n, len; int fd, sync, dev, pool; } allocs[MAXALLOC];
 
 // The handle: a mark, the owner's pid and memfd, the size, and (at the
 // end, so the whole struct must arrive) the owner's pointer.
@@ -191,9 +197,29 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
 	}
 	if (at > r) munmap(r, at - r);
 	if (r + ALIGN > at) munmap(at + len, r + ALIGN - at);
-	*a = (struct alloc){.p = at, .n = n, .len = len, .fd = fd};
+	*a = (struct alloc){.p = at, .n = n, .len = len, .fd = fd, .dev = (char *)current - ctxs};
 	*p = (CUdeviceptr)at;
 	return OK;
+}
+
+// Memory from the current device's stream-ordered pool: the stream is
+// not looked at (every copy here is synchronous).
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *stream) {
+	CUresult r = cuMemAlloc_v2(p, n);
+	if (r == OK) find(*p, 0)->pool = 1;
+	return r;
+}
+
+// The attributes ferry's Python package asks of a pointer: its memory
+// type (CU_MEMORYTYPE_DEVICE for an allocation here) and its GPU.
+CUresult cuPointerGetAttribute(void *value, int attr, CUdeviceptr p) {
+	struct alloc *a = find(p, 0);
+	if (!a) return INVALID_VALUE; // as the real driver answers for host memory it does not know
+	switch (attr) {
+	case 2: *(unsigned int *)value = 2; return OK; // MEMORY_TYPE: DEVICE
+	case 9: *(int *)value = a->dev; return OK;     // DEVICE_ORDINAL
+	}
+	return INVALID_VALUE;
 }
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
@@ -241,7 +267,7 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
 CUresult cuIpcGetMemHandle(ipc_handle *h, CUdeviceptr p) {
 	if (!current) return INVALID_CONTEXT;
 	struct alloc *a = find(p, 0);
-	if (!a || a->fd < 0) return INVALID_VALUE; // memory opened by IPC is not exported again
+	if (!a || a->fd < 0 || a->pool) return INVALID_VALUE; // memory opened by IPC is not exported again, pool memory never
 	struct fake_ipc f = {.mark = "fakeipc", .pid = getpid(), .fd = a->fd, .n = a->n, .len = a->len, .p = (CUdeviceptr)a->p};
 	memcpy(h, &f, sizeof f);
 	return OK;
@@ -269,7 +295,7 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, ipc_handle h, unsigned int flags)
 	char *m = mmap(NULL, f.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	close(fd);
 	if (m == MAP_FAILED) return INVALID_VALUE;
-	*a = (struct alloc){.p = m, .n = f.n, .len = f.len, .fd = -1, .sync = 1};
+	*a = (struct alloc){.p = m, .n = f.n, .len = f.len, .fd = -1, .sync = 1, .dev = (char *)current - ctxs};
 	*p = (CUdeviceptr)m;
 	return OK;
 }
