@@ -10,7 +10,9 @@
 // IPC works across processes as the real driver's does: each allocation
 // is a memfd mapping, its handle names the owner's pid, the memfd's
 // descriptor and the size, and cuIpcOpenMemHandle maps the owner's memfd
-// (through /proc/<pid>/fd) at an address of the opener's own.
+// (through /proc/<pid>/fd) at an address of the opener's own, once: a
+// handle open already is refused (CUDA_ERROR_ALREADY_MAPPED) until it is
+// closed, as a process may open one once per context.
 //
 // It has two GPUs, at PCI bus ids 0000:3b:00.0 and 0000:3c:00.0, unless
 // FAKECUDA_BUS_IDS lists others (comma-separated, at most 8): one GPU
@@ -37,7 +39,7 @@ typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 typedef struct { char reserved[64]; } ipc_handle;
 
-enum { OK = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, STUB = 34, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201 };
+enum { OK = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, STUB = 34, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201, ALREADY_MAPPED = 208 };
 enum { MAXDEV = 8, MAXALLOC = 64 };
 
 static int inited, ndev = 2;
@@ -49,7 +51,9 @@ static __thread void *current;
 // An allocation of this process (fd its memfd), or another's opened by
 // IPC handle (fd -1); len is its mapping's length, dev its GPU; pool
 // marks cuMemAllocAsync's.
-static struct alloc { char *p; size_t n, len; int fd, sync, dev, pool; } allocs[MAXALLOC];
+// from_pid, from_fd and from_p name the owner's allocation of one opened
+// by IPC handle.
+static struct alloc { char *p; size_t n, len; int fd, sync, dev, pool, from_pid, from_fd; CUdeviceptr from_p; } allocs[MAXALLOC];
 
 // The handle: a mark, the owner's pid and memfd, the size, and (at the
 // end, so the whole struct must arrive) the owner's pointer.
@@ -286,6 +290,10 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, ipc_handle h, unsigned int flags)
 		*p = f.p;
 		return OK;
 	}
+	for (int i = 0; i < MAXALLOC; i++)
+		if (allocs[i].p && allocs[i].fd < 0 && allocs[i].from_pid == f.pid && allocs[i].from_fd == f.fd &&
+		    allocs[i].from_p == f.p)
+			return ALREADY_MAPPED;
 	struct alloc *a = free_entry();
 	if (!a) return 2;
 	char path[64];
@@ -295,7 +303,7 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, ipc_handle h, unsigned int flags)
 	char *m = mmap(NULL, f.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	close(fd);
 	if (m == MAP_FAILED) return INVALID_VALUE;
-	*a = (struct alloc){.p = m, .n = f.n, .len = f.len, .fd = -1, .sync = 1, .dev = (char *)current - ctxs};
+	*a = (struct alloc){.p = m, .n = f.n, .len = f.len, .fd = -1, .sync = 1, .dev = (char *)current - ctxs, .from_pid = f.pid, .from_fd = f.fd, .from_p = f.p};
 	*p = (CUdeviceptr)m;
 	return OK;
 }
