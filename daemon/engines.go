@@ -583,32 +583,28 @@ func (m engineMemory) Write(addr, n uint64) (transport.Body, func(error), error)
 }
 
 // Read serves a READ from one region (a range spanning two is refused:
-// the data port sends one buffer).
+// the data port sends one buffer). GPU memory is copied out into host
+// staging, all n bytes at once, outside the lock: the region is pinned.
 func (m engineMemory) Read(addr, n uint64) ([]byte, func(), error) {
 	r := m.reg
 	r.mu.Lock()
-	defer r.unlock()
 	if r.stopping {
+		r.mu.Unlock()
 		return nil, nil, errRefuseStopping
 	}
 	parts, pinned, err := r.lentRange(m.id, addr, n, "read")
+	r.mu.Unlock() // pins taken, none dropped: no region ends here
 	if err != nil {
 		return nil, nil, err
 	}
-	unpin := func() {
-		for _, g := range pinned {
-			r.unuseRegion(g)
-		}
-	}
 	if len(parts) > 1 {
-		unpin()
+		r.unpinRegions(pinned)
 		return nil, nil, fmt.Errorf("a read of %d bytes at %#x spans %d registered ranges: read each on its own", n, addr, len(parts))
 	}
 	p := parts[0]
-	// GPU memory is copied out into host staging, all n bytes at once.
 	src, release, err := arena.Readable(p.g.mem, arena.Slice{Len: p.g.size()}, int64(p.off), int64(p.n))
 	if err != nil {
-		unpin()
+		r.unpinRegions(pinned)
 		if errors.Is(err, arena.ErrNoStaging) {
 			return nil, nil, fmt.Errorf("a read of %d bytes from GPU memory: this ferryd has no host memory to stage it in now (%v): read smaller pieces, or again once its copies in flight end (its operator may raise --bounce-size)", n, err)
 		}
