@@ -239,8 +239,7 @@ class EngineChild:
         here = os.path.dirname(os.path.abspath(__file__))
         argv = ["-m", "ferry.run"] if preload else []
         environ = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_") and k != "LD_PRELOAD"}
-        environ["FERRY_SOCKET"] = socket_path
-        environ.update(env or {})
+        environ.update(env or {}, FERRY_SOCKET=socket_path)
         self.proc = subprocess.Popen([sys.executable, *argv, os.path.join(here, "engine_child.py")], env=environ,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.pid = self.proc.pid
