@@ -19,7 +19,9 @@ import (
 // down for real (as ip link set down does: its soft-RoCE port goes
 // DOWN and stops carrying). The send succeeds in one attempt and lands
 // byte-exact; the failed NIC carried nothing after the failover and the
-// first NIC the rest. It prints a RAILS linkdown line (bytes per NIC,
+// first NIC the rest; a send while the link stays down goes whole
+// through the first NIC, and once it is back up one is striped over
+// both again. It prints a RAILS linkdown line (bytes per NIC,
 // the time from the link going down to the failover) and brings the
 // link back up. It takes down only a virtual netdev (the soft-RoCE VM's
 // dummy1), never a real NIC of the host running it.
@@ -32,7 +34,7 @@ func TestRDMARailsLinkDown(t *testing.T) {
 		}
 		t.Skipf("takes down only a virtual netdev, as root; %s's is %q", victim.Device, victim.Netdev)
 	}
-	snd, rcv := pair(t, "--transport", "rdma", "--rdma-device", "all", "--arena-size", "160MiB")
+	snd, rcv := pair(t, "--transport", "rdma", "--rdma-device", "all", "--arena-size", "192MiB")
 	// Longer than ctxT: a failover may wait out the sender's io_timeout
 	// (10 s), on a VM that a busy host slows.
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -155,9 +157,35 @@ func TestRDMARailsLinkDown(t *testing.T) {
 	if n := snd.metric(t, "ferry_rdma_stripe_failovers_total"); n != 1 {
 		t.Errorf("ferry_rdma_stripe_failovers_total %v, want 1", n)
 	}
-	fmt.Printf("== RAILS linkdown nic=%s bytes=%d nic=%s bytes=%d (%s down after %d of them) port_down_after=%.2fs %s_last_counted_after=%.2fs redealt_after=%.2fs send=%.1fs striped_16MiB_before=%.2fs (a 128 MiB striped send between two ferryd --rdma-device all, %s taken down mid-send, verified byte-exact, one attempt)\n",
+	// With the link still down, the next striped send tries the rail
+	// again, loses it again and goes whole through the other NIC.
+	still := randomBytes(16<<20, 43)
+	d := <-send("linkdown-still", still)
+	if d.err != nil {
+		t.Fatalf("a striped send while %s stays down: %v", victim.Netdev, d.err)
+	}
+	verify("linkdown-still", still)
+	if now := rails(); now[1].Bytes != after[1].Bytes || now[0].Bytes != after[0].Bytes+16<<20 {
+		t.Fatalf("a 16 MiB send with %s down moved the rails from %+v to %+v: want it all out of %s", victim.Netdev, after, now, now[0].Device)
+	}
+	if n := snd.metric(t, "ferry_rdma_stripe_failovers_total"); n != 2 {
+		t.Errorf("ferry_rdma_stripe_failovers_total %v after a striped send with %s still down, want 2", n, victim.Netdev)
+	}
+	// Back up, the next striped send uses the NIC again: its lanes
+	// are opened anew.
+	restoreLink(t, victim)
+	back := randomBytes(16<<20, 44)
+	b := <-send("linkdown-back", back)
+	if b.err != nil {
+		t.Fatalf("a striped send once %s is back up: %v", victim.Netdev, b.err)
+	}
+	verify("linkdown-back", back)
+	if now := rails(); now[0].Bytes != after[0].Bytes+24<<20 || now[1].Bytes != after[1].Bytes+8<<20 {
+		t.Fatalf("a 16 MiB send with %s back up moved the rails from %+v to %+v: want half out of each", victim.Netdev, after, now)
+	}
+	fmt.Printf("== RAILS linkdown nic=%s bytes=%d nic=%s bytes=%d (%s down after %d of them) port_down_after=%.2fs %s_last_counted_after=%.2fs redealt_after=%.2fs send=%.1fs striped_16MiB_before=%.2fs 16MiB_while_down=%.2fs 16MiB_back_up=%.2fs (a 128 MiB striped send between two ferryd --rdma-device all, %s taken down mid-send, verified byte-exact, one attempt)\n",
 		after[0].Device, moved[0], after[1].Device, moved[1], victim.Netdev, at[1].Bytes-before[1].Bytes,
-		portDown.Seconds(), victim.Device, stopped.Seconds(), redealt.Seconds(), r.took.Seconds(), w.took.Seconds(), victim.Netdev)
+		portDown.Seconds(), victim.Device, stopped.Seconds(), redealt.Seconds(), r.took.Seconds(), w.took.Seconds(), d.took.Seconds(), b.took.Seconds(), victim.Netdev)
 }
 
 // virtualNetdev reports whether netdev is a software device (dummy,
@@ -212,7 +240,8 @@ func waitPortState(t *testing.T, c api.NICChoice, state string) {
 }
 
 // restoreLink brings c's netdev back up and waits until its port is
-// ACTIVE and its GID back in the table, for the tests after this one.
+// ACTIVE and its GID back in the table. Setting a link up that is up
+// changes nothing: the test's cleanup calls it again.
 func restoreLink(t *testing.T, c api.NICChoice) {
 	setLink(t, c.Netdev, true)
 	waitPortState(t, c, "ACTIVE")
