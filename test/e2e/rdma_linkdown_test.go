@@ -171,6 +171,11 @@ func TestRDMARailsLinkDown(t *testing.T) {
 	if n := snd.metric(t, "ferry_rdma_stripe_failovers_total"); n != 2 {
 		t.Errorf("ferry_rdma_stripe_failovers_total %v after a striped send with %s still down, want 2", n, victim.Netdev)
 	}
+	for _, m := range snd.log.snapshot() {
+		if m != nil && lost(m) && m["message"] != why["message"] {
+			t.Logf("the sender's log, the link still down: %v", m["message"])
+		}
+	}
 	// Back up, the next striped send uses the NIC again: its lanes
 	// are opened anew.
 	restoreLink(t, victim)
