@@ -158,6 +158,16 @@ func TestNICRates(t *testing.T) {
 	if since(nil, []api.Rail{rail("rxe0", 1)}) != nil {
 		t.Fatal("rails that changed under a point must give no rates")
 	}
+	// A point's turns (A B A B beside Mooncake) add up, and its row
+	// divides them by the time of its sends.
+	var all roundResult
+	for range 2 {
+		all.add(roundResult{send: timed{wall: time.Second}, nics: got})
+	}
+	row := (&transferRun{}).row("send", 1<<20, 1, all)
+	if len(row.NICs) != 2 || row.NICs[0].GBps != 3 || row.NICs[1].GBps != 1 {
+		t.Fatalf("the row of two turns: per NIC %+v, want rxe0 3 GB/s and rxe1 1 GB/s", row.NICs)
+	}
 	r := Row{NICs: []NICRate{{NIC: "rxe0", GBps: 1.5}, {NIC: "rxe1", GBps: 0.5}}}
 	if cell := colNICs.cell(r); cell != "rxe0=1.500,rxe1=0.500" {
 		t.Fatalf("per-NIC cell %q", cell)

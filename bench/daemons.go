@@ -25,7 +25,7 @@ type DaemonConfig struct {
 	Ferryd    string   // the binary
 	Dir       string   // for the control sockets
 	ArenaSize int64    // per daemon
-	Args      []string // passed through (--transport, --device, --max-conns)
+	Args      []string // passed through (--transport, --device, --rdma-device, --max-conns)
 }
 
 // ArenaFor is the memory a receiver (a daemon, or a Mooncake segment)

@@ -8,6 +8,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"os"
+	"slices"
 	"sync/atomic"
 	"time"
 
@@ -241,6 +242,15 @@ func (r *roundResult) add(o roundResult) {
 		}
 	}
 	r.writes = append(r.writes, o.writes...)
+	// A point's turns add up per NIC (the rails are the same in each).
+	switch {
+	case r.nics == nil:
+		r.nics = slices.Clone(o.nics)
+	case len(o.nics) == len(r.nics):
+		for i := range r.nics {
+			r.nics[i].Bytes += o.nics[i].Bytes
+		}
+	}
 }
 
 // round stages n entries of sz, sends them with c in flight and cleans up.

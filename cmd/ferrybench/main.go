@@ -167,6 +167,7 @@ type daemonFlags struct {
 	from, to          string
 	ferryd            string
 	transport, device string
+	rdmaDevice        string
 	arenaSize         string
 	arenaDir          string
 }
@@ -177,6 +178,7 @@ func (d *daemonFlags) register(fs *flag.FlagSet) {
 	fs.StringVar(&d.ferryd, "ferryd", "", "ferryd `binary` for self-contained runs (default: beside ferrybench, else on PATH)")
 	fs.StringVar(&d.transport, "transport", "tcp", "data plane of the daemons ferrybench starts (ferryd --transport)")
 	fs.StringVar(&d.device, "device", "cpu", "arena memory of the daemons ferrybench starts (ferryd --device)")
+	fs.StringVar(&d.rdmaDevice, "rdma-device", "", "RDMA `devices` of the daemons ferrybench starts (ferryd --rdma-device; all: every one, sends from rdma_stripe_min up striped over them; default: ferryd's own choice)")
 	fs.StringVar(&d.arenaSize, "arena-size", "auto", "arena `size` of each daemon ferrybench starts (auto: twice the largest size x concurrency, at least 64MiB)")
 	fs.StringVar(&d.arenaDir, "arena-dir", "", "`dir` for the memory files of --raw runs and the batch sink (default /dev/shm: tmpfs keeps disk writeback out of the figures); the ferryd it starts keeps its arena in a memfd, in no file system")
 }
@@ -188,7 +190,7 @@ func (d *daemonFlags) peers(ctx context.Context, fs *flag.FlagSet, need int64, m
 		return bench.Peers{}, nil, errors.New("give both --from and --to (the sending and the receiving daemon's sockets), or neither for a self-contained run")
 	}
 	if d.from != "" {
-		for _, name := range []string{"ferryd", "transport", "device", "arena-size", "arena-dir"} {
+		for _, name := range []string{"ferryd", "transport", "device", "rdma-device", "arena-size", "arena-dir"} {
 			if flagGiven(fs, name) {
 				return bench.Peers{}, nil, fmt.Errorf("--%s applies to the daemons ferrybench starts; with --from/--to the running daemons' own settings apply", name)
 			}
@@ -207,10 +209,11 @@ func (d *daemonFlags) peers(ctx context.Context, fs *flag.FlagSet, need int64, m
 		}
 	}
 	conns := strconv.Itoa(max(maxConc, 8))
-	pair, err := bench.StartPair(ctx, bench.DaemonConfig{
-		Ferryd: ferryd, ArenaSize: arenaSize,
-		Args: []string{"--transport", d.transport, "--device", d.device, "--max-conns", conns},
-	})
+	args := []string{"--transport", d.transport, "--device", d.device, "--max-conns", conns}
+	if d.rdmaDevice != "" {
+		args = append(args, "--rdma-device", d.rdmaDevice)
+	}
+	pair, err := bench.StartPair(ctx, bench.DaemonConfig{Ferryd: ferryd, ArenaSize: arenaSize, Args: args})
 	if err != nil {
 		return bench.Peers{}, nil, err
 	}
@@ -222,6 +225,9 @@ func (d *daemonFlags) peers(ctx context.Context, fs *flag.FlagSet, need int64, m
 	setup["daemons"] = fmt.Sprintf("self-contained(pids %d,%d)", pair.Sender.PID(), pair.Receiver.PID())
 	setup["transport"] = d.transport
 	setup["device"] = d.device
+	if d.rdmaDevice != "" {
+		setup["rdma_device"] = d.rdmaDevice
+	}
 	setup["arena"] = size.Format(arenaSize)
 	setup["max_conns"] = conns
 	return pair.Peers(), stop, nil

@@ -2,7 +2,8 @@
 # PID 1 of the soft-RoCE VM (run.sh builds the initramfs around it): load
 # rdma_rxe, add rxe0 on dummy0, run ferry's tests with a real verbs device
 # required and the netem fault tests with netem required, benchmark
-# ferry's RDMA writes beside ib_write_bw, power off.
+# ferry's RDMA writes beside ib_write_bw and ferrybench over both rxe
+# devices, power off.
 # Lines starting "== " are what run.sh reads.
 /bin/busybox --install -s
 mount -t proc proc /proc
@@ -182,6 +183,15 @@ if [ "$BENCH" = 1 ]; then
   awk '/shared/ {s += $2; ns++} /per-send/ {p += $2; np++}
     END {s /= (ns ? ns : 1); p /= (np ? np : 1);
     printf "== BENCH registration 1MiB writes shared_MBps=%.2f per_send_MBps=%.2f ratio=%.2f (per-send/shared)\n", s, p, (s > 0 ? p / s : 0)}' /tmp/modes
+  # ferrybench between two ferryd --rdma-device all (rxe0 and rxe1): a
+  # send below rdma_stripe_min, through rxe0 alone, and a striped one;
+  # its per-NIC GB/s is what left through each NIC, GB/s all of them.
+  if /opt/bin/ferrybench transfer --transport rdma --rdma-device all --sizes 4MiB,16MiB --concurrency 1 --iterations 8 --warmup 2 >/tmp/fbr.log 2>&1; then
+    awk '/^ *(op|send) / {sub(/^ +/, ""); print "== BENCH rails " $0}' /tmp/fbr.log
+  else
+    cat /tmp/fbr.log >&2
+    touch /tmp/benchfail
+  fi
   # A benchmark that errs (not one that is slow) fails the run.
   [ -e /tmp/benchfail ] && { echo "== FAIL a benchmark run failed (its output is above)"; FAIL=1; }
 fi

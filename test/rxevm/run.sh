@@ -5,8 +5,9 @@
 # module and rdma-core's rxe provider, adds a soft-RoCE device on a dummy
 # netdev, runs the tests inside (init.sh) with FERRY_RDMA_REQUIRED=1, runs
 # the fault tests that need netem (which the host's kernel may lack) over
-# TCP between network namespaces, and benchmarks ferry's RDMA writes
-# beside ib_write_bw on the same device.
+# TCP between network namespaces, benchmarks ferry's RDMA writes
+# beside ib_write_bw on the same device, and runs ferrybench between two
+# ferryd striping over both devices.
 #
 # Exit status 0 only when the VM reached its checks and every one passed.
 #
@@ -107,6 +108,7 @@ go test "${race[@]}" -c -o "$R/opt/arena.test" ./arena
 if [[ $BENCH == 1 || ${RXEVM_PROFILE:-0} == 1 ]]; then
   if ((${#race[@]})); then go test -c -o "$R/opt/rdma.bench" ./rdma; else cp "$R/opt/rdma.test" "$R/opt/rdma.bench"; fi
 fi
+[[ $BENCH == 1 ]] && go build -o "$R/opt/bin/" ./cmd/ferrybench
 [[ ${RXEVM_PROFILE:-0} == 1 ]] && cp "$R/opt/rdma.bench" "$CACHE/"
 if [[ -n ${RXEVM_BASE:-} ]]; then cp "$RXEVM_BASE" "$R/opt/base.bench"; fi
 # The stand-in CUDA driver for the GPU-arena tests (the VM has no gcc):
