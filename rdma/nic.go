@@ -15,6 +15,10 @@ type nic interface {
 	// Register makes mem reachable by the NIC for u. mem must not be Go
 	// heap memory (the NIC keeps its address): mmap'd or C memory only.
 	Register(mem []byte, u use) (region, error)
+	// RegisterAt is Register with the memory reached at addresses from
+	// iova on instead of its own: work requests, the peers' included,
+	// name its first byte iova (ibv_reg_mr_iova).
+	RegisterAt(mem []byte, iova uint64, u use) (region, error)
 	// RegisterDevice registers size bytes of device memory at addr, which
 	// the host cannot address (peer memory: nvidia-peermem pins it).
 	RegisterDevice(addr, size uint64, u use) (region, error)

@@ -111,12 +111,18 @@ func (n *fakeNIC) hold(d int) {
 func (n *fakeNIC) Endpoint() endpoint { return endpoint{GID: n.gid, MTU: 3} }
 
 func (n *fakeNIC) Register(mem []byte, u use) (region, error) {
+	return n.RegisterAt(mem, addrOf(mem), u)
+}
+
+// RegisterAt registers mem reached at addresses from iova on: its lkey
+// and rkey name it there, never where it lies.
+func (n *fakeNIC) RegisterAt(mem []byte, iova uint64, u use) (region, error) {
 	n.f.mu.Lock()
 	defer n.f.mu.Unlock()
 	if n.f.failRegister > 0 && len(mem) >= n.f.failRegister {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes: %w", len(mem), syscall.ENOMEM)
 	}
-	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: addrOf(mem), use: u}
+	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: iova, use: u}
 	n.f.mrs[m.key] = m
 	n.hold(1)
 	return m, nil

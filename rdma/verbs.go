@@ -301,6 +301,18 @@ func (n *verbsNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (reg
 	return &verbsMR{mr: mr}, nil
 }
 
+func (n *verbsNIC) RegisterAt(mem []byte, iova uint64, u use) (region, error) {
+	if len(mem) == 0 {
+		return nil, errors.New("ibv_reg_mr_iova: nothing to register")
+	}
+	var mr *C.struct_ibv_mr
+	rc := C.fv_reg_iova(n.pd, unsafe.Pointer(unsafe.SliceData(mem)), C.size_t(len(mem)), C.uint64_t(iova), accessFor(u), &mr)
+	if err := verbsErr(fmt.Sprintf("ibv_reg_mr_iova of %d bytes at I/O address %#x", len(mem), iova), rc); err != nil {
+		return nil, err
+	}
+	return &verbsMR{mr: mr}, nil
+}
+
 func (n *verbsNIC) Windows() error {
 	switch {
 	case !n.attr.memWindow:
