@@ -607,7 +607,7 @@ func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
 }
 
 // A region asked to take Mooncake peers' writes needs a Mooncake
-// segment speaking tcp, a memfd, and an engine segment, if named, that
+// segment (tcp or rdma), a memfd, and an engine segment, if named, that
 // exists and is the caller's; each refusal says what to do.
 func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
 	tcp := &mooncakeSegment{seg: mooncake.Segment{Protocol: "tcp"}}
@@ -622,7 +622,7 @@ func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
 	}{
 		{nil, api.RegionRequest{Name: "r", NBytes: 4096}, "", ""},
 		{nil, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "--mooncake-listen"},
-		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "over tcp only"},
+		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "", ""},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, CUDA: &api.RegionCUDA{}}, bad, "lend a memfd"},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: ^uint64(0) - 100}, bad, "end of the address space"},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeSegment: "e1"}, bad, "without mooncake_addr"},
