@@ -224,6 +224,16 @@ type engineSegment struct {
 	seg   mooncake.Segment // the descriptor, less its buffers
 	hs    *mooncake.Server
 	data  *mooncake.DataServer
+	eps   *mooncakeEndpoints // the QPs Mooncake initiators connected to it, over RDMA; else nil
+}
+
+// close closes the segment's ports and its RDMA endpoints.
+func (es *engineSegment) close() {
+	es.hs.Close()
+	es.data.Close()
+	if es.eps != nil {
+		es.eps.Close()
+	}
 }
 
 // engines is the open engine segments by id.
@@ -393,8 +403,7 @@ func (d *Daemon) dropEngineSegment(es *engineSegment, wait time.Duration, why st
 			break
 		}
 	}
-	es.hs.Close()
-	es.data.Close()
+	es.close()
 	d.log.Info().Str("engine_segment", es.id).Str("session", es.seg.Name).Int32("pid", es.owner).Int("regions", len(ends)).Msg("engine segment closed: " + why)
 	return err
 }
@@ -478,8 +487,7 @@ func (d *Daemon) closeEngines() {
 	d.engines.mu.Lock()
 	defer d.engines.mu.Unlock()
 	for id, es := range d.engines.byID {
-		es.hs.Close()
-		es.data.Close()
+		es.close()
 		delete(d.engines.byID, id)
 	}
 }

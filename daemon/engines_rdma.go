@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"fmt"
 	"net"
 
 	"github.com/ferry-project/ferry/api"
@@ -64,15 +65,22 @@ func engineBuffer(g *region, name string) mooncake.Buffer {
 }
 
 // serveEngineRDMA makes an engine segment an rdma one, as ferryd's own
-// is: the same NIC and queue pairs' endpoints, its buffers under
-// mooncakeLocation.
+// is: the same NIC, its buffers under mooncakeLocation, and a table of
+// endpoints of its own, closed with it. A Mooncake initiator keeps one
+// endpoint per target NIC path, and so QPs of its own to each segment
+// from the same NIC path of its own; in one table, keyed by that path,
+// its handshake with a second segment (two ranks' engines on one host)
+// would replace, and close, the QPs it still writes to the first over.
 func (d *Daemon) serveEngineRDMA(es *engineSegment, h *mooncake.Handlers) {
 	own := d.mooncake.seg
 	if own.Protocol != "rdma" {
 		return
 	}
 	es.seg.Protocol, es.seg.Devices, es.seg.PriorityMatrix = own.Protocol, own.Devices, own.PriorityMatrix
-	eps, mayFetch := d.dp.mooncake, d.mayFetchMooncake()
+	es.eps = mooncake.NewEndpoints(d.dp.rdma, mooncake.EndpointConfig{MTU: d.cfg.MooncakeMTU, Infof: func(format string, args ...any) {
+		d.log.Info().Str("component", "mooncake").Str("engine_segment", es.id).Msg(fmt.Sprintf(format, args...))
+	}})
+	eps, mayFetch := es.eps, d.mayFetchMooncake()
 	h.Connect = func(ctx context.Context, from net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
 		return eps.Accept(ctx, mooncake.Handshake{Self: es.seg.Name, From: from, MayFetch: mayFetch}, req)
 	}

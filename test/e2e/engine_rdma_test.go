@@ -55,9 +55,10 @@ func lendEngineMemory(t *testing.T, d *daemon, segment, name string, size int) e
 // in place, with no registration and no CPU copy per write on either
 // side (its DATAPLANE line). A Mooncake RDMA initiator writes into it
 // one-sidedly at the engine's addresses; a write past its end fails at
-// the NIC (REM_ACCESS_ERR) and changes nothing. Every write is checked
-// byte-exact in the engine's own mapping of the memfd. Closing the
-// segment unregisters the memory.
+// the NIC (REM_ACCESS_ERR) and changes nothing; its writes into two
+// engines' segments in turn all land (each segment has its own QPs).
+// Every write is checked byte-exact in the engine's own mapping of the
+// memfd. Closing the segments unregisters the memory.
 func TestEngineMemoryOverRDMA(t *testing.T) {
 	requireRDMA(t)
 	rcv, own := startMooncakeSegment(t, "--transport", "rdma")
@@ -124,16 +125,30 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 		t.Errorf("DATAPLANE %s: want reg_mr_per_send=0.00 and cpu_copy_bytes_per_send=0, sender and receiver together", line)
 	}
 
-	// Mooncake → engine, one-sided RDMA WRITEs at the engine's addresses.
+	// Mooncake → engine, one-sided RDMA WRITEs at the engine's addresses,
+	// into this engine's segment and another's on the same ferryd (two
+	// ranks on one host) in turn: the initiator's QPs to one survive its
+	// handshake with the other.
+	es2, err := rcv.c.OpenEngineSegment(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e2 := lendEngineMemory(t, rcv, es2.ID, "engine-kv2", 1<<20)
 	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 4 << 20})
 	writes, written := 0, 0
-	for i, c := range []struct{ off, n int }{{0, 4096}, {1 << 20, 1<<20 + 17}, {size - 65536, 65536}} {
+	for i, c := range []struct {
+		session string
+		e       engineMemory
+		off, n  int
+	}{
+		{es.Session, e, 0, 4096}, {es2.Session, e2, 4096, 65536}, {es.Session, e, 1 << 20, 1<<20 + 17}, {es2.Session, e2, 0, 4096}, {es.Session, e, size - 65536, 65536},
+	} {
 		data := randomBytes(c.n, uint64(400+i))
-		if _, err := peer.WriteRDMA(ctx, es.Session, e.addr+uint64(c.off), data, ""); err != nil {
-			t.Fatalf("a Mooncake write of %d bytes at the engine's %#x: %v", c.n, e.addr+uint64(c.off), err)
+		if _, err := peer.WriteRDMA(ctx, c.session, c.e.addr+uint64(c.off), data, ""); err != nil {
+			t.Fatalf("a Mooncake write of %d bytes at the engine's %#x (segment %s): %v", c.n, c.e.addr+uint64(c.off), c.session, err)
 		}
-		if !bytes.Equal(e.mem[c.off:c.off+c.n], data) {
-			t.Fatalf("a Mooncake write of %d bytes at offset %d: the engine's memory holds other bytes", c.n, c.off)
+		if !bytes.Equal(c.e.mem[c.off:c.off+c.n], data) {
+			t.Fatalf("a Mooncake write of %d bytes at offset %d (segment %s): the engine's memory holds other bytes", c.n, c.off, c.session)
 		}
 		writes, written = writes+1, written+c.n
 	}
@@ -150,12 +165,14 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	if !bytes.Equal(e.mem[size-100:], tail) {
 		t.Error("the refused write changed the engine's memory")
 	}
-	fmt.Printf("== MOONCAKE engine rdma writes=%d bytes=%d byte_exact=true buffers=%d own_rkey=%t out_of_bounds=%s\n",
+	fmt.Printf("== MOONCAKE engine rdma writes=%d bytes=%d segments=2 byte_exact=true buffers=%d own_rkey=%t out_of_bounds=%s\n",
 		writes, written, len(desc.Buffers), desc.Buffers[0].RKey[0] != ownDesc.Buffers[0].RKey[0], status)
 
-	// Closed, the segment's memory is unregistered.
-	if err := rcv.c.CloseEngineSegment(ctx, es.ID); err != nil {
-		t.Fatal(err)
+	// Closed, the segments' memory is unregistered.
+	for _, id := range []string{es.ID, es2.ID} {
+		if err := rcv.c.CloseEngineSegment(ctx, id); err != nil {
+			t.Fatal(err)
+		}
 	}
 	if regions, err := rcv.c.Regions(ctx); err != nil || len(regions) != 0 {
 		t.Fatalf("regions after the engine segment closed: %+v, %v; want none", regions, err)
