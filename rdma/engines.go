@@ -17,9 +17,11 @@ import (
 // peer's write into it is granted that rkey at the engine's address,
 // with no registration or copy per write (target, in memory.go). The
 // registration covers exactly the region's bytes, so a write past them
-// fails at the NIC (REM_ACCESS_ERR), and allows no remote read (no ferry
-// QP answers one). It is rail 0's NIC's, whose PD the Mooncake endpoints'
-// queue pairs share.
+// fails at the NIC (REM_ACCESS_ERR). It also allows remote reads, which
+// only the queue pairs of Mooncake endpoints answer (mcverbs.go): a
+// Mooncake peer reads an engine's registered memory as it reads a
+// Mooncake engine's. It is rail 0's NIC's, whose PD the Mooncake
+// endpoints' queue pairs share.
 
 // EngineRegion is a region's registration for peers' writes at its
 // owner's addresses. Close drops it: only once no write into it can be
@@ -32,7 +34,8 @@ type EngineRegion struct {
 func (e *EngineRegion) Close() error { return e.h.Close() }
 
 // RegisterEngineRegion registers mem (mapped by the daemon, never Go
-// memory) for peers' writes at addresses from iova on.
+// memory) for peers' writes, and Mooncake peers' reads, at addresses
+// from iova on.
 func (t *Transport) RegisterEngineRegion(mem []byte, iova uint64) (*EngineRegion, error) {
 	n := uint64(len(mem))
 	switch {
@@ -41,7 +44,7 @@ func (t *Transport) RegisterEngineRegion(mem []byte, iova uint64) (*EngineRegion
 	case iova+n < iova:
 		return nil, fmt.Errorf("rdma: an engine region of %d bytes at %#x passes the end of the address space", n, iova)
 	}
-	mr, err := t.nic.RegisterAt(mem, iova, peerWrites)
+	mr, err := t.nic.RegisterAt(mem, iova, peerReadsWrites)
 	if err != nil {
 		return nil, fmt.Errorf("rdma: registering %d bytes with the NIC for peers' writes at the engine's address %#x failed with %s (%w); %s",
 			n, iova, errnoName(err), err, memlockLimit())

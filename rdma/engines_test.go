@@ -140,3 +140,43 @@ func TestEngineRegionRefusals(t *testing.T) {
 		}
 	}
 }
+
+// TestEngineRegionMooncakeReads: a Mooncake peer reads an engine region
+// at the engine's addresses over its QP (Mooncake's READ); the arena,
+// whose rkey the same descriptor lists, it cannot read (REM_ACCESS_ERR,
+// or REM_INV_REQ_ERR), nor past the region.
+func TestEngineRegionMooncakeReads(t *testing.T) {
+	peer, ferry := mcPair(t, newFabric(), 0)
+	mem := mapT(t, 1<<16)
+	fill(mem, 3)
+	fill(ferry.mem, 5)
+	er, err := ferry.tr.RegisterEngineRegion(mem, engineAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer er.Close()
+	_, lkey, _ := peer.tr.SharedKeys()
+	arenaRKey, _, _ := ferry.tr.SharedKeys()
+	read := func(remote uint64, rkey uint32, n uint32) completion {
+		t.Helper()
+		l := peer.qp.l
+		if err := l.qp.Post([]op{{WRID: 7, Local: addrOf(peer.mem), Remote: remote, Len: n, LKey: lkey, RKey: rkey, Signaled: true, Read: true}}); err != nil {
+			t.Fatal(err)
+		}
+		c, err := wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+		if err != nil {
+			t.Fatalf("waiting for the read's completion: %v", err)
+		}
+		return c
+	}
+	if c := read(engineAddr+512, er.RKey, 8192); c.Status != wcSuccess || !bytes.Equal(peer.mem[:8192], mem[512:512+8192]) {
+		t.Fatalf("a read of the engine region at its owner's address: %s (equal %t)", c.Status.String(), bytes.Equal(peer.mem[:8192], mem[512:512+8192]))
+	}
+	clear(peer.mem)
+	if c := read(addrOf(ferry.mem), arenaRKey, 4096); c.Status != wcRemAccessErr && c.Status != wcRemInvReqErr {
+		t.Fatalf("a read of the arena over a Mooncake QP: %s, want REM_ACCESS_ERR", c.Status.String())
+	}
+	if !isZero(peer.mem[:4096]) {
+		t.Error("a refused read brought the arena's bytes back")
+	}
+}

@@ -52,6 +52,9 @@ const (
 	// windowBinding: peers write it only through windows bound over it
 	// (windows.go); its own rkey lets no peer write.
 	windowBinding
+	// peerReadsWrites: peers write and read it under its own rkey: an
+	// engine region (engines.go), which Mooncake peers may read.
+	peerReadsWrites
 )
 
 // window is a type 1 memory window: what a peer may write through it is
@@ -109,8 +112,8 @@ type endpoint struct {
 }
 
 // op is one work request: an RDMA WRITE (with an immediate when WithImm),
-// or an RDMA READ, which ferry never posts and every ferry QP refuses
-// (tests post one to show that).
+// or an RDMA READ, which ferry never posts and its lanes refuse (tests
+// post one to show that; Mooncake QPs answer one of an engine region).
 type op struct {
 	WRID       uint64
 	Local      uint64 // address of the local bytes, inside the region of LKey

@@ -47,6 +47,7 @@ const (
 	wcGeneralErr     = wcStatus(C.IBV_WC_GENERAL_ERR)
 
 	opcodeRDMAWrite       = uint32(C.IBV_WC_RDMA_WRITE)
+	opcodeRDMARead        = uint32(C.IBV_WC_RDMA_READ)
 	opcodeRecvRDMAWithImm = uint32(C.IBV_WC_RECV_RDMA_WITH_IMM)
 )
 
@@ -54,17 +55,21 @@ const (
 const maxPost = C.FV_MAX_POST
 
 // accessFor is a registration's access flags for u. Every registration
-// lets the NIC read and write it for local work; none allows
-// REMOTE_READ: ferry never reads a peer's memory, and a Mooncake
-// segment's descriptor hands the arena's rkey to whoever asks, so a
-// readable registration would let anyone who reaches the port read the
-// whole arena. Only peerWrites lets a peer write under the
+// lets the NIC read and write it for local work; only an engine
+// region's (peerReadsWrites) allows REMOTE_READ: ferry never reads a
+// peer's memory, and a Mooncake segment's descriptor hands the arena's
+// rkey to whoever asks, so a readable arena would let anyone who
+// reaches the port read all of it, while an engine's registered memory
+// is Mooncake's to read (only Mooncake QPs answer READs: mcverbs.go).
+// peerWrites and peerReadsWrites let a peer write under the
 // registration's own rkey; with windowBinding a write under it fails
 // with REM_ACCESS_ERR, and only windows bound over it let peers in.
 func accessFor(u use) C.int {
 	switch u {
 	case peerWrites:
 		return C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE
+	case peerReadsWrites:
+		return C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE | C.IBV_ACCESS_REMOTE_READ
 	case windowBinding:
 		return C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_MW_BIND
 	}
