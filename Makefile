@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build alloc demo test vet unit e2e test-python test-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
+.PHONY: all deps build alloc demo test vet unit e2e test-python test-mooncake-real test-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
 
 # The version every build carries (ferryd --version, GET /v1/status) and the
 # package is named by: git describe made a Debian version (scripts/version.sh
@@ -62,7 +62,15 @@ test-python: build alloc
 	rm -rf $(PYVENV) python/build python/ferry.egg-info
 	/usr/bin/python3 -m venv --system-site-packages --without-pip $(PYVENV)
 	$(PYVENV)/bin/python -m pip install --no-build-isolation --no-index --no-deps --quiet ./python
-	cd python/tests && FERRYD=$(CURDIR)/$(BIN)/ferryd timeout 900 $(CURDIR)/$(PYVENV)/bin/python -m pytest -p no:cacheprovider .
+	cd python/tests && $(PYTEST_ENV) FERRYD=$(CURDIR)/$(BIN)/ferryd timeout 900 $(CURDIR)/$(PYVENV)/bin/python -m pytest -p no:cacheprovider $(or $(PYTEST_ARGS),.)
+
+# ferry's Mooncake engine class against a real Mooncake engine, over TCP,
+# both ways (python/tests/test_mooncake_real.py). Opt-in: MOONCAKE_PY is
+# what scripts/mooncake-build.sh built (a 15-minute compile CI does not
+# carry).
+test-mooncake-real: build alloc
+	@test -n "$(MOONCAKE_PY)" || { echo "MOONCAKE_PY=dir is needed: build one with scripts/mooncake-build.sh SRC dir"; exit 2; }
+	$(MAKE) test-python PYTEST_ARGS="test_mooncake_real.py" PYTEST_ENV="FERRY_TEST_MOONCAKE_PY=$(abspath $(MOONCAKE_PY)) LD_LIBRARY_PATH=$(abspath $(MOONCAKE_PY))"
 
 # The verbs path for real: the rdma package and the RDMA end-to-end tests
 # inside a soft-RoCE VM (QEMU TCG, Debian's kernel with rdma_rxe), and the

@@ -31,10 +31,11 @@ type Staging interface {
 // Region is GPU memory another process owns and lends ferryd: its
 // allocation opened here by IPC handle, of which the region is size bytes
 // at offset. It is an arena.Memory and an arena.Copier, like the arena,
-// whose staging its copies borrow.
+// whose staging its copies borrow. Regions of one allocation share its
+// opening (openings).
 type Region struct {
 	dev     ipcDevice
-	opened  uint64 // the allocation's base, as opened here
+	handle  IPCHandle
 	base    uint64
 	size    int64
 	staging Staging
@@ -54,7 +55,7 @@ func openRegion(dev ipcDevice, h IPCHandle, offset, size int64, staging Staging)
 	if offset < 0 || size <= 0 {
 		return nil, fmt.Errorf("a region of %d bytes at offset %d: the size must be positive and the offset not negative", size, offset)
 	}
-	p, err := dev.OpenIPC(h)
+	p, err := openings.open(dev, h)
 	if err != nil {
 		return nil, fmt.Errorf("%v: opening the region's CUDA IPC handle: %w (is the allocation on this GPU, and is its process alive?)", dev.Info(), err)
 	}
@@ -66,14 +67,72 @@ func openRegion(dev ipcDevice, h IPCHandle, offset, size int64, staging Staging)
 		err = fmt.Errorf("the driver placed the opened allocation at %#x, outside the range it reports for it, [%#x, +%d)", p, base, n)
 	}
 	if err != nil {
-		_ = dev.CloseIPC(p)
+		_ = openings.close(dev, h)
 		return nil, fmt.Errorf("%v: asking the driver how large the allocation behind the IPC handle is: %w", dev.Info(), err)
 	}
 	if held := n - int64(p-base); offset > held || size > held-offset {
-		_ = dev.CloseIPC(p)
+		_ = openings.close(dev, h)
 		return nil, fmt.Errorf("a region of %d bytes at offset %d runs past the allocation its IPC handle names, which holds %d bytes: lend at most %d bytes at that offset (a caching allocator's tensor lies inside a larger allocation: pass the tensor's offset in it)", size, offset, held, max(held-offset, 0))
 	}
-	return &Region{dev: dev, opened: p, base: p + uint64(offset), size: size, staging: staging}, nil
+	return &Region{dev: dev, handle: h, base: p + uint64(offset), size: size, staging: staging}, nil
+}
+
+// openings is the allocations opened by IPC handle, by GPU and handle,
+// each with the count of regions on it. A process may open a handle
+// once per context (PyTorch caches its openings for that reason), and
+// a framework lends one allocation many times: a caching allocator's
+// segment holds many tensors, each registered on its own. The first
+// region opens the allocation, the last to close closes it; both under
+// the lock, so an opening is never closed and reopened at once.
+var openings = ipcOpenings{m: make(map[ipcOpeningKey]*ipcOpening)}
+
+type ipcOpenings struct {
+	mu sync.Mutex
+	m  map[ipcOpeningKey]*ipcOpening
+}
+
+type ipcOpeningKey struct {
+	dev ipcDevice
+	h   IPCHandle
+}
+
+type ipcOpening struct {
+	p    uint64 // the allocation's base, as opened here
+	refs int
+}
+
+// open is h's allocation opened on dev, once for all its regions.
+func (o *ipcOpenings) open(dev ipcDevice, h IPCHandle) (uint64, error) {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	k := ipcOpeningKey{dev, h}
+	if op := o.m[k]; op != nil {
+		op.refs++
+		return op.p, nil
+	}
+	p, err := dev.OpenIPC(h)
+	if err != nil {
+		return 0, err
+	}
+	o.m[k] = &ipcOpening{p: p, refs: 1}
+	return p, nil
+}
+
+// close ends one region's use of h's allocation, and closes it on dev
+// with the last.
+func (o *ipcOpenings) close(dev ipcDevice, h IPCHandle) error {
+	o.mu.Lock()
+	defer o.mu.Unlock()
+	k := ipcOpeningKey{dev, h}
+	op := o.m[k]
+	if op == nil {
+		return fmt.Errorf("the CUDA IPC handle's allocation is not open here")
+	}
+	if op.refs--; op.refs > 0 {
+		return nil
+	}
+	delete(o.m, k)
+	return dev.CloseIPC(op.p)
 }
 
 func (r *Region) Base() uint64 { return r.base }
@@ -114,9 +173,10 @@ func (r *Region) CopyOut(dst []byte, off int64) error {
 
 func (r *Region) Bounce(n int64) ([]byte, func(), error) { return r.staging.Bounce(n) }
 
-// Close unmaps the allocation from this process; its owner keeps it.
+// Close unmaps the allocation from this process once no other region
+// of it is open; its owner keeps it.
 func (r *Region) Close() error {
-	r.closeOnce.Do(func() { r.closeErr = r.dev.CloseIPC(r.opened) })
+	r.closeOnce.Do(func() { r.closeErr = openings.close(r.dev, r.handle) })
 	return r.closeErr
 }
 

@@ -2,6 +2,7 @@ package daemon
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"net/http"
@@ -50,8 +51,9 @@ type lend struct {
 }
 
 // lendFor checks a region request asking that Mooncake peers write into
-// it, and says how it is lent: a memfd, into a segment that exists and
-// belongs to the caller.
+// it, and says how it is lent: a memfd or GPU memory (a CUDA region,
+// whose writes and reads go through host staging: regionWrite), into a
+// segment that exists and belongs to the caller.
 func (d *Daemon) lendFor(ctx context.Context, req api.RegionRequest) (lend, error) {
 	a := req.MooncakeAddr
 	switch {
@@ -61,8 +63,6 @@ func (d *Daemon) lendFor(ctx context.Context, req api.RegionRequest) (lend, erro
 		return lend{}, nil
 	case d.mooncake == nil:
 		return lend{}, apiErr(api.CodeBadRequest, "region %s: mooncake_addr asks that Mooncake peers write into it, but this ferryd serves no Mooncake segment: start it with --mooncake-listen", req.Name)
-	case req.CUDA != nil:
-		return lend{}, apiErr(api.CodeBadRequest, "region %s: mooncake_addr: GPU memory is not yet a Mooncake write target; lend a memfd", req.Name)
 	case a+uint64(req.NBytes) < a:
 		return lend{}, apiErr(api.CodeBadRequest, "region %s: mooncake_addr %#x plus nbytes %d passes the end of the address space", req.Name, a, req.NBytes)
 	}
@@ -158,26 +158,112 @@ func (r *registry) mooncakeBuffers(segment, name string) []mooncake.Buffer {
 // landInRegions takes a Mooncake peer's write of n bytes at addr into
 // the open regions of segment there, one after another without a gap,
 // each pinned until done; callers hold mu and release it with unlock.
-func (r *registry) landInRegions(segment string, addr, n uint64) (transport.Body, func(error), error) {
+// GPU memory takes the bytes through host staging of chunk bytes at
+// most (regionWrite).
+func (r *registry) landInRegions(segment string, addr, n uint64, chunk int64) (transport.Body, func(error), error) {
 	parts, pinned, err := r.lentRange(segment, addr, n, "write")
 	if err != nil {
 		return nil, nil, err
 	}
-	done := func(error) { r.unpinRegions(pinned) }
-	body := func() ([]byte, error) {
-		if len(parts) == 0 {
-			return nil, nil
+	w := &regionWrite{parts: parts, chunk: chunk}
+	// The first region's staging is lent now, so that a ferryd out of
+	// it refuses the write rather than failing it half read.
+	if err := w.open(); err != nil {
+		for _, g := range pinned {
+			r.unuseRegion(g)
 		}
-		piece := parts[0]
-		parts = parts[1:]
-		return piece, nil
+		return nil, nil, r.noStaging(err, "GPU memory an engine registered")
 	}
-	return body, done, nil
+	done := func(err error) {
+		if w.finish(err) != nil {
+			r.refused(transport.Internal)
+		}
+		r.unpinRegions(pinned)
+	}
+	return w.next, done, nil
 }
 
-// lentRange is [addr, addr+n) in segment's regions, as pieces of their
-// memory, the regions pinned; callers hold mu.
-func (r *registry) lentRange(segment string, addr, n uint64, what string) ([][]byte, []*region, error) {
+// regionWrite lends the memory of a write into regions, a part at a
+// time: host memory as itself, GPU memory through host staging of chunk
+// bytes at most, each staged piece copied in when the next is asked for
+// (the last when the empty one is, or by finish for a transport that
+// takes the write as one piece: Accept's chunk is the write's length).
+type regionWrite struct {
+	parts []lentPart // not yet lent
+	chunk int64
+	host  []byte        // a host part to lend next
+	fill  *arena.Filler // the GPU part being lent
+}
+
+// open makes the next part the one lent.
+func (w *regionWrite) open() error {
+	p := w.parts[0]
+	w.parts = w.parts[1:]
+	if host := p.g.mem.Host(); host != nil {
+		w.host = host[p.off : p.off+p.n]
+		return nil
+	}
+	fill, err := arena.NewFiller(p.g.mem, arena.Slice{Len: p.g.size()}, int64(p.off), int64(p.n), w.chunk)
+	if err != nil {
+		return err
+	}
+	w.fill = fill
+	return nil
+}
+
+// next implements transport.Body.
+func (w *regionWrite) next() ([]byte, error) {
+	for {
+		if piece := w.host; piece != nil {
+			w.host = nil
+			return piece, nil
+		}
+		if w.fill != nil {
+			piece, err := w.fill.Next()
+			if err != nil {
+				return nil, fmt.Errorf("the receiving ferryd could not copy the write's bytes into the GPU memory an engine registered: %v; send it again", err)
+			}
+			if len(piece) > 0 {
+				return piece, nil
+			}
+			w.fill.Close()
+			w.fill = nil
+		}
+		if len(w.parts) == 0 {
+			return nil, nil
+		}
+		if err := w.open(); err != nil {
+			return nil, fmt.Errorf("the receiving ferryd could not stage the write's bytes for the GPU memory an engine registered: %v; send it again", err)
+		}
+	}
+}
+
+// finish ends the write (err: what stopped it): what is still staged
+// goes in when it landed, and the staging goes back. A copy that fails
+// here is the error, the bytes short of their place.
+func (w *regionWrite) finish(err error) error {
+	if w.fill == nil {
+		return nil
+	}
+	var cerr error
+	if err == nil {
+		_, cerr = w.fill.Next()
+	}
+	w.fill.Close()
+	w.fill = nil
+	return cerr
+}
+
+// lentPart is the part of a write or read that lies in region g: n
+// bytes at offset off.
+type lentPart struct {
+	g      *region
+	off, n uint64
+}
+
+// lentRange is [addr, addr+n) in segment's regions, as the parts in
+// each, the regions pinned; callers hold mu.
+func (r *registry) lentRange(segment string, addr, n uint64, what string) ([]lentPart, []*region, error) {
 	refuse := func(at uint64) error {
 		r.refused(transport.OutOfBounds)
 		return &transport.Refusal{Code: transport.OutOfBounds,
@@ -186,7 +272,7 @@ func (r *registry) lentRange(segment string, addr, n uint64, what string) ([][]b
 	if n == 0 || addr+n < addr {
 		return nil, nil, refuse(addr)
 	}
-	var parts [][]byte
+	var parts []lentPart
 	var pinned []*region
 	for at, end := addr, addr+n; at < end; {
 		g := r.mooncakeRegionAt(segment, at)
@@ -195,7 +281,7 @@ func (r *registry) lentRange(segment string, addr, n uint64, what string) ([][]b
 		}
 		off := at - g.mooncakeAddr
 		take := min(end-at, uint64(g.size())-off)
-		parts = append(parts, g.mem.Host()[off:off+take])
+		parts = append(parts, lentPart{g: g, off: off, n: take})
 		pinned = append(pinned, g)
 		at += take
 	}
@@ -506,29 +592,38 @@ func (m engineMemory) Write(addr, n uint64) (transport.Body, func(error), error)
 	if r.stopping {
 		return nil, nil, errRefuseStopping
 	}
-	return r.landInRegions(m.id, addr, n)
+	return r.landInRegions(m.id, addr, n, stageChunk)
 }
 
 // Read serves a READ from one region (a range spanning two is refused:
-// the data port sends one buffer).
+// the data port sends one buffer). GPU memory is copied out into host
+// staging, all n bytes at once, outside the lock: the region is pinned.
 func (m engineMemory) Read(addr, n uint64) ([]byte, func(), error) {
 	r := m.reg
 	r.mu.Lock()
-	defer r.unlock()
 	if r.stopping {
+		r.mu.Unlock()
 		return nil, nil, errRefuseStopping
 	}
 	parts, pinned, err := r.lentRange(m.id, addr, n, "read")
+	r.mu.Unlock() // pins taken, none dropped: no region ends here
 	if err != nil {
 		return nil, nil, err
 	}
 	if len(parts) > 1 {
-		for _, g := range pinned {
-			r.unuseRegion(g)
-		}
+		r.unpinRegions(pinned)
 		return nil, nil, fmt.Errorf("a read of %d bytes at %#x spans %d registered ranges: read each on its own", n, addr, len(parts))
 	}
-	return parts[0], func() { r.unpinRegions(pinned) }, nil
+	p := parts[0]
+	src, release, err := arena.Readable(p.g.mem, arena.Slice{Len: p.g.size()}, int64(p.off), int64(p.n))
+	if err != nil {
+		r.unpinRegions(pinned)
+		if errors.Is(err, arena.ErrNoStaging) {
+			return nil, nil, fmt.Errorf("a read of %d bytes from GPU memory: this ferryd has no host memory to stage it in now (%v): read smaller pieces, or again once its copies in flight end (its operator may raise --bounce-size)", n, err)
+		}
+		return nil, nil, fmt.Errorf("a read of %d bytes at %#x from GPU memory an engine registered: %v", n, addr, err)
+	}
+	return src, func() { release(); r.unpinRegions(pinned) }, nil
 }
 
 // watchOwner drops what process pid lent for Mooncake peers once it

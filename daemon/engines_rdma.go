@@ -35,8 +35,12 @@ func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) er
 	switch {
 	case l.mooncakeAddr == 0 || d.dp.rdma == nil:
 		return nil
+	case mem.Host() == nil && d.mooncake.seg.Protocol == "rdma":
+		// A buffer without keys would make the whole rdma descriptor one
+		// Mooncake rejects.
+		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segments speak rdma, and GPU memory is not yet registered for peers' RDMA writes at an engine's addresses: lend a memfd, or run ferryd's Mooncake segments over tcp", name)
 	case mem.Host() == nil:
-		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: device memory is not registered for peers' RDMA writes at an engine's addresses; lend a memfd", name)
+		return nil // GPU memory: Mooncake peers write it over TCP, through staging
 	}
 	er, err := d.dp.rdma.RegisterEngineRegion(mem.Host(), l.mooncakeAddr)
 	if err != nil {

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
@@ -608,7 +609,7 @@ func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
 }
 
 // A region asked to take Mooncake peers' writes needs a Mooncake
-// segment (tcp or rdma), a memfd, and an engine segment, if named, that
+// segment (tcp or rdma; a memfd, or GPU memory over tcp), and an engine segment, if named, that
 // exists and is the caller's; each refusal says what to do.
 func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
 	tcp := &mooncakeSegment{seg: mooncake.Segment{Protocol: "tcp"}}
@@ -624,7 +625,7 @@ func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
 		{nil, api.RegionRequest{Name: "r", NBytes: 4096}, "", ""},
 		{nil, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "--mooncake-listen"},
 		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "", ""},
-		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, CUDA: &api.RegionCUDA{}}, bad, "lend a memfd"},
+		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, CUDA: &api.RegionCUDA{}}, "", ""},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: ^uint64(0) - 100}, bad, "end of the address space"},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeSegment: "e1"}, bad, "without mooncake_addr"},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, MooncakeSegment: "e9"}, missing, "POST /v1/mooncake/segments"},
@@ -771,6 +772,85 @@ func TestEngineKeysLandFerryPeersWritesInEngineMemory(t *testing.T) {
 	if _, _, err := r.AcceptChunks(at, 1, transport.NewKey(), 0); refusalCode(t, err) != transport.NoSlot {
 		t.Fatalf("a key no segment has: %v", err)
 	}
+}
+
+// GPU memory an engine registered, as two regions (two tensors of one
+// caching-allocator segment, lent by the same allocation's IPC handle):
+// a ferry peer's write spanning both lands through host staging a chunk
+// at a time, a transport taking one piece gets it copied in by done,
+// reads are copied out, a ferryd out of staging refuses the write, and
+// a failed copy fails the write (the sender hears it).
+func TestEngineGPUMemoryTakesWritesThroughStaging(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	const at = 0x7f0000000000
+	k, v := &deviceMemory{mem: make([]byte, 3*stageChunk/2)}, &deviceMemory{mem: make([]byte, 4096)}
+	if _, err := r.addRegionAt("k", k, nil, nil, lend{mooncakeAddr: at, segment: "e1"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := r.addRegionAt("v", v, nil, nil, lend{mooncakeAddr: at + uint64(k.Size()), segment: "e1"}); err != nil {
+		t.Fatal(err)
+	}
+	key := transport.NewKey()
+	r.engineKeys = map[transport.Key]string{key: "e1"}
+	want := bytes.Repeat([]byte("0123456789abcdef"), (stageChunk+1024)/16)
+	from := uint64(k.Size()) - uint64(len(want)) + 1000 // 1000 bytes into v
+	body, done, err := r.AcceptChunks(at+from, uint64(len(want)), key, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	off := 0
+	eachPiece(t, body, func(piece []byte) {
+		if len(piece) > stageChunk {
+			t.Fatalf("a piece of %d bytes: more than one chunk of staging", len(piece))
+		}
+		off += copy(piece, want[off:])
+	})
+	done(nil)
+	if got := append(slices.Clone(k.mem[from:]), v.mem[:1000]...); !bytes.Equal(got, want) || k.lent != 0 || v.lent != 0 {
+		t.Fatalf("landed %d bytes unlike those sent, or staging still lent (%d, %d)", len(got), k.lent, v.lent)
+	}
+	// One piece (Accept, rdma's bounce path): copied in by done.
+	dst, done, err := r.Accept(at+uint64(k.Size())+100, 5, key, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	copy(dst, "hello")
+	if string(v.mem[100:105]) == "hello" {
+		t.Fatal("the bytes reached GPU memory before done")
+	}
+	done(nil)
+	if string(v.mem[100:105]) != "hello" || v.lent != 0 {
+		t.Fatalf("after done: %q, %d bytes of staging lent", v.mem[100:105], v.lent)
+	}
+	src, release, err := (engineMemory{r, "e1"}).Read(at+uint64(k.Size())+100, 5)
+	if err != nil || string(src) != "hello" {
+		t.Fatalf("a read of GPU memory: %q, %v", src, err)
+	}
+	release()
+	v.noStaging = true
+	if _, _, err := r.AcceptChunks(at+uint64(k.Size()), 10, key, 0); refusalCode(t, err) != transport.Internal || !strings.Contains(err.Error(), "--bounce-size") {
+		t.Fatalf("a write with no staging to lend: %v", err)
+	}
+	if _, _, err := (engineMemory{r, "e1"}).Read(at+uint64(k.Size()), 10); err == nil || !strings.Contains(err.Error(), "--bounce-size") {
+		t.Fatalf("a read with no staging to lend: %v", err)
+	}
+	v.noStaging, v.failFrom = false, 1
+	body, done, err = r.AcceptChunks(at+uint64(k.Size()), 10, key, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := body(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := body(); err == nil || !strings.Contains(err.Error(), "CUDA_ERROR_ILLEGAL_ADDRESS") {
+		t.Fatalf("a write whose copy in failed: %v", err)
+	}
+	done(err)
+	end, err := r.removeRegion("v")
+	if err != nil {
+		t.Fatal(err)
+	}
+	waitEnd(t, end) // no write or read still pins it
 }
 
 // Engine segments are bounded: past maxEngineSegments open, a new one is

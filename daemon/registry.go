@@ -621,7 +621,7 @@ func (r *registry) acceptKeyed(addr, n uint64, key transport.Key, tag uint32, ch
 		return nil, nil, errRefuseStopping
 	}
 	if segment, ok := r.engineKeys[key]; ok && s == nil {
-		return r.landInRegions(segment, addr, n) // a ferry peer's write into engine memory
+		return r.landInRegions(segment, addr, n, chunk) // a ferry peer's write into engine memory
 	}
 	if s == nil || addr < s.addr || addr >= s.addr+uint64(s.nbytes) {
 		r.refused(transport.NoSlot)
@@ -678,7 +678,7 @@ func (r *registry) AcceptUnkeyed(addr, n uint64) (transport.Body, func(error), e
 		return r.land(s, addr, n, s.key.Tag(), stageChunk)
 	}
 	if r.mooncakeRegionAt("", addr) != nil {
-		return r.landInRegions("", addr, n)
+		return r.landInRegions("", addr, n, stageChunk)
 	}
 	return nil, nil, r.refuseUnkeyed(addr)
 }
@@ -795,13 +795,7 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (trans
 		mem, sl := r.memoryOf(s)
 		var err error
 		if fill, err = arena.NewFiller(mem, sl, int64(off), int64(n), chunk); err != nil {
-			if errors.Is(err, arena.ErrNoStaging) {
-				// Told to the sender, whose write it is: the remedy is here.
-				r.refused(transport.Internal)
-				err = &transport.Refusal{Code: transport.Internal, Message: fmt.Sprintf(
-					"the receiving ferryd has no host memory to stage this write into its GPU arena now: send it again once its copies in flight end (its operator may raise its --bounce-size): %v", err)}
-			}
-			return nil, nil, err
+			return nil, nil, r.noStaging(err, "its GPU arena")
 		}
 	}
 	s.pins++
@@ -853,6 +847,18 @@ func (r *registry) land(s *slot, addr, n uint64, tag uint32, chunk int64) (trans
 		}
 		return piece, nil
 	}, done, nil
+}
+
+// noStaging is the refusal of a write whose staging into GPU memory
+// (where) could not be lent, or err as it is: a ferryd out of host
+// staging tells the sender, whose write it is, that the remedy is here.
+func (r *registry) noStaging(err error, where string) error {
+	if !errors.Is(err, arena.ErrNoStaging) {
+		return err
+	}
+	r.refused(transport.Internal)
+	return &transport.Refusal{Code: transport.Internal, Message: fmt.Sprintf(
+		"the receiving ferryd has no host memory to stage this write into %s now: send it again once its copies in flight end (its operator may raise its --bounce-size): %v", where, err)}
 }
 
 // completeWhole takes an out-of-band word (a Mooncake notify, or the

@@ -13,7 +13,7 @@ from urllib.parse import quote, urlencode
 from . import dtypes
 from ._http import Transport
 from .arena import map_arena
-from .cuda import CUDARegion, ipc_handle
+from .cuda import CUDARegion, device_ordinal, ipc_handle
 from .regions import Region, new_memfd, register_fd
 from .errors import BadRequest, FerryError, GPUArenaNotSupported, Timeout, error_for, from_answer
 
@@ -455,10 +455,29 @@ class Client:
         if not tensor.is_cuda or not tensor.is_contiguous():
             raise ValueError("register_cuda_region takes a contiguous CUDA tensor")
         nbytes = tensor.numel() * tensor.element_size()
-        handle, offset = ipc_handle(tensor.data_ptr())
-        self._json("POST", "/v1/regions", {"name": name, "nbytes": nbytes, "cuda": {
-            "device": f"cuda:{tensor.device.index}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}})
+        self.register_cuda(name, tensor.data_ptr(), nbytes, device=tensor.device.index)
         return CUDARegion(self, name, nbytes, tensor)
+
+    def register_cuda(self, name, ptr, nbytes, device=None, mooncake_addr=0, mooncake_segment=""):
+        """Lends ferryd nbytes of GPU memory at device address ptr of this
+        process as region ``name``, by the IPC handle of the allocation
+        holding it and ptr's offset there (so several ranges of one
+        allocation are several regions): its description. device is the
+        GPU's ordinal (default: the one the driver says holds ptr).
+        mooncake_addr and mooncake_segment as for register_fd. ValueError
+        for memory with no IPC handle (cudaMallocAsync pools, cuMemCreate)."""
+        if device is None:
+            device = device_ordinal(ptr)
+            if device is None:
+                raise ValueError(f"{ptr:#x} is not CUDA device memory the driver knows in this process")
+        handle, offset = ipc_handle(ptr)
+        req = {"name": name, "nbytes": int(nbytes), "cuda": {
+            "device": f"cuda:{device}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}
+        if mooncake_addr:
+            req["mooncake_addr"] = int(mooncake_addr)
+        if mooncake_segment:
+            req["mooncake_segment"] = mooncake_segment
+        return self._json("POST", "/v1/regions", req)
 
     def register_fd(self, name, fd, nbytes, mooncake_addr=0, offset=0, mooncake_segment=""):
         """Lends ferryd nbytes from offset of a memfd this process made

@@ -10,9 +10,12 @@ int on failure), so that moving a framework to ferry is one import::
 The receiving side works for host memory born in ferry's allocator: start
 the process with ``python -m ferry.run`` (LD_PRELOAD=libferry_alloc.so,
 ferry.alloc), and ``register_memory`` lends the tensor's own pages to
-ferryd, which lands peers' writes there at the caller's addresses. Other
-memory is refused at registration (-1, the fix in ``last_failure``),
-unless the engine was told it only sends from it:
+ferryd, which lands peers' writes there at the caller's addresses. GPU
+memory (a torch.cuda tensor, a sub-range of the caching allocator's
+segments included) is lent by the IPC handle of its allocation, and
+peers' writes land in it through ferryd's copies. Other memory is refused
+at registration (-1, the fix in ``last_failure``), unless the engine was
+told it only sends from it:
 ``TransferEngine(send_only=True)`` or ``FERRY_MOONCAKE_SEND_ONLY=1``.
 ``initialize`` opens the engine's own Mooncake segment in ferryd (its
 session id, ``get_rpc_port()``), closed by ``close()``, by collection or
@@ -31,12 +34,10 @@ Each write call is one batch transfer (one completion), however many
 pieces it carries, up to what one transfer may carry (1,048,576 items in
 a body of 16 MiB: docs/api.md); a larger batch goes as several, one
 after another. Memory in the allocator's window and CUDA device memory
-(send_only: lent by its IPC handle; not yet run on a GPU) are sent from
-where they lie; other host memory of a send_only engine is copied into
+(lent by its IPC handle) are sent from where they lie; other host memory of a send_only engine is copied into
 one staged entry per transfer. docs/python.md has the rest.
 """
 
-import base64
 import bisect
 import collections
 import ctypes
@@ -55,7 +56,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 
 from .client import Client, Slot
-from .cuda import device_ordinal, ipc_handle
+from .cuda import device_ordinal
 from .alloc import buffer as alloc_buffer
 from .alloc import free as alloc_free
 from .alloc import preload_hint, window
@@ -263,11 +264,18 @@ class TransferEngine:
         ``python -m ferry.run`` or LD_PRELOAD=libferry_alloc.so) is lent to
         ferryd by the window's memfd, so peers' writes land in these very
         pages at these addresses, and transfers send from them with no copy.
+        GPU memory is lent by the IPC handle of the allocation holding it
+        (each registered range a region of its own, several per
+        allocation as a caching allocator's segment holds many tensors):
+        peers' writes land in it at these addresses, copied in by ferryd.
+        ptr may be an address or a tensor (its data_ptr()).
         Returns 0, or -1 with the reason in last_failure: memory peers
-        cannot write (allocated outside the window, GPU memory), a range
-        overlapping one registered before, or a ferryd that refused it.
-        An engine made with send_only also registers such memory, as a
-        source only (host pieces are then copied per transfer)."""
+        cannot write (allocated outside the window, GPU memory with no IPC
+        handle), a range overlapping one registered before, or a ferryd
+        that refused it. An engine made with send_only also registers host
+        memory outside the window, as a source only (its pieces are then
+        copied per transfer)."""
+        is_cuda, ptr = bool(getattr(ptr, "is_cuda", False)), _address(ptr)
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
         with self._lock:
@@ -277,7 +285,7 @@ class TransferEngine:
                 return self._refuse("register_memory", length,
                                     f"register_memory({ptr:#x}, {length}): overlaps a registered range: unregister it first")
             try:
-                name = self._lend(ptr, length)
+                name = self._lend(ptr, length, is_cuda)
             except (FerryError, ValueError, ImportError) as e:
                 code = getattr(e, "code", None) or "bad_request"
                 err = e if isinstance(e, FerryError) else BadRequest(f"register_memory({ptr:#x}, {length}): {e}", code=code)
@@ -287,25 +295,28 @@ class TransferEngine:
             self._regions.insert(i, (ptr, ptr + length))
         return 0
 
-    def _lend(self, ptr, length):
+    def _lend(self, ptr, length, is_cuda=False):
         """Lends [ptr, +length) to ferryd as a region and returns its name,
         or None for host memory an engine made with send_only keeps (its
         pieces are copied per transfer); raises what refused it."""
         name = f"mooncake-{os.getpid()}-{id(self):x}-{ptr:x}"
+        segment = self._segment["id"] if self._segment is not None else ""
         ordinal = device_ordinal(ptr)
         if ordinal is not None:
-            if not self.send_only:
-                raise _NotWritable(f"register_memory({ptr:#x}, {length}): GPU memory (cuda:{ordinal}) is not yet "
-                                   "a target of peers' writes on ferry; register host memory, or make the engine "
-                                   "with send_only=True if it only sends from this memory (docs/python.md)")
-            # GPU memory is lent to ferryd as a region: sent with no copy.
-            handle, offset = ipc_handle(ptr)
+            # GPU memory is lent to ferryd as a region: sent from with no
+            # copy, written into (unless send_only) at ptr.
+            try:
+                self._need_client().register_cuda(name, ptr, length, device=ordinal,
+                                                  mooncake_addr=0 if self.send_only else ptr, mooncake_segment=segment)
+            except ValueError as e:
+                raise _NotWritable(f"register_memory({ptr:#x}, {length}): GPU memory (cuda:{ordinal}) ferryd cannot "
+                                   f"open: {e}; register memory from cudaMalloc (torch's default caching allocator, "
+                                   "not PYTORCH_CUDA_ALLOC_CONF=backend:cudaMallocAsync) (docs/python.md)") from e
             self._on_gpu.add(ptr)
-            self._need_client().request("POST", "/v1/regions", json.dumps({
-                "name": name, "nbytes": length, "cuda": {
-                    "device": f"cuda:{ordinal}", "ipc_handle": base64.b64encode(handle).decode(), "offset": offset}}).encode(),
-                "application/json")
             return name
+        if is_cuda:
+            raise _NotWritable(f"register_memory({ptr:#x}, {length}): a CUDA tensor, but the CUDA driver "
+                               "(libcuda.so.1) of this process does not know its address as device memory")
         w = window()
         if w is None or not w.holds(ptr, length):
             if self.send_only:
@@ -317,7 +328,6 @@ class TransferEngine:
                                "allocate with allocate_managed_buffer. An engine that only sends from this memory "
                                "says so: TransferEngine(send_only=True) or FERRY_MOONCAKE_SEND_ONLY=1 (docs/python.md)")
         # The window's memfd, the range's own pages: peers write at ptr.
-        segment = self._segment["id"] if self._segment is not None else ""
         self._need_client().register_fd(name, w.fd, length, mooncake_addr=0 if self.send_only else ptr,
                                         offset=ptr - w.base, mooncake_segment=segment)
         return name
@@ -335,6 +345,7 @@ class TransferEngine:
     def unregister_memory(self, ptr):
         """Forgets the range registered at ptr, once no transfer reads it.
         Returns 0, or -1 when nothing is registered there."""
+        ptr = _address(ptr)
         with self._lock:
             i = bisect.bisect_left(self._regions, (ptr, 0))
             if i == len(self._regions) or self._regions[i][0] != ptr:
@@ -354,7 +365,7 @@ class TransferEngine:
         """unregister_memory for each address, all of them tried (a
         teardown frees what it can); 0, or -1 when any failed
         (last_failure: the last)."""
-        failed = [p for p in ptrs if self.unregister_memory(p) != 0]
+        failed = [p for p in [_address(p) for p in ptrs] if self.unregister_memory(p) != 0]
         return FAILED if failed else 0
 
     def allocate_managed_buffer(self, length):
@@ -568,6 +579,11 @@ class TransferEngine:
         memory its engine registered (ferryd's own segment, its arena and
         slots, serves none); a Mooncake engine's from its buffers."""
         def read(pieces, held):
+            on_gpu = [local for (local, _, _), st in zip(pieces, held) if st in self._on_gpu]
+            if on_gpu:
+                raise BadRequest(f"{method} from {session_id}: [{on_gpu[0]:#x}, ...) is GPU memory, and reads land "
+                                 "in host memory of this process only so far: read into registered host memory, "
+                                 "then copy", code="bad_request")
             try:
                 _read_pieces(session_id, self.local_hostname, self.protocol, pieces)
             except (OSError, ValueError) as e:
@@ -1007,6 +1023,13 @@ def _recv_exactly(conn, view):
             raise ValueError(f"the segment closed the connection after {got} of {len(view)} bytes (a rejected v1 read?)")
         got += k
     return bytes(view) if len(view) <= 8 else None
+
+
+def _address(x):
+    """An address as an int: x itself, or a tensor's data_ptr() (a
+    torch.cuda tensor's is a device address)."""
+    data_ptr = getattr(x, "data_ptr", None)
+    return int(data_ptr()) if callable(data_ptr) and not isinstance(x, int) else x
 
 
 def _merge(pieces):

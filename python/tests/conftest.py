@@ -235,11 +235,11 @@ class EngineChild:
     ferry.run), as a framework's would be: run(code) executes code there
     and returns the value it left in `out`. Ended by its PID."""
 
-    def __init__(self, socket_path, preload=True, timeout=240):
+    def __init__(self, socket_path, preload=True, timeout=240, env=None):
         here = os.path.dirname(os.path.abspath(__file__))
         argv = ["-m", "ferry.run"] if preload else []
         environ = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_") and k != "LD_PRELOAD"}
-        environ["FERRY_SOCKET"] = socket_path
+        environ.update(env or {}, FERRY_SOCKET=socket_path)
         self.proc = subprocess.Popen([sys.executable, *argv, os.path.join(here, "engine_child.py")], env=environ,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         self.pid = self.proc.pid

@@ -8,7 +8,9 @@
 #   2. two ferryd on GPU memory over loopback TCP with the bytes verified,
 #      a torch process staging and reading in place through IPC handles,
 #      and GPU memory of the test's own (Go, then torch through the ferry
-#      Python package) lent to both daemons as regions, a batch between them;
+#      Python package) lent to both daemons as regions, a batch between them,
+#      torch.cuda tensors a Mooncake engine registers written and read by
+#      another engine (torch_mooncake.py);
 #      the path the NIC registers a GPU arena by ("== GPU registration"),
 #      and the GPU-to-NIC table from the PCIe topology ("== AFFINITY");
 #   3. ferry's host<->device copy bandwidth beside torch's, same sizes, run

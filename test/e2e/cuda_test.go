@@ -425,6 +425,13 @@ func TestGPUTorchRegions(t *testing.T) {
 	runTorchClient(t, "torch_region.py", "64MiB", "32MiB", "--mooncake-listen", "127.0.0.1:0")
 }
 
+// torch.cuda tensors a Mooncake engine registers take a peer engine's
+// writes and serve its reads: the receiving half of sglang's and vLLM's
+// Mooncake paths in GPU memory (scripts/gpu/torch_mooncake.py).
+func TestGPUTorchMooncakeReceiver(t *testing.T) {
+	runTorchClient(t, "torch_mooncake.py", "64MiB", "32MiB", "--mooncake-listen", "127.0.0.1:0")
+}
+
 // A host-memory ferryd cannot take GPU memory: it says what to do.
 func TestCUDARegionOnAHostArenaSaysWhy(t *testing.T) {
 	d := startDaemon(t, t.TempDir(), "d")

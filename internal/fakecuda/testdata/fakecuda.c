@@ -10,11 +10,18 @@
 // IPC works across processes as the real driver's does: each allocation
 // is a memfd mapping, its handle names the owner's pid, the memfd's
 // descriptor and the size, and cuIpcOpenMemHandle maps the owner's memfd
-// (through /proc/<pid>/fd) at an address of the opener's own.
+// (through /proc/<pid>/fd) at an address of the opener's own, once: a
+// handle open already is refused (CUDA_ERROR_ALREADY_MAPPED) until it is
+// closed, as a process may open one once per context.
 //
 // It has two GPUs, at PCI bus ids 0000:3b:00.0 and 0000:3c:00.0, unless
 // FAKECUDA_BUS_IDS lists others (comma-separated, at most 8): one GPU
 // each, so a test can lay them out as a fake sysfs tree does.
+//
+// cuPointerGetAttribute knows this process's allocations (and those it
+// opened) as device memory on the GPU current when they were made;
+// cuMemAllocAsync's (a stream-ordered pool's) have no IPC handle, as the
+// real driver's have none of cuIpcGetMemHandle's kind.
 //
 // Variants, by macro: FAKE_NO_DEVICE (cuInit finds no GPU), FAKE_STUB
 // (cuInit answers like the toolkit's stub library), FAKE_OLD (no
@@ -32,7 +39,7 @@ typedef int CUresult;
 typedef unsigned long long CUdeviceptr;
 typedef struct { char reserved[64]; } ipc_handle;
 
-enum { OK = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, STUB = 34, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201 };
+enum { OK = 0, INVALID_VALUE = 1, NOT_INITIALIZED = 3, STUB = 34, NO_DEVICE = 100, INVALID_DEVICE = 101, INVALID_CONTEXT = 201, ALREADY_MAPPED = 208 };
 enum { MAXDEV = 8, MAXALLOC = 64 };
 
 static int inited, ndev = 2;
@@ -42,8 +49,11 @@ static char ctxs[MAXDEV]; // a context is the address of its byte
 static __thread void *current;
 
 // An allocation of this process (fd its memfd), or another's opened by
-// IPC handle (fd -1); len is its mapping's length.
-static struct alloc { char *p; size_t n, len; int fd, sync; } allocs[MAXALLOC];
+// IPC handle (fd -1); len is its mapping's length, dev its GPU; pool
+// marks cuMemAllocAsync's.
+// from_pid, from_fd and from_p name the owner's allocation of one opened
+// by IPC handle.
+static struct alloc { char *p; size_t n, len; int fd, sync, dev, pool, from_pid, from_fd; CUdeviceptr from_p; } allocs[MAXALLOC];
 
 // The handle: a mark, the owner's pid and memfd, the size, and (at the
 // end, so the whole struct must arrive) the owner's pointer.
@@ -191,9 +201,29 @@ CUresult cuMemAlloc_v2(CUdeviceptr *p, size_t n) {
 	}
 	if (at > r) munmap(r, at - r);
 	if (r + ALIGN > at) munmap(at + len, r + ALIGN - at);
-	*a = (struct alloc){.p = at, .n = n, .len = len, .fd = fd};
+	*a = (struct alloc){.p = at, .n = n, .len = len, .fd = fd, .dev = (char *)current - ctxs};
 	*p = (CUdeviceptr)at;
 	return OK;
+}
+
+// Memory from the current device's stream-ordered pool: the stream is
+// not looked at (every copy here is synchronous).
+CUresult cuMemAllocAsync(CUdeviceptr *p, size_t n, void *stream) {
+	CUresult r = cuMemAlloc_v2(p, n);
+	if (r == OK) find(*p, 0)->pool = 1;
+	return r;
+}
+
+// The attributes ferry's Python package asks of a pointer: its memory
+// type (CU_MEMORYTYPE_DEVICE for an allocation here) and its GPU.
+CUresult cuPointerGetAttribute(void *value, int attr, CUdeviceptr p) {
+	struct alloc *a = find(p, 0);
+	if (!a) return INVALID_VALUE; // as the real driver answers for host memory it does not know
+	switch (attr) {
+	case 2: *(unsigned int *)value = 2; return OK; // MEMORY_TYPE: DEVICE
+	case 9: *(int *)value = a->dev; return OK;     // DEVICE_ORDINAL
+	}
+	return INVALID_VALUE;
 }
 
 CUresult cuMemFree_v2(CUdeviceptr p) {
@@ -241,7 +271,7 @@ CUresult cuMemGetAddressRange_v2(CUdeviceptr *base, size_t *size, CUdeviceptr p)
 CUresult cuIpcGetMemHandle(ipc_handle *h, CUdeviceptr p) {
 	if (!current) return INVALID_CONTEXT;
 	struct alloc *a = find(p, 0);
-	if (!a || a->fd < 0) return INVALID_VALUE; // memory opened by IPC is not exported again
+	if (!a || a->fd < 0 || a->pool) return INVALID_VALUE; // memory opened by IPC is not exported again, pool memory never
 	struct fake_ipc f = {.mark = "fakeipc", .pid = getpid(), .fd = a->fd, .n = a->n, .len = a->len, .p = (CUdeviceptr)a->p};
 	memcpy(h, &f, sizeof f);
 	return OK;
@@ -260,6 +290,10 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, ipc_handle h, unsigned int flags)
 		*p = f.p;
 		return OK;
 	}
+	for (int i = 0; i < MAXALLOC; i++)
+		if (allocs[i].p && allocs[i].fd < 0 && allocs[i].from_pid == f.pid && allocs[i].from_fd == f.fd &&
+		    allocs[i].from_p == f.p)
+			return ALREADY_MAPPED;
 	struct alloc *a = free_entry();
 	if (!a) return 2;
 	char path[64];
@@ -269,7 +303,7 @@ CUresult cuIpcOpenMemHandle_v2(CUdeviceptr *p, ipc_handle h, unsigned int flags)
 	char *m = mmap(NULL, f.len, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
 	close(fd);
 	if (m == MAP_FAILED) return INVALID_VALUE;
-	*a = (struct alloc){.p = m, .n = f.n, .len = f.len, .fd = -1, .sync = 1};
+	*a = (struct alloc){.p = m, .n = f.n, .len = f.len, .fd = -1, .sync = 1, .dev = (char *)current - ctxs, .from_pid = f.pid, .from_fd = f.fd, .from_p = f.p};
 	*p = (CUdeviceptr)m;
 	return OK;
 }

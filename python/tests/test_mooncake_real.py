@@ -1,0 +1,131 @@
+"""ferry.mooncake.TransferEngine against a real Mooncake Transfer Engine
+(Mooncake's own Python module, built from its sources), over TCP, both
+ways: a real engine writes into and reads from memory a ferry engine
+registered, and a ferry engine writes into and reads from memory a real
+engine registered. Every byte is checked where it landed.
+
+Opt-in: a real Mooncake build is a 15-minute compile that CI does not
+carry. `make test-mooncake-real MOONCAKE_PY=dir` runs it, dir holding
+mooncake/engine.cpython-*.so (and libasio.so) as
+scripts/mooncake-build.sh leaves them; without MOONCAKE_PY these tests
+skip, and that target refuses to run."""
+
+import hashlib
+import os
+import random
+
+import pytest
+
+MOONCAKE_PY = os.environ.get("FERRY_TEST_MOONCAKE_PY")
+pytestmark = pytest.mark.skipif(not MOONCAKE_PY, reason="no real Mooncake build: make test-mooncake-real MOONCAKE_PY=dir")
+
+PAGE = 16 << 10
+PAGES = 64
+
+# A process running Mooncake's own engine: plain Python, Mooncake's module
+# first on the path, nothing of ferry's preloaded.
+REAL = """
+    import ctypes, hashlib, random
+    from mooncake.engine import TransferEngine
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    session = f"127.0.0.1:{engine.get_rpc_port()}"
+    out = session
+"""
+
+# A process running ferry's engine under ferry's allocator.
+FERRY = """
+    import ctypes, hashlib, random
+    from ferry.mooncake import TransferEngine
+    engine = TransferEngine()
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+    session = f"127.0.0.1:{engine.get_rpc_port()}"
+    out = session
+"""
+
+# Both kinds: nbytes in a ctypes buffer named name, registered; its address.
+BUFFER = """
+    {name} = (ctypes.c_char * {nbytes}).from_buffer_copy(random.Random({seed}).randbytes({nbytes}))
+    assert engine.register_memory(ctypes.addressof({name}), {nbytes}) == 0
+    out = ctypes.addressof({name})
+"""
+
+DIGEST = "out = hashlib.sha256(bytes({name})).hexdigest()"
+
+
+def real_engine(engine_child, socket_path):
+    child = engine_child(socket_path, preload=False, env={"PYTHONPATH": MOONCAKE_PY})
+    return child, child.run(REAL)
+
+
+def ferry_engine(engine_child, socket_path):
+    child = engine_child(socket_path)
+    return child, child.run(FERRY)
+
+
+def scattered(seed):
+    """PAGES page moves: (source page, destination page), the destination
+    order shuffled, as a KV transfer's pages are."""
+    dst = list(range(PAGES))
+    random.Random(seed).shuffle(dst)
+    return list(enumerate(dst))
+
+
+def expected(src_seed, dst_seed, moves):
+    """The destination buffer after moves of pages from src into dst."""
+    src = random.Random(src_seed).randbytes(PAGES * PAGE)
+    dst = bytearray(random.Random(dst_seed).randbytes(PAGES * PAGE))
+    for s, d in moves:
+        dst[d * PAGE:(d + 1) * PAGE] = src[s * PAGE:(s + 1) * PAGE]
+    return hashlib.sha256(bytes(dst)).hexdigest()
+
+
+def move(initiator, remote_session, local_addr, remote_addr, moves, op):
+    """The initiator's one batch of page moves against remote_session:
+    write (local pages into remote ones) or read (remote into local)."""
+    locals_ = [local_addr + s * PAGE for s, _ in moves]
+    remotes = [remote_addr + d * PAGE for _, d in moves]
+    return initiator.run(f"out = engine.batch_transfer_sync_{op}({remote_session!r}, {locals_!r}, {remotes!r}, {[PAGE] * len(moves)!r})")
+
+
+@pytest.mark.parametrize("writer", ["real", "ferry"])
+def test_writes_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_child, writer):
+    real, real_session = real_engine(engine_child, pair[0].socket)
+    ferry, ferry_session = ferry_engine(engine_child, pair[1].socket)
+    src, dst = (real, ferry) if writer == "real" else (ferry, real)
+    dst_session = ferry_session if writer == "real" else real_session
+    src_addr = src.run(BUFFER.format(name="src", nbytes=PAGES * PAGE, seed=1))
+    dst_addr = dst.run(BUFFER.format(name="dst", nbytes=PAGES * PAGE, seed=2))
+    moves = scattered(3)
+    assert move(src, dst_session, src_addr, dst_addr, moves, "write") == 0
+    # The initiator's 0 means every byte is in the receiver's memory.
+    assert dst.run(DIGEST.format(name="dst")) == expected(1, 2, moves)
+
+
+@pytest.mark.parametrize("reader", ["real", "ferry"])
+def test_reads_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_child, reader):
+    real, real_session = real_engine(engine_child, pair[0].socket)
+    ferry, ferry_session = ferry_engine(engine_child, pair[1].socket)
+    local, remote = (real, ferry) if reader == "real" else (ferry, real)
+    remote_session = ferry_session if reader == "real" else real_session
+    local_addr = local.run(BUFFER.format(name="buf", nbytes=PAGES * PAGE, seed=4))
+    remote_addr = remote.run(BUFFER.format(name="buf", nbytes=PAGES * PAGE, seed=5))
+    moves = scattered(6)  # local page s takes remote page d
+    assert move(local, remote_session, local_addr, remote_addr, moves, "read") == 0
+    want = bytearray(random.Random(4).randbytes(PAGES * PAGE))
+    theirs = random.Random(5).randbytes(PAGES * PAGE)
+    for s, d in moves:
+        want[s * PAGE:(s + 1) * PAGE] = theirs[d * PAGE:(d + 1) * PAGE]
+    assert local.run(DIGEST.format(name="buf")) == hashlib.sha256(bytes(want)).hexdigest()
+    assert remote.run(DIGEST.format(name="buf")) == hashlib.sha256(random.Random(5).randbytes(PAGES * PAGE)).hexdigest()
+
+
+def test_a_real_engine_writing_outside_a_ferry_engines_memory_is_refused(pair, engine_child):
+    real, _ = real_engine(engine_child, pair[0].socket)
+    ferry, ferry_session = ferry_engine(engine_child, pair[1].socket)
+    src_addr = real.run(BUFFER.format(name="src", nbytes=PAGES * PAGE, seed=7))
+    dst_addr = ferry.run(BUFFER.format(name="dst", nbytes=PAGES * PAGE, seed=8))
+    # One page past the registered buffer's end.
+    rc = real.run(f"out = engine.transfer_sync_write({ferry_session!r}, {src_addr}, {dst_addr + PAGES * PAGE - PAGE // 2}, {PAGE})")
+    assert rc != 0
+    assert ferry.run(DIGEST.format(name="dst")) == hashlib.sha256(random.Random(8).randbytes(PAGES * PAGE)).hexdigest()
