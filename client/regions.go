@@ -41,7 +41,15 @@ func NewRegionFile(name string, n int64) (*os.File, error) {
 // with no copy through the arena. The descriptor travels beside the
 // request (SCM_RIGHTS), on a connection of its own.
 func (c *Client) RegisterRegion(ctx context.Context, name string, f *os.File, nbytes int64) (api.Region, error) {
-	body, _ := json.Marshal(api.RegionRequest{Name: name, NBytes: nbytes})
+	return c.RegisterRegionWith(ctx, api.RegionRequest{Name: name, NBytes: nbytes}, f)
+}
+
+// RegisterRegionWith is RegisterRegion with the whole request: a range
+// of the memfd from FDOffset, lent for Mooncake peers' writes at
+// MooncakeAddr in engine segment MooncakeSegment (docs/api.md).
+func (c *Client) RegisterRegionWith(ctx context.Context, r api.RegionRequest, f *os.File) (api.Region, error) {
+	name := r.Name
+	body, _ := json.Marshal(r)
 	var req bytes.Buffer
 	fmt.Fprintf(&req, "POST /v1/regions HTTP/1.1\r\nHost: ferryd\r\nContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n", len(body))
 	req.Write(body)
@@ -89,4 +97,17 @@ func (c *Client) UnregisterRegion(ctx context.Context, name string, wait time.Du
 func (c *Client) RegisterCUDARegion(ctx context.Context, name, device string, ipcHandle []byte, offset, nbytes int64) (api.Region, error) {
 	return call[api.Region](ctx, c, "POST", "/v1/regions", api.RegionRequest{Name: name, NBytes: nbytes,
 		CUDA: &api.RegionCUDA{Device: device, IPCHandle: ipcHandle, Offset: offset}})
+}
+
+// OpenEngineSegment opens a Mooncake segment of the calling process's own
+// (POST /v1/mooncake/segments): its RPC port on port (0: any), listing
+// the regions it lends into it; closed when the process exits.
+func (c *Client) OpenEngineSegment(ctx context.Context, port int) (api.EngineSegment, error) {
+	return call[api.EngineSegment](ctx, c, "POST", "/v1/mooncake/segments", api.EngineSegmentRequest{Port: port})
+}
+
+// CloseEngineSegment closes engine segment id and unregisters its regions,
+// once the writes landing in them have ended.
+func (c *Client) CloseEngineSegment(ctx context.Context, id string) error {
+	return c.noContent(ctx, "DELETE", "/v1/mooncake/segments/"+esc(id))
 }

@@ -194,11 +194,9 @@ func New(cfg Config) (*Daemon, error) {
 	if d.dp.mooncake != nil {
 		mc.RDMA = d.dp.mooncake
 	}
-	if d.tr.Name() == "tcp" {
-		// A ferry engine's segment names this port of its ferryd: written
-		// over ferry's peer protocol (engines.go).
-		mc.Ferry = d.tr.Dial
-	}
+	// A ferry engine's segment names this port of its ferryd: written
+	// over ferry's peer protocol (engines.go).
+	mc.Ferry = d.tr.Dial
 	d.sessions = newSessions(d.tr, mc)
 	if cfg.MooncakeListen != "" {
 		host, _, _ := net.SplitHostPort(d.advertise)

@@ -17,6 +17,7 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -30,8 +31,8 @@ import (
 // closes it, the segment, its listeners and its regions go. Regions lent
 // without a segment are listed in ferryd's own (--mooncake-listen).
 
-// Between two ferryd on the TCP transport an engine's memory is written
-// over ferry's own peer protocol, not Mooncake's wire: the segment's
+// Between two ferryd an engine's memory is written over ferry's own peer
+// protocol, not Mooncake's wire (over RDMA too: engines_rdma.go): the segment's
 // descriptor names its ferryd's peer port and the segment's key
 // (mooncake.FerryTarget), and a write carrying that key lands in the
 // segment's regions at its Mooncake address (registry.acceptKeyed). With
@@ -40,17 +41,19 @@ import (
 
 // lend says where Mooncake peers write into a region: at addr (its
 // owner's address of its first byte; 0: they do not), in the engine
-// segment named segment ("": ferryd's own), lent by process owner.
+// segment named segment ("": ferryd's own), lent by process owner, and
+// over RDMA under mr (engines_rdma.go; nil on TCP).
 type lend struct {
 	mooncakeAddr uint64
 	segment      string
 	owner        int32
+	mr           *rdma.EngineRegion
 }
 
 // lendFor checks a region request asking that Mooncake peers write into
 // it, and says how it is lent: a memfd or GPU memory (a CUDA region,
-// whose writes and reads go through host staging: regionWrite), over
-// tcp, into a segment that exists and belongs to the caller.
+// whose writes and reads go through host staging: regionWrite), into a
+// segment that exists and belongs to the caller.
 func (d *Daemon) lendFor(ctx context.Context, req api.RegionRequest) (lend, error) {
 	a := req.MooncakeAddr
 	switch {
@@ -60,8 +63,6 @@ func (d *Daemon) lendFor(ctx context.Context, req api.RegionRequest) (lend, erro
 		return lend{}, nil
 	case d.mooncake == nil:
 		return lend{}, apiErr(api.CodeBadRequest, "region %s: mooncake_addr asks that Mooncake peers write into it, but this ferryd serves no Mooncake segment: start it with --mooncake-listen", req.Name)
-	case d.mooncake.seg.Protocol != "tcp":
-		return lend{}, apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segment speaks %s, and its peers write there under the arena's rkey only; a region as a Mooncake write target is served over tcp only so far", req.Name, d.mooncake.seg.Protocol)
 	case a+uint64(req.NBytes) < a:
 		return lend{}, apiErr(api.CodeBadRequest, "region %s: mooncake_addr %#x plus nbytes %d passes the end of the address space", req.Name, a, req.NBytes)
 	}
@@ -132,20 +133,20 @@ func (r *registry) mooncakeRegionAt(segment string, addr uint64) *region {
 
 // mooncakeBuffers is the open regions of segment, as buffers named name,
 // by address, regions that follow one another as one buffer (a write may
-// span them).
+// span them) unless they have keys (over RDMA: each its own).
 func (r *registry) mooncakeBuffers(segment, name string) []mooncake.Buffer {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	var out []mooncake.Buffer
 	for _, g := range r.regions {
 		if g.mooncakeAddr != 0 && g.segment == segment && !g.closing {
-			out = append(out, mooncake.Buffer{Name: name, Addr: g.mooncakeAddr, Length: uint64(g.size())})
+			out = append(out, engineBuffer(g, name))
 		}
 	}
 	sort.Slice(out, func(i, j int) bool { return out[i].Addr < out[j].Addr })
 	merged := out[:0]
 	for _, b := range out {
-		if k := len(merged) - 1; k >= 0 && merged[k].Addr+merged[k].Length == b.Addr {
+		if k := len(merged) - 1; k >= 0 && merged[k].Addr+merged[k].Length == b.Addr && b.RKey == nil && merged[k].RKey == nil {
 			merged[k].Length += b.Length
 			continue
 		}
@@ -309,6 +310,16 @@ type engineSegment struct {
 	seg   mooncake.Segment // the descriptor, less its buffers
 	hs    *mooncake.Server
 	data  *mooncake.DataServer
+	eps   *mooncakeEndpoints // the QPs Mooncake initiators connected to it, over RDMA; else nil
+}
+
+// close closes the segment's ports and its RDMA endpoints.
+func (es *engineSegment) close() {
+	es.hs.Close()
+	es.data.Close()
+	if es.eps != nil {
+		es.eps.Close()
+	}
 }
 
 // engines is the open engine segments by id.
@@ -405,9 +416,7 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 		Name: name, Protocol: "tcp", TCPDataPort: dl.Addr().(*net.TCPAddr).Port, TCPProtoVersion: 2,
 		Timestamp: time.Now().UTC().Format("2006-01-02 15:04:05.000000"),
 	}}
-	if d.tr.Name() == "tcp" {
-		es.seg.Ferry = &mooncake.FerryTarget{Peer: d.advertise, Key: es.key}
-	}
+	es.seg.Ferry = &mooncake.FerryTarget{Peer: d.advertise, Key: es.key}
 	d.reg.mu.Lock()
 	if d.reg.engineKeys == nil {
 		d.reg.engineKeys = make(map[transport.Key]string)
@@ -418,14 +427,20 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 	es.data = mooncake.ServeData(dl, engineMemory{d.reg, id}, mooncake.DataConfig{
 		IOTimeout: d.cfg.IOTimeout.D(), Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow,
 	})
-	es.hs = mooncake.Serve(rpc, mooncake.Handlers{Segment: func() *mooncake.Segment {
+	h := mooncake.Handlers{Segment: func() *mooncake.Segment {
 		seg := es.seg
-		seg.Buffers = append(slices.Clip(es.seg.Buffers), d.reg.mooncakeBuffers(id, name)...)
+		buf := name
+		if seg.Protocol == "rdma" {
+			buf = mooncakeLocation // the priority matrix's key
+		}
+		seg.Buffers = append(slices.Clip(es.seg.Buffers), d.reg.mooncakeBuffers(id, buf)...)
 		if seg.Buffers == nil {
 			seg.Buffers = []mooncake.Buffer{}
 		}
 		return &seg
-	}}, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow})
+	}}
+	d.serveEngineRDMA(es, &h)
+	es.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow})
 	d.engines.mu.Lock()
 	if d.engines.byID == nil {
 		d.engines.byID = make(map[string]*engineSegment)
@@ -474,8 +489,7 @@ func (d *Daemon) dropEngineSegment(es *engineSegment, wait time.Duration, why st
 			break
 		}
 	}
-	es.hs.Close()
-	es.data.Close()
+	es.close()
 	d.log.Info().Str("engine_segment", es.id).Str("session", es.seg.Name).Int32("pid", es.owner).Int("regions", len(ends)).Msg("engine segment closed: " + why)
 	return err
 }
@@ -559,8 +573,7 @@ func (d *Daemon) closeEngines() {
 	d.engines.mu.Lock()
 	defer d.engines.mu.Unlock()
 	for id, es := range d.engines.byID {
-		es.hs.Close()
-		es.data.Close()
+		es.close()
 		delete(d.engines.byID, id)
 	}
 }

@@ -1,6 +1,7 @@
 package daemon
 
 import (
+	"errors"
 	"fmt"
 	"io"
 	"net/http"
@@ -418,10 +419,10 @@ const slowEnd = 5 * time.Second
 // named and counted against max_region_bytes, and the DELETEs waiting
 // are told so; a DELETE tries again. Callers do not hold mu.
 func (r *registry) endRegion(g *region) {
-	var err error
+	// Its writes and windows are gone: the NIC may drop it.
+	err := g.lend.closeNIC()
 	if g.nic != nil {
-		// Its writes and windows are gone: the NIC may drop it.
-		err = g.nic.Close()
+		err = errors.Join(err, g.nic.Close())
 	}
 	if err == nil {
 		_ = g.mem.Close()
@@ -567,8 +568,13 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 		return err
 	}
 	nic, _, nicErr := d.registerRegionNIC(mem, nil)
-	g, err := d.reg.addRegionAt(req.Name, mem, nic, nicErr, l)
+	err = d.registerEngineRegion(req.Name, mem, &l)
+	var g api.Region
+	if err == nil {
+		g, err = d.reg.addRegionAt(req.Name, mem, nic, nicErr, l)
+	}
 	if err != nil {
+		_ = l.closeNIC()
 		if nic != nil {
 			_ = nic.Close()
 		}

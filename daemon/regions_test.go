@@ -22,6 +22,7 @@ import (
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/internal/memlimit"
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -608,7 +609,7 @@ func TestMooncakeRegionsTakeUnkeyedWritesAtTheirOwnersAddresses(t *testing.T) {
 }
 
 // A region asked to take Mooncake peers' writes needs a Mooncake
-// segment speaking tcp (a memfd or GPU memory), and an engine segment, if named, that
+// segment (tcp or rdma; a memfd, or GPU memory over tcp), and an engine segment, if named, that
 // exists and is the caller's; each refusal says what to do.
 func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
 	tcp := &mooncakeSegment{seg: mooncake.Segment{Protocol: "tcp"}}
@@ -623,7 +624,7 @@ func TestMooncakeRegionRequestsRefusedSayWhy(t *testing.T) {
 	}{
 		{nil, api.RegionRequest{Name: "r", NBytes: 4096}, "", ""},
 		{nil, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "--mooncake-listen"},
-		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, bad, "over tcp only"},
+		{rdma, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000}, "", ""},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: 0x1000, CUDA: &api.RegionCUDA{}}, "", ""},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeAddr: ^uint64(0) - 100}, bad, "end of the address space"},
 		{tcp, api.RegionRequest{Name: "r", NBytes: 4096, MooncakeSegment: "e1"}, bad, "without mooncake_addr"},
@@ -870,5 +871,26 @@ func TestEngineSegmentsAreBounded(t *testing.T) {
 	}
 	if _, err := d.openEngineSegment(7, 0); !isCode(err, api.CodeBusy) || !strings.Contains(err.Error(), "process 7 holds 16 engine segments") {
 		t.Fatalf("a process's engine segment past its bound: %v", err)
+	}
+}
+
+// Over RDMA each region an engine lent is a buffer of its own with its
+// registration's keys, even where regions follow one another: their
+// rkeys differ, and a Mooncake peer writes under one per buffer.
+func TestMooncakeRegionsOverRDMAAreBuffersOfTheirOwn(t *testing.T) {
+	r := newTestRegistry(t, 1<<16)
+	const at = 0x7f0000000000
+	for i, name := range []string{"a", "b"} {
+		mr := &rdma.EngineRegion{RKey: uint32(10 + i), LKey: uint32(20 + i)}
+		if _, err := r.addRegionAt(name, hostRegion(make([]byte, 4096)), nil, nil, lend{mooncakeAddr: at + uint64(i)*4096, mr: mr}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	want := []mooncake.Buffer{
+		{Name: "cpu:0", Addr: at, Length: 4096, RKey: []uint32{10}, LKey: []uint32{20}},
+		{Name: "cpu:0", Addr: at + 4096, Length: 4096, RKey: []uint32{11}, LKey: []uint32{21}},
+	}
+	if got := r.mooncakeBuffers("", "cpu:0"); fmt.Sprint(got) != fmt.Sprint(want) {
+		t.Errorf("the segment's buffers: %v, want %v", got, want)
 	}
 }

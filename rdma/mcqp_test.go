@@ -90,7 +90,8 @@ func TestMooncakeQPWrite(t *testing.T) {
 
 // TestMooncakeQPRefusesRead: a Mooncake peer that holds the arena's rkey
 // (the descriptor hands it to anyone) and QPs connected to ferry's still
-// cannot read the arena: the QP and the registration refuse RDMA READ.
+// cannot read the arena: its registration refuses RDMA READ (the QP
+// answers READs of an engine region only: TestEngineRegionMooncakeReads).
 func TestMooncakeQPRefusesRead(t *testing.T) {
 	peer, ferry := mcPair(t, newFabric(), 0)
 	for i := range ferry.mem {

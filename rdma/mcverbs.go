@@ -6,17 +6,20 @@ package rdma
 // fv_mc_connect takes an INIT QP to RTS the way Mooncake's RDMA endpoint
 // does (doSetupConnection), which its peers rely on: PSN 0 both ways
 // (nothing exchanges a PSN), always a GRH (is_global, hop limit 16, also
-// on IB), RNR timer 12, timeout 14, 7 retries, rnr_retry 7. Unlike
-// Mooncake it answers no RDMA READs (max_dest_rd_atomic 0, and the access
-// flags of fv_qp_init refuse them): a Mooncake peer may write into the
-// arena, never read it. As initiator it keeps Mooncake's 16 outstanding
-// reads (clamped to the device), which only bounds READs it never posts.
+// on IB), RNR timer 12, timeout 14, 7 retries, rnr_retry 7, and 16
+// outstanding RDMA READs each way (clamped to the device). It answers
+// READs (REMOTE_READ set at RTR, over fv_qp_init's flags), of memory
+// registered for them only: an engine region's (peerReadsWrites); the
+// arena's registrations refuse them (REM_ACCESS_ERR): a Mooncake peer
+// may write into the arena, never read it. As initiator its 16
+// outstanding reads only bound READs it never posts.
 static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p) {
 	struct ibv_device_attr d;
 	int rc = ibv_query_device(qp->context, &d);
 	if (rc) return rc;
-	int init_rd = 16;
+	int init_rd = 16, dest_rd = 16;
 	if (d.max_qp_init_rd_atom < init_rd) init_rd = d.max_qp_init_rd_atom;
+	if (d.max_qp_rd_atom < dest_rd) dest_rd = d.max_qp_rd_atom;
 
 	struct ibv_qp_attr a;
 	memset(&a, 0, sizeof a);
@@ -24,7 +27,8 @@ static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p) {
 	a.path_mtu = p->mtu;
 	a.dest_qp_num = p->qpn;
 	a.rq_psn = 0;
-	a.max_dest_rd_atomic = 0;
+	a.max_dest_rd_atomic = dest_rd;
+	a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
 	a.min_rnr_timer = 12;
 	a.ah_attr.dlid = p->dlid;
 	a.ah_attr.port_num = p->port;
@@ -33,7 +37,7 @@ static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p) {
 	a.ah_attr.grh.sgid_index = p->sgid_index;
 	a.ah_attr.grh.hop_limit = 16;
 	rc = ibv_modify_qp(qp, &a, IBV_QP_STATE | IBV_QP_AV | IBV_QP_PATH_MTU | IBV_QP_DEST_QPN |
-	                   IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER);
+	                   IBV_QP_RQ_PSN | IBV_QP_MAX_DEST_RD_ATOMIC | IBV_QP_MIN_RNR_TIMER | IBV_QP_ACCESS_FLAGS);
 	if (rc) return rc;
 
 	memset(&a, 0, sizeof a);

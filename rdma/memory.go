@@ -201,10 +201,12 @@ type target struct {
 }
 
 // target finds where the NIC is to put a write meant for dst: dst itself
-// when it lies in the declared memory or a region (under the shared
-// registration, or a region's, or a window: see reach), or registered
-// for this write; else a buffer mapped and registered for this write
-// and copied into dst once the write is complete.
+// when it lies in an engine region (under its registration for peers'
+// writes, at the engine's address: engines.go), in the declared memory
+// or a region (under the shared registration, or a region's, or a
+// window: see reach), or registered for this write; else a buffer mapped
+// and registered for this write and copied into dst once the write is
+// complete.
 //
 // A write arriving on a rail other than 0 (a striped piece, or a piece
 // of a send from a region registered on that rail: rails.go) lands under
@@ -217,6 +219,9 @@ func (t *Transport) target(dst []byte, window uint32, r *rail) (*target, error) 
 		return tg, nil
 	}
 	tg.addr = addrOf(dst)
+	if r == t.rails[0] && t.engineTarget(tg, dst) {
+		return tg, nil
+	}
 	inArena := within(t.mem, dst)
 	var mr region // the registration made once that holds dst
 	if t.shared != nil && inArena {

@@ -15,6 +15,10 @@ type nic interface {
 	// Register makes mem reachable by the NIC for u. mem must not be Go
 	// heap memory (the NIC keeps its address): mmap'd or C memory only.
 	Register(mem []byte, u use) (region, error)
+	// RegisterAt is Register with the memory reached at addresses from
+	// iova on instead of its own: work requests, the peers' included,
+	// name its first byte iova (ibv_reg_mr_iova).
+	RegisterAt(mem []byte, iova uint64, u use) (region, error)
 	// RegisterDevice registers size bytes of device memory at addr, which
 	// the host cannot address (peer memory: nvidia-peermem pins it).
 	RegisterDevice(addr, size uint64, u use) (region, error)
@@ -48,6 +52,9 @@ const (
 	// windowBinding: peers write it only through windows bound over it
 	// (windows.go); its own rkey lets no peer write.
 	windowBinding
+	// peerReadsWrites: peers write and read it under its own rkey: an
+	// engine region (engines.go), which Mooncake peers may read.
+	peerReadsWrites
 )
 
 // window is a type 1 memory window: what a peer may write through it is
@@ -105,8 +112,8 @@ type endpoint struct {
 }
 
 // op is one work request: an RDMA WRITE (with an immediate when WithImm),
-// or an RDMA READ, which ferry never posts and every ferry QP refuses
-// (tests post one to show that).
+// or an RDMA READ, which ferry never posts and its lanes refuse (tests
+// post one to show that; Mooncake QPs answer one of an engine region).
 type op struct {
 	WRID       uint64
 	Local      uint64 // address of the local bytes, inside the region of LKey

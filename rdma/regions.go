@@ -32,6 +32,7 @@ import (
 type lentRegion struct {
 	addr, size uint64
 	device     bool
+	iova       uint64 // an engine region's (engines.go): its first byte's address in work requests
 	mr         region // on rail 0
 	// rails are its registrations on rails other than 0, in the order
 	// they were named (RegisterRegionOn): a send from it goes out

@@ -18,8 +18,10 @@ import (
 // with RNR_RETRY_EXC_ERR at once, as a NIC whose RNR retries ran out:
 // credits, wire.go, must make that impossible), reports RETRY_EXC_ERR
 // when the peer QP is gone, fails both
-// ends on a remote access error, refuses RDMA READs as ferry's QPs do
-// (REM_INV_REQ_ERR), and flushes posted work when a QP breaks. With
+// ends on a remote access error, refuses RDMA READs as ferry's lanes do
+// (REM_INV_REQ_ERR) and answers them on Mooncake QPs from registrations
+// that allow them (else REM_ACCESS_ERR), and flushes posted work when a
+// QP breaks. With
 // windows set it has type 1 memory windows: a bind (on a QP in RTS)
 // gives a window a new rkey and a range of a registration made for
 // windows, whose own rkey allows no remote write; a write through a
@@ -111,12 +113,18 @@ func (n *fakeNIC) hold(d int) {
 func (n *fakeNIC) Endpoint() endpoint { return endpoint{GID: n.gid, MTU: 3} }
 
 func (n *fakeNIC) Register(mem []byte, u use) (region, error) {
+	return n.RegisterAt(mem, addrOf(mem), u)
+}
+
+// RegisterAt registers mem reached at addresses from iova on: its lkey
+// and rkey name it there, never where it lies.
+func (n *fakeNIC) RegisterAt(mem []byte, iova uint64, u use) (region, error) {
 	n.f.mu.Lock()
 	defer n.f.mu.Unlock()
 	if n.f.failRegister > 0 && len(mem) >= n.f.failRegister {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes: %w", len(mem), syscall.ENOMEM)
 	}
-	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: addrOf(mem), use: u}
+	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: iova, use: u}
 	n.f.mrs[m.key] = m
 	n.hold(1)
 	return m, nil
@@ -229,20 +237,21 @@ func (m *fakeMR) Close() error {
 	return nil
 }
 
-// remote returns [addr, addr+n) of what rkey lets a peer write on nic
-// p: a window bound over that range, or a registration for remote
-// writes; false otherwise. f.mu is held.
-func (f *fabric) remote(p *fakeNIC, rkey uint32, addr uint64, n uint32) ([]byte, bool) {
+// remote returns [addr, addr+n) of what rkey lets a peer write (or
+// read) on nic p: a window bound over that range (writes only), or a
+// registration for remote writes (or reads); false otherwise. f.mu is
+// held.
+func (f *fabric) remote(p *fakeNIC, rkey uint32, addr uint64, n uint32, read bool) ([]byte, bool) {
 	if n == 0 {
 		return nil, true
 	}
 	if w := f.mws[rkey]; w != nil {
-		if w.n != p || w.mr == nil || !spans(w.addr, w.len, addr, uint64(n)) {
+		if read || w.n != p || w.mr == nil || !spans(w.addr, w.len, addr, uint64(n)) {
 			return nil, false
 		}
 		return f.bytes(w.mr.key, addr, n)
 	}
-	if m := f.mrs[rkey]; m == nil || m.use != peerWrites || m.n != p {
+	if m := f.mrs[rkey]; m == nil || !(m.use == peerReadsWrites || m.use == peerWrites && !read) || m.n != p {
 		return nil, false // a key is its own NIC's: another NIC knows none
 	}
 	return f.bytes(rkey, addr, n)
@@ -281,6 +290,7 @@ type fakeQP struct {
 	peer    uint32
 	dgid    *[16]byte // set by connectMooncake: packets go to this GID
 	mcMTU   mtu       // set by connectMooncake: the MTU cap it was given
+	reads   bool      // set by connectMooncake: it answers RDMA READs
 	ops     []op
 	recvs   int
 	cq      []completion
@@ -324,7 +334,7 @@ func (q *fakeQP) connectMooncake(remote endpoint) error {
 		return err
 	}
 	q.mu.Lock()
-	q.dgid, q.mcMTU = &remote.GID, remote.MTU
+	q.dgid, q.mcMTU, q.reads = &remote.GID, remote.MTU, true
 	q.mu.Unlock()
 	return nil
 }
@@ -564,7 +574,14 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 		f.mu.RUnlock()
 		return wcLocProtErr, 0
 	}
-	remote, ok := f.remote(peer.n, o.RKey, o.Remote, o.Len)
+	if o.Read && !peer.reads {
+		// ferry's lanes allow no remote reads: the responder NAKs the
+		// opcode (invalid request) and goes to the error state.
+		f.mu.RUnlock()
+		peer.fail()
+		return wcRemInvReqErr, 0
+	}
+	remote, ok := f.remote(peer.n, o.RKey, o.Remote, o.Len, o.Read)
 	if !ok {
 		f.mu.RUnlock()
 		// An RC responder that NAKs an access goes to the error state.
@@ -572,11 +589,9 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 		return wcRemAccessErr, 0
 	}
 	if o.Read {
-		// ferry's QPs allow no remote reads: the responder NAKs the
-		// opcode (invalid request) and goes to the error state.
+		copy(local, remote)
 		f.mu.RUnlock()
-		peer.fail()
-		return wcRemInvReqErr, 0
+		return wcSuccess, opcodeRDMARead
 	}
 	copy(remote, local)
 	f.mu.RUnlock()

@@ -211,6 +211,9 @@ type Transport struct {
 	noWindows error
 	// lent is the clients' regions the daemon registered (regions.go).
 	lent lentRegions
+	// engines is engine regions' registrations for peers' writes
+	// (engines.go).
+	engines lentRegions
 	// mooncakeMR is Memory registered for Mooncake peers' writes in
 	// windows mode (SharedKeys); under mu.
 	mooncakeMR region
@@ -351,7 +354,7 @@ func (t *Transport) closeShared() error {
 	if t.windows != nil {
 		errs = append(errs, t.windows.close())
 	}
-	errs = append(errs, t.lent.close())
+	errs = append(errs, t.lent.close(), t.engines.close())
 	if t.shared != nil {
 		errs = append(errs, t.shared.Close())
 	}

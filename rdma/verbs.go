@@ -47,6 +47,7 @@ const (
 	wcGeneralErr     = wcStatus(C.IBV_WC_GENERAL_ERR)
 
 	opcodeRDMAWrite       = uint32(C.IBV_WC_RDMA_WRITE)
+	opcodeRDMARead        = uint32(C.IBV_WC_RDMA_READ)
 	opcodeRecvRDMAWithImm = uint32(C.IBV_WC_RECV_RDMA_WITH_IMM)
 )
 
@@ -54,17 +55,21 @@ const (
 const maxPost = C.FV_MAX_POST
 
 // accessFor is a registration's access flags for u. Every registration
-// lets the NIC read and write it for local work; none allows
-// REMOTE_READ: ferry never reads a peer's memory, and a Mooncake
-// segment's descriptor hands the arena's rkey to whoever asks, so a
-// readable registration would let anyone who reaches the port read the
-// whole arena. Only peerWrites lets a peer write under the
+// lets the NIC read and write it for local work; only an engine
+// region's (peerReadsWrites) allows REMOTE_READ: ferry never reads a
+// peer's memory, and a Mooncake segment's descriptor hands the arena's
+// rkey to whoever asks, so a readable arena would let anyone who
+// reaches the port read all of it, while an engine's registered memory
+// is Mooncake's to read (only Mooncake QPs answer READs: mcverbs.go).
+// peerWrites and peerReadsWrites let a peer write under the
 // registration's own rkey; with windowBinding a write under it fails
 // with REM_ACCESS_ERR, and only windows bound over it let peers in.
 func accessFor(u use) C.int {
 	switch u {
 	case peerWrites:
 		return C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE
+	case peerReadsWrites:
+		return C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_REMOTE_WRITE | C.IBV_ACCESS_REMOTE_READ
 	case windowBinding:
 		return C.IBV_ACCESS_LOCAL_WRITE | C.IBV_ACCESS_MW_BIND
 	}
@@ -296,6 +301,18 @@ func (n *verbsNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (reg
 	var mr *C.struct_ibv_mr
 	rc := C.fv_reg_dmabuf(n.pd, C.uint64_t(offset), C.size_t(size), C.uint64_t(iova), C.int(fd), accessFor(u), &mr)
 	if err := verbsErr(fmt.Sprintf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d", size, fd), rc); err != nil {
+		return nil, err
+	}
+	return &verbsMR{mr: mr}, nil
+}
+
+func (n *verbsNIC) RegisterAt(mem []byte, iova uint64, u use) (region, error) {
+	if len(mem) == 0 {
+		return nil, errors.New("ibv_reg_mr_iova: nothing to register")
+	}
+	var mr *C.struct_ibv_mr
+	rc := C.fv_reg_iova(n.pd, unsafe.Pointer(unsafe.SliceData(mem)), C.size_t(len(mem)), C.uint64_t(iova), accessFor(u), &mr)
+	if err := verbsErr(fmt.Sprintf("ibv_reg_mr_iova of %d bytes at I/O address %#x", len(mem), iova), rc); err != nil {
 		return nil, err
 	}
 	return &verbsMR{mr: mr}, nil

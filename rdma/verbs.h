@@ -123,6 +123,15 @@ static inline int fv_reg_dmabuf(struct ibv_pd *pd, uint64_t offset, size_t len, 
 	return *mr ? 0 : fv_err();
 }
 
+// fv_reg_iova registers len bytes at addr, reached by work requests (and
+// named by peers' writes) at addresses from iova on: an engine's region,
+// which ferryd maps at addr and its owner at iova (rdma-core >= 22).
+static inline int fv_reg_iova(struct ibv_pd *pd, void *addr, size_t len, uint64_t iova, int access, struct ibv_mr **mr) {
+	errno = 0;
+	*mr = ibv_reg_mr_iova(pd, addr, len, iova, access);
+	return *mr ? 0 : fv_err();
+}
+
 // fv_cq_open makes a completion channel whose fd is non-blocking (Go's
 // poller waits on it) and a CQ that reports to it, armed.
 static inline int fv_cq_open(struct ibv_context *ctx, int depth, struct ibv_comp_channel **ch, struct ibv_cq **cq) {

@@ -1,0 +1,180 @@
+package e2e
+
+import (
+	"bytes"
+	"fmt"
+	"testing"
+	"unsafe"
+
+	"golang.org/x/sys/unix"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/mooncake/mooncaketest"
+	"github.com/ferry-project/ferry/transport"
+)
+
+// engineMemory is memory an engine registered, as ferry.mooncake's
+// register_memory lends it: a memfd mapped here (the engine's own
+// address of it, its mooncake_addr), lent to ferryd's engine segment.
+type engineMemory struct {
+	mem  []byte
+	addr uint64
+}
+
+func lendEngineMemory(t *testing.T, d *daemon, segment, name string, size int) engineMemory {
+	t.Helper()
+	f, err := client.NewRegionFile(name, int64(size))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer f.Close()
+	mem, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { unix.Munmap(mem) })
+	e := engineMemory{mem: mem, addr: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(mem))))}
+	g, err := d.c.RegisterRegionWith(ctxT(t), api.RegionRequest{Name: name, NBytes: int64(size), MooncakeAddr: e.addr, MooncakeSegment: segment}, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g.MooncakeAddr != e.addr || g.MooncakeSegment != segment {
+		t.Fatalf("region %+v: want it lent at %#x in engine segment %s", g, e.addr, segment)
+	}
+	return e
+}
+
+// TestEngineMemoryOverRDMA: memory an engine registered, in its own
+// engine segment of a ferryd on the rdma transport (make test-rdma).
+// Its descriptor says protocol rdma and lists exactly the registered
+// range, at the engine's address, with an rkey of its own (never the
+// arena's). Another ferryd writes into it over ferry's peer protocol,
+// each write granted at the engine's address under that registration:
+// in place, with no registration and no CPU copy per write on either
+// side (its DATAPLANE line). A Mooncake RDMA initiator writes into it
+// one-sidedly at the engine's addresses; a write past its end fails at
+// the NIC (REM_ACCESS_ERR) and changes nothing; its writes into two
+// engines' segments in turn all land (each segment has its own QPs).
+// Every write is checked byte-exact in the engine's own mapping of the
+// memfd. Closing the segments unregisters the memory.
+func TestEngineMemoryOverRDMA(t *testing.T) {
+	requireRDMA(t)
+	rcv, own := startMooncakeSegment(t, "--transport", "rdma")
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd", "--transport", "rdma"))
+	ctx := ctxT(t)
+	es, err := rcv.c.OpenEngineSegment(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	const size = 4 << 20
+	e := lendEngineMemory(t, rcv, es.ID, "engine-kv", size)
+	self := &mooncake.Segment{Name: "test", Buffers: []mooncake.Buffer{}}
+	desc, err := mooncake.FetchSegment(ctx, es.Session, self)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ownDesc, err := mooncake.FetchSegment(ctx, own, self)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if desc.Protocol != "rdma" || len(desc.Buffers) != 1 || desc.Buffers[0].Addr != e.addr || desc.Buffers[0].Length != size || len(desc.Buffers[0].RKey) != 1 {
+		t.Fatalf("engine segment descriptor %+v: want protocol rdma, one buffer at %#x of %d bytes with its rkey", desc, e.addr, size)
+	}
+	if rk := desc.Buffers[0].RKey[0]; rk == ownDesc.Buffers[0].RKey[0] {
+		t.Fatalf("the engine's buffer is listed under the arena's rkey %#x", rk)
+	}
+
+	// ferry → engine, over ferry's peer protocol on RDMA.
+	session := mooncake.Scheme + es.Session
+	const sends = 16
+	send := func(i int) {
+		t.Helper()
+		id := fmt.Sprint("e", i)
+		data := stageOn(t, snd, id, embBytes, uint64(300+i))
+		at := uint64(i * embBytes)
+		res, err := snd.c.Send(ctx, id, api.SendRequest{Session: session, BufferAddress: e.addr + at})
+		if err != nil {
+			t.Fatalf("send %d into engine memory: %v", i, err)
+		}
+		if res.Transport != "rdma" {
+			t.Fatalf("send %d: %+v, want it over ferry's rdma transport", i, res)
+		}
+		if !bytes.Equal(e.mem[at:at+embBytes], data) {
+			t.Fatalf("send %d: the engine's memory holds other bytes than were sent", i)
+		}
+	}
+	send(0) // warm-up: the session's lane
+	sb, rb := snd.metrics(t), rcv.metrics(t)
+	for i := 1; i <= sends; i++ {
+		send(i)
+	}
+	sa, ra := snd.metrics(t), rcv.metrics(t)
+	delta := func(a, b map[string]float64, series string) float64 { return a[series] - b[series] }
+	if n := delta(sa, sb, "ferry_rdma_sends_total"); n != sends {
+		t.Fatalf("%v RDMA sends counted, want %d", n, sends)
+	}
+	per := func(series string) float64 { return delta(sa, sb, series) / sends }
+	both := func(series string) float64 { return (delta(sa, sb, series) + delta(ra, rb, series)) / sends }
+	line := fmt.Sprintf("control_msgs_per_send=%.2f posts_per_send=%.2f signaled_per_send=%.2f reg_mr_per_send=%.2f cpu_copy_bytes_per_send=%.0f",
+		per("ferry_rdma_control_messages_total"), per("ferry_rdma_posts_total"), per("ferry_rdma_signaled_total"),
+		both(`ferry_registrations_total{mode="per-send"}`), both("ferry_rdma_copied_bytes_total"))
+	fmt.Printf("== DATAPLANE engine ferry->ferry rdma nbytes=%d %s\n", embBytes, line)
+	if both(`ferry_registrations_total{mode="per-send"}`) != 0 || both("ferry_rdma_copied_bytes_total") != 0 {
+		t.Errorf("DATAPLANE %s: want reg_mr_per_send=0.00 and cpu_copy_bytes_per_send=0, sender and receiver together", line)
+	}
+
+	// Mooncake → engine, one-sided RDMA WRITEs at the engine's addresses,
+	// into this engine's segment and another's on the same ferryd (two
+	// ranks on one host) in turn: the initiator's QPs to one survive its
+	// handshake with the other.
+	es2, err := rcv.c.OpenEngineSegment(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e2 := lendEngineMemory(t, rcv, es2.ID, "engine-kv2", 1<<20)
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 4 << 20})
+	writes, written := 0, 0
+	for i, c := range []struct {
+		session string
+		e       engineMemory
+		off, n  int
+	}{
+		{es.Session, e, 0, 4096}, {es2.Session, e2, 4096, 65536}, {es.Session, e, 1 << 20, 1<<20 + 17}, {es2.Session, e2, 0, 4096}, {es.Session, e, size - 65536, 65536},
+	} {
+		data := randomBytes(c.n, uint64(400+i))
+		if _, err := peer.WriteRDMA(ctx, c.session, c.e.addr+uint64(c.off), data, ""); err != nil {
+			t.Fatalf("a Mooncake write of %d bytes at the engine's %#x (segment %s): %v", c.n, c.e.addr+uint64(c.off), c.session, err)
+		}
+		if !bytes.Equal(c.e.mem[c.off:c.off+c.n], data) {
+			t.Fatalf("a Mooncake write of %d bytes at offset %d (segment %s): the engine's memory holds other bytes", c.n, c.off, c.session)
+		}
+		writes, written = writes+1, written+c.n
+	}
+	tg, ok, err := desc.RDMATarget(e.addr, 1)
+	if !ok || err != nil {
+		t.Fatalf("the descriptor's target for the engine's first byte: %v, %v", ok, err)
+	}
+	tail := bytes.Clone(e.mem[size-100:])
+	err = peer.WriteRawRDMA(ctx, es.Session, tg, e.addr+size-100, randomBytes(4096, 499))
+	status := transport.StatusName(err)
+	if status != "REM_ACCESS_ERR" {
+		t.Errorf("a Mooncake write running past the registered memory: %v (status %q), want REM_ACCESS_ERR", err, status)
+	}
+	if !bytes.Equal(e.mem[size-100:], tail) {
+		t.Error("the refused write changed the engine's memory")
+	}
+	fmt.Printf("== MOONCAKE engine rdma writes=%d bytes=%d segments=2 byte_exact=true buffers=%d own_rkey=%t out_of_bounds=%s\n",
+		writes, written, len(desc.Buffers), desc.Buffers[0].RKey[0] != ownDesc.Buffers[0].RKey[0], status)
+
+	// Closed, the segments' memory is unregistered.
+	for _, id := range []string{es.ID, es2.ID} {
+		if err := rcv.c.CloseEngineSegment(ctx, id); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if regions, err := rcv.c.Regions(ctx); err != nil || len(regions) != 0 {
+		t.Fatalf("regions after the engine segment closed: %+v, %v; want none", regions, err)
+	}
+}
