@@ -108,6 +108,11 @@ func mapRegion(fd int, name string, off, n int64) (arena.Memory, error) {
 		return nil, apiErr(api.CodeBadRequest,
 			"region %s: the descriptor passed is not a memfd that allows sealing (F_GET_SEALS: %v): create it with memfd_create(name, MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK", name, err)
 	}
+	if seals&(unix.F_SEAL_SHRINK|unix.F_SEAL_SEAL) == unix.F_SEAL_SEAL {
+		// tmpfs answers F_GET_SEALS for any of its files, with F_SEAL_SEAL.
+		return nil, apiErr(api.CodeBadRequest,
+			"region %s: the descriptor passed allows no seals (a plain tmpfs file, or a memfd made without MFD_ALLOW_SEALING): create it with memfd_create(name, MFD_ALLOW_SEALING) and seal it with F_SEAL_SHRINK", name)
+	}
 	if seals&unix.F_SEAL_SHRINK == 0 {
 		return nil, apiErr(api.CodeBadRequest,
 			"region %s: the memfd is not sealed against shrinking: fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK) after sizing it, so no one can cut it short under ferryd's mapping", name)
