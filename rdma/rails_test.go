@@ -659,6 +659,41 @@ func TestRailsKeyNamesTheSlotsRail(t *testing.T) {
 	}
 }
 
+// TestRailsKeyRailWithoutWindows: in grant mode a key names its slot's
+// rail all the same (the daemon sets it from the arena's nearest NIC):
+// a write leaves through the sender's rail 0, asks the receiver's rail
+// 1, lands under a registration of its bytes on that NIC, and arrives
+// there, byte-exact.
+func TestRailsKeyRailWithoutWindows(t *testing.T) {
+	const size = 1<<20 + 9
+	p := newRailsPair(t, 2, 2, size, false)
+	p.slotOnRail1(t)
+	p.sink.open(t, p.src)
+	p.sink.key = p.sink.key.WithRail(1)
+	rep, err := p.s.Write(ctxFor(t, 30*time.Second), transport.Write{Src: p.src, Remote: addrOf(p.sink.mem), Key: p.sink.key, Tag: p.sink.key.Tag(), Whole: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-p.sink.arrived:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the slot did not arrive within 30s of the write's return")
+	}
+	p.sink.mu.Lock()
+	exact := p.sink.exact
+	p.sink.mu.Unlock()
+	if !exact {
+		t.Fatal("the slot's bytes differ")
+	}
+	out, in := p.tx.Rails(), p.rx.Rails()
+	if out[0].Bytes != size || out[1].Bytes != 0 || in[0].Received != 0 || in[1].ReceivedBytes != size || rep.Messages != peer.Messages {
+		t.Fatalf("sent %+v, received %+v, %d messages: want one granted write out of rail 0, into rail 1", out, in, rep.Messages)
+	}
+	if st := p.rx.Stats(); st.PerReceive != 1 {
+		t.Errorf("the receiver made %d per-receive registrations, want 1 (on rail 1's NIC)", st.PerReceive)
+	}
+}
+
 // inPlaceSink is a stripeSink over device memory the NIC reaches: the
 // transport hands out no memory for its writes (AcceptInPlace).
 type inPlaceSink struct{ windowedSink }
