@@ -293,6 +293,10 @@ type Rail struct {
 	NICChoice
 	Sends uint64 `json:"sends"`
 	Bytes uint64 `json:"bytes"`
+	// Received is the writes and pieces that came in through it and
+	// were delivered, ReceivedBytes their bytes.
+	Received      uint64 `json:"received"`
+	ReceivedBytes uint64 `json:"received_bytes"`
 }
 
 // NIC is an RDMA device.
@@ -453,9 +457,10 @@ type ReceiveSlot struct {
 	ReqID         string `json:"req_id"`
 	Session       string `json:"session"`
 	BufferAddress uint64 `json:"buffer_address"`
-	// Key is the slot's key: its capability (128 random bits) and the
-	// rkey of the memory window over it (windows mode; else zeros), as
-	// 40 hex digits. Treat it as an opaque string and pass it to the
+	// Key is the slot's key: its capability (120 random bits), its rail
+	// (the receiver's NIC nearest the slot's device) and the rkey of the
+	// memory window over it there (windows mode; else zeros), as 40 hex
+	// digits (transport.Key). Treat it as an opaque string and pass it to the
 	// sender unchanged.
 	Key    transport.Key `json:"key"`
 	NBytes int64         `json:"nbytes"`

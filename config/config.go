@@ -144,7 +144,7 @@ var options = []option{
 		func(s *Settings) value {
 			return choice[Transport]{&s.Transport, []Transport{TransportAuto, TransportRDMA, TransportTCP}}
 		}, nil},
-	{"rdma_device", "", "RDMA `devices` to use, comma-separated, e.g. mlx5_0 or mlx5_0,mlx5_1, or all (every device with an active port); the first carries every send below rdma_stripe_min, and larger sends are striped over all (empty: the one whose GID carries the advertised address)",
+	{"rdma_device", "", "RDMA `devices` to use, comma-separated, e.g. mlx5_0 or mlx5_0,mlx5_1, or all (every device with an active port); a send below rdma_stripe_min goes out of the device nearest its source's (the first for the first arena) into the receiver's nearest the slot's, and larger sends are striped over all (empty: the one whose GID carries the advertised address)",
 		func(s *Settings) value { return (*names)(&s.RDMADevice) }, nil},
 	{"rdma_stripe_min", "8MiB", "`size` from which a send from the arena is striped in 1 MiB pieces over every RDMA device pair the two daemons share (rdma_device); a device failing mid-send gives its pieces to the others (0: never stripe)",
 		func(s *Settings) value { return &s.RDMAStripeMin }, sizeWithin(func(s *Settings) Size { return s.RDMAStripeMin }, 0, 1<<40)},

@@ -56,6 +56,7 @@ func (d *Daemon) registerArenas() {
 	for _, a := range d.arenas[1:] { // New made at least one
 		g := a.region
 		g.nic, a.rails, g.nicErr = d.registerRegionNIC(a.mem.Memory, d.affinity.NICsFor(g.device))
+		g.rail = uint8(a.rails.Home)
 		switch {
 		case g.nicErr != nil:
 			d.log.Warn().Str("device", g.device).Err(g.nicErr).Msg("the arena could not be registered with the NIC: its transfers are copied through staging buffers")

@@ -55,6 +55,27 @@ func TestASecondArenaHoldsItsOwnSlotsAndEntries(t *testing.T) {
 	if want := aff.NICsFor("cpu"); len(want) != 2 || !slices.Equal(nic.asked, want) {
 		t.Fatalf("the second arena was registered on %q; want its device's NICs from the affinity table, %q", nic.asked, want)
 	}
+	// Without windows its slots' keys name the rail nearest it all the
+	// same (the second NIC, where the fake registered it), the first
+	// arena's rail 0.
+	if g.rail != 1 {
+		t.Fatalf("the second arena's rail is %d, want 1 (rdma.RegionRails.Home)", g.rail)
+	}
+	for _, c := range []struct {
+		in   *region
+		rail uint8
+	}{{g, 1}, {nil, 0}} {
+		s, err := r.newSlotOn(c.in, "s0", 100, false)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if s.key.Rail() != c.rail || s.key.Window() != 0 {
+			t.Fatalf("a slot in %s names rail %d, window %#x: want rail %d, no window", r.deviceOf(c.in), s.key.Rail(), s.key.Window(), c.rail)
+		}
+		if err := r.deleteSlot("s0"); err != nil {
+			t.Fatal(err)
+		}
+	}
 
 	w := &fakeWindows{open: make(map[uint32][2]uint64)}
 	r.UseWindows(w)
@@ -131,7 +152,7 @@ func (c *railsRegistrar) RegisterRegionOn(_ []byte, nics []string) (io.Closer, r
 	if len(nics) == 0 {
 		return c.register(), rdma.RegionRails{}, nil
 	}
-	return c.register(), rdma.RegionRails{NICs: nics[len(nics)-1:], Why: nics[0] + " is away"}, nil
+	return c.register(), rdma.RegionRails{NICs: nics[len(nics)-1:], Why: nics[0] + " is away", Home: len(nics) - 1}, nil
 }
 
 func (c *railsRegistrar) RegisterDeviceRegionOn(_ transport.Range, nics []string) (io.Closer, rdma.RegionRails, error) {

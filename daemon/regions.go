@@ -57,6 +57,10 @@ type region struct {
 	// entries; device names it. Both unset for a client's region.
 	alloc  *arena.Arena
 	device string
+	// rail is the RDMA NIC nearest a device arena (its index in the
+	// transport's rails: the first of the affinity table's NICs that
+	// registered it), which its slots' keys name where no window does.
+	rail uint8
 	// lend: where Mooncake peers write into it, in which segment, lent
 	// by which process (engines.go); the zero value: they do not.
 	lend

@@ -52,8 +52,8 @@ type slot struct {
 	slice    arena.Slice
 	addr     uint64
 	key      transport.Key
-	window   uint32 // the rkey of the memory window over it (rdma's windows mode), or 0
-	mooncake bool   // Mooncake peers, who carry no key, may write into it
+	window   transport.Window // the memory window over it (rdma's windows mode): its rail and rkey; rkey 0: none
+	mooncake bool             // Mooncake peers, who carry no key, may write into it
 	nbytes   int64
 	since    time.Time
 	pins     int // writes landing and reads in progress
@@ -494,6 +494,10 @@ func (r *registry) newSlotOn(g *region, reqID string, n int64, mooncake bool) (*
 			r.free(g, sl)
 			return nil, err
 		}
+	} else if g != nil {
+		// No window: the key names the NIC nearest the device all the
+		// same, where the sender's lane goes (docs/rdma.md, "Rails").
+		s.window.Rail = g.rail
 	}
 	if g != nil {
 		g.uses++
@@ -578,7 +582,7 @@ func (r *registry) addSlot(s *slot) *slot {
 	for key.Tag() == 0 || r.byTag[key.Tag()] != nil {
 		key = transport.NewKey()
 	}
-	key = key.WithWindow(s.window)
+	key = key.WithWindowOn(s.window)
 	s.key, s.since = key, time.Now()
 	r.slots[s.reqID] = s
 	r.byKey[key] = s
@@ -726,7 +730,7 @@ func (r *registry) Arrived(tag uint32, n uint64) error {
 		r.refused(transport.SlotBusy)
 		return &transport.Refusal{Code: transport.SlotBusy,
 			Message: fmt.Sprintf("the receive slot of req_id %s already holds its data", s.reqID)}
-	case s.region != nil && s.window == 0:
+	case s.region != nil && s.window.RKey == 0:
 		// Its bytes are in a region, which direct writes reach only
 		// through a window over the slot (windows mode), never under
 		// the arena's rkey.
@@ -919,7 +923,7 @@ func (r *registry) unpin(s *slot) {
 // Once stopping, nothing can be allocated any more, so the memory goes
 // back at once.
 func (r *registry) release(s *slot) {
-	if s.window != 0 {
+	if s.window.RKey != 0 {
 		// Nothing lands through the window from here on; a window still
 		// open keeps its memory from every newer slot, and a region
 		// under it registered and mapped.

@@ -217,6 +217,7 @@ func (dp *dataPlane) rdmaStatus() *api.RDMAStatus {
 		st.Rails = slices.Clone(st.Rails)
 		for i, r := range dp.rdma.Rails() {
 			st.Rails[i].Sends, st.Rails[i].Bytes = r.Sends, r.Bytes
+			st.Rails[i].Received, st.Rails[i].ReceivedBytes = r.Received, r.ReceivedBytes
 		}
 	}
 	return &st
@@ -354,8 +355,7 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 		{"ferry_rdma_credit_stalls_total", "RDMA writes that found their lane out of receive credits and waited for the receiving daemon to take the writes before (it was descheduled, stopped or busy).", func(s rdma.Stats) uint64 { return s.CreditStalls }},
 		{"ferry_rdma_striped_sends_total", "Of the RDMA writes, those striped in pieces over several RDMA devices (rdma_device, rdma_stripe_min).", func(s rdma.Stats) uint64 { return s.Striped }},
 		{"ferry_rdma_stripe_failovers_total", "RDMA devices that failed under a striped write, whose pieces left went through the others.", func(s rdma.Stats) uint64 { return s.Failovers }},
-		{"ferry_rdma_arena_rail_sends_total", "Of the RDMA writes, those from a device's arena after the first that went out through its own NICs (the affinity table), in granted pieces.", func(s rdma.Stats) uint64 { return s.RegionRails }},
-		{"ferry_rdma_arena_rail_missed_total", "Of the RDMA writes from a device's arena after the first, those that went through rail 0 since the peer has none of its NICs' rails.", func(s rdma.Stats) uint64 { return s.RegionRailsMissed }},
+		{"ferry_rdma_arena_rail_sends_total", "Of the RDMA writes, those from a device's arena after the first that went out through its own NICs (the affinity table).", func(s rdma.Stats) uint64 { return s.RegionRails }},
 	} {
 		out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{Name: c.name, Help: c.help},
 			func() float64 { return float64(c.of(stats())) }))
@@ -376,7 +376,13 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 				func() float64 { return float64(rail().Sends) }),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_rdma_nic_sent_bytes_total", ConstLabels: labels,
 				Help: "Their bytes, per RDMA device."},
-				func() float64 { return float64(rail().Bytes) }))
+				func() float64 { return float64(rail().Bytes) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_rdma_nic_received_total", ConstLabels: labels,
+				Help: "RDMA writes and striped pieces this daemon took in as receiver and delivered, per RDMA device they came in by."},
+				func() float64 { return float64(rail().Received) }),
+			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_rdma_nic_received_bytes_total", ConstLabels: labels,
+				Help: "Their bytes, per RDMA device."},
+				func() float64 { return float64(rail().ReceivedBytes) }))
 	}
 	out = append(out, prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "ferry_rdma_credit_stall_seconds_total",

@@ -6,6 +6,7 @@ import (
 	"testing"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // fakeWindows hands out rkeys and records which are open; fail makes
@@ -14,27 +15,28 @@ type fakeWindows struct {
 	next uint32
 	open map[uint32][2]uint64
 	fail error
+	rail uint8 // the rail its windows are on
 }
 
-func (w *fakeWindows) Open(addr, n uint64) (uint32, error) {
+func (w *fakeWindows) Open(addr, n uint64) (transport.Window, error) {
 	if err := w.fail; err != nil {
 		w.fail = nil
-		return 0, err
+		return transport.Window{}, err
 	}
 	w.next += 0x100
 	w.open[w.next] = [2]uint64{addr, n}
-	return w.next, nil
+	return transport.Window{Rail: w.rail, RKey: w.next}, nil
 }
 
-func (w *fakeWindows) Close(rkey uint32) error {
+func (w *fakeWindows) Close(win transport.Window) error {
 	if err := w.fail; err != nil {
 		w.fail = nil
 		return err
 	}
-	if _, ok := w.open[rkey]; !ok {
-		return fmt.Errorf("no window %#x", rkey)
+	if _, ok := w.open[win.RKey]; !ok || win.Rail != w.rail {
+		return fmt.Errorf("no window %#x on rail %d", win.RKey, win.Rail)
 	}
-	delete(w.open, rkey)
+	delete(w.open, win.RKey)
 	return nil
 }
 
@@ -195,5 +197,38 @@ func TestRegionSlotWindows(t *testing.T) {
 	}
 	if desc := r.listRegions(); len(desc) != 1 || desc[0].Name != "copied" || desc[0].NIC != nil {
 		t.Errorf("regions left: %+v; want copied alone, with no nic (no registrar)", desc)
+	}
+}
+
+// TestSlotWindowNamesItsRail: a slot whose window went on another rail
+// (the NIC nearest its memory) has a key naming that rail beside the
+// window's rkey; the key with its rail byte changed names no slot (keys
+// are compared whole), and the window closes on its own rail.
+func TestSlotWindowNamesItsRail(t *testing.T) {
+	r := newTestRegistry(t, 4096)
+	w := &fakeWindows{open: make(map[uint32][2]uint64), rail: 2}
+	r.UseWindows(w)
+	s, err := r.newSlot("a", 1024, false)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if s.key.Rail() != 2 || s.key.Window() == 0 || s.key.WindowOn() != s.window {
+		t.Fatalf("the slot's key names rail %d, window %#x (its window %+v): want rail 2's", s.key.Rail(), s.key.Window(), s.window)
+	}
+	for _, rail := range []uint8{0, 1, 3} {
+		if _, _, err := r.Accept(s.addr, 1024, s.key.WithRail(rail), s.key.Tag()); !errors.Is(err, errRefuseNoSlot) {
+			t.Fatalf("a write under the key naming rail %d: %v, want no slot", rail, err)
+		}
+	}
+	_, done, err := r.Accept(s.addr, 1024, s.key, s.key.Tag())
+	if err != nil {
+		t.Fatal(err)
+	}
+	done(nil)
+	if err := r.deleteSlot("a"); err != nil {
+		t.Fatal(err)
+	}
+	if len(w.open) != 0 {
+		t.Fatalf("windows %v still open after the slot was freed: want its window closed on rail 2", w.open)
 	}
 }

@@ -102,13 +102,18 @@ type lane struct {
 	ansErr   error
 	lastWord peer.Reply // a reply with flagFailed: why the receiver gave up
 
-	// rail is the index of the NIC the lane's QP is on (rails.go).
-	rail int
+	// rail is the index of the NIC the lane's QP is on (rails.go), and
+	// peerRail, on a lane this side dialed, that of the peer's NIC its
+	// QP is connected to.
+	rail, peerRail int
 
 	// The sender's bounce buffer, mapped and registered on first use.
 	bounce    []byte
 	bounceReg region
 }
+
+// pair is the rail pair of a lane this side dialed.
+func (l *lane) pair() pair { return pair{l.rail, l.peerRail} }
 
 // newLane makes a lane whose poller takes every completion to wcs (an
 // accepted lane, a Mooncake endpoint's).

@@ -208,12 +208,14 @@ type target struct {
 // and registered for this write and copied into dst once the write is
 // complete.
 //
-// A write arriving on a rail other than 0 (a striped piece, or a piece
-// of a send from a region registered on that rail: rails.go) lands under
-// that rail's NIC's registrations: the arena's, or in windows mode or in
-// a region one of the piece's bytes alone, since the slot's window and
-// a region's registration are rail 0's NIC's.
-func (t *Transport) target(dst []byte, window uint32, r *rail) (*target, error) {
+// A write arriving on rail ri lands under that rail's NIC's
+// registrations (a registration, a window, is its NIC's): in windows
+// mode under the slot's window when its key names ri (viaKeyRail), else
+// under a registration of its bytes alone made for it; in the other
+// modes, on rails other than 0, under that rail's registration of the
+// arena, or, in a region, one of its bytes alone.
+func (t *Transport) target(dst []byte, key transport.Key, ri int) (*target, error) {
+	r := t.rails[ri]
 	tg := &target{dst: dst, copied: &t.stats.copied}
 	if len(dst) == 0 {
 		return tg, nil
@@ -230,15 +232,14 @@ func (t *Transport) target(dst []byte, window uint32, r *rail) (*target, error) 
 		mr = g.mr
 	}
 	forThisWrite := func() (region, error) { return r.nic.Register(dst, peerWrites) }
-	otherRail := r != t.rails[0]
 	switch {
-	case otherRail && inArena && t.windows == nil:
+	case ri != 0 && inArena && t.windows == nil:
 		tg.rkey = r.shared.RKey()
 		return tg, nil
-	case mr != nil && !otherRail:
-		return tg, t.reach(tg, window, mr, forThisWrite)
+	case mr != nil && t.viaKeyRail(key, ri):
+		return tg, t.reach(tg, key.Window(), mr, forThisWrite)
 	case inArena || mr != nil:
-		// The slot's window and a region's registration are rail 0's.
+		// The slot's window, or mr, is another rail's NIC's.
 		return tg, t.registerFor(tg, forThisWrite)
 	}
 	stage, err := mapAnon(len(dst))
@@ -253,6 +254,17 @@ func (t *Transport) target(dst []byte, window uint32, r *rail) (*target, error) 
 	t.stats.staged.Add(1)
 	tg.addr, tg.rkey, tg.reg, tg.stage = addrOf(stage), reg.RKey(), reg, stage
 	return tg, nil
+}
+
+// viaKeyRail reports whether a granted write with key arriving on rail
+// ri goes under what reach gives: in windows mode, the slot's window,
+// when it is on ri (the rail key names); otherwise, on rail 0, whose
+// registrations the arena's and the regions' (mr) are.
+func (t *Transport) viaKeyRail(key transport.Key, ri int) bool {
+	if t.windows != nil {
+		return int(key.Rail()) == ri
+	}
+	return ri == 0
 }
 
 // reach sets the rkey a granted write into a slot inside mr (the

@@ -4,7 +4,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"slices"
 	"sync"
 	"sync/atomic"
 
@@ -15,19 +14,28 @@ import (
 
 // Rails: a transport drives one or more RDMA NICs (--rdma-device a,b or
 // all), each a rail with its own protection domain, its own registration
-// of the arena and its own lanes. Rail 0 is the first NIC: every write
-// that is not striped goes through it, exactly as with one NIC, and its
-// windows are the ones a slot's key names. A session opens lanes per
-// rail pair, local rail i to the peer's rail i, as many pairs as both sides have rails. A write of at least
+// of the arena and its own lanes. Rail 0 is the first NIC. A session
+// opens lanes per rail pair (a local rail and one of the peer's), each
+// pair's when a write first needs it. A write that is not striped goes
+// over one pair: out of the rail nearest its source (a region's home
+// rail, regions.go: a device arena's NIC from the affinity table; rail 0
+// for the first arena and anything else) into the peer's rail its key
+// names (transport.Key.Rail: the NIC nearest the receiving slot's
+// device, where its window is bound, windows.go; rail 0 when the peer
+// has no such rail), directly where it may (wire.go). A write of at least
 // Config.StripeMin bytes from the arena is striped: cut into pieces of
 // stripePiece bytes, dealt round-robin over the rail pairs, each piece a
 // granted write of its range (wire.go), so the receiving Sink delivers
 // the slot once, when the pieces have covered all of it, whichever lanes
 // they came by. A rail whose piece fails (its NIC down, its lane broken)
 // gives its pieces left to the others, and the send fails only when no
-// rail is left or the receiver refuses. Unstriped writes keep the zero
-// control message of direct writes; a striped one costs a header and a
-// grant per piece. docs/rdma.md, "Rails", says what it costs.
+// rail is left or the receiver refuses. A striped write goes over the
+// pairs i to i, as many as both sides have rails; a granted write from
+// a region registered on rails other than 0 goes in pieces over those
+// of its rails the peer has too (i to i), with rail 0 to take over.
+// Unstriped writes keep the zero control message of direct writes; a
+// striped one costs a header and a grant per piece. docs/rdma.md,
+// "Rails", says what it costs.
 
 // stripePiece is the size of a striped write's pieces.
 const stripePiece = 1 << 20
@@ -43,15 +51,27 @@ type rail struct {
 	nic    nic
 	shared region // the host arena registered on this NIC; nil: none
 	// What left through this NIC as sender: writes and striped pieces
-	// completed, and their bytes.
-	sends, bytes atomic.Uint64
+	// completed, and their bytes; and what came in through it as
+	// receiver: writes and pieces delivered, and their bytes.
+	sends, bytes            atomic.Uint64
+	received, receivedBytes atomic.Uint64
+	// windows are the windows over the slots whose home is this rail, on
+	// rails other than 0 (rail 0's are the transport's own), made when a
+	// slot first needs them, or noWindows says why they could not be;
+	// under the transport's winMu.
+	windows   *windows
+	noWindows error
 }
 
-// RailStats is one NIC's share of the sending side's work.
+// RailStats is one NIC's share of the work, sending and receiving.
 type RailStats struct {
 	NIC   string `json:"nic"`
 	Sends uint64 `json:"sends"` // writes and striped pieces completed out of it
 	Bytes uint64 `json:"bytes"` // their bytes
+	// Received is the writes and pieces that came in through it and
+	// were delivered, ReceivedBytes their bytes.
+	Received      uint64 `json:"received"`
+	ReceivedBytes uint64 `json:"received_bytes"`
 }
 
 // nicName is n's device name (mlx5_0, rxe1), or fallback.
@@ -148,11 +168,12 @@ func (t *Transport) closeRails(nics bool) error {
 	return errors.Join(errs...)
 }
 
-// Rails is each NIC's share of what this transport sent, in rails order.
+// Rails is each NIC's share of what this transport sent and received,
+// in rails order.
 func (t *Transport) Rails() []RailStats {
 	out := make([]RailStats, len(t.rails))
 	for i, r := range t.rails {
-		out[i] = RailStats{NIC: r.name, Sends: r.sends.Load(), Bytes: r.bytes.Load()}
+		out[i] = RailStats{NIC: r.name, Sends: r.sends.Load(), Bytes: r.bytes.Load(), Received: r.received.Load(), ReceivedBytes: r.receivedBytes.Load()}
 	}
 	return out
 }
@@ -173,15 +194,127 @@ func (t *Transport) sent(i int, n int) {
 	r.bytes.Add(uint64(n))
 }
 
-// openRailPools gives s a pool of lanes per rail pair beyond rail 0's,
-// local rail i to the peer's rail i, for as many rails as both
-// have; each pool may hold its share of MaxConnsPerPeer.
-func (s *session) openRailPools(peerRails int) {
-	pairs := min(len(s.t.rails), peerRails)
-	per := max(1, s.t.cfg.Peer.MaxConnsPerPeer/max(1, pairs))
-	for i := 1; i < pairs; i++ {
-		s.pools = append(s.pools, pool.New(per, func(ctx context.Context) (*lane, error) { return s.openOn(ctx, i) }, func(l *lane) { l.close() }))
+// received counts a write or piece of n bytes delivered in through
+// rail i.
+func (t *Transport) received(i int, n uint64) {
+	r := t.rails[i]
+	r.received.Add(1)
+	r.receivedBytes.Add(n)
+}
+
+// slotWindows is the transport.Windows a windowed Sink gets: each
+// slot's window goes on the rail nearest its memory (windows.go), or on
+// rail 0 when that rail binds none, which is logged.
+type slotWindows struct{ t *Transport }
+
+func (s slotWindows) Open(addr, n uint64) (transport.Window, error) {
+	t := s.t
+	if r := t.lent.homeRail(addr, n); r > 0 {
+		w, err := t.windowsOn(r)
+		if err == nil {
+			var rkey uint32
+			if rkey, err = w.Open(addr, n); err == nil {
+				return transport.Window{Rail: uint8(r), RKey: rkey}, nil
+			}
+		}
+		t.logf("rdma: no memory window on %s over a receive slot in memory registered there (%v): its window goes on %s, where writes to it arrive",
+			t.rails[r].name, err, t.rails[0].name)
 	}
+	rkey, err := t.windows.Open(addr, n)
+	return transport.Window{RKey: rkey}, err
+}
+
+func (s slotWindows) Close(w transport.Window) error {
+	if w.Rail == 0 {
+		return s.t.windows.Close(w.RKey)
+	}
+	t := s.t
+	t.winMu.Lock()
+	var ws *windows
+	if int(w.Rail) < len(t.rails) {
+		ws = t.rails[w.Rail].windows
+	}
+	t.winMu.Unlock()
+	if ws == nil {
+		return fmt.Errorf("no memory windows on rail %d", w.Rail)
+	}
+	return ws.Close(w.RKey)
+}
+
+// windowsOn is rail r's windows (r > 0), made on first use: they bind
+// over the regions registered on r's NIC only.
+func (t *Transport) windowsOn(r int) (*windows, error) {
+	t.winMu.Lock()
+	defer t.winMu.Unlock()
+	rl := t.rails[r]
+	switch {
+	case t.isClosing():
+		return nil, fmt.Errorf("memory windows: %w", transport.ErrClosed)
+	case rl.windows != nil || rl.noWindows != nil:
+		return rl.windows, rl.noWindows
+	}
+	if rl.noWindows = rl.nic.Windows(); rl.noWindows == nil {
+		rl.windows, rl.noWindows = newWindows(rl.nic, r, nil, 0, 0, &t.lent, &t.stats)
+	}
+	return rl.windows, rl.noWindows
+}
+
+// closeRailWindows drops the windows of rails other than 0, before the
+// regions' registrations under them.
+func (t *Transport) closeRailWindows() error {
+	t.winMu.Lock()
+	defer t.winMu.Unlock()
+	var errs []error
+	for _, r := range t.rails[min(1, len(t.rails)):] {
+		if r.windows != nil {
+			errs = append(errs, r.windows.close())
+		}
+	}
+	return errors.Join(errs...)
+}
+
+// pair is a lane's two ends: the local rail its QP is on, and the
+// peer's rail its peer QP is on.
+type pair struct{ local, peer int }
+
+// poolOn is the pool of pr's lanes, opened on first use; each pool but
+// rail 0's (which may hold MaxConnsPerPeer) may hold its share of it.
+// Once the session closed it is rail 0's, closed.
+func (s *session) poolOn(pr pair) *pool.Pool[*lane] {
+	s.poolMu.Lock()
+	defer s.poolMu.Unlock()
+	if p := s.pools[pr]; p != nil {
+		return p
+	}
+	if s.poolsClosed {
+		return s.pool
+	}
+	per := max(1, s.t.cfg.Peer.MaxConnsPerPeer/max(1, s.pairs()))
+	p := pool.New(per, func(ctx context.Context) (*lane, error) { return s.openOn(ctx, pr) }, func(l *lane) { l.close() })
+	s.pools[pr] = p
+	return p
+}
+
+// pairs is how many rails both sides have: the pairs i to i a striped
+// write goes over.
+func (s *session) pairs() int { return min(len(s.t.rails), s.region.Rails) }
+
+// pairFor is the rail pair a write that is not striped goes over: out
+// of the rail nearest its source (a region's home rail; else rail 0),
+// into the peer's rail its key names, or the peer's rail 0 when it has
+// no such rail (a key its receiver did not make: it is refused there).
+// A source going out of a rail other than 0 goes under its registration
+// there (p).
+func (s *session) pairFor(w *transport.Write, p *plan) pair {
+	var pr pair
+	if k := int(w.Key.Rail()); k < s.region.Rails {
+		pr.peer = k
+	}
+	if g := s.t.lent.source(w); g != nil && g.home != 0 && w.Len() > 0 {
+		pr.local = g.home
+		p.lkey, p.railKey = g.lkeyOn(g.home), true
+	}
+	return pr
 }
 
 // stripes reports whether w goes striped: the peer and this transport
@@ -189,35 +322,36 @@ func (s *session) openRailPools(peerRails int) {
 // host arena, which every rail registered (a GPU arena's rails beyond 0
 // hold none).
 func (s *session) stripes(w *transport.Write, p *plan) bool {
-	return len(s.pools) > 1 && s.t.rails[1].shared != nil && s.t.cfg.StripeMin > 0 && w.Len() >= s.t.cfg.StripeMin &&
+	return s.pairs() > 1 && s.t.rails[1].shared != nil && s.t.cfg.StripeMin > 0 && w.Len() >= s.t.cfg.StripeMin &&
 		w.Src != nil && p.kind == fromShared && within(s.t.mem, w.Src)
 }
 
-// railSet is the rails a write goes over in pieces, and the
-// registration its source lies in on each.
+// railSet is the rail pairs a write goes over in pieces, and the
+// registration its source lies in on each local rail.
 type railSet struct {
-	rails []int // indexes into the session's pools
-	// spare is the rail that takes the pieces left once every one of
-	// rails failed; -1: none, the write fails.
+	pairs []pair
+	// spare is the index in pairs of the pair that takes the pieces left
+	// once every other one failed, and carries none before; -1: none,
+	// the write fails.
 	spare int
-	lkey  func(r int) uint32
+	lkey  func(local int) uint32
 }
 
-// arenaRails is every rail pair, over the host arena's registration on
-// each: a striped write.
+// arenaRails is every rail pair i to i, over the host arena's
+// registration on each: a striped write.
 func (s *session) arenaRails() railSet {
-	rails := make([]int, len(s.pools))
-	for i := range rails {
-		rails[i] = i
+	on := railSet{spare: -1, lkey: func(r int) uint32 { return s.t.rails[r].shared.LKey() }}
+	for i := range s.pairs() {
+		on.pairs = append(on.pairs, pair{i, i})
 	}
-	return railSet{rails: rails, spare: -1, lkey: func(r int) uint32 { return s.t.rails[r].shared.LKey() }}
+	return on
 }
 
-// regionRails is the rails a send from w's source goes over when that
-// lies in a region registered on rails other than 0 (RegisterRegionOn):
-// those of them the peer has too, with rail 0 to take over if they all
-// fail. false: w goes as any other write, through rail 0 (striped or
-// not); a region whose rails the peer lacks is counted (railsMissed).
+// regionRails is the rail pairs a granted send from w's source goes
+// over when that lies in a region registered on rails other than 0
+// (RegisterRegionOn): those of its rails i the peer has too, to the
+// peer's rail i, with rail 0 to rail 0 to take over if they all fail.
+// false: w goes as any other write, out of its home rail (pairFor).
 func (s *session) regionRails(w *transport.Write) (railSet, bool) {
 	if len(s.t.rails) < 2 {
 		return railSet{}, false
@@ -226,16 +360,17 @@ func (s *session) regionRails(w *transport.Write) (railSet, bool) {
 	if g == nil || len(g.rails) == 0 || w.Len() == 0 {
 		return railSet{}, false
 	}
-	on := railSet{spare: 0, lkey: g.lkeyOn}
+	on := railSet{lkey: g.lkeyOn}
 	for _, rr := range g.rails {
-		if rr.rail < len(s.pools) {
-			on.rails = append(on.rails, rr.rail)
+		if rr.rail < s.region.Rails {
+			on.pairs = append(on.pairs, pair{rr.rail, rr.rail})
 		}
 	}
-	if len(on.rails) == 0 {
-		s.t.stats.railsMissed.Add(1)
+	if len(on.pairs) == 0 {
 		return railSet{}, false
 	}
+	on.spare = len(on.pairs)
+	on.pairs = append(on.pairs, pair{})
 	return on, true
 }
 
@@ -265,14 +400,18 @@ type piece struct{ off, n int }
 // slot once, when its pieces have covered it.
 func (s *session) stripe(ctx context.Context, w *transport.Write, on railSet) error {
 	n := w.Len()
-	queues := make([][]piece, len(s.pools))
-	for i, off := 0, 0; off < n; i, off = i+1, off+stripePiece {
-		q := &queues[on.rails[i%len(on.rails)]]
-		*q = append(*q, piece{off, min(stripePiece, n-off)})
+	out := make([]bool, len(on.pairs)) // pairs out of this stripe, by index in on.pairs
+	var first []int                    // the pairs the pieces are dealt to
+	for i := range out {
+		out[i] = i == on.spare
+		if !out[i] {
+			first = append(first, i)
+		}
 	}
-	out := make([]bool, len(s.pools)) // rails out of this stripe
-	for r := range out {
-		out[r] = !slices.Contains(on.rails, r)
+	queues := make([][]piece, len(on.pairs))
+	for i, off := 0, 0; off < n; i, off = i+1, off+stripePiece {
+		q := &queues[first[i%len(first)]]
+		*q = append(*q, piece{off, min(stripePiece, n-off)})
 	}
 	var failures []error
 	for {
@@ -299,13 +438,13 @@ func (s *session) stripe(ctx context.Context, w *transport.Write, on railSet) er
 		}
 		// The failed rails' lanes are broken and idle: shut them now,
 		// so their receivers let go of the grants they hold.
-		for _, r := range s.pools {
-			r.Sweep(func(l *lane) bool { return l.broken.Load() || l.ended() })
+		for _, pr := range on.pairs {
+			s.poolOn(pr).Sweep(func(l *lane) bool { return l.broken.Load() || l.ended() })
 		}
 		s.t.stats.failovers.Add(uint64(len(errs)))
 		s.t.logf("rdma: a striped %d-byte write to %s lost %d rail(s) (%v): their %d pieces left go over the %d rail(s) still up",
 			n, s.Peer(), len(errs), errors.Join(errs...), len(left), len(in))
-		queues = make([][]piece, len(s.pools))
+		queues = make([][]piece, len(on.pairs))
 		for j, pc := range left {
 			queues[in[j%len(in)]] = append(queues[in[j%len(in)]], pc)
 		}
@@ -315,10 +454,11 @@ func (s *session) stripe(ctx context.Context, w *transport.Write, on railSet) er
 // stripeWorkers is how many pieces each rail keeps in flight.
 const stripeWorkers = 4
 
-// stripeRound sends each rail's queue over it, stripeWorkers pieces at a
-// time. It returns the pieces of the rails that failed in this round
-// (marked in out) and why each failed, or the error that ends the
-// stripe: a refusal, the caller giving up, the session closing.
+// stripeRound sends each pair's queue (by index in on.pairs) over it,
+// stripeWorkers pieces at a time. It returns the pieces of the pairs
+// that failed in this round (marked in out) and why each failed, or the
+// error that ends the stripe: a refusal, the caller giving up, the
+// session closing.
 func (s *session) stripeRound(ctx context.Context, w *transport.Write, on railSet, queues [][]piece, out []bool) (left []piece, errs []error, fatal error) {
 	var mu sync.Mutex
 	var wg sync.WaitGroup
@@ -348,7 +488,8 @@ func (s *session) stripeRound(ctx context.Context, w *transport.Write, on railSe
 					if !ok {
 						return
 					}
-					err := s.writePiece(ctx, r, w, pc, on.lkey(r))
+					pr := on.pairs[r]
+					err := s.writePiece(ctx, pr, w, pc, on.lkey(pr.local))
 					if err == nil {
 						continue
 					}
@@ -360,7 +501,7 @@ func (s *session) stripeRound(ctx context.Context, w *transport.Write, on railSe
 						cancel()
 					case !failed:
 						failed, out[r] = true, true
-						errs = append(errs, fmt.Errorf("rail %s: %w", s.t.rails[r].name, err))
+						errs = append(errs, fmt.Errorf("rail %s: %w", s.t.rails[on.pairs[r].local].name, err))
 						left = append(left, q[next:]...)
 						fallthrough
 					default:
@@ -384,9 +525,9 @@ func isFatal(ctx context.Context, err error) bool {
 	return errors.As(err, &refused) || transport.ContextErr(ctx) != nil || errors.Is(err, transport.ErrClosed)
 }
 
-// writePiece writes pc of w on rail r: a granted write of its range from
-// its source's registration on that rail (lkey).
-func (s *session) writePiece(ctx context.Context, r int, w *transport.Write, pc piece, lkey uint32) error {
+// writePiece writes pc of w over pr: a granted write of its range from
+// its source's registration on pr's local rail (lkey).
+func (s *session) writePiece(ctx context.Context, pr pair, w *transport.Write, pc piece, lkey uint32) error {
 	pw := transport.Write{Remote: w.Remote + uint64(pc.off), Key: w.Key, Tag: w.Tag}
 	if w.Src != nil {
 		pw.Src = w.Src[pc.off : pc.off+pc.n]
@@ -394,9 +535,9 @@ func (s *session) writePiece(ctx context.Context, r int, w *transport.Write, pc 
 		pw.Device = transport.Range{Addr: w.Device.Addr + uint64(pc.off), Len: uint64(pc.n)}
 	}
 	p := plan{kind: fromShared, lkey: lkey, railKey: true}
-	if err := s.writeOn(ctx, r, &pw, &p); err != nil {
+	if err := s.writeOn(ctx, pr, &pw, &p); err != nil {
 		return err
 	}
-	s.t.sent(r, pc.n)
+	s.t.sent(pr.local, pc.n)
 	return nil
 }

@@ -2,6 +2,7 @@ package rdma
 
 import (
 	"bytes"
+	"errors"
 	"fmt"
 	"net"
 	"os"
@@ -53,7 +54,7 @@ func (s *stripeSink) open(t *testing.T, want []byte) {
 		if err != nil {
 			t.Fatal(err)
 		}
-		s.key = s.key.WithWindow(rkey)
+		s.key = s.key.WithWindowOn(rkey)
 	}
 }
 
@@ -400,7 +401,7 @@ func TestRailsPairOnlyWhatBothHave(t *testing.T) {
 	if st := p.tx.Stats(); st.Striped != 0 {
 		t.Errorf("striped %d writes to a peer with one NIC", st.Striped)
 	}
-	_, _, _, err := p.tx.dialLane(ctxFor(t, 30*time.Second), p.rx.Addr().String(), 1)
+	_, _, _, err := p.tx.dialLane(ctxFor(t, 30*time.Second), p.rx.Addr().String(), pair{1, 1})
 	if err == nil || !strings.Contains(err.Error(), "rail 1") || !strings.Contains(err.Error(), "drives 1 RDMA device") {
 		t.Fatalf("a lane on the receiver's missing rail 1: %v", err)
 	}
@@ -516,24 +517,36 @@ func (p *railsPair) regionOnRail1(t *testing.T, size int) {
 }
 
 // TestRailsRegionOnItsNIC: a send from a region registered on rail 1
-// goes out through rail 1 alone, in granted pieces (below StripeMin
-// too), and the slot arrives once, byte-exact; when rail 1's NIC fails
+// goes out through rail 1 alone. In windows mode it is one direct write
+// into the slot's rail 0 (its key's), no control message. Otherwise
+// it goes in granted pieces (below StripeMin too) to the peer's rail 1,
+// and the slot arrives once, byte-exact; when rail 1's NIC fails
 // mid-send, rail 0 takes the pieces left and the send succeeds.
 func TestRailsRegionOnItsNIC(t *testing.T) {
 	modes(t, func(t *testing.T, windows bool) {
 		const size = 4 << 20
 		p := newRailsPair(t, 2, 2, size, windows)
 		p.regionOnRail1(t, size)
-		rep := p.send(t, true)
-		if want := peer.Messages * size / stripePiece; rep.Messages != want {
-			t.Errorf("report: %d messages, want %d (a header and a grant per piece)", rep.Messages, want)
-		}
+		rep := p.send(t, !windows)
 		rails := p.tx.Rails()
 		if rails[0].Bytes != 0 || rails[1].Bytes != size || p.txNICs[0].posted.Load() != 0 || p.txNICs[1].posted.Load() != size {
 			t.Fatalf("rails %+v, NICs posted %d and %d bytes: want all %d out of rail 1", rails, p.txNICs[0].posted.Load(), p.txNICs[1].posted.Load(), size)
 		}
 		if st := p.tx.Stats(); st.RegionRails != 1 || st.Striped != 0 || st.Sends != 1 {
 			t.Errorf("stats: region_rails %d, striped %d, sends %d; want 1, 0, 1", st.RegionRails, st.Striped, st.Sends)
+		}
+		in := p.rx.Rails()
+		if windows {
+			if rep.Messages != 0 || p.tx.Stats().Direct != 1 || in[0].ReceivedBytes != size || in[1].ReceivedBytes != 0 {
+				t.Fatalf("report %+v, %d direct, received %+v: want one direct write, no message, into the slot's rail 0", rep, p.tx.Stats().Direct, in)
+			}
+			return
+		}
+		if want := peer.Messages * size / stripePiece; rep.Messages != want {
+			t.Errorf("report: %d messages, want %d (a header and a grant per piece)", rep.Messages, want)
+		}
+		if in[0].ReceivedBytes != 0 || in[1].ReceivedBytes != size || in[1].Received != size/stripePiece {
+			t.Errorf("the receiver took %+v: want %d pieces, all %d bytes, in through rail 1", in, size/stripePiece, size)
 		}
 
 		p.txNICs[1].breakAt.Store(p.txNICs[1].posted.Load() + 1<<20)
@@ -551,20 +564,134 @@ func TestRailsRegionOnItsNIC(t *testing.T) {
 }
 
 // TestRailsRegionPeerHasOneRail: to a peer with one NIC, a send from a
-// region registered on rail 1 goes through rail 0, counted.
+// region registered on rail 1 still goes out through rail 1, to the
+// peer's rail 0.
 func TestRailsRegionPeerHasOneRail(t *testing.T) {
 	modes(t, func(t *testing.T, windows bool) {
 		const size = 2 << 20
 		p := newRailsPair(t, 2, 1, size, windows)
 		p.regionOnRail1(t, size)
 		p.send(t, false)
-		if rails := p.tx.Rails(); rails[0].Bytes != size || rails[1].Bytes != 0 {
-			t.Errorf("rails carried %+v: want all on rail 0", rails)
+		if rails := p.tx.Rails(); rails[0].Bytes != 0 || rails[1].Bytes != size {
+			t.Errorf("rails carried %+v: want all out of rail 1", rails)
 		}
-		if st := p.tx.Stats(); st.RegionRailsMissed != 1 || st.RegionRails != 0 {
-			t.Errorf("stats: region_rails_missed %d, region_rails %d; want 1, 0", st.RegionRailsMissed, st.RegionRails)
+		if in := p.rx.Rails(); len(in) != 1 || in[0].ReceivedBytes != size {
+			t.Errorf("the receiver took %+v: want all %d bytes on its one rail", in, size)
+		}
+		if st := p.tx.Stats(); st.RegionRails != 1 {
+			t.Errorf("stats: region_rails %d, want 1", st.RegionRails)
 		}
 	})
+}
+
+// slotOnRail1 moves p's slot into a region of the receiver's registered
+// on its rail 1 (a device arena whose nearest NIC that is): in windows
+// mode its window, and so its key, are rail 1's.
+func (p *railsPair) slotOnRail1(t *testing.T) {
+	t.Helper()
+	region := mapT(t, len(p.sink.mem))
+	c, on, err := p.rx.RegisterRegionOn(region, []string{p.rx.Rails()[1].NIC})
+	if err != nil || len(on.NICs) != 1 || on.NICs[0] != p.rx.Rails()[1].NIC {
+		t.Fatalf("a region registered on the receiver's rail 1: %+v, %v", on, err)
+	}
+	// Before the transport closes: the window over it holds it, and
+	// the transport's close drops both.
+	t.Cleanup(func() { c.Close() })
+	p.sink.mem = region
+}
+
+// TestRailsKeyNamesTheSlotsRail: in windows mode a slot in memory the
+// receiver registered on its rail 1 gets its window there, and its key
+// names rail 1: a write from the sender's arena leaves through the
+// sender's rail 0 and arrives through the receiver's rail 1, direct,
+// with no control message either side, byte-exact. The key with its
+// rail byte changed names no slot: through windows the receiver's rail
+// 0 NIC refuses the window's rkey (it is rail 1's), and a granted write
+// is refused by the Sink, which compares keys whole.
+func TestRailsKeyNamesTheSlotsRail(t *testing.T) {
+	const size = 2<<20 + 3
+	p := newRailsPair(t, 2, 2, size, true)
+	p.slotOnRail1(t)
+	p.sink.open(t, p.src)
+	if p.sink.key.Rail() != 1 || p.sink.key.Window() == 0 {
+		t.Fatalf("the slot's key names rail %d, window %#x: want rail 1's window", p.sink.key.Rail(), p.sink.key.Window())
+	}
+	altered := p.sink.key.WithRail(0)
+	w := transport.Write{Src: p.src, Remote: addrOf(p.sink.mem), Key: altered, Tag: altered.Tag(), Whole: true}
+	if _, err := p.s.Write(ctxFor(t, 30*time.Second), w); err == nil || !strings.Contains(err.Error(), "REM_ACCESS_ERR") {
+		t.Fatalf("a direct write under the key with its rail byte changed: %v, want the NIC's refusal", err)
+	}
+	if in := p.rx.Rails(); in[0].Received != 0 || in[1].Received != 0 || p.sink.direct != 0 {
+		t.Fatalf("the refused write was taken: received %+v, %d direct", in, p.sink.direct)
+	}
+
+	txBefore, rxBefore := p.tx.Stats(), p.rx.Stats()
+	w.Key = p.sink.key
+	rep, err := p.s.Write(ctxFor(t, 30*time.Second), w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-p.sink.arrived:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the slot did not arrive within 30s of the write's return")
+	}
+	p.sink.mu.Lock()
+	exact, direct := p.sink.exact, p.sink.direct
+	p.sink.mu.Unlock()
+	if !exact || direct != 1 || rep.Messages != 0 {
+		t.Fatalf("exact %v, %d direct writes, %d messages: want the one write direct, byte-exact", exact, direct, rep.Messages)
+	}
+	out, in := p.tx.Rails(), p.rx.Rails()
+	if out[0].Bytes != size || out[1].Bytes != 0 || in[0].ReceivedBytes != 0 || in[1].ReceivedBytes != size || in[1].Received != 1 {
+		t.Fatalf("sent %+v, received %+v: want %d bytes out of the sender's rail 0, into the receiver's rail 1", out, in, size)
+	}
+	if tx, rx := p.tx.Stats(), p.rx.Stats(); tx.ControlMessages != txBefore.ControlMessages || rx.ControlMessages != rxBefore.ControlMessages || tx.Direct != 1 {
+		t.Errorf("control messages %d->%d (sender), %d->%d (receiver), %d direct: want none, one direct write",
+			txBefore.ControlMessages, tx.ControlMessages, rxBefore.ControlMessages, rx.ControlMessages, tx.Direct)
+	}
+
+	// A granted write (a piece) under the altered key: the Sink refuses it.
+	_, err = p.s.Write(ctxFor(t, 30*time.Second), transport.Write{Src: p.src[:4096], Remote: addrOf(p.sink.mem), Key: altered, Tag: 7})
+	var refused *transport.Refusal
+	if !errors.As(err, &refused) || refused.Code != transport.NoSlot {
+		t.Fatalf("a granted write under the key with its rail byte changed: %v, want refused (no slot)", err)
+	}
+}
+
+// TestRailsKeyRailWithoutWindows: in grant mode a key names its slot's
+// rail all the same (the daemon sets it from the arena's nearest NIC):
+// a write leaves through the sender's rail 0, asks the receiver's rail
+// 1, lands under a registration of its bytes on that NIC, and arrives
+// there, byte-exact.
+func TestRailsKeyRailWithoutWindows(t *testing.T) {
+	const size = 1<<20 + 9
+	p := newRailsPair(t, 2, 2, size, false)
+	p.slotOnRail1(t)
+	p.sink.open(t, p.src)
+	p.sink.key = p.sink.key.WithRail(1)
+	rep, err := p.s.Write(ctxFor(t, 30*time.Second), transport.Write{Src: p.src, Remote: addrOf(p.sink.mem), Key: p.sink.key, Tag: p.sink.key.Tag(), Whole: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-p.sink.arrived:
+	case <-time.After(30 * time.Second):
+		t.Fatal("the slot did not arrive within 30s of the write's return")
+	}
+	p.sink.mu.Lock()
+	exact := p.sink.exact
+	p.sink.mu.Unlock()
+	if !exact {
+		t.Fatal("the slot's bytes differ")
+	}
+	out, in := p.tx.Rails(), p.rx.Rails()
+	if out[0].Bytes != size || out[1].Bytes != 0 || in[0].Received != 0 || in[1].ReceivedBytes != size || rep.Messages != peer.Messages {
+		t.Fatalf("sent %+v, received %+v, %d messages: want one granted write out of rail 0, into rail 1", out, in, rep.Messages)
+	}
+	if st := p.rx.Stats(); st.PerReceive != 1 {
+		t.Errorf("the receiver made %d per-receive registrations, want 1 (on rail 1's NIC)", st.PerReceive)
+	}
 }
 
 // inPlaceSink is a stripeSink over device memory the NIC reaches: the
@@ -580,9 +707,10 @@ func (s inPlaceSink) AcceptInPlace(addr, n uint64, key transport.Key, tag uint32
 // second GPU's arena stands as a CUDA region registered on rail 1's NIC,
 // as ferryd registers it), a send from that region goes out through rail
 // 1 alone into a slot in the receiver's GPU arena, in place, and lands
-// byte-exact: its pieces arriving on rail 1 go under a registration of
-// their bytes on that NIC, the arena's and the slot's window being rail
-// 0's. The fake NIC's keys are each its own NIC's, as a real one's are.
+// byte-exact: in windows mode one direct write into the slot's rail 0
+// (its window's); otherwise in pieces arriving on rail 1, under a
+// registration of their bytes on that NIC, the arena's being rail 0's.
+// The fake NIC's keys are each its own NIC's, as a real one's are.
 func TestRailsDeviceRegionOnItsNIC(t *testing.T) {
 	if onDevice(t) {
 		t.Skip("on rxe, test/e2e's TestRDMARailsPerDevice runs this between two ferryd")
@@ -623,15 +751,16 @@ func TestRailsDeviceRegionOnItsNIC(t *testing.T) {
 			t.Fatal("the slot did not arrive within 30s of the write's return")
 		}
 		sink.mu.Lock()
-		if sink.arrivals != 1 || !sink.exact || sink.direct != 0 {
-			t.Fatalf("the slot arrived %d times, exact %v, %d direct writes: want once, exact, in granted pieces", sink.arrivals, sink.exact, sink.direct)
+		if sink.arrivals != 1 || !sink.exact || windows != (sink.direct == 1) {
+			t.Fatalf("the slot arrived %d times, exact %v, %d direct writes: want once, exact, direct in windows mode, else in granted pieces", sink.arrivals, sink.exact, sink.direct)
 		}
 		sink.mu.Unlock()
 		if rails, st := tx.Rails(), tx.Stats(); rails[0].Bytes != 0 || rails[1].Bytes != n || st.Failovers != 0 || st.RegionRails != 1 {
 			t.Fatalf("rails %+v, %d failovers, region_rails %d: want all %d bytes out of %s, none failing, one send", rails, st.Failovers, st.RegionRails, n, rail1)
 		}
-		if st := rx.Stats(); st.PerReceive != 3 {
-			t.Errorf("the receiver made %d per-receive registrations, want 3 (one per piece on rail 1)", st.PerReceive)
+		want := map[bool]uint64{true: 0, false: 3}[windows]
+		if st := rx.Stats(); st.PerReceive != want {
+			t.Errorf("the receiver made %d per-receive registrations, want %d (none through the window, else one per piece on rail 1)", st.PerReceive, want)
 		}
 	})
 }

@@ -100,10 +100,11 @@ func (t *Transport) acceptLane(c *net.TCPConn) (_ *lane, err error) {
 	}
 	a := accept{endpoint: rl.nic.Endpoint(), peerRegion: t.region(), Rail: ri}
 	if ri != 0 {
-		// Its lanes carry granted pieces only, which need nothing of it.
+		// Its lanes carry direct writes through windows on this rail, or
+		// granted writes, which need nothing of it.
 		a.peerRegion = peerRegion{Mode: a.Mode}
 	}
-	a.Direct = t.direct != nil && ri == 0
+	a.Direct = t.direct != nil && (ri == 0 || t.windows != nil)
 	a.Rails = len(t.rails)
 	a.QPN, a.PSN = qp.QPN(), psn
 	var ab [acceptSize]byte
@@ -302,17 +303,17 @@ func (r *receiver) serve(h peer.Header) error {
 			tg = &target{addr: h.Addr}
 			rl := t.rails[r.l.rail]
 			register := func() (region, error) { return rl.nic.RegisterDevice(h.Addr, h.Len, peerWrites) }
-			if r.l.rail != 0 {
-				// mr and the slot's window are rail 0's NIC's (memory.go, target).
-				err = t.registerFor(tg, register)
-			} else {
+			if t.viaKeyRail(h.Key, r.l.rail) {
 				err = t.reach(tg, h.Key.Window(), mr, register)
+			} else {
+				// mr and the slot's window are another rail's NIC's (memory.go, target).
+				err = t.registerFor(tg, register)
 			}
 		}
 	} else {
 		var dst []byte
 		if dst, done, no = r.gate.Admit(&h); no == nil {
-			tg, err = t.target(dst, h.Key.Window(), t.rails[r.l.rail])
+			tg, err = t.target(dst, h.Key, r.l.rail)
 		}
 	}
 	if err != nil {
@@ -370,6 +371,7 @@ func (r *receiver) complete(c completion, draining bool) error {
 	r.granted = r.granted[1:]
 	g.tg.finish(true)
 	g.done(nil)
+	t.received(r.l.rail, h.Len)
 	r.c.Prove() // it held a live slot's key
 	if draining {
 		return nil
@@ -414,6 +416,7 @@ func (r *receiver) arrived(c completion, draining bool) error {
 		}
 	} else {
 		r.c.Prove() // it wrote into a live slot
+		t.received(r.l.rail, uint64(c.ByteLen))
 	}
 	if draining {
 		return nil

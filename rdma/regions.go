@@ -36,15 +36,36 @@ type lentRegion struct {
 	mr         region // on rail 0
 	// rails are its registrations on rails other than 0, in the order
 	// they were named (RegisterRegionOn): a send from it goes out
-	// through them (rails.go). They close once, before mr.
-	rails     []railRegion
-	railsDrop sync.Once
+	// through them (rails.go). They close before mr.
+	rails []railRegion
+	// closed counts the registrations close dropped, rails' first and
+	// mr's last: a close that failed on one (a window still bound over
+	// it) tries again from there.
+	closed int
+	// home is the rail nearest its memory: that of the first NIC named
+	// that registered it (0 when that is rail 0's, or none did). Its
+	// slots' windows go on it (windows.go), and its direct writes leave
+	// through it (rails.go).
+	home int
 }
 
 // railRegion is a region's registration on one rail.
 type railRegion struct {
 	rail int
 	mr   region
+}
+
+// mrOn is the region's registration on rail r, or nil.
+func (g *lentRegion) mrOn(r int) region {
+	if r == 0 {
+		return g.mr
+	}
+	for _, rr := range g.rails {
+		if rr.rail == r {
+			return rr.mr
+		}
+	}
+	return nil
 }
 
 // lkeyOn is the region's lkey on rail r.
@@ -57,16 +78,19 @@ func (g *lentRegion) lkeyOn(r int) uint32 {
 	return g.mr.LKey()
 }
 
-// close drops the region's registrations, rail 0's last; the others
-// once only (a close that failed on mr is tried again).
+// close drops the region's registrations, rail 0's last, each once: a
+// close that failed on one is tried again from it.
 func (g *lentRegion) close() error {
-	var errs []error
-	g.railsDrop.Do(func() {
-		for _, rr := range g.rails {
-			errs = append(errs, rr.mr.Close())
+	for ; g.closed <= len(g.rails); g.closed++ {
+		mr := g.mr
+		if g.closed < len(g.rails) {
+			mr = g.rails[g.closed].mr
 		}
-	})
-	return errors.Join(append(errs, g.mr.Close())...)
+		if err := mr.Close(); err != nil {
+			return err
+		}
+	}
+	return nil
 }
 
 func (g *lentRegion) holds(addr, n uint64) bool {
@@ -94,12 +118,22 @@ func (rs *lentRegions) holding(addr, n uint64) *lentRegion {
 	return nil
 }
 
-// mrHolding is holding's registration, or nil: windows bind over it.
-func (rs *lentRegions) mrHolding(addr, n uint64) region {
+// mrHolding is holding's registration on rail r, or nil: windows bind
+// over it.
+func (rs *lentRegions) mrHolding(addr, n uint64, r int) region {
 	if g := rs.holding(addr, n); g != nil {
-		return g.mr
+		return g.mrOn(r)
 	}
 	return nil
+}
+
+// homeRail is the home rail of the region holding [addr, addr+n): 0
+// when none does.
+func (rs *lentRegions) homeRail(addr, n uint64) int {
+	if g := rs.holding(addr, n); g != nil {
+		return g.home
+	}
+	return 0
 }
 
 // holdingBytes is the host region holding the memory of b, or nil.
@@ -151,6 +185,10 @@ type RegionRails struct {
 	// Why names the NICs named that it is not on, and why: not driven
 	// by the transport, or the registration failed.
 	Why string `json:"why,omitempty"`
+	// Home is the rail nearest it (the first NIC named that registered
+	// it; 0 when none did): its slots' windows go on it, and a slot's key
+	// names it (transport.Key.Rail), windows or not.
+	Home int `json:"-"`
 }
 
 // RegisterRegionOn is RegisterRegion, registering mem also on the rails
@@ -181,12 +219,14 @@ func (t *Transport) RegisterRegionOn(mem []byte, nics []string) (io.Closer, Regi
 func (t *Transport) addOnRails(g *lentRegion, nics []string, register func(nic) (region, error)) (io.Closer, RegionRails, error) {
 	var on RegionRails
 	var why []string
+	homed := false // g.home is set: the first NIC named that registered it
 	for _, name := range nics {
 		r := slices.IndexFunc(t.rails, func(r *rail) bool { return r.name == name })
 		switch {
 		case r < 0:
 			why = append(why, fmt.Sprintf("%s is not one of the RDMA devices this daemon drives (%v): add it to --rdma-device", name, t.RailNames()))
 		case r == 0 || slices.ContainsFunc(g.rails, func(rr railRegion) bool { return rr.rail == r }):
+			homed = homed || r == 0
 		default:
 			mr, err := register(t.rails[r].nic)
 			if err != nil {
@@ -194,11 +234,15 @@ func (t *Transport) addOnRails(g *lentRegion, nics []string, register func(nic) 
 				continue
 			}
 			g.rails = append(g.rails, railRegion{rail: r, mr: mr})
+			if !homed {
+				g.home, homed = r, true
+			}
 		}
 	}
 	for _, rr := range g.rails {
 		on.NICs = append(on.NICs, t.rails[rr.rail].name)
 	}
+	on.Home = g.home
 	if len(on.NICs) == 0 {
 		on.NICs = []string{t.rails[0].name}
 	}

@@ -21,7 +21,7 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	if t.isClosing() {
 		return nil, fmt.Errorf("rdma dial %s: %w", addr, transport.ErrClosed)
 	}
-	l, instance, region, err := t.dialLane(ctx, addr, 0)
+	l, instance, region, err := t.dialLane(ctx, addr, pair{})
 	if errors.Is(err, peer.ErrNoRDMA) {
 		t.logf("rdma: %s serves no RDMA (it runs the tcp transport, or has no usable RDMA port): this session falls back to TCP", addr)
 		return t.tcp.Dial(ctx, addr)
@@ -34,10 +34,9 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 	// write to its slot; under the arena's rkey only between peers that
 	// proved the peer secret in the handshake (else it failed).
 	s.direct = region.Direct && (region.Mode == modeWindows || t.cfg.Peer.Secret != nil)
-	s.pool = pool.New(t.cfg.Peer.MaxConnsPerPeer, func(ctx context.Context) (*lane, error) { return s.openOn(ctx, 0) }, func(l *lane) { l.close() })
+	s.pool = pool.New(t.cfg.Peer.MaxConnsPerPeer, func(ctx context.Context) (*lane, error) { return s.openOn(ctx, pair{}) }, func(l *lane) { l.close() })
 	s.pool.Add(l)
-	s.pools = []*pool.Pool[*lane]{s.pool}
-	s.openRailPools(region.Rails)
+	s.pools = map[pair]*pool.Pool[*lane]{{}: s.pool}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if t.closed {
@@ -49,14 +48,14 @@ func (t *Transport) Dial(ctx context.Context, addr string) (transport.Session, e
 }
 
 // dialLane opens a control connection to addr and connects a new QP on
-// rail r's NIC over it to a QP on the peer's rail r. It returns the
-// peer's instance and what it says of its memory.
-func (t *Transport) dialLane(ctx context.Context, addr string, ri int) (_ *lane, instance uint64, _ peerRegion, err error) {
+// the NIC of pr's local rail over it to a QP on the peer's rail pr.peer.
+// It returns the peer's instance and what it says of its memory.
+func (t *Transport) dialLane(ctx context.Context, addr string, pr pair) (_ *lane, instance uint64, _ peerRegion, err error) {
 	c, instance, err := t.port.Dial(ctx, addr, peer.KindRDMA)
 	if err != nil {
 		return nil, 0, peerRegion{}, err
 	}
-	n := t.rails[ri].nic
+	n := t.rails[pr.local].nic
 	qp, err := n.NewQP(sendDepth+flyingMax*flyingChunks, 1)
 	if err != nil {
 		c.Close()
@@ -79,7 +78,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string, ri int) (_ *lane,
 	local.QPN, local.PSN = qp.QPN(), psn
 	var b [endpointSize]byte
 	local.encode(b[:])
-	b[connectRail], b[connectRails] = byte(ri), byte(len(t.rails))
+	b[connectRail], b[connectRails] = byte(pr.peer), byte(len(t.rails))
 	var ab [acceptSize]byte
 	var r peer.Reply
 	if _, err = c.Write(b[:]); err == nil {
@@ -93,8 +92,8 @@ func (t *Transport) dialLane(ctx context.Context, addr string, ri int) (_ *lane,
 	}
 	var a accept
 	a.decode(&ab)
-	if a.Rail != ri {
-		return nil, 0, peerRegion{}, fmt.Errorf("asked the peer for a lane on its rail %d, and it connected one on rail %d", ri, a.Rail)
+	if a.Rail != pr.peer {
+		return nil, 0, peerRegion{}, fmt.Errorf("asked the peer for a lane on its rail %d, and it connected one on rail %d", pr.peer, a.Rail)
 	}
 	if err = qp.Connect(psn, a.endpoint); err != nil {
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting to the peer's queue pair %#x: %w", a.QPN, err)
@@ -104,7 +103,7 @@ func (t *Transport) dialLane(ctx context.Context, addr string, ri int) (_ *lane,
 	}
 	c.SetDeadline(time.Time{})
 	l := newDialedLane(qp, c, &t.stats)
-	l.rail = ri
+	l.rail, l.peerRail = pr.local, pr.peer
 	return l, instance, a.peerRegion, nil
 }
 
@@ -117,9 +116,12 @@ type session struct {
 	t      *Transport
 	region peerRegion        // the peer's shared registration, from the connect
 	direct bool              // the peer takes direct writes from this daemon
-	pool   *pool.Pool[*lane] // rail 0's lanes: pools[0]
-	// pools holds the lanes of each rail pair, rail 0's first (rails.go).
-	pools []*pool.Pool[*lane]
+	pool   *pool.Pool[*lane] // the lanes of rail 0 to the peer's rail 0: pools[pair{}]
+	// pools holds the lanes of each rail pair opened (rails.go), under
+	// poolMu; once poolsClosed, no more open.
+	poolMu      sync.Mutex
+	pools       map[pair]*pool.Pool[*lane]
+	poolsClosed bool
 }
 
 // Close destroys every lane of the session; writes in flight fail.
@@ -132,15 +134,22 @@ func (s *session) Close() error {
 }
 
 func (s *session) closePools() {
+	s.poolMu.Lock()
+	s.poolsClosed = true
+	pools := make([]*pool.Pool[*lane], 0, len(s.pools))
 	for _, p := range s.pools {
+		pools = append(pools, p)
+	}
+	s.poolMu.Unlock()
+	for _, p := range pools {
 		p.Close()
 	}
 }
 
-// openOn dials one more lane on rail r, to the same peer process as the
-// first.
-func (s *session) openOn(ctx context.Context, r int) (*lane, error) {
-	l, instance, _, err := s.t.dialLane(ctx, s.Peer(), r)
+// openOn dials one more lane over rail pair pr, to the same peer process
+// as the first.
+func (s *session) openOn(ctx context.Context, pr pair) (*lane, error) {
+	l, instance, _, err := s.t.dialLane(ctx, s.Peer(), pr)
 	if err != nil {
 		return nil, err
 	}
@@ -159,21 +168,24 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	}
 	var p plan
 	p.kind, p.lkey = s.t.kindOf(&w)
-	if on, ok := s.regionRails(&w); ok {
-		return s.sendOnRails(ctx, &w, &p, on, &s.t.stats.railed)
-	}
 	if s.stripes(&w, &p) {
 		return s.sendOnRails(ctx, &w, &p, s.arenaRails(), &s.t.stats.striped)
 	}
 	if g, ok := s.directGrant(&w, p.kind); ok {
 		p.dg = &g
+	} else if on, ok := s.regionRails(&w); ok {
+		return s.sendOnRails(ctx, &w, &p, on, &s.t.stats.railed)
 	}
-	if err := s.writeOn(ctx, 0, &w, &p); err != nil {
+	pr := s.pairFor(&w, &p)
+	if err := s.writeOn(ctx, pr, &w, &p); err != nil {
 		return transport.Report{}, err
 	}
-	s.t.sent(0, w.Len())
+	s.t.sent(pr.local, w.Len())
 	rep := p.kind.report(w.Len())
 	s.t.stats.sends.Add(1)
+	if pr.local != 0 {
+		s.t.stats.railed.Add(1)
+	}
 	if p.dg != nil {
 		s.t.stats.direct.Add(1)
 	} else {
@@ -182,10 +194,10 @@ func (s *session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	return rep, nil
 }
 
-// writeOn carries w on a lane of rail r.
-func (s *session) writeOn(ctx context.Context, r int, w *transport.Write, p *plan) error {
+// writeOn carries w on a lane of rail pair pr.
+func (s *session) writeOn(ctx context.Context, pr pair, w *transport.Write, p *plan) error {
 	for {
-		l, err := s.lane(ctx, r)
+		l, err := s.lane(ctx, pr)
 		if err != nil {
 			return s.Take(ctx, err, "lane")
 		}
@@ -234,13 +246,14 @@ func (s *session) directGrant(w *transport.Write, kind sourceKind) (grant, bool)
 // lane takes a lane from the pool, dropping those that a write which
 // had let go of them found broken, and those whose receiver has closed
 // their control connection meanwhile.
-func (s *session) lane(ctx context.Context, r int) (*lane, error) {
+func (s *session) lane(ctx context.Context, pr pair) (*lane, error) {
+	p := s.poolOn(pr)
 	for {
-		l, err := s.pools[r].Get(ctx)
+		l, err := p.Get(ctx)
 		if err != nil || !l.broken.Load() && !l.ended() {
 			return l, err
 		}
-		s.pools[r].Drop(l)
+		p.Drop(l)
 	}
 }
 
@@ -270,9 +283,9 @@ func (s *session) write(ctx context.Context, l *lane, w *transport.Write, p *pla
 	case l.retiring.Load():
 		s.closeIfRetired(l)
 	case reuse && !l.broken.Load():
-		s.pools[l.rail].Put(l)
+		s.poolOn(l.pair()).Put(l)
 	default:
-		s.pools[l.rail].Drop(l)
+		s.poolOn(l.pair()).Drop(l)
 	}
 	return err
 }
@@ -291,7 +304,7 @@ func (s *session) closeIfRetired(l *lane) {
 		return
 	}
 	wait(l, l.answers, time.Now().Add(drainWait), nil)
-	s.pools[l.rail].Drop(l)
+	s.poolOn(l.pair()).Drop(l)
 }
 
 // run is write under l.use (close waits for it). held reports whether
@@ -328,7 +341,7 @@ func (s *session) run(ctx context.Context, l *lane, w *transport.Write, p *plan)
 	}
 	// Others may take l now; if this write breaks its QP it marks l
 	// broken, and the next to take it drops it. write counts it down.
-	s.pools[l.rail].Put(l)
+	s.poolOn(l.pair()).Put(l)
 	return false, false, s.transfer(ctx, l, f, true)
 }
 

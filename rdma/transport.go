@@ -168,11 +168,9 @@ type Stats struct {
 	Striped   uint64 `json:"striped"`
 	Failovers uint64 `json:"failovers"`
 	// Of Sends, those from a region registered on rails other than 0
-	// that went out through them (RegisterRegionOn), and those from such
-	// a region that went through rail 0 since the peer has none of its
-	// rails.
-	RegionRails       uint64 `json:"region_rails"`
-	RegionRailsMissed uint64 `json:"region_rails_missed"`
+	// that went out through them (RegisterRegionOn): in pieces, or as
+	// one write out of its home rail.
+	RegionRails uint64 `json:"region_rails"`
 }
 
 type counters struct {
@@ -181,7 +179,7 @@ type counters struct {
 	credits, creditStalls, creditWait                      atomic.Uint64 // creditWait in ns
 	directCompletions, directRefused                       atomic.Uint64
 	windowBinds, windowInvalidations                       atomic.Uint64
-	striped, failovers, railed, railsMissed                atomic.Uint64
+	striped, failovers, railed                             atomic.Uint64
 }
 
 // Transport is the RDMA data plane. It implements transport.Transport.
@@ -205,10 +203,12 @@ type Transport struct {
 	mem   []byte
 	dev   transport.Range
 	stats counters
-	// windows binds the windows over slots in windows mode (windows.go);
-	// nil in the other modes, and noWindows says why.
+	// windows binds the windows over slots in windows mode (windows.go),
+	// rail 0's; nil in the other modes, and noWindows says why. The other
+	// rails' are their rail's (rails.go), made under winMu.
 	windows   *windows
 	noWindows error
+	winMu     sync.Mutex
 	// lent is the clients' regions the daemon registered (regions.go).
 	lent lentRegions
 	// engines is engine regions' registrations for peers' writes
@@ -284,7 +284,7 @@ func listen(cfg Config, n nic, more ...nic) (*Transport, error) {
 		t.direct = ds
 	}
 	if t.windows != nil {
-		ws.UseWindows(t.windows)
+		ws.UseWindows(slotWindows{t})
 	}
 	t.tcp = cfg.TCP(t.port)
 	t.port.Serve(peer.Handlers{Data: t.tcp.ServeData, RDMA: t.serveLane})
@@ -336,7 +336,7 @@ func (t *Transport) registerWindowed(register func() (region, error), base, size
 	if err != nil {
 		return nil, nil, fmt.Errorf("registering the memory for windows (IBV_ACCESS_MW_BIND): %w", err)
 	}
-	w, err := newWindows(t.nic, reg, base, size, &t.lent, &t.stats)
+	w, err := newWindows(t.nic, 0, reg, base, size, &t.lent, &t.stats)
 	if err != nil {
 		reg.Close()
 		return nil, nil, err
@@ -354,6 +354,7 @@ func (t *Transport) closeShared() error {
 	if t.windows != nil {
 		errs = append(errs, t.windows.close())
 	}
+	errs = append(errs, t.closeRailWindows())
 	errs = append(errs, t.lent.close(), t.engines.close())
 	if t.shared != nil {
 		errs = append(errs, t.shared.Close())
@@ -404,7 +405,7 @@ func (t *Transport) Stats() Stats {
 		DirectCompletions: c.directCompletions.Load(), DirectRefused: c.directRefused.Load(),
 		WindowBinds: c.windowBinds.Load(), WindowInvalidations: c.windowInvalidations.Load(),
 		Striped: c.striped.Load(), Failovers: c.failovers.Load(),
-		RegionRails: c.railed.Load(), RegionRailsMissed: c.railsMissed.Load(),
+		RegionRails: c.railed.Load(),
 	}
 }
 
@@ -505,7 +506,8 @@ func (t *Transport) Close() error {
 		if t.warn != nil {
 			t.warn.Stop()
 		}
-		errs := []error{t.tcp.Close(), t.closeRails(true), t.closeShared(), t.nic.Close()}
+		// The windows and regions go before the rails' NICs they are on.
+		errs := []error{t.tcp.Close(), t.closeShared(), t.closeRails(true), t.nic.Close()}
 		if err := errors.Join(errs...); err != nil {
 			t.closeErr = fmt.Errorf("rdma close: %w", err)
 		}

@@ -261,7 +261,7 @@ func TestRejectsMismatchedCompletion(t *testing.T) {
 	src := mapT(t, 4096)
 	tx := listenT(t, f, Config{Memory: src})
 	rx := listenT(t, f, Config{Peer: peer.Config{Sink: slots, Logf: logs.Logf}, Memory: slots.Mem})
-	l, _, _, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String(), 0)
+	l, _, _, err := tx.dialLane(ctxFor(t, 30*time.Second), rx.Addr().String(), pair{})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -22,6 +22,16 @@ import (
 // Type 1, not 2B: a type 2B window admits writes from the one QP that
 // bound it, and a slot is made before anyone knows which lane of which
 // sender will write it.
+//
+// Rails: a window is its NIC's (its protection domain's), so each rail
+// that holds windows has a set of its own (windows), binding over that
+// NIC's registrations. A slot's window goes on the rail nearest its
+// memory: a region's home rail (regions.go: the first NIC named for it
+// that registered it, a device arena's from the affinity table), rail 0
+// for the arena and everything else. Rail 0's set is made as the
+// transport starts; another rail's when a slot first needs it
+// (slotWindows). The slot's key names the rail (transport.Key.Rail), and
+// a sender writes it over a lane to that rail's NIC.
 
 const (
 	// minWindows are allocated when the transport starts (ibv_alloc_mw
@@ -44,14 +54,15 @@ const (
 // comes back only once nothing can write through its window.
 type windows struct {
 	mu       sync.Mutex
+	rail     int // the rail whose NIC nic is
 	nic      nic
-	mr       region // the arena's registration, of size bytes at base
+	mr       region // the arena's registration, of size bytes at base; nil on rails other than 0
 	base     uint64
 	size     uint64
 	lent     *lentRegions // windows over slots in them bind over their registrations
 	qp, loop queuePair
-	free     []window          // oldest first: an rkey recurs only after every free window was rebound
-	bound    map[uint32]window // by rkey
+	free     []window               // oldest first: an rkey recurs only after every free window was rebound
+	bound    map[uint32]boundWindow // by rkey
 	made     int
 	seq      uint64
 	broken   error // a bind that failed or never completed: the QP is in an unknown state
@@ -60,12 +71,13 @@ type windows struct {
 }
 
 // newWindows preallocates the windows over mr, which registers size
-// bytes at base, and over the regions in lent, and connects the binding
-// QP, and binds and invalidates one window to prove the device does (on
-// mr's memory: a NIC may bind over host memory and refuse over a
-// dmabuf's).
-func newWindows(n nic, mr region, base, size uint64, lent *lentRegions, c *counters) (_ *windows, err error) {
-	w := &windows{nic: n, mr: mr, base: base, size: size, lent: lent, bound: make(map[uint32]window), counts: c}
+// bytes at base, and over the regions in lent registered on rail, and
+// connects the binding QP, and binds and invalidates one window to prove
+// the device does (on mr's memory: a NIC may bind over host memory and
+// refuse over a dmabuf's; without mr, a rail other than 0, the first
+// slot's bind is the proof).
+func newWindows(n nic, rail int, mr region, base, size uint64, lent *lentRegions, c *counters) (_ *windows, err error) {
+	w := &windows{rail: rail, nic: n, mr: mr, base: base, size: size, lent: lent, bound: make(map[uint32]boundWindow), counts: c}
 	defer func() {
 		if err != nil {
 			w.close()
@@ -89,6 +101,9 @@ func newWindows(n nic, mr region, base, size uint64, lent *lentRegions, c *count
 	if err := w.grow(minWindows); err != nil {
 		return nil, err
 	}
+	if mr == nil {
+		return w, nil
+	}
 	rkey, err := w.Open(base, min(size, 4096))
 	if err != nil {
 		return nil, err
@@ -97,6 +112,13 @@ func newWindows(n nic, mr region, base, size uint64, lent *lentRegions, c *count
 		return nil, err
 	}
 	return w, nil
+}
+
+// boundWindow is a window bound, and the registration it is bound
+// over, which its invalidation names too.
+type boundWindow struct {
+	mw window
+	mr region
 }
 
 // grow allocates n more windows; w.mu is held, or w is not shared yet.
@@ -112,9 +134,9 @@ func (w *windows) grow(n int) error {
 	return nil
 }
 
-// Open implements transport.Windows: a window over [addr, addr+n),
-// which must lie in the arena's registration or a region's, enforced by
-// the NIC once Open returns its rkey.
+// Open makes a window over [addr, addr+n), which must lie in the
+// arena's registration or a region's on w's rail, enforced by the NIC
+// once Open returns its rkey.
 func (w *windows) Open(addr, n uint64) (uint32, error) {
 	if n == 0 {
 		return 0, errors.New("a memory window over no bytes")
@@ -135,13 +157,13 @@ func (w *windows) Open(addr, n uint64) (uint32, error) {
 			return 0, err
 		}
 	}
-	under := w.lent.mrHolding(addr, n)
-	if spans(w.base, w.size, addr, n) {
+	under := w.lent.mrHolding(addr, n, w.rail)
+	if w.mr != nil && spans(w.base, w.size, addr, n) {
 		under = w.mr
 	}
 	if under == nil {
 		// A bind the NIC refuses would leave the binding QP broken.
-		return 0, fmt.Errorf("no registration holds [%#x, +%d): a memory window goes over the arena or a registered region", addr, n)
+		return 0, fmt.Errorf("no registration on rail %d holds [%#x, +%d): a memory window goes over the arena or a registered region", w.rail, addr, n)
 	}
 	mw := w.free[0]
 	rkey, err := w.bind(mw, under, addr, n)
@@ -149,13 +171,12 @@ func (w *windows) Open(addr, n uint64) (uint32, error) {
 		return 0, err
 	}
 	w.free = w.free[1:]
-	w.bound[rkey] = mw
+	w.bound[rkey] = boundWindow{mw, under}
 	w.counts.windowBinds.Add(1)
 	return rkey, nil
 }
 
-// Close implements transport.Windows: it invalidates the window rkey
-// names, and once it returns no write lands through it. A window that
+// Close invalidates the window rkey names, and once it returns no write lands through it. A window that
 // could not be invalidated is kept out of use, and the caller must keep
 // its memory too.
 func (w *windows) Close(rkey uint32) error {
@@ -164,18 +185,18 @@ func (w *windows) Close(rkey uint32) error {
 	if w.closed {
 		return nil // deallocated with the transport's queue pairs gone
 	}
-	mw := w.bound[rkey]
-	if mw == nil {
-		return fmt.Errorf("no memory window has rkey %#x", rkey)
+	b, ok := w.bound[rkey]
+	if !ok {
+		return fmt.Errorf("no memory window on rail %d has rkey %#x", w.rail, rkey)
 	}
 	if w.broken != nil {
 		return w.broken
 	}
-	if _, err := w.bind(mw, w.mr, 0, 0); err != nil {
+	if _, err := w.bind(b.mw, b.mr, 0, 0); err != nil {
 		return err
 	}
 	delete(w.bound, rkey)
-	w.free = append(w.free, mw)
+	w.free = append(w.free, b.mw)
 	w.counts.windowInvalidations.Add(1)
 	return nil
 }
@@ -239,8 +260,8 @@ func (w *windows) close() error {
 	for _, mw := range w.free {
 		errs = append(errs, mw.Close())
 	}
-	for _, mw := range w.bound {
-		errs = append(errs, mw.Close())
+	for _, b := range w.bound {
+		errs = append(errs, b.mw.Close())
 	}
 	w.free, w.bound, w.closed = nil, nil, true
 	for _, q := range []queuePair{w.qp, w.loop} {

@@ -191,7 +191,7 @@ func TestWindowOutsideTheRegistrations(t *testing.T) {
 	slots := mappedSlots(t, 8192)
 	slots.Base = addrOf(slots.Mem)
 	rx := listenFake(t, f, Config{Peer: peer.Config{Sink: transporttest.WindowSlots{Slots: slots}}, Memory: slots.Mem[:4096]})
-	if _, err := rx.windows.Open(slots.Base+4096, 4096); err == nil || !strings.Contains(err.Error(), "no registration holds") {
+	if _, err := rx.windows.Open(slots.Base+4096, 4096); err == nil || !strings.Contains(err.Error(), "no registration on rail 0 holds") {
 		t.Fatalf("a window past the arena: %v, want refused", err)
 	}
 	if _, err := rx.windows.Open(slots.Base+4095, 2); err == nil {

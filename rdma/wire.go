@@ -34,16 +34,18 @@ package rdma
 //	                       rkey of a window over it, transport.Key.Window)
 //
 // Both sides then move their QP to RTS; the path MTU is the smaller of
-// the two. The reply's endpoint is the GID of the rail's NIC, and base,
-// size, rkey and mode are the arena's registration on that NIC (a rail
-// other than 0 is never in mode 3 for grants: a piece arriving on it is
-// granted under a registration of the piece's bytes alone, since the
-// slot's key names rail 0's window only). A dialer opens lanes on rail
-// 0 first, learns the server's rails from the reply, and then opens
-// lanes on rails 1 to min(its rails, the server's)-1 for striped writes
-// (rails.go): its rail i's NIC to the server's rail i. A server asked
-// for a rail it does not have refuses the connect (code internal). The dialer holds grants to the receiver's registration: one
-// that names the shared rkey must lie inside base and size.
+// the two. The reply's endpoint is the GID of the rail's NIC; on rail 0
+// base, size, rkey and mode are the arena's registration, and on another
+// rail only the mode, with acceptDirect in mode 3 (a slot's key names
+// the rail its window is on: transport.Key.Rail). A dialer opens its
+// first lane from its rail 0 to the server's rail 0, learns the server's
+// rails from the reply, and opens lanes to other rails, from whichever
+// of its own NICs it picks, as writes need them (rails.go): a write
+// goes to the rail its key names, and striped writes go rail i to rail
+// i. A server asked for a rail it does not have refuses the connect
+// (code internal). The dialer holds grants to the receiver's
+// registration: one that names the shared rkey must lie inside base
+// and size.
 //
 // Direct writes. A server sets acceptDirect when it has the shared
 // registration, its Sink is a transport.DirectSink, whose slot addresses

@@ -3,7 +3,8 @@
 // (remote address, key) on a session with a peer daemon, carrying a 32-bit
 // tag (the width of an RDMA immediate) that the receiver sees on completion.
 // The receiver accepts a write only into the live receive slot whose key it
-// carries (a 128-bit Key), and only inside that slot. Implementations:
+// carries (a Key: a 120-bit capability, compared whole), and only inside
+// that slot. Implementations:
 // transport/tcp (everywhere) and rdma (verbs), both over the peer
 // protocol of transport/peer. Each must pass the conformance suite in
 // transport/transporttest.
@@ -156,19 +157,28 @@ func ReadBody(c Stream, n uint64, body Body, timeout time.Duration) error {
 // mode): a peer writes a slot's bytes through its window's rkey, and the
 // NIC refuses any byte outside them, and any write once it is closed.
 type Windows interface {
-	// Open makes a window over [addr, addr+n) and returns its rkey once
-	// the NIC enforces it.
-	Open(addr, n uint64) (rkey uint32, err error)
-	// Close invalidates the window of rkey: once it returns, nothing
-	// lands through it, and its memory may be reused. After an error
-	// the window may still be open: keep its memory out of use.
-	Close(rkey uint32) error
+	// Open makes a window over [addr, addr+n), on the rail (RDMA NIC)
+	// nearest the memory's device, and returns it once the NIC enforces
+	// it.
+	Open(addr, n uint64) (Window, error)
+	// Close invalidates w: once it returns, nothing lands through it,
+	// and its memory may be reused. After an error the window may still
+	// be open: keep its memory out of use.
+	Close(w Window) error
+}
+
+// Window is a memory window over a slot: the rail it is bound on (the
+// index of the receiver's RDMA NIC) and its rkey there. A slot's key
+// names both (Key.WithWindowOn).
+type Window struct {
+	Rail uint8
+	RKey uint32
 }
 
 // WindowSink is a DirectSink that puts a window over each slot: given
 // the transport's Windows (UseWindows, once, before any slot is made),
 // it opens one over every slot in the transport's memory as it makes
-// it, names it in the slot's key (Key.WithWindow), and closes it before
+// it, names it in the slot's key (Key.WithWindowOn), and closes it before
 // the slot's memory goes to another. A transport whose NIC has no
 // windows never calls UseWindows.
 type WindowSink interface {

@@ -170,3 +170,79 @@ func TestRDMARailsPerDevice(t *testing.T) {
 	fmt.Printf("== RAILS devices cuda:0->%s bytes=%.0f cuda:1->%s bytes=%.0f (an entry staged on each stand-in GPU, sent between two ferryd --device cuda:0,1 --rdma-device all, each verified byte-exact)\n",
 		nics[0], sent[0], nics[1], sent[1])
 }
+
+// railsDevicePair starts two ferryd with an arena on each of two
+// stand-in GPUs (--device cuda:0,1), --rdma-device all, and each GPU
+// mapped to its own NIC (--affinity cuda:0=nics[0],cuda:1=nics[1]).
+func railsDevicePair(t *testing.T, nics [2]string) (snd, rcv *daemon) {
+	t.Helper()
+	env := []string{"env", "LD_LIBRARY_PATH=" + fakecuda.Build(t, fakecuda.Working), "FAKECUDA_BUS_IDS=0000:3b:00.0,0000:86:00.0"}
+	dir := t.TempDir()
+	args := []string{"--device", "cuda:0,1", "--arena-size", "32MiB", "--bounce-size", "8MiB", "--transport", "rdma",
+		"--rdma-device", "all", "--affinity", fmt.Sprintf("cuda:0=%s,cuda:1=%s", nics[0], nics[1])}
+	return startDaemonIn(t, env, dir, "snd", args...), startDaemonIn(t, env, dir, "rcv", args...)
+}
+
+// TestRDMARailsCrossDevice: between two such ferryd, an entry staged on
+// the sender's cuda:0 and sent into a slot on the receiver's cuda:1
+// leaves through cuda:0's NIC and comes in through cuda:1's, the NIC
+// the slot's key names (its rail byte), and lands byte-exact: the
+// sender's bytes per NIC and the receiver's received bytes per NIC, in
+// status and /metrics, say which NICs carried it.
+func TestRDMARailsCrossDevice(t *testing.T) {
+	cs := requireRails(t)
+	nics := [2]string{cs[0].Device, cs[1].Device}
+	snd, rcv := railsDevicePair(t, nics)
+	ctx := ctxT(t)
+	rails := func(d *daemon) (api.RDMAStatus, []api.Rail) {
+		t.Helper()
+		st, err := d.c.Status(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := st.Transport.RDMA.Rails; len(r) != 2 || r[0].Device != nics[0] || r[1].Device != nics[1] {
+			t.Fatalf("status rails %+v: want %v in that order", r, nics)
+		}
+		return *st.Transport.RDMA, st.Transport.RDMA.Rails
+	}
+
+	const n = 4<<20 + 5
+	const id = "rails-cross"
+	data := randomBytes(n, 90)
+	if e, err := snd.c.StageOn(ctx, "cuda:0", id, []int64{n}, "u8", bytes.NewReader(data), n); err != nil || e.Device != "cuda:0" {
+		t.Fatalf("stage on cuda:0: %+v, %v", e, err)
+	}
+	slot, err := rcv.c.ReceiveOn(ctx, "cuda:1", id, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slot.Key.Rail() != 1 {
+		t.Fatalf("the key of a slot on cuda:1 names rail %d, want 1 (%s, cuda:1's NIC)", slot.Key.Rail(), nics[1])
+	}
+	_, outBefore := rails(snd)
+	_, inBefore := rails(rcv)
+	if _, err := snd.c.Send(ctx, id, api.SendRequest{Session: slot.Session, BufferAddress: slot.BufferAddress, Key: slot.Key}); err != nil {
+		t.Fatalf("send from cuda:0 into a slot on cuda:1: %v", err)
+	}
+	if got, err := rcv.c.Wait(ctx, id, 30*time.Second); err != nil || !bytes.Equal(got, data) {
+		t.Fatalf("%d bytes back, %v: the bytes differ", len(got), err)
+	}
+	_, outAfter := rails(snd)
+	rst, inAfter := rails(rcv)
+	var out, in [2]uint64
+	for r := range 2 {
+		out[r] = outAfter[r].Bytes - outBefore[r].Bytes
+		in[r] = inAfter[r].ReceivedBytes - inBefore[r].ReceivedBytes
+	}
+	if out != [2]uint64{n, 0} || in != [2]uint64{0, n} {
+		t.Fatalf("the send left through the sender's NICs as %v bytes and came in through the receiver's as %v: want all out of %s (cuda:0's), all in through %s (cuda:1's)",
+			out, in, nics[0], nics[1])
+	}
+	for r, nic := range nics {
+		if m := rcv.metric(t, fmt.Sprintf(`ferry_rdma_nic_received_bytes_total{nic="%s"}`, nic)); m != float64(inAfter[r].ReceivedBytes) {
+			t.Errorf("/metrics counts %v bytes in through %s, status %d", m, nic, inAfter[r].ReceivedBytes)
+		}
+	}
+	fmt.Printf("== RAILS cross cuda:0->cuda:1 out=%s in=%s bytes=%d mode=%s (an entry staged on the sender's cuda:0, sent into a slot on the receiver's cuda:1 whose key names %s, verified byte-exact)\n",
+		nics[0], nics[1], n, rst.WriteMode, nics[1])
+}

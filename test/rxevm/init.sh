@@ -1,9 +1,9 @@
 #!/bin/busybox sh
 # PID 1 of the soft-RoCE VM (run.sh builds the initramfs around it): load
-# rdma_rxe, add rxe0 on dummy0, run ferry's tests with a real verbs device
-# required and the netem fault tests with netem required, benchmark
-# ferry's RDMA writes beside ib_write_bw and ferrybench over both rxe
-# devices, power off.
+# rdma_rxe, add rxe0 and rxe1 on two bridged veths, run ferry's tests with
+# a real verbs device required and the netem fault tests with netem
+# required, benchmark ferry's RDMA writes beside ib_write_bw and ferrybench
+# over both rxe devices, power off.
 # Lines starting "== " are what run.sh reads.
 /bin/busybox --install -s
 mount -t proc proc /proc
@@ -33,10 +33,33 @@ for m in $(cat /opt/mod/order); do
   insmod /opt/mod/$m || { echo "== FAIL insmod $m"; FAIL=1; }
 done
 ip link set lo up
-ip link show dummy0 >/dev/null 2>&1 || ip link add dummy0 type dummy
-ip addr add 10.11.12.1/24 dev dummy0
-ip link set dummy0 up
-check "rdma link add rxe0" 10 rdma link add rxe0 type rxe netdev dummy0
+# The two soft-RoCE devices sit on veth0 and veth1, whose peers share a
+# bridge: a wire between them, so that a lane from one to the other (a
+# send out of one GPU's NIC into a slot on another GPU, rdma/rails.go)
+# crosses it as on a fabric. Both addresses are this host's, which the
+# kernel would deliver through lo, where no rxe listens: output from
+# each netdev is routed out of it first (tables 10 and 11, before the
+# local table), and each takes in packets from the other's address.
+ip link add br0 type bridge
+ip link set br0 up
+for i in 0 1; do
+  ip link add veth$i type veth peer name veth${i}p
+  ip link set veth${i}p master br0
+  ip link set veth${i}p up
+done
+echo 0 >/proc/sys/net/ipv4/conf/all/rp_filter
+for i in 0 1; do
+  echo 1 >/proc/sys/net/ipv4/conf/veth$i/accept_local
+  echo 0 >/proc/sys/net/ipv4/conf/veth$i/rp_filter
+done
+ip rule add pref 10 oif veth0 lookup 10
+ip rule add pref 11 oif veth1 lookup 11
+ip rule add pref 100 lookup local
+ip rule del pref 0 lookup local
+ip addr add 10.11.12.1/24 dev veth0
+ip link set veth0 up
+ip route add 10.11.13.1 dev veth0 table 10
+check "rdma link add rxe0" 10 rdma link add rxe0 type rxe netdev veth0
 # The GID table fills a moment after the link is added: wait (5 s at
 # most) for the RoCE v2 GID of 10.11.12.1.
 GIDX=
@@ -53,10 +76,10 @@ echo "== rxe0 RoCE v2 GID index ${GIDX:-none}"
 [ -n "$GIDX" ] || FAIL=1
 # A second soft-RoCE device on a second netdev, for the rails tests
 # (rdma/rails_test.go: a write striped over two NICs, one failing).
-ip link add dummy1 type dummy
-ip addr add 10.11.13.1/24 dev dummy1
-ip link set dummy1 up
-check "rdma link add rxe1" 10 rdma link add rxe1 type rxe netdev dummy1
+ip addr add 10.11.13.1/24 dev veth1
+ip link set veth1 up
+ip route add 10.11.12.1 dev veth1 table 11
+check "rdma link add rxe1" 10 rdma link add rxe1 type rxe netdev veth1
 for i in $(seq 1 50); do
   grep -qs 'ffff:0a0b:0d01' /sys/class/infiniband/rxe1/ports/1/gids/* && break
   sleep 0.1

@@ -152,9 +152,10 @@ mkdir -p "$R/etc/libibverbs.d"
 cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
 # Modules in load order. rdma_rxe asks the crypto API for "crc32" at run
 # time, which no modules.dep entry names: crc32_generic goes first. veth
-# and sch_netem are for the netem fault tests.
+# and sch_netem are for the netem fault tests; veth and bridge carry the
+# two soft-RoCE devices' netdevs (init.sh).
 : >"$R/opt/mod/order"
-for m in crc32_generic dummy rdma_rxe veth sch_netem; do
+for m in crc32_generic dummy rdma_rxe veth bridge sch_netem; do
   modprobe -d "$K" -S "$KVER" --show-depends "$m" | awk '$1 == "insmod" {print $2}' | while read -r ko; do
     b=$(basename "$ko")
     grep -qx "$b" "$R/opt/mod/order" || { cp "$ko" "$R/opt/mod/"; echo "$b" >>"$R/opt/mod/order"; }

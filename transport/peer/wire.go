@@ -76,7 +76,8 @@ package peer
 //	  0  addr      u64     destination address in the server's arena
 //	  8  len       u64     body length, at least 1
 //	 16  key       [20]byte  the receive slot's key (transport.Key: the
-//	                         128-bit capability, then its window's rkey)
+//	                         120-bit capability, the rail, then its
+//	                         window's rkey)
 //	 36  tag       u32     delivered with the completion
 //
 //	server → client  reply, 8 bytes, then msglen bytes of message

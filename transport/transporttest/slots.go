@@ -81,11 +81,11 @@ func (s *Slots) Add(addr, size uint64) (key transport.Key) {
 		sl.key = transport.NewKey()
 	}
 	if s.windows != nil {
-		rkey, err := s.windows.Open(s.Base+addr, size)
+		w, err := s.windows.Open(s.Base+addr, size)
 		if err != nil {
 			panic(fmt.Sprintf("transporttest: a window over the slot [%#x, +%d): %v", addr, size, err))
 		}
-		sl.key = sl.key.WithWindow(rkey)
+		sl.key = sl.key.WithWindowOn(w)
 	}
 	s.slots = append(s.slots, sl)
 	return sl.key
@@ -101,7 +101,7 @@ func (s *Slots) Remove(key transport.Key) error {
 		}
 		s.slots = append(s.slots[:i], s.slots[i+1:]...)
 		if s.windows != nil {
-			return s.windows.Close(key.Window())
+			return s.windows.Close(key.WindowOn())
 		}
 		return nil
 	}
