@@ -378,7 +378,7 @@ func (dp *dataPlane) collectors() []prometheus.Collector {
 				Help: "Their bytes, per RDMA device."},
 				func() float64 { return float64(rail().Bytes) }),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_rdma_nic_received_total", ConstLabels: labels,
-				Help: "RDMA writes and striped pieces this daemon took in as receiver and delivered, per RDMA device they came in by."},
+				Help: "RDMA writes and striped pieces this daemon took in as receiver (completed into a grant or a window), per RDMA device they came in by."},
 				func() float64 { return float64(rail().Received) }),
 			prometheus.NewCounterFunc(prometheus.CounterOpts{Name: "ferry_rdma_nic_received_bytes_total", ConstLabels: labels,
 				Help: "Their bytes, per RDMA device."},

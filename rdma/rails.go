@@ -68,8 +68,8 @@ type RailStats struct {
 	NIC   string `json:"nic"`
 	Sends uint64 `json:"sends"` // writes and striped pieces completed out of it
 	Bytes uint64 `json:"bytes"` // their bytes
-	// Received is the writes and pieces that came in through it and
-	// were delivered, ReceivedBytes their bytes.
+	// Received is the writes and pieces that completed in through
+	// it (a granted piece, or a direct write into a window), ReceivedBytes their bytes.
 	Received      uint64 `json:"received"`
 	ReceivedBytes uint64 `json:"received_bytes"`
 }
@@ -194,8 +194,8 @@ func (t *Transport) sent(i int, n int) {
 	r.bytes.Add(uint64(n))
 }
 
-// received counts a write or piece of n bytes delivered in through
-// rail i.
+// received counts a write or piece of n bytes completed in through
+// rail i (a direct write the Sink then counts for nothing too).
 func (t *Transport) received(i int, n uint64) {
 	r := t.rails[i]
 	r.received.Add(1)

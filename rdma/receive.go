@@ -369,9 +369,9 @@ func (r *receiver) complete(c completion, draining bool) error {
 			c.Opcode, c.Imm, c.ByteLen, h.Tag, h.Len, h.Addr, lastChunk(h.Len))
 	}
 	r.granted = r.granted[1:]
+	t.received(r.l.rail, h.Len) // before done: whoever sees the slot arrive sees it counted
 	g.tg.finish(true)
 	g.done(nil)
-	t.received(r.l.rail, h.Len)
 	r.c.Prove() // it held a live slot's key
 	if draining {
 		return nil
@@ -408,6 +408,9 @@ func (r *receiver) replenish() error {
 func (r *receiver) arrived(c completion, draining bool) error {
 	t := r.t
 	t.stats.directCompletions.Add(1)
+	// Counted before the Sink takes it, as a granted write is: whoever
+	// sees the slot arrive sees it counted.
+	t.received(r.l.rail, uint64(c.ByteLen))
 	if err := t.direct.Arrived(c.Imm, uint64(c.ByteLen)); err != nil {
 		t.stats.directRefused.Add(1)
 		t.port.Warnf("rdma: lane from %s: a direct write of %d bytes tagged %#x counted for nothing: %v", r.c.RemoteAddr(), c.ByteLen, c.Imm, err)
@@ -416,7 +419,6 @@ func (r *receiver) arrived(c completion, draining bool) error {
 		}
 	} else {
 		r.c.Prove() // it wrote into a live slot
-		t.received(r.l.rail, uint64(c.ByteLen))
 	}
 	if draining {
 		return nil
