@@ -174,6 +174,12 @@ func (r *registry) addRegion(name string, mem arena.Memory, nic io.Closer, nicEr
 // addRegionAt is addRegion, the region lent for Mooncake peers' writes
 // as l says (engines.go), unless l is the zero value.
 func (r *registry) addRegionAt(name string, mem arena.Memory, nic io.Closer, nicErr error, l lend) (api.Region, error) {
+	return r.addRegionOn(name, mem, nic, nicErr, 0, l)
+}
+
+// addRegionOn is addRegionAt for a region whose slots' windows are bound
+// on rail (its device's nearest NIC that registered it).
+func (r *registry) addRegionOn(name string, mem arena.Memory, nic io.Closer, nicErr error, rail uint8, l lend) (api.Region, error) {
 	r.mu.Lock()
 	defer r.mu.Unlock()
 	delete(r.claims, name)
@@ -183,7 +189,7 @@ func (r *registry) addRegionAt(name string, mem arena.Memory, nic io.Closer, nic
 	if err := r.mayLend(name, uint64(mem.Size()), l); err != nil {
 		return api.Region{}, err
 	}
-	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, since: time.Now(), lend: l}
+	g := &region{name: name, mem: mem, nic: nic, nicErr: nicErr, rail: rail, since: time.Now(), lend: l}
 	r.regions[name] = g
 	return r.describeRegion(g), nil
 }
@@ -576,11 +582,18 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	if err != nil {
 		return err
 	}
-	nic, _, nicErr := d.registerRegionNIC(mem, nil)
+	// GPU memory goes through its device's nearest NICs, as that
+	// device's arena does, and its slots' keys name the first of them;
+	// host memory through rail 0.
+	var nics []string
+	if req.CUDA != nil {
+		nics = d.affinity.NICsFor(req.CUDA.Device)
+	}
+	nic, on, nicErr := d.registerRegionNIC(mem, nics)
 	err = d.registerEngineRegion(req.Name, mem, &l)
 	var g api.Region
 	if err == nil {
-		g, err = d.reg.addRegionAt(req.Name, mem, nic, nicErr, l)
+		g, err = d.reg.addRegionOn(req.Name, mem, nic, nicErr, uint8(on.Home), l)
 	}
 	if err != nil {
 		_ = l.closeNIC()

@@ -245,4 +245,39 @@ func TestRDMARailsCrossDevice(t *testing.T) {
 	}
 	fmt.Printf("== RAILS cross cuda:0->cuda:1 out=%s in=%s bytes=%d mode=%s (an entry staged on the sender's cuda:0, sent into a slot on the receiver's cuda:1 whose key names %s, verified byte-exact)\n",
 		nics[0], nics[1], n, rst.WriteMode, nics[1])
+
+	// A client's GPU memory on cuda:1, lent as a region, is registered on
+	// cuda:1's NIC too, and its slots' keys name that NIC.
+	own := startCUDAOwner(t, fakecuda.Build(t, fakecuda.Working), n, 91)
+	if g, err := rcv.c.RegisterCUDARegion(ctx, "kv1", "cuda:1", own.handle, 0, n); err != nil || g.NIC == nil || !g.NIC.Registered {
+		t.Fatalf("register a CUDA region on cuda:1: %+v, %v", g, err)
+	}
+	const rid = "rails-cross-region"
+	if _, err := snd.c.StageOn(ctx, "cuda:0", rid, []int64{n}, "u8", bytes.NewReader(data), n); err != nil {
+		t.Fatal(err)
+	}
+	rslot, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: rid, NBytes: n, Region: "kv1"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if rslot.Key.Rail() != 1 {
+		t.Fatalf("the key of a slot in a CUDA region on cuda:1 names rail %d, want 1 (%s)", rslot.Key.Rail(), nics[1])
+	}
+	_, inBefore = rails(rcv)
+	if _, err := snd.c.Send(ctx, rid, api.SendRequest{Session: rslot.Session, BufferAddress: rslot.BufferAddress, Key: rslot.Key}); err != nil {
+		t.Fatalf("send from cuda:0 into a CUDA region's slot on cuda:1: %v", err)
+	}
+	if _, err := rcv.c.WaitInfo(ctx, rid, 30*time.Second); err != nil {
+		t.Fatal(err)
+	}
+	if got := own.read(t, 0, n); !bytes.Equal(got, data) {
+		t.Fatal("the send did not land in the owner's GPU memory")
+	}
+	_, inAfter = rails(rcv)
+	if in1 := inAfter[1].ReceivedBytes - inBefore[1].ReceivedBytes; in1 != n || inAfter[0].ReceivedBytes != inBefore[0].ReceivedBytes {
+		t.Fatalf("into the CUDA region: %d bytes in through %s, %d through %s; want all through %s",
+			in1, nics[1], inAfter[0].ReceivedBytes-inBefore[0].ReceivedBytes, nics[0], nics[1])
+	}
+	fmt.Printf("== RAILS cross-region cuda:0->region on cuda:1 in=%s bytes=%d (a client's GPU memory lent as a region on cuda:1, its slot's key naming %s, verified in the owner's memory)\n",
+		nics[1], n, nics[1])
 }
