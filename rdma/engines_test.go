@@ -85,41 +85,35 @@ func TestEngineRegionMooncakeWrites(t *testing.T) {
 // rkey: in place, with no registration per write and no staging copy,
 // in grant and windows mode alike (a keyed engine write has no window).
 func TestEngineRegionGrants(t *testing.T) {
-	for _, windows := range []bool{false, true} {
-		name := ModeGrant
-		if windows {
-			name = ModeWindows
+	modes(t, func(t *testing.T, windows bool) {
+		p := newRegionPair(t, windows)
+		fill(p.txLent, 9)
+		er, err := p.rx.RegisterEngineRegion(p.rxLent, engineAddr)
+		if err != nil {
+			t.Fatal(err)
 		}
-		t.Run(name, func(t *testing.T) {
-			p := newRegionPair(t, windows)
-			fill(p.txLent, 9)
-			er, err := p.rx.RegisterEngineRegion(p.rxLent, engineAddr)
-			if err != nil {
-				t.Fatal(err)
-			}
-			defer er.Close()
-			rx0 := p.rx.Stats()
-			var remote atomic.Uint64
-			var rkey atomic.Uint32
-			p.txh.arm(func(h *hook) {
-				h.edit = func(o *op) {
-					if remote.CompareAndSwap(0, o.Remote) { // the first chunk's
-						rkey.Store(o.RKey)
-					}
+		defer er.Close()
+		rx0 := p.rx.Stats()
+		var remote atomic.Uint64
+		var rkey atomic.Uint32
+		p.txh.arm(func(h *hook) {
+			h.edit = func(o *op) {
+				if remote.CompareAndSwap(0, o.Remote) { // the first chunk's
+					rkey.Store(o.RKey)
 				}
-			})
-			const n = 1<<20 + 7
-			p.write(t, p.txLent[:n], regionHalf+4096, false)
-			if got, want := remote.Load(), uint64(engineAddr+4096); got != want || rkey.Load() != er.RKey {
-				t.Errorf("the write was granted at %#x under rkey %#x, want the engine's address %#x under %#x", got, rkey.Load(), want, er.RKey)
-			}
-			rx := p.rx.Stats()
-			if rx.PerReceive != rx0.PerReceive || rx.Staged != rx0.Staged || rx.CopiedBytes != rx0.CopiedBytes {
-				t.Errorf("receiver: %d registered per receive, %d staged, %d bytes copied; want none",
-					rx.PerReceive-rx0.PerReceive, rx.Staged-rx0.Staged, rx.CopiedBytes-rx0.CopiedBytes)
 			}
 		})
-	}
+		const n = 1<<20 + 7
+		p.write(t, p.txLent[:n], regionHalf+4096, false)
+		if got, want := remote.Load(), uint64(engineAddr+4096); got != want || rkey.Load() != er.RKey {
+			t.Errorf("the write was granted at %#x under rkey %#x, want the engine's address %#x under %#x", got, rkey.Load(), want, er.RKey)
+		}
+		rx := p.rx.Stats()
+		if rx.PerReceive != rx0.PerReceive || rx.Staged != rx0.Staged || rx.CopiedBytes != rx0.CopiedBytes {
+			t.Errorf("receiver: %d registered per receive, %d staged, %d bytes copied; want none",
+				rx.PerReceive-rx0.PerReceive, rx.Staged-rx0.Staged, rx.CopiedBytes-rx0.CopiedBytes)
+		}
+	})
 }
 
 // TestEngineRegionRefusals: an engine region of no bytes, or one whose

@@ -233,18 +233,24 @@ func (p *railsPair) send(t *testing.T, striped bool) transport.Report {
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-p.sink.arrived:
-	case <-time.After(30 * time.Second):
-		p.sink.mu.Lock()
-		t.Fatalf("the slot did not arrive within 30s of the write's return: %d writes in flight, %d of %d bytes landed, %d failed", p.sink.writes, p.sink.total, len(p.sink.mem), p.sink.failed)
-	}
+	p.sink.await(t)
 	p.sink.mu.Lock()
 	defer p.sink.mu.Unlock()
 	if p.sink.arrivals != 1 || !p.sink.exact || striped && p.sink.direct != 0 {
 		t.Fatalf("the slot arrived %d times, exact %v, with %d direct writes heard of: want once, exact, none when striped", p.sink.arrivals, p.sink.exact, p.sink.direct)
 	}
 	return rep
+}
+
+// await waits for the open slot to arrive, for 30 s at most.
+func (k *stripeSink) await(t *testing.T) {
+	t.Helper()
+	select {
+	case <-k.arrived:
+	case <-time.After(30 * time.Second):
+		k.mu.Lock()
+		t.Fatalf("the slot did not arrive within 30s of the write's return: %d writes in flight, %d of %d bytes landed, %d failed", k.writes, k.total, len(k.mem), k.failed)
+	}
 }
 
 func modes(t *testing.T, run func(t *testing.T, windows bool)) {
@@ -631,11 +637,7 @@ func TestRailsKeyNamesTheSlotsRail(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-p.sink.arrived:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the slot did not arrive within 30s of the write's return")
-	}
+	p.sink.await(t)
 	p.sink.mu.Lock()
 	exact, direct := p.sink.exact, p.sink.direct
 	p.sink.mu.Unlock()
@@ -674,11 +676,7 @@ func TestRailsKeyRailWithoutWindows(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-p.sink.arrived:
-	case <-time.After(30 * time.Second):
-		t.Fatal("the slot did not arrive within 30s of the write's return")
-	}
+	p.sink.await(t)
 	p.sink.mu.Lock()
 	exact := p.sink.exact
 	p.sink.mu.Unlock()

@@ -53,14 +53,12 @@ BUFFER = """
 DIGEST = "out = hashlib.sha256(bytes({name})).hexdigest()"
 
 
-def real_engine(engine_child, socket_path):
-    child = engine_child(socket_path, preload=False, env={"PYTHONPATH": MOONCAKE_PY})
-    return child, child.run(REAL)
-
-
-def ferry_engine(engine_child, socket_path):
-    child = engine_child(socket_path)
-    return child, child.run(FERRY)
+def engines(pair, engine_child):
+    """A real Mooncake engine's process and a ferry engine's (on the
+    receiving ferryd), each with its session id."""
+    real = engine_child(pair[0].socket, preload=False, env={"PYTHONPATH": MOONCAKE_PY})
+    ferry = engine_child(pair[1].socket)
+    return real, real.run(REAL), ferry, ferry.run(FERRY)
 
 
 def scattered(seed):
@@ -90,8 +88,7 @@ def move(initiator, remote_session, local_addr, remote_addr, moves, op):
 
 @pytest.mark.parametrize("writer", ["real", "ferry"])
 def test_writes_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_child, writer):
-    real, real_session = real_engine(engine_child, pair[0].socket)
-    ferry, ferry_session = ferry_engine(engine_child, pair[1].socket)
+    real, real_session, ferry, ferry_session = engines(pair, engine_child)
     src, dst = (real, ferry) if writer == "real" else (ferry, real)
     dst_session = ferry_session if writer == "real" else real_session
     src_addr = src.run(BUFFER.format(name="src", nbytes=PAGES * PAGE, seed=1))
@@ -104,8 +101,7 @@ def test_writes_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_c
 
 @pytest.mark.parametrize("reader", ["real", "ferry"])
 def test_reads_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_child, reader):
-    real, real_session = real_engine(engine_child, pair[0].socket)
-    ferry, ferry_session = ferry_engine(engine_child, pair[1].socket)
+    real, real_session, ferry, ferry_session = engines(pair, engine_child)
     local, remote = (real, ferry) if reader == "real" else (ferry, real)
     remote_session = ferry_session if reader == "real" else real_session
     local_addr = local.run(BUFFER.format(name="buf", nbytes=PAGES * PAGE, seed=4))
@@ -121,8 +117,7 @@ def test_reads_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_ch
 
 
 def test_a_real_engine_writing_outside_a_ferry_engines_memory_is_refused(pair, engine_child):
-    real, _ = real_engine(engine_child, pair[0].socket)
-    ferry, ferry_session = ferry_engine(engine_child, pair[1].socket)
+    real, _, ferry, ferry_session = engines(pair, engine_child)
     src_addr = real.run(BUFFER.format(name="src", nbytes=PAGES * PAGE, seed=7))
     dst_addr = ferry.run(BUFFER.format(name="dst", nbytes=PAGES * PAGE, seed=8))
     # One page past the registered buffer's end.
