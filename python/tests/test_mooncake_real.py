@@ -124,3 +124,18 @@ def test_a_real_engine_writing_outside_a_ferry_engines_memory_is_refused(pair, e
     rc = real.run(f"out = engine.transfer_sync_write({ferry_session!r}, {src_addr}, {dst_addr + PAGES * PAGE - PAGE // 2}, {PAGE})")
     assert rc != 0
     assert ferry.run(DIGEST.format(name="dst")) == hashlib.sha256(random.Random(8).randbytes(PAGES * PAGE)).hexdigest()
+
+
+def test_a_real_engine_writes_into_a_ferry_receive_slot(pair, engine_child, rx, req_id):
+    # A slot made for Mooncake peers on the ferryd that serves a segment
+    # (--mooncake-listen): a real engine's pages, covering it, make it
+    # arrive, byte-exact.
+    real = engine_child(pair[0].socket, preload=False, env={"PYTHONPATH": MOONCAKE_PY})
+    real.run(REAL)
+    slot = rx.receive(req_id, PAGES * PAGE, mooncake=True)
+    src = real.run(BUFFER.format(name="src", nbytes=PAGES * PAGE, seed=9))
+    moves = scattered(10)  # every page of the slot, in shuffled order
+    session = slot.mooncake_session.removeprefix("mooncake://")
+    assert move(real, session, src, slot.buffer_address, moves, "write") == 0
+    assert hashlib.sha256(rx.wait(req_id, 30)).hexdigest() == expected(9, 0, moves)
+    rx.free(req_id)
