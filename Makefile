@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build alloc demo test vet unit e2e test-python test-mooncake-real test-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
+.PHONY: all deps build alloc demo test vet unit e2e test-python test-mooncake-real test-rdma bench-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
 
 # The version every build carries (ferryd --version, GET /v1/status) and the
 # package is named by: git describe made a Debian version (scripts/version.sh
@@ -75,11 +75,17 @@ test-mooncake-real: build alloc
 # The verbs path for real: the rdma package and the RDMA end-to-end tests
 # inside a soft-RoCE VM (QEMU TCG, Debian's kernel with rdma_rxe), and the
 # netem fault tests over TCP (that kernel has sch_netem), then ferry's RDMA
-# writes beside ib_write_bw on the same device (ratio= lines).
-# About 3-5 minutes; the first run downloads the kernel package (~70 MB)
-# into .cache/rxevm.
+# writes beside ib_write_bw on the same device (ratio= lines), 5 rounds
+# a size (enough to catch a benchmark that errs; bench-rdma runs the full
+# rounds whose medians bench/README.md quotes). About 15 minutes; the
+# first run downloads the kernel package (~70 MB) into .cache/rxevm.
 test-rdma: deps
-	test/rxevm/run.sh
+	RXEVM_ROUNDS=$${RXEVM_ROUNDS:-5} test/rxevm/run.sh
+
+# The soft-RoCE benchmarks alone, with each size's full rounds (25 at
+# 64 KiB, 9 above): the figures bench/README.md quotes.
+bench-rdma: deps
+	RXEVM_RUN='^$$' RXEVM_E2E='^$$' RXEVM_NETEM='^$$' test/rxevm/run.sh
 
 
 # Every fuzz target for FUZZTIME each; a failing input lands in the
