@@ -217,7 +217,9 @@ func startDaemonWith(t *testing.T, l launch, dir, name string, extra ...string) 
 	go func() { <-d.log.done; stderr.Close() }()
 	go func() { d.exitErr = cmd.Wait(); close(d.exited) }()
 	t.Cleanup(d.stop)
-	ready := d.log.wait(t, 20*time.Second, `"ready"`, msg("ready"))
+	// A deadline against a hang, not a speed bound: under TCG on a busy
+	// host ferryd's start (devices, the arena's registration) took >20 s.
+	ready := d.log.wait(t, time.Minute, `"ready"`, msg("ready"))
 	d.advertise, _ = ready["advertise"].(string)
 	d.listen, _ = ready["listen"].(string)
 	d.c = &client.Client{Socket: sock}
