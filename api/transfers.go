@@ -506,4 +506,31 @@ type EngineSegment struct {
 	PID      int32     `json:"pid"`
 	Regions  int       `json:"regions"` // registered memory it lists
 	Since    time.Time `json:"since"`
+	// Notifies is the Mooncake notifies it received and its engine has
+	// not taken yet; NotifiesRefused those it refused, ever, for want of
+	// room (1024 unread, or 256 KiB of them).
+	Notifies        int    `json:"notifies"`
+	NotifiesRefused uint64 `json:"notifies_refused"`
+}
+
+// Notify is a Mooncake notify: its sender's name and its message.
+type Notify struct {
+	Name      string `json:"name"`
+	NotifyMsg string `json:"notify_msg"`
+}
+
+// Notifies answers POST /v1/mooncake/segments/{id}/notifies/drain: the
+// notifies the segment received since the last drain, oldest first, and
+// how many it refused for want of room since it opened.
+type Notifies struct {
+	Notifies []Notify `json:"notifies"`
+	Refused  uint64   `json:"refused"`
+}
+
+// NotifyRequest sends a Mooncake notify to the RPC port of the segment
+// Session ("host:rpc_port"): POST /v1/mooncake/notifies.
+type NotifyRequest struct {
+	Session   string `json:"session"`
+	Name      string `json:"name"`
+	NotifyMsg string `json:"notify_msg"`
 }

@@ -111,3 +111,19 @@ func (c *Client) OpenEngineSegment(ctx context.Context, port int) (api.EngineSeg
 func (c *Client) CloseEngineSegment(ctx context.Context, id string) error {
 	return c.noContent(ctx, "DELETE", "/v1/mooncake/segments/"+esc(id))
 }
+
+// DrainNotifies takes the Mooncake notifies engine segment id received
+// since the last drain, oldest first (its engine's get_notifies).
+func (c *Client) DrainNotifies(ctx context.Context, id string) (api.Notifies, error) {
+	return call[api.Notifies](ctx, c, "POST", "/v1/mooncake/segments/"+esc(id)+"/notifies/drain", nil)
+}
+
+// SendNotify sends a Mooncake notify to the RPC port of the segment
+// req.Session, and returns once the receiver kept it.
+func (c *Client) SendNotify(ctx context.Context, req api.NotifyRequest) error {
+	resp, err := c.do(ctx, "POST", "/v1/mooncake/notifies", jsonBody(req), -1, nil)
+	if err == nil {
+		resp.Body.Close()
+	}
+	return err
+}

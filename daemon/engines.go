@@ -311,6 +311,9 @@ type engineSegment struct {
 	hs    *mooncake.Server
 	data  *mooncake.DataServer
 	eps   *mooncakeEndpoints // the QPs Mooncake initiators connected to it, over RDMA; else nil
+	// notifies holds the Mooncake notifies its RPC port received until
+	// its engine takes them (notifies.go).
+	notifies notifyQueue
 }
 
 // close closes the segment's ports and its RDMA endpoints.
@@ -438,7 +441,7 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 			seg.Buffers = []mooncake.Buffer{}
 		}
 		return &seg
-	}}
+	}, Notify: d.engineNotify(es)}
 	d.serveEngineRDMA(es, &h)
 	es.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow})
 	d.engines.mu.Lock()
@@ -518,8 +521,9 @@ func (r *registry) lentWhere(match func(*region) bool) []string {
 }
 
 func (d *Daemon) describeEngine(es *engineSegment) api.EngineSegment {
+	held, refused := es.notifies.stats()
 	return api.EngineSegment{ID: es.id, Session: es.seg.Name, RPCPort: es.hs.Addr().(*net.TCPAddr).Port, DataPort: es.seg.TCPDataPort,
-		PID: es.owner, Regions: len(d.reg.lentIn(es.id)), Since: es.since}
+		PID: es.owner, Regions: len(d.reg.lentIn(es.id)), Since: es.since, Notifies: held, NotifiesRefused: refused}
 }
 
 // handleNewEngineSegment: POST /v1/mooncake/segments.

@@ -92,6 +92,10 @@ func (d *Daemon) routes() http.Handler {
 		"POST /v1/mooncake/segments":          d.handleNewEngineSegment,
 		"GET /v1/mooncake/segments":           d.handleListEngineSegments,
 		"DELETE /v1/mooncake/segments/{id}":   d.handleDeleteEngineSegment,
+
+		// Mooncake notifies (notifies.go).
+		"POST /v1/mooncake/segments/{id}/notifies/drain": d.handleDrainNotifies,
+		"POST /v1/mooncake/notifies":                     d.handleSendNotify,
 	} {
 		mux.Handle(pattern, d.wrap(h))
 	}

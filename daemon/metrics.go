@@ -38,6 +38,10 @@ type metrics struct {
 	batches             *prometheus.CounterVec
 	batchItems          prometheus.Counter
 	batchWrites         prometheus.Counter
+	// notifiesReceived counts the Mooncake notifies engine segments
+	// received, by outcome; notifiesSent those engines sent.
+	notifiesReceived *prometheus.CounterVec
+	notifiesSent     *prometheus.CounterVec
 
 	sessions *labelSet // ferry_session_failures_total's sessions
 	reasons  *labelSet // ferry_transfer_failures_total's reasons
@@ -91,6 +95,9 @@ var (
 	peerRefusalReasons = []string{"no_slot", "out_of_bounds", "slot_busy"}
 	batchOutcomes      = []string{"ok", "failed"}
 	regionOutcomes     = []string{"registered", "failed"}
+	// Mooncake notifies engine segments received, and engines sent.
+	notifyReceivedOutcomes = []string{"kept", "refused"}
+	notifySentOutcomes     = []string{"ok", "failed"}
 )
 
 // gauges are the daemon's live state, read at scrape time.
@@ -169,8 +176,16 @@ func newMetrics(g gauges, transport string) *metrics {
 			Name: "ferry_batch_writes_total",
 			Help: "Writes completed for batch transfers, after adjacent items were merged.",
 		}),
+		notifiesReceived: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ferry_mooncake_notifies_received_total",
+			Help: "Mooncake notifies engine segments received, by outcome: kept (until the engine takes them), refused (the segment held the most unread notifies it keeps; logged, rate-limited).",
+		}, []string{"outcome"}),
+		notifiesSent: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ferry_mooncake_notifies_sent_total",
+			Help: "Mooncake notifies sent for engines (POST /v1/mooncake/notifies), by outcome: ok (the receiver kept it), failed (refused, or not delivered).",
+		}, []string{"outcome"}),
 	}
-	reg.MustRegister(m.batches, m.batchItems, m.batchWrites,
+	reg.MustRegister(m.batches, m.batchItems, m.batchWrites, m.notifiesReceived, m.notifiesSent,
 		m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
 		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals, m.regionRegistrations, m.regionDeregFailures,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
@@ -213,6 +228,12 @@ func newMetrics(g gauges, transport string) *metrics {
 	}
 	for _, o := range regionOutcomes {
 		m.regionRegistrations.WithLabelValues(o)
+	}
+	for _, o := range notifyReceivedOutcomes {
+		m.notifiesReceived.WithLabelValues(o)
+	}
+	for _, o := range notifySentOutcomes {
+		m.notifiesSent.WithLabelValues(o)
 	}
 	for state, read := range map[string]func() int64{
 		"total": func() int64 { t, _, _ := g.arena(); return t },

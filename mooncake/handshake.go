@@ -8,6 +8,8 @@ import (
 	"io"
 	"net"
 	"time"
+
+	"github.com/ferry-project/ferry/internal/loglimit"
 )
 
 // HandshakeTimeout bounds one handshake exchange when the caller's
@@ -97,14 +99,36 @@ func ProbeSegment(ctx context.Context, addr string) error {
 	return nil
 }
 
-// SendNotify delivers a notify message.
+// SendNotify delivers a notify message. A receiver's refusal is an
+// error wrapping ErrNotifyRefused, with its reason when it gave one
+// (a ferry segment does; Mooncake's keeps every notify).
 func SendNotify(ctx context.Context, addr string, n NotifyDesc) error {
-	var r NotifyDesc
+	if err := CheckNotify(n); err != nil {
+		return fmt.Errorf("mooncake notify to %s: %w", addr, err)
+	}
+	var r NotifyReply
 	if err := Exchange(ctx, addr, Notify, n, &r); err != nil {
 		return err
 	}
-	if r.NotifyMsg != "success" {
-		return fmt.Errorf("mooncake notify to %s: reply %q, want \"success\"", addr, r.NotifyMsg)
+	switch {
+	case r.NotifyMsg == "success":
+		return nil
+	case r.Error != "":
+		return fmt.Errorf("mooncake notify to %s: %w: %s", addr, ErrNotifyRefused, loglimit.Clip(r.Error))
+	}
+	return fmt.Errorf("mooncake notify to %s: %w: reply notify_msg %s, want \"success\"", addr, ErrNotifyRefused, loglimit.Quote(r.NotifyMsg))
+}
+
+// CheckNotify says whether n fits in one notify message (MaxSmallMessage
+// bytes, type byte and JSON encoding included), which is what a ferry
+// segment takes; Mooncake's takes up to MaxMessage.
+func CheckNotify(n NotifyDesc) error {
+	body, err := json.Marshal(n)
+	if err != nil {
+		return err
+	}
+	if len(body)+2 > MaxSmallMessage {
+		return fmt.Errorf("name and notify_msg take %d bytes as a notify message, past the %d a notify may have: send a shorter notify_msg", len(body)+2, MaxSmallMessage)
 	}
 	return nil
 }

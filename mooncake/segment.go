@@ -160,6 +160,16 @@ type NotifyDesc struct {
 	NotifyMsg string `json:"notify_msg"`
 }
 
+// NotifyReply is the reply to a notify: notify_msg "success" when the
+// receiver kept it. A refusal has an empty notify_msg, which Mooncake's
+// sender reads as "rejected" (it checks for an empty one), and ferry's
+// reason in Error, a field Mooncake ignores.
+type NotifyReply struct {
+	Name      string `json:"name"`
+	NotifyMsg string `json:"notify_msg"`
+	Error     string `json:"error,omitempty"`
+}
+
 // ProbeReply is the body of a probe (type 3) reply.
 type ProbeReply struct {
 	Status string `json:"status"`

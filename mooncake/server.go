@@ -24,9 +24,11 @@ type Handlers struct {
 	// learns of what Connect set up. Nil Connect: every request is refused
 	// with a reply_msg saying this segment serves no RDMA.
 	Connect func(ctx context.Context, from net.Addr, req HandshakeDesc) (reply HandshakeDesc, undo func())
-	// Notify hears notify messages; nil ignores them (the reply is
-	// "success" either way, as Mooncake answers). An error is logged,
-	// rate-limited, with the message cut to loglimit.MaxQuoted bytes.
+	// Notify hears notify messages; nil ignores them. An error is
+	// logged, rate-limited, with the message cut to loglimit.MaxQuoted
+	// bytes; the reply is "success" (as Mooncake answers whatever it
+	// does with one) unless the error is an ErrNotifyRefused: then it is
+	// a refusal saying why (NotifyReply).
 	Notify func(from net.Addr, n NotifyDesc) error
 }
 
@@ -76,6 +78,10 @@ type Server struct {
 	cfg   ServerConfig
 	large *budget
 }
+
+// ErrNotifyRefused marks a notify the receiver did not keep, so that
+// its sender hears so rather than "success".
+var ErrNotifyRefused = errors.New("notify refused")
 
 // NoRDMA is the reply_msg of a connection request to a segment that
 // serves no RDMA.
@@ -203,9 +209,12 @@ func (s *Server) answer(ctx context.Context, from net.Addr, t MsgType, body []by
 		if s.h.Notify != nil {
 			if err := s.h.Notify(from, n); err != nil {
 				s.logf("mooncake notify from %s (name %s, notify_msg %s): %v", from, loglimit.Quote(n.Name), loglimit.Quote(n.NotifyMsg), err)
+				if errors.Is(err, ErrNotifyRefused) {
+					return NotifyReply{Error: err.Error()}, nil, nil
+				}
 			}
 		}
-		return NotifyDesc{NotifyMsg: "success"}, nil, nil
+		return NotifyReply{NotifyMsg: "success"}, nil, nil
 	case Connect:
 		var d HandshakeDesc
 		if err := decodeStrict(body, &d); err != nil {

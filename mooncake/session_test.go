@@ -176,6 +176,44 @@ func TestHandshakeProbeNotifyAndNoRDMA(t *testing.T) {
 	}
 }
 
+// A notify the handler refuses (ErrNotifyRefused) is answered with an
+// empty notify_msg, which Mooncake's sender reads as rejected, and the
+// reason, which ferry's sender returns; other handler errors are only
+// logged, the reply "success". A notify past MaxSmallMessage is not
+// sent.
+func TestRefusedNotifiesAreAnsweredAsRefusals(t *testing.T) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv := mooncake.Serve(ln, mooncake.Handlers{
+		Segment: func() *mooncake.Segment { return &mooncake.Segment{} },
+		Notify: func(_ net.Addr, n mooncake.NotifyDesc) error {
+			if n.NotifyMsg == "full" {
+				return fmt.Errorf("%w: the queue is full", mooncake.ErrNotifyRefused)
+			}
+			return errors.New("only logged")
+		},
+	}, mooncake.ServerConfig{})
+	defer srv.Close()
+	addr := ln.Addr().String()
+	err = mooncake.SendNotify(ctxT(t), addr, mooncake.NotifyDesc{Name: "x", NotifyMsg: "full"})
+	if !errors.Is(err, mooncake.ErrNotifyRefused) || !strings.Contains(err.Error(), "the queue is full") {
+		t.Fatalf("a refused notify: %v", err)
+	}
+	var raw map[string]any
+	if err := mooncake.Exchange(ctxT(t), addr, mooncake.Notify, mooncake.NotifyDesc{NotifyMsg: "full"}, &raw); err != nil || raw["notify_msg"] != "" {
+		t.Fatalf("the refusal on the wire: %v, %v; want an empty notify_msg", raw, err)
+	}
+	if err := mooncake.SendNotify(ctxT(t), addr, mooncake.NotifyDesc{Name: "x", NotifyMsg: "other"}); err != nil {
+		t.Fatalf("a notify whose handler failed otherwise: %v, want success", err)
+	}
+	long := mooncake.NotifyDesc{Name: "x", NotifyMsg: strings.Repeat("a", mooncake.MaxSmallMessage)}
+	if err := mooncake.SendNotify(ctxT(t), addr, long); err == nil || !strings.Contains(err.Error(), "past the 16384 a notify may have") {
+		t.Fatalf("an oversize notify: %v", err)
+	}
+}
+
 // Malformed requests close the connection without a reply; the server
 // says why and keeps serving.
 func TestServerRefusesMalformedHandshakes(t *testing.T) {

@@ -62,7 +62,7 @@ from .alloc import free as alloc_free
 from .alloc import preload_hint, window
 from .errors import BadRequest, Busy, FerryError, NotFound
 
-__all__ = ["TransferEngine", "TransferOpcode", "Failure"]
+__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Failure"]
 
 log = logging.getLogger("ferry.mooncake")
 
@@ -120,6 +120,16 @@ class TransferOpcode(enum.IntEnum):
     """Mooncake's opcodes for transfer_sync and batch_transfer_sync."""
     READ = 0
     WRITE = 1
+
+
+@dataclass
+class TransferNotify:
+    """Mooncake's TransferNotify: what transfer_sync and
+    batch_transfer_sync send to the target engine once the transfer
+    completed, and what get_notifies returns. name is the sender's choice
+    (its own name, by convention), msg the message."""
+    name: str = ""
+    msg: str = ""
 
 
 @dataclass
@@ -495,22 +505,66 @@ class TransferEngine:
 
     def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None):
         """transfer_sync_write for TransferOpcode.WRITE, transfer_sync_read
-        for READ (a notify raises NotImplementedError)."""
+        for READ, then the notify, if any (batch_transfer_sync)."""
         return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify,
                                         method="transfer_sync")
 
     def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None,
                             method="batch_transfer_sync"):
         """batch_transfer_sync_write for TransferOpcode.WRITE,
-        batch_transfer_sync_read for READ (a notify raises
-        NotImplementedError)."""
-        if notify is not None:
-            raise NotImplementedError(f"ferry.mooncake.TransferEngine.{method} with a notify: {_NO_NOTIFY}")
+        batch_transfer_sync_read for READ. With notify (a TransferNotify:
+        name, msg; ferry's or Mooncake's), once the transfer returned 0
+        (an empty batch too), ferryd sends it to the RPC port of
+        target_hostname's segment, as Mooncake sends it once a transfer
+        completed, and that engine's get_notifies() returns it. 0 once
+        its receiver kept it; -1 when it was not delivered (refused, or
+        unreachable), though the transfer's bytes are in place (Mooncake
+        returns 0 then and logs the failure)."""
+        if notify is not None and not (isinstance(getattr(notify, "name", None), str)
+                                       and isinstance(getattr(notify, "msg", None), str)):
+            return self._refuse(method, 0, f"{method}: notify {notify!r}: want a TransferNotify(name, msg) with str "
+                                           "name and msg (ferry.mooncake's, or Mooncake's), or None")
         if opcode == TransferOpcode.READ:
-            return self.batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
-        if opcode != TransferOpcode.WRITE:
+            ret = self.batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
+        elif opcode == TransferOpcode.WRITE:
+            ret = self.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
+        else:
             return self._refuse(method, 0, f"{method}: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
-        return self.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
+        if ret != 0 or notify is None:
+            return ret
+        return self._notify(method, target_hostname, notify)
+
+    def _notify(self, method, session_id, notify):
+        """Has ferryd send notify to the segment session_id: 0 once its
+        receiver kept it, else -1 saying why."""
+        session = session_id.removeprefix("mooncake://")
+        body = json.dumps({"session": session, "name": notify.name, "notify_msg": notify.msg}).encode()
+        try:
+            self._need_client().request("POST", "/v1/mooncake/notifies", body, "application/json")
+        except FerryError as e:
+            e.message = f"{method} with {session_id}: the transfer completed, but its notify was not delivered: {e.message}"
+            return self._fail(method, session_id, 0, e)
+        return 0
+
+    def get_notifies(self):
+        """The notifies this engine's segment received since the last
+        call (Mooncake engines' and ferry engines' transfers with a
+        notify), oldest first, as Mooncake returns them: a list of
+        TransferNotify (name, msg); each is returned once. [] before
+        initialize (or from a ferryd serving no segment); on failure []
+        and last_failure, as Mooncake logs and returns []. A segment keeps
+        at most 1024 unread notifies (256 KiB of them) and refuses more:
+        call it as often as notifies come."""
+        segment = self._segment
+        if segment is None:
+            return []
+        try:
+            got = json.loads(self._need_client().request(
+                "POST", f"/v1/mooncake/segments/{segment['id']}/notifies/drain").body)
+        except FerryError as e:
+            self._fail("get_notifies", "", 0, e)
+            return []
+        return [TransferNotify(n["name"], n["notify_msg"]) for n in got["notifies"]]
 
 
     def transfer_sync_write(self, session_id, buffer, peer_buffer_address, length):
@@ -901,11 +955,9 @@ class _NotWritable(BadRequest):
 
 # Why the Mooncake methods ferry does not have are not there; each raises
 # NotImplementedError naming itself and this (docs/python.md lists them).
-_NO_NOTIFY = "ferryd does not send Mooncake notifies for an engine, nor pass on those it receives"
 _NO_CUDA_STREAM = ("ferry's transfers are not ordered on a CUDA stream: synchronise the stream, then call the "
                    "synchronous ones")
 _NOT_IMPLEMENTED = {
-    "get_notifies": _NO_NOTIFY,
     "transfer_write_on_cuda": _NO_CUDA_STREAM,
     "transfer_read_on_cuda": _NO_CUDA_STREAM,
     "batch_transfer_write_on_cuda": _NO_CUDA_STREAM,

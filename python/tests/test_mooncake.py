@@ -353,11 +353,12 @@ def test_every_method_of_mooncakes_engine_is_there(tmp_path):
                 getattr(engine, name)("127.0.0.1:1", 1, 2, 3)
     assert set(mc._NOT_IMPLEMENTED) <= set(MOONCAKE_METHODS)
     assert engine.get_engine() is engine
-    # transfer_sync's READ is a read (an unregistered buffer: -1); a notify is not there.
+    # transfer_sync's READ is a read (an unregistered buffer: -1); a notify
+    # is a TransferNotify (test_mooncake_notifies.py).
     assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, TransferOpcode.READ) == -1
     assert "register_memory it first" in engine.last_failure.message
-    with pytest.raises(NotImplementedError, match="batch_transfer_sync with a notify"):
-        engine.batch_transfer_sync("127.0.0.1:1", [1], [2], [3], TransferOpcode.WRITE, notify=("a", "b"))
+    assert engine.batch_transfer_sync("127.0.0.1:1", [1], [2], [3], TransferOpcode.WRITE, notify=("a", "b")) == -1
+    assert "want a TransferNotify(name, msg)" in engine.last_failure.message
     assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, 7) == -1 and "opcode 7" in engine.last_failure.message
 
 

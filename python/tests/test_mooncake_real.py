@@ -2,7 +2,8 @@
 (Mooncake's own Python module, built from its sources), over TCP, both
 ways: a real engine writes into and reads from memory a ferry engine
 registered, and a ferry engine writes into and reads from memory a real
-engine registered. Every byte is checked where it landed.
+engine registered, and each one's notify reaches the other's
+get_notifies(). Every byte is checked where it landed.
 
 Opt-in: a real Mooncake build is a 15-minute compile that CI does not
 carry. `make test-mooncake-real MOONCAKE_PY=dir` runs it, dir holding
@@ -139,3 +140,32 @@ def test_a_real_engine_writes_into_a_ferry_receive_slot(pair, engine_child, rx, 
     assert move(real, session, src, slot.buffer_address, moves, "write") == 0
     assert hashlib.sha256(rx.wait(req_id, 30)).hexdigest() == expected(9, 0, moves)
     rx.free(req_id)
+
+
+@pytest.mark.parametrize("sender", ["real", "ferry"])
+def test_notifies_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_child, sender):
+    # Mooncake's batch_transfer_sync with a notify, either way: the notify
+    # reaches the receiving engine's get_notifies() once the bytes are in,
+    # each once, in Mooncake's shape (TransferNotify: name, msg).
+    real, real_session, ferry, ferry_session = engines(pair, engine_child)
+    src, dst = (real, ferry) if sender == "real" else (ferry, real)
+    dst_session = ferry_session if sender == "real" else real_session
+    module = "mooncake.engine" if sender == "real" else "ferry.mooncake"
+    opcode = "TransferOpcode.Write" if sender == "real" else "TransferOpcode.WRITE"
+    src_addr = src.run(BUFFER.format(name="src", nbytes=PAGES * PAGE, seed=11))
+    dst_addr = dst.run(BUFFER.format(name="dst", nbytes=PAGES * PAGE, seed=12))
+    moves = scattered(13)
+    locals_ = [src_addr + s * PAGE for s, _ in moves]
+    remotes = [dst_addr + d * PAGE for _, d in moves]
+    for i, msg in enumerate(["req-1 done", "req-2 done"]):
+        part = slice(i * PAGES // 2, (i + 1) * PAGES // 2)
+        assert src.run(f"""
+            from {module} import TransferNotify, TransferOpcode
+            out = engine.batch_transfer_sync({dst_session!r}, {locals_[part]!r}, {remotes[part]!r}, {[PAGE] * (PAGES // 2)!r},
+                                             {opcode}, TransferNotify({sender!r}, {msg!r}))
+        """) == 0
+    assert dst.run(DIGEST.format(name="dst")) == expected(11, 12, moves)
+    notifies = "out = [[n.name, n.msg] for n in engine.get_notifies()]"
+    assert dst.run(notifies) == [[sender, "req-1 done"], [sender, "req-2 done"]]
+    assert dst.run(notifies) == []
+    assert src.run(notifies) == []
