@@ -220,3 +220,27 @@ func engineMemoryOverRDMA(t *testing.T, gpu bool) {
 		t.Fatalf("regions after the engine segment closed: %+v, %v; want none", regions, err)
 	}
 }
+
+// TestEngineGPUMemoryRefusedOnTheBouncePath: where the NIC reaches no
+// GPU memory (the GPU arena went by --gpu-registration bounce), GPU
+// memory lent with a mooncake_addr to a segment speaking rdma is
+// refused, 400 naming the path and what to do: a Mooncake peer's
+// one-sided write into it could land nowhere. Nothing stays registered.
+func TestEngineGPUMemoryRefusedOnTheBouncePath(t *testing.T) {
+	requireRDMA(t)
+	lib := fakecuda.Build(t, fakecuda.Working)
+	owner := startCUDAOwner(t, lib, 1<<20, 72)
+	rcv, _ := startMooncakeSegmentIn(t, []string{"env", "LD_LIBRARY_PATH=" + lib},
+		"--transport", "rdma", "--device", "cuda:0", "--gpu-registration", "bounce", "--bounce-size", "8MiB")
+	ctx := ctxT(t)
+	es, err := rcv.c.OpenEngineSegment(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = rcv.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "kv", NBytes: 1 << 20, MooncakeAddr: owner.addr, MooncakeSegment: es.ID,
+		CUDA: &api.RegionCUDA{Device: "cuda:0", IPCHandle: owner.handle}}, nil)
+	wantErr(t, err, 400, api.CodeBadRequest, "region kv", "speak rdma", "the GPU arena went by the bounce path", "lend a memfd, or run ferryd's Mooncake segments over tcp")
+	if regions, err := rcv.c.Regions(ctx); err != nil || len(regions) != 0 {
+		t.Fatalf("regions after the refusal: %+v, %v; want none", regions, err)
+	}
+}
