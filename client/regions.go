@@ -46,8 +46,12 @@ func (c *Client) RegisterRegion(ctx context.Context, name string, f *os.File, nb
 
 // RegisterRegionWith is RegisterRegion with the whole request: a range
 // of the memfd from FDOffset, lent for Mooncake peers' writes at
-// MooncakeAddr in engine segment MooncakeSegment (docs/api.md).
+// MooncakeAddr in engine segment MooncakeSegment (docs/api.md); with f
+// nil, the GPU memory r.CUDA names.
 func (c *Client) RegisterRegionWith(ctx context.Context, r api.RegionRequest, f *os.File) (api.Region, error) {
+	if f == nil {
+		return call[api.Region](ctx, c, "POST", "/v1/regions", r)
+	}
 	name := r.Name
 	body, _ := json.Marshal(r)
 	var req bytes.Buffer

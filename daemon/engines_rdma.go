@@ -8,6 +8,8 @@ import (
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/rdma"
+	"github.com/ferry-project/ferry/transport"
 )
 
 // Engine memory over RDMA. On the rdma transport, a region lent with a
@@ -25,29 +27,67 @@ import (
 // (engines.go), and its write is granted at the engine's address under
 // the same registration: in place, with no registration or copy per
 // write. No registration allows remote reads; Mooncake peers read
-// engine memory over the TCP data port.
+// engine memory over the TCP data port. GPU memory is registered so too
+// where the NIC reaches GPU memory itself (dmabuf or peermem), a ferry
+// peer's write into it placed by the NIC through AcceptEngine; on the
+// bounce path it is refused over rdma segments (registerEngineRegion).
 
 // registerEngineRegion registers mem, lent as l, for peers' RDMA writes
 // at its Mooncake address, when the transport is rdma; l.mr holds it.
 // A region that cannot be registered is refused: a peer's write into
-// memory the NIC does not reach would fail.
+// memory the NIC does not reach would fail. GPU memory is registered
+// where the NIC reaches GPU memory itself (rdma/engines.go); where it
+// does not (the bounce path), or its registration fails, it is refused
+// when ferryd's Mooncake segments speak rdma (Mooncake peers' one-sided
+// writes could land nowhere), and over tcp segments every write into it
+// goes through host staging, as over TCP, the reason logged.
 func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) error {
-	switch {
-	case l.mooncakeAddr == 0 || d.dp.rdma == nil:
+	if l.mooncakeAddr == 0 || d.dp.rdma == nil {
 		return nil
-	case mem.Host() == nil && d.mooncake.seg.Protocol == "rdma":
-		// A buffer without keys would make the whole rdma descriptor one
-		// Mooncake rejects.
-		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segments speak rdma, and GPU memory is not yet registered for peers' RDMA writes at an engine's addresses: lend a memfd, or run ferryd's Mooncake segments over tcp", name)
-	case mem.Host() == nil:
-		return nil // GPU memory: Mooncake peers write it over TCP, through staging
 	}
-	er, err := d.dp.rdma.RegisterEngineRegion(mem.Host(), l.mooncakeAddr)
-	if err != nil {
+	var er *rdma.EngineRegion
+	var err error
+	if host := mem.Host(); host != nil {
+		er, err = d.dp.rdma.RegisterEngineRegion(host, l.mooncakeAddr)
+	} else {
+		er, err = d.dp.rdma.RegisterEngineDevice(transport.Range{Addr: mem.Base(), Len: uint64(mem.Size())}, l.mooncakeAddr)
+	}
+	switch {
+	case err == nil:
+		l.mr = er
+	case mem.Host() == nil && d.mooncake.seg.Protocol != "rdma":
+		d.regionLog.Printf("region %s: mooncake_addr: ferry peers' writes into this GPU memory go through host staging: %v", name, err)
+	case mem.Host() == nil:
+		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segments speak rdma, so Mooncake peers write the region one-sidedly, and %v: lend a memfd, or run ferryd's Mooncake segments over tcp (writes into GPU memory then go through host staging)", name, err)
+	default:
 		return apiErr(api.CodeInternal, "region %s: mooncake_addr: Mooncake and ferry peers write it over RDMA, and %v", name, err)
 	}
-	l.mr = er
 	return nil
+}
+
+var _ transport.EngineSink = (*registry)(nil)
+
+// AcceptEngine implements transport.EngineSink: a ferry peer's write
+// carrying an engine segment's key, wholly inside one of its GPU regions
+// registered for peers' RDMA writes, lands in place, the region pinned
+// until done. Any other goes through Accept (acceptKeyed), which stages
+// or refuses it.
+func (r *registry) AcceptEngine(addr, n uint64, key transport.Key, tag uint32) (uint64, func(error), bool, error) {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	segment, ok := r.engineKeys[key]
+	if !ok || r.byKey[key] != nil {
+		return 0, nil, false, nil
+	}
+	g := r.mooncakeRegionAt(segment, addr)
+	if g == nil || g.mr == nil || g.mem.Host() != nil || n == 0 || n > uint64(g.size())-(addr-g.mooncakeAddr) {
+		return 0, nil, false, nil
+	}
+	if r.closedTo(nil) {
+		return 0, nil, true, errRefuseStopping
+	}
+	g.uses++
+	return g.addr() + (addr - g.mooncakeAddr), func(error) { r.unpinRegions([]*region{g}) }, true, nil
 }
 
 // closeNIC drops l's registration for peers' RDMA writes, if any.

@@ -4,10 +4,14 @@ import (
 	"bytes"
 	"strings"
 	"sync/atomic"
+	"syscall"
 	"testing"
 	"time"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
+	"github.com/ferry-project/ferry/transport/transporttest"
 )
 
 // engineAddr is where the tests' engine "maps" its region: an address
@@ -15,19 +19,55 @@ import (
 // memory is unrelated to the daemon's mapping of it.
 const engineAddr = 0x7e00_0000_0000
 
-// TestEngineRegionMooncakeWrites: a Mooncake peer writes one-sidedly
-// into an engine region at the engine's addresses under the engine
-// registration's rkey, and the bytes land in the daemon's mapping of
-// it; a write running past the region, or naming the daemon's own
-// address of it, fails at the NIC with REM_ACCESS_ERR; once closed, the
-// registration takes no write.
-func TestEngineRegionMooncakeWrites(t *testing.T) {
-	peer, ferry := mcPair(t, newFabric(), 0)
-	mem := mapT(t, 1<<16)
-	er, err := ferry.tr.RegisterEngineRegion(mem, engineAddr)
-	if err != nil {
+// engineOn is a transport on the ferry side of a Mooncake QP pair with
+// an engine region of 64 KiB registered at engineAddr as the daemon
+// registers each kind: host memory it mapped (RegisterEngineRegion), or
+// GPU memory past a stand-in GPU arena, by its device pointer
+// (RegisterEngineDevice; on soft-RoCE the stand-in is plain memory,
+// which ibv_reg_mr takes as the peer-memory path takes a GPU's). mem is
+// the region as the daemon reaches it.
+func engineOn(t *testing.T, gpu bool) (peer, ferry mcSide, mem []byte, er *EngineRegion) {
+	t.Helper()
+	f := newFabric()
+	if !gpu {
+		peer, ferry = mcPair(t, f, 0)
+		mem = mapT(t, 1<<16)
+		var err error
+		if er, err = ferry.tr.RegisterEngineRegion(mem, engineAddr); err != nil {
+			t.Fatal(err)
+		}
+		return peer, ferry, mem, er
+	}
+	const arenaSize = 1 << 20
+	dev := mapT(t, arenaSize+1<<16)
+	peer, ferry = mcPairTo(t, f, 0, &Config{Device: gpuArenaIn(t, f, dev, arenaSize, "")})
+	if p := ferry.tr.Registration().GPU; !p.InPlace() {
+		t.Fatalf("the stand-in GPU arena went by the %q path: %+v", p.Path, p.NotTaken)
+	}
+	mem = dev[arenaSize:]
+	var err error
+	if er, err = ferry.tr.RegisterEngineDevice(transport.Range{Addr: addrOf(mem), Len: uint64(len(mem))}, engineAddr); err != nil {
 		t.Fatal(err)
 	}
+	return peer, ferry, mem, er
+}
+
+// TestEngineRegionMooncakeWrites: a Mooncake peer writes one-sidedly
+// into an engine region, host or GPU memory, at the engine's addresses
+// under the engine registration's rkey, and the bytes land in the
+// daemon's memory of it; a write running past the region, or naming
+// the daemon's own address of it, fails at the NIC with REM_ACCESS_ERR;
+// once closed, the registration takes no write.
+func TestEngineRegionMooncakeWrites(t *testing.T) {
+	for _, gpu := range []bool{false, true} {
+		t.Run(map[bool]string{false: "host", true: "gpu"}[gpu], func(t *testing.T) {
+			peer, ferry, mem, er := engineOn(t, gpu)
+			mooncakeWritesInto(t, peer, ferry, mem, er)
+		})
+	}
+}
+
+func mooncakeWritesInto(t *testing.T, peer, ferry mcSide, mem []byte, er *EngineRegion) {
 	ctx := ctxFor(t, 30*time.Second)
 	data := bytes.Repeat([]byte("engine "), 3000)
 	copy(peer.mem, data)
@@ -39,6 +79,7 @@ func TestEngineRegionMooncakeWrites(t *testing.T) {
 	}
 	reconnect := func() {
 		t.Helper()
+		var err error
 		for _, s := range []*mcSide{&peer, &ferry} {
 			if s.qp, err = s.tr.NewMooncakeQP(); err != nil {
 				t.Fatal(err)
@@ -79,6 +120,33 @@ func TestEngineRegionMooncakeWrites(t *testing.T) {
 	}
 }
 
+// grantedInPlace runs write, a ferry peer's write of n bytes into an
+// engine region, and checks that it was granted at want (the engine's
+// address) under er's rkey, with nothing registered per receive, staged
+// or copied on the receiver rx: in place.
+func grantedInPlace(t *testing.T, txh *hook, rx *Transport, er *EngineRegion, want uint64, write func()) {
+	t.Helper()
+	rx0 := rx.Stats()
+	var remote atomic.Uint64
+	var rkey atomic.Uint32
+	txh.arm(func(h *hook) {
+		h.edit = func(o *op) {
+			if remote.CompareAndSwap(0, o.Remote) { // the first chunk's
+				rkey.Store(o.RKey)
+			}
+		}
+	})
+	write()
+	if got := remote.Load(); got != want || rkey.Load() != er.RKey {
+		t.Errorf("the write was granted at %#x under rkey %#x, want the engine's address %#x under %#x", got, rkey.Load(), want, er.RKey)
+	}
+	rs := rx.Stats()
+	if rs.PerReceive != rx0.PerReceive || rs.Staged != rx0.Staged || rs.CopiedBytes != rx0.CopiedBytes {
+		t.Errorf("receiver: %d registered per receive, %d staged, %d bytes copied; want none",
+			rs.PerReceive-rx0.PerReceive, rs.Staged-rx0.Staged, rs.CopiedBytes-rx0.CopiedBytes)
+	}
+}
+
 // TestEngineRegionGrants: a ferry peer's write into an engine region
 // (the daemon's Sink lends the region's bytes, as for engine memory) is
 // granted at the engine's address under the engine registration's
@@ -93,31 +161,82 @@ func TestEngineRegionGrants(t *testing.T) {
 			t.Fatal(err)
 		}
 		defer er.Close()
-		rx0 := p.rx.Stats()
-		var remote atomic.Uint64
-		var rkey atomic.Uint32
-		p.txh.arm(func(h *hook) {
-			h.edit = func(o *op) {
-				if remote.CompareAndSwap(0, o.Remote) { // the first chunk's
-					rkey.Store(o.RKey)
-				}
-			}
-		})
 		const n = 1<<20 + 7
-		p.write(t, p.txLent[:n], regionHalf+4096, false)
-		if got, want := remote.Load(), uint64(engineAddr+4096); got != want || rkey.Load() != er.RKey {
-			t.Errorf("the write was granted at %#x under rkey %#x, want the engine's address %#x under %#x", got, rkey.Load(), want, er.RKey)
-		}
-		rx := p.rx.Stats()
-		if rx.PerReceive != rx0.PerReceive || rx.Staged != rx0.Staged || rx.CopiedBytes != rx0.CopiedBytes {
-			t.Errorf("receiver: %d registered per receive, %d staged, %d bytes copied; want none",
-				rx.PerReceive-rx0.PerReceive, rx.Staged-rx0.Staged, rx.CopiedBytes-rx0.CopiedBytes)
-		}
+		grantedInPlace(t, p.txh, p.rx, er, engineAddr+4096, func() { p.write(t, p.txLent[:n], regionHalf+4096, false) })
 	})
 }
 
+// engineSlots is Slots as a transport.EngineSink lending one GPU engine
+// region: n bytes the engine addresses at iova, lying at the device
+// address at (in Mem). A write into it lands through AcceptInPlace at
+// its device address, under the key of the slot there.
+type engineSlots struct {
+	*transporttest.Slots
+	iova, at, n uint64
+}
+
+func (e engineSlots) AcceptEngine(addr, n uint64, key transport.Key, tag uint32) (uint64, func(error), bool, error) {
+	if addr < e.iova || addr-e.iova >= e.n || n > e.n-(addr-e.iova) {
+		return 0, nil, false, nil
+	}
+	at := e.at + (addr - e.iova)
+	done, err := e.AcceptInPlace(at, n, key, tag)
+	return at, done, true, err
+}
+
+// TestEngineDeviceGrants: a ferry peer's write into GPU memory an engine
+// registered, addressed at the engine's address with its key, is placed
+// by the NIC in the daemon's device memory of it (the Sink's
+// AcceptEngine says where) under the engine registration's rkey at the
+// engine's address: in place, as for host memory; the bytes land.
+func TestEngineDeviceGrants(t *testing.T) {
+	f := newFabric()
+	f.noDMABuf = syscall.EOPNOTSUPP // the peer-memory path, as on soft-RoCE
+	rxDev := mapT(t, 2*regionHalf)
+	lent := transport.Range{Addr: addrOf(rxDev) + regionHalf, Len: regionHalf - regionTail}
+	slots := transporttest.NewSlots(0)
+	slots.Mem, slots.Base = rxDev, addrOf(rxDev)
+	txh := &hook{}
+	src := mapT(t, regionHalf)
+	fill(src, 11)
+	tx := listenHooked(t, f, Config{Memory: src}, txh)
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: engineSlots{Slots: slots, iova: engineAddr, at: lent.Addr, n: lent.Len}}, Device: gpuArenaIn(t, f, rxDev, regionHalf, "")})
+	// Registered as the daemon registers a CUDA region lent with an
+	// engine's address: as a region, then for peers' writes.
+	reg, err := rx.RegisterDeviceRegion(lent)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reg.Close()
+	er, err := rx.RegisterEngineDevice(lent, engineAddr)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer er.Close()
+	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	const n, off = 1<<20 + 7, 4096
+	key := slots.Add(regionHalf+off, n)
+	grantedInPlace(t, txh, rx, er, engineAddr+off, func() {
+		w := transport.Write{Src: src[:n], Remote: engineAddr + off, Key: key, Tag: key.Tag()}
+		if _, err := s.Write(ctxFor(t, 60*time.Second), w); err != nil {
+			t.Fatalf("a write at the engine's address: %v", err)
+		}
+		if err := slots.Wait(ctxFor(t, 30*time.Second), w.Tag); err != nil {
+			t.Fatal(err)
+		}
+	})
+	if !bytes.Equal(rxDev[regionHalf+off:regionHalf+off+n], src[:n]) {
+		t.Fatal("the write into the engine's GPU memory landed wrong")
+	}
+}
+
 // TestEngineRegionRefusals: an engine region of no bytes, or one whose
-// addresses wrap, is refused naming what is wrong.
+// addresses wrap, or GPU memory the NIC does not reach, is refused
+// naming what is wrong.
 func TestEngineRegionRefusals(t *testing.T) {
 	_, ferry := mcPair(t, newFabric(), 0)
 	mem := mapT(t, 1<<16)
@@ -132,6 +251,15 @@ func TestEngineRegionRefusals(t *testing.T) {
 		if _, err := ferry.tr.RegisterEngineRegion(c.mem, c.iova); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%d bytes at %#x: %v, want an error saying %q", len(c.mem), c.iova, err, c.want)
 		}
+	}
+	// GPU memory where the NIC reaches none (the GPU arena's bounce
+	// path): refused, saying so.
+	f := newFabric()
+	dev := mapT(t, 2<<20)
+	tr := listenT(t, f, Config{Device: gpuArenaIn(t, f, dev, 1<<20, api.GPURegistrationBounce)})
+	_, err := tr.RegisterEngineDevice(transport.Range{Addr: addrOf(dev) + 1<<20, Len: 1 << 20}, engineAddr)
+	if want := "only where the NIC reaches the GPU arena itself (dmabuf or peermem), and the GPU arena went by the bounce path"; err == nil || !strings.Contains(err.Error(), want) {
+		t.Errorf("GPU memory on the bounce path: %v, want an error saying %q", err, want)
 	}
 }
 

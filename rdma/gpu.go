@@ -146,7 +146,7 @@ func (t *Transport) registerPath(p api.GPURegistration, u use) (region, error) {
 		}
 		return reg, nil
 	case api.GPURegistrationPeerMem:
-		reg, err := t.nic.RegisterDevice(d.Base, d.Size, u)
+		reg, err := t.nic.RegisterDevice(d.Base, d.Size, d.Base, u)
 		if err != nil {
 			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), peermemAdvice(err))
 		}

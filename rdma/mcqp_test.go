@@ -25,10 +25,20 @@ type mcSide struct {
 // mcPair connects a Mooncake QP on a transport over f's NIC 1 (or the
 // real port) to one on NIC 2's, capping a's path MTU at mtu bytes.
 func mcPair(t *testing.T, f *fabric, mtu int) (a, b mcSide) {
+	return mcPairTo(t, f, mtu, nil)
+}
+
+// mcPairTo is mcPair, b's transport made with bcfg when it is not nil
+// (b.mem is then unused: bcfg says what b's memory is).
+func mcPairTo(t *testing.T, f *fabric, mtu int, bcfg *Config) (a, b mcSide) {
 	t.Helper()
 	for i, s := range []*mcSide{&a, &b} {
 		s.mem = mapT(t, 1<<16)
-		tr, err := listen(testConfig(t, Config{Memory: s.mem}), testNIC(t, f, byte(i+1)))
+		cfg := Config{Memory: s.mem}
+		if i == 1 && bcfg != nil {
+			cfg = *bcfg
+		}
+		tr, err := listen(testConfig(t, cfg), testNIC(t, f, byte(i+1)))
 		if err != nil {
 			t.Fatal(err)
 		}

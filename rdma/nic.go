@@ -20,8 +20,10 @@ type nic interface {
 	// name its first byte iova (ibv_reg_mr_iova).
 	RegisterAt(mem []byte, iova uint64, u use) (region, error)
 	// RegisterDevice registers size bytes of device memory at addr, which
-	// the host cannot address (peer memory: nvidia-peermem pins it).
-	RegisterDevice(addr, size uint64, u use) (region, error)
+	// the host cannot address (peer memory: nvidia-peermem pins it),
+	// reached at addresses from iova on (addr itself, but for an engine's
+	// GPU memory: its owner's address of it).
+	RegisterDevice(addr, size, iova uint64, u use) (region, error)
 	// RegisterDMABuf registers size bytes at offset of dmabuf fd, reached
 	// at addresses from iova on (the device pointer of its first byte).
 	RegisterDMABuf(fd int, offset, size, iova uint64, u use) (region, error)

@@ -292,17 +292,27 @@ func (r *receiver) serve(h peer.Header) error {
 	var err error
 	var mr region
 	sink, inPlaceSink := t.cfg.Peer.Sink.(transport.InPlaceSink)
-	if inPlaceSink {
+	engine := false // into GPU memory an engine registered, at the engine's address
+	if es, ok := sink.(transport.EngineSink); ok && t.engines.hasDevice() {
+		var at uint64
+		if at, done, engine, no = r.gate.AdmitEngine(&h, es); engine && no == nil {
+			tg, err = t.engineDeviceTarget(at, h.Len, r.l.rail)
+		}
+	}
+	if inPlaceSink && !engine && no == nil {
 		mr = t.inPlace(h.Addr, h.Len)
 	}
-	if mr != nil {
+	switch {
+	case engine || no != nil:
+		// Granted or refused above.
+	case mr != nil:
 		// Into device memory the NIC reaches (the GPU arena, a CUDA
 		// region): straight to the slot. A slot admitted pins its memory,
 		// so mr outlives the grant.
 		if done, no = r.gate.AdmitInPlace(&h, sink); no == nil {
 			tg = &target{addr: h.Addr}
 			rl := t.rails[r.l.rail]
-			register := func() (region, error) { return rl.nic.RegisterDevice(h.Addr, h.Len, peerWrites) }
+			register := func() (region, error) { return rl.nic.RegisterDevice(h.Addr, h.Len, h.Addr, peerWrites) }
 			if t.viaKeyRail(h.Key, r.l.rail) {
 				err = t.reach(tg, h.Key.Window(), mr, register)
 			} else {
@@ -310,7 +320,7 @@ func (r *receiver) serve(h peer.Header) error {
 				err = t.registerFor(tg, register)
 			}
 		}
-	} else {
+	default:
 		var dst []byte
 		if dst, done, no = r.gate.Admit(&h); no == nil {
 			tg, err = t.target(dst, h.Key, r.l.rail)

@@ -102,9 +102,25 @@ func (g *lentRegion) holds(addr, n uint64) bool {
 // host's address space: unified addressing): none overlaps another or
 // the arena.
 type lentRegions struct {
-	mu     sync.RWMutex
-	by     []*lentRegion
-	closed bool // the transport closed: it deregistered them all
+	mu      sync.RWMutex
+	by      []*lentRegion
+	devices int  // how many of by are device memory
+	closed  bool // the transport closed: it deregistered them all
+}
+
+// hasDevice reports whether device memory is listed.
+func (rs *lentRegions) hasDevice() bool {
+	rs.mu.RLock()
+	defer rs.mu.RUnlock()
+	return rs.devices > 0
+}
+
+// list puts g in by at i; mu is held.
+func (rs *lentRegions) list(i int, g *lentRegion) {
+	rs.by = slices.Insert(rs.by, i, g)
+	if g.device {
+		rs.devices++
+	}
 }
 
 // holding is the region holding [addr, addr+n), or nil.
@@ -274,25 +290,33 @@ func (t *Transport) RegisterDeviceRegionOn(r transport.Range, nics []string) (io
 	switch {
 	case r.Len == 0:
 		return nil, RegionRails{}, errors.New("rdma: registering a CUDA region of no bytes")
-	case t.dev.Len == 0:
-		why := "the transport has no GPU arena"
-		switch g := t.reg.GPU; {
-		case g != nil && g.Path != "":
-			why = fmt.Sprintf("the GPU arena went by the %s path (--gpu-registration %s)", g.Path, g.Asked)
-		case g != nil:
-			why = "no path registered the GPU arena"
-		}
-		return nil, RegionRails{}, fmt.Errorf("rdma: a CUDA region is registered with the NIC only where the NIC reaches the GPU arena itself (dmabuf or peermem), and %s: its bytes go through the pinned bounce area", why)
+	case t.deviceUnreached() != nil:
+		return nil, RegionRails{}, fmt.Errorf("rdma: a CUDA region is registered with the NIC only where the NIC reaches the GPU arena itself (dmabuf or peermem), and %v: its bytes go through the pinned bounce area", t.deviceUnreached())
 	case r.Addr < t.dev.Addr+t.dev.Len && t.dev.Addr < r.Addr+r.Len:
 		return nil, RegionRails{}, fmt.Errorf("rdma: a CUDA region of %d bytes at %#x overlaps the GPU arena", r.Len, r.Addr)
 	}
 	u, how := t.regionUse()
-	mr, err := t.nic.RegisterDevice(r.Addr, r.Len, u)
+	mr, err := t.nic.RegisterDevice(r.Addr, r.Len, r.Addr, u)
 	if err != nil {
 		return nil, RegionRails{}, fmt.Errorf("rdma: registering a CUDA region of %d bytes at %#x %s with the NIC by its device pointer (peermem; a region has no dmabuf path) failed with %s (%w): check that nvidia-peermem is loaded (modprobe nvidia-peermem; lsmod | grep nvidia_peermem) and the kernel log; until then its bytes go through the pinned bounce area",
 			r.Len, r.Addr, how, errnoName(err), err)
 	}
-	return t.addOnRails(&lentRegion{addr: r.Addr, size: r.Len, device: true, mr: mr}, nics, func(n nic) (region, error) { return n.RegisterDevice(r.Addr, r.Len, u) })
+	return t.addOnRails(&lentRegion{addr: r.Addr, size: r.Len, device: true, mr: mr}, nics, func(n nic) (region, error) { return n.RegisterDevice(r.Addr, r.Len, r.Addr, u) })
+}
+
+// deviceUnreached says why the NIC reaches no GPU memory itself (the
+// GPU arena's dmabuf or peer-memory path), or nil when it does.
+func (t *Transport) deviceUnreached() error {
+	if t.dev.Len > 0 {
+		return nil
+	}
+	switch g := t.reg.GPU; {
+	case g != nil && g.Path != "":
+		return fmt.Errorf("the GPU arena went by the %s path (--gpu-registration %s)", g.Path, g.Asked)
+	case g != nil:
+		return errors.New("no path registered the GPU arena")
+	}
+	return errors.New("the transport has no GPU arena")
 }
 
 // regionUse is how a region is registered, and that in words.
@@ -317,7 +341,7 @@ func (rs *lentRegions) add(g *lentRegion) (io.Closer, error) {
 		g.close()
 		return nil, fmt.Errorf("rdma: a region of %d bytes at %#x overlaps one registered already", g.size, g.addr)
 	}
-	rs.by = slices.Insert(rs.by, i, g)
+	rs.list(i, g)
 	return lentHandle{rs, g}, nil
 }
 
@@ -355,6 +379,9 @@ func (rs *lentRegions) remove(g *lentRegion) bool {
 		return false
 	}
 	rs.by = slices.Delete(rs.by, i, i+1)
+	if g.device {
+		rs.devices--
+	}
 	return true
 }
 
@@ -368,7 +395,7 @@ func (rs *lentRegions) putBack(g *lentRegion) error {
 	if rs.closed {
 		return g.close()
 	}
-	rs.by = slices.Insert(rs.by, rs.after(g.addr), g)
+	rs.list(rs.after(g.addr), g)
 	return nil
 }
 
@@ -381,6 +408,6 @@ func (rs *lentRegions) close() error {
 	for _, g := range rs.by {
 		errs = append(errs, g.close())
 	}
-	rs.by, rs.closed = nil, true
+	rs.by, rs.devices, rs.closed = nil, 0, true
 	return errors.Join(errs...)
 }

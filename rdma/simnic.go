@@ -130,14 +130,14 @@ func (n *fakeNIC) RegisterAt(mem []byte, iova uint64, u use) (region, error) {
 	return m, nil
 }
 
-func (n *fakeNIC) RegisterDevice(addr, size uint64, u use) (region, error) {
+func (n *fakeNIC) RegisterDevice(addr, size, iova uint64, u use) (region, error) {
 	if u == windowBinding && n.f.noDeviceMWBind != nil {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes of device memory at %#x with IBV_ACCESS_MW_BIND: %w", size, addr, n.f.noDeviceMWBind)
 	}
 	if n.f.noPeerMem != nil {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes of device memory at %#x: %w", size, addr, n.f.noPeerMem)
 	}
-	return n.registerDevice(addr, size, u)
+	return n.registerDevice(addr, size, iova, u)
 }
 
 func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (region, error) {
@@ -147,17 +147,17 @@ func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (regi
 	if n.f.noDMABuf != nil {
 		return nil, fmt.Errorf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d: %w", size, fd, n.f.noDMABuf)
 	}
-	return n.registerDevice(iova, size, u)
+	return n.registerDevice(iova, size, iova, u)
 }
 
 // registerDevice registers [addr, addr+size) of the declared device
-// memory; anything else is EFAULT, as ibv_reg_mr of an address nothing
-// maps.
-func (n *fakeNIC) registerDevice(addr, size uint64, u use) (region, error) {
+// memory, reached at addresses from iova on; anything else is EFAULT,
+// as ibv_reg_mr of an address nothing maps.
+func (n *fakeNIC) registerDevice(addr, size, iova uint64, u use) (region, error) {
 	for _, d := range n.f.device {
 		if spans(addrOf(d), uint64(len(d)), addr, size) {
 			off := addr - addrOf(d)
-			return n.Register(d[off:off+size], u)
+			return n.RegisterAt(d[off:off+size], iova, u)
 		}
 	}
 	return nil, fmt.Errorf("ibv_reg_mr of %d bytes at %#x: %w", size, addr, syscall.EFAULT)

@@ -288,10 +288,14 @@ func (n *verbsNIC) Register(mem []byte, u use) (region, error) {
 	return &verbsMR{mr: mr}, nil
 }
 
-func (n *verbsNIC) RegisterDevice(addr, size uint64, u use) (region, error) {
+func (n *verbsNIC) RegisterDevice(addr, size, iova uint64, u use) (region, error) {
 	var mr *C.struct_ibv_mr
-	rc := C.fv_reg_addr(n.pd, C.uint64_t(addr), C.size_t(size), accessFor(u), &mr)
-	if err := verbsErr(fmt.Sprintf("ibv_reg_mr of %d bytes of device memory at %#x", size, addr), rc); err != nil {
+	rc := C.fv_reg_addr(n.pd, C.uint64_t(addr), C.size_t(size), C.uint64_t(iova), accessFor(u), &mr)
+	verb := fmt.Sprintf("ibv_reg_mr of %d bytes of device memory at %#x", size, addr)
+	if iova != addr {
+		verb = fmt.Sprintf("ibv_reg_mr_iova of %d bytes of device memory at %#x, at I/O address %#x", size, addr, iova)
+	}
+	if err := verbsErr(verb, rc); err != nil {
 		return nil, err
 	}
 	return &verbsMR{mr: mr}, nil

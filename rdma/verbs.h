@@ -108,13 +108,6 @@ static inline int fv_reg_mr(struct ibv_pd *pd, void *addr, size_t len, int acces
 	return *mr ? 0 : fv_err();
 }
 
-// fv_reg_addr registers len bytes at addr, an address Go does not hold
-// as a pointer: a GPU arena's device pointer, which the NIC pins through
-// nvidia-peermem (EFAULT, "Bad address", without it).
-static inline int fv_reg_addr(struct ibv_pd *pd, uint64_t addr, size_t len, int access, struct ibv_mr **mr) {
-	return fv_reg_mr(pd, (void *)(uintptr_t)addr, len, access, mr);
-}
-
 // fv_reg_dmabuf registers len bytes at offset of the dmabuf fd, reached
 // by work requests at addresses from iova on.
 static inline int fv_reg_dmabuf(struct ibv_pd *pd, uint64_t offset, size_t len, uint64_t iova, int fd, int access, struct ibv_mr **mr) {
@@ -130,6 +123,17 @@ static inline int fv_reg_iova(struct ibv_pd *pd, void *addr, size_t len, uint64_
 	errno = 0;
 	*mr = ibv_reg_mr_iova(pd, addr, len, iova, access);
 	return *mr ? 0 : fv_err();
+}
+
+// fv_reg_addr registers len bytes at addr, an address Go does not hold
+// as a pointer: a GPU arena's device pointer, which the NIC pins through
+// nvidia-peermem (EFAULT, "Bad address", without it), reached at
+// addresses from iova on (addr for ferryd's own memory; an engine's
+// address of its GPU memory, IPC-opened at addr here).
+static inline int fv_reg_addr(struct ibv_pd *pd, uint64_t addr, size_t len, uint64_t iova, int access, struct ibv_mr **mr) {
+	if (iova == addr)
+		return fv_reg_mr(pd, (void *)(uintptr_t)addr, len, access, mr);
+	return fv_reg_iova(pd, (void *)(uintptr_t)addr, len, iova, access, mr);
 }
 
 // fv_cq_open makes a completion channel whose fd is non-blocking (Go's

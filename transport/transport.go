@@ -68,6 +68,21 @@ type InPlaceSink interface {
 	AcceptInPlace(addr, n uint64, key Key, tag uint32) (done func(error), err error)
 }
 
+// EngineSink is an InPlaceSink that lends device memory a Mooncake
+// engine registered (a CUDA region with an engine's address: ferryd's
+// GPU engine memory), which a peer's write names at the engine's own
+// address with the engine's key, while the transport registered it at
+// the daemon's device address of it (rdma's RegisterEngineDevice).
+type EngineSink interface {
+	InPlaceSink
+	// AcceptEngine is AcceptInPlace for a write addressed at an engine's
+	// address: in false (and no error) when key is no engine's, or the
+	// bytes are not wholly in one of its GPU regions registered so (the
+	// write then goes through Accept); else at is where they land, the
+	// daemon's device address of addr, with done as Accept's.
+	AcceptEngine(addr, n uint64, key Key, tag uint32) (at uint64, done func(error), in bool, err error)
+}
+
 // ChunkSink is a Sink whose slots may lie in memory the host cannot
 // address (a GPU arena, a CUDA region), which it fills by copies from
 // host staging. A transport that reads a write's bytes off a stream in

@@ -13,7 +13,9 @@ ferry.alloc), and ``register_memory`` lends the tensor's own pages to
 ferryd, which lands peers' writes there at the caller's addresses. GPU
 memory (a torch.cuda tensor, a sub-range of the caching allocator's
 segments included) is lent by the IPC handle of its allocation, and
-peers' writes land in it through ferryd's copies. Other memory is refused
+peers' writes land in it through ferryd's copies, or, on ferryd's rdma
+transport where the NIC reaches GPU memory, by the NIC itself at the
+tensor's addresses (docs/python.md). Other memory is refused
 at registration (-1, the fix in ``last_failure``), unless the engine was
 told it only sends from it:
 ``TransferEngine(send_only=True)`` or ``FERRY_MOONCAKE_SEND_ONLY=1``.
@@ -277,7 +279,10 @@ class TransferEngine:
         GPU memory is lent by the IPC handle of the allocation holding it
         (each registered range a region of its own, several per
         allocation as a caching allocator's segment holds many tensors):
-        peers' writes land in it at these addresses, copied in by ferryd.
+        peers' writes land in it at these addresses, copied in by ferryd,
+        or over RDMA placed by the NIC (where it reaches GPU memory; where
+        it does not and ferryd's Mooncake segments speak rdma, ferryd
+        refuses the range).
         ptr may be an address or a tensor (its data_ptr()).
         Returns 0, or -1 with the reason in last_failure: memory peers
         cannot write (allocated outside the window, GPU memory with no IPC

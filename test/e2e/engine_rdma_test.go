@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"fmt"
+	"os"
 	"testing"
 	"unsafe"
 
@@ -10,19 +11,22 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/internal/fakecuda"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/mooncake/mooncaketest"
 	"github.com/ferry-project/ferry/transport"
 )
 
-// engineMemory is memory an engine registered, as ferry.mooncake's
-// register_memory lends it: a memfd mapped here (the engine's own
-// address of it, its mooncake_addr), lent to ferryd's engine segment.
+// engineMemory is memory an engine registered, lent to an engine
+// segment of ferryd at addr, the engine's own address of it (its
+// mooncake_addr); read is n bytes of it at off, as the engine reads it.
 type engineMemory struct {
-	mem  []byte
 	addr uint64
+	read func(off, n int) []byte
 }
 
+// lendEngineMemory lends size bytes as ferry.mooncake's register_memory
+// lends host memory: a memfd mapped here.
 func lendEngineMemory(t *testing.T, d *daemon, segment, name string, size int) engineMemory {
 	t.Helper()
 	f, err := client.NewRegionFile(name, int64(size))
@@ -35,41 +39,78 @@ func lendEngineMemory(t *testing.T, d *daemon, segment, name string, size int) e
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { unix.Munmap(mem) })
-	e := engineMemory{mem: mem, addr: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(mem))))}
-	g, err := d.c.RegisterRegionWith(ctxT(t), api.RegionRequest{Name: name, NBytes: int64(size), MooncakeAddr: e.addr, MooncakeSegment: segment}, f)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if g.MooncakeAddr != e.addr || g.MooncakeSegment != segment {
-		t.Fatalf("region %+v: want it lent at %#x in engine segment %s", g, e.addr, segment)
-	}
+	e := engineMemory{addr: uint64(uintptr(unsafe.Pointer(unsafe.SliceData(mem)))), read: func(off, n int) []byte { return bytes.Clone(mem[off : off+n]) }}
+	lendAt(t, d, e, api.RegionRequest{Name: name, NBytes: int64(size), MooncakeAddr: e.addr, MooncakeSegment: segment}, f)
 	return e
 }
 
-// TestEngineMemoryOverRDMA: memory an engine registered, in its own
-// engine segment of a ferryd on the rdma transport (make test-rdma).
+// lendGPUEngineMemory lends size bytes at off of a CUDA owner's memory
+// as register_memory lends a torch.cuda tensor: by its allocation's IPC
+// handle, at the owner's address of it.
+func lendGPUEngineMemory(t *testing.T, d *daemon, o *cudaOwner, segment, name string, off, size int) engineMemory {
+	t.Helper()
+	e := engineMemory{addr: o.addr + uint64(off), read: func(at, n int) []byte { return o.read(t, off+at, n) }}
+	lendAt(t, d, e, api.RegionRequest{Name: name, NBytes: int64(size), MooncakeAddr: e.addr, MooncakeSegment: segment,
+		CUDA: &api.RegionCUDA{Device: "cuda:0", IPCHandle: o.handle, Offset: int64(off)}}, nil)
+	return e
+}
+
+func lendAt(t *testing.T, d *daemon, e engineMemory, req api.RegionRequest, f *os.File) {
+	t.Helper()
+	g, err := d.c.RegisterRegionWith(ctxT(t), req, f)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g.MooncakeAddr != e.addr || g.MooncakeSegment != req.MooncakeSegment {
+		t.Fatalf("region %+v: want it lent at %#x in engine segment %s", g, e.addr, req.MooncakeSegment)
+	}
+}
+
+// TestEngineMemoryOverRDMA: memory an engine registered, host memory
+// (a memfd) or GPU memory (a CUDA owner process's on the stand-in
+// driver, lent by IPC handle: ferryd registers it by its device pointer,
+// which rdma_rxe takes as the peer-memory path takes a GPU's), in its
+// own engine segment of a ferryd on the rdma transport (make test-rdma).
 // Its descriptor says protocol rdma and lists exactly the registered
 // range, at the engine's address, with an rkey of its own (never the
 // arena's). Another ferryd writes into it over ferry's peer protocol,
 // each write granted at the engine's address under that registration:
-// in place, with no registration and no CPU copy per write on either
-// side (its DATAPLANE line). A Mooncake RDMA initiator writes into it
-// one-sidedly at the engine's addresses; a write past its end fails at
-// the NIC (REM_ACCESS_ERR) and changes nothing; its writes into two
-// engines' segments in turn all land (each segment has its own QPs).
-// Every write is checked byte-exact in the engine's own mapping of the
-// memfd. Closing the segments unregisters the memory.
+// in place, with no registration and no CPU or GPU copy per write on
+// either side (its DATAPLANE line). A Mooncake RDMA initiator writes
+// into it one-sidedly at the engine's addresses; a write past its end
+// fails at the NIC (REM_ACCESS_ERR) and changes nothing; its writes into
+// two engines' segments in turn all land (each segment has its own
+// QPs). Every write is checked byte-exact as the engine reads its
+// memory. Closing the segments unregisters the memory.
 func TestEngineMemoryOverRDMA(t *testing.T) {
 	requireRDMA(t)
-	rcv, own := startMooncakeSegment(t, "--transport", "rdma")
+	for _, gpu := range []bool{false, true} {
+		t.Run(map[bool]string{false: "host", true: "gpu"}[gpu], func(t *testing.T) { engineMemoryOverRDMA(t, gpu) })
+	}
+}
+
+func engineMemoryOverRDMA(t *testing.T, gpu bool) {
+	const size = 4 << 20
+	kind, lend := "engine", func(d *daemon, segment, name string, off, n int) engineMemory {
+		return lendEngineMemory(t, d, segment, name, n)
+	}
+	var prefix, extra []string
+	if gpu {
+		lib := fakecuda.Build(t, fakecuda.Working)
+		owner := startCUDAOwner(t, lib, size, 71)
+		prefix, extra = []string{"env", "LD_LIBRARY_PATH=" + lib}, []string{"--device", "cuda:0", "--bounce-size", "8MiB"}
+		kind, lend = "engine-gpu", func(d *daemon, segment, name string, off, n int) engineMemory {
+			return lendGPUEngineMemory(t, d, owner, segment, name, off, n)
+		}
+	}
+	rcv, own := startMooncakeSegmentIn(t, prefix, append([]string{"--transport", "rdma"}, extra...)...)
 	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd", "--transport", "rdma"))
 	ctx := ctxT(t)
 	es, err := rcv.c.OpenEngineSegment(ctx, 0)
 	if err != nil {
 		t.Fatal(err)
 	}
-	const size = 4 << 20
-	e := lendEngineMemory(t, rcv, es.ID, "engine-kv", size)
+	e := lend(rcv, es.ID, "engine-kv", 0, size)
 	self := &mooncake.Segment{Name: "test", Buffers: []mooncake.Buffer{}}
 	desc, err := mooncake.FetchSegment(ctx, es.Session, self)
 	if err != nil {
@@ -101,7 +142,7 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 		if res.Transport != "rdma" {
 			t.Fatalf("send %d: %+v, want it over ferry's rdma transport", i, res)
 		}
-		if !bytes.Equal(e.mem[at:at+embBytes], data) {
+		if !bytes.Equal(e.read(int(at), embBytes), data) {
 			t.Fatalf("send %d: the engine's memory holds other bytes than were sent", i)
 		}
 	}
@@ -120,9 +161,10 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	line := fmt.Sprintf("control_msgs_per_send=%.2f posts_per_send=%.2f signaled_per_send=%.2f reg_mr_per_send=%.2f cpu_copy_bytes_per_send=%.0f",
 		per("ferry_rdma_control_messages_total"), per("ferry_rdma_posts_total"), per("ferry_rdma_signaled_total"),
 		both(`ferry_registrations_total{mode="per-send"}`), both("ferry_rdma_copied_bytes_total"))
-	fmt.Printf("== DATAPLANE engine ferry->ferry rdma nbytes=%d %s\n", embBytes, line)
-	if both(`ferry_registrations_total{mode="per-send"}`) != 0 || both("ferry_rdma_copied_bytes_total") != 0 {
-		t.Errorf("DATAPLANE %s: want reg_mr_per_send=0.00 and cpu_copy_bytes_per_send=0, sender and receiver together", line)
+	line += fmt.Sprintf(" gpu_copy_bytes_per_send=%.0f staged_per_send=%.2f", both("ferry_gpu_copied_bytes_total"), both("ferry_rdma_staged_receives_total"))
+	fmt.Printf("== DATAPLANE %s ferry->ferry rdma nbytes=%d %s\n", kind, embBytes, line)
+	if both(`ferry_registrations_total{mode="per-send"}`) != 0 || both("ferry_rdma_copied_bytes_total") != 0 || both("ferry_gpu_copied_bytes_total") != 0 || both("ferry_rdma_staged_receives_total") != 0 {
+		t.Errorf("DATAPLANE %s: want reg_mr_per_send=0.00, cpu_copy_bytes_per_send=0, gpu_copy_bytes_per_send=0 and staged_per_send=0.00, sender and receiver together", line)
 	}
 
 	// Mooncake → engine, one-sided RDMA WRITEs at the engine's addresses,
@@ -133,7 +175,7 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e2 := lendEngineMemory(t, rcv, es2.ID, "engine-kv2", 1<<20)
+	e2 := lend(rcv, es2.ID, "engine-kv2", size, 1<<20)
 	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 4 << 20})
 	writes, written := 0, 0
 	for i, c := range []struct {
@@ -147,7 +189,7 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 		if _, err := peer.WriteRDMA(ctx, c.session, c.e.addr+uint64(c.off), data, ""); err != nil {
 			t.Fatalf("a Mooncake write of %d bytes at the engine's %#x (segment %s): %v", c.n, c.e.addr+uint64(c.off), c.session, err)
 		}
-		if !bytes.Equal(c.e.mem[c.off:c.off+c.n], data) {
+		if !bytes.Equal(c.e.read(c.off, c.n), data) {
 			t.Fatalf("a Mooncake write of %d bytes at offset %d (segment %s): the engine's memory holds other bytes", c.n, c.off, c.session)
 		}
 		writes, written = writes+1, written+c.n
@@ -156,17 +198,17 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	if !ok || err != nil {
 		t.Fatalf("the descriptor's target for the engine's first byte: %v, %v", ok, err)
 	}
-	tail := bytes.Clone(e.mem[size-100:])
+	tail := e.read(size-100, 100)
 	err = peer.WriteRawRDMA(ctx, es.Session, tg, e.addr+size-100, randomBytes(4096, 499))
 	status := transport.StatusName(err)
 	if status != "REM_ACCESS_ERR" {
 		t.Errorf("a Mooncake write running past the registered memory: %v (status %q), want REM_ACCESS_ERR", err, status)
 	}
-	if !bytes.Equal(e.mem[size-100:], tail) {
+	if !bytes.Equal(e.read(size-100, 100), tail) {
 		t.Error("the refused write changed the engine's memory")
 	}
-	fmt.Printf("== MOONCAKE engine rdma writes=%d bytes=%d segments=2 byte_exact=true buffers=%d own_rkey=%t out_of_bounds=%s\n",
-		writes, written, len(desc.Buffers), desc.Buffers[0].RKey[0] != ownDesc.Buffers[0].RKey[0], status)
+	fmt.Printf("== MOONCAKE %s rdma writes=%d bytes=%d segments=2 byte_exact=true buffers=%d own_rkey=%t out_of_bounds=%s\n",
+		kind, writes, written, len(desc.Buffers), desc.Buffers[0].RKey[0] != ownDesc.Buffers[0].RKey[0], status)
 
 	// Closed, the segments' memory is unregistered.
 	for _, id := range []string{es.ID, es2.ID} {
@@ -176,5 +218,29 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	}
 	if regions, err := rcv.c.Regions(ctx); err != nil || len(regions) != 0 {
 		t.Fatalf("regions after the engine segment closed: %+v, %v; want none", regions, err)
+	}
+}
+
+// TestEngineGPUMemoryRefusedOnTheBouncePath: where the NIC reaches no
+// GPU memory (the GPU arena went by --gpu-registration bounce), GPU
+// memory lent with a mooncake_addr to a segment speaking rdma is
+// refused, 400 naming the path and what to do: a Mooncake peer's
+// one-sided write into it could land nowhere. Nothing stays registered.
+func TestEngineGPUMemoryRefusedOnTheBouncePath(t *testing.T) {
+	requireRDMA(t)
+	lib := fakecuda.Build(t, fakecuda.Working)
+	owner := startCUDAOwner(t, lib, 1<<20, 72)
+	rcv, _ := startMooncakeSegmentIn(t, []string{"env", "LD_LIBRARY_PATH=" + lib},
+		"--transport", "rdma", "--device", "cuda:0", "--gpu-registration", "bounce", "--bounce-size", "8MiB")
+	ctx := ctxT(t)
+	es, err := rcv.c.OpenEngineSegment(ctx, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	_, err = rcv.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "kv", NBytes: 1 << 20, MooncakeAddr: owner.addr, MooncakeSegment: es.ID,
+		CUDA: &api.RegionCUDA{Device: "cuda:0", IPCHandle: owner.handle}}, nil)
+	wantErr(t, err, 400, api.CodeBadRequest, "region kv", "speak rdma", "the GPU arena went by the bounce path", "lend a memfd, or run ferryd's Mooncake segments over tcp")
+	if regions, err := rcv.c.Regions(ctx); err != nil || len(regions) != 0 {
+		t.Fatalf("regions after the refusal: %+v, %v; want none", regions, err)
 	}
 }

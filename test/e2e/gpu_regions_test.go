@@ -27,7 +27,8 @@ const cudaOwnerEnv = "FERRY_E2E_CUDA_OWNER"
 // cudaOwnerEnv set and a CUDA driver on LD_LIBRARY_PATH, it is a client
 // that owns GPU memory. It allocates 2N bytes on cuda:0, writes N bytes
 // of randomBytes(N, SEED) to the first half and zeroes to the second,
-// prints "handle HEX" (the allocation's IPC handle), then answers each
+// prints "addr P" (its own address of them) and "handle HEX" (the
+// allocation's IPC handle), then answers each
 // "read OFF LEN PATH" line on stdin by writing those bytes of its memory
 // to PATH and printing "read", until stdin closes; then it frees them.
 func TestCUDAOwnerProcess(t *testing.T) {
@@ -64,6 +65,7 @@ func TestCUDAOwnerProcess(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	fmt.Printf("addr %d\n", p)
 	fmt.Printf("handle %x\n", h[:])
 	in := bufio.NewScanner(os.Stdin)
 	for in.Scan() {
@@ -86,6 +88,7 @@ func TestCUDAOwnerProcess(t *testing.T) {
 // cudaOwner is a running TestCUDAOwnerProcess.
 type cudaOwner struct {
 	handle []byte
+	addr   uint64 // its own address of its memory
 	stdin  io.WriteCloser
 	lines  chan string // its stdout, closed at its end
 	out    bytes.Buffer
@@ -138,6 +141,9 @@ func startCUDAOwner(t *testing.T, lib string, n int, seed uint64) *cudaOwner {
 			t.Errorf("the CUDA owner process (pid %d) had not exited 10 s after its stdin closed: killed", cmd.Process.Pid)
 		}
 	})
+	if _, err := fmt.Sscanf(o.next(t, "addr "), "addr %d", &o.addr); err != nil {
+		t.Fatalf("the owner's addr line: %v", err)
+	}
 	line := o.next(t, "handle ")
 	if o.handle, err = hex.DecodeString(strings.TrimPrefix(line, "handle ")); err != nil || len(o.handle) != len(cuda.IPCHandle{}) {
 		t.Fatalf("the owner's handle line %q: %v", line, err)

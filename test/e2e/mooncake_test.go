@@ -217,7 +217,14 @@ func TestMooncakeSendRetriesWithAFreshDescriptor(t *testing.T) {
 // returns it with its segment name, from its log.
 func startMooncakeSegment(t *testing.T, extra ...string) (*daemon, string) {
 	t.Helper()
-	rcv := raceFree(t, startDaemon(t, t.TempDir(), "rcv", append([]string{"--mooncake-listen", "127.0.0.1:0"}, extra...)...))
+	return startMooncakeSegmentIn(t, nil, extra...)
+}
+
+// startMooncakeSegmentIn is startMooncakeSegment with a command prefix
+// (startDaemonIn's).
+func startMooncakeSegmentIn(t *testing.T, prefix []string, extra ...string) (*daemon, string) {
+	t.Helper()
+	rcv := raceFree(t, startDaemonIn(t, prefix, t.TempDir(), "rcv", append([]string{"--mooncake-listen", "127.0.0.1:0"}, extra...)...))
 	line := rcv.log.wait(t, 5*time.Second, "the Mooncake segment line", msg("serving as a Mooncake segment"))
 	name, _ := line["segment"].(string)
 	st, err := rcv.c.Status(ctxT(t))

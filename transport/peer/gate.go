@@ -97,6 +97,17 @@ func (g *Gate) AdmitInPlace(h *Header, sink transport.InPlaceSink) (done func(er
 	return done, nil
 }
 
+// AdmitEngine is AdmitInPlace for a write into device memory an engine
+// registered, addressed at the engine's address (sink's AcceptEngine):
+// in false when h is no such write, for Admit to take.
+func (g *Gate) AdmitEngine(h *Header, sink transport.EngineSink) (at uint64, done func(error), in bool, refused *Refused) {
+	refused = g.admit(h, func() (err error) {
+		at, done, in, err = sink.AcceptEngine(h.Addr, h.Len, h.Key, h.Tag)
+		return err
+	})
+	return at, done, in, refused
+}
+
 // admit checks h's size, then runs accept: nil, or what to reply.
 func (g *Gate) admit(h *Header, accept func() error) *Refused {
 	if h.Len > g.maxWrite {
