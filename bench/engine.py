@@ -240,7 +240,7 @@ class MooncakePair:
     def __init__(self, directory, n):
         env = {k: v for k, v in _unpreloaded().items() if not k.startswith("FERRY_")}
         env["PYTHONPATH"] = env["LD_LIBRARY_PATH"] = directory
-        env.setdefault("GLOG_minloglevel", "1")  # its INFO lines, one per segment, say nothing here
+        env.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines, a few per engine, say nothing here
         pipe = dict(env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.procs = [subprocess.Popen([sys.executable, "-c", MOONCAKE_CHILD, "target", str(n)], **pipe)]
         try:
