@@ -6,6 +6,7 @@ frames refused with the daemon serving on."""
 import random
 import socket
 import struct
+import time
 
 import pytest
 
@@ -66,6 +67,24 @@ def test_write_region_lands_byte_exact_and_keeps_one_stream(tx, rx, req_id):
             tx.write_region(slot, region.name, 200 << 10, 64 << 10)
         tx.write_region(slot, region.name, 0, 64 << 10)
         assert rx.wait(req_id, 10) == data[:64 << 10]
+        rx.free(req_id)
+    finally:
+        region.unregister()
+
+
+def test_a_kept_stream_ferryd_closed_is_replaced_unseen(tx, rx, req_id):
+    # A stream ferryd has closed (here after a malformed frame), taken
+    # again from the pool within _FRESH, unlooked-at: the frame finds it
+    # closed with no byte of answer, and goes again on a fresh stream.
+    closed = _upgrade(tx.socket_path)
+    closed.sendall(struct.pack("<I", 3) + b"abc")
+    assert _answer(closed)[0] == 400 and closed.recv(1) == b""
+    region = tx.register_region(f"ws-{req_id}", 64 << 10)
+    try:
+        slot = rx.receive(req_id, 64 << 10)
+        tx._transport._streams.append((closed, time.monotonic()))
+        tx.write_region(slot, region.name, 0, 64 << 10)
+        assert rx.wait(req_id, 10) == bytes(64 << 10)
         rx.free(req_id)
     finally:
         region.unregister()
