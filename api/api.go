@@ -403,6 +403,10 @@ type CommitRequest struct {
 // of the URL.
 const KeyHeader = "Ferry-Key"
 
+// WriteStreamProtocol is the Upgrade a POST /v1/writes/stream asks for:
+// the connection then carries binary write frames (docs/api.md).
+const WriteStreamProtocol = "ferry-writes/1"
+
 type SendRequest struct {
 	Session       string `json:"session"`
 	BufferAddress uint64 `json:"buffer_address"`

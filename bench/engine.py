@@ -13,6 +13,11 @@ turns (A B A B) so that a noisy machine's drift falls on all of them:
 - ferrybench batch with the same page size and pages per request (the Go
   client, ferry's own batch transfer of a staged source): the yardstick
   of the kv figure (`ratio kv/batch`).
+- with --mooncake-py DIR, Mooncake's own engine (`mooncake.engine` from
+  DIR, a build of Mooncake's Python package) doing the single calls
+  between two plain python3 processes on loopback TCP, nothing of
+  ferry's loaded: the yardstick of the single figure (`ratio single
+  ferry/mooncake`).
 
 The engine sends as sglang's prefill does: into receive slots made with
 mooncake=True on the receiving ferryd (its --mooncake-listen segment),
@@ -195,6 +200,77 @@ def single_calls(engine, into, src, n, per_slot, seconds, tag, verify):
     return out
 
 
+# A Mooncake engine of its own in a plain python3 (bench_mooncake):
+# "target" registers a buffer and prints its session and address;
+# "initiator SESSION ADDRESS" answers each "SECONDS" line read with the
+# times of single transfer_sync_write calls into that buffer for that
+# long (a JSON list), until its stdin ends.
+MOONCAKE_CHILD = r"""
+import ctypes, json, sys, time
+from mooncake.engine import TransferEngine
+role, n, slots = sys.argv[1], int(sys.argv[2]), 256
+e = TransferEngine()
+assert e.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, "initialize"
+buf = (ctypes.c_char * (n * slots))()
+assert e.register_memory(ctypes.addressof(buf), n * slots) == 0, "register_memory"
+if role == "target":
+    print(f"127.0.0.1:{e.get_rpc_port()} {ctypes.addressof(buf)}", flush=True)
+    sys.stdin.read()
+    sys.exit(0)
+session, base = sys.argv[3], int(sys.argv[4])
+src = ctypes.addressof(buf)
+ctypes.memmove(src, bytes(range(256)) * (n // 256), n)
+for line in sys.stdin:
+    out, i, end = [], 0, time.perf_counter() + float(line)
+    while time.perf_counter() < end:
+        t0 = time.perf_counter()
+        ret = e.transfer_sync_write(session, src, base + (i % slots) * n, n)
+        out.append(time.perf_counter() - t0)
+        assert ret == 0, f"transfer_sync_write returned {ret}"
+        i += 1
+    print(json.dumps(out), flush=True)
+"""
+
+
+class MooncakePair:
+    """A real Mooncake engine pair (two python3 processes with DIR on
+    PYTHONPATH and LD_LIBRARY_PATH, no LD_PRELOAD), the initiator timing
+    single calls when asked; stopped by their PIDs."""
+
+    def __init__(self, directory, n):
+        env = {k: v for k, v in _unpreloaded().items() if not k.startswith("FERRY_")}
+        env["PYTHONPATH"] = env["LD_LIBRARY_PATH"] = directory
+        env.setdefault("MC_LOG_LEVEL", "WARNING")  # its INFO lines, a few per engine, say nothing here
+        pipe = dict(env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.procs = [subprocess.Popen([sys.executable, "-c", MOONCAKE_CHILD, "target", str(n)], **pipe)]
+        try:
+            line = self.procs[0].stdout.readline().split()
+            if len(line) != 2:
+                raise SystemExit(f"--mooncake-py {directory}: the target engine did not start (exit {self.procs[0].wait(30)})")
+            self.procs.append(subprocess.Popen([sys.executable, "-c", MOONCAKE_CHILD, "initiator", str(n), *line], **pipe))
+        except BaseException:
+            self.stop()
+            raise
+
+    def single_calls(self, seconds):
+        init = self.procs[1]
+        init.stdin.write(f"{seconds}\n")
+        init.stdin.flush()
+        line = init.stdout.readline()
+        if not line:
+            raise SystemExit(f"mooncake: the initiator engine stopped (exit {init.wait(30)})")
+        return json.loads(line)
+
+    def stop(self):
+        for p in reversed(self.procs):
+            p.stdin.close()
+            try:
+                p.wait(20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+
 def ferrybench_batch(ferrybench, tx, rx, page, pages, seconds):
     """One `ferrybench batch` point against the same daemons: (its output line, items/s, GB/s)."""
     cmd = [ferrybench, "batch", "--from", tx.socket, "--to", rx.socket, "--item-size", str(page),
@@ -230,6 +306,9 @@ def main():
     ap.add_argument("--into", choices=["slot", "engine"], default="slot",
                     help="where writes land: receive slots made with mooncake=True, or memory a receiving "
                          "engine registered (run under python -m ferry.run)")
+    ap.add_argument("--mooncake-py", default="", metavar="DIR",
+                    help="a build of Mooncake's Python package (mooncake/engine.py and its libraries): its own "
+                         "engine pair's single calls, in turns with ferry's, for `ratio single ferry/mooncake`")
     a = ap.parse_args()
 
     directory = tempfile.mkdtemp(prefix="ferry-engine-bench-")
@@ -239,14 +318,19 @@ def main():
     except BaseException:
         tx.stop()
         raise
+    mc = None
     try:
-        run(a, tx, rx)
+        if a.mooncake_py:
+            mc = MooncakePair(a.mooncake_py, a.single)
+        run(a, tx, rx, mc)
     finally:
+        if mc is not None:
+            mc.stop()
         rx.stop()
         tx.stop()
 
 
-def run(a, tx, rx):
+def run(a, tx, rx, mc):
     rxc = ferry.Client(rx.socket)
     # The prefill side only sends from its registered memory (send_only);
     # under ferry's allocator (python -m ferry.run) that memory is lent to
@@ -272,7 +356,7 @@ def run(a, tx, rx):
     print(f"# bench/engine.py  {time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime())}  cpus={os.cpu_count()} "
           f"ferryd={a.ferryd} transport=tcp (loopback) into={a.into} kv={a.layers}x2x{a.pages}x{a.page}B single={a.single}B "
           f"{a.rounds} rounds x {a.seconds}s", flush=True)
-    kv_times, single_times, fb = [], [], []
+    kv_times, single_times, mc_times, fb = [], [], [], []
     for r in range(a.rounds):
         spent, i = 0.0, 0
         while spent < a.seconds or i < 2:
@@ -281,6 +365,8 @@ def run(a, tx, rx):
             spent += took
             i += 1
         single_times += single_calls(engine, into, single_base, a.single, 256, a.seconds, r, verify=(r == 0))
+        if mc is not None:
+            mc_times += mc.single_calls(a.seconds)
         if a.ferrybench:
             fb.append(ferrybench_batch(a.ferrybench, tx, rx, a.page, 2 * a.layers * a.pages, a.seconds))
 
@@ -288,10 +374,16 @@ def run(a, tx, rx):
     print(f"kv      pages/request={pages} page={a.page}B requests={len(kv_times)} "
           f"pages/s={pages / kv_mean:.0f} GB/s={kv.nbytes / kv_mean / 1e9:.3f} "
           f"p50_ms={pct(kv_times, 0.5) * 1e3:.2f} p90_ms={pct(kv_times, 0.9) * 1e3:.2f}")
-    s_mean = statistics.mean(single_times)
-    print(f"single  size={a.single}B calls={len(single_times)} us/call(mean)={s_mean * 1e6:.1f} "
-          f"p50_us={pct(single_times, 0.5) * 1e6:.1f} p90_us={pct(single_times, 0.9) * 1e6:.1f} "
-          f"p99_us={pct(single_times, 0.99) * 1e6:.1f} GB/s={a.single / s_mean / 1e9:.3f}")
+    for name, times in (("single", single_times), ("mooncake single", mc_times)):
+        if times:
+            mean = statistics.mean(times)
+            print(f"{name:7} size={a.single}B calls={len(times)} us/call(mean)={mean * 1e6:.1f} "
+                  f"p50_us={pct(times, 0.5) * 1e6:.1f} p90_us={pct(times, 0.9) * 1e6:.1f} "
+                  f"p99_us={pct(times, 0.99) * 1e6:.1f} GB/s={a.single / mean / 1e9:.3f}")
+    if mc_times:
+        # Above 1: ferry's rate is the higher (GB/s), its median call the shorter (p50).
+        print(f"ratio single ferry/mooncake = {statistics.mean(mc_times) / statistics.mean(single_times):.2f} (GB/s), "
+              f"{pct(mc_times, 0.5) / pct(single_times, 0.5):.2f} (by p50)")
     if fb:
         items = sum(f["ops_per_s"] for f in fb) / len(fb)
         gbps = sum(f["gb_per_s"] for f in fb) / len(fb)

@@ -82,6 +82,7 @@ type Daemon struct {
 	refusedLog *loglimit.Limiter
 
 	inflight       inflight                // control requests being served
+	streams        writeStreams            // open write streams (writestream.go)
 	reqCtx         context.Context         // parent of every request's context
 	cancelRequests context.CancelCauseFunc // ends them when a drain runs out
 }
@@ -410,6 +411,7 @@ func (d *Daemon) closeAll() {
 	} else if d.metricsLn != nil {
 		_ = d.metricsLn.Close()
 	}
+	d.streams.stop()
 	if d.sessions != nil {
 		d.sessions.closeAll()
 	}

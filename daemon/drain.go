@@ -103,6 +103,7 @@ func (d *Daemon) serveOne(w http.ResponseWriter, r *http.Request, h func(http.Re
 // still running then are cancelled; their clients get a 503 that says so.
 func (d *Daemon) drain(timeout time.Duration) {
 	idle, n := d.inflight.close()
+	d.streams.stop()
 	d.reg.stop()
 	d.log.Info().Int("in_flight", n).Dur("drain_timeout", timeout).
 		Msg("draining: new requests get 503, requests in flight may finish")

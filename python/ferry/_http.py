@@ -13,9 +13,11 @@ import http.client
 import os
 import select
 import socket
+import struct
 import threading
+import time
 
-from .errors import NoAnswer, Unreachable
+from .errors import NoAnswer, Unreachable, from_answer
 
 # Connections kept open between requests; more threads than this still
 # work, their extra connections are closed after use.
@@ -56,6 +58,7 @@ class Transport:
         self._dial_fn = dial or self._dial_unix
         self._lock = threading.Lock()
         self._idle = []
+        self._streams = []  # idle write streams (write_frame)
         self._pid = os.getpid()
 
     def _after_fork(self):
@@ -67,7 +70,8 @@ class Transport:
             return
         self._pid, self._lock = os.getpid(), threading.Lock()
         idle, self._idle = self._idle, []
-        for conn in idle:
+        streams, self._streams = self._streams, []
+        for conn in idle + [sock for sock, _ in streams]:
             conn.close()  # the child's descriptor only: the parent's stays open
 
     def _dial_unix(self):
@@ -126,7 +130,8 @@ class Transport:
         """Closes the connections kept open between requests."""
         with self._lock:
             idle, self._idle = self._idle, []
-        for conn in idle:
+            streams, self._streams = self._streams, []
+        for conn in idle + [sock for sock, _ in streams]:
             conn.close()
 
     def round_trip(self, method, path, body=None, headers=None, timeout=None):
@@ -209,6 +214,116 @@ class Transport:
         else:
             self._put(conn)
         return status, data
+
+
+    def write_frame(self, frame, timeout):
+        """One write frame on a write stream (POST /v1/writes/stream, an
+        HTTP Upgrade of a connection to binary frames) and its answer:
+        (status, body). A stream is kept between calls, one per thread at
+        a time; a kept one ferryd closed meanwhile (idle, restarted) is
+        found before the frame goes, or when the frame went and no byte
+        of answer came back, then the frame goes on a fresh stream: an
+        answer never begun leaves a write that went nowhere."""
+        fresh = False
+        while True:
+            sock, reused = self._take_stream(timeout, fresh)
+            head = None
+            try:
+                sock.sendall(frame)
+                head = _recv_exact(sock, 6)
+                status, n = struct.unpack("<HI", head)
+                body = _recv_exact(sock, n)
+            except socket.timeout:
+                sock.close()
+                raise NoAnswer(f"no answer from ferryd at {self.socket_path} to a write within {timeout:g} s (the client's "
+                               "timeout); the stream was closed, and the write may still land: look before repeating it, "
+                               "or raise Client(timeout=...)") from None
+            except OSError as e:
+                sock.close()
+                if reused and head is None and getattr(e, "got", 0) == 0 and not fresh:
+                    fresh = True
+                    continue  # a kept stream ferryd had closed: no byte of answer, the frame went nowhere
+                raise NoAnswer(f"ferryd at {self.socket_path} closed a write stream before answering ({e!r}); the write "
+                               "may have landed: look before repeating it") from e
+            # Kept for the next frame; one ferryd closed after a
+            # malformed frame is found closed when next taken.
+            with self._lock:
+                if len(self._streams) < MAX_IDLE:
+                    self._streams.append((sock, time.monotonic()))
+                    return status, body
+            sock.close()
+            return status, body
+
+    def _take_stream(self, timeout, fresh):
+        self._after_fork()
+        if not fresh:
+            while True:
+                with self._lock:
+                    sock, idled = self._streams.pop() if self._streams else (None, 0)
+                if sock is None:
+                    break
+                # ferryd closes a stream only after minutes idle (or when
+                # it stops: then the frame finds it closed, unanswered,
+                # and goes again): one back within _FRESH is taken
+                # without a look, which costs a syscall per write.
+                if time.monotonic() - idled < _FRESH or _idle_and_open(sock):
+                    sock.settimeout(timeout)
+                    return sock, True
+                sock.close()
+        sock = self.dial()
+        try:
+            sock.settimeout(timeout)
+            sock.sendall(f"POST /v1/writes/stream HTTP/1.1\r\nHost: ferryd\r\nContent-Length: 0\r\n"
+                         f"Connection: Upgrade\r\nUpgrade: {STREAM_PROTOCOL}\r\n\r\n".encode())
+            head = bytearray()
+            while not head.endswith(b"\r\n\r\n"):  # read byte by byte: frames' answers follow the head
+                b = sock.recv(1)
+                if not b:
+                    raise http.client.RemoteDisconnected("ferryd closed the connection without an answer")
+                head += b
+                if len(head) > 8192:
+                    raise http.client.LineTooLong("an upgrade answer's head")
+        except BaseException:
+            sock.close()
+            raise
+        status = head.split(b" ", 2)[1] if head.startswith(b"HTTP/1.") else b""
+        if status != b"101":
+            # The refusal's body (the error envelope) follows its head.
+            length = 0
+            for line in bytes(head).split(b"\r\n")[1:]:
+                k, _, v = line.partition(b":")
+                if k.strip().lower() == b"content-length" and v.strip().isdigit():
+                    length = int(v)
+            try:
+                body = _recv_exact(sock, length)
+            except OSError:
+                body = b""
+            finally:
+                sock.close()
+            raise from_answer(int(status) if status.isdigit() else 502, body)
+        return sock, False
+
+
+# What a write stream speaks (api.WriteStreamProtocol).
+STREAM_PROTOCOL = "ferry-writes/1"
+
+# A kept write stream back within this many seconds is reused without a
+# look at its state (_take_stream).
+_FRESH = 1.0
+
+
+def _recv_exact(sock, n):
+    """n bytes from sock; an OSError (its got: how many came) when it ends first."""
+    buf = bytearray(n)
+    view, got = memoryview(buf), 0
+    while got < n:
+        k = sock.recv_into(view[got:])
+        if not k:
+            e = ConnectionResetError(f"the connection ended after {got} of {n} bytes")
+            e.got = got
+            raise e
+        got += k
+    return bytes(buf)
 
 
 # A Unix stream socket's send buffer bounds the bytes in flight to the

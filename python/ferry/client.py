@@ -7,6 +7,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import struct
 from typing import Optional
 from urllib.parse import quote, urlencode
 
@@ -18,6 +19,10 @@ from .regions import Region, new_memfd, register_fd
 from .errors import BadRequest, FerryError, GPUArenaNotSupported, Timeout, error_for, from_answer
 
 DEFAULT_SOCKET = "/run/ferry/ferryd.sock"
+
+
+# A write frame's bytes after its length, less its names (docs/api.md).
+_FRAME_FIXED = 4 * 8 + 3 * 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -291,6 +296,24 @@ class Client:
         if status >= 300:
             raise from_answer(status, data)
         return json.loads(data)
+
+    def write_region(self, slot, region, offset, nbytes):
+        """Writes nbytes at offset of a region this ferryd holds (lent to
+        it: register_fd, register_cuda) at the start of a peer's receive
+        slot, or at a ``buffer_address`` inside it, and returns once they
+        are in the receiver's memory; nothing is kept after a failure:
+        write again. The request is a binary frame on a write stream (an
+        upgraded connection kept between calls, docs/api.md): no HTTP
+        request per call and no bytes through the socket, the fast path
+        of one small write at a time."""
+        slot = slot if isinstance(slot, Slot) else Slot.from_dict(self._slot_dict(slot))
+        session, name = slot.session.encode(), region.encode()
+        key = (slot.key or "").encode()
+        frame = struct.pack("<IQQQQHHH", _FRAME_FIXED + len(session) + len(name) + len(key), offset, nbytes,
+                            slot.buffer_address, slot.nbytes or 0, len(session), len(name), len(key))
+        status, data = self._transport.write_frame(frame + session + name + key, self.timeout)
+        if status >= 300:
+            raise from_answer(status, data)
 
     def delete(self, req_id):
         """Drops a staged (or reserved) entry."""

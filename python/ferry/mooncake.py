@@ -144,8 +144,9 @@ class Failure:
     message: str  # the whole sentence
 
 
-# The largest single piece of host memory a write sends inline with its
-# request (Client.write) rather than as a transfer from the range's region.
+# The largest single piece of host memory not lent to ferryd (a
+# send_only engine's) a write sends inline with its request
+# (Client.write) rather than staged for a transfer.
 INLINE_MAX = 1 << 20
 
 
@@ -796,16 +797,24 @@ class TransferEngine:
     def _write(self, session, pieces, starts):
         """Writes the pieces with one batch transfer (one completion): those
         in GPU ranges straight from their regions, the host ones staged
-        as one entry first (one upload, sent from where they lie); one
-        piece of host memory up to INLINE_MAX bytes goes inline instead
-        (Client.write), lent or not. starts are the registered ranges the
-        pieces lie in."""
+        as one entry first (one upload, sent from where they lie). One
+        piece of lent host memory goes as a reference to its region on a
+        write stream (Client.write_region); one of other host memory up
+        to INLINE_MAX bytes inline (Client.write). starts are the
+        registered ranges the pieces lie in."""
         client = self._need_client()
+        if len(pieces) == 1 and starts[0] in self._lent and starts[0] not in self._on_gpu:
+            # One piece of lent host memory: a reference to it (region,
+            # offset, length) on a write stream, ferryd sending from the
+            # region (bench/README.md, "One write at a time").
+            (src, dst, n), = pieces
+            _when_room(lambda: client.write_region(Slot(session=session, buffer_address=dst), self._lent[starts[0]],
+                                                   src - starts[0], n), client.timeout)
+            return
         if len(pieces) == 1 and starts[0] not in self._on_gpu and pieces[0][2] <= INLINE_MAX:
-            # One piece of host memory: its bytes go with the request
-            # (POST /v1/writes), one round trip, no staged entry; from a
-            # lent range too, where it is faster than a transfer from the
-            # region (bench/README.md, "Into a receiving engine's memory").
+            # One piece of host memory ferryd cannot reach (a send_only
+            # engine's): its bytes go with the request (POST /v1/writes),
+            # one round trip, no staged entry.
             (src, dst, n), = pieces
             body = (ctypes.c_char * n).from_address(src)
             _when_room(lambda: client.write(Slot(session=session, buffer_address=dst), body), client.timeout)
