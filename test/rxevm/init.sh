@@ -12,6 +12,9 @@ mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 . /etc/rxevm.env
 export PATH=/usr/bin:/usr/sbin HOME=/tmp TMPDIR=/tmp
+# iproute2's ip: this shell runs its own applet for a bare "ip" whatever
+# PATH says, and busybox's ip has no "ip rule ... oif" nor veth peer names.
+ip() { /usr/sbin/ip "$@"; }
 up() { cut -d' ' -f1 /proc/uptime; }
 echo "== booted at $(up)s"
 FAIL=0
