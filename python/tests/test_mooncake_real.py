@@ -122,6 +122,11 @@ def test_writes_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_c
     assert move(src, dst_session, src_addr, dst_addr, moves, "write") == 0
     # The initiator's 0 means every byte is in the receiver's memory.
     assert dst.run(DIGEST.format(name="dst")) == expected(1, 2, moves)
+    if writer == "ferry":
+        # ferryd reached the real engine over Mooncake's wire on the
+        # protocol asked for.
+        with pair[1].client() as c:
+            assert {s["transport"] for s in c.sessions() if real_session in s["peer"]} == {f"mooncake-{PROTOCOL}"}
 
 
 @pytest.mark.parametrize("reader", ["real", "ferry"])

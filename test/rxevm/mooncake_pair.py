@@ -16,6 +16,7 @@ import random
 import subprocess
 import sys
 
+# run.sh puts this file beside ferry's python/tests (/opt/python).
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "tests"))
 from test_mooncake_real import PAGE, PAGES, expected, scattered  # noqa: E402
 
