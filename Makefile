@@ -75,8 +75,8 @@ test-mooncake-real: build alloc
 # test-mooncake-real over RDMA: in the soft-RoCE VM (test/rxevm), two real
 # Mooncake engines over rxe, then test_mooncake_real.py with the real
 # engines on rxe0 and ferryd --transport rdma on rxe1; the VM's other
-# tests and benchmarks left out. Opt-in as test-mooncake-real; about 10
-# minutes.
+# tests and benchmarks left out. Opt-in as test-mooncake-real; 3-8
+# minutes here.
 test-mooncake-real-rdma: deps
 	@test -n "$(MOONCAKE_PY)" || { echo "MOONCAKE_PY=dir is needed: build one with scripts/mooncake-build.sh SRC dir"; exit 2; }
 	RXEVM_MOONCAKE_PY=$(abspath $(MOONCAKE_PY)) RXEVM_RUN='^$$' RXEVM_E2E='^$$' RXEVM_NETEM='^$$' RXEVM_BENCH=0 test/rxevm/run.sh
