@@ -5,7 +5,7 @@ GO ?= go
 BIN := bin
 GOTEST := $(GO) test -count=1 -timeout 15m
 
-.PHONY: all deps build alloc demo test vet unit e2e test-python test-mooncake-real test-rdma bench-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
+.PHONY: all deps build alloc demo test vet unit e2e test-python test-mooncake-real test-mooncake-real-rdma test-rdma bench-rdma fuzz fuzz-smoke soak bench install deb test-deb test-systemd clean gpu-bundle test-gpu
 
 # The version every build carries (ferryd --version, GET /v1/status) and the
 # package is named by: git describe made a Debian version (scripts/version.sh
@@ -71,6 +71,15 @@ test-python: build alloc
 test-mooncake-real: build alloc
 	@test -n "$(MOONCAKE_PY)" || { echo "MOONCAKE_PY=dir is needed: build one with scripts/mooncake-build.sh SRC dir"; exit 2; }
 	$(MAKE) test-python PYTEST_ARGS="test_mooncake_real.py" PYTEST_ENV="FERRY_TEST_MOONCAKE_PY=$(abspath $(MOONCAKE_PY)) LD_LIBRARY_PATH=$(abspath $(MOONCAKE_PY))"
+
+# test-mooncake-real over RDMA: in the soft-RoCE VM (test/rxevm), two real
+# Mooncake engines over rxe, then test_mooncake_real.py with the real
+# engines on rxe0 and ferryd --transport rdma on rxe1; the VM's other
+# tests and benchmarks left out. Opt-in as test-mooncake-real; 3-8
+# minutes here.
+test-mooncake-real-rdma: deps
+	@test -n "$(MOONCAKE_PY)" || { echo "MOONCAKE_PY=dir is needed: build one with scripts/mooncake-build.sh SRC dir"; exit 2; }
+	RXEVM_MOONCAKE_PY=$(abspath $(MOONCAKE_PY)) RXEVM_RUN='^$$' RXEVM_E2E='^$$' RXEVM_NETEM='^$$' RXEVM_BENCH=0 test/rxevm/run.sh
 
 # The verbs path for real: the rdma package and the RDMA end-to-end tests
 # inside a soft-RoCE VM (QEMU TCG, Debian's kernel with rdma_rxe), and the

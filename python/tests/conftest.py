@@ -58,7 +58,9 @@ class Daemon:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         try:
-            ready = self.wait_log(lambda line: line.get("message") == "ready", 20, 'the "ready" line')
+            # A deadline against a hang, not a speed bound: in the soft-RoCE
+            # VM on a busy host ferryd's rdma start took 10-16 s and more.
+            ready = self.wait_log(lambda line: line.get("message") == "ready", 60, 'the "ready" line')
         except BaseException:
             self.stop()
             raise

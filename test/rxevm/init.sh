@@ -12,6 +12,9 @@ mount -t devtmpfs dev /dev
 mount -t tmpfs tmp /tmp
 . /etc/rxevm.env
 export PATH=/usr/bin:/usr/sbin HOME=/tmp TMPDIR=/tmp
+# iproute2's ip: this shell runs its own applet for a bare "ip" whatever
+# PATH says, and busybox's ip has no "ip rule ... oif" nor veth peer names.
+ip() { /usr/sbin/ip "$@"; }
 up() { cut -d' ' -f1 /proc/uptime; }
 echo "== booted at $(up)s"
 FAIL=0
@@ -99,6 +102,23 @@ check "arena host-file and sealed-memory tests" 120 /opt/arena.test -test.v -tes
 export FERRY_RDMA_REQUIRED=1
 check "rdma package tests" 600 /opt/rdma.test -test.v -test.count=${COUNT:-1} -test.timeout=590s -test.run "$RUN"
 cd /opt && FERRY_BIN=/opt/bin FERRY_FAKECUDA=/opt/fakecuda check "e2e tests over rdma" 900 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=890s -test.run "${E2E:-RDMA}"
+# A real Mooncake engine over rxe (run.sh with RXEVM_MOONCAKE_PY): two
+# real engines first, then python/tests/test_mooncake_real.py over rdma,
+# a "== MOONCAKE real rdma" line per test. MC_GID_INDEX: Mooncake's
+# engines use rxe0's RoCE v2 GID index (rxe1 lists its GIDs alike).
+if [ -n "$MOONCAKE_PY" ]; then
+  export MC_GID_INDEX=$GIDX GLOG_logtostderr=1 LD_LIBRARY_PATH=$MOONCAKE_PY
+  cd /opt/python
+  PYTHONPATH=$MOONCAKE_PY check "two real Mooncake engines over rxe" 300 python3.11 mooncake_pair.py
+  cd tests
+  FERRYD=/opt/bin/ferryd PYTHONPATH=/opt/python FERRY_TEST_MOONCAKE_PY=$MOONCAKE_PY FERRY_TEST_MOONCAKE_PROTOCOL=rdma \
+    check "test_mooncake_real.py over rdma" 900 sh -c 'python3.11 -m pytest -p no:cacheprovider -v --tb=short test_mooncake_real.py >/tmp/mcreal.log 2>&1'
+  cat /tmp/mcreal.log
+  sed -n 's/^test_mooncake_real.py::\([^ ]*\) \([A-Z]*\).*/== MOONCAKE real rdma \2 \1/p' /tmp/mcreal.log
+  tail -n 1 /tmp/mcreal.log | sed -n 's/^=* *\(.*[0-9].*[^ =]\) *=*$/== MOONCAKE real rdma pytest: \1/p'
+  unset LD_LIBRARY_PATH
+  cd /
+fi
 # Loss, delay and reordering by netem, over TCP between two network
 # namespaces joined by a veth pair (the host's kernel may have no netem).
 FERRY_BIN=/opt/bin FERRY_NETEM_REQUIRED=1 check "e2e fault tests with netem" 240 /opt/e2e.test -test.v -test.count=${COUNT:-1} -test.timeout=230s -test.run "$NETEM"

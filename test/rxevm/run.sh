@@ -37,6 +37,12 @@
 #                ./rdma there), benchmarked beside this one in the same
 #                run: base_MBps= and base_ratio= in the BENCH lines
 #   RXEVM_BASE_ARGS  its benchmark flags (default -writers $RXEVM_QPS)
+#   RXEVM_MOONCAKE_PY  a real Mooncake build (scripts/mooncake-build.sh's
+#                DIR): also carry Python, pytest and ferry's package, and
+#                run python/tests/test_mooncake_real.py over rdma against
+#                it (real Mooncake engines on rxe0, ferry's on rxe1), after
+#                two real engines write and read each other over rxe
+#                (test/rxevm/mooncake_pair.py); "== MOONCAKE real rdma" lines
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 ROOT=$PWD
@@ -48,6 +54,11 @@ CACHE=${RXEVM_CACHE:-$ROOT/.cache/rxevm}
 BENCH=${RXEVM_BENCH:-1}
 RUN=${RXEVM_RUN:-.}
 VM_TIMEOUT=${RXEVM_TIMEOUT:-2400}
+MOONCAKE_PY=${RXEVM_MOONCAKE_PY:+$(realpath "$RXEVM_MOONCAKE_PY")}
+if [[ -n $MOONCAKE_PY ]] && ! [[ -e $MOONCAKE_PY/libasio.so && -n $(compgen -G "$MOONCAKE_PY/mooncake/engine.cpython-311-*.so") ]]; then
+  echo "rxevm: RXEVM_MOONCAKE_PY=$RXEVM_MOONCAKE_PY holds no mooncake/engine.cpython-311-*.so and libasio.so (scripts/mooncake-build.sh SRC DIR builds them)" >&2
+  exit 2
+fi
 
 scripts/deps.sh vm
 
@@ -148,6 +159,31 @@ if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
   command -v perf >/dev/null || DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends linux-perf
   copy "$(command -v perf)"
 fi
+if [[ -n $MOONCAKE_PY ]]; then
+  # A real Mooncake engine (Mooncake's own Python module, as
+  # scripts/mooncake-build.sh leaves it) at the same path as here, with
+  # Debian's python3.11 less its tests, IDLE, Tk and the like (58 MB to
+  # about 25), pytest from Debian's packages and ferry's package with its
+  # allocator library, for python/tests/test_mooncake_real.py over rdma.
+  [[ -x /usr/bin/python3.11 && -d /usr/lib/python3/dist-packages/_pytest ]] ||
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends python3.11 python3-pytest
+  make -s alloc
+  mkdir -p "$R$MOONCAKE_PY" "$R/usr/lib/python3.11" "$R/usr/lib/python3/dist-packages" "$R/opt/python"
+  cp -r "$MOONCAKE_PY/mooncake" "$MOONCAKE_PY/libasio.so" "$R$MOONCAKE_PY/"
+  tar -C /usr/lib/python3.11 -c --exclude='./test' --exclude='./idlelib' --exclude='./ensurepip' --exclude='./tkinter' \
+    --exclude='./lib2to3' --exclude='./turtledemo' --exclude='./pydoc_data' --exclude='./config-3.11-*' \
+    --exclude='./lib-dynload/_test*' --exclude='./lib-dynload/xxlimited*' --exclude='*.opt-?.pyc' . | tar -C "$R/usr/lib/python3.11" -x
+  for p in pytest _pytest pluggy iniconfig py.py attr; do
+    cp -r "/usr/lib/python3/dist-packages/$p" "$R/usr/lib/python3/dist-packages/"
+  done
+  cp -r python/ferry python/tests "$R/opt/python/"
+  # util-linux's setpriv (the tests' ferryd ask for --pdeathsig, which
+  # busybox's lacks), where busybox --install then leaves it.
+  copy /usr/bin/python3.11 /usr/bin/setpriv
+  libs "$R"/usr/lib/python3.11/lib-dynload/*.so
+  LD_LIBRARY_PATH=$MOONCAKE_PY libs "$R$MOONCAKE_PY"/mooncake/*.so "$R$MOONCAKE_PY/libasio.so"
+  cp test/rxevm/mooncake_pair.py "$R/opt/python/"
+fi
 mkdir -p "$R/etc/libibverbs.d"
 cp /etc/libibverbs.d/rxe.driver "$R/etc/libibverbs.d/"
 # Modules in load order. rdma_rxe asks the crypto API for "crc32" at run
@@ -174,6 +210,7 @@ FLIGHT=${RXEVM_FLIGHT:-2}
 ROUNDS='${RXEVM_ROUNDS:-}'
 SPECS='${RXEVM_SPECS:-}'
 BASE_ARGS='${RXEVM_BASE_ARGS:--writers ${RXEVM_QPS:-8}}'
+MOONCAKE_PY='$MOONCAKE_PY'
 EOF
 (cd "$R" && find . | cpio -o -H newc --quiet | gzip -1) >"$W/initramfs.gz"
 say "initramfs $(du -h "$W/initramfs.gz" | cut -f1)"
