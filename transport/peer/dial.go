@@ -108,6 +108,8 @@ func greet(ctx context.Context, c *net.TCPConn, instance uint64, kind Kind, secr
 		return 0, authErr("the peer requires a peer secret, and this daemon has none: give both daemons the same peer secret")
 	case statusNoSecret:
 		return 0, authErr("the peer has no peer secret, and this daemon requires one: give both daemons the same peer secret")
+	case statusBadKind:
+		return 0, fmt.Errorf("%w: the peer does not serve connections of kind %d (kind 2, reads: a ferryd older than this one, or one serving no reads)", transport.ErrIncompatible, kind)
 	default:
 		return 0, fmt.Errorf("peer refused the handshake with status %d", w.status)
 	}

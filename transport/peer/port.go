@@ -237,8 +237,12 @@ func (p *Port) serve(c *connlimit.Conn) {
 	if p.cfg.Secret != nil {
 		c.Prove() // only a holder of the secret gets here
 	}
-	if h.kind == KindRDMA {
+	switch h.kind {
+	case KindRDMA:
 		p.h.RDMA(c, h.instance)
+		return
+	case KindRead:
+		p.serveReads(c)
 		return
 	}
 	p.h.Data(c, h.instance)
@@ -269,6 +273,8 @@ func (p *Port) welcome(c *net.TCPConn) (hello, error) {
 		status, herr = statusNoSecret, authErr("peer has a secret, and this daemon has none: give both daemons the same peer secret")
 	case h.kind == KindRDMA && p.h.RDMA == nil:
 		status, herr = statusNoRDMA, errNoRDMAHere
+	case h.kind == KindRead && p.source() == nil:
+		status, herr = statusBadKind, errors.New("asked for a read connection, and this daemon serves no reads")
 	}
 	server := party{instance: p.cfg.Instance, nonce: newNonce()}
 	w := welcome{hello: ours(p.cfg.Instance, h.kind, secret), status: status}
