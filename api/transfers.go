@@ -507,3 +507,15 @@ type EngineSegment struct {
 	Regions  int       `json:"regions"` // registered memory it lists
 	Since    time.Time `json:"since"`
 }
+
+// ReadRequest reads from a ferry engine's registered memory (another
+// ferry.mooncake.TransferEngine's, through its ferryd): POST /v1/reads.
+// The answer's body is the pieces' bytes, one after another.
+type ReadRequest struct {
+	// Session is the engine's session id, "host:rpc_port" (or
+	// "mooncake://host:rpc_port").
+	Session string `json:"session"`
+	// Pieces are [address, length] in the engine's registered memory, at
+	// its own addresses.
+	Pieces [][2]uint64 `json:"pieces"`
+}

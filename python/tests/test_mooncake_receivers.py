@@ -233,6 +233,11 @@ def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
                      and line.get("pid") == rx.pid and line.get("regions") == 4, 10, "the dropped segment's line")
 
 
+def reads_through(daemon):
+    """How many POST /v1/reads daemon answered."""
+    return sum(1 for line in daemon.lines if line.get("message") == "request" and line.get("path") == "/v1/reads")
+
+
 def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     # sglang's expert backup and Mooncake's READ: the reader pulls pages
     # from memory a peer engine registered, into its own registered
@@ -242,6 +247,7 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     session = rx.run(RECEIVER)
     pages = 64
     ptr, want = register_held(rx, pages, 5)
+    before = reads_through(pair[0])
     reader = sender(pair)
     dst, base = source(pages * PAGE, 6)
     assert reader.register_memory(base, len(dst)) == 0
@@ -253,9 +259,16 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
                                            [PAGE] * len(order)) == 0, reader.last_failure
     assert bytes(dst) == want
     assert reader.transfer_sync(session, base, ptr, PAGE, TransferOpcode.READ) == 0
-    # Outside what the peer registered: refused, nothing read.
-    assert reader.transfer_sync_read(session, base, ptr + pages * PAGE, PAGE) == -1
-    assert reader.last_failure.ret == "refused" and "lies in none of the segment's buffers" in reader.last_failure.message
+    # Between two ferryd the reads went over ferry's peer protocol, through
+    # the reader's ferryd, not over the peer's Mooncake data port.
+    assert reads_through(pair[0]) == before + 3, "the reads did not go through the reader's ferryd (POST /v1/reads)"
+    # Outside what the peer registered (past it, and straddling its end):
+    # refused by the peer's ferryd, naming why; nothing read.
+    for at, n in ((ptr + pages * PAGE, PAGE), (ptr + pages * PAGE - 8, 16)):
+        assert reader.transfer_sync_read(session, base, at, n) == -1
+        assert reader.last_failure.ret == "refused" and "does not fit the memory registered in engine segment" in \
+            reader.last_failure.message, reader.last_failure
+    assert bytes(dst) == want
     own = pair[1].client().status()["mooncake"]["segment"]  # ferryd's own segment: its arena
     assert reader.transfer_sync_read(own, base, reader.get_first_buffer_address(own), PAGE) == -1, "the arena was read"
     assert reader.unregister_memory(base) == 0

@@ -1,0 +1,103 @@
+package daemon
+
+import (
+	"fmt"
+	"net/http"
+	"strings"
+
+	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/transport"
+)
+
+// Reads: a ferry engine (ferry.mooncake.TransferEngine's
+// transfer_sync_read) reads another ferry engine's registered memory
+// through its own ferryd, which reads it from the peer's ferryd over a
+// read connection of the peer protocol (transport/peer/read.go), under
+// the key the segment's descriptor publishes, as writes into it carry:
+// with a peer secret the connection is authenticated. The peer serves
+// only memory an engine registered, in the segment the key names
+// (registry.ReadKeyed); no key reads its arena or slots. The bytes come
+// over TCP on both transports for now; on rdma, an RDMA READ from the
+// engine region's registration is next (docs/rdma.md, "Reads").
+
+// maxReadBytes bounds one POST /v1/reads: its bytes are held in ferryd's
+// memory until the answer goes out. ferry.mooncake cuts larger batches.
+const maxReadBytes = 64 << 20
+
+// maxReadPieces bounds the pieces of one POST /v1/reads.
+const maxReadPieces = 1 << 16
+
+// handleRead: POST /v1/reads, a JSON api.ReadRequest; the answer's body
+// is the pieces' bytes one after another.
+func (d *Daemon) handleRead(w http.ResponseWriter, r *http.Request) error {
+	var req api.ReadRequest
+	if err := d.decodeJSON(r, &req); err != nil {
+		return err
+	}
+	session := req.Session
+	if !strings.HasPrefix(session, mooncake.Scheme) {
+		session = mooncake.Scheme + session
+	}
+	if _, _, err := mooncake.RPCAddr(session); err != nil {
+		return apiErr(api.CodeBadRequest, "read: %v: pass the engine's session id, \"host:rpc_port\"", err)
+	}
+	var total uint64
+	for i, p := range req.Pieces {
+		if p[1] == 0 || p[0]+p[1] < p[0] {
+			return apiErr(api.CodeBadRequest, "read from %s: piece %d [%#x, +%d) is empty or passes the end of the address space: give each piece an address and a length of at least 1", req.Session, i, p[0], p[1])
+		}
+		total += p[1]
+	}
+	switch {
+	case len(req.Pieces) == 0:
+		return apiErr(api.CodeBadRequest, "read from %s: no pieces: give [[address, length], ...]", req.Session)
+	case len(req.Pieces) > maxReadPieces:
+		return apiErr(api.CodeTooLarge, "read from %s: %d pieces, more than the %d one read takes: read in several", req.Session, len(req.Pieces), maxReadPieces)
+	case total > maxReadBytes:
+		return apiErr(api.CodeTooLarge, "read from %s: %d bytes, more than the %d one read takes: read in several", req.Session, total, maxReadBytes)
+	}
+	sess, _, err := d.sessions.get(r.Context(), session)
+	if err != nil {
+		return apiErr(api.CodeTransferFailed, "read from %s: %v", req.Session, err)
+	}
+	rd, ok := sess.(transport.Reader)
+	if !ok {
+		return apiErr(api.CodeBadRequest, "read from %s: its segment is a Mooncake engine's, not a ferry engine's: ferryd reads only ferry engines' memory; read a Mooncake engine's over its TCP data port (ferry.mooncake does)", req.Session)
+	}
+	buf := make([]byte, total)
+	reads := make([]transport.Read, len(req.Pieces))
+	at := uint64(0)
+	for i, p := range req.Pieces {
+		reads[i] = transport.Read{Addr: p[0], Dst: buf[at : at+p[1] : at+p[1]]}
+		at += p[1]
+	}
+	if err := rd.Read(r.Context(), reads); err != nil {
+		if transport.IsRefusal(err) {
+			return apiErr(api.CodeRefused, "read from %s: the peer refused it: %v", req.Session, err)
+		}
+		return apiErr(api.CodeTransferFailed, "read from %s failed (ret=%s): %v; nothing was read: read again", req.Session, retCode(err), err)
+	}
+	w.Header().Set("Content-Type", "application/octet-stream")
+	w.Header().Set("Content-Length", fmt.Sprint(total))
+	w.WriteHeader(http.StatusOK)
+	_, err = w.Write(buf)
+	return err
+}
+
+// ReadKeyed implements transport.Source: a ferry peer's read of the
+// memory an engine registered, in the segment whose key it carries (the
+// range checked as a Mooncake peer's read is: engineMemory.Read). No
+// other key reads anything: a receive slot's key names memory to write,
+// and the arena is no engine's.
+func (r *registry) ReadKeyed(addr, n uint64, key transport.Key) ([]byte, func(), error) {
+	r.mu.Lock()
+	segment, ok := r.engineKeys[key]
+	r.mu.Unlock()
+	if !ok {
+		r.refused(transport.NoSlot)
+		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
+			Message: "no engine segment here has this key (its engine closed, or it never was one): fetch the segment's descriptor again"}
+	}
+	return engineMemory{r, segment}.Read(addr, n)
+}
