@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"fmt"
+	"net/http"
 	"testing"
 	"unsafe"
 
@@ -124,6 +125,33 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	if both(`ferry_registrations_total{mode="per-send"}`) != 0 || both("ferry_rdma_copied_bytes_total") != 0 {
 		t.Errorf("DATAPLANE %s: want reg_mr_per_send=0.00 and cpu_copy_bytes_per_send=0, sender and receiver together", line)
 	}
+
+	// ferry ← engine: another ferryd reads the engine's memory over ferry's
+	// peer protocol (a read connection under the segment's key), byte
+	// for byte; not yet by RDMA READ (docs/rdma.md, "Reads"): its line
+	// says so, and that no RDMA work went into it. A range past the
+	// registered memory is refused, naming why; ferryd's own segment
+	// (its arena and slots) is no ferry engine's and reads nothing.
+	const reads = 16
+	sb, rb = snd.metrics(t), rcv.metrics(t)
+	for i := 0; i < reads; i++ {
+		at, n := uint64(i*embBytes+i), uint64(embBytes-i)
+		got, err := snd.c.Read(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + at, n}, {e.addr + size - 10, 10}}})
+		if err != nil {
+			t.Fatalf("read %d of the engine's memory: %v", i, err)
+		}
+		if !bytes.Equal(got, append(bytes.Clone(e.mem[at:at+n]), e.mem[size-10:]...)) {
+			t.Fatalf("read %d: other bytes than the engine's memory holds", i)
+		}
+	}
+	sa, ra = snd.metrics(t), rcv.metrics(t)
+	perRead := func(series string) float64 { return (delta(sa, sb, series) + delta(ra, rb, series)) / reads }
+	_, err = snd.c.Read(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + size - 8, 16}}})
+	wantErr(t, err, http.StatusBadRequest, api.CodeRefused, "does not fit the memory registered in engine segment")
+	_, err = snd.c.Read(ctx, api.ReadRequest{Session: own, Pieces: [][2]uint64{{ownDesc.Buffers[0].Addr, 16}}})
+	wantErr(t, err, http.StatusBadRequest, api.CodeBadRequest, "not a ferry engine's")
+	fmt.Printf("== DATAPLANE engine read ferry<-ferry over=tcp nbytes=%d reads=%d byte_exact=true control_msgs_per_read=%.2f posts_per_read=%.2f cpu_copy_bytes_per_read=%.0f out_of_bounds_refused=true\n",
+		embBytes, reads, perRead("ferry_rdma_control_messages_total"), perRead("ferry_rdma_posts_total"), perRead("ferry_rdma_copied_bytes_total"))
 
 	// Mooncake → engine, one-sided RDMA WRITEs at the engine's addresses,
 	// into this engine's segment and another's on the same ferryd (two
