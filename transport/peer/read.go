@@ -134,9 +134,12 @@ func (p *Port) Read(ctx context.Context, addr string, reads []transport.Read) er
 	if err != nil {
 		return fmt.Errorf("reading from %s: %w", addr, err)
 	}
-	defer c.Close()
-	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
-	defer stop()
+	// ctx ending closes the connection, whatever deadline is set on it.
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer func() {
+		stop()
+		c.Close()
+	}()
 	var hdr [HeaderSize]byte
 	var rep [ReplySize]byte
 	var msg [MaxMessage]byte

@@ -2,6 +2,7 @@ package peer
 
 import (
 	"bytes"
+	"context"
 	"encoding/binary"
 	"errors"
 	"fmt"
@@ -147,4 +148,30 @@ func TestReadNotServed(t *testing.T) {
 	if err == nil || !strings.Contains(err.Error(), "kind 2") {
 		t.Fatalf("a read from a port serving none: %v, want it to name the connection kind", err)
 	}
+}
+
+// A read whose context ends while the peer holds back its answer ends
+// then, naming the context's error.
+func TestReadCanceled(t *testing.T) {
+	m := &stalling{readable: newReadable(), release: make(chan struct{})}
+	defer close(m.release)
+	rx := listen(t, Config{Sink: m}, nil)
+	tx := listen(t, Config{}, nil)
+	ctx, cancel := context.WithTimeout(t.Context(), 200*time.Millisecond)
+	defer cancel()
+	err := tx.Read(ctx, rx.Addr().String(), []transport.Read{{Addr: m.base, Key: m.key, Dst: make([]byte, 8)}})
+	if !errors.Is(err, context.DeadlineExceeded) {
+		t.Fatalf("a read past its deadline: %v, want it to name the deadline", err)
+	}
+}
+
+// stalling serves reads once release closes.
+type stalling struct {
+	*readable
+	release chan struct{}
+}
+
+func (s *stalling) ReadKeyed(addr, n uint64, key transport.Key) ([]byte, func(), error) {
+	<-s.release
+	return s.readable.ReadKeyed(addr, n, key)
 }
