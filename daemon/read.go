@@ -7,19 +7,22 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/mooncake"
+	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
 )
 
 // Reads: a ferry engine (ferry.mooncake.TransferEngine's
 // transfer_sync_read) reads another ferry engine's registered memory
-// through its own ferryd, which reads it from the peer's ferryd over a
-// read connection of the peer protocol (transport/peer/read.go), under
-// the key the segment's descriptor publishes, as writes into it carry:
-// with a peer secret the connection is authenticated. The peer serves
-// only memory an engine registered, in the segment the key names
-// (registry.ReadKeyed); no key reads its arena or slots. The bytes come
-// over TCP on both transports for now; on rdma, an RDMA READ from the
-// engine region's registration is next (docs/rdma.md, "Reads").
+// through its own ferryd, which reads it from the peer's ferryd over
+// the peer protocol (a read connection, transport/peer/read.go, or on
+// rdma a control connection of RDMA READs), under the key the segment's
+// descriptor publishes, as writes into it carry: with a peer secret the
+// connection is authenticated. The peer serves only memory an engine
+// registered, in the segment the key names (registry.ReadKeyed,
+// registry.GrantRead); no key reads its arena or slots. The bytes come
+// by RDMA READ on the rdma transport, from the engine region's
+// registration for peers (rdma/reads.go), and over TCP where the peer
+// serves no RDMA reads or the memory has no such registration.
 
 // maxReadBytes bounds one POST /v1/reads: its bytes are held in ferryd's
 // memory until the answer goes out. ferry.mooncake cuts larger batches.
@@ -65,7 +68,8 @@ func (d *Daemon) handleRead(w http.ResponseWriter, r *http.Request) error {
 	if !ok {
 		return apiErr(api.CodeBadRequest, "read from %s: its segment is a Mooncake engine's, not a ferry engine's: ferryd reads only ferry engines' memory; read a Mooncake engine's over its TCP data port (ferry.mooncake does)", req.Session)
 	}
-	buf := make([]byte, total)
+	buf, free := d.readBuffer(int64(total))
+	defer free()
 	reads := make([]transport.Read, len(req.Pieces))
 	at := uint64(0)
 	for i, p := range req.Pieces {
@@ -85,19 +89,73 @@ func (d *Daemon) handleRead(w http.ResponseWriter, r *http.Request) error {
 	return err
 }
 
+// readBuffer is where a read's pieces land: an arena slice when the
+// arena is host memory (registered with the NIC: RDMA READs land there
+// with no copy), else, or when the arena has no room now, memory of its
+// own (RDMA READs then land through a bounce buffer).
+func (d *Daemon) readBuffer(n int64) ([]byte, func()) {
+	if host := d.arena.Memory().Host(); host != nil {
+		if s, err := d.reg.scratch(n); err == nil {
+			return host[s.Offset : s.Offset+n : s.Offset+n], func() { d.reg.freeScratch(s) }
+		}
+	}
+	return make([]byte, n), func() {}
+}
+
 // ReadKeyed implements transport.Source: a ferry peer's read of the
 // memory an engine registered, in the segment whose key it carries (the
 // range checked as a Mooncake peer's read is: engineMemory.Read). No
 // other key reads anything: a receive slot's key names memory to write,
 // and the arena is no engine's.
 func (r *registry) ReadKeyed(addr, n uint64, key transport.Key) ([]byte, func(), error) {
+	segment, err := r.readableSegment(key)
+	if err != nil {
+		return nil, nil, err
+	}
+	return engineMemory{r, segment}.Read(addr, n)
+}
+
+// GrantRead implements rdma.ReadGranter: ReadKeyed's checks, and the
+// range's place under its region's registration for peers (at the
+// engine's addresses: the iova is addr itself), the region pinned until
+// done. A range spanning two regions is refused (each has its own
+// rkey); one in memory without that registration (GPU memory) is
+// rdma.ErrNoGrant, and read over TCP.
+func (r *registry) GrantRead(addr, n uint64, key transport.Key) (uint64, uint32, func(), error) {
+	segment, err := r.readableSegment(key)
+	if err != nil {
+		return 0, 0, nil, err
+	}
+	r.mu.Lock()
+	if r.stopping {
+		r.mu.Unlock()
+		return 0, 0, nil, errRefuseStopping
+	}
+	parts, pinned, err := r.lentRange(segment, addr, n, "read")
+	r.mu.Unlock()
+	switch {
+	case err != nil:
+		return 0, 0, nil, err
+	case len(parts) > 1:
+		r.unpinRegions(pinned)
+		return 0, 0, nil, &transport.Refusal{Code: transport.OutOfBounds,
+			Message: fmt.Sprintf("a read of %d bytes at %#x spans %d registered ranges: read each on its own", n, addr, len(parts))}
+	case parts[0].g.mr == nil:
+		r.unpinRegions(pinned)
+		return 0, 0, nil, rdma.ErrNoGrant
+	}
+	return addr, parts[0].g.mr.RKey, func() { r.unpinRegions(pinned) }, nil
+}
+
+// readableSegment is the engine segment whose key a read carries.
+func (r *registry) readableSegment(key transport.Key) (string, error) {
 	r.mu.Lock()
 	segment, ok := r.engineKeys[key]
 	r.mu.Unlock()
 	if !ok {
 		r.refused(transport.NoSlot)
-		return nil, nil, &transport.Refusal{Code: transport.NoSlot,
+		return "", &transport.Refusal{Code: transport.NoSlot,
 			Message: "no engine segment here has this key (its engine closed, or it never was one): fetch the segment's descriptor again"}
 	}
-	return engineMemory{r, segment}.Read(addr, n)
+	return segment, nil
 }

@@ -124,13 +124,6 @@ type session struct {
 	poolsClosed bool
 }
 
-// Read reads over a read connection of the peer port (peer/read.go),
-// from memory the peer serves under a key: the bytes come over TCP, not
-// by RDMA READ yet (docs/rdma.md, "Reads").
-func (s *session) Read(ctx context.Context, reads []transport.Read) error {
-	return s.t.port.Read(ctx, s.Peer(), reads)
-}
-
 // Close destroys every lane of the session; writes in flight fail.
 func (s *session) Close() error {
 	s.closePools()

@@ -127,10 +127,11 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	}
 
 	// ferry ← engine: another ferryd reads the engine's memory over ferry's
-	// peer protocol (a read connection under the segment's key), byte
-	// for byte; not yet by RDMA READ (docs/rdma.md, "Reads"): its line
-	// says so, and that no RDMA work went into it. A range past the
-	// registered memory is refused, naming why; ferryd's own segment
+	// peer protocol (a control connection of reads under the segment's
+	// key), each piece by RDMA READ from the region's registration for
+	// peers, granted at the engine's addresses, into the reader's arena:
+	// byte for byte, with no CPU copy (its DATAPLANE line). A range past
+	// the registered memory is refused, naming why; ferryd's own segment
 	// (its arena and slots) is no ferry engine's and reads nothing.
 	const reads = 16
 	sb, rb = snd.metrics(t), rcv.metrics(t)
@@ -150,8 +151,12 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	wantErr(t, err, http.StatusBadRequest, api.CodeRefused, "does not fit the memory registered in engine segment")
 	_, err = snd.c.Read(ctx, api.ReadRequest{Session: own, Pieces: [][2]uint64{{ownDesc.Buffers[0].Addr, 16}}})
 	wantErr(t, err, http.StatusBadRequest, api.CodeBadRequest, "not a ferry engine's")
-	fmt.Printf("== DATAPLANE engine read ferry<-ferry over=tcp nbytes=%d reads=%d byte_exact=true control_msgs_per_read=%.2f posts_per_read=%.2f cpu_copy_bytes_per_read=%.0f out_of_bounds_refused=true\n",
-		embBytes, reads, perRead("ferry_rdma_control_messages_total"), perRead("ferry_rdma_posts_total"), perRead("ferry_rdma_copied_bytes_total"))
+	line = fmt.Sprintf("control_msgs_per_read=%.2f posts_per_read=%.2f work_requests_per_read=%.2f cpu_copy_bytes_per_read=%.0f",
+		perRead("ferry_rdma_control_messages_total"), perRead("ferry_rdma_posts_total"), perRead("ferry_rdma_work_requests_total"), perRead("ferry_rdma_copied_bytes_total"))
+	fmt.Printf("== DATAPLANE engine read ferry<-ferry rdma nbytes=%d pieces_per_read=2 reads=%d byte_exact=true out_of_bounds_refused=true %s\n", embBytes, reads, line)
+	if perRead("ferry_rdma_posts_total") < 2 || perRead("ferry_rdma_copied_bytes_total") != 0 {
+		t.Errorf("DATAPLANE read %s: want RDMA READs posted (2 pieces a read) and cpu_copy_bytes_per_read=0, reader and peer together", line)
+	}
 
 	// Mooncake → engine, one-sided RDMA WRITEs at the engine's addresses,
 	// into this engine's segment and another's on the same ferryd (two

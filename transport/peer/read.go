@@ -32,8 +32,13 @@ import (
 	"github.com/ferry-project/ferry/transport"
 )
 
-// KindRead is a read connection's kind.
-const KindRead Kind = 2
+// KindRead is a read connection's kind; KindRDMARead that of the
+// control connection of RDMA READs (rdma/reads.go), served by
+// Handlers.RDMARead.
+const (
+	KindRead     Kind = 2
+	KindRDMARead Kind = 3
+)
 
 // source is the Sink's reads, or nil when it serves none.
 func (p *Port) source() transport.Source {
