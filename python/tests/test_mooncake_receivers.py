@@ -261,7 +261,8 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     assert reader.transfer_sync(session, base, ptr, PAGE, TransferOpcode.READ) == 0
     # Between two ferryd the reads went over ferry's peer protocol, through
     # the reader's ferryd, not over the peer's Mooncake data port.
-    assert reads_through(pair[0]) == before + 3, "the reads did not go through the reader's ferryd (POST /v1/reads)"
+    poll_until(lambda: reads_through(pair[0]) == before + 3, 10,
+               "the reads going through the reader's ferryd (its log's POST /v1/reads lines)")
     # Outside what the peer registered (past it, and straddling its end):
     # refused by the peer's ferryd, naming why; nothing read.
     for at, n in ((ptr + pages * PAGE, PAGE), (ptr + pages * PAGE - 8, 16)):
