@@ -518,4 +518,14 @@ type ReadRequest struct {
 	// Pieces are [address, length] in the engine's registered memory, at
 	// its own addresses.
 	Pieces [][2]uint64 `json:"pieces"`
+	// Region, if set, is a registered host region the pieces land in, at
+	// RegionOffsets (one per piece): the answer is then a ReadResult, and
+	// on the rdma transport the NIC places the bytes there itself.
+	Region        string   `json:"region,omitempty"`
+	RegionOffsets []uint64 `json:"region_offsets,omitempty"`
+}
+
+// ReadResult answers a read that landed in a region.
+type ReadResult struct {
+	NBytes uint64 `json:"nbytes"`
 }

@@ -252,6 +252,12 @@ func (c *Client) Read(ctx context.Context, req api.ReadRequest) ([]byte, error) 
 	return b, err
 }
 
+// ReadInto reads req's pieces into req.Region at req.RegionOffsets
+// (POST /v1/reads with a region).
+func (c *Client) ReadInto(ctx context.Context, req api.ReadRequest) (api.ReadResult, error) {
+	return call[api.ReadResult](ctx, c, "POST", "/v1/reads", req)
+}
+
 // Delete drops a staged embedding.
 func (c *Client) Delete(ctx context.Context, reqID string) error {
 	return c.noContent(ctx, "DELETE", "/v1/embeddings/"+esc(reqID))

@@ -32,7 +32,8 @@ const maxReadBytes = 64 << 20
 const maxReadPieces = 1 << 16
 
 // handleRead: POST /v1/reads, a JSON api.ReadRequest; the answer's body
-// is the pieces' bytes one after another.
+// is the pieces' bytes one after another, or, when they land in a
+// region, an api.ReadResult.
 func (d *Daemon) handleRead(w http.ResponseWriter, r *http.Request) error {
 	var req api.ReadRequest
 	if err := d.decodeJSON(r, &req); err != nil {
@@ -68,13 +69,26 @@ func (d *Daemon) handleRead(w http.ResponseWriter, r *http.Request) error {
 	if !ok {
 		return apiErr(api.CodeBadRequest, "read from %s: its segment is a Mooncake engine's, not a ferry engine's: ferryd reads only ferry engines' memory; read a Mooncake engine's over its TCP data port (ferry.mooncake does)", req.Session)
 	}
-	buf, free := d.readBuffer(int64(total))
-	defer free()
 	reads := make([]transport.Read, len(req.Pieces))
-	at := uint64(0)
-	for i, p := range req.Pieces {
-		reads[i] = transport.Read{Addr: p[0], Dst: buf[at : at+p[1] : at+p[1]]}
-		at += p[1]
+	var buf []byte
+	if req.Region != "" {
+		g, err := d.reg.pinRegion(req.Region, "read")
+		if err != nil {
+			return err
+		}
+		defer d.reg.unpinRegion(g)
+		if err := landInRegion(reads, req, g.mem.Host()); err != nil {
+			return err
+		}
+	} else {
+		var free func()
+		buf, free = d.readBuffer(int64(total))
+		defer free()
+		at := uint64(0)
+		for i, p := range req.Pieces {
+			reads[i] = transport.Read{Addr: p[0], Dst: buf[at : at+p[1] : at+p[1]]}
+			at += p[1]
+		}
 	}
 	if err := rd.Read(r.Context(), reads); err != nil {
 		if transport.IsRefusal(err) {
@@ -82,11 +96,34 @@ func (d *Daemon) handleRead(w http.ResponseWriter, r *http.Request) error {
 		}
 		return apiErr(api.CodeTransferFailed, "read from %s failed (ret=%s): %v; nothing was read: read again", req.Session, retCode(err), err)
 	}
+	if req.Region != "" {
+		writeJSON(w, http.StatusOK, api.ReadResult{NBytes: total})
+		return nil
+	}
 	w.Header().Set("Content-Type", "application/octet-stream")
 	w.Header().Set("Content-Length", fmt.Sprint(total))
 	w.WriteHeader(http.StatusOK)
 	_, err = w.Write(buf)
 	return err
+}
+
+// landInRegion points each read at its piece's place in a region's host
+// memory, checked to lie inside it.
+func landInRegion(reads []transport.Read, req api.ReadRequest, host []byte) error {
+	switch {
+	case host == nil:
+		return apiErr(api.CodeBadRequest, "read from %s: region %s is GPU memory, and reads land in host memory only: read into a host region, or without region (the bytes come in the answer)", req.Session, req.Region)
+	case len(req.RegionOffsets) != len(req.Pieces):
+		return apiErr(api.CodeBadRequest, "read from %s: %d region_offsets for %d pieces: give one offset into region %s per piece", req.Session, len(req.RegionOffsets), len(req.Pieces), req.Region)
+	}
+	for i, p := range req.Pieces {
+		off := req.RegionOffsets[i]
+		if off > uint64(len(host)) || p[1] > uint64(len(host))-off {
+			return apiErr(api.CodeBadRequest, "read from %s: piece %d lands at [%d, +%d) of region %s, which has %d bytes: land it inside the region", req.Session, i, off, p[1], req.Region, len(host))
+		}
+		reads[i] = transport.Read{Addr: p[0], Dst: host[off : off+p[1] : off+p[1]]}
+	}
+	return nil
 }
 
 // readBuffer is where a read's pieces land: an arena slice when the

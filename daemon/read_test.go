@@ -1,8 +1,10 @@
 package daemon
 
 import (
+	"strings"
 	"testing"
 
+	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -41,5 +43,34 @@ func TestEngineKeysServeFerryPeersReadsOfEngineMemoryOnly(t *testing.T) {
 	}
 	if _, _, err := r.ReadKeyed(at, 1, transport.NewKey()); refusalCode(t, err) != transport.NoSlot {
 		t.Fatalf("a key no segment has: %v", err)
+	}
+}
+
+// A read landing in a region: each piece at its offset there; a piece
+// running past the region, offsets that do not match the pieces, or
+// GPU memory are refused naming the fix.
+func TestReadsLandInARegion(t *testing.T) {
+	host := make([]byte, 4096)
+	req := api.ReadRequest{Session: "h:1", Pieces: [][2]uint64{{0x1000, 10}, {0x2000, 6}}, Region: "r", RegionOffsets: []uint64{100, 4090}}
+	reads := make([]transport.Read, 2)
+	if err := landInRegion(reads, req, host); err != nil {
+		t.Fatal(err)
+	}
+	if &reads[0].Dst[0] != &host[100] || len(reads[1].Dst) != 6 || &reads[1].Dst[0] != &host[4090] || reads[1].Addr != 0x2000 {
+		t.Fatalf("reads %+v do not land at the offsets asked", reads)
+	}
+	for _, c := range []struct {
+		offsets []uint64
+		host    []byte
+		want    string
+	}{
+		{[]uint64{100, 4091}, host, "land it inside the region"},
+		{[]uint64{100}, host, "one offset into region r per piece"},
+		{[]uint64{100, 0}, nil, "GPU memory"},
+	} {
+		req.RegionOffsets = c.offsets
+		if err := landInRegion(reads, req, c.host); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), c.want) {
+			t.Errorf("offsets %v: %v, want a bad_request saying %q", c.offsets, err, c.want)
+		}
 	}
 }

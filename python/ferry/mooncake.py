@@ -580,7 +580,8 @@ class TransferEngine:
         names its ferryd's peer port, on the host dialed), through this
         engine's ferryd over ferry's peer protocol under the segment's key
         (POST /v1/reads; authenticated by the peer secret where the
-        daemons hold one); from a Mooncake engine's, from this process
+        daemons hold one; on ferryd's rdma transport by RDMA READ, into
+        this engine's memory lent to ferryd itself); from a Mooncake engine's, from this process
         over the segment's TCP data port (Mooncake's READ, protocol v2
         where the segment says so), straight into the registered memory."""
         def read(pieces, held):
@@ -593,7 +594,7 @@ class TransferEngine:
                 desc = _handshake(session_id, _METADATA, {"name": self.local_hostname, "protocol": self.protocol or "tcp",
                                                           "buffers": []})
                 if _ferry_peer(session_id, desc):
-                    self._read_via_ferryd(session_id, pieces)
+                    self._read_via_ferryd(session_id, pieces, held)
                 else:
                     _read_pieces(session_id, desc, pieces)
             except (OSError, ValueError) as e:
@@ -795,18 +796,30 @@ class TransferEngine:
                     pass
             raise
 
-    def _read_via_ferryd(self, session_id, pieces):
+    def _read_via_ferryd(self, session_id, pieces, starts):
         """Reads the pieces from a ferry engine's segment through ferryd
-        (POST /v1/reads), READ_MAX bytes a request at most, each answer's
-        bytes copied to where its pieces go."""
+        (POST /v1/reads), READ_MAX bytes a request at most: those in a
+        range lent to ferryd (starts: the registered ranges they lie in)
+        land in its region there, by the NIC on ferryd's rdma transport;
+        the others come in the answer, copied to where they go."""
         client = self._need_client()
-        for run in _read_runs(pieces):
-            body = json.dumps({"session": session_id, "pieces": [[remote, n] for _, remote, n in run]}).encode()
-            got = _when_room(lambda: client.request("POST", "/v1/reads", body, "application/json"), client.timeout).body
-            at = 0
-            for local, _, n in run:
-                ctypes.memmove(local, got[at:at + n], n)
-                at += n
+        by_region = {}
+        for piece, st in zip(pieces, starts):
+            by_region.setdefault(self._lent.get(st), []).append((piece, st))
+        for region, group in by_region.items():
+            for run in _read_runs([p for p, _ in group]):
+                body = {"session": session_id, "pieces": [[remote, n] for _, remote, n in run]}
+                if region is not None:
+                    st = group[0][1]
+                    body.update(region=region, region_offsets=[local - st for local, _, _ in run])
+                data = json.dumps(body).encode()
+                got = _when_room(lambda: client.request("POST", "/v1/reads", data, "application/json"), client.timeout).body
+                if region is not None:
+                    continue
+                at = 0
+                for local, _, n in run:
+                    ctypes.memmove(local, got[at:at + n], n)
+                    at += n
 
     def _runs(self, pieces, starts):
         """Cuts the pieces into runs (lo, hi) that one transfer each

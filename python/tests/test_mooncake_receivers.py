@@ -276,6 +276,37 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     assert rx.run("out = engine.unregister_memory(held.data_ptr())") == 0
 
 
+def test_a_reader_started_with_the_allocator_reads_into_its_lent_memory(pair, start_daemon, engine_child):
+    # The reading engine's registered memory is lent to its ferryd: the
+    # pieces land in its region there (POST /v1/reads with a region; by
+    # the NIC itself on the rdma transport), none through the answer.
+    rxd = start_daemon("rdm", "--mooncake-listen", "127.0.0.1:0")
+    rx = engine_child(pair[1].socket)
+    session = rx.run(RECEIVER)
+    pages = 64
+    ptr, want = register_held(rx, pages, 12)
+    reader = engine_child(rxd.socket)
+    ret, why, lent, got = reader.run(f"""
+        import hashlib, random, torch
+        from ferry.mooncake import TransferEngine
+        engine = TransferEngine()
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+        dst = torch.zeros({pages} * {PAGE}, dtype=torch.uint8)
+        assert engine.register_memory(dst.data_ptr(), dst.numel()) == 0, engine.last_failure
+        order = list(range({pages}))
+        random.Random(13).shuffle(order)
+        ret = engine.batch_transfer_sync_read({session!r}, [dst.data_ptr() + i * {PAGE} for i in order],
+                                              [{ptr} + i * {PAGE} for i in order], [{PAGE}] * {pages})
+        out = [ret, engine.last_failure and engine.last_failure.message, len(engine._lent),
+               hashlib.sha256(dst.numpy().tobytes()).hexdigest()]
+    """)
+    assert ret == 0, why
+    assert lent == 1, "the reader's registered memory is not lent to its ferryd"
+    assert got == hashlib.sha256(want).hexdigest()
+    poll_until(lambda: reads_through(rxd) == 1, 10, "the read going through the reader's ferryd")
+    assert reader.run("out = engine.close()") == 0
+
+
 def test_both_halves_started_with_the_allocator(pair, start_daemon, engine_child):
     # The deployment docs/python.md describes: prefill and decode both
     # started with python -m ferry.run. The prefill's registered KV is

@@ -147,15 +147,34 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	}
 	sa, ra = snd.metrics(t), rcv.metrics(t)
 	perRead := func(series string) float64 { return (delta(sa, sb, series) + delta(ra, rb, series)) / reads }
+	// Into a region the reader registered (the reading engine's lent
+	// memory): the NIC places the bytes there itself.
+	f, into := regionMemory(t, "read-into", 1<<20)
+	if _, err := snd.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "read-into", NBytes: 1 << 20}, f); err != nil {
+		t.Fatal(err)
+	}
+	sb = snd.metrics(t)
+	if res, err := snd.c.ReadInto(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + 4096, 1 << 19}, {e.addr + 5, 100}},
+		Region: "read-into", RegionOffsets: []uint64{0, 1<<20 - 100}}); err != nil || res.NBytes != 1<<19+100 {
+		t.Fatalf("a read into a region: %+v, %v", res, err)
+	}
+	if !bytes.Equal(into[:1<<19], e.mem[4096:4096+1<<19]) || !bytes.Equal(into[1<<20-100:], e.mem[5:105]) {
+		t.Fatal("a read into a region: the region holds other bytes than the engine's memory")
+	}
+	sa = snd.metrics(t)
+	regionCopies := delta(sa, sb, "ferry_rdma_copied_bytes_total")
+	regionPosts := delta(sa, sb, "ferry_rdma_work_requests_total")
 	_, err = snd.c.Read(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + size - 8, 16}}})
 	wantErr(t, err, http.StatusBadRequest, api.CodeRefused, "does not fit the memory registered in engine segment")
 	_, err = snd.c.Read(ctx, api.ReadRequest{Session: own, Pieces: [][2]uint64{{ownDesc.Buffers[0].Addr, 16}}})
 	wantErr(t, err, http.StatusBadRequest, api.CodeBadRequest, "not a ferry engine's")
 	line = fmt.Sprintf("control_msgs_per_read=%.2f posts_per_read=%.2f work_requests_per_read=%.2f cpu_copy_bytes_per_read=%.0f",
 		perRead("ferry_rdma_control_messages_total"), perRead("ferry_rdma_posts_total"), perRead("ferry_rdma_work_requests_total"), perRead("ferry_rdma_copied_bytes_total"))
-	fmt.Printf("== DATAPLANE engine read ferry<-ferry rdma nbytes=%d pieces_per_read=2 reads=%d byte_exact=true out_of_bounds_refused=true %s\n", embBytes, reads, line)
-	if perRead("ferry_rdma_posts_total") < 2 || perRead("ferry_rdma_copied_bytes_total") != 0 {
-		t.Errorf("DATAPLANE read %s: want RDMA READs posted (2 pieces a read) and cpu_copy_bytes_per_read=0, reader and peer together", line)
+	fmt.Printf("== DATAPLANE engine read ferry<-ferry rdma nbytes=%d pieces_per_read=2 reads=%d byte_exact=true out_of_bounds_refused=true %s into_region_work_requests=%.0f into_region_cpu_copy_bytes=%.0f\n",
+		embBytes, reads, line, regionPosts, regionCopies)
+	if perRead("ferry_rdma_posts_total") < 2 || perRead("ferry_rdma_copied_bytes_total") != 0 || regionPosts < 2 || regionCopies != 0 {
+		t.Errorf("DATAPLANE read %s into_region_work_requests=%.0f into_region_cpu_copy_bytes=%.0f: want RDMA READs posted (2 pieces a read) and no CPU copy, reader and peer together",
+			line, regionPosts, regionCopies)
 	}
 
 	// Mooncake → engine, one-sided RDMA WRITEs at the engine's addresses,
