@@ -153,7 +153,7 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	if _, err := snd.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "read-into", NBytes: 1 << 20}, f); err != nil {
 		t.Fatal(err)
 	}
-	sb = snd.metrics(t)
+	rb0 := snd.metrics(t)
 	if res, err := snd.c.ReadInto(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + 4096, 1 << 19}, {e.addr + 5, 100}},
 		Region: "read-into", RegionOffsets: []uint64{0, 1<<20 - 100}}); err != nil || res.NBytes != 1<<19+100 {
 		t.Fatalf("a read into a region: %+v, %v", res, err)
@@ -161,9 +161,9 @@ func TestEngineMemoryOverRDMA(t *testing.T) {
 	if !bytes.Equal(into[:1<<19], e.mem[4096:4096+1<<19]) || !bytes.Equal(into[1<<20-100:], e.mem[5:105]) {
 		t.Fatal("a read into a region: the region holds other bytes than the engine's memory")
 	}
-	sa = snd.metrics(t)
-	regionCopies := delta(sa, sb, "ferry_rdma_copied_bytes_total")
-	regionPosts := delta(sa, sb, "ferry_rdma_work_requests_total")
+	rb1 := snd.metrics(t)
+	regionCopies := delta(rb1, rb0, "ferry_rdma_copied_bytes_total")
+	regionPosts := delta(rb1, rb0, "ferry_rdma_work_requests_total")
 	_, err = snd.c.Read(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + size - 8, 16}}})
 	wantErr(t, err, http.StatusBadRequest, api.CodeRefused, "does not fit the memory registered in engine segment")
 	_, err = snd.c.Read(ctx, api.ReadRequest{Session: own, Pieces: [][2]uint64{{ownDesc.Buffers[0].Addr, 16}}})
