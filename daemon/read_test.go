@@ -1,10 +1,12 @@
 package daemon
 
 import (
+	"errors"
 	"strings"
 	"testing"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/client"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -71,6 +73,30 @@ func TestReadsLandInARegion(t *testing.T) {
 		req.RegionOffsets = c.offsets
 		if err := landInRegion(reads, req, c.host); !isCode(err, api.CodeBadRequest) || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("offsets %v: %v, want a bad_request saying %q", c.offsets, err, c.want)
+		}
+	}
+}
+
+// POST /v1/reads refuses what it cannot read before it dials anyone:
+// no pieces, an empty or oversized piece, more bytes than one read
+// takes, a session that is no "host:port".
+func TestReadRequestsAreBounded(t *testing.T) {
+	c := serveDaemon(t, newTestDaemon(t, t.TempDir(), "r", nil))
+	for _, tc := range []struct {
+		req  api.ReadRequest
+		code string
+		want string
+	}{
+		{api.ReadRequest{Session: "127.0.0.1:1"}, api.CodeBadRequest, "no pieces"},
+		{api.ReadRequest{Session: "127.0.0.1:1", Pieces: [][2]uint64{{1, 0}}}, api.CodeBadRequest, "is empty"},
+		{api.ReadRequest{Session: "127.0.0.1:1", Pieces: [][2]uint64{{1, 1 << 63}, {2, 1 << 63}}}, api.CodeBadRequest, "longer than"},
+		{api.ReadRequest{Session: "127.0.0.1:1", Pieces: [][2]uint64{{1, maxReadBytes}, {2, 1}}}, api.CodeTooLarge, "read in several"},
+		{api.ReadRequest{Session: "nohost", Pieces: [][2]uint64{{1, 1}}}, api.CodeBadRequest, "host:rpc_port"},
+	} {
+		_, err := c.Read(t.Context(), tc.req)
+		var ce *client.Error
+		if !errors.As(err, &ce) || ce.Code != tc.code || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%+v: %v, want %s saying %q", tc.req.Pieces, err, tc.code, tc.want)
 		}
 	}
 }
