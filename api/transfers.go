@@ -534,3 +534,25 @@ type NotifyRequest struct {
 	Name      string `json:"name"`
 	NotifyMsg string `json:"notify_msg"`
 }
+
+// ReadRequest reads from a ferry engine's registered memory (another
+// ferry.mooncake.TransferEngine's, through its ferryd): POST /v1/reads.
+// The answer's body is the pieces' bytes, one after another.
+type ReadRequest struct {
+	// Session is the engine's session id, "host:rpc_port" (or
+	// "mooncake://host:rpc_port").
+	Session string `json:"session"`
+	// Pieces are [address, length] in the engine's registered memory, at
+	// its own addresses.
+	Pieces [][2]uint64 `json:"pieces"`
+	// Region, if set, is a registered host region the pieces land in, at
+	// RegionOffsets (one per piece): the answer is then a ReadResult, and
+	// on the rdma transport the NIC places the bytes there itself.
+	Region        string   `json:"region,omitempty"`
+	RegionOffsets []uint64 `json:"region_offsets,omitempty"`
+}
+
+// ReadResult answers a read that landed in a region.
+type ReadResult struct {
+	NBytes uint64 `json:"nbytes"`
+}

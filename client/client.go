@@ -237,6 +237,27 @@ func (c *Client) Write(ctx context.Context, slot api.ReceiveSlot, data []byte) (
 	return out, err
 }
 
+// Read reads req's pieces from a ferry engine's registered memory
+// (POST /v1/reads): their bytes, one after another.
+func (c *Client) Read(ctx context.Context, req api.ReadRequest) ([]byte, error) {
+	resp, err := c.do(ctx, "POST", "/v1/reads", jsonBody(req), -1, nil)
+	if err != nil {
+		return nil, err
+	}
+	defer resp.Body.Close()
+	b, err := io.ReadAll(resp.Body)
+	if err == nil && int64(len(b)) != resp.ContentLength {
+		err = fmt.Errorf("ferryd's answer to POST /v1/reads ended after %d of %d bytes", len(b), resp.ContentLength)
+	}
+	return b, err
+}
+
+// ReadInto reads req's pieces into req.Region at req.RegionOffsets
+// (POST /v1/reads with a region).
+func (c *Client) ReadInto(ctx context.Context, req api.ReadRequest) (api.ReadResult, error) {
+	return call[api.ReadResult](ctx, c, "POST", "/v1/reads", req)
+}
+
 // Delete drops a staged embedding.
 func (c *Client) Delete(ctx context.Context, reqID string) error {
 	return c.noContent(ctx, "DELETE", "/v1/embeddings/"+esc(reqID))

@@ -26,8 +26,9 @@ import (
 // ferry peer writes over ferry's peer protocol with the segment's key
 // (engines.go), and its write is granted at the engine's address under
 // the same registration: in place, with no registration or copy per
-// write. No registration allows remote reads; Mooncake peers read
-// engine memory over the TCP data port. GPU memory is registered so too
+// write. The same registration serves peers' RDMA READs: a Mooncake
+// peer's over its endpoint's queue pairs, a ferry peer's granted per
+// piece on a read connection (rdma/reads.go). GPU memory is registered so too
 // where the NIC reaches GPU memory itself (dmabuf or peermem), a ferry
 // peer's write into it placed by the NIC through AcceptEngine; on the
 // bounce path it is refused over rdma segments (registerEngineRegion).

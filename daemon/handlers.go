@@ -77,6 +77,7 @@ func (d *Daemon) routes() http.Handler {
 		"POST /v1/embeddings/{req_id}/send":   d.handleSend,
 		"POST /v1/writes":                     d.handleWrite,
 		"POST /v1/writes/stream":              d.handleWriteStream,
+		"POST /v1/reads":                      d.handleRead,
 		"POST /v1/receives":                   d.handleNewReceive,
 		"GET /v1/receives":                    d.handleListReceives,
 		"GET /v1/receives/{req_id}":           d.handleGetReceive,

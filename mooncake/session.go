@@ -133,6 +133,20 @@ func (f *ferrySession) Write(ctx context.Context, w transport.Write) (transport.
 	return f.Session.Write(ctx, w)
 }
 
+// Read reads from the segment's registered memory over ferry's peer
+// protocol, each piece under the segment's key; the peer checks the
+// range (daemon/engines.go).
+func (f *ferrySession) Read(ctx context.Context, reads []transport.Read) error {
+	r, ok := f.Session.(transport.Reader)
+	if !ok {
+		return fmt.Errorf("the %s session to %s does not read", f.Session.Transport(), f.Session.Peer())
+	}
+	for i := range reads {
+		reads[i].Key = f.key
+	}
+	return r.Read(ctx, reads)
+}
+
 // Session writes into one Mooncake segment. Its descriptor is cached and
 // fetched again when a write's range lies outside it (the peer may have
 // restarted with new buffers); a broken write makes the daemon tear the

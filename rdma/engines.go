@@ -20,10 +20,11 @@ import (
 // with no registration or copy per write (target, in memory.go). The
 // registration covers exactly the region's bytes, so a write past them
 // fails at the NIC (REM_ACCESS_ERR). It also allows remote reads, which
-// only the queue pairs of Mooncake endpoints answer (mcverbs.go): a
+// only the queue pairs of Mooncake endpoints (mcverbs.go) and ferry's
+// read connections (reads.go, each read granted per piece) answer: a
 // Mooncake peer reads an engine's registered memory as it reads a
-// Mooncake engine's. It is rail 0's NIC's, whose PD the Mooncake
-// endpoints' queue pairs share.
+// Mooncake engine's. It is rail 0's NIC's, whose PD those queue pairs
+// share.
 
 // GPU memory an engine registered (a CUDA region, IPC-opened here at a
 // device pointer of the daemon's own) is registered the same way where
@@ -48,11 +49,11 @@ type EngineRegion struct {
 func (e *EngineRegion) Close() error { return e.h.Close() }
 
 // engineUse is what an engine registration lets peers do: write, and
-// (Mooncake peers) read.
+// read (Mooncake peers, and ferry peers granted a read).
 const engineUse = peerReadsWrites
 
 // RegisterEngineRegion registers mem (mapped by the daemon, never Go
-// memory) for peers' writes, and Mooncake peers' reads, at addresses
+// memory) for peers' writes and reads at addresses
 // from iova on.
 func (t *Transport) RegisterEngineRegion(mem []byte, iova uint64) (*EngineRegion, error) {
 	return t.registerEngine(&lentRegion{addr: addrOf(mem), size: uint64(len(mem)), iova: iova}, "",
@@ -61,7 +62,7 @@ func (t *Transport) RegisterEngineRegion(mem []byte, iova uint64) (*EngineRegion
 }
 
 // RegisterEngineDevice registers GPU memory an engine registered, r at
-// its device pointer here, for peers' writes and Mooncake peers' reads
+// its device pointer here, for peers' writes and reads
 // at addresses from iova on: by its device pointer, only where the NIC
 // reaches the GPU arena itself (dmabuf or peermem).
 func (t *Transport) RegisterEngineDevice(r transport.Range, iova uint64) (*EngineRegion, error) {

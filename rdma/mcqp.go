@@ -130,7 +130,7 @@ func (q *MooncakeQP) Write(ctx context.Context, src []byte, remote uint64, rkey 
 		return transport.Report{}, errLaneClosed
 	default:
 	}
-	err = t.mooncakePost(ctx, l, src, remote, rkey, s)
+	err = t.mooncakePost(ctx, l, src, remote, rkey, s, false)
 	l.use.Unlock()
 	if err != nil {
 		// The QP goes before the source's registration (deferred): until
@@ -159,9 +159,12 @@ func (q *MooncakeQP) Close() error {
 	return q.l.close()
 }
 
-// mooncakePost posts the write and waits for every completion.
-func (t *Transport) mooncakePost(ctx context.Context, l *lane, src []byte, remote uint64, rkey uint32, s source) error {
-	n := len(src)
+// mooncakePost posts the write of buf (or, read, the RDMA READ into
+// it) and waits for every completion. Through the bounce ring a write's
+// chunk is copied in before its post, a read's out once it completed
+// (completions come in the order of the posts).
+func (t *Transport) mooncakePost(ctx context.Context, l *lane, buf []byte, remote uint64, rkey uint32, s source, read bool) error {
+	n := len(buf)
 	window := sendDepth
 	var ring []byte
 	var ringKey uint32
@@ -171,6 +174,10 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, src []byte, remot
 		if ring, ringKey, err = l.bounceBuffer(t.nic); err != nil {
 			return err
 		}
+	}
+	post := l.qp.Post
+	if read {
+		post = func(ops []op) error { return t.post(l.qp, ops) } // counted: the DATAPLANE read line
 	}
 	count := chunks(n)
 	l.seq++
@@ -182,19 +189,21 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, src []byte, remot
 		for posted < count && posted-retired < window {
 			off := posted * chunk
 			m := min(chunk, n-off)
-			o := op{WRID: base | uint64(posted), Remote: remote + uint64(off), Len: uint32(m), RKey: rkey, Signaled: true}
+			o := op{WRID: base | uint64(posted), Remote: remote + uint64(off), Len: uint32(m), RKey: rkey, Signaled: true, Read: read}
 			if ring != nil {
 				slot := ring[(posted%bounceSlots)*chunk:][:m]
-				copy(slot, src[off:off+m])
+				if !read {
+					copy(slot, buf[off:off+m])
+				}
 				o.Local, o.LKey = addrOf(slot), ringKey
 			} else {
-				o.Local, o.LKey = addrOf(src)+uint64(off), s.lkey
+				o.Local, o.LKey = addrOf(buf)+uint64(off), s.lkey
 			}
 			ops = append(ops, o)
 			posted++
 		}
 		if len(ops) > 0 {
-			if err := l.qp.Post(ops); err != nil {
+			if err := post(ops); err != nil {
 				return err
 			}
 		}
@@ -212,8 +221,15 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, src []byte, remot
 			return err
 		case wc.WRID>>32 != base>>32:
 			continue // a stale completion; none are expected
+		case wc.Status != wcSuccess && read:
+			return &CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma read"}
 		case wc.Status != wcSuccess:
 			return &CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma write"}
+		}
+		if ring != nil && read {
+			off := retired * chunk
+			m := min(chunk, n-off)
+			t.stats.copied.Add(uint64(copy(buf[off:off+m], ring[(retired%bounceSlots)*chunk:][:m])))
 		}
 		retired++
 	}

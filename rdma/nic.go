@@ -114,8 +114,9 @@ type endpoint struct {
 }
 
 // op is one work request: an RDMA WRITE (with an immediate when WithImm),
-// or an RDMA READ, which ferry never posts and its lanes refuse (tests
-// post one to show that; Mooncake QPs answer one of an engine region).
+// or an RDMA READ, which ferry posts only to read a peer's engine region
+// (reads.go) and its lanes refuse (Mooncake QPs and the QPs of reads
+// answer one of an engine region).
 type op struct {
 	WRID       uint64
 	Local      uint64 // address of the local bytes, inside the region of LKey

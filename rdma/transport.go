@@ -287,7 +287,11 @@ func listen(cfg Config, n nic, more ...nic) (*Transport, error) {
 		ws.UseWindows(slotWindows{t})
 	}
 	t.tcp = cfg.TCP(t.port)
-	t.port.Serve(peer.Handlers{Data: t.tcp.ServeData, RDMA: t.serveLane})
+	h := peer.Handlers{Data: t.tcp.ServeData, RDMA: t.serveLane}
+	if _, ok := cfg.Peer.Sink.(ReadGranter); ok {
+		h.RDMARead = t.serveReads
+	}
+	t.port.Serve(h)
 	return t, nil
 }
 

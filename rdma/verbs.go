@@ -56,11 +56,12 @@ const maxPost = C.FV_MAX_POST
 
 // accessFor is a registration's access flags for u. Every registration
 // lets the NIC read and write it for local work; only an engine
-// region's (peerReadsWrites) allows REMOTE_READ: ferry never reads a
-// peer's memory, and a Mooncake segment's descriptor hands the arena's
-// rkey to whoever asks, so a readable arena would let anyone who
-// reaches the port read all of it, while an engine's registered memory
-// is Mooncake's to read (only Mooncake QPs answer READs: mcverbs.go).
+// region's (peerReadsWrites) allows REMOTE_READ: ferry reads nothing of
+// a peer's but its engine regions (reads.go), and a Mooncake segment's
+// descriptor hands the arena's rkey to whoever asks, so a readable arena
+// would let anyone who reaches the port read all of it, while an
+// engine's registered memory is Mooncake's and ferry peers' to read
+// (only QPs connected as Mooncake endpoints' answer READs: mcverbs.go).
 // peerWrites and peerReadsWrites let a peer write under the
 // registration's own rkey; with windowBinding a write under it fails
 // with REM_ACCESS_ERR, and only windows bound over it let peers in.

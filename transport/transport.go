@@ -294,6 +294,33 @@ type Session interface {
 	Close() error
 }
 
+// Read is one piece of a read from a peer's memory: len(Dst) bytes at
+// Addr of the memory its Key lets the reader read.
+type Read struct {
+	Addr uint64
+	Key  Key
+	Dst  []byte
+}
+
+// Reader is a Session that also reads from its peer: only memory the
+// peer serves under a key (a ferry engine's registered memory, under its
+// segment's key: Source), never its arena or slots. Read returns once
+// every piece is in its Dst, or with the first piece's error: a
+// *Refusal when the peer would not serve it (out_of_bounds: the range
+// lies outside the memory the key names; no_slot: no memory has that
+// key).
+type Reader interface {
+	Read(ctx context.Context, reads []Read) error
+}
+
+// Source is a Sink whose daemon serves reads too. ReadKeyed checks a
+// read of n bytes at addr carrying key and returns the bytes, pinned
+// until done is called; a refusal is a *Refusal naming what was wrong.
+// Like Accept it must not block for long.
+type Source interface {
+	ReadKeyed(addr, n uint64, key Key) (src []byte, done func(), err error)
+}
+
 // Report is what a completed write took on the sending side.
 type Report struct {
 	// Registration is how the NIC reached the source.

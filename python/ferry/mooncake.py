@@ -633,11 +633,17 @@ class TransferEngine:
                                  method="batch_transfer_sync_read"):
         """Reads every (peer address, length) piece into (buffer): 0 once
         all are in this process's memory, or -1 at the first that fails.
-        From this process, over the segment's TCP data port (Mooncake's
-        READ, protocol v2 where the segment says so), straight into the
-        registered memory: a ferry engine's segment serves reads from the
-        memory its engine registered (ferryd's own segment, its arena and
-        slots, serves none); a Mooncake engine's from its buffers."""
+        Only memory an engine registered is read: a ferry engine's segment
+        serves reads from the memory its engine registered (ferryd's own
+        segment, its arena and slots, serves none); a Mooncake engine's
+        from its buffers. From a ferry engine's segment (its descriptor
+        names its ferryd's peer port, on the host dialed), through this
+        engine's ferryd over ferry's peer protocol under the segment's key
+        (POST /v1/reads; authenticated by the peer secret where the
+        daemons hold one; on ferryd's rdma transport by RDMA READ, into
+        this engine's memory lent to ferryd itself); from a Mooncake engine's, from this process
+        over the segment's TCP data port (Mooncake's READ, protocol v2
+        where the segment says so), straight into the registered memory."""
         def read(pieces, held):
             on_gpu = [local for (local, _, _), st in zip(pieces, held) if st in self._on_gpu]
             if on_gpu:
@@ -645,7 +651,12 @@ class TransferEngine:
                                  "in host memory of this process only so far: read into registered host memory, "
                                  "then copy", code="bad_request")
             try:
-                _read_pieces(session_id, self.local_hostname, self.protocol, pieces)
+                desc = _handshake(session_id, _METADATA, {"name": self.local_hostname, "protocol": self.protocol or "tcp",
+                                                          "buffers": []})
+                if _ferry_peer(session_id, desc):
+                    self._read_via_ferryd(session_id, pieces, held)
+                else:
+                    _read_pieces(session_id, desc, pieces)
             except (OSError, ValueError) as e:
                 raise FerryError(f"{method} from {session_id}: {e}",
                                  code="refused" if isinstance(e, _ReadRefused) else "transfer_failed") from e
@@ -853,6 +864,31 @@ class TransferEngine:
                     pass
             raise
 
+    def _read_via_ferryd(self, session_id, pieces, starts):
+        """Reads the pieces from a ferry engine's segment through ferryd
+        (POST /v1/reads), READ_MAX bytes a request at most: those in a
+        range lent to ferryd (starts: the registered ranges they lie in)
+        land in its region there, by the NIC on ferryd's rdma transport;
+        the others come in the answer, copied to where they go."""
+        client = self._need_client()
+        by_region = {}
+        for piece, st in zip(pieces, starts):
+            by_region.setdefault(self._lent.get(st), []).append((piece, st))
+        for region, group in by_region.items():
+            for run in _read_runs([p for p, _ in group]):
+                body = {"session": session_id, "pieces": [[remote, n] for _, remote, n in run]}
+                if region is not None:
+                    st = group[0][1]
+                    body.update(region=region, region_offsets=[local - st for local, _, _ in run])
+                data = json.dumps(body).encode()
+                got = _when_room(lambda: client.request("POST", "/v1/reads", data, "application/json"), client.timeout).body
+                if region is not None:
+                    continue
+                at = 0
+                for local, _, n in run:
+                    ctypes.memmove(local, got[at:at + n], n)
+                    at += n
+
     def _runs(self, pieces, starts):
         """Cuts the pieces into runs (lo, hi) that one transfer each
         carries: at most TRANSFER_ITEMS items, whose JSON is at most
@@ -1050,13 +1086,42 @@ _IO_TIMEOUT = 10.0  # per recv or send, as ferryd's io_timeout
 _STATUS_MAGIC = 0x4D435456  # "MCTV", the high half of a v2 status word
 
 
-def _read_pieces(segment, self_name, protocol, pieces):
-    """Reads each (local, remote, n) piece from the segment over its TCP
-    data port (mooncake/data.go has the wire), into local memory in place;
-    raises OSError or ValueError saying what failed."""
-    desc = _handshake(segment, _METADATA, {"name": self_name, "protocol": protocol or "tcp", "buffers": []})
+def _ferry_peer(segment, desc):
+    """Whether desc, segment's descriptor, is a ferry engine's whose
+    ferryd's peer port lies on the host dialed (ferryd follows no other:
+    mooncake/session.go's sameHost)."""
+    peer = (desc.get("ferry") or {}).get("peer")
+    return bool(peer) and _split_host_port(peer)[0] == _split_host_port(segment)[0]
+
+
+# READ_MAX is the most one POST /v1/reads carries (ferryd's maxReadBytes).
+READ_MAX = 64 << 20
+
+
+def _read_runs(pieces):
+    """The pieces in runs of at most READ_MAX bytes, a longer piece cut."""
+    run, size = [], 0
+    for local, remote, n in pieces:
+        while n:
+            take = min(n, READ_MAX - size)
+            run.append((local, remote, take))
+            size += take
+            local, remote, n = local + take, remote + take, n - take
+            if size == READ_MAX:
+                yield run
+                run, size = [], 0
+    if run:
+        yield run
+
+
+def _read_pieces(segment, desc, pieces):
+    """Reads each (local, remote, n) piece from the segment, whose
+    descriptor is desc, over its TCP data port (mooncake/data.go has the
+    wire), into local memory in place; raises OSError or ValueError saying
+    what failed."""
     if desc.get("protocol") != "tcp" or not desc.get("tcp_data_port"):
-        raise ValueError(f"the segment speaks {desc.get('protocol')!r}: reads go over Mooncake's tcp transport only so far")
+        raise ValueError(f"the segment speaks {desc.get('protocol')!r}: reads from a Mooncake engine go over its tcp "
+                         "transport only so far")
     buffers = desc.get("buffers") or []
     for _, remote, n in pieces:
         if not any(b["addr"] <= remote and remote + n <= b["addr"] + b["length"] for b in buffers):

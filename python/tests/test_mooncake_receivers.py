@@ -233,6 +233,11 @@ def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
                      and line.get("pid") == rx.pid and line.get("regions") == 4, 10, "the dropped segment's line")
 
 
+def reads_through(daemon):
+    """How many POST /v1/reads daemon answered."""
+    return sum(1 for line in daemon.lines if line.get("message") == "request" and line.get("path") == "/v1/reads")
+
+
 def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     # sglang's expert backup and Mooncake's READ: the reader pulls pages
     # from memory a peer engine registered, into its own registered
@@ -242,6 +247,7 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     session = rx.run(RECEIVER)
     pages = 64
     ptr, want = register_held(rx, pages, 5)
+    before = reads_through(pair[0])
     reader = sender(pair)
     dst, base = source(pages * PAGE, 6)
     assert reader.register_memory(base, len(dst)) == 0
@@ -253,13 +259,52 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
                                            [PAGE] * len(order)) == 0, reader.last_failure
     assert bytes(dst) == want
     assert reader.transfer_sync(session, base, ptr, PAGE, TransferOpcode.READ) == 0
-    # Outside what the peer registered: refused, nothing read.
-    assert reader.transfer_sync_read(session, base, ptr + pages * PAGE, PAGE) == -1
-    assert reader.last_failure.ret == "refused" and "lies in none of the segment's buffers" in reader.last_failure.message
+    # Between two ferryd the reads went over ferry's peer protocol, through
+    # the reader's ferryd, not over the peer's Mooncake data port.
+    poll_until(lambda: reads_through(pair[0]) == before + 3, 10,
+               "the reads going through the reader's ferryd (its log's POST /v1/reads lines)")
+    # Outside what the peer registered (past it, and straddling its end):
+    # refused by the peer's ferryd, naming why; nothing read.
+    for at, n in ((ptr + pages * PAGE, PAGE), (ptr + pages * PAGE - 8, 16)):
+        assert reader.transfer_sync_read(session, base, at, n) == -1
+        assert reader.last_failure.ret == "refused" and "does not fit the memory registered in engine segment" in \
+            reader.last_failure.message, reader.last_failure
+    assert bytes(dst) == want
     own = pair[1].client().status()["mooncake"]["segment"]  # ferryd's own segment: its arena
     assert reader.transfer_sync_read(own, base, reader.get_first_buffer_address(own), PAGE) == -1, "the arena was read"
     assert reader.unregister_memory(base) == 0
     assert rx.run("out = engine.unregister_memory(held.data_ptr())") == 0
+
+
+def test_a_reader_started_with_the_allocator_reads_into_its_lent_memory(pair, start_daemon, engine_child):
+    # The reading engine's registered memory is lent to its ferryd: the
+    # pieces land in its region there (POST /v1/reads with a region; by
+    # the NIC itself on the rdma transport), none through the answer.
+    rxd = start_daemon("rdm", "--mooncake-listen", "127.0.0.1:0")
+    rx = engine_child(pair[1].socket)
+    session = rx.run(RECEIVER)
+    pages = 64
+    ptr, want = register_held(rx, pages, 12)
+    reader = engine_child(rxd.socket)
+    ret, why, lent, got = reader.run(f"""
+        import hashlib, random, torch
+        from ferry.mooncake import TransferEngine
+        engine = TransferEngine()
+        assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+        dst = torch.zeros({pages} * {PAGE}, dtype=torch.uint8)
+        assert engine.register_memory(dst.data_ptr(), dst.numel()) == 0, engine.last_failure
+        order = list(range({pages}))
+        random.Random(13).shuffle(order)
+        ret = engine.batch_transfer_sync_read({session!r}, [dst.data_ptr() + i * {PAGE} for i in order],
+                                              [{ptr} + i * {PAGE} for i in order], [{PAGE}] * {pages})
+        out = [ret, engine.last_failure and engine.last_failure.message, len(engine._lent),
+               hashlib.sha256(dst.numpy().tobytes()).hexdigest()]
+    """)
+    assert ret == 0, why
+    assert lent == 1, "the reader's registered memory is not lent to its ferryd"
+    assert got == hashlib.sha256(want).hexdigest()
+    poll_until(lambda: reads_through(rxd) == 1, 10, "the read going through the reader's ferryd")
+    assert reader.run("out = engine.close()") == 0
 
 
 def test_both_halves_started_with_the_allocator(pair, start_daemon, engine_child):

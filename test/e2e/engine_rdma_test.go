@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"fmt"
+	"net/http"
 	"os"
 	"testing"
 	"unsafe"
@@ -165,6 +166,57 @@ func engineMemoryOverRDMA(t *testing.T, gpu bool) {
 	fmt.Printf("== DATAPLANE %s ferry->ferry rdma nbytes=%d %s\n", kind, embBytes, line)
 	if both(`ferry_registrations_total{mode="per-send"}`) != 0 || both("ferry_rdma_copied_bytes_total") != 0 || both("ferry_gpu_copied_bytes_total") != 0 || both("ferry_rdma_staged_receives_total") != 0 {
 		t.Errorf("DATAPLANE %s: want reg_mr_per_send=0.00, cpu_copy_bytes_per_send=0, gpu_copy_bytes_per_send=0 and staged_per_send=0.00, sender and receiver together", line)
+	}
+
+	// ferry ← engine: another ferryd reads the engine's memory over ferry's
+	// peer protocol (a control connection of reads under the segment's
+	// key), each piece by RDMA READ from the region's registration for
+	// peers, granted at the engine's addresses, into the reader's arena:
+	// byte for byte, with no CPU copy (its DATAPLANE line). A range past
+	// the registered memory is refused, naming why; ferryd's own segment
+	// (its arena and slots) is no ferry engine's and reads nothing.
+	const reads = 16
+	sb, rb = snd.metrics(t), rcv.metrics(t)
+	for i := 0; i < reads; i++ {
+		at, n := uint64(i*embBytes+i), uint64(embBytes-i)
+		got, err := snd.c.Read(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + at, n}, {e.addr + size - 10, 10}}})
+		if err != nil {
+			t.Fatalf("read %d of the engine's memory: %v", i, err)
+		}
+		if !bytes.Equal(got, append(e.read(int(at), int(n)), e.read(size-10, 10)...)) {
+			t.Fatalf("read %d: other bytes than the engine's memory holds", i)
+		}
+	}
+	sa, ra = snd.metrics(t), rcv.metrics(t)
+	perRead := func(series string) float64 { return (delta(sa, sb, series) + delta(ra, rb, series)) / reads }
+	// Into a region the reader registered (the reading engine's lent
+	// memory): the NIC places the bytes there itself.
+	f, into := regionMemory(t, "read-into", 1<<20)
+	if _, err := snd.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "read-into", NBytes: 1 << 20}, f); err != nil {
+		t.Fatal(err)
+	}
+	rb0 := snd.metrics(t)
+	if res, err := snd.c.ReadInto(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + 4096, 1 << 19}, {e.addr + 5, 100}},
+		Region: "read-into", RegionOffsets: []uint64{0, 1<<20 - 100}}); err != nil || res.NBytes != 1<<19+100 {
+		t.Fatalf("a read into a region: %+v, %v", res, err)
+	}
+	if !bytes.Equal(into[:1<<19], e.read(4096, 1<<19)) || !bytes.Equal(into[1<<20-100:], e.read(5, 100)) {
+		t.Fatal("a read into a region: the region holds other bytes than the engine's memory")
+	}
+	rb1 := snd.metrics(t)
+	regionCopies := delta(rb1, rb0, "ferry_rdma_copied_bytes_total")
+	regionPosts := delta(rb1, rb0, "ferry_rdma_work_requests_total")
+	_, err = snd.c.Read(ctx, api.ReadRequest{Session: es.Session, Pieces: [][2]uint64{{e.addr + size - 8, 16}}})
+	wantErr(t, err, http.StatusBadRequest, api.CodeRefused, "does not fit the memory registered in engine segment")
+	_, err = snd.c.Read(ctx, api.ReadRequest{Session: own, Pieces: [][2]uint64{{ownDesc.Buffers[0].Addr, 16}}})
+	wantErr(t, err, http.StatusBadRequest, api.CodeBadRequest, "not a ferry engine's")
+	line = fmt.Sprintf("control_msgs_per_read=%.2f posts_per_read=%.2f work_requests_per_read=%.2f cpu_copy_bytes_per_read=%.0f",
+		perRead("ferry_rdma_control_messages_total"), perRead("ferry_rdma_posts_total"), perRead("ferry_rdma_work_requests_total"), perRead("ferry_rdma_copied_bytes_total"))
+	fmt.Printf("== DATAPLANE %s read ferry<-ferry rdma nbytes=%d pieces_per_read=2 reads=%d byte_exact=true out_of_bounds_refused=true %s into_region_work_requests=%.0f into_region_cpu_copy_bytes=%.0f\n",
+		kind, embBytes, reads, line, regionPosts, regionCopies)
+	if perRead("ferry_rdma_posts_total") < 2 || perRead("ferry_rdma_copied_bytes_total") != 0 || regionPosts < 2 || regionCopies != 0 {
+		t.Errorf("DATAPLANE read %s into_region_work_requests=%.0f into_region_cpu_copy_bytes=%.0f: want RDMA READs posted (2 pieces a read) and no CPU copy, reader and peer together",
+			line, regionPosts, regionCopies)
 	}
 
 	// Mooncake → engine, one-sided RDMA WRITEs at the engine's addresses,

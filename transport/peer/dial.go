@@ -17,6 +17,10 @@ import (
 // NIC): use data connections.
 var ErrNoRDMA = errors.New("the peer serves no RDMA")
 
+// ErrUnknownKind is wrapped by Dial's error when the peer does not serve
+// connections of the kind asked for (status 4).
+var ErrUnknownKind = errors.New("unknown connection kind")
+
 // ErrMisdirected is wrapped, with transport.ErrAuth, by Dial's error
 // when the daemon that answered proved the secret but does not take the
 // address dialed as its own: something in between (a relay, NAT or port
@@ -108,6 +112,8 @@ func greet(ctx context.Context, c *net.TCPConn, instance uint64, kind Kind, secr
 		return 0, authErr("the peer requires a peer secret, and this daemon has none: give both daemons the same peer secret")
 	case statusNoSecret:
 		return 0, authErr("the peer has no peer secret, and this daemon requires one: give both daemons the same peer secret")
+	case statusBadKind:
+		return 0, fmt.Errorf("%w: %w: the peer does not serve connections of kind %d (kinds 2 and 3, reads: a ferryd older than this one, or one serving no reads)", transport.ErrIncompatible, ErrUnknownKind, kind)
 	default:
 		return 0, fmt.Errorf("peer refused the handshake with status %d", w.status)
 	}

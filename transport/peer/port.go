@@ -110,6 +110,10 @@ type Handlers struct {
 	// Without it such a hello is answered "no RDMA here", and the dialer
 	// falls back to data connections.
 	RDMA Handler
+	// RDMARead, if set, serves the control connections of RDMA READs;
+	// without it such a hello is answered "no RDMA here", and the dialer
+	// reads over a read connection (read.go).
+	RDMARead Handler
 }
 
 // Port is a listening peer port: the connection caps, the handshake, and
@@ -237,8 +241,15 @@ func (p *Port) serve(c *connlimit.Conn) {
 	if p.cfg.Secret != nil {
 		c.Prove() // only a holder of the secret gets here
 	}
-	if h.kind == KindRDMA {
+	switch h.kind {
+	case KindRDMA:
 		p.h.RDMA(c, h.instance)
+		return
+	case KindRead:
+		p.serveReads(c)
+		return
+	case KindRDMARead:
+		p.h.RDMARead(c, h.instance)
 		return
 	}
 	p.h.Data(c, h.instance)
@@ -267,8 +278,10 @@ func (p *Port) welcome(c *net.TCPConn) (hello, error) {
 		status, herr = statusNeedSecret, authErr("peer has no secret, and this daemon requires one: give both daemons the same peer secret")
 	case secret == nil && h.auth():
 		status, herr = statusNoSecret, authErr("peer has a secret, and this daemon has none: give both daemons the same peer secret")
-	case h.kind == KindRDMA && p.h.RDMA == nil:
+	case h.kind == KindRDMA && p.h.RDMA == nil, h.kind == KindRDMARead && p.h.RDMARead == nil:
 		status, herr = statusNoRDMA, errNoRDMAHere
+	case h.kind == KindRead && p.source() == nil:
+		status, herr = statusBadKind, errors.New("asked for a read connection, and this daemon serves no reads")
 	}
 	server := party{instance: p.cfg.Instance, nonce: newNonce()}
 	w := welcome{hello: ours(p.cfg.Instance, h.kind, secret), status: status}

@@ -21,7 +21,9 @@ package peer
 //	  8  instance  u64     the client daemon's process identity
 //	 16  kind      u32     what the connection is for: 0 a TCP data
 //	                       connection (below); 1 the control connection
-//	                       of an RDMA lane (rdma/wire.go goes on)
+//	                       of an RDMA lane (rdma/wire.go goes on); 2 a
+//	                       read connection (read.go); 3 the control
+//	                       connection of RDMA READs (rdma/reads.go)
 //	 20  flags     u32     bit 0 (flagAuth): the sender holds a peer
 //	                       secret; other bits 0
 //
@@ -293,7 +295,7 @@ func (h *hello) check() (status uint32, err error) {
 	if h.version != version {
 		return statusBadVersion, fmt.Errorf("protocol version mismatch: the peer speaks version %d, this daemon speaks version %d: upgrade the older daemon so both run the same ferry release", h.version, version)
 	}
-	if h.kind != KindData && h.kind != KindRDMA {
+	if h.kind > KindRDMARead {
 		return statusBadKind, fmt.Errorf("peer asks for connection kind %d, which this daemon does not know", h.kind)
 	}
 	return statusOK, nil

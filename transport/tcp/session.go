@@ -78,6 +78,12 @@ func (s *session) Close() error {
 
 func (s *session) isClosed() bool { return s.pool.Closed() }
 
+// Read reads over a read connection of the peer port (peer/read.go),
+// from memory the peer serves under a key.
+func (s *session) Read(ctx context.Context, reads []transport.Read) error {
+	return s.t.port.Read(ctx, s.Peer(), reads)
+}
+
 // Write carries w on a connection of its own; the kernel reads the
 // source where it lies.
 func (s *session) Write(ctx context.Context, w transport.Write) (transport.Report, error) {

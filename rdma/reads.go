@@ -1,0 +1,301 @@
+package rdma
+
+// RDMA READs of engine memory (docs/rdma.md, "Reads"). A daemon reads
+// a peer's engine memory (what a ferry.mooncake engine registered) by
+// RDMA READ from the engine region's registration for peers
+// (RegisterEngineRegion: at the engine's addresses, remote read
+// allowed), on a queue pair of its own set up over a control connection
+// of kind 3 (peer.KindRDMARead; the peer port's handshake first, with a
+// peer secret its challenge-response). Integers are little-endian.
+//
+//	client → server  connect, 32 bytes: the client QP's endpoint (as a
+//	                 lane's connect, rdma/wire.go; flags, rail and rails 0)
+//	server → client  a reply (peer.EncodeReply): code 0 and its QP's
+//	                 endpoint, 32 bytes, on rail 0 (whose protection
+//	                 domain holds the engine registrations); or a
+//	                 refusal, and the connection closes
+//
+// Both QPs connect as Mooncake endpoints' do (PSN 0, REMOTE_READ at
+// RTR: mcverbs.go); ferry's lanes keep refusing READs. Then any number
+// of reads, one at a time:
+//
+//	client → server  peer.Header, 40 bytes: addr, len (at least 1), the
+//	                 key of the memory (an engine segment's), tag 0
+//	server → client  a reply: a refusal (out_of_bounds: the range lies
+//	                 outside the memory the key names, or spans two
+//	                 registered ranges; no_slot: no memory has that key),
+//	                 or code 0 and a grant, 16 bytes (grant, wire.go):
+//	                 the address to READ from and the rkey of the
+//	                 engine region's registration holding the whole
+//	                 range. With flags bit 3 (flagOverTCP) the grant is
+//	                 zero: the range has no registration to read from
+//	                 (GPU memory not registered for peers), and the
+//	                 client reads it over a read connection (kind 2,
+//	                 transport/peer/read.go)
+//
+// The client posts RDMA READs of the granted range into registered
+// memory of its own (1 MiB each, every one signaled), waits for their
+// completions, and sends the next header or closes the connection: the
+// server keeps the region pinned (its unregistering waits) until then,
+// so a granted READ never reaches memory an engine unregistered. The
+// grant's rkey is the region's, as the engine segment's descriptor
+// lists it for Mooncake peers: it reaches the region and nothing else.
+// A refusal keeps the connection, but for a read above MaxWrite and the
+// MaxUnmatched-th no_slot, which close it.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
+)
+
+// flagOverTCP in a read's reply: no grant, read the range over TCP.
+const flagOverTCP = 8
+
+// ReadGranter is a Sink whose daemon grants RDMA READs of the memory it
+// serves under a key (peer.Port serves reads of it over TCP: it is a
+// transport.Source too).
+type ReadGranter interface {
+	transport.Source
+	// GrantRead checks a read of n bytes at addr carrying key, as
+	// ReadKeyed does, and returns where to READ the range from, under
+	// which rkey (an engine region's registration: EngineRegion), the
+	// region pinned until done is called. ErrNoGrant: the range is
+	// readable, and has no registration to READ it from.
+	GrantRead(addr, n uint64, key transport.Key) (iova uint64, rkey uint32, done func(), err error)
+}
+
+// ErrNoGrant is GrantRead's answer for readable memory with no
+// registration for peers' READs.
+var ErrNoGrant = errors.New("no registration for peers' reads")
+
+// serveReads serves a control connection of RDMA READs.
+func (t *Transport) serveReads(c *connlimit.Conn, _ uint64) {
+	err := t.grantReads(c)
+	if errors.Is(err, os.ErrDeadlineExceeded) {
+		c.Closing(connlimit.ReasonTimeout)
+	}
+	if err != nil && err != io.EOF && !c.Dropped() && !t.isClosing() {
+		t.port.Warnf("rdma: read connection from %s: %v", c.RemoteAddr(), err)
+	}
+}
+
+func (t *Transport) grantReads(c *connlimit.Conn) error {
+	g := t.cfg.Peer.Sink.(ReadGranter) // serveReads is set up only then
+	ioTimeout := t.cfg.Peer.IOTimeout
+	c.SetDeadline(time.Now().Add(ioTimeout))
+	var b [endpointSize]byte
+	if _, err := readFull(c, b[:], "connect"); err != nil {
+		return err
+	}
+	var remote endpoint
+	remote.decode(b[:])
+	q, err := t.NewMooncakeQP()
+	if err == nil {
+		defer q.Close()
+		err = q.l.qp.(mooncakeQP).connectMooncake(remote)
+	}
+	if err != nil {
+		writeReply(c, transport.Internal, 0, fmt.Sprintf("no queue pair for RDMA reads: %v", err), nil)
+		return err
+	}
+	e := t.nic.Endpoint()
+	e.QPN, e.PSN = q.QPN(), 0
+	e.encode(b[:])
+	if err := writeReply(c, transport.OK, 0, "", b[:]); err != nil {
+		return err
+	}
+	c.Greeted()
+	gate := t.port.Gate("read connection")
+	var release func()
+	defer func() {
+		if release != nil {
+			release()
+		}
+	}()
+	var hb [peer.HeaderSize]byte
+	for {
+		c.SetDeadline(time.Now().Add(t.cfg.Peer.IdleTimeout))
+		n, err := readHeader(c, hb[:], ioTimeout)
+		if release != nil { // the client's READs of the last grant are done
+			release()
+			release = nil
+		}
+		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+			c.Closing(connlimit.ReasonIdle)
+			return nil
+		}
+		if err != nil {
+			return err
+		}
+		if !c.Busy() {
+			return nil // the port closed it to make room just now
+		}
+		var h peer.Header
+		h.Decode(&hb)
+		c.SetDeadline(time.Now().Add(ioTimeout))
+		err = t.grantRead(c, g, gate, &h, &release)
+		c.Idle()
+		if err != nil {
+			return err
+		}
+	}
+}
+
+// grantRead answers one read; an error ends the connection.
+func (t *Transport) grantRead(c *connlimit.Conn, g ReadGranter, gate *peer.Gate, h *peer.Header, release *func()) error {
+	if limit := t.cfg.Peer.MaxWrite; h.Len > limit {
+		writeReply(c, transport.OutOfBounds, peer.FlagClose, fmt.Sprintf("a read of %d bytes exceeds this daemon's limit of %d bytes: read smaller pieces", h.Len, limit), nil)
+		return fmt.Errorf("refused a read of %d bytes (limit %d) and closed the connection", h.Len, limit)
+	}
+	iova, rkey, done, err := g.GrantRead(h.Addr, h.Len, h.Key)
+	var gb [grantSize]byte
+	switch {
+	case err == ErrNoGrant:
+		return writeReply(c, transport.OK, flagOverTCP, "", gb[:])
+	case err != nil:
+		code, msg := peer.Refusal(err)
+		end := gate.Unmatched(err)
+		flags := uint16(0)
+		if end != nil {
+			flags = peer.FlagClose
+		}
+		if werr := writeReply(c, code, flags, msg, nil); werr != nil {
+			return werr
+		}
+		return end
+	}
+	*release = done
+	c.Prove() // it held a key to readable memory
+	gr := grant{Addr: iova, RKey: rkey}
+	gr.encode(&gb)
+	t.stats.control.Add(1)
+	return writeReply(c, transport.OK, 0, "", gb[:])
+}
+
+// readHeader reads a header: its first byte within the deadline set, the rest
+// within timeout of it.
+func readHeader(c *connlimit.Conn, b []byte, timeout time.Duration) (int, error) {
+	n, err := io.ReadAtLeast(c, b, 1)
+	if err == nil && n < len(b) {
+		c.SetReadDeadline(time.Now().Add(timeout))
+		var m int
+		m, err = io.ReadFull(c, b[n:])
+		n += m
+	}
+	return n, err
+}
+
+func readFull(c io.Reader, b []byte, what string) (int, error) {
+	n, err := io.ReadFull(c, b)
+	if err != nil && n > 0 {
+		err = fmt.Errorf("read %d of the %d-byte %s: %w", n, len(b), what, err)
+	}
+	return n, err
+}
+
+// Read reads each piece from the peer by RDMA READ where the peer
+// grants one, over a read connection (TCP) where it does not, or where
+// it serves no RDMA reads.
+func (s *session) Read(ctx context.Context, reads []transport.Read) error {
+	t := s.t
+	c, _, err := t.port.Dial(ctx, s.Peer(), peer.KindRDMARead)
+	if errors.Is(err, peer.ErrNoRDMA) || errors.Is(err, peer.ErrUnknownKind) {
+		return t.port.Read(ctx, s.Peer(), reads)
+	}
+	if err != nil {
+		return fmt.Errorf("rdma read from %s: %w", s.Peer(), err)
+	}
+	// ctx ending closes the connection, whatever deadline is set on it.
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer func() {
+		stop()
+		c.Close()
+	}()
+	fail := func(step string, err error) error {
+		if ctx.Err() != nil {
+			err = fmt.Errorf("%w (%v)", ctx.Err(), err)
+		}
+		return fmt.Errorf("rdma read from %s: %s: %w", s.Peer(), step, err)
+	}
+	q, err := t.NewMooncakeQP()
+	if err != nil {
+		return fail("a queue pair", err)
+	}
+	defer q.Close()
+	e := t.nic.Endpoint()
+	e.QPN, e.PSN = q.QPN(), 0
+	var b [endpointSize]byte
+	e.encode(b[:])
+	c.SetDeadline(time.Now().Add(t.cfg.Peer.IOTimeout))
+	if _, err := c.Write(b[:]); err != nil {
+		return fail("sending the connect", err)
+	}
+	r, err := readReply(c, b[:])
+	if err != nil {
+		return fail("its connect reply", err)
+	}
+	if r.Code != transport.OK {
+		return fail("its connect reply", fmt.Errorf("%s: %s", r.Code, r.Msg))
+	}
+	var remote endpoint
+	remote.decode(b[:])
+	if err := q.l.qp.(mooncakeQP).connectMooncake(remote); err != nil {
+		return fail("connecting the queue pair", err)
+	}
+	var hb [peer.HeaderSize]byte
+	var gb [grantSize]byte
+	for i, rd := range reads {
+		if len(rd.Dst) == 0 {
+			continue
+		}
+		h := peer.Header{Addr: rd.Addr, Len: uint64(len(rd.Dst)), Key: rd.Key}
+		h.Encode(&hb)
+		c.SetDeadline(time.Now().Add(t.cfg.Peer.IOTimeout))
+		if _, err := c.Write(hb[:]); err != nil {
+			return fail(fmt.Sprintf("piece %d's header", i), err)
+		}
+		r, err := readReply(c, gb[:])
+		if err != nil {
+			return fail(fmt.Sprintf("piece %d's reply", i), err)
+		}
+		t.stats.control.Add(1)
+		if r.Code != transport.OK {
+			return &transport.Refusal{Code: r.Code, Message: r.Msg}
+		}
+		if r.Flags&flagOverTCP != 0 {
+			if err := t.port.Read(ctx, s.Peer(), reads[i:i+1]); err != nil {
+				return err
+			}
+			continue
+		}
+		var g grant
+		g.decode(&gb)
+		if err := q.read(ctx, rd.Dst, g); err != nil {
+			return fail(fmt.Sprintf("piece %d: %d bytes at %#x", i, len(rd.Dst), rd.Addr), err)
+		}
+	}
+	return nil
+}
+
+// read READs len(dst) bytes from the peer's g.Addr under g.RKey into
+// dst: in place where dst lies in registered memory, else through the
+// bounce ring.
+func (q *MooncakeQP) read(ctx context.Context, dst []byte, g grant) error {
+	t, l := q.t, q.l
+	s, err := t.source(dst)
+	if err != nil {
+		return err
+	}
+	defer s.release()
+	l.use.Lock()
+	defer l.use.Unlock()
+	return t.mooncakePost(ctx, l, dst, g.Addr, g.RKey, s, true)
+}

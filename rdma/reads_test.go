@@ -1,0 +1,172 @@
+package rdma
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"github.com/ferry-project/ferry/transport"
+	"github.com/ferry-project/ferry/transport/peer"
+	"github.com/ferry-project/ferry/transport/transporttest"
+)
+
+// engineSink serves reads of one engine region under key, as the
+// daemon serves an engine segment's memory: GrantRead grants its
+// registration for peers at the engine's addresses, counting the pins
+// it holds; memory past it is out of bounds, another key no_slot. With
+// noGrant it grants nothing (memory without a registration for peers),
+// and ReadKeyed serves the bytes over TCP.
+type engineSink struct {
+	*transporttest.Slots
+	key     transport.Key
+	mem     []byte
+	er      *EngineRegion
+	noGrant bool
+	pins    atomic.Int32
+}
+
+func (s *engineSink) check(addr, n uint64, key transport.Key) error {
+	switch {
+	case key != s.key:
+		return &transport.Refusal{Code: transport.NoSlot, Message: "no engine segment has this key"}
+	case addr < engineAddr || addr-engineAddr > uint64(len(s.mem)) || n > uint64(len(s.mem))-(addr-engineAddr):
+		return &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf("[%#x, +%d) does not fit the memory registered", addr, n)}
+	}
+	return nil
+}
+
+func (s *engineSink) ReadKeyed(addr, n uint64, key transport.Key) ([]byte, func(), error) {
+	if err := s.check(addr, n, key); err != nil {
+		return nil, nil, err
+	}
+	off := addr - engineAddr
+	return s.mem[off : off+n], func() {}, nil
+}
+
+func (s *engineSink) GrantRead(addr, n uint64, key transport.Key) (uint64, uint32, func(), error) {
+	if err := s.check(addr, n, key); err != nil {
+		return 0, 0, nil, err
+	}
+	if s.noGrant {
+		return 0, 0, nil, ErrNoGrant
+	}
+	s.pins.Add(1)
+	return addr, s.er.RKey, func() { s.pins.Add(-1) }, nil
+}
+
+// TestEngineRegionFerryReads: a daemon reads a peer's engine region by
+// RDMA READ, granted per read at the engine's addresses under the
+// region's registration for peers: byte for byte, into its registered
+// memory with no CPU copy, into other memory through its bounce ring;
+// the peer keeps the region pinned until the reader is done. A range
+// past the region or under another key is refused before any READ, and
+// memory without a registration for peers is read over TCP.
+func TestEngineRegionFerryReads(t *testing.T) {
+	f := newFabric()
+	sink := &engineSink{Slots: transporttest.NewSlots(0), key: transport.NewKey(), mem: mapT(t, 3<<20)}
+	rx, err := listen(testConfig(t, Config{Memory: mapT(t, 1<<16), Peer: peer.Config{Sink: sink}}), testNIC(t, f, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, rx)
+	fill(sink.mem, 11)
+	if sink.er, err = rx.RegisterEngineRegion(sink.mem, engineAddr); err != nil {
+		t.Fatal(err)
+	}
+	defer sink.er.Close()
+	txMem := mapT(t, 4<<20)
+	tx, err := listen(testConfig(t, Config{Memory: txMem}), testNIC(t, f, 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, tx)
+	s := dialT(t, tx, rx).(transport.Reader)
+	ctx := ctxFor(t, 60*time.Second)
+
+	// Into the reader's registered memory, 2 MiB and 5 bytes from an odd
+	// offset (three READs), and into memory of its own (bounced).
+	const n = 2<<20 + 5
+	heap := make([]byte, 4096)
+	before := tx.Stats()
+	if err := s.Read(ctx, []transport.Read{
+		{Addr: engineAddr + 7, Key: sink.key, Dst: txMem[:n]},
+		{Addr: engineAddr + uint64(len(sink.mem)) - 4096, Key: sink.key, Dst: heap},
+	}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(txMem[:n], sink.mem[7:7+n]) || !bytes.Equal(heap, sink.mem[len(sink.mem)-4096:]) {
+		t.Fatal("the bytes read differ from the engine region's")
+	}
+	after := tx.Stats()
+	if wrs, copied := after.WorkRequests-before.WorkRequests, after.CopiedBytes-before.CopiedBytes; wrs != 4 || copied != uint64(len(heap)) {
+		t.Errorf("the reads took %d work requests and copied %d bytes: want 4 READs (3 of 1 MiB at most, then 1) and only the %d bounced bytes copied",
+			wrs, copied, len(heap))
+	}
+	waitFor(t, "the region unpinned once the reader closed", func() bool { return sink.pins.Load() == 0 })
+
+	for _, c := range []struct {
+		name string
+		r    transport.Read
+		code transport.Code
+	}{
+		{"PastTheRegion", transport.Read{Addr: engineAddr + uint64(len(sink.mem)) - 8, Key: sink.key, Dst: make([]byte, 16)}, transport.OutOfBounds},
+		{"OtherKey", transport.Read{Addr: engineAddr, Key: transport.NewKey(), Dst: make([]byte, 16)}, transport.NoSlot},
+	} {
+		var rf *transport.Refusal
+		if err := s.Read(ctx, []transport.Read{c.r}); !errors.As(err, &rf) || rf.Code != c.code {
+			t.Errorf("%s: %v, want a %s refusal", c.name, err, c.code)
+		}
+		if !isZero(c.r.Dst) {
+			t.Errorf("%s: a refused read brought bytes", c.name)
+		}
+	}
+
+	sink.noGrant = true
+	clear(heap)
+	before = tx.Stats()
+	if err := s.Read(ctx, []transport.Read{{Addr: engineAddr + 64, Key: sink.key, Dst: heap}}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(heap, sink.mem[64:64+len(heap)]) || tx.Stats().WorkRequests != before.WorkRequests {
+		t.Error("memory with no registration for peers: want it read over TCP, byte for byte, with no READ posted")
+	}
+}
+
+// tcpSource serves reads over TCP only: no GrantRead.
+type tcpSource struct{ s *engineSink }
+
+func (s tcpSource) ReadKeyed(addr, n uint64, key transport.Key) ([]byte, func(), error) {
+	return s.s.ReadKeyed(addr, n, key)
+}
+
+// TestFerryReadsFromAPeerWithoutRDMAReads: a peer whose daemon grants
+// no RDMA READs (its port answers "no RDMA here" to the control
+// connection of reads) is read over a read connection, byte for byte.
+func TestFerryReadsFromAPeerWithoutRDMAReads(t *testing.T) {
+	f := newFabric()
+	sink := &engineSink{Slots: transporttest.NewSlots(0), key: transport.NewKey(), mem: mapT(t, 1<<16)}
+	fill(sink.mem, 12)
+	rx, err := listen(testConfig(t, Config{Memory: mapT(t, 1<<16), Peer: peer.Config{Sink: struct {
+		*transporttest.Slots
+		tcpSource
+	}{sink.Slots, tcpSource{sink}}}}), testNIC(t, f, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, rx)
+	tx, err := listen(testConfig(t, Config{Memory: mapT(t, 1<<16)}), testNIC(t, f, 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, tx)
+	dst := make([]byte, 1000)
+	if err := dialT(t, tx, rx).(transport.Reader).Read(ctxFor(t, 30*time.Second), []transport.Read{{Addr: engineAddr + 5, Key: sink.key, Dst: dst}}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst, sink.mem[5:1005]) {
+		t.Fatal("the bytes read differ from the peer's memory")
+	}
+}

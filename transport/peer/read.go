@@ -1,0 +1,192 @@
+package peer
+
+// Read connections (kind 2, additive in version 8: a server that serves
+// no reads answers the hello with status 4, unknown kind). A daemon
+// reads from a peer's memory that the peer serves under a key: a ferry
+// engine segment's registered memory under the segment's key
+// (daemon/engines.go), never its arena or slots, whose keys name no
+// readable memory. The handshake, and with a peer secret its
+// challenge-response, is a data connection's; then any number of reads,
+// one at a time:
+//
+//	client → server  header, 40 bytes (Header): addr, len (at least 1),
+//	                 key, tag (0)
+//	server → client  reply, 8 bytes and its message, as a write's; after
+//	                 code 0 (OK), len bytes: the memory at addr
+//
+// A refusal (out_of_bounds: the range lies outside the memory the key
+// names; no_slot: no memory has that key; shutting_down) keeps the
+// connection, but for a read above the port's MaxWrite and the
+// MaxUnmatched-th no_slot, which close it (FlagClose): a reader guessing
+// keys pays a handshake per MaxUnmatched guesses.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"time"
+
+	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/transport"
+)
+
+// KindRead is a read connection's kind; KindRDMARead that of the
+// control connection of RDMA READs (rdma/reads.go), served by
+// Handlers.RDMARead.
+const (
+	KindRead     Kind = 2
+	KindRDMARead Kind = 3
+)
+
+// source is the Sink's reads, or nil when it serves none.
+func (p *Port) source() transport.Source {
+	src, _ := p.cfg.Sink.(transport.Source)
+	return src
+}
+
+// serveReads serves the reads of one accepted read connection until it
+// ends: a clean close between reads, or IdleTimeout without one.
+func (p *Port) serveReads(c *connlimit.Conn) {
+	c.Greeted()
+	src, g := p.source(), p.Gate("read connection")
+	var hdr [HeaderSize]byte
+	var rep [ReplySize + MaxMessage]byte
+	reply := func(code transport.Code, flags uint16, msg string) error {
+		c.SetWriteDeadline(time.Now().Add(p.cfg.IOTimeout))
+		_, err := c.Write(EncodeReply(&rep, code, flags, msg))
+		return err
+	}
+	for {
+		c.SetReadDeadline(time.Now().Add(p.cfg.IdleTimeout))
+		n, err := io.ReadAtLeast(c, hdr[:], 1)
+		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+			c.Closing(connlimit.ReasonIdle)
+			return
+		}
+		if err == nil && n < HeaderSize {
+			c.SetReadDeadline(time.Now().Add(p.cfg.IOTimeout))
+			_, err = io.ReadFull(c, hdr[n:])
+		}
+		if err != nil {
+			if err != io.EOF && !c.Dropped() && !p.Closed() {
+				p.Warnf("peer: read connection from %s: reading a header: %v", c.RemoteAddr(), err)
+			}
+			return
+		}
+		if !c.Busy() {
+			return // the port closed it to make room just now
+		}
+		var h Header
+		h.Decode(&hdr)
+		err = p.serveRead(c, g, src, &h, reply)
+		c.Idle()
+		if err != nil {
+			if !c.Dropped() && !p.Closed() {
+				p.Warnf("peer: read connection from %s: %v", c.RemoteAddr(), err)
+			}
+			return
+		}
+	}
+}
+
+// serveRead answers one read: a refusal, or OK and the bytes. An error
+// ends the connection.
+func (p *Port) serveRead(c *connlimit.Conn, g *Gate, src transport.Source, h *Header, reply func(transport.Code, uint16, string) error) error {
+	if h.Len > p.cfg.MaxWrite {
+		reply(transport.OutOfBounds, FlagClose, fmt.Sprintf("a read of %d bytes exceeds this daemon's limit of %d bytes: read smaller pieces", h.Len, p.cfg.MaxWrite))
+		return fmt.Errorf("refused a read of %d bytes (limit %d) and closed the connection", h.Len, p.cfg.MaxWrite)
+	}
+	b, done, err := src.ReadKeyed(h.Addr, h.Len, h.Key)
+	if err == nil && uint64(len(b)) != h.Len {
+		done()
+		err = fmt.Errorf("the daemon lent %d bytes for a read of %d", len(b), h.Len)
+	}
+	if err != nil {
+		code, msg := Refusal(err)
+		end := g.Unmatched(err)
+		flags := uint16(0)
+		if end != nil {
+			flags = FlagClose
+		}
+		if rerr := reply(code, flags, msg); rerr != nil {
+			return fmt.Errorf("sending a %s reply: %w", code, rerr)
+		}
+		return end
+	}
+	defer done()
+	c.Prove() // it held a key to readable memory
+	if err := reply(transport.OK, 0, ""); err != nil {
+		return fmt.Errorf("sending an ok reply: %w", err)
+	}
+	for at := 0; at < len(b); {
+		end := min(at+transport.IOChunk, len(b))
+		c.SetWriteDeadline(time.Now().Add(p.cfg.IOTimeout))
+		if _, err := c.Write(b[at:end]); err != nil {
+			return fmt.Errorf("sending %d bytes of a %d-byte read after %d: %w", end-at, len(b), at, err)
+		}
+		at = end
+	}
+	return nil
+}
+
+// Read reads each piece from the peer port at addr over one read
+// connection: returns once all are in their Dst, or with the first
+// piece's error (a *transport.Refusal when the peer would not serve it).
+func (p *Port) Read(ctx context.Context, addr string, reads []transport.Read) error {
+	c, _, err := p.Dial(ctx, addr, KindRead)
+	if err != nil {
+		return fmt.Errorf("reading from %s: %w", addr, err)
+	}
+	// ctx ending closes the connection, whatever deadline is set on it.
+	stop := context.AfterFunc(ctx, func() { c.Close() })
+	defer func() {
+		stop()
+		c.Close()
+	}()
+	var hdr [HeaderSize]byte
+	var rep [ReplySize]byte
+	var msg [MaxMessage]byte
+	for i, r := range reads {
+		n := uint64(len(r.Dst))
+		if n == 0 {
+			continue
+		}
+		h := Header{Addr: r.Addr, Len: n, Key: r.Key}
+		h.Encode(&hdr)
+		c.SetDeadline(time.Now().Add(p.cfg.IOTimeout))
+		if _, err := c.Write(hdr[:]); err != nil {
+			return p.readErr(ctx, addr, i, r, "sending its header", err)
+		}
+		if _, err := io.ReadFull(c, rep[:]); err != nil {
+			return p.readErr(ctx, addr, i, r, "reading its reply", err)
+		}
+		code, _, msglen, err := DecodeReply(&rep)
+		if err != nil {
+			return p.readErr(ctx, addr, i, r, "its reply", err)
+		}
+		if code != transport.OK {
+			if _, err := io.ReadFull(c, msg[:msglen]); err != nil {
+				return p.readErr(ctx, addr, i, r, "reading its refusal", err)
+			}
+			return &transport.Refusal{Code: code, Message: string(msg[:msglen])}
+		}
+		for at := 0; at < len(r.Dst); {
+			end := min(at+transport.IOChunk, len(r.Dst))
+			c.SetReadDeadline(time.Now().Add(p.cfg.IOTimeout))
+			if _, err := io.ReadFull(c, r.Dst[at:end]); err != nil {
+				return p.readErr(ctx, addr, i, r, fmt.Sprintf("receiving its bytes (%d of %d in)", at, n), err)
+			}
+			at = end
+		}
+	}
+	return nil
+}
+
+func (p *Port) readErr(ctx context.Context, addr string, i int, r transport.Read, step string, err error) error {
+	if ctx.Err() != nil {
+		err = fmt.Errorf("%w (%v)", ctx.Err(), err)
+	}
+	return fmt.Errorf("reading %d bytes at %#x from %s (piece %d): %s: %w", len(r.Dst), r.Addr, addr, i, step, err)
+}
