@@ -16,6 +16,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
@@ -330,6 +331,9 @@ type engines struct {
 	// opening serialises openEngineSegment, so that its bounds hold
 	// however many callers ask at once.
 	opening sync.Mutex
+	// retired is what closed segments' endpoint tables did, under mu
+	// (engines_rdma.go).
+	retired connlimit.Stats
 }
 
 func (e *engines) get(id string) *engineSegment {
@@ -490,6 +494,7 @@ func (d *Daemon) dropEngineSegment(es *engineSegment, wait time.Duration, why st
 		}
 	}
 	es.close()
+	d.engines.retire(es)
 	d.log.Info().Str("engine_segment", es.id).Str("session", es.seg.Name).Int32("pid", es.owner).Int("regions", len(ends)).Msg("engine segment closed: " + why)
 	return err
 }

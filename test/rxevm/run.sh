@@ -179,8 +179,10 @@ EOF
 say "initramfs $(du -h "$W/initramfs.gz" | cut -f1)"
 
 # ---- boot (TCG: these machines have no usable KVM) --------------------------
-LOG=$CACHE/vm.log
-say "booting; the VM's log goes to $LOG"
+# The log is this run's own until the VM ends (runs may share a cache),
+# then kept as $CACHE/vm.log, the last run's.
+LOG=$W/vm.log
+say "booting; the VM's log goes to $CACHE/vm.log when it ends"
 set +e
 timeout "$VM_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2 -m 2G \
   -nographic -no-reboot -nodefaults -serial stdio -monitor none \
@@ -188,13 +190,14 @@ timeout "$VM_TIMEOUT" qemu-system-x86_64 -accel tcg,thread=multi -cpu max -smp 2
   -append "console=ttyS0 quiet panic=-1 ${RXEVM_APPEND:-}" >"$LOG" 2>&1
 qemu=$?
 set -e
+cp "$LOG" "$CACHE/vm.log.$$" && mv "$CACHE/vm.log.$$" "$CACHE/vm.log"
 tr -d '\r' <"$LOG" | grep -a -E '^(== | *--- (PASS|FAIL|SKIP)|ok |FAIL|PASS$|panic:|Benchmark| +[A-Za-z0-9_]+\.go:[0-9]+:)' || true
 count() { tr -d '\r' <"$LOG" | grep -ac -E "^ *--- $1: " || true; }
 if [[ ${RXEVM_PROFILE:-0} == 1 ]]; then
   tr -d '\r' <"$LOG" | sed -n '/^== PROFILE BEGIN/,/^== PROFILE END/p' | grep -v '^==' | base64 -d >"$CACHE/cpu.prof"
   say "CPU profile of the 64 KiB write benchmark: go tool pprof -top $CACHE/rdma.bench $CACHE/cpu.prof"
 fi
-say "VM done: $(count PASS) passed, $(count FAIL) failed, $(count SKIP) skipped; the VM's log is $LOG"
+say "VM done: $(count PASS) passed, $(count FAIL) failed, $(count SKIP) skipped; the VM's log is $CACHE/vm.log"
 # Each failed test's own lines last, where a CI log's tail shows them: its
 # messages and the daemon logs they carry, its last 40 lines, cut at 300
 # characters. go test -v names the test each line belongs to (=== RUN,
@@ -212,6 +215,6 @@ if ((qemu == 124)); then
   exit 1
 fi
 if ! tr -d '\r' <"$LOG" | grep -aq '^== RESULT: PASS'; then
-  tr -d '\r' <"$LOG" | grep -aq '^== RESULT' || echo "rxevm: the VM never reached its checks (qemu exit $qemu); see $LOG" >&2
+  tr -d '\r' <"$LOG" | grep -aq '^== RESULT' || echo "rxevm: the VM never reached its checks (qemu exit $qemu); see $CACHE/vm.log" >&2
   exit 1
 fi
