@@ -427,7 +427,7 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 	}
 	d.reg.engineKeys[es.key] = id
 	d.reg.mu.Unlock()
-	logf := d.mooncake.warnf
+	logf := d.mooncake.engines.Printf
 	es.data = mooncake.ServeData(dl, engineMemory{d.reg, id}, mooncake.DataConfig{
 		IOTimeout: d.cfg.IOTimeout.D(), Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow,
 	})

@@ -83,7 +83,9 @@ func (d *Daemon) serveEngineRDMA(es *engineSegment, h *mooncake.Handlers) {
 	}
 	es.seg.Protocol, es.seg.Devices, es.seg.PriorityMatrix = own.Protocol, own.Devices, own.PriorityMatrix
 	es.eps = mooncake.NewEndpoints(d.dp.rdma, mooncake.EndpointConfig{MTU: d.cfg.MooncakeMTU, Infof: func(format string, args ...any) {
-		d.log.Info().Str("component", "mooncake").Str("engine_segment", es.id).Msg(fmt.Sprintf(format, args...))
+		if d.mooncake.engines.Allow() { // every engine segment's lines together
+			d.log.Info().Str("component", "mooncake").Str("engine_segment", es.id).Msg(fmt.Sprintf(format, args...))
+		}
 	}})
 	eps, mayFetch := es.eps, d.mayFetchMooncake()
 	h.Connect = func(ctx context.Context, from net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
