@@ -444,7 +444,7 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 		return &seg
 	}}
 	d.serveEngineRDMA(es, &h)
-	es.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow})
+	es.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow, ShareWith: d.mooncake.hs})
 	d.engines.mu.Lock()
 	if d.engines.byID == nil {
 		d.engines.byID = make(map[string]*engineSegment)
