@@ -365,6 +365,14 @@ const (
 	maxEngineSegmentsPerProcess = 16
 )
 
+// enginePortLimits caps the connections all engine segments' ports hold
+// together, each port capped as ferryd's own besides: eight segments'
+// ports full, at about a descriptor each, well under the unit's
+// LimitNOFILE beside everything else ferryd holds (docs/operations.md).
+// At the cap a newcomer takes the place of an idle connection, of any
+// engine segment's port (connlimit).
+var enginePortLimits = connlimit.Limits{Total: 8192}
+
 // openEngineSegment listens on the host of --mooncake-listen, port (0:
 // one the kernel picks) for the RPC port and any for the data port.
 func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error) {
@@ -429,7 +437,7 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 	d.reg.mu.Unlock()
 	logf := d.mooncake.engines.Printf
 	es.data = mooncake.ServeData(dl, engineMemory{d.reg, id}, mooncake.DataConfig{
-		IOTimeout: d.cfg.IOTimeout.D(), Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow,
+		IOTimeout: d.cfg.IOTimeout.D(), Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow, Shared: d.mooncake.enginePorts,
 	})
 	h := mooncake.Handlers{Segment: func() *mooncake.Segment {
 		seg := es.seg
@@ -444,7 +452,7 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 		return &seg
 	}}
 	d.serveEngineRDMA(es, &h)
-	es.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow, ShareWith: d.mooncake.hs})
+	es.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow, ShareWith: d.mooncake.hs, Shared: d.mooncake.enginePorts})
 	d.engines.mu.Lock()
 	if d.engines.byID == nil {
 		d.engines.byID = make(map[string]*engineSegment)

@@ -24,7 +24,7 @@ const reasonNotAllowed = "not_allowed"
 
 var (
 	portConnsDesc = prometheus.NewDesc("ferry_port_connections",
-		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data, control (the control socket), metrics (--metrics-listen).",
+		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data, mooncake_engines (every engine segment's two ports together), control (the control socket), metrics (--metrics-listen).",
 		[]string{"port"}, nil)
 	portRefusedDesc = prometheus.NewDesc("ferry_port_refused_connections_total",
 		"Connections a port closed at once, by reason: per_source (its address, or on the control socket its uid, held the most one may, each proven or in use), total (every place held by a connection in use), not_allowed (a Mooncake port: its address is not on mooncake_allow).",
@@ -100,6 +100,7 @@ func (d *Daemon) limits() *limitsCollector {
 	if m := d.mooncake; m != nil {
 		c.ports["mooncake_rpc"] = m.hs.Stats
 		c.ports["mooncake_data"] = m.data.Stats
+		c.ports["mooncake_engines"] = m.enginePorts.Stats
 		if m.seg.Protocol == "rdma" {
 			c.endpoints, c.qps = d.mooncakeEndpointStats, d.dp.rdma.MooncakeQPStats
 		}

@@ -253,3 +253,45 @@ func TestEngineSegmentPortsShareOneLogLimit(t *testing.T) {
 			want, segments, lines, windows, most)
 	}
 }
+
+// Engine segments' ports share one cap on connections besides their
+// own: a connection to one segment's data port takes the place of
+// another segment's idle one once they hold the cap together.
+func TestEngineSegmentPortsShareOneCap(t *testing.T) {
+	capped(t, &enginePortLimits, connlimit.Limits{Total: 2})
+	d, _ := serveTestDaemon(t, t.TempDir(), "enginecap", func(cfg *Config) { cfg.MooncakeListen = "127.0.0.1:0" })
+	var segs []*engineSegment
+	for range 2 {
+		es, err := d.openEngineSegment(0, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		segs = append(segs, es)
+	}
+	dial := func(es *engineSegment) net.Conn {
+		c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", es.seg.TCPDataPort))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	shared := d.mooncake.enginePorts
+	waitOpen := func(n int) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); shared.Stats().Open != n; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("engine ports hold %d connections, want %d", shared.Stats().Open, n)
+			}
+		}
+	}
+	first := dial(segs[0])
+	waitOpen(1)
+	dial(segs[0])
+	waitOpen(2)
+	dial(segs[1])
+	waitClosed(t, []net.Conn{first})
+	if st := shared.Stats(); st.Open != 2 || st.Evicted != 1 {
+		t.Fatalf("engine ports' shared stats %+v: want 2 open, 1 evicted", st)
+	}
+}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
@@ -45,6 +46,10 @@ type mooncakeSegment struct {
 	// and 256 segments' limits apiece would let a stranger flooding
 	// them all have ferryd log 512 times as much.
 	engines *loglimit.Limiter
+	// enginePorts caps the connections of every engine segment's ports
+	// together (each port is capped too): 256 segments' two ports could
+	// otherwise hold some 330,000, past ferryd's descriptors.
+	enginePorts *connlimit.Table[*connlimit.Conn]
 }
 
 // openMooncake listens on cfg.MooncakeListen and a data port on the same
@@ -82,6 +87,7 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 		Timestamp: time.Now().UTC().Format("2006-01-02 15:04:05.000000"),
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
 	}}
+	m.enginePorts = connlimit.NewShared(enginePortLimits)
 	allow, err := mooncakeAllow(cfg.MooncakeAllow)
 	if err != nil {
 		rpc.Close()

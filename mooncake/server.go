@@ -52,6 +52,9 @@ type ServerConfig struct {
 	// ports together hold no more than one's, however many segments
 	// it serves.
 	ShareWith *Server
+	// Shared, if set, caps this port's connections together with other
+	// ports' (connlimit.NewShared), besides Limits.
+	Shared *connlimit.Table[*connlimit.Conn]
 }
 
 // DefaultLargeMessages is the RPC port's budget for messages over
@@ -107,7 +110,7 @@ func Serve(ln net.Listener, h Handlers, cfg ServerConfig) *Server {
 	} else {
 		s.large = newBudget(max(cfg.LargeMessages, MaxMessage))
 	}
-	s.port = openPort(ln, "mooncake RPC port", cfg.Allow, cfg.Limits, cfg.ReceiveTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+	s.port = openPort(ln, "mooncake RPC port", cfg.Allow, cfg.Limits, cfg.Shared, cfg.ReceiveTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
 		if err := s.serve(c); err != nil {
 			return fmt.Errorf("mooncake handshake from %s: %w", c.RemoteAddr(), err)
 		}
