@@ -16,6 +16,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
@@ -333,6 +334,9 @@ type engines struct {
 	// opening serialises openEngineSegment, so that its bounds hold
 	// however many callers ask at once.
 	opening sync.Mutex
+	// retired is what closed segments' endpoint tables did, under mu
+	// (engines_rdma.go).
+	retired connlimit.Stats
 }
 
 func (e *engines) get(id string) *engineSegment {
@@ -363,6 +367,14 @@ const (
 	maxEngineSegments           = 256
 	maxEngineSegmentsPerProcess = 16
 )
+
+// enginePortLimits caps the connections all engine segments' ports hold
+// together, each port capped as ferryd's own besides: eight segments'
+// ports full, at about a descriptor each, well under the unit's
+// LimitNOFILE beside everything else ferryd holds (docs/operations.md).
+// At the cap a newcomer takes the place of an idle connection, of any
+// engine segment's port (connlimit).
+var enginePortLimits = connlimit.Limits{Total: 8192}
 
 // openEngineSegment listens on the host of --mooncake-listen, port (0:
 // one the kernel picks) for the RPC port and any for the data port.
@@ -426,9 +438,9 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 	}
 	d.reg.engineKeys[es.key] = id
 	d.reg.mu.Unlock()
-	logf := d.mooncake.warnf
+	logf := d.mooncake.engines.Printf
 	es.data = mooncake.ServeData(dl, engineMemory{d.reg, id}, mooncake.DataConfig{
-		IOTimeout: d.cfg.IOTimeout.D(), Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow,
+		IOTimeout: d.cfg.IOTimeout.D(), Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow, Shared: d.mooncake.enginePorts,
 	})
 	h := mooncake.Handlers{Segment: func() *mooncake.Segment {
 		seg := es.seg
@@ -443,7 +455,7 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 		return &seg
 	}, Notify: d.engineNotify(es)}
 	d.serveEngineRDMA(es, &h)
-	es.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow})
+	es.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: d.mooncake.debug.Printf, Allow: allow, ShareWith: d.mooncake.hs, Shared: d.mooncake.enginePorts})
 	d.engines.mu.Lock()
 	if d.engines.byID == nil {
 		d.engines.byID = make(map[string]*engineSegment)
@@ -493,6 +505,7 @@ func (d *Daemon) dropEngineSegment(es *engineSegment, wait time.Duration, why st
 		}
 	}
 	es.close()
+	d.engines.retire(es)
 	d.log.Info().Str("engine_segment", es.id).Str("session", es.seg.Name).Int32("pid", es.owner).Int("regions", len(ends)).Msg("engine segment closed: " + why)
 	return err
 }

@@ -7,6 +7,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/rdma"
 	"github.com/ferry-project/ferry/transport"
@@ -123,10 +124,45 @@ func (d *Daemon) serveEngineRDMA(es *engineSegment, h *mooncake.Handlers) {
 	}
 	es.seg.Protocol, es.seg.Devices, es.seg.PriorityMatrix = own.Protocol, own.Devices, own.PriorityMatrix
 	es.eps = mooncake.NewEndpoints(d.dp.rdma, mooncake.EndpointConfig{MTU: d.cfg.MooncakeMTU, Infof: func(format string, args ...any) {
-		d.log.Info().Str("component", "mooncake").Str("engine_segment", es.id).Msg(fmt.Sprintf(format, args...))
+		if d.mooncake.engines.Allow() { // every engine segment's lines together
+			d.log.Info().Str("component", "mooncake").Str("engine_segment", es.id).Msg(fmt.Sprintf(format, args...))
+		}
 	}})
 	eps, mayFetch := es.eps, d.mayFetchMooncake()
 	h.Connect = func(ctx context.Context, from net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
 		return eps.Accept(ctx, mooncake.Handshake{Self: es.seg.Name, From: from, MayFetch: mayFetch}, req)
 	}
+}
+
+// retire counts what closed segment es's endpoint table did into the
+// totals, so that the endpoint counters only grow.
+func (e *engines) retire(es *engineSegment) {
+	if es.eps == nil {
+		return
+	}
+	st := es.eps.Stats()
+	e.mu.Lock()
+	defer e.mu.Unlock()
+	e.retired.Evicted += st.Evicted
+	e.retired.RefusedPerSource += st.RefusedPerSource
+}
+
+// mooncakeEndpointStats is what every Mooncake endpoint table holds and
+// did: ferryd's own segment's, each open engine segment's, and those of
+// engine segments closed.
+func (d *Daemon) mooncakeEndpointStats() connlimit.Stats {
+	st := d.dp.mooncake.Stats()
+	d.engines.mu.Lock()
+	defer d.engines.mu.Unlock()
+	st.Evicted += d.engines.retired.Evicted
+	st.RefusedPerSource += d.engines.retired.RefusedPerSource
+	for _, es := range d.engines.byID {
+		if es.eps != nil {
+			e := es.eps.Stats()
+			st.Open += e.Open
+			st.Evicted += e.Evicted
+			st.RefusedPerSource += e.RefusedPerSource
+		}
+	}
+	return st
 }

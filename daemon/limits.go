@@ -4,17 +4,19 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/ferry-project/ferry/internal/connlimit"
+	"github.com/ferry-project/ferry/rdma"
 )
 
 // limitsCollector reports what the caps on the ports anyone may reach
 // did (the peer port, the Mooncake RPC and data ports, and for local
 // users the control socket and the metrics listener), and the Mooncake
 // endpoint table's, read at scrape time. Labels are the port and the
-// reason: never an address. The endpoint table's series read 0 on a
+// reason: never an address. The endpoint tables' series read 0 on a
 // daemon without a Mooncake RDMA segment, so one dashboard fits every host.
 type limitsCollector struct {
 	ports     map[string]func() connlimit.Stats // by port label
-	endpoints func() connlimit.Stats            // nil: no Mooncake RDMA segment
+	endpoints func() connlimit.Stats            // every table's together; nil: no Mooncake RDMA segment
+	qps       func() rdma.MooncakeQPStats       // nil: no Mooncake RDMA segment
 }
 
 // reasonNotAllowed labels connections refused by an allow-list.
@@ -22,7 +24,7 @@ const reasonNotAllowed = "not_allowed"
 
 var (
 	portConnsDesc = prometheus.NewDesc("ferry_port_connections",
-		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data, control (the control socket), metrics (--metrics-listen).",
+		"Connections a port anyone may reach holds now: peer (the peer port: data connections and RDMA lanes), mooncake_rpc, mooncake_data, mooncake_engines (every engine segment's two ports together), control (the control socket), metrics (--metrics-listen).",
 		[]string{"port"}, nil)
 	portRefusedDesc = prometheus.NewDesc("ferry_port_refused_connections_total",
 		"Connections a port closed at once, by reason: per_source (its address, or on the control socket its uid, held the most one may, each proven or in use), total (every place held by a connection in use), not_allowed (a Mooncake port: its address is not on mooncake_allow).",
@@ -34,11 +36,15 @@ var (
 		"Failures a remote party caused on a port anyone may reach (a failed or refused handshake, a malformed request, a refused write on a Mooncake port): each a WARN line, at most 10 a second logged.",
 		[]string{"port"}, nil)
 	endpointsDesc = prometheus.NewDesc("ferry_mooncake_endpoints",
-		"Mooncake RDMA endpoints (QPs to one peer NIC) this daemon holds.", nil, nil)
+		"Mooncake RDMA endpoints (QPs to one peer NIC) this daemon holds, in ferryd's own segment's table and every engine segment's.", nil, nil)
 	endpointsEvictedDesc = prometheus.NewDesc("ferry_mooncake_endpoints_evicted_total",
 		"Mooncake RDMA endpoints closed to make room for a new one in a full table.", nil, nil)
 	endpointsRefusedDesc = prometheus.NewDesc("ferry_mooncake_endpoints_refused_total",
-		"Mooncake connection handshakes refused because their address held the most endpoints one address may.", nil, nil)
+		"Mooncake connection handshakes refused because their address held the most endpoints one address may in that segment's table.", nil, nil)
+	mooncakeQPsDesc = prometheus.NewDesc("ferry_mooncake_qps",
+		"Mooncake queue pairs open, across every Mooncake segment's endpoints (at most 16384).", nil, nil)
+	mooncakeQPsRefusedDesc = prometheus.NewDesc("ferry_mooncake_qps_refused_total",
+		"Mooncake queue pairs refused because the daemon held the most it keeps across all its Mooncake segments (16384): each a handshake refused, or a write to a Mooncake segment failed.", nil, nil)
 )
 
 func (c *limitsCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -49,6 +55,8 @@ func (c *limitsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- endpointsDesc
 	ch <- endpointsEvictedDesc
 	ch <- endpointsRefusedDesc
+	ch <- mooncakeQPsDesc
+	ch <- mooncakeQPsRefusedDesc
 }
 
 func (c *limitsCollector) Collect(ch chan<- prometheus.Metric) {
@@ -73,6 +81,12 @@ func (c *limitsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(endpointsDesc, prometheus.GaugeValue, float64(st.Open))
 	counter(endpointsEvictedDesc, st.Evicted)
 	counter(endpointsRefusedDesc, st.RefusedPerSource)
+	var qs rdma.MooncakeQPStats
+	if c.qps != nil {
+		qs = c.qps()
+	}
+	ch <- prometheus.MustNewConstMetric(mooncakeQPsDesc, prometheus.GaugeValue, float64(qs.Open))
+	counter(mooncakeQPsRefusedDesc, qs.Refused)
 }
 
 // limits is the collector over this daemon's ports.
@@ -86,8 +100,9 @@ func (d *Daemon) limits() *limitsCollector {
 	if m := d.mooncake; m != nil {
 		c.ports["mooncake_rpc"] = m.hs.Stats
 		c.ports["mooncake_data"] = m.data.Stats
+		c.ports["mooncake_engines"] = m.enginePorts.Stats
 		if m.seg.Protocol == "rdma" {
-			c.endpoints = d.dp.mooncake.Stats
+			c.endpoints, c.qps = d.mooncakeEndpointStats, d.dp.rdma.MooncakeQPStats
 		}
 	}
 	return c

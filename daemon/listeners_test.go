@@ -195,3 +195,103 @@ func TestMetricsListenerIsBounded(t *testing.T) {
 		t.Fatalf("metrics listener: %+v; want at most 4 open and the idle ones evicted", st)
 	}
 }
+
+// Engine segments' ports log through one limit, all together: a
+// stranger refused at accept by every engine segment's two ports (each
+// limiting its own lines) has ferryd log at most loglimit.Burst WARN
+// lines a window for them all, not Burst per port.
+func TestEngineSegmentPortsShareOneLogLimit(t *testing.T) {
+	var logs logBuffer
+	d, _ := serveTestDaemon(t, t.TempDir(), "engines", func(cfg *Config) {
+		cfg.Log = zerolog.New(&logs)
+		cfg.MooncakeListen = "127.0.0.1:0"
+		cfg.MooncakeAllow = []string{"192.0.2.1"} // not loopback: the test's connections are strangers
+	})
+	const segments, each = 4, loglimit.Burst + 1
+	var ports []*engineSegment
+	for range segments {
+		es, err := d.openEngineSegment(0, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		ports = append(ports, es)
+	}
+	refused := func() (n uint64) {
+		for _, es := range ports {
+			n += es.hs.Stats().RefusedNotAllowed + es.data.Stats().RefusedNotAllowed
+		}
+		return n
+	}
+	start := time.Now()
+	var conns []net.Conn
+	for _, es := range ports {
+		for _, addr := range []string{es.seg.Name, fmt.Sprintf("127.0.0.1:%d", es.seg.TCPDataPort)} {
+			for range each {
+				c, err := net.Dial("tcp", addr)
+				switch {
+				case errors.Is(err, unix.ECONNRESET): // closed at accept before the dial returned
+				case err != nil:
+					t.Fatal(err)
+				default:
+					conns = append(conns, c)
+				}
+			}
+		}
+	}
+	waitClosed(t, conns)
+	want := uint64(segments * 2 * each)
+	for deadline := time.Now().Add(30 * time.Second); refused() < want; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d of %d connections counted refused within 30s", refused(), want)
+		}
+	}
+	// Each window the flood spans passes Burst lines (the summaries say "suppressed").
+	windows := int(time.Since(start)/loglimit.Window) + 1
+	most := windows * loglimit.Burst
+	if lines := strings.Count(logs.String(), "is not on mooncake_allow"); lines > most || lines == 0 {
+		t.Fatalf("%d refused connections on %d engine segments' ports logged %d lines over %d window(s); want 1 to %d",
+			want, segments, lines, windows, most)
+	}
+}
+
+// Engine segments' ports share one cap on connections besides their
+// own: a connection to one segment's data port takes the place of
+// another segment's idle one once they hold the cap together.
+func TestEngineSegmentPortsShareOneCap(t *testing.T) {
+	capped(t, &enginePortLimits, connlimit.Limits{Total: 2})
+	d, _ := serveTestDaemon(t, t.TempDir(), "enginecap", func(cfg *Config) { cfg.MooncakeListen = "127.0.0.1:0" })
+	var segs []*engineSegment
+	for range 2 {
+		es, err := d.openEngineSegment(0, 0)
+		if err != nil {
+			t.Fatal(err)
+		}
+		segs = append(segs, es)
+	}
+	dial := func(es *engineSegment) net.Conn {
+		c, err := net.Dial("tcp", fmt.Sprintf("127.0.0.1:%d", es.seg.TCPDataPort))
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { c.Close() })
+		return c
+	}
+	shared := d.mooncake.enginePorts
+	waitOpen := func(n int) {
+		t.Helper()
+		for deadline := time.Now().Add(30 * time.Second); shared.Stats().Open != n; time.Sleep(time.Millisecond) {
+			if time.Now().After(deadline) {
+				t.Fatalf("engine ports hold %d connections, want %d", shared.Stats().Open, n)
+			}
+		}
+	}
+	first := dial(segs[0])
+	waitOpen(1)
+	dial(segs[0])
+	waitOpen(2)
+	dial(segs[1])
+	waitClosed(t, []net.Conn{first})
+	if st := shared.Stats(); st.Open != 2 || st.Evicted != 1 {
+		t.Fatalf("engine ports' shared stats %+v: want 2 open, 1 evicted", st)
+	}
+}

@@ -14,6 +14,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/config"
+	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/internal/loglimit"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
@@ -40,6 +41,15 @@ type mooncakeSegment struct {
 	// segments log through both.
 	debug *loglimit.Limiter
 	warnf func(format string, args ...any)
+	// engines limits the WARN and INFO lines of every engine segment's
+	// ports and endpoint table, all together: each port limits its own,
+	// and 256 segments' limits apiece would let a stranger flooding
+	// them all have ferryd log 512 times as much.
+	engines *loglimit.Limiter
+	// enginePorts caps the connections of every engine segment's ports
+	// together (each port is capped too): 256 segments' two ports could
+	// otherwise hold some 330,000, past ferryd's descriptors.
+	enginePorts *connlimit.Table[*connlimit.Conn]
 }
 
 // openMooncake listens on cfg.MooncakeListen and a data port on the same
@@ -72,11 +82,12 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 	if ra.IP.IsUnspecified() {
 		name = net.JoinHostPort(advertiseHost, strconv.Itoa(ra.Port))
 	}
-	m := &mooncakeSegment{name: name, debug: debug, warnf: logf, seg: mooncake.Segment{
+	m := &mooncakeSegment{name: name, debug: debug, warnf: logf, engines: loglimit.New("mooncake engine segments", logf), seg: mooncake.Segment{
 		Name: name, Protocol: "tcp", TCPDataPort: dl.Addr().(*net.TCPAddr).Port, TCPProtoVersion: 2,
 		Timestamp: time.Now().UTC().Format("2006-01-02 15:04:05.000000"),
 		Buffers:   []mooncake.Buffer{{Name: name, Addr: base, Length: uint64(size)}},
 	}}
+	m.enginePorts = connlimit.NewShared(enginePortLimits)
 	allow, err := mooncakeAllow(cfg.MooncakeAllow)
 	if err != nil {
 		rpc.Close()
@@ -230,6 +241,7 @@ func (m *mooncakeSegment) close() {
 	m.hs.Close()
 	m.data.Close()
 	m.debug.Stop()
+	m.engines.Stop()
 }
 
 // mooncakeMemory lets Mooncake WRITEs into live receive slots only; READs

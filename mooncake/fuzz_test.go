@@ -2,8 +2,11 @@ package mooncake
 
 import (
 	"bytes"
+	"context"
 	"encoding/json"
+	"net"
 	"testing"
+	"time"
 )
 
 // FuzzReadFrame feeds arbitrary bytes to the handshake decoder and, for a
@@ -76,6 +79,48 @@ func FuzzDecodeHeader(f *testing.F) {
 			if err == nil && EncodeStatus(st) != [StatusSize]byte(in[HeaderSize:]) {
 				t.Fatalf("status %x decodes to %v, which encodes differently", in[HeaderSize:], st)
 			}
+		}
+	})
+}
+
+// FuzzAccept feeds arbitrary connection handshakes, as the RPC port
+// decodes them, to the passive side of an endpoint table: none may
+// panic, a refusal leaves no queue pair behind and an acceptance holds
+// exactly the QPs it answers with, and closing the table closes every
+// one.
+func FuzzAccept(f *testing.F) {
+	const self = "127.0.0.1:15302"
+	mine := NICPath(self, "fake1")
+	for _, s := range []string{
+		`{"local_nic_path":"10.0.0.9:1@mlx5_0","peer_nic_path":"` + mine + `","local_lid":0,"local_gid":"00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:09","qp_num":[1,2]}`,
+		`{"local_nic_path":"10.0.0.9:1@mlx5_0","peer_nic_path":"` + mine + `","local_gid":"fe80::1","qp_num":[1]}`,
+		`{"local_nic_path":"10.0.0.9:1@mlx5_0","peer_nic_path":"` + mine + `","qp_num":[1,2]}`,
+		`{"local_nic_path":"no-at-sign","peer_nic_path":"` + mine + `","qp_num":[4294967295]}`,
+		`{"local_nic_path":"","peer_nic_path":"` + mine + `","local_gid":"00:00:00:00:00:00:00:00:00:00:ff:ff:0a:00:00:09","qp_num":[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16,17]}`,
+		`{"local_nic_path":"x@y","peer_nic_path":"elsewhere@fake1","qp_num":[1]}`,
+		`{"local_lid":65535,"local_gid":":::::::::::::::::::","qp_num":[]}`,
+	} {
+		f.Add([]byte(s))
+	}
+	f.Fuzz(func(t *testing.T, body []byte) {
+		var req HandshakeDesc
+		if decodeStrict(body, &req) != nil {
+			return
+		}
+		v := newFabric().nic(1)
+		eps := NewEndpoints(v, EndpointConfig{})
+		ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+		defer cancel()
+		reply, undo := eps.Accept(ctx, Handshake{Self: self, From: &net.TCPAddr{IP: net.IPv4(10, 0, 0, 9), Port: 40000}}, req)
+		switch open := v.openQPs(); {
+		case reply.ReplyMsg != "" && (undo != nil || open != 0):
+			t.Fatalf("refused (%s), yet undo %t and %d QPs open", reply.ReplyMsg, undo != nil, open)
+		case reply.ReplyMsg == "" && (undo == nil || open != len(reply.QPNum) || open != len(req.QPNum)):
+			t.Fatalf("accepted %d QP numbers with %d QPs open and %d in the reply", len(req.QPNum), open, len(reply.QPNum))
+		}
+		eps.Close()
+		if open := v.openQPs(); open != 0 {
+			t.Fatalf("%d QPs open after the table closed", open)
 		}
 	})
 }

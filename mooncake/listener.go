@@ -50,13 +50,13 @@ func (a Allow) allows(addr net.Addr) bool {
 // openPort serves ln: every connection starts with handshake to say
 // what it wants, and serve's error, if any, is logged (unless the
 // port closed the connection itself: to make room, or closing).
-func openPort(ln net.Listener, name string, allow Allow, lim connlimit.Limits, handshake time.Duration, logf, debugf func(string, ...any), serve func(c *connlimit.Conn) error) *port {
+func openPort(ln net.Listener, name string, allow Allow, lim connlimit.Limits, shared *connlimit.Table[*connlimit.Conn], handshake time.Duration, logf, debugf func(string, ...any), serve func(c *connlimit.Conn) error) *port {
 	p := &port{warn: loglimit.New("mooncake", logf)}
 	if allow.Prefixes != nil {
 		ln = &allowListener{Listener: ln, p: p, name: name, allow: allow}
 	}
 	p.l = connlimit.Listen(ln, connlimit.Config{
-		Limits: lim, Name: name, HandshakeTimeout: handshake, Warnf: p.warn.Printf, Debugf: debugf,
+		Limits: lim, Shared: shared, Name: name, HandshakeTimeout: handshake, Warnf: p.warn.Printf, Debugf: debugf,
 		Serve: func(c *connlimit.Conn) {
 			if err := serve(c); err != nil && !c.Dropped() {
 				p.warn.Printf("%v", err)

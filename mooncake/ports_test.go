@@ -285,25 +285,33 @@ func TestPortsRefuseAddressesNotAllowed(t *testing.T) {
 }
 
 // TestRPCPortBoundsLargeMessages: connections sending the largest
-// messages at once hold no more than the port's budget for them between
-// them; each waits its turn and is answered, and the budget is given
-// back.
+// messages at once, to two ports sharing one budget (ferryd's segment
+// and an engine's), hold no more than that budget between them; each
+// waits its turn and is answered, and the budget is given back.
 func TestRPCPortBoundsLargeMessages(t *testing.T) {
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
 	const budget, senders = 2 * mooncake.MaxMessage, 16
-	srv := mooncake.Serve(ln, mooncake.Handlers{Segment: func() *mooncake.Segment { return &mooncake.Segment{Name: "s", Buffers: []mooncake.Buffer{}} }},
-		mooncake.ServerConfig{LargeMessages: budget, ReceiveTimeout: time.Minute, Logf: t.Logf})
+	h := mooncake.Handlers{Segment: func() *mooncake.Segment { return &mooncake.Segment{Name: "s", Buffers: []mooncake.Buffer{}} }}
+	srv := mooncake.Serve(ln, h, mooncake.ServerConfig{LargeMessages: budget, ReceiveTimeout: time.Minute, Logf: t.Logf})
 	defer srv.Close()
+	// A second port (an engine's segment) draws from the first's budget.
+	ln2, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv2 := mooncake.Serve(ln2, h, mooncake.ServerConfig{ShareWith: srv, ReceiveTimeout: time.Minute, Logf: t.Logf})
+	defer srv2.Close()
+	addrs := []string{ln.Addr().String(), ln2.Addr().String()}
 	// The largest descriptor a metadata request may carry: a JSON string.
 	body := append(append([]byte{'"'}, bytes.Repeat([]byte{'x'}, mooncake.MaxMessage-4)...), '"', '\n')
 	frame := mooncake.AppendFrame(nil, mooncake.Metadata, body)
 	errs := make(chan error, senders)
-	for range senders {
+	for i := range senders {
 		go func() {
-			c, err := net.Dial("tcp", ln.Addr().String())
+			c, err := net.Dial("tcp", addrs[i%2])
 			if err != nil {
 				errs <- err
 				return
@@ -325,6 +333,9 @@ func TestRPCPortBoundsLargeMessages(t *testing.T) {
 	}
 	if st := srv.LargeMessages(); st.Peak > budget || st.Peak < mooncake.MaxMessage-1 || st.Held != 0 {
 		t.Fatalf("budget %+v: want at most %d held at once, and all given back", st, budget)
+	}
+	if st, st2 := srv.LargeMessages(), srv2.LargeMessages(); st2 != st {
+		t.Fatalf("the second port's budget %+v is not the first's %+v", st2, st)
 	}
 }
 

@@ -49,6 +49,14 @@ type ServerConfig struct {
 	// LargeMessages bounds the bytes all connections' messages of over
 	// MaxSmallMessage bytes hold at once; default DefaultLargeMessages.
 	LargeMessages int64
+	// ShareWith, if set, is a server whose budget for large messages
+	// this one draws from too (LargeMessages is then its): a daemon's
+	// ports together hold no more than one's, however many segments
+	// it serves.
+	ShareWith *Server
+	// Shared, if set, caps this port's connections together with other
+	// ports' (connlimit.NewShared), besides Limits.
+	Shared *connlimit.Table[*connlimit.Conn]
 }
 
 // DefaultLargeMessages is the RPC port's budget for messages over
@@ -102,8 +110,13 @@ func Serve(ln net.Listener, h Handlers, cfg ServerConfig) *Server {
 	if cfg.LargeMessages <= 0 {
 		cfg.LargeMessages = DefaultLargeMessages
 	}
-	s := &Server{h: h, cfg: cfg, large: newBudget(max(cfg.LargeMessages, MaxMessage))}
-	s.port = openPort(ln, "mooncake RPC port", cfg.Allow, cfg.Limits, cfg.ReceiveTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+	s := &Server{h: h, cfg: cfg}
+	if cfg.ShareWith != nil {
+		s.large = cfg.ShareWith.large
+	} else {
+		s.large = newBudget(max(cfg.LargeMessages, MaxMessage))
+	}
+	s.port = openPort(ln, "mooncake RPC port", cfg.Allow, cfg.Limits, cfg.Shared, cfg.ReceiveTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
 		if err := s.serve(c); err != nil {
 			return fmt.Errorf("mooncake handshake from %s: %w", c.RemoteAddr(), err)
 		}
@@ -185,7 +198,7 @@ func (s *Server) serve(c *connlimit.Conn) error {
 }
 
 // LargeMessages is what the port's budget for large messages holds,
-// and the most it held at once.
+// and the most it held at once (with the ports sharing it).
 func (s *Server) LargeMessages() BudgetStats { return s.large.stats() }
 
 // answer is the reply to a request; undo, if not nil, takes back what a

@@ -42,6 +42,9 @@ type DataConfig struct {
 	Limits connlimit.Limits
 	// Allow says who may connect; the zero value allows everyone.
 	Allow Allow
+	// Shared, if set, caps this port's connections together with other
+	// ports' (connlimit.NewShared), besides Limits.
+	Shared *connlimit.Table[*connlimit.Conn]
 	// Logf hears about refused requests and broken connections, at most
 	// loglimit.Burst lines a second.
 	Logf func(format string, args ...any)
@@ -78,7 +81,7 @@ func ServeData(ln net.Listener, mem Memory, cfg DataConfig) *DataServer {
 	}
 	s := &DataServer{mem: mem, cfg: cfg}
 	// The listener's first deadline is lifted at once: see Limits.
-	s.port = openPort(ln, "mooncake data port", cfg.Allow, cfg.Limits, cfg.IOTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
+	s.port = openPort(ln, "mooncake data port", cfg.Allow, cfg.Limits, cfg.Shared, cfg.IOTimeout, cfg.Logf, cfg.Debugf, func(c *connlimit.Conn) error {
 		c.SetDeadline(time.Time{})
 		c.SetNoDelay(true)
 		if err := s.serve(c); err != nil {

@@ -80,8 +80,66 @@ type MooncakeQP struct {
 	l *lane // ctrl is nil: Mooncake has no control connection
 }
 
-// NewMooncakeQP makes a queue pair for a Mooncake endpoint, in INIT.
+// DefaultMooncakeQPs caps the Mooncake queue pairs a transport holds at
+// once, across every endpoint table on it: ferryd's own segment's and
+// each engine segment's (up to 256), each bounded by itself too
+// (mooncake.DefaultEndpointLimits). Each queue pair costs a CQ, a
+// completion channel's descriptor and a poller goroutine, and any host
+// on mooncake_allow can ask for 16 per handshake: without this cap the
+// tables together could be made to hold 257 × 1024 × 16 of them. 16384
+// is one table full at 16 QPs per endpoint, or 8192 endpoints at
+// Mooncake's default 2; its descriptors fit under the unit's
+// LimitNOFILE beside the ports' (docs/operations.md).
+const DefaultMooncakeQPs = 16384
+
+// MooncakeQPStats is what the cap on Mooncake queue pairs did.
+type MooncakeQPStats struct {
+	Open, Limit int
+	Refused     uint64 // queue pairs refused at the cap
+}
+
+// MooncakeQPStats says how many Mooncake queue pairs are open, and how
+// many the cap refused.
+func (t *Transport) MooncakeQPStats() MooncakeQPStats {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return MooncakeQPStats{Open: len(t.mooncake), Limit: t.cfg.MooncakeQPs, Refused: t.mcRefused.Load()}
+}
+
+// NewMooncakeQP makes a queue pair for a Mooncake endpoint, in INIT; past
+// Config.MooncakeQPs open at once it refuses, saying so.
 func (t *Transport) NewMooncakeQP() (*MooncakeQP, error) {
+	t.mu.Lock()
+	switch {
+	case t.closed:
+		t.mu.Unlock()
+		return nil, fmt.Errorf("a Mooncake queue pair: %w", transport.ErrClosed)
+	case len(t.mooncake)+t.mcMaking >= t.cfg.MooncakeQPs:
+		t.mu.Unlock()
+		t.mcRefused.Add(1)
+		return nil, fmt.Errorf("this ferryd holds %d Mooncake queue pairs, the most it keeps across all its Mooncake segments (ferryd's own and every engine's): no more until endpoints close", t.cfg.MooncakeQPs)
+	}
+	t.mcMaking++
+	t.mu.Unlock()
+	q, err := t.makeMooncakeQP()
+	t.mu.Lock()
+	t.mcMaking--
+	closed := t.closed
+	if err == nil && !closed {
+		t.mooncake[q] = struct{}{}
+	}
+	t.mu.Unlock()
+	switch {
+	case err != nil:
+		return nil, err
+	case closed:
+		q.l.close()
+		return nil, fmt.Errorf("a Mooncake queue pair: %w", transport.ErrClosed)
+	}
+	return q, nil
+}
+
+func (t *Transport) makeMooncakeQP() (*MooncakeQP, error) {
 	qp, err := t.nic.NewQP(sendDepth, 1)
 	if err != nil {
 		return nil, err
@@ -90,16 +148,7 @@ func (t *Transport) NewMooncakeQP() (*MooncakeQP, error) {
 		qp.Close()
 		return nil, errNoVerbsDevice
 	}
-	q := &MooncakeQP{t: t, l: newLane(qp, nil, sendDepth)}
-	t.mu.Lock()
-	if t.closed {
-		t.mu.Unlock()
-		q.l.close()
-		return nil, fmt.Errorf("a Mooncake queue pair: %w", transport.ErrClosed)
-	}
-	t.mooncake[q] = struct{}{}
-	t.mu.Unlock()
-	return q, nil
+	return &MooncakeQP{t: t, l: newLane(qp, nil, sendDepth)}, nil
 }
 
 func (q *MooncakeQP) QPN() uint32 { return q.l.qp.QPN() }

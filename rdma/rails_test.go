@@ -430,6 +430,31 @@ func TestConnectRecordRails(t *testing.T) {
 	}
 }
 
+// TestConnectReplyChecked: a connect reply on another rail than asked,
+// or claiming more rails than the wire allows (a session would open a
+// pool of lanes per rail its keys name), is refused, naming what is
+// wrong; 16 rails pass.
+func TestConnectReplyChecked(t *testing.T) {
+	for _, c := range []struct {
+		rail, rails byte
+		want        string
+	}{
+		{1, 16, ""},
+		{2, 16, "connected one on rail 2"},
+		{1, 17, "drives 17 RDMA devices"},
+		{1, 255, "drives 255 RDMA devices"},
+	} {
+		var b [acceptSize]byte
+		b[28], b[29] = c.rail, c.rails
+		var a accept
+		a.decode(&b)
+		err := a.check(1)
+		if c.want == "" && err != nil || c.want != "" && (err == nil || !strings.Contains(err.Error(), c.want)) {
+			t.Errorf("a reply on rail %d of %d: %v, want %q", c.rail, c.rails, err, c.want)
+		}
+	}
+}
+
 var _ transport.WindowSink = windowedSink{}
 
 // TestChooseRails: no device is today's one choice; a list is each in

@@ -92,8 +92,8 @@ func (t *Transport) dialLane(ctx context.Context, addr string, pr pair) (_ *lane
 	}
 	var a accept
 	a.decode(&ab)
-	if a.Rail != pr.peer {
-		return nil, 0, peerRegion{}, fmt.Errorf("asked the peer for a lane on its rail %d, and it connected one on rail %d", pr.peer, a.Rail)
+	if err = a.check(pr.peer); err != nil {
+		return nil, 0, peerRegion{}, err
 	}
 	if err = qp.Connect(psn, a.endpoint); err != nil {
 		return nil, 0, peerRegion{}, fmt.Errorf("connecting to the peer's queue pair %#x: %w", a.QPN, err)

@@ -57,6 +57,10 @@ type Config struct {
 	// StripeMin is the size from which a write from the host arena is
 	// striped over every rail pair (rails.go); 0 never stripes.
 	StripeMin int
+	// MooncakeQPs caps the Mooncake queue pairs open at once, across
+	// every endpoint table made on this transport (mcqp.go); 0:
+	// DefaultMooncakeQPs.
+	MooncakeQPs int
 }
 
 // Fallback is the data plane for peers without RDMA, on the same port:
@@ -222,12 +226,16 @@ type Transport struct {
 	// authenticated port. Nil otherwise.
 	direct transport.DirectSink
 
-	closing   chan struct{} // closed when Close starts
-	mu        sync.Mutex
-	closed    bool
-	sessions  map[*session]struct{}
-	accepted  map[*lane]struct{}       // served by serveLane
-	mooncake  map[*MooncakeQP]struct{} // open (mcqp.go)
+	closing  chan struct{} // closed when Close starts
+	mu       sync.Mutex
+	closed   bool
+	sessions map[*session]struct{}
+	accepted map[*lane]struct{}       // served by serveLane
+	mooncake map[*MooncakeQP]struct{} // open (mcqp.go)
+	// mcMaking counts Mooncake QPs being made, which count against
+	// Config.MooncakeQPs; mcRefused those refused by it.
+	mcMaking  int
+	mcRefused atomic.Uint64
 	closeOnce sync.Once
 	closeErr  error
 }
@@ -252,6 +260,9 @@ func listen(cfg Config, n nic, more ...nic) (*Transport, error) {
 		sessions: make(map[*session]struct{}),
 		accepted: make(map[*lane]struct{}),
 		mooncake: make(map[*MooncakeQP]struct{}),
+	}
+	if cfg.MooncakeQPs <= 0 {
+		t.cfg.MooncakeQPs = DefaultMooncakeQPs
 	}
 	if cfg.Peer.Logf != nil {
 		t.warn = loglimit.New("rdma", cfg.Peer.Logf)

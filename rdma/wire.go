@@ -296,6 +296,21 @@ func (a *accept) decode(b *[acceptSize]byte) {
 	a.Mode = binary.LittleEndian.Uint32(b[52:])
 }
 
+// check refuses a reply to a connect that asked for rail: a lane on
+// another rail, or more rails than the wire allows. A session opens a
+// pool of lanes per rail pair its writes need, a slot's key naming the
+// peer's rail, so a peer claiming 255 rails could have ferryd hold
+// pools of lanes to 255 of them (docs/security.md).
+func (a *accept) check(rail int) error {
+	switch {
+	case a.Rail != rail:
+		return fmt.Errorf("asked the peer for a lane on its rail %d, and it connected one on rail %d", rail, a.Rail)
+	case a.Rails > maxRails:
+		return fmt.Errorf("the peer says it drives %d RDMA devices, and a daemon drives at most %d: it is not a ferryd of this protocol", a.Rails, maxRails)
+	}
+	return nil
+}
+
 // grant is where a receiver lets one write land.
 type grant struct {
 	Addr uint64

@@ -347,6 +347,46 @@ func TestListenerCaps(t *testing.T) {
 	}
 }
 
+// TestListenersSharedCaps: listeners sharing a table hold no more
+// connections together than its cap: a newcomer to one takes the place
+// of another's idle connection, one that carried no traffic first, then
+// the least recently used.
+func TestListenersSharedCaps(t *testing.T) {
+	var debug logs
+	shared := NewShared(Limits{Total: 2})
+	a, seenA := listenT(t, Config{Limits: Limits{Total: 10}, Name: "port a", Warnf: t.Logf, Debugf: debug.logf, Shared: shared})
+	b, seenB := listenT(t, Config{Limits: Limits{Total: 10}, Name: "port b", Warnf: t.Logf, Debugf: debug.logf, Shared: shared})
+	legit := dialFrom(t, "127.0.0.1", a.Addr().String())
+	<-seenA
+	echo(t, legit)
+	idle := dialFrom(t, "127.0.0.2", a.Addr().String())
+	<-seenA
+	fresh := dialFrom(t, "127.0.0.3", b.Addr().String())
+	<-seenB
+	closedByServer(t, idle, "at the shared cap, port a's connection that carried nothing, for one to port b")
+	if !debug.has("port b: closed an idle connection from 127.0.0.2:") {
+		t.Fatalf("no debug line for the eviction: %q", debug.all())
+	}
+	echo(t, fresh)
+	late := dialFrom(t, "127.0.0.4", b.Addr().String())
+	<-seenB
+	closedByServer(t, legit, "at the shared cap, every connection proven: the least recently used")
+	echo(t, fresh)
+	echo(t, late)
+	if st := shared.Stats(); st.Open != 2 || st.Evicted != 2 || st.RefusedTotal != 0 {
+		t.Fatalf("shared stats %+v, want 2 open, 2 evicted", st)
+	}
+	// The evicted connections leave their own port's table as their
+	// Serve returns, after the close the test saw.
+	deadline := time.Now().Add(10 * time.Second)
+	for a.Stats().Open+b.Stats().Open != 2 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the ports hold %d connections, want the shared cap's 2", a.Stats().Open+b.Stats().Open)
+		}
+		time.Sleep(time.Millisecond) // a poll: the release has no event
+	}
+}
+
 // TestListenerHandshakeDeadline: a connection that says nothing is
 // closed after the handshake timeout, whatever Serve does.
 func TestListenerHandshakeDeadline(t *testing.T) {

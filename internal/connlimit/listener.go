@@ -3,6 +3,7 @@ package connlimit
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net"
 	"sync"
 	"sync/atomic"
@@ -26,7 +27,15 @@ type Config struct {
 	// Debugf, if set, hears of connections evicted to make room, which
 	// strangers can cause at will too: give it a rate-limited logger.
 	Debugf func(format string, args ...any)
+	// Shared, if set, is a table that several listeners' connections
+	// take a place in too (NewShared): its caps bound them all together,
+	// and a newcomer to one may take the place of another's idle
+	// connection.
+	Shared *Table[*Conn]
 }
+
+// NewShared makes a table for Config.Shared, capped at lim.
+func NewShared(lim Limits) *Table[*Conn] { return NewTable[*Conn](lim) }
 
 // Listener accepts connections under Limits and serves each on its own
 // goroutine. Accepting never waits for a place: a newcomer takes an idle
@@ -48,6 +57,7 @@ type Listener struct {
 type Conn struct {
 	*net.TCPConn
 	m       *Member[*Conn]
+	sm      *Member[*Conn]  // its place in Config.Shared; nil: none
 	ctx     context.Context // the listener's
 	dropped atomic.Bool
 }
@@ -136,22 +146,38 @@ func (l *Listener) accept() {
 			return
 		}
 		m, evicted, err := l.table.Admit(Source(tc.RemoteAddr()), c)
+		var shared *Member[*Conn] // evicted from the shared table
+		if err == nil && l.cfg.Shared != nil {
+			if evicted != nil && evicted.Value.sm != nil {
+				evicted.Value.sm.Release() // its place is this one's
+			}
+			if c.sm, shared, err = l.cfg.Shared.Admit(Source(tc.RemoteAddr()), c); err != nil {
+				m.Release()
+				err = fmt.Errorf("%w (of the places the ports sharing their caps hold together)", err)
+			}
+		}
 		if err != nil {
 			l.mu.Unlock()
 			// Logged before the close, so whoever sees the close finds the line.
 			l.cfg.Warnf("%s: refused a connection from %s: %v", l.cfg.Name, tc.RemoteAddr(), err)
 			tc.Close()
+			if evicted != nil {
+				evicted.Value.drop()
+			}
 			continue
 		}
 		c.m = m
 		l.wg.Add(1)
 		l.mu.Unlock()
-		if evicted != nil {
+		for _, ev := range []*Member[*Conn]{evicted, shared} {
+			if ev == nil {
+				continue
+			}
 			if l.cfg.Debugf != nil {
 				l.cfg.Debugf("%s: closed an idle connection from %s to make room for one from %s (the most kept: %d in all, %d from one address)",
-					l.cfg.Name, evicted.Value.RemoteAddr(), tc.RemoteAddr(), l.cfg.Total, l.cfg.PerSource)
+					l.cfg.Name, ev.Value.RemoteAddr(), tc.RemoteAddr(), l.cfg.Total, l.cfg.PerSource)
 			}
-			evicted.Value.drop()
+			ev.Value.drop()
 		}
 		tc.SetDeadline(time.Now().Add(l.cfg.HandshakeTimeout))
 		go l.serve(c)
@@ -163,6 +189,9 @@ func (l *Listener) serve(c *Conn) {
 	defer func() {
 		c.Close()
 		c.m.Release()
+		if c.sm != nil {
+			c.sm.Release()
+		}
 	}()
 	l.cfg.Serve(c)
 }
@@ -179,21 +208,42 @@ func (c *Conn) Dropped() bool { return c.dropped.Load() }
 
 // Busy marks c in use (a request under way), so it is not evicted; false
 // means it was evicted already and its Serve should stop.
-func (c *Conn) Busy() bool { return c.m.Busy() }
+func (c *Conn) Busy() bool {
+	ok := c.m.Busy()
+	if c.sm != nil {
+		ok = c.sm.Busy() && ok
+	}
+	return ok
+}
 
 // Idle marks c between requests: it may be evicted, the least recently
 // used first.
-func (c *Conn) Idle() { c.m.Idle() }
+func (c *Conn) Idle() {
+	c.m.Idle()
+	if c.sm != nil {
+		c.sm.Idle()
+	}
+}
 
 // Greeted marks c as having finished its handshake: until its first
 // request it is evicted before the unproven connections still in theirs,
 // which may be a peer's not served yet.
-func (c *Conn) Greeted() { c.m.Greeted() }
+func (c *Conn) Greeted() {
+	c.m.Greeted()
+	if c.sm != nil {
+		c.sm.Greeted()
+	}
+}
 
 // Prove marks c as having carried successful traffic (an authenticated
 // handshake, a write that landed): it is evicted after every connection
 // that has not.
-func (c *Conn) Prove() { c.m.Prove() }
+func (c *Conn) Prove() {
+	c.m.Prove()
+	if c.sm != nil {
+		c.sm.Prove()
+	}
+}
 
 // Closing counts why Serve is about to return: ReasonIdle or
 // ReasonTimeout.
