@@ -134,6 +134,21 @@ type MooncakeStatus struct {
 	RPC      string `json:"rpc"`       // the handshake listener
 	DataPort int    `json:"data_port"` // the TCP data port, as the descriptor names it
 	Engines  int    `json:"engines"`   // engine segments open (GET /v1/mooncake/segments)
+	// RDMAPool is the Mooncake pool when the segment speaks rdma: the
+	// only memory its descriptor lists, where slots made with mooncake
+	// lie (mooncake_rdma_pool).
+	RDMAPool *MooncakePool `json:"rdma_pool,omitempty"`
+}
+
+// MooncakePool is the part of the first arena Mooncake peers write
+// into over RDMA: its address, size and use, in bytes and slots (freed
+// slots in quarantine among them).
+type MooncakePool struct {
+	Addr  uint64 `json:"addr"`
+	Size  int64  `json:"size"`
+	Used  int64  `json:"used"`
+	Free  int64  `json:"free"`
+	Slots int    `json:"slots"`
 }
 
 type MemoryStatus struct {

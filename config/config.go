@@ -66,6 +66,7 @@ type Settings struct {
 	MooncakeMTU      int                  `toml:"mooncake_mtu"`
 	MooncakeFetch    []string             `toml:"mooncake_fetch_allow"`
 	MooncakeAllow    []string             `toml:"mooncake_allow"`
+	MooncakeRDMAPool Share                `toml:"mooncake_rdma_pool"`
 	RDMADevice       Names                `toml:"rdma_device"`
 	RDMAStripeMin    Size                 `toml:"rdma_stripe_min"`
 	RDMAGIDIndex     int                  `toml:"rdma_gid_index"`
@@ -199,6 +200,8 @@ var options = []option{
 		func(s *Settings) value { return (*prefixes)(&s.MooncakeFetch) }, nil},
 	{"mooncake_allow", "", "`addresses` (IP addresses or CIDR prefixes, comma-separated) that may connect to the Mooncake RPC and data ports: Mooncake's wire carries no key, so only these may write into receive slots made with \"mooncake\": true (empty: loopback and this host's own addresses)",
 		func(s *Settings) value { return (*prefixes)(&s.MooncakeAllow) }, nil},
+	{"mooncake_rdma_pool", "25%", "the part of the first arena (a `size`, or a share of it) that receive slots made with \"mooncake\": true come from when ferryd's Mooncake segment speaks rdma: the only memory registered for Mooncake peers' one-sided writes, and the one buffer the segment lists (Mooncake peers cache the descriptor, so it cannot list each slot); nothing else is ever placed there. Over tcp the data port checks each write, and slots come from the whole arena",
+		func(s *Settings) value { return &s.MooncakeRDMAPool }, nil},
 	{"device", string(DeviceAuto), "arena `memory`, one arena per device listed: auto (a GPU when the CUDA driver and one are there, else host memory), cpu, cuda:N, several joined by commas (cuda:0,1,3 or cuda:0,cpu; in the file also a list), or cuda:all (every GPU the driver lists); receive slots and staged entries name their device, the first by default",
 		func(s *Settings) value { return (*text)(&s.Device) },
 		func(s *Settings) error { _, err := s.Device.List(); return err }},

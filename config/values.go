@@ -125,8 +125,9 @@ func (z Size) Bytes() int64 {
 	return n
 }
 
-// Share is a byte count as a Size writes it, or a share of the memory
-// the host lets ferryd have ("75%"), a TOML string.
+// Share is a byte count as a Size writes it, or a share ("75%") of
+// what its setting says (the memory the host lets ferryd have, the
+// first arena), a TOML string.
 type Share string
 
 func (h *Share) Set(s string) error {
@@ -136,14 +137,14 @@ func (h *Share) Set(s string) error {
 			return fmt.Errorf("%q is not a share of memory: write a percentage above 0 and at most 100, e.g. \"75%%\", or a size, e.g. \"512GiB\"", s)
 		}
 	} else if _, err := size.Parse(t); err != nil {
-		return fmt.Errorf("%q is neither a size (e.g. \"512GiB\") nor a share of the host's memory (e.g. \"75%%\")", s)
+		return fmt.Errorf("%q is neither a size (e.g. \"512GiB\") nor a share (e.g. \"75%%\")", s)
 	}
 	*h = Share(t)
 	return nil
 }
 func (h *Share) String() string { return string(*h) }
 func (h *Share) want() string {
-	return `a size or a share of the host's memory in quotes, e.g. "512GiB" or "75%"`
+	return `a size or a share in quotes, e.g. "512GiB" or "75%"`
 }
 
 // Bytes is the byte count where a share is of memory bytes; a Share

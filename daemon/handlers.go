@@ -310,7 +310,7 @@ func (d *Daemon) Status() api.Status {
 		d.engines.mu.Lock()
 		engines := len(d.engines.byID)
 		d.engines.mu.Unlock()
-		mc = &api.MooncakeStatus{Segment: d.mooncake.name, RPC: d.mooncake.hs.Addr().String(), DataPort: d.mooncake.seg.TCPDataPort, Engines: engines}
+		mc = &api.MooncakeStatus{Segment: d.mooncake.name, RPC: d.mooncake.hs.Addr().String(), DataPort: d.mooncake.seg.TCPDataPort, Engines: engines, RDMAPool: d.reg.poolStatus()}
 	}
 	return api.Status{
 		Version: Version, PID: os.Getpid(), Instance: fmt.Sprintf("%016x", d.instance), StartedAt: d.started,

@@ -12,7 +12,6 @@ import (
 
 	"github.com/rs/zerolog"
 
-	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/config"
 	"github.com/ferry-project/ferry/internal/connlimit"
 	"github.com/ferry-project/ferry/internal/loglimit"
@@ -26,7 +25,8 @@ import (
 // buffers, and a TCP data port whose writes land in live receive slots
 // made for them and in those regions only. With an RDMA data plane whose shared
 // registration covers the arena, the segment speaks protocol rdma
-// instead: its descriptor lists the NIC and the arena's keys, connection
+// instead: its descriptor lists the NIC and the Mooncake pool (never the
+// arena) with the pool's own keys (mooncakepool.go), connection
 // handshakes set up QPs (the passive side), and Mooncake's one-sided
 // WRITEs land with no event here: a notify naming a receive slot
 // (notify_msg = its buffer_address) completes it.
@@ -114,13 +114,19 @@ func openMooncake(cfg Config, reg *registry, dp *dataPlane, base uint64, size in
 		},
 	}
 	if dp.mooncake != nil {
-		if err := m.serveRDMA(dp.mooncake, dp.reg.Mode, reg, &h, sentTo, log); err != nil {
+		pool, err := poolBytes(cfg.MooncakeRDMAPool, size)
+		if err != nil {
+			rpc.Close()
+			dl.Close()
+			return nil, err
+		}
+		if err := m.serveRDMA(dp, pool, reg, &h, sentTo, log); err != nil {
 			log.Warn().Str("component", "mooncake").Err(err).Msg("the Mooncake segment speaks TCP only")
 		}
 	}
 	m.hs = mooncake.Serve(rpc, h, mooncake.ServerConfig{Logf: logf, Debugf: debug.Printf, Allow: allow})
 	log.Info().Str("segment", name).Str("protocol", m.seg.Protocol).Str("rpc", rpc.Addr().String()).Str("data", dl.Addr().String()).
-		Uint64("buffer_addr", base).Int64("buffer_length", size).Stringer("allow", prefixList(allow.Prefixes)).Msg("serving as a Mooncake segment")
+		Uint64("buffer_addr", m.seg.Buffers[0].Addr).Uint64("buffer_length", m.seg.Buffers[0].Length).Stringer("allow", prefixList(allow.Prefixes)).Msg("serving as a Mooncake segment")
 	return m, nil
 }
 
@@ -169,22 +175,31 @@ func (l prefixList) String() string {
 // the key of its priority matrix.
 const mooncakeLocation = "cpu:0"
 
-// serveRDMA makes the segment an rdma one over eps; mode is the arena's
-// registration.
-func (m *mooncakeSegment) serveRDMA(eps *mooncakeEndpoints, mode api.RegistrationMode, reg *registry, h *mooncake.Handlers, sentTo func(string) bool, log zerolog.Logger) error {
-	rkey, lkey, ok := eps.Keys()
-	if !ok {
-		return fmt.Errorf("the arena has no shared RDMA registration (%s mode), so Mooncake peers have no rkey to write with", mode)
-	}
+// serveRDMA makes the segment an rdma one over dp's Mooncake
+// endpoints, its one buffer the Mooncake pool (mooncakepool.go): pool
+// bytes of the first arena, registered with the NIC on their own.
+func (m *mooncakeSegment) serveRDMA(dp *dataPlane, pool int64, reg *registry, h *mooncake.Handlers, sentTo func(string) bool, log zerolog.Logger) error {
+	eps := dp.mooncake
 	dev, err := eps.Device()
 	if err != nil {
+		return err
+	}
+	sl, err := reg.reservePool(pool)
+	if err != nil {
+		return err
+	}
+	addr, rkey, lkey, err := dp.rdma.MooncakePool(uint64(sl.Offset), uint64(sl.Len))
+	if err == nil {
+		err = reg.usePool(sl)
+	}
+	if err != nil {
+		reg.dropPool(sl)
 		return err
 	}
 	m.seg.Protocol = "rdma"
 	m.seg.Devices = []mooncake.Device{dev}
 	m.seg.PriorityMatrix = mooncake.Priority{mooncakeLocation: {{dev.Name}, {}}}
-	b := &m.seg.Buffers[0]
-	b.Name, b.RKey, b.LKey = mooncakeLocation, []uint32{rkey}, []uint32{lkey}
+	m.seg.Buffers[0] = mooncake.Buffer{Name: mooncakeLocation, Addr: addr, Length: uint64(sl.Len), RKey: []uint32{rkey}, LKey: []uint32{lkey}}
 	h.Connect = func(ctx context.Context, from net.Addr, req mooncake.HandshakeDesc) (mooncake.HandshakeDesc, func()) {
 		return eps.Accept(ctx, mooncake.Handshake{Self: m.name, From: from, MayFetch: sentTo}, req)
 	}

@@ -90,7 +90,10 @@ type registry struct {
 	byTag   map[uint32]*slot // the tags writes carry name one live slot each
 	// unkeyed is the live slots made for Mooncake writers, by address:
 	// the only ones a write without a key may land in.
-	unkeyed  *slotIndex
+	unkeyed *slotIndex
+	// pool, when set, is the Mooncake pool (mooncakepool.go): slots
+	// made with mooncake come from it, and nothing else.
+	pool     *mooncakePool
 	regions  map[string]*region
 	changed  chan struct{} // closed and replaced on every change
 	stopping bool
@@ -229,10 +232,14 @@ func (r *registry) alloc(g *region, reqID string, n int64) (arena.Slice, error) 
 }
 
 // allocUnguessable allocates n bytes at a random place (a slot Mooncake
-// peers write into by its address alone): the segment descriptor
-// publishes the arena's base, and a best-fit place is the first guess of
-// anyone who reads it.
+// peers write into by its address alone), in the Mooncake pool when
+// there is one: the segment descriptor publishes the arena's base (or
+// the pool's), and a best-fit place is the first guess of anyone who
+// reads it.
 func (r *registry) allocUnguessable(reqID string, n int64) (arena.Slice, error) {
+	if r.pool != nil {
+		return r.allocPooled(reqID, n)
+	}
 	s, err := r.arena.AllocRandom(n, randUint64N)
 	return placed(r.arena, reqID, n, s, err)
 }
@@ -284,7 +291,13 @@ func (r *registry) freeScratch(s arena.Slice) {
 
 func (r *registry) free(g *region, s arena.Slice) {
 	// A failure here is a bookkeeping bug, never the client's doing.
-	if err := r.arenaOf(g).Free(s); err != nil {
+	var err error
+	if g == nil && r.pooled(s) {
+		_, err = r.pool.alloc.Free(s.Offset - r.pool.slice.Offset)
+	} else {
+		err = r.arenaOf(g).Free(s)
+	}
+	if err != nil {
 		panic(fmt.Sprintf("ferryd: arena bookkeeping broken: %v", err))
 	}
 }

@@ -50,8 +50,10 @@ type QP interface {
 type Verbs[Q QP] interface {
 	// MooncakeNIC is the verbs device's name, and its port's LID and GID.
 	MooncakeNIC() (device string, lid uint16, gid [16]byte, err error)
-	// SharedKeys are the keys of the registration that covers the
-	// daemon's memory; ok is false without one.
+	// SharedKeys are the keys of a registration that covers the whole
+	// of the transport's memory for peers' writes; ok is false without
+	// one. A Mooncake engine lists its buffer so (the test peer,
+	// mooncaketest); ferryd's segment lists its Mooncake pool instead.
 	SharedKeys() (rkey, lkey uint32, ok bool)
 	// NewMooncakeQP makes a queue pair for an endpoint, not yet connected.
 	NewMooncakeQP() (Q, error)
@@ -147,8 +149,8 @@ func (e *Endpoints[Q]) Device() (Device, error) {
 }
 
 // Keys are the shared registration's keys, which a descriptor advertises
-// for the whole of the daemon's memory; ok is false without one, when
-// Mooncake peers cannot write into it over RDMA.
+// for the whole of an engine's buffer (Verbs.SharedKeys); ok is false
+// without one, when Mooncake peers cannot write into it over RDMA.
 func (e *Endpoints[Q]) Keys() (rkey, lkey uint32, ok bool) { return e.v.SharedKeys() }
 
 // Stats is what the table's caps did.

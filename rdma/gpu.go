@@ -134,24 +134,37 @@ func (t *Transport) registerDevice(windowed bool) error {
 // never registered for windows: it holds no slot), or says why it
 // cannot and what to do.
 func (t *Transport) registerPath(p api.GPURegistration, u use) (region, error) {
+	return t.registerPathRange(p, 0, t.cfg.Device.Size, u)
+}
+
+// registerPathRange is registerPath for the n bytes at offset off of
+// the arena, at their device addresses; the bounce path registers the
+// whole bounce area or nothing.
+func (t *Transport) registerPathRange(p api.GPURegistration, off, n uint64, u use) (region, error) {
 	d := t.cfg.Device
+	if off > d.Size || n > d.Size-off {
+		return nil, fmt.Errorf("%d bytes at offset %d pass the end of the %d-byte GPU arena", n, off, d.Size)
+	}
 	switch p {
 	case api.GPURegistrationDMABuf:
 		if d.DMABufFD < 0 {
 			return nil, fmt.Errorf("the arena is not exported as a dmabuf (%v): dmabuf needs Linux 5.12 or later and NVIDIA's open GPU kernel modules; else load nvidia-peermem, or run with --gpu-registration bounce", d.DMABufErr)
 		}
-		reg, err := t.nic.RegisterDMABuf(d.DMABufFD, d.DMABufOffset, d.Size, d.Base, u)
+		reg, err := t.nic.RegisterDMABuf(d.DMABufFD, d.DMABufOffset+off, n, d.Base+off, u)
 		if err != nil {
 			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), dmabufAdvice(err))
 		}
 		return reg, nil
 	case api.GPURegistrationPeerMem:
-		reg, err := t.nic.RegisterDevice(d.Base, d.Size, d.Base, u)
+		reg, err := t.nic.RegisterDevice(d.Base+off, n, d.Base+off, u)
 		if err != nil {
 			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), peermemAdvice(err))
 		}
 		return reg, nil
 	case api.GPURegistrationBounce:
+		if off != 0 || n != d.Size {
+			return nil, errors.New("on the bounce path the NIC reaches no GPU memory, so no part of the GPU arena is registered on its own: load nvidia-peermem or use dmabuf")
+		}
 		if len(d.Bounce) == 0 {
 			return nil, errors.New("the arena has no pinned bounce area")
 		}

@@ -173,10 +173,10 @@ func TestGPUArenaWrites(t *testing.T) {
 			if m := rx.Mode(); m != c.mode {
 				t.Fatalf("receiver in mode %s (%s), want %s", m, rx.ModeWhy(), c.mode)
 			}
-			if rkey, _, ok := rx.SharedKeys(); !ok || c.windows && rkey == 0 {
-				// Mooncake peers write under one rkey, not per slot: in
-				// windows mode the device memory is registered again.
-				t.Fatalf("keys for Mooncake peers: rkey %#x, ok %v", rkey, ok)
+			// Mooncake peers write under one rkey, not per slot: the
+			// pool's, part of the device memory registered on its own.
+			if addr, rkey, _, err := rx.MooncakePool(4096, 8192); err != nil || addr != dstDev.Base+4096 || rkey == 0 {
+				t.Fatalf("the Mooncake pool: addr %#x (want %#x), rkey %#x, %v", addr, dstDev.Base+4096, rkey, err)
 			}
 			s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 			if err != nil {

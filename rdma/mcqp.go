@@ -37,40 +37,56 @@ func (t *Transport) MooncakeNIC() (device string, lid uint16, gid [16]byte, err 
 }
 
 // SharedKeys are the keys of a registration that covers the whole of
-// Memory and lets Mooncake peers write it; ok is false without one
-// (per-send mode). Mooncake writes under the rkey of its segment's
-// descriptor, which cannot name a window per slot: in windows mode,
-// whose shared registration lets no peer write, the first call
-// registers Memory a second time, for remote writes, and its rkey goes
-// to Mooncake peers only (docs/security.md says what that exposes).
+// Memory and lets peers write it under its rkey; ok is false without
+// one (per-send mode, or windows mode, whose shared registration lets
+// no peer write). A Mooncake engine's own buffer is listed so (the test
+// peer's, package mooncaketest); ferryd's segment lists its Mooncake
+// pool only (MooncakePool), never these.
 func (t *Transport) SharedKeys() (rkey, lkey uint32, ok bool) {
-	if t.shared == nil {
+	if t.shared == nil || t.windows != nil {
 		return 0, 0, false
 	}
-	if t.windows == nil {
-		return t.shared.RKey(), t.shared.LKey(), true
-	}
-	t.mu.Lock()
-	defer t.mu.Unlock()
-	if t.mooncakeMR == nil {
-		reg, err := t.registerForPeers()
-		if err != nil {
-			t.logf("rdma: registering the arena for Mooncake peers' writes: %v", err)
-			return 0, 0, false
-		}
-		t.mooncakeMR = reg
-	}
-	return t.mooncakeMR.RKey(), t.mooncakeMR.LKey(), true
+	return t.shared.RKey(), t.shared.LKey(), true
 }
 
-// registerForPeers registers the memory under the windows a second
-// time, for peers' writes under its own rkey: the host arena, or the
-// GPU arena by the path that registered it.
-func (t *Transport) registerForPeers() (region, error) {
-	if g := t.reg.GPU; g != nil {
-		return t.registerPath(g.Path, peerWrites)
+// MooncakePool registers the n bytes at offset off of the memory, once,
+// for peers' writes (no reads) under an rkey of their own, at their own
+// addresses: the Mooncake pool, the only memory a Mooncake peer writes
+// into one-sidedly (Mooncake's descriptor lists one rkey per buffer, not
+// one per slot, and its initiators cache the descriptor). A write
+// outside it fails at the NIC (REM_ACCESS_ERR), whatever the rest of
+// the arena holds. addr is its first byte's address, as the descriptor
+// lists it. The transport drops it when it closes.
+func (t *Transport) MooncakePool(off, n uint64) (addr uint64, rkey, lkey uint32, err error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	switch {
+	case t.mooncakePool != nil:
+		return 0, 0, 0, errors.New("rdma: the Mooncake pool is registered already")
+	case t.shared == nil:
+		return 0, 0, 0, fmt.Errorf("rdma: the arena has no shared RDMA registration (%s mode), so no part of it is registered for Mooncake peers", t.reg.Mode)
+	case n == 0 || off+n < off:
+		return 0, 0, 0, fmt.Errorf("rdma: a Mooncake pool of %d bytes at offset %d", n, off)
 	}
-	return t.nic.Register(t.mem, peerWrites)
+	var reg region
+	if g := t.reg.GPU; g != nil {
+		addr = t.cfg.Device.Base + off
+		reg, err = t.registerPathRange(g.Path, off, n, peerWrites)
+	} else {
+		if off+n > uint64(len(t.mem)) {
+			return 0, 0, 0, fmt.Errorf("rdma: a Mooncake pool of %d bytes at offset %d passes the end of the %d-byte arena", n, off, len(t.mem))
+		}
+		mem := t.mem[off : off+n]
+		addr = addrOf(mem)
+		if reg, err = t.nic.Register(mem, peerWrites); err != nil {
+			err = fmt.Errorf("%w (%s); %s", err, errnoName(err), memlockLimit())
+		}
+	}
+	if err != nil {
+		return 0, 0, 0, fmt.Errorf("rdma: registering the %d-byte Mooncake pool with the NIC for peers' writes: %w", n, err)
+	}
+	t.mooncakePool = reg
+	return addr, reg.RKey(), reg.LKey(), nil
 }
 
 // MooncakeQP is a queue pair of a Mooncake endpoint. The transport

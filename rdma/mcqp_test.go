@@ -127,3 +127,42 @@ func TestMooncakeQPRefusesRead(t *testing.T) {
 		t.Error("a refused read brought ferry's bytes back")
 	}
 }
+
+// TestMooncakePoolIsAllPeersReach: the Mooncake pool is registered on
+// its own, under an rkey that is not the arena's, at its own addresses:
+// a Mooncake peer's write into it lands, and its write with that rkey
+// anywhere else in the arena fails at the NIC (REM_ACCESS_ERR), leaving
+// the bytes there as they were.
+func TestMooncakePoolIsAllPeersReach(t *testing.T) {
+	peer, ferry := mcPair(t, newFabric(), 0)
+	const off, n = 16 << 10, 16 << 10
+	addr, rkey, _, err := ferry.tr.MooncakePool(off, n)
+	if err != nil {
+		t.Fatal(err)
+	}
+	arenaRKey, _, _ := ferry.tr.SharedKeys()
+	if addr != addrOf(ferry.mem)+off || rkey == arenaRKey {
+		t.Fatalf("the pool at %#x under rkey %#x; want %#x, under an rkey other than the arena's (%#x)", addr, rkey, addrOf(ferry.mem)+off, arenaRKey)
+	}
+	if _, _, _, err := ferry.tr.MooncakePool(0, n); err == nil {
+		t.Fatal("a second pool was registered")
+	}
+	data := bytes.Repeat([]byte("pool "), 800)
+	copy(peer.mem, data)
+	ctx := ctxFor(t, 30*time.Second)
+	if _, err := peer.qp.Write(ctx, peer.mem[:len(data)], addr+n-uint64(len(data)), rkey); err != nil {
+		t.Fatalf("a write into the pool: %v", err)
+	}
+	if !bytes.Equal(ferry.mem[off+n-len(data):off+n], data) {
+		t.Fatal("the pool does not hold the bytes written")
+	}
+	// Just past the pool: the next slot of the arena, not made for
+	// Mooncake peers.
+	_, err = peer.qp.Write(ctx, peer.mem[:64], addr+n, rkey)
+	if err == nil || !strings.Contains(err.Error(), "REM_ACCESS_ERR") {
+		t.Fatalf("a write past the pool under its rkey: %v; want REM_ACCESS_ERR", err)
+	}
+	if !isZero(ferry.mem[off+n:]) || !isZero(ferry.mem[:off]) {
+		t.Fatal("a refused write changed the arena outside the pool")
+	}
+}

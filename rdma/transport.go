@@ -218,9 +218,9 @@ type Transport struct {
 	// engines is engine regions' registrations for peers' writes
 	// (engines.go).
 	engines lentRegions
-	// mooncakeMR is Memory registered for Mooncake peers' writes in
-	// windows mode (SharedKeys); under mu.
-	mooncakeMR region
+	// mooncakePool is the part of Memory registered for Mooncake peers'
+	// writes (MooncakePool); under mu.
+	mooncakePool region
 	// direct is the Sink when this transport takes direct writes (see
 	// wire.go): the shared registration, a DirectSink, and windows or an
 	// authenticated port. Nil otherwise.
@@ -363,8 +363,8 @@ func (t *Transport) registerWindowed(register func() (region, error), base, size
 // regions' left registered, and the arena's.
 func (t *Transport) closeShared() error {
 	var errs []error
-	if t.mooncakeMR != nil {
-		errs = append(errs, t.mooncakeMR.Close())
+	if t.mooncakePool != nil {
+		errs = append(errs, t.mooncakePool.Close())
 	}
 	if t.windows != nil {
 		errs = append(errs, t.windows.close())

@@ -238,6 +238,9 @@ func cmdStatus(fs *flag.FlagSet) func(context.Context, *env) error {
 			}
 			if mc := st.Mooncake; mc != nil {
 				fmt.Fprintf(w, "mooncake   segment %s (handshake on %s, tcp data port %d)\n", mc.Segment, mc.RPC, mc.DataPort)
+				if p := mc.RDMAPool; p != nil {
+					fmt.Fprintf(w, "mooncake   rdma pool %s at %#x, %s used by %d slots, %s free\n", size.Format(p.Size), p.Addr, size.Format(p.Used), p.Slots, size.Format(p.Free))
+				}
 			}
 			reg := st.Registration
 			fmt.Fprintf(w, "register   %s (%s)", reg.Mode, reg.Reason)

@@ -49,8 +49,9 @@ func TestMooncakeRDMASendIntoASegment(t *testing.T) {
 	}
 }
 
-// Mooncake → ferry over RDMA: the descriptor says rdma with the arena's
-// keys; the peer's WRITEs land in a receive slot, which arrives when the
+// Mooncake → ferry over RDMA: the descriptor says rdma and lists the
+// Mooncake pool, with its own keys; the peer's WRITEs land in a receive
+// slot (in the pool), which arrives when the
 // peer's notify names its buffer_address; ferryd then writes back to the
 // peer over the same endpoint. A notify naming no slot is a WARN line. A
 // freed slot's memory stays quarantined (and shutdown does not wait on it).
@@ -70,7 +71,17 @@ func TestMooncakeRDMAWritesIntoReceiveSlots(t *testing.T) {
 		t.Fatal(err)
 	}
 	if desc.Protocol != "rdma" || len(desc.Devices) != 1 || len(desc.Buffers) != 1 || len(desc.Buffers[0].RKey) != 1 {
-		t.Fatalf("descriptor %+v: want protocol rdma, one device, the arena as one buffer with its rkey", desc)
+		t.Fatalf("descriptor %+v: want protocol rdma, one device, the Mooncake pool as one buffer with its rkey", desc)
+	}
+	st, err := rcv.c.Status(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pool, b := st.Mooncake.RDMAPool, desc.Buffers[0]
+	if pool == nil || b.Addr != pool.Addr || b.Length != uint64(pool.Size) || pool.Size != st.Memory.Size/4 || pool.Slots != 1 ||
+		slot.BufferAddress < pool.Addr || slot.BufferAddress+embBytes > pool.Addr+uint64(pool.Size) {
+		t.Fatalf("status's Mooncake pool %+v, the descriptor's buffer [%#x, +%d), the slot at %#x: want the buffer exactly the pool, a quarter of the %d-byte arena, holding the slot",
+			pool, b.Addr, b.Length, slot.BufferAddress, st.Memory.Size)
 	}
 	if info, err := rcv.c.WaitInfo(ctx, "mcr-in", 0); err != nil || info.Arrived {
 		t.Fatalf("the slot arrived before any notify: %+v %v", info, err)
@@ -103,6 +114,27 @@ func TestMooncakeRDMAWritesIntoReceiveSlots(t *testing.T) {
 	}
 	if res.Transport != mooncake.RDMATransportName || !bytes.Equal(peer.Bytes(peer.Base()+8192, len(back)), back) {
 		t.Fatalf("ferryd writing back to the peer: %+v, equal=%t", res, bytes.Equal(peer.Bytes(peer.Base()+8192, len(back)), back))
+	}
+
+	// A slot made without "mooncake" lies outside the pool: a peer
+	// writing there under the listed rkey is refused by ferryd's NIC.
+	keyed, err := rcv.c.ReceiveWith(ctx, api.ReceiveRequest{ReqID: "mcr-keyed", NBytes: 4096})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if keyed.BufferAddress+4096 > pool.Addr && keyed.BufferAddress < pool.Addr+uint64(pool.Size) {
+		t.Fatalf("a slot made without mooncake at %#x lies in the Mooncake pool %+v", keyed.BufferAddress, pool)
+	}
+	tg, ok, err := desc.RDMATarget(b.Addr, 1)
+	if err != nil || !ok {
+		t.Fatalf("the pool's RDMA target: %v %v", ok, err)
+	}
+	err = peer.WriteRawRDMA(ctx, seg, tg, keyed.BufferAddress, randomBytes(4096, 43))
+	if err == nil || !strings.Contains(err.Error(), "REM_ACCESS_ERR") {
+		t.Fatalf("a Mooncake peer's write into a slot made without mooncake: %v; want REM_ACCESS_ERR", err)
+	}
+	if info, err := rcv.c.WaitInfo(ctx, "mcr-keyed", 0); err != nil || info.Arrived || info.Received != 0 {
+		t.Fatalf("the slot the refused write aimed at: %+v %v", info, err)
 	}
 }
 
