@@ -33,11 +33,8 @@ const maxWait = 10 * time.Minute
 // SendRetries times. The entry is freed only after a completed write; on
 // any failure it stays staged for the client to retry or delete.
 func (d *Daemon) send(ctx context.Context, reqID string, req api.SendRequest) (api.SendResult, error) {
-	res := api.SendResult{ReqID: reqID, Session: req.Session, Transport: d.tr.Name()}
-	isMooncake, err := checkSlot(reqID, req.Session, req.BufferAddress, req.Key)
-	if isMooncake {
-		res.Transport = mooncake.TransportName
-	}
+	res, isMooncake, err := d.sendResult(reqID, req)
+	res.ReqID = reqID
 	if err != nil {
 		return res, err
 	}

@@ -111,6 +111,18 @@ func plan(req api.TransferRequest, srcs []batchSource) ([]piece, int64, error) {
 	return merged, total, nil
 }
 
+// sendResult checks req's slot descriptor (checkSlot, who naming the
+// request) and starts the answer of a write into it: its session and the
+// transport that carries it.
+func (d *Daemon) sendResult(who string, req api.SendRequest) (api.SendResult, bool, error) {
+	res := api.SendResult{Session: req.Session, Transport: d.tr.Name()}
+	isMooncake, err := checkSlot(who, req.Session, req.BufferAddress, req.Key)
+	if isMooncake {
+		res.Transport = mooncake.TransportName
+	}
+	return res, isMooncake, err
+}
+
 // checkSlot checks a slot descriptor a client passes along (a send's, or
 // a batch's destination, named by who in errors): its session, and its
 // address and key as the receiver's POST /v1/receives gave them. A

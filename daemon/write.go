@@ -6,7 +6,6 @@ import (
 	"strconv"
 
 	"github.com/ferry-project/ferry/api"
-	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -37,11 +36,7 @@ func (d *Daemon) handleWrite(w http.ResponseWriter, r *http.Request) error {
 			return apiErr(api.CodeBadRequest, "write: the %s header: %v: pass the key the receiver's POST /v1/receives returned", api.KeyHeader, err)
 		}
 	}
-	res := api.SendResult{Session: req.Session, Transport: d.tr.Name()}
-	isMooncake, err := checkSlot("write", req.Session, req.BufferAddress, req.Key)
-	if isMooncake {
-		res.Transport = mooncake.TransportName
-	}
+	res, isMooncake, err := d.sendResult("write", req)
 	if err != nil {
 		return err
 	}

@@ -15,7 +15,6 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/internal/loglimit"
-	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/transport"
 )
 
@@ -297,11 +296,7 @@ func (d *Daemon) streamSend(ctx context.Context, f writeFrame) error {
 	if int64(f.slotBytes) < 0 || int64(f.length) <= 0 {
 		return apiErr(api.CodeBadRequest, "write: nbytes %d and the slot's %d: want a positive length, and the slot's nbytes or 0", f.length, f.slotBytes)
 	}
-	res := api.SendResult{Session: req.Session, Transport: d.tr.Name()}
-	isMooncake, err := checkSlot("write", req.Session, req.BufferAddress, req.Key)
-	if isMooncake {
-		res.Transport = mooncake.TransportName
-	}
+	res, isMooncake, err := d.sendResult("write", req)
 	if err != nil {
 		return err
 	}
