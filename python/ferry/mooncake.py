@@ -1094,12 +1094,15 @@ def _ferry_peer(segment, desc):
     return bool(peer) and _split_host_port(peer)[0] == _split_host_port(segment)[0]
 
 
-# READ_MAX is the most one POST /v1/reads carries (ferryd's maxReadBytes).
+# READ_MAX and READ_PIECES are the most one POST /v1/reads carries
+# (ferryd's maxReadBytes and maxReadPieces).
 READ_MAX = 64 << 20
+READ_PIECES = 1 << 16
 
 
 def _read_runs(pieces):
-    """The pieces in runs of at most READ_MAX bytes, a longer piece cut."""
+    """The pieces in runs of at most READ_MAX bytes and READ_PIECES
+    pieces, a longer piece cut."""
     run, size = [], 0
     for local, remote, n in pieces:
         while n:
@@ -1107,7 +1110,7 @@ def _read_runs(pieces):
             run.append((local, remote, take))
             size += take
             local, remote, n = local + take, remote + take, n - take
-            if size == READ_MAX:
+            if size == READ_MAX or len(run) == READ_PIECES:
                 yield run
                 run, size = [], 0
     if run:

@@ -440,3 +440,18 @@ def test_batch_unregister_and_transfer_sync_write(engine, rx, req_id):
     assert "no range is registered" in engine.last_failure.message
     assert engine.batch_unregister_memory([pa, pb]) == -1  # both gone already
     assert engine.batch_unregister_memory([]) == 0
+
+
+def test_reads_are_cut_to_what_one_request_of_ferryd_takes():
+    # ferryd takes at most READ_MAX bytes and READ_PIECES pieces per POST
+    # /v1/reads: a batch of more small pieces goes as several requests,
+    # every byte in exactly one of them, in order.
+    from ferry.mooncake import READ_MAX, READ_PIECES, _read_runs
+    small = [(i * 16, (1 << 20) + i * 16, 16) for i in range(READ_PIECES + 5)]
+    runs = list(_read_runs(small))
+    assert [len(r) for r in runs] == [READ_PIECES, 5]
+    assert [p for r in runs for p in r] == small
+    big = [(0, 0, READ_MAX + 7)]
+    runs = list(_read_runs(big))
+    assert [sum(n for _, _, n in r) for r in runs] == [READ_MAX, 7]
+    assert runs[1] == [(READ_MAX, READ_MAX, 7)]
