@@ -151,9 +151,9 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 
 // grantRead answers one read; an error ends the connection.
 func (t *Transport) grantRead(c *connlimit.Conn, g ReadGranter, gate *peer.Gate, h *peer.Header, release *func()) error {
-	if limit := t.cfg.Peer.MaxWrite; h.Len > limit {
-		writeReply(c, transport.OutOfBounds, peer.FlagClose, fmt.Sprintf("a read of %d bytes exceeds this daemon's limit of %d bytes: read smaller pieces", h.Len, limit), nil)
-		return fmt.Errorf("refused a read of %d bytes (limit %d) and closed the connection", h.Len, limit)
+	if msg, end := peer.ReadTooLarge(h.Len, t.cfg.Peer.MaxWrite); end != nil {
+		writeReply(c, transport.OutOfBounds, peer.FlagClose, msg, nil)
+		return end
 	}
 	iova, rkey, done, err := g.GrantRead(h.Addr, h.Len, h.Key)
 	var gb [grantSize]byte
@@ -161,12 +161,7 @@ func (t *Transport) grantRead(c *connlimit.Conn, g ReadGranter, gate *peer.Gate,
 	case err == ErrNoGrant:
 		return writeReply(c, transport.OK, flagOverTCP, "", gb[:])
 	case err != nil:
-		code, msg := peer.Refusal(err)
-		end := gate.Unmatched(err)
-		flags := uint16(0)
-		if end != nil {
-			flags = peer.FlagClose
-		}
+		code, flags, msg, end := gate.Refusing(err)
 		if werr := writeReply(c, code, flags, msg, nil); werr != nil {
 			return werr
 		}

@@ -123,6 +123,29 @@ func (g *Gate) admit(h *Header, accept func() error) *Refused {
 	return &Refused{Code: code, Msg: msg, End: g.Unmatched(err)}
 }
 
+// Refusing is what to reply to a read the daemon refused with err (its
+// code, flags and message), and the error that ends the connection when
+// it was the MaxUnmatched-th guess (Unmatched), else nil.
+func (g *Gate) Refusing(err error) (transport.Code, uint16, string, error) {
+	code, msg := Refusal(err)
+	end := g.Unmatched(err)
+	flags := uint16(0)
+	if end != nil {
+		flags = FlagClose
+	}
+	return code, flags, msg, end
+}
+
+// ReadTooLarge is the refusal of a read of n bytes above limit (its
+// message, and the error that ends the connection), or "" and nil.
+func ReadTooLarge(n, limit uint64) (string, error) {
+	if n <= limit {
+		return "", nil
+	}
+	return fmt.Sprintf("a read of %d bytes exceeds this daemon's limit of %d bytes: read smaller pieces", n, limit),
+		fmt.Errorf("refused a read of %d bytes (limit %d) and closed the connection", n, limit)
+}
+
 // Unmatched counts a write the Sink refused (err) when it matched no
 // slot, whether announced (Admit) or placed before the receiver heard of
 // it (rdma's direct writes): the MaxUnmatched-th ends the connection,

@@ -94,9 +94,9 @@ func (p *Port) serveReads(c *connlimit.Conn) {
 // serveRead answers one read: a refusal, or OK and the bytes. An error
 // ends the connection.
 func (p *Port) serveRead(c *connlimit.Conn, g *Gate, src transport.Source, h *Header, reply func(transport.Code, uint16, string) error) error {
-	if h.Len > p.cfg.MaxWrite {
-		reply(transport.OutOfBounds, FlagClose, fmt.Sprintf("a read of %d bytes exceeds this daemon's limit of %d bytes: read smaller pieces", h.Len, p.cfg.MaxWrite))
-		return fmt.Errorf("refused a read of %d bytes (limit %d) and closed the connection", h.Len, p.cfg.MaxWrite)
+	if msg, end := ReadTooLarge(h.Len, p.cfg.MaxWrite); end != nil {
+		reply(transport.OutOfBounds, FlagClose, msg)
+		return end
 	}
 	b, done, err := src.ReadKeyed(h.Addr, h.Len, h.Key)
 	if err == nil && uint64(len(b)) != h.Len {
@@ -104,12 +104,7 @@ func (p *Port) serveRead(c *connlimit.Conn, g *Gate, src transport.Source, h *He
 		err = fmt.Errorf("the daemon lent %d bytes for a read of %d", len(b), h.Len)
 	}
 	if err != nil {
-		code, msg := Refusal(err)
-		end := g.Unmatched(err)
-		flags := uint16(0)
-		if end != nil {
-			flags = FlagClose
-		}
+		code, flags, msg, end := g.Refusing(err)
 		if rerr := reply(code, flags, msg); rerr != nil {
 			return fmt.Errorf("sending a %s reply: %w", code, rerr)
 		}
