@@ -173,7 +173,7 @@ func (q *MooncakeQP) QPN() uint32 { return q.l.qp.QPN() }
 // with Mooncake's attributes, its path MTU at most mtu bytes (0, or a
 // size no MTU enum has: the port's).
 func (q *MooncakeQP) Connect(gid [16]byte, lid uint16, qpn uint32, mtu int) error {
-	return q.l.qp.(mooncakeQP).connectMooncake(endpoint{GID: gid, LID: lid, QPN: qpn, MTU: mtuOf(mtu)})
+	return q.l.qp.(mooncakeQP).connectMooncake(endpoint{GID: gid, LID: lid, QPN: qpn, MTU: mtuOf(mtu)}, qpWrites|qpReads)
 }
 
 // Write writes src to remote under rkey in chunks, every one signaled, at

@@ -7,13 +7,13 @@ package rdma
 // does (doSetupConnection), which its peers rely on: PSN 0 both ways
 // (nothing exchanges a PSN), always a GRH (is_global, hop limit 16, also
 // on IB), RNR timer 12, timeout 14, 7 retries, rnr_retry 7, and 16
-// outstanding RDMA READs each way (clamped to the device). It answers
-// READs (REMOTE_READ set at RTR, over fv_qp_init's flags), of memory
-// registered for them only: an engine region's (peerReadsWrites); the
-// arena's registrations refuse them (REM_ACCESS_ERR): a Mooncake peer
-// may write into the arena, never read it. As initiator its 16
-// outstanding reads only bound READs it never posts.
-static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p) {
+// outstanding RDMA READs each way (clamped to the device). access is the
+// QP's own access flags, set at RTR over fv_qp_init's: what a peer may
+// do through it at all (a Mooncake endpoint: write and read; a ferry
+// read connection's: read, or nothing on the reader's side), the
+// registrations then saying where: only an engine region's allow READs
+// (peerReadsWrites); the arena's refuse them (REM_ACCESS_ERR).
+static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p, int access) {
 	struct ibv_device_attr d;
 	int rc = ibv_query_device(qp->context, &d);
 	if (rc) return rc;
@@ -28,7 +28,7 @@ static inline int fv_mc_connect(struct ibv_qp *qp, const fv_path *p) {
 	a.dest_qp_num = p->qpn;
 	a.rq_psn = 0;
 	a.max_dest_rd_atomic = dest_rd;
-	a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | IBV_ACCESS_REMOTE_WRITE | IBV_ACCESS_REMOTE_READ;
+	a.qp_access_flags = IBV_ACCESS_LOCAL_WRITE | access;
 	a.min_rnr_timer = 12;
 	a.ah_attr.dlid = p->dlid;
 	a.ah_attr.port_num = p->port;
@@ -59,15 +59,23 @@ import "fmt"
 // transport does: the verbs QP, and the simulated NIC's (simnic.go); the
 // real exchange runs in the soft-RoCE VM.
 type mooncakeQP interface {
-	connectMooncake(remote endpoint) error
+	connectMooncake(remote endpoint, peers peerAccess) error
 }
+
+// peerAccess is what a peer may ask of a Mooncake-style queue pair.
+type peerAccess int
+
+const (
+	qpWrites peerAccess = 1 << iota // RDMA WRITEs through it (a Mooncake endpoint's)
+	qpReads                         // RDMA READs through it (a Mooncake endpoint's, a ferry read connection's)
+)
 
 // connectMooncake connects to remote (its GID, LID and QPN) with
 // Mooncake's attributes. The path MTU is the smaller of this port's active
 // MTU and remote.MTU, the cap Mooncake peers are configured with: Mooncake
 // exchanges none, so both ends must come to the same (the same netdev MTU
-// on RoCE, the same cap).
-func (q *verbsQP) connectMooncake(remote endpoint) error {
+// on RoCE, the same cap). peers is what remote may do through it.
+func (q *verbsQP) connectMooncake(remote endpoint, peers peerAccess) error {
 	m := q.n.local.MTU
 	if remote.MTU != 0 {
 		m = min(m, remote.MTU)
@@ -79,10 +87,22 @@ func (q *verbsQP) connectMooncake(remote endpoint) error {
 	for i, b := range remote.GID {
 		p.dgid[i] = C.uint8_t(b)
 	}
-	if err := verbsErr("ibv_modify_qp to RTR and RTS (Mooncake's attributes)", C.fv_mc_connect(q.qp, &p)); err != nil {
+	if err := verbsErr("ibv_modify_qp to RTR and RTS (Mooncake's attributes)", C.fv_mc_connect(q.qp, &p, peers.flags())); err != nil {
 		return fmt.Errorf("connecting QP %d to peer QP %d: %w", q.QPN(), remote.QPN, err)
 	}
 	return nil
+}
+
+// flags are a's verbs access flags.
+func (a peerAccess) flags() C.int {
+	var f C.int
+	if a&qpWrites != 0 {
+		f |= C.IBV_ACCESS_REMOTE_WRITE
+	}
+	if a&qpReads != 0 {
+		f |= C.IBV_ACCESS_REMOTE_READ
+	}
+	return f
 }
 
 // deviceName is the verbs device's name, as Mooncake NIC paths carry it.

@@ -100,7 +100,10 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 	q, err := t.NewMooncakeQP()
 	if err == nil {
 		defer q.Close()
-		err = q.l.qp.(mooncakeQP).connectMooncake(remote)
+		// The reader may READ through it and nothing else: what it
+		// reads is still only what a grant names (the registrations in
+		// this PD that allow READs are engine regions').
+		err = q.l.qp.(mooncakeQP).connectMooncake(remote, qpReads)
 	}
 	if err != nil {
 		writeReply(c, transport.Internal, 0, fmt.Sprintf("no queue pair for RDMA reads: %v", err), nil)
@@ -242,7 +245,9 @@ func (s *session) Read(ctx context.Context, reads []transport.Read) error {
 	}
 	var remote endpoint
 	remote.decode(b[:])
-	if err := q.l.qp.(mooncakeQP).connectMooncake(remote); err != nil {
+	// The reader's queue pair only posts READs: the peer may do nothing
+	// through it.
+	if err := q.l.qp.(mooncakeQP).connectMooncake(remote, 0); err != nil {
 		return fail("connecting the queue pair", err)
 	}
 	var hb [peer.HeaderSize]byte

@@ -170,3 +170,78 @@ func TestFerryReadsFromAPeerWithoutRDMAReads(t *testing.T) {
 		t.Fatal("the bytes read differ from the peer's memory")
 	}
 }
+
+// TestReadConnectionsTakeNoWrites: the queue pair a read connection
+// gets answers RDMA READs only. A peer that sets one up (no key needed
+// for that) and WRITEs through it, under an rkey that takes peers'
+// writes (an engine region's), is refused by the responder
+// (REM_INV_REQ_ERR), and the memory stays as it was.
+func TestReadConnectionsTakeNoWrites(t *testing.T) {
+	f := newFabric()
+	sink := &engineSink{Slots: transporttest.NewSlots(0), key: transport.NewKey(), mem: mapT(t, 1<<16)}
+	rx, err := listen(testConfig(t, Config{Memory: mapT(t, 1<<16), Peer: peer.Config{Sink: sink}}), testNIC(t, f, 1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, rx)
+	fill(sink.mem, 13)
+	want := bytes.Clone(sink.mem)
+	if sink.er, err = rx.RegisterEngineRegion(sink.mem, engineAddr); err != nil {
+		t.Fatal(err)
+	}
+	defer sink.er.Close()
+	tx, err := listen(testConfig(t, Config{Memory: mapT(t, 1<<16)}), testNIC(t, f, 2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, tx)
+	src := mapT(t, 4096)
+	fill(src, 99)
+	own, err := tx.RegisterEngineRegion(src, addrOf(src))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer own.Close()
+
+	// The first steps of session.Read, by hand.
+	c, _, err := tx.port.Dial(ctxFor(t, 30*time.Second), rx.Addr().String(), peer.KindRDMARead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	q, err := tx.NewMooncakeQP()
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer q.Close()
+	e := tx.nic.Endpoint()
+	e.QPN, e.PSN = q.QPN(), 0
+	var b [endpointSize]byte
+	e.encode(b[:])
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	if _, err := c.Write(b[:]); err != nil {
+		t.Fatal(err)
+	}
+	if r, err := readReply(c, b[:]); err != nil || r.Code != transport.OK {
+		t.Fatalf("the connect reply: %+v, %v", r, err)
+	}
+	var remote endpoint
+	remote.decode(b[:])
+	if err := q.l.qp.(mooncakeQP).connectMooncake(remote, 0); err != nil {
+		t.Fatal(err)
+	}
+	l := q.l
+	if err := l.qp.Post([]op{{WRID: 7, Local: addrOf(src), Remote: engineAddr, Len: 4096, LKey: own.LKey, RKey: sink.er.RKey, Signaled: true}}); err != nil {
+		t.Fatal(err)
+	}
+	wc, err := wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+	if err != nil {
+		t.Fatalf("waiting for the write's completion: %v", err)
+	}
+	if wc.Status != wcRemInvReqErr && wc.Status != wcRemAccessErr {
+		t.Fatalf("a WRITE through a read connection's queue pair: completion %s, want REM_INV_REQ_ERR", wc.Status.String())
+	}
+	if !bytes.Equal(sink.mem, want) {
+		t.Fatal("a WRITE through a read connection's queue pair changed the engine's memory")
+	}
+}

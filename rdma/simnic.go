@@ -291,6 +291,7 @@ type fakeQP struct {
 	dgid    *[16]byte // set by connectMooncake: packets go to this GID
 	mcMTU   mtu       // set by connectMooncake: the MTU cap it was given
 	reads   bool      // set by connectMooncake: it answers RDMA READs
+	writes  bool      // it takes RDMA WRITEs: a lane, or connectMooncake's qpWrites
 	ops     []op
 	recvs   int
 	cq      []completion
@@ -322,19 +323,20 @@ func (q *fakeQP) Connect(psn uint32, remote endpoint) error {
 	if q.state != qpInit {
 		return fmt.Errorf("ibv_modify_qp to RTR: %w", syscall.EINVAL)
 	}
-	q.peer, q.state = remote.QPN, qpRTS
+	q.peer, q.state, q.writes = remote.QPN, qpRTS, true
 	return nil
 }
 
 // connectMooncake connects as Connect does, routed by the peer's GID as
 // Mooncake's QPs always are: a peer QP on a NIC of another GID never sees
 // the packets.
-func (q *fakeQP) connectMooncake(remote endpoint) error {
+func (q *fakeQP) connectMooncake(remote endpoint, peers peerAccess) error {
 	if err := q.Connect(0, remote); err != nil {
 		return err
 	}
 	q.mu.Lock()
-	q.dgid, q.mcMTU, q.reads = &remote.GID, remote.MTU, true
+	q.dgid, q.mcMTU = &remote.GID, remote.MTU
+	q.reads, q.writes = peers&qpReads != 0, peers&qpWrites != 0
 	q.mu.Unlock()
 	return nil
 }
@@ -574,9 +576,10 @@ func (q *fakeQP) execute(o op) (wcStatus, uint32) {
 		f.mu.RUnlock()
 		return wcLocProtErr, 0
 	}
-	if o.Read && !peer.reads {
-		// ferry's lanes allow no remote reads: the responder NAKs the
-		// opcode (invalid request) and goes to the error state.
+	if o.Read && !peer.reads || !o.Read && !peer.writes {
+		// ferry's lanes allow no remote reads, a read connection's
+		// queue pair no writes: the responder NAKs the opcode (invalid
+		// request) and goes to the error state.
 		f.mu.RUnlock()
 		peer.fail()
 		return wcRemInvReqErr, 0
