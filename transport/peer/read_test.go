@@ -92,14 +92,38 @@ func TestReadRefused(t *testing.T) {
 			}
 		})
 	}
-	// Guessing keys: the MaxUnmatched-th guess closes the connection,
-	// each answered no_slot before.
-	guesses := make([]transport.Read, MaxUnmatched+1)
-	for i := range guesses {
-		guesses[i] = transport.Read{Addr: m.base, Key: transport.NewKey(), Dst: make([]byte, 1)}
+	// Guessing keys on one connection: each guess is answered no_slot,
+	// the MaxUnmatched-th with the close flag, and the connection ends.
+	c, _, err := tx.Dial(ctxFor(t, 10*time.Second), rx.Addr().String(), KindRead)
+	if err != nil {
+		t.Fatal(err)
 	}
-	if err := tx.Read(ctxFor(t, 10*time.Second), rx.Addr().String(), guesses); !transport.IsRefusal(err) {
-		t.Fatalf("guessed keys: %v, want a refusal", err)
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(10 * time.Second))
+	var hdr [HeaderSize]byte
+	var rep [ReplySize]byte
+	for i := 1; i <= MaxUnmatched; i++ {
+		h := Header{Addr: m.base, Len: 1, Key: transport.NewKey()}
+		h.Encode(&hdr)
+		if _, err := c.Write(hdr[:]); err != nil {
+			t.Fatalf("guess %d: %v", i, err)
+		}
+		if _, err := io.ReadFull(c, rep[:]); err != nil {
+			t.Fatalf("guess %d's reply: %v", i, err)
+		}
+		code, flags, n, err := DecodeReply(&rep)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := io.ReadFull(c, make([]byte, n)); err != nil {
+			t.Fatalf("guess %d's message: %v", i, err)
+		}
+		if code != transport.NoSlot || (flags&FlagClose != 0) != (i == MaxUnmatched) {
+			t.Fatalf("guess %d of %d: code %s, flags %#x; want no_slot, the close flag on the last only", i, MaxUnmatched, code, flags)
+		}
+	}
+	if n, err := c.Read(make([]byte, 1)); err != io.EOF {
+		t.Fatalf("after %d guesses the connection gave %d bytes, %v; want it closed", MaxUnmatched, n, err)
 	}
 }
 
