@@ -23,6 +23,15 @@ import (
 // by RDMA READ on the rdma transport, from the engine region's
 // registration for peers (rdma/reads.go), and over TCP where the peer
 // serves no RDMA reads or the memory has no such registration.
+//
+// A Mooncake engine's segment (a real Mooncake engine's, or any
+// Mooncake-protocol peer's) is read over Mooncake's own wire: on an rdma
+// segment by plain RDMA READs from its buffers under the rkeys its
+// descriptor lists, on the endpoint (QPs) ferryd's writes to that NIC
+// take; on a tcp segment by READs on its data port. Every piece is
+// checked against the descriptor's buffers before any is read
+// (mooncake.Session.Read). Mooncake's wire has no keys: what such a
+// segment serves is its engine's business.
 
 // maxReadBytes bounds one POST /v1/reads: its bytes are held in ferryd's
 // memory until the answer goes out. ferry.mooncake cuts larger batches.
@@ -67,7 +76,7 @@ func (d *Daemon) handleRead(w http.ResponseWriter, r *http.Request) error {
 	}
 	rd, ok := sess.(transport.Reader)
 	if !ok {
-		return apiErr(api.CodeBadRequest, "read from %s: its segment is a Mooncake engine's, not a ferry engine's: ferryd reads only ferry engines' memory; read a Mooncake engine's over its TCP data port (ferry.mooncake does)", req.Session)
+		return apiErr(api.CodeBadRequest, "read from %s: its %s session does not read", req.Session, sess.Transport())
 	}
 	reads := make([]transport.Read, len(req.Pieces))
 	var buf []byte
@@ -92,7 +101,9 @@ func (d *Daemon) handleRead(w http.ResponseWriter, r *http.Request) error {
 	}
 	if err := rd.Read(r.Context(), reads); err != nil {
 		if transport.IsRefusal(err) {
-			return apiErr(api.CodeRefused, "read from %s: the peer refused it: %v", req.Session, err)
+			// The peer's refusal, or for a Mooncake segment the
+			// descriptor's: it lists no buffer holding a piece.
+			return apiErr(api.CodeRefused, "read from %s refused: %v", req.Session, err)
 		}
 		return apiErr(api.CodeTransferFailed, "read from %s failed (ret=%s): %v; read again", req.Session, retCode(err), err)
 	}

@@ -18,9 +18,9 @@ import (
 // (type 0) on the segment's RPC port exchanges QP numbers, GID and LID
 // for a number of QPs per endpoint (Mooncake's MC_NUM_QP_PER_EP, 2 by
 // default, equal on both ends); the QPs connect with PSN 0; the initiator
-// posts plain RDMA WRITEs with the rkey the target's descriptor lists,
-// and its own signaled completion is the end of the transfer. The target
-// posts no receives and sees nothing.
+// posts plain RDMA WRITEs, or READs, with the rkey the target's
+// descriptor lists, and its own signaled completion is the end of the
+// transfer. The target posts no receives and sees nothing.
 //
 // One endpoint per peer NIC path carries both directions, as in Mooncake:
 // ferry reuses QPs a Mooncake initiator connected when it writes back to
@@ -40,6 +40,9 @@ type QP interface {
 	// the NIC's I/O timeout. A write that failed once anything went to
 	// the NIC has closed the QP.
 	Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error)
+	// Read fills dst from remote under rkey with plain RDMA READs, as
+	// Write writes; a failed read closes the QP as a failed write does.
+	Read(ctx context.Context, dst []byte, remote uint64, rkey uint32) (transport.Report, error)
 	// Closed reports whether the QP was closed.
 	Closed() bool
 	// Close destroys the QP, waiting out a write on it.
@@ -105,7 +108,7 @@ type Endpoints[Q QP] struct {
 	dials map[string]chan struct{} // closed when the handshake ends
 }
 
-var _ RDMAWriter = (*Endpoints[QP])(nil)
+var _ RDMAInitiator = (*Endpoints[QP])(nil)
 
 // endpoint is the QPs connected to one peer NIC.
 type endpoint[Q QP] struct {
@@ -439,14 +442,14 @@ func initiatorAddress(ctx context.Context, h Handshake, req HandshakeDesc) ([16]
 	return [16]byte{}, 0, fmt.Errorf("no local_gid in the request, and the initiator's descriptor lists no device %q", dev)
 }
 
-// endpoint returns the endpoint to w's target NIC, connecting one by a
-// handshake with the segment's RPC port when there is none connected to
-// the GID the target's descriptor lists. An endpoint is not dropped on a
+// endpoint returns the endpoint to tg's NIC, connecting one by a
+// handshake with the segment's RPC port rpc (self naming this side's
+// segment, qps QPs) when there is none connected to the GID the
+// target's descriptor lists. An endpoint is not dropped on a
 // new descriptor of the peer (Mooncake's newer releases refuse a second
 // handshake while their endpoint lives); only a failed write drops it,
 // and the retry handshakes afresh.
-func (e *Endpoints[Q]) endpoint(ctx context.Context, w RDMAWrite) (*endpoint[Q], error) {
-	tg := w.Target
+func (e *Endpoints[Q]) endpoint(ctx context.Context, self, rpc string, tg RDMATarget, qps int) (*endpoint[Q], error) {
 	want, err := ParseGID(tg.Device.GID)
 	if err != nil {
 		return nil, fmt.Errorf("segment device %s: %w", tg.Device.Name, err)
@@ -470,18 +473,21 @@ func (e *Endpoints[Q]) endpoint(ctx context.Context, w RDMAWrite) (*endpoint[Q],
 	if err != nil {
 		return nil, err
 	}
-	qps, err := e.newQPs(w.QPs)
+	if qps <= 0 {
+		qps = DefaultQPs
+	}
+	qs, err := e.newQPs(qps)
 	if err != nil {
 		return nil, err
 	}
 	hctx, cancel := context.WithTimeout(ctx, e.cfg.HandshakeTimeout)
 	defer cancel()
-	r, reached, err := connectQPs(hctx, w.RPC, HandshakeDesc{
-		LocalNICPath: NICPath(w.Self, dev.Name), PeerNICPath: tg.NICPath,
-		QPNum: qpNums(qps), LocalLID: dev.LID, LocalGID: dev.GID,
+	r, reached, err := connectQPs(hctx, rpc, HandshakeDesc{
+		LocalNICPath: NICPath(self, dev.Name), PeerNICPath: tg.NICPath,
+		QPNum: qpNums(qs), LocalLID: dev.LID, LocalGID: dev.GID,
 	})
 	if err != nil {
-		closeQPs(qps)
+		closeQPs(qs)
 		return nil, err
 	}
 	// The QPs go to the GID and LID the descriptor lists, which is what
@@ -489,18 +495,18 @@ func (e *Endpoints[Q]) endpoint(ctx context.Context, w RDMAWrite) (*endpoint[Q],
 	// another address is not the segment's NIC.
 	if r.LocalGID != "" {
 		if got, err := ParseGID(r.LocalGID); err != nil || got != want || r.LocalLID != tg.Device.LID {
-			closeQPs(qps)
+			closeQPs(qs)
 			return nil, fmt.Errorf("connecting to %s: the handshake reply's local_gid %q and local_lid %d are not the descriptor's GID %s and LID %d of device %s",
 				tg.NICPath, r.LocalGID, r.LocalLID, tg.Device.GID, tg.Device.LID, tg.Device.Name)
 		}
 	}
-	ep, err := e.connect(tg.NICPath, ownerOf(reached), qps, want, tg.Device.LID, r.QPNum)
+	ep, err := e.connect(tg.NICPath, ownerOf(reached), qs, want, tg.Device.LID, r.QPNum)
 	if err == nil {
 		if err = e.put(ep, ""); err == nil {
 			return ep, nil
 		}
 	}
-	closeQPs(qps)
+	closeQPs(qs)
 	return nil, fmt.Errorf("connecting to %s: %w", tg.NICPath, err)
 }
 
@@ -509,16 +515,31 @@ func (e *Endpoints[Q]) endpoint(ctx context.Context, w RDMAWrite) (*endpoint[Q],
 // A failed write (an error completion, no progress within the I/O
 // timeout) drops the endpoint, so the next write handshakes afresh.
 func (e *Endpoints[Q]) WriteRDMA(ctx context.Context, w RDMAWrite) (transport.Report, error) {
+	return e.onQP(ctx, "write", w.Self, w.RPC, w.Target, w.QPs, w.Remote, len(w.Src), func(q Q) (transport.Report, error) {
+		return q.Write(ctx, w.Src, w.Remote, w.Target.RKey)
+	})
+}
+
+// ReadRDMA fills r.Dst from r.Remote on one of the QPs of the endpoint to
+// r's target NIC (the one a write there would take), and returns once
+// every byte is in r.Dst. A failed read drops the endpoint as a failed
+// write does.
+func (e *Endpoints[Q]) ReadRDMA(ctx context.Context, r RDMARead) (transport.Report, error) {
+	return e.onQP(ctx, "read", r.Self, r.RPC, r.Target, r.QPs, r.Remote, len(r.Dst), func(q Q) (transport.Report, error) {
+		return q.Read(ctx, r.Dst, r.Remote, r.Target.RKey)
+	})
+}
+
+// onQP runs op, a write or read (what) of n bytes at remote in tg's
+// buffer, on a free QP of the endpoint to tg's NIC.
+func (e *Endpoints[Q]) onQP(ctx context.Context, what, self, rpc string, tg RDMATarget, qps int, remote uint64, n int, op func(Q) (transport.Report, error)) (transport.Report, error) {
 	if e.isClosed() {
-		return transport.Report{}, fmt.Errorf("rdma write to %s: %w", w.Target.NICPath, transport.ErrClosed)
+		return transport.Report{}, fmt.Errorf("rdma %s of %s: %w", what, tg.NICPath, transport.ErrClosed)
 	}
-	if len(w.Src) == 0 {
+	if n == 0 {
 		return transport.Report{}, nil
 	}
-	if w.QPs <= 0 {
-		w.QPs = DefaultQPs
-	}
-	ep, err := e.endpoint(ctx, w)
+	ep, err := e.endpoint(ctx, self, rpc, tg, qps)
 	if err != nil {
 		return transport.Report{}, err
 	}
@@ -528,19 +549,19 @@ func (e *Endpoints[Q]) WriteRDMA(ctx context.Context, w RDMAWrite) (transport.Re
 	case <-ctx.Done():
 		return transport.Report{}, fmt.Errorf("waiting for a queue pair to %s: %w", ep.peer, transport.ContextErr(ctx))
 	}
-	rep, err := q.Write(ctx, w.Src, w.Remote, w.Target.RKey)
+	rep, err := op(q)
 	switch {
 	case err == nil:
-		// ferry wrote through it: legitimate traffic.
+		// ferry wrote or read through it: legitimate traffic.
 		ep.m.Prove()
 		ep.free <- q
 		return rep, nil
 	case !q.Closed(): // nothing went to the NIC
 		ep.free <- q
 		return transport.Report{}, err
-	case ep.isClosed(): // dropped under the write
+	case ep.isClosed(): // dropped under the transfer
 		return transport.Report{}, fmt.Errorf("the endpoint to %s was torn down: %w", ep.peer, err)
 	}
 	e.drop(ep)
-	return transport.Report{}, fmt.Errorf("rdma write of %d bytes to %#x on %s (rkey %#x): %w", len(w.Src), w.Remote, ep.peer, w.Target.RKey, err)
+	return transport.Report{}, fmt.Errorf("rdma %s of %d bytes at %#x on %s (rkey %#x): %w", what, n, remote, ep.peer, tg.RKey, err)
 }

@@ -90,6 +90,15 @@ func (q *fakeQP) Connect(gid [16]byte, _ uint16, qpn uint32, mtu int) error {
 // connected to, connected back to it, and rkey and range are that NIC's;
 // else it fails as a NIC does, closing the QP.
 func (q *fakeQP) Write(_ context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error) {
+	return q.move(src, remote, rkey, func(mem []byte) { copy(mem, src) })
+}
+
+// Read fills dst as Write lands src.
+func (q *fakeQP) Read(_ context.Context, dst []byte, remote uint64, rkey uint32) (transport.Report, error) {
+	return q.move(dst, remote, rkey, func(mem []byte) { copy(dst, mem) })
+}
+
+func (q *fakeQP) move(buf []byte, remote uint64, rkey uint32, do func(mem []byte)) (transport.Report, error) {
 	f := q.v.f
 	f.mu.Lock()
 	defer f.mu.Unlock()
@@ -103,11 +112,11 @@ func (q *fakeQP) Write(_ context.Context, src []byte, remote uint64, rkey uint32
 	}
 	m := p.v
 	off := remote - m.base()
-	if rkey != m.rkey() || remote < m.base() || off > uint64(len(m.mem)) || uint64(len(src)) > uint64(len(m.mem))-off {
+	if rkey != m.rkey() || remote < m.base() || off > uint64(len(m.mem)) || uint64(len(buf)) > uint64(len(m.mem))-off {
 		q.close()
 		return transport.Report{}, errors.New("REM_ACCESS_ERR")
 	}
-	copy(m.mem[off:], src)
+	do(m.mem[off : off+uint64(len(buf))])
 	return transport.Report{Registration: transport.RegisteredShared}, nil
 }
 
@@ -648,5 +657,73 @@ func TestDialBackOnlyWhereSent(t *testing.T) {
 	ferry.mayFetch = func(seg string) bool { return seg == in.name }
 	if _, err := ConnectQPs(ctx, ferry.name, req(in.name)); err != nil {
 		t.Fatalf("a handshake without local_gid from a segment ferry sent to: %v", err)
+	}
+}
+
+// TestSessionReadsAnRDMASegment: a session reads an rdma segment's buffer
+// by RDMA READs on the endpoint its writes took (no second handshake),
+// each piece byte-exact; a piece outside the buffers is refused naming
+// it and the segment before anything is read; a read the NIC fails (an
+// rkey it does not know) drops the endpoint, and the next read fetches
+// the descriptor again and handshakes afresh.
+func TestSessionReadsAnRDMASegment(t *testing.T) {
+	f := newFabric()
+	ferry, peer := startSegment(t, f, 1, EndpointConfig{}), startSegment(t, f, 2, EndpointConfig{})
+	ctx := ctxFor(t, 30*time.Second)
+	d := &Dialer{Self: &Segment{Name: ferry.name, Protocol: "rdma", Buffers: []Buffer{}}, RDMA: ferry.eps}
+	ts, err := d.Dial(ctx, Scheme+peer.name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ts.Close()
+	s := ts.(*Session)
+	data := bytes.Repeat([]byte("mooncake segment "), 3000)
+	base := peer.v.base()
+	if _, err := s.Write(ctx, transport.Write{Src: data, Remote: base + 7}); err != nil {
+		t.Fatal(err)
+	}
+	ep := ferry.endpoint(peer.nicPath())
+	dst := make([]byte, 40000)
+	if err := s.Read(ctx, []transport.Read{{Addr: base + 1007, Dst: dst[:30000]}, {Addr: base + 7, Dst: dst[30000:]}}); err != nil {
+		t.Fatal(err)
+	}
+	if !bytes.Equal(dst[:30000], data[1000:31000]) || !bytes.Equal(dst[30000:], data[:10000]) {
+		t.Fatal("the pieces read hold other bytes than the segment's buffer")
+	}
+	if got := ferry.endpoint(peer.nicPath()); got != ep {
+		t.Fatal("the reads did not go over the endpoint the write connected")
+	}
+
+	clear(dst)
+	err = s.Read(ctx, []transport.Read{{Addr: base, Dst: dst[:8]}, {Addr: base + 1<<16 - 4, Dst: dst[8:16]}})
+	var rf *transport.Refusal
+	if !errors.As(err, &rf) || rf.Code != transport.OutOfBounds {
+		t.Fatalf("a piece past the buffer: %v, want an out_of_bounds refusal", err)
+	}
+	for _, want := range []string{"piece 1", "lies in none of the buffers", peer.name} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("the refusal does not say %q: %v", want, err)
+		}
+	}
+	if !bytes.Equal(dst[:8], make([]byte, 8)) {
+		t.Error("piece 0 was read though piece 1 was refused")
+	}
+
+	// The NIC refuses a READ under an rkey it does not know.
+	s.mu.Lock()
+	s.seg.Buffers[0].RKey = []uint32{peer.v.rkey() + 1}
+	s.mu.Unlock()
+	err = s.Read(ctx, []transport.Read{{Addr: base + 7, Dst: dst[:64]}})
+	if err == nil || !strings.Contains(err.Error(), "REM_ACCESS_ERR") || !strings.Contains(err.Error(), "rdma read of 64 bytes") {
+		t.Fatalf("a READ under a wrong rkey: %v, want the NIC's REM_ACCESS_ERR", err)
+	}
+	if ferry.endpoint(peer.nicPath()) != nil {
+		t.Fatal("the failed read left its endpoint in the table")
+	}
+	if err := s.Read(ctx, []transport.Read{{Addr: base + 7, Dst: dst[:64]}}); err != nil || !bytes.Equal(dst[:64], data[:64]) {
+		t.Fatalf("the read after a failed one: %v, want the bytes (the descriptor fetched again, a new endpoint)", err)
+	}
+	if got := ferry.endpoint(peer.nicPath()); got == nil || got == ep {
+		t.Fatal("the read after a failed one took no new endpoint")
 	}
 }

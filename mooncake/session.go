@@ -35,10 +35,23 @@ type RDMAWrite struct {
 	QPs    int // QPs per endpoint; 0 is DefaultQPs
 }
 
-// RDMAWriter carries writes into segments whose descriptor says protocol
-// "rdma": the connection handshake and plain RDMA WRITEs (Endpoints).
-type RDMAWriter interface {
+// RDMARead is one read from an RDMA segment: the bytes at Remote, inside
+// Target.Buffer, into Dst.
+type RDMARead struct {
+	Self   string // the reader's segment name, for its NIC path
+	RPC    string // the target segment's RPC port
+	Target RDMATarget
+	Remote uint64
+	Dst    []byte
+	QPs    int // QPs per endpoint; 0 is DefaultQPs
+}
+
+// RDMAInitiator carries writes into, and reads from, segments whose
+// descriptor says protocol "rdma": the connection handshake and plain
+// RDMA WRITEs and READs (Endpoints).
+type RDMAInitiator interface {
 	WriteRDMA(ctx context.Context, w RDMAWrite) (transport.Report, error)
+	ReadRDMA(ctx context.Context, r RDMARead) (transport.Report, error)
 }
 
 // RPCAddr returns the handshake address of a "mooncake://host:port"
@@ -67,8 +80,8 @@ type Dialer struct {
 	Self      *Segment
 	IOTimeout time.Duration // per data-plane chunk; default 10s
 	MaxConns  int           // data connections at once per session; default 8
-	// RDMA writes into rdma segments; nil refuses them.
-	RDMA RDMAWriter
+	// RDMA writes into and reads from rdma segments; nil refuses them.
+	RDMA RDMAInitiator
 	// Ferry, if set, opens a session to a ferry peer port: a segment
 	// whose descriptor names one (Segment.Ferry, a ferry engine's) is
 	// written over ferry's peer protocol with its key, not over
@@ -147,10 +160,10 @@ func (f *ferrySession) Read(ctx context.Context, reads []transport.Read) error {
 	return r.Read(ctx, reads)
 }
 
-// Session writes into one Mooncake segment. Its descriptor is cached and
-// fetched again when a write's range lies outside it (the peer may have
-// restarted with new buffers); a broken write makes the daemon tear the
-// session down, and the next Dial fetches it afresh.
+// Session writes into, and reads from, one Mooncake segment. Its
+// descriptor is cached and fetched again when a range lies outside it
+// (the peer may have restarted with new buffers); a broken write makes
+// the daemon tear the session down, and the next Dial fetches it afresh.
 type Session struct {
 	d      *Dialer
 	peer   string
@@ -159,12 +172,18 @@ type Session struct {
 	ctx    context.Context // ended by Close
 	cancel context.CancelFunc
 
-	mu   sync.Mutex
-	seg  *Segment
-	idle []*net.TCPConn // v2 data connections kept for the next write (at most cap(sem))
+	mu  sync.Mutex
+	seg *Segment
+	// stale: a read failed; the next fetches the descriptor first (its
+	// engine may have restarted with the same buffers under new rkeys).
+	stale bool
+	idle  []*net.TCPConn // v2 data connections kept for the next write (at most cap(sem))
 }
 
-var _ transport.Session = (*Session)(nil)
+var (
+	_ transport.Session = (*Session)(nil)
+	_ transport.Reader  = (*Session)(nil)
+)
 
 func (s *Session) Transport() string {
 	if s.segment().Protocol == "rdma" {
@@ -216,7 +235,7 @@ func (s *Session) refresh(ctx context.Context) (*Segment, error) {
 		return nil, fmt.Errorf("mooncake segment %s (session %s) speaks protocol %q; ferry reaches Mooncake segments over tcp or rdma: start its engine with one of those", seg.Name, s.peer, seg.Protocol)
 	}
 	s.mu.Lock()
-	s.seg = seg
+	s.seg, s.stale = seg, false
 	s.mu.Unlock()
 	return seg, nil
 }
@@ -268,11 +287,7 @@ func (s *Session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	defer func() { <-s.sem }()
 	v2 := seg.TCPProtoVersion >= 2
 	req := Request{Data: seg.DataAddr(s.rpc), Addr: w.Remote, Buf: w.Src, V2: v2, IOTimeout: s.d.IOTimeout}
-	write := Write
-	if v2 {
-		write = s.writePooled
-	}
-	if err := write(ctx, req); err != nil {
+	if err := s.tcp(ctx, OpWrite, req); err != nil {
 		return transport.Report{}, s.fail(ctx, err)
 	}
 	// The header, and in v2 the status word.
@@ -283,6 +298,76 @@ func (s *Session) Write(ctx context.Context, w transport.Write) (transport.Repor
 	return rep, nil
 }
 
+// Read fills each piece's Dst from its Addr in the segment's buffers
+// (Key has no place on Mooncake's wire), one piece at a time: on an rdma
+// segment by plain RDMA READs under the rkey its descriptor lists for the
+// buffer (over the endpoint writes take), on a tcp one by READs on its
+// data port. Every piece is checked against the descriptor's buffers
+// before any is read (fetched again once when one lies outside them): a
+// piece outside all is a Refusal naming it, its range and the buffers.
+func (s *Session) Read(ctx context.Context, reads []transport.Read) error {
+	if s.ctx.Err() != nil {
+		return fmt.Errorf("mooncake read from %s: %w", s.peer, transport.ErrClosed)
+	}
+	s.mu.Lock()
+	seg, stale := s.seg, s.stale
+	s.mu.Unlock()
+	i := outside(seg, reads)
+	if i >= 0 || stale {
+		var err error
+		if seg, err = s.refresh(ctx); err != nil {
+			return fmt.Errorf("mooncake read from %s: fetching the segment's descriptor again: %w", s.peer, err)
+		}
+		i = outside(seg, reads)
+	}
+	if i >= 0 {
+		r, n := reads[i], uint64(len(reads[i].Dst))
+		return &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf(
+			"piece %d, [%#x, %#x) (%d bytes), lies in none of the buffers of Mooncake segment %s: %s; read memory its engine registered",
+			i, r.Addr, r.Addr+n, n, seg.Name, seg.DescribeBuffers())}
+	}
+	ctx, cancel := context.WithCancel(ctx)
+	defer cancel()
+	stop := context.AfterFunc(s.ctx, cancel)
+	defer stop()
+	for i, r := range reads {
+		if len(r.Dst) == 0 {
+			continue
+		}
+		var err error
+		if seg.Protocol == "rdma" {
+			var tg RDMATarget
+			if tg, _, err = seg.RDMATarget(r.Addr, uint64(len(r.Dst))); err == nil {
+				_, err = s.d.RDMA.ReadRDMA(ctx, RDMARead{Self: s.d.Self.Name, RPC: s.rpc, Target: tg, Remote: r.Addr, Dst: r.Dst, QPs: s.d.QPs})
+			}
+		} else {
+			err = s.tcp(ctx, OpRead, Request{Data: seg.DataAddr(s.rpc), Addr: r.Addr, Buf: r.Dst, V2: seg.TCPProtoVersion >= 2, IOTimeout: s.d.IOTimeout})
+		}
+		switch {
+		case err == nil:
+		case s.ctx.Err() != nil:
+			return fmt.Errorf("mooncake read from %s: piece %d, %d bytes at %#x: %w: %w", s.peer, i, len(r.Dst), r.Addr, transport.ErrClosed, err)
+		default:
+			s.mu.Lock()
+			s.stale = true
+			s.mu.Unlock()
+			return fmt.Errorf("mooncake read from %s: piece %d, %d bytes at %#x: %w", s.peer, i, len(r.Dst), r.Addr, err)
+		}
+	}
+	return nil
+}
+
+// outside is the index of the first read lying in none of seg's buffers,
+// or -1.
+func outside(seg *Segment, reads []transport.Read) int {
+	for i, r := range reads {
+		if _, ok := seg.Buffer(r.Addr, uint64(len(r.Dst))); !ok {
+			return i
+		}
+	}
+	return -1
+}
+
 func (s *Session) fail(ctx context.Context, err error) error {
 	if s.ctx.Err() != nil {
 		return fmt.Errorf("mooncake write to %s: %w: %w", s.peer, transport.ErrClosed, err)
@@ -290,9 +375,10 @@ func (s *Session) fail(ctx context.Context, err error) error {
 	return fmt.Errorf("mooncake write to %s: %w", s.peer, err)
 }
 
-// writePooled is a v2 WRITE on a data connection kept from an earlier
-// write, or a new one; the connection is kept again once the status said
-// the bytes are in memory. Mooncake's data port (and ferry's) reads the
+// tcp carries out r on the data port: in v1 on a connection of its own;
+// in v2 (pooled) on a data connection kept from an earlier request, or a
+// new one, kept again once the status said the bytes are in memory (a
+// WRITE's) or they all came (a READ's). Mooncake's data port (and ferry's) reads the
 // next header on a connection after its status word, as a Mooncake
 // connection pool has it do, so a write in a row pays no connect, no
 // accept and no new goroutine at either end. A kept connection the peer
@@ -301,7 +387,10 @@ func (s *Session) fail(ctx context.Context, err error) error {
 // write as a broken path does (the daemon re-dials and retries). A
 // connection whose write failed, or was rejected (Mooncake's port closes
 // after a rejection), is not kept.
-func (s *Session) writePooled(ctx context.Context, r Request) error {
+func (s *Session) tcp(ctx context.Context, op Opcode, r Request) error {
+	if !r.V2 {
+		return do(ctx, op, r)
+	}
 	c := s.takeIdle()
 	if c == nil {
 		var err error
@@ -309,7 +398,7 @@ func (s *Session) writePooled(ctx context.Context, r Request) error {
 			return err
 		}
 	}
-	err := request(ctx, c, OpWrite, r)
+	err := request(ctx, c, op, r)
 	if err != nil || !s.putIdle(c) {
 		c.Close()
 	}

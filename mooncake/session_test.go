@@ -105,6 +105,57 @@ func TestSessionRefusesARangeOutsideTheBuffersNamingThem(t *testing.T) {
 	}
 }
 
+// Reads over the data port, v1 and v2: each piece byte-exact from the
+// segment's buffer; a piece outside the buffers is refused naming it and
+// the segment before any is read; a read the peer rejects (its buffer
+// gone while the descriptor was cached) fails, and the next read fetches
+// the descriptor again and refuses the range as lying outside it.
+func TestSessionReadsV1AndV2(t *testing.T) {
+	for _, v := range []int{1, 2} {
+		p := startPeer(t, mooncaketest.Config{ProtoVersion: v, BufferSize: 4 << 20})
+		s := dial(t, p)
+		data := noise(3<<20+5, uint64(v))
+		if _, err := s.Write(ctxT(t), transport.Write{Src: data, Remote: p.Base() + 100}); err != nil {
+			t.Fatal(err)
+		}
+		dst := make([]byte, 2<<20+11)
+		reads := []transport.Read{{Addr: p.Base() + 1<<20, Dst: dst[:2<<20]}, {Addr: p.Base() + 100, Dst: dst[2<<20:]}}
+		for round := range 2 { // the second on kept connections (v2)
+			clear(dst)
+			if err := s.Read(ctxT(t), reads); err != nil {
+				t.Fatalf("v%d round %d: %v", v, round, err)
+			}
+			if !bytes.Equal(dst[:2<<20], data[1<<20-100:3<<20-100]) || !bytes.Equal(dst[2<<20:], data[:11]) {
+				t.Fatalf("v%d round %d: other bytes than the segment holds", v, round)
+			}
+		}
+
+		clear(dst)
+		past := []transport.Read{{Addr: p.Base(), Dst: dst[:8]}, {Addr: p.Base() + 4<<20 - 8, Dst: dst[8:24]}}
+		err := s.Read(ctxT(t), past)
+		var rf *transport.Refusal
+		if !errors.As(err, &rf) || rf.Code != transport.OutOfBounds {
+			t.Fatalf("v%d: a piece past the buffer: %v, want an out_of_bounds refusal", v, err)
+		}
+		for _, want := range []string{"piece 1", "16 bytes", "lies in none of the buffers", p.Name()} {
+			if !strings.Contains(err.Error(), want) {
+				t.Errorf("v%d: the refusal does not say %q: %v", v, want, err)
+			}
+		}
+		if !bytes.Equal(dst[:8], make([]byte, 8)) {
+			t.Errorf("v%d: piece 0 was read though piece 1 was refused", v)
+		}
+
+		p.Unregister() // the cached descriptor still lists the buffer
+		if err := s.Read(ctxT(t), reads[1:]); !mooncake.IsRejected(err) {
+			t.Fatalf("v%d: a read of a buffer gone: %v, want the peer's rejection", v, err)
+		}
+		if err := s.Read(ctxT(t), reads[1:]); !errors.As(err, &rf) || !strings.Contains(err.Error(), "none registered") {
+			t.Fatalf("v%d: the read after a failed one: %v, want a refusal from the descriptor fetched again", v, err)
+		}
+	}
+}
+
 func TestPeerRejectionIsReported(t *testing.T) {
 	for _, v := range []int{1, 2} {
 		p := startPeer(t, mooncaketest.Config{ProtoVersion: v, BufferSize: 1 << 20})

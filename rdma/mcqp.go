@@ -13,8 +13,8 @@ import (
 // endpoints they make up and speaks the handshake; what it needs of the
 // NIC is here: the device's address, the shared registration's keys, and
 // queue pairs that connect as Mooncake's do (PSN 0, mcverbs.go) and carry
-// plain RDMA WRITEs, every one signaled, with no immediate and nothing
-// posted on the target.
+// plain RDMA WRITEs and READs, every one signaled, with no immediate and
+// nothing posted on the target.
 
 // mooncakeNIC is a NIC that can name itself as Mooncake's descriptors
 // do; its queue pairs are mooncakeQPs.
@@ -182,8 +182,21 @@ func (q *MooncakeQP) Connect(gid [16]byte, lid uint16, qpn uint32, mtu int) erro
 // none came for the I/O timeout. A write that failed once its source was
 // on its way to the NIC closes the QP.
 func (q *MooncakeQP) Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error) {
+	return q.move(ctx, src, remote, rkey, false)
+}
+
+// Read reads len(dst) bytes at remote under rkey into dst by RDMA READs,
+// as Write writes: in place where dst lies in memory registered here
+// (the arena's shared registration, a region's), else through the
+// bounce ring. A read that failed once posted closes the QP.
+func (q *MooncakeQP) Read(ctx context.Context, dst []byte, remote uint64, rkey uint32) (transport.Report, error) {
+	return q.move(ctx, dst, remote, rkey, true)
+}
+
+// move is Write, or with read Read.
+func (q *MooncakeQP) move(ctx context.Context, buf []byte, remote uint64, rkey uint32, read bool) (transport.Report, error) {
 	t, l := q.t, q.l
-	s, err := t.source(src)
+	s, err := t.source(buf)
 	if err != nil {
 		return transport.Report{}, err
 	}
@@ -195,15 +208,15 @@ func (q *MooncakeQP) Write(ctx context.Context, src []byte, remote uint64, rkey 
 		return transport.Report{}, errLaneClosed
 	default:
 	}
-	err = t.mooncakePost(ctx, l, src, remote, rkey, s, false)
+	err = t.mooncakePost(ctx, l, buf, remote, rkey, s, read)
 	l.use.Unlock()
 	if err != nil {
-		// The QP goes before the source's registration (deferred): until
-		// then the NIC may still read it.
+		// The QP goes before the registration (deferred): until then
+		// the NIC may still use it.
 		q.Close()
 		return transport.Report{}, err
 	}
-	return s.kind.report(len(src)), nil
+	return s.kind.report(len(buf)), nil
 }
 
 // Closed reports whether the QP was closed.

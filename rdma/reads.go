@@ -278,24 +278,9 @@ func (s *session) Read(ctx context.Context, reads []transport.Read) error {
 		}
 		var g grant
 		g.decode(&gb)
-		if err := q.read(ctx, rd.Dst, g); err != nil {
+		if _, err := q.Read(ctx, rd.Dst, g.Addr, g.RKey); err != nil {
 			return fail(fmt.Sprintf("piece %d: %d bytes at %#x", i, len(rd.Dst), rd.Addr), err)
 		}
 	}
 	return nil
-}
-
-// read READs len(dst) bytes from the peer's g.Addr under g.RKey into
-// dst: in place where dst lies in registered memory, else through the
-// bounce ring.
-func (q *MooncakeQP) read(ctx context.Context, dst []byte, g grant) error {
-	t, l := q.t, q.l
-	s, err := t.source(dst)
-	if err != nil {
-		return err
-	}
-	defer s.release()
-	l.use.Lock()
-	defer l.use.Unlock()
-	return t.mooncakePost(ctx, l, dst, g.Addr, g.RKey, s, true)
 }

@@ -34,6 +34,7 @@ type Peer struct {
 	*mooncake.MemorySegment
 	buf  []byte
 	rdma *rdma.Transport // Config.RDMA
+	reg  *rdma.EngineRegion
 	eps  *mooncake.Endpoints[*rdma.MooncakeQP]
 
 	mu        sync.Mutex

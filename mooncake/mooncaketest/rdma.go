@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"unsafe"
 
 	"golang.org/x/sys/unix"
 
@@ -15,11 +16,13 @@ import (
 )
 
 // An RDMA peer (Config.RDMA) is a segment as Mooncake's RDMA transport
-// makes one: its buffer is mapped memory registered with the NIC, its
-// descriptor says protocol "rdma" with the device, the buffer's rkey and
-// lkey and a priority matrix, and its RPC port answers connection
-// handshakes by connecting QPs (the passive side). As an initiator it
-// connects QPs by a handshake and posts plain RDMA WRITEs. The endpoints
+// makes one: its buffer is mapped memory registered with the NIC for
+// peers' writes and reads (as Mooncake registers its buffers: remote
+// write and read), its descriptor says protocol "rdma" with the device,
+// that registration's rkey and lkey and a priority matrix, and its RPC
+// port answers connection handshakes by connecting QPs (the passive
+// side). As an initiator it connects QPs by a handshake and posts plain
+// RDMA WRITEs. The endpoints
 // are package mooncake's, on package rdma's queue pairs.
 
 // location is the buffer's memory location, as Mooncake names it and
@@ -51,7 +54,15 @@ func (p *Peer) startRDMA() error {
 		unix.Munmap(buf)
 		return fmt.Errorf("the buffer has no shared registration: %v", tr.Registration().Err)
 	}
-	p.rdma, p.buf = tr, buf
+	// The registration the descriptor lists, at the buffer's own address:
+	// one that lets peers read too (the shared one lets them write only).
+	reg, err := tr.RegisterEngineRegion(buf, uint64(uintptr(unsafe.Pointer(&buf[0]))))
+	if err != nil {
+		tr.Close()
+		unix.Munmap(buf)
+		return err
+	}
+	p.rdma, p.buf, p.reg = tr, buf, reg
 	p.eps = mooncake.NewEndpoints(tr, mooncake.EndpointConfig{})
 	return nil
 }
@@ -59,6 +70,7 @@ func (p *Peer) startRDMA() error {
 func (p *Peer) closeRDMA() {
 	if p.rdma != nil {
 		p.eps.Close()
+		p.reg.Close()
 		p.rdma.Close()
 		unix.Munmap(p.buf)
 	}
@@ -67,7 +79,7 @@ func (p *Peer) closeRDMA() {
 // rdmaSegment fills in what an rdma descriptor adds.
 func (p *Peer) rdmaSegment(s *mooncake.Segment) {
 	dev, _ := p.eps.Device()
-	rk, lk, _ := p.eps.Keys()
+	rk, lk := p.reg.RKey, p.reg.LKey
 	if p.wrongRKey {
 		rk++
 	}

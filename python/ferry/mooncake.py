@@ -27,7 +27,9 @@ Transfers go through the local ferryd (the socket from ``FERRY_SOCKET``,
 else /run/ferry/ferryd.sock): into a ferry engine's memory over ferry's
 peer protocol, into a Mooncake segment (or a ferry receive slot made with
 ``mooncake=True``) over Mooncake's wire; 0 means every byte is in the
-receiver's memory. Reads go from this process over Mooncake's TCP READ.
+receiver's memory. Reads of a ferry engine's memory, and on rdma of a
+Mooncake engine's, go through ferryd too (RDMA READs where it can);
+on tcp a Mooncake engine's go from this process over Mooncake's TCP READ.
 On failure a method returns -1 as Mooncake's does, logs the failure with
 its session, nbytes and ``ret``, and keeps it in ``last_failure``;
 ``TransferEngine(raise_on_failure=True)`` raises instead.
@@ -641,9 +643,14 @@ class TransferEngine:
         engine's ferryd over ferry's peer protocol under the segment's key
         (POST /v1/reads; authenticated by the peer secret where the
         daemons hold one; on ferryd's rdma transport by RDMA READ, into
-        this engine's memory lent to ferryd itself); from a Mooncake engine's, from this process
-        over the segment's TCP data port (Mooncake's READ, protocol v2
-        where the segment says so), straight into the registered memory."""
+        this engine's memory lent to ferryd itself). From a Mooncake
+        engine's segment on an rdma engine: through ferryd too, by plain
+        RDMA READs from the segment's buffers under the rkeys its
+        descriptor lists (over the endpoint ferryd's writes to it take);
+        a segment that speaks no rdma fails, naming its protocol, rather
+        than going over TCP. On a tcp engine: from this process over the
+        segment's TCP data port (Mooncake's READ, protocol v2 where the
+        segment says so), straight into the registered memory."""
         def read(pieces, held):
             on_gpu = [local for (local, _, _), st in zip(pieces, held) if st in self._on_gpu]
             if on_gpu:
@@ -654,6 +661,13 @@ class TransferEngine:
                 desc = _handshake(session_id, _METADATA, {"name": self.local_hostname, "protocol": self.protocol or "tcp",
                                                           "buffers": []})
                 if _ferry_peer(session_id, desc):
+                    self._read_via_ferryd(session_id, pieces, held)
+                elif self.protocol == "rdma":
+                    if desc.get("protocol") != "rdma":
+                        raise ValueError(f"this engine was initialized with protocol \"rdma\", and the segment speaks "
+                                         f"{desc.get('protocol')!r}: an rdma engine reads a Mooncake segment by RDMA READ "
+                                         "only, never silently over TCP: start that engine on rdma, or read from an "
+                                         "engine whose ferryd runs tcp")
                     self._read_via_ferryd(session_id, pieces, held)
                 else:
                     _read_pieces(session_id, desc, pieces)

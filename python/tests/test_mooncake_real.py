@@ -132,9 +132,6 @@ def test_writes_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_c
 
 @pytest.mark.parametrize("reader", ["real", "ferry"])
 def test_reads_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_child, reader):
-    if reader == "ferry" and PROTOCOL == "rdma":
-        pytest.skip("ferry's engine reads over Mooncake's TCP READ only (docs/python.md), which a real engine on "
-                    "RDMA does not serve: its reads from a real engine run over TCP (make test-mooncake-real)")
     real, real_session, ferry, ferry_session = engines(pair, engine_child)
     local, remote = (real, ferry) if reader == "real" else (ferry, real)
     remote_session = ferry_session if reader == "real" else real_session
@@ -148,6 +145,20 @@ def test_reads_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine_ch
         want[s * PAGE:(s + 1) * PAGE] = theirs[d * PAGE:(d + 1) * PAGE]
     assert local.run(DIGEST.format(name="buf")) == hashlib.sha256(bytes(want)).hexdigest()
     assert remote.run(DIGEST.format(name="buf")) == hashlib.sha256(random.Random(5).randbytes(PAGES * PAGE)).hexdigest()
+    if reader == "ferry":
+        # A piece running past the real engine's buffer is refused before
+        # anything is read, naming why.
+        ret, code, why = local.run(f"""
+            ret = engine.transfer_sync_read({remote_session!r}, {local_addr}, {remote_addr + PAGES * PAGE - 8}, 16)
+            out = [ret, engine.last_failure.ret, engine.last_failure.message]
+        """)
+        assert (ret, code) == (-1, "refused") and "lies in none of" in why, why
+    if reader == "ferry" and PROTOCOL == "rdma":
+        # ferry's engine on rdma read the real engine through its ferryd,
+        # by RDMA READs on ferryd's Mooncake endpoint (over tcp it reads
+        # from its own process over the real engine's TCP data port).
+        with pair[1].client() as c:
+            assert {s["transport"] for s in c.sessions() if real_session in s["peer"]} == {"mooncake-rdma"}
 
 
 def test_a_real_engine_writing_outside_a_ferry_engines_memory_is_refused(pair, engine_child):

@@ -272,6 +272,15 @@ def test_a_read_sequence_from_the_peers_registered_memory(pair, engine_child):
     assert bytes(dst) == want
     own = pair[1].client().status()["mooncake"]["segment"]  # ferryd's own segment: its arena
     assert reader.transfer_sync_read(own, base, reader.get_first_buffer_address(own), PAGE) == -1, "the arena was read"
+    # An engine that asked for rdma never reads a Mooncake segment over
+    # TCP: one speaking tcp is -1 naming its protocol. (These ferryd run
+    # tcp, which initialize("rdma") refuses: the engine's protocol is set
+    # as such an initialize would leave it.)
+    reader.protocol = "rdma"
+    assert reader.transfer_sync_read(own, base, reader.get_first_buffer_address(own), PAGE) == -1
+    assert "the segment speaks 'tcp'" in reader.last_failure.message and "never silently over TCP" in \
+        reader.last_failure.message, reader.last_failure
+    reader.protocol = "tcp"
     assert reader.unregister_memory(base) == 0
     assert rx.run("out = engine.unregister_memory(held.data_ptr())") == 0
 

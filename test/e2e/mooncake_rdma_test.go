@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"fmt"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -248,5 +249,80 @@ func TestMooncakeRDMAWriteCompletedByTheReceivingClient(t *testing.T) {
 	got, err := rcv.c.Wait(ctx, "mcr-nonotify", 10*time.Second)
 	if err != nil || !bytes.Equal(got, data) {
 		t.Fatalf("the completed slot: %v, equal=%t", err, bytes.Equal(got, data))
+	}
+}
+
+// ferry ← Mooncake over RDMA: POST /v1/reads of a Mooncake segment's
+// buffer goes by plain RDMA READs under the rkey its descriptor lists, on
+// the endpoint the writes to it took (one handshake for both), into the
+// reader's arena or a region it registered, with no CPU copy (its
+// DATAPLANE line), byte for byte. A piece outside the segment's buffers
+// is refused naming the piece and the segment, nothing posted; a READ the
+// peer's NIC refuses (a wrong rkey in its descriptor) is transfer_failed
+// naming the completion status, and once the peer lists its true key the
+// next read fetches the descriptor again and delivers.
+func TestMooncakeRDMAReadsFromASegment(t *testing.T) {
+	requireRDMA(t)
+	snd := raceFree(t, startDaemon(t, t.TempDir(), "snd", "--transport", "rdma"))
+	peer := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 4 << 20})
+	ctx := ctxT(t)
+	session := mooncake.Scheme + peer.Name()
+	const n = 3<<20 + 5
+	data := stageOn(t, snd, "mcr-read", n, 70)
+	addr := peer.Base() + 4096
+	if _, err := snd.c.Send(ctx, "mcr-read", api.SendRequest{Session: session, BufferAddress: addr}); err != nil {
+		t.Fatal(err)
+	}
+	const reads = 8
+	before := snd.metrics(t)
+	for i := 0; i < reads; i++ {
+		at, m := uint64(i*4099), uint64(1<<20+i)
+		got, err := snd.c.Read(ctx, api.ReadRequest{Session: peer.Name(), Pieces: [][2]uint64{{addr + at, m}, {addr + n - 10, 10}}})
+		if err != nil {
+			t.Fatalf("read %d of the segment: %v", i, err)
+		}
+		if !bytes.Equal(got, append(append([]byte(nil), data[at:at+m]...), data[n-10:]...)) {
+			t.Fatalf("read %d: other bytes than the segment holds", i)
+		}
+	}
+	after := snd.metrics(t)
+	f, into := regionMemory(t, "read-into", 1<<20)
+	if _, err := snd.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "read-into", NBytes: 1 << 20}, f); err != nil {
+		t.Fatal(err)
+	}
+	if res, err := snd.c.ReadInto(ctx, api.ReadRequest{Session: session, Pieces: [][2]uint64{{addr + 5, 1 << 19}, {addr, 100}},
+		Region: "read-into", RegionOffsets: []uint64{0, 1<<20 - 100}}); err != nil || res.NBytes != 1<<19+100 {
+		t.Fatalf("a read into a region: %+v, %v", res, err)
+	}
+	if !bytes.Equal(into[:1<<19], data[5:5+1<<19]) || !bytes.Equal(into[1<<20-100:], data[:100]) {
+		t.Fatal("a read into a region: the region holds other bytes than the segment")
+	}
+	region := snd.metrics(t)
+	per := func(a, b map[string]float64, series string, k float64) float64 { return (a[series] - b[series]) / k }
+	line := fmt.Sprintf("posts_per_read=%.2f work_requests_per_read=%.2f cpu_copy_bytes_per_read=%.0f into_region_work_requests=%.0f into_region_cpu_copy_bytes=%.0f handshakes=%d",
+		per(after, before, "ferry_rdma_posts_total", reads), per(after, before, "ferry_rdma_work_requests_total", reads), per(after, before, "ferry_rdma_copied_bytes_total", reads),
+		per(region, after, "ferry_rdma_work_requests_total", 1), per(region, after, "ferry_rdma_copied_bytes_total", 1), peer.Connects())
+	fmt.Printf("== DATAPLANE read ferry<-mooncake rdma pieces_per_read=2 reads=%d byte_exact=true %s\n", reads, line)
+	if per(after, before, "ferry_rdma_posts_total", reads) < 2 || per(after, before, "ferry_rdma_copied_bytes_total", reads) != 0 ||
+		per(region, after, "ferry_rdma_work_requests_total", 1) < 2 || per(region, after, "ferry_rdma_copied_bytes_total", 1) != 0 || peer.Connects() != 1 {
+		t.Errorf("DATAPLANE %s: want RDMA READs posted (2 pieces a read), no CPU copy, and the one handshake the send made", line)
+	}
+
+	// Bounds: checked against the descriptor before anything is posted.
+	_, err := snd.c.Read(ctx, api.ReadRequest{Session: session, Pieces: [][2]uint64{{addr, 8}, {peer.Base() + 4<<20 - 8, 16}}})
+	wantErr(t, err, http.StatusBadRequest, api.CodeRefused, "piece 1", "lies in none of the buffers of Mooncake segment "+peer.Name())
+	if st := snd.metrics(t); st["ferry_rdma_work_requests_total"] != region["ferry_rdma_work_requests_total"] {
+		t.Errorf("a refused read posted %.0f work requests", st["ferry_rdma_work_requests_total"]-region["ferry_rdma_work_requests_total"])
+	}
+
+	// The NIC's refusal: a clear failure, then recovery. A peer whose
+	// descriptor lists a wrong rkey from the start.
+	bad := startMooncakePeer(t, mooncaketest.Config{RDMA: true, BufferSize: 1 << 20})
+	bad.AdvertiseWrongRKey(true)
+	_, err = snd.c.Read(ctx, api.ReadRequest{Session: bad.Name(), Pieces: [][2]uint64{{bad.Base(), 64}}})
+	wantErr(t, err, http.StatusBadGateway, api.CodeTransferFailed, "rdma read of 64 bytes", "REM_ACCESS_ERR")
+	bad.AdvertiseWrongRKey(false)
+	if _, err := snd.c.Read(ctx, api.ReadRequest{Session: bad.Name(), Pieces: [][2]uint64{{bad.Base(), 64}}}); err != nil {
+		t.Fatalf("the read once the peer lists its true key: %v (the descriptor is fetched again after a failed read)", err)
 	}
 }
