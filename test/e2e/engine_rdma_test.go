@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"slices"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -12,6 +14,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/cuda/cudatest"
 	"github.com/ferry-project/ferry/internal/fakecuda"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/mooncake/mooncaketest"
@@ -86,20 +89,41 @@ func lendAt(t *testing.T, d *daemon, e engineMemory, req api.RegionRequest, f *o
 func TestEngineMemoryOverRDMA(t *testing.T) {
 	requireRDMA(t)
 	for _, gpu := range []bool{false, true} {
-		t.Run(map[bool]string{false: "host", true: "gpu"}[gpu], func(t *testing.T) { engineMemoryOverRDMA(t, gpu) })
+		t.Run(map[bool]string{false: "host", true: "gpu"}[gpu], func(t *testing.T) {
+			var lib string
+			if gpu {
+				lib = fakecuda.Build(t, fakecuda.Working)
+			}
+			engineMemoryOverRDMA(t, gpu, lib)
+		})
 	}
 }
 
-func engineMemoryOverRDMA(t *testing.T, gpu bool) {
+// TestGPUEngineMemoryOverRDMA is TestEngineMemoryOverRDMA's GPU case on
+// a real GPU (make test-gpu), where the host has an RDMA NIC: the GPU
+// memory is registered by the first path that works (dmabuf where the
+// driver exports the IPC-opened range and the NIC registers dmabufs,
+// else peermem), printed as "== ENGINE GPU registration".
+func TestGPUEngineMemoryOverRDMA(t *testing.T) {
+	cudatest.Require(t)
+	requireRDMA(t)
+	engineMemoryOverRDMA(t, true, "")
+}
+
+// engineMemoryOverRDMA runs TestEngineMemoryOverRDMA's checks on host
+// memory, or GPU memory on the CUDA driver in lib ("": the host's).
+func engineMemoryOverRDMA(t *testing.T, gpu bool, lib string) {
 	const size = 4 << 20
 	kind, lend := "engine", func(d *daemon, segment, name string, off, n int) engineMemory {
 		return lendEngineMemory(t, d, segment, name, n)
 	}
 	var prefix, extra []string
 	if gpu {
-		lib := fakecuda.Build(t, fakecuda.Working)
 		owner := startCUDAOwner(t, lib, size, 71)
-		prefix, extra = []string{"env", "LD_LIBRARY_PATH=" + lib}, []string{"--device", "cuda:0", "--bounce-size", "8MiB"}
+		extra = []string{"--device", "cuda:0", "--bounce-size", "8MiB"}
+		if lib != "" {
+			prefix = []string{"env", "LD_LIBRARY_PATH=" + lib}
+		}
 		kind, lend = "engine-gpu", func(d *daemon, segment, name string, off, n int) engineMemory {
 			return lendGPUEngineMemory(t, d, owner, segment, name, off, n)
 		}
@@ -112,6 +136,7 @@ func engineMemoryOverRDMA(t *testing.T, gpu bool) {
 		t.Fatal(err)
 	}
 	e := lend(rcv, es.ID, "engine-kv", 0, size)
+	engineRegistration(t, rcv, "engine-kv", gpu, lib != "")
 	self := &mooncake.Segment{Name: "test", Buffers: []mooncake.Buffer{}}
 	desc, err := mooncake.FetchSegment(ctx, es.Session, self)
 	if err != nil {
@@ -270,6 +295,55 @@ func engineMemoryOverRDMA(t *testing.T, gpu bool) {
 	}
 	if regions, err := rcv.c.Regions(ctx); err != nil || len(regions) != 0 {
 		t.Fatalf("regions after the engine segment closed: %+v, %v; want none", regions, err)
+	}
+}
+
+// engineRegistration checks how region name, memory an engine
+// registered, met the NIC for peers' writes, as GET /v1/regions and
+// /metrics say: registered; GPU memory by a path the NIC reaches it
+// by, never bounce, and on the stand-in driver by peermem, since
+// rdma_rxe refuses the dmabuf each region tries first
+// (ibv_reg_dmabuf_mr), said with what to do. It prints the path for
+// the VM's and make test-gpu's log.
+func engineRegistration(t *testing.T, d *daemon, name string, gpu, standIn bool) {
+	t.Helper()
+	regions, err := d.c.Regions(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := slices.IndexFunc(regions, func(g api.Region) bool { return g.Name == name })
+	if i < 0 || regions[i].NIC == nil || regions[i].NIC.Engine == nil {
+		t.Fatalf("regions %+v: want %s with its engine registration", regions, name)
+	}
+	en := regions[i].NIC.Engine
+	if !en.Registered || en.Error != "" || (en.GPU != nil) != gpu {
+		t.Fatalf("region %s's engine registration %+v: want it registered, with its GPU path for GPU memory", name, en)
+	}
+	if !gpu {
+		return
+	}
+	why := notTaken(en.GPU)
+	fmt.Printf("== ENGINE GPU registration region=%s asked=%s path=%s (%s)\n", name, en.GPU.Asked, en.GPU.Path, strings.Join(why, "; "))
+	if len(why) != 2 || !strings.HasPrefix(why[1], "bounce not tried: never for GPU memory an engine registered") {
+		t.Errorf("paths not taken %q: want the one not taken of dmabuf and peermem, and bounce never", why)
+	}
+	failed := map[api.GPURegistration]float64{}
+	for _, n := range en.GPU.NotTaken {
+		if n.Failed {
+			failed[n.Path] = 1
+		}
+	}
+	if standIn && (en.GPU.Path != api.GPURegistrationPeerMem || !strings.HasPrefix(why[0], "dmabuf failed: ibv_reg_dmabuf_mr") || !strings.Contains(why[0], "load nvidia-peermem")) {
+		t.Errorf("the engine's GPU memory went by %s, not taken %q; want peermem, dmabuf refused by ibv_reg_dmabuf_mr with what to do", en.GPU.Path, why)
+	}
+	for _, p := range []api.GPURegistration{api.GPURegistrationDMABuf, api.GPURegistrationPeerMem} {
+		taken := map[bool]float64{true: 1}[p == en.GPU.Path]
+		for outcome, want := range map[string]float64{"taken": taken, "failed": failed[p]} {
+			series := fmt.Sprintf(`ferry_engine_gpu_registrations_total{outcome=%q,path=%q}`, outcome, p)
+			if v := d.metric(t, series); v != want {
+				t.Errorf("%s = %v, want %v", series, v, want)
+			}
+		}
 	}
 }
 
