@@ -31,9 +31,10 @@ import (
 // write. The same registration serves peers' RDMA READs: a Mooncake
 // peer's over its endpoint's queue pairs, a ferry peer's granted per
 // piece on a read connection (rdma/reads.go). GPU memory is registered so too
-// where the NIC reaches GPU memory itself (dmabuf or peermem), a ferry
-// peer's write into it placed by the NIC through AcceptEngine; on the
-// bounce path it is refused over rdma segments (registerEngineRegion).
+// where the NIC reaches GPU memory itself, by its dmabuf or its device
+// pointer as the GPU arena may be, a ferry peer's write into it placed
+// by the NIC through AcceptEngine; on the bounce path nothing is, and
+// its writes go through staging (registerEngineRegion).
 
 // registerEngineRegion registers mem, lent as l, for peers' RDMA writes
 // at its Mooncake address, when the transport is rdma; l.mr holds it,

@@ -3,6 +3,8 @@ package rdma
 import (
 	"errors"
 	"fmt"
+	"os"
+	"strings"
 
 	"golang.org/x/sys/unix"
 
@@ -41,10 +43,9 @@ import (
 // where the NIC reaches that memory. A ferry peer's write into it is
 // then placed by the NIC where its engine's key and address say (the
 // Sink's AcceptEngine, in receive.go), again with no copy. Where the
-// GPU arena went by the bounce path the NIC reaches no GPU memory: the
-// daemon refuses the region to Mooncake peers over RDMA (their
-// one-sided writes could land nowhere), and writes over TCP go through
-// staging.
+// GPU arena went by the bounce path the NIC reaches no GPU memory:
+// nothing is registered (RegisterEngineDevice says why), and writes go
+// through staging (the daemon's Mooncake segments speak tcp there).
 
 // EngineRegion is a region's registration for peers' writes at its
 // owner's addresses. Close drops it: only once no write into it can be
@@ -104,7 +105,7 @@ func (t *Transport) RegisterEngineDevice(d EngineDevice, iova uint64) (*EngineRe
 // allows, recording each in g.
 func (t *Transport) registerEngineDevice(g *GPURegistration, d EngineDevice, iova uint64, u use) (region, error) {
 	var mr region
-	var failed []error
+	var failed []string
 	for _, p := range api.GPURegistrationPaths {
 		var why string
 		switch {
@@ -122,14 +123,14 @@ func (t *Transport) registerEngineDevice(g *GPURegistration, d EngineDevice, iov
 		reg, err := t.registerEngineDevicePath(p, d, iova, u)
 		if err != nil {
 			g.NotTaken = append(g.NotTaken, PathNotTaken{Path: p, Err: err})
-			failed = append(failed, fmt.Errorf("%s: %w", p, err))
+			failed = append(failed, fmt.Sprintf("%s: %v", p, err))
 			continue
 		}
 		mr, g.Path = reg, p
 	}
 	if mr == nil {
-		return nil, fmt.Errorf("rdma: registering %d bytes of GPU memory at %#x with the NIC for peers' writes at the engine's address %#x failed (--gpu-registration %s): %w",
-			d.Len, d.Addr, iova, g.Asked, errors.Join(failed...))
+		return nil, fmt.Errorf("rdma: registering %d bytes of GPU memory at %#x with the NIC for peers' writes at the engine's address %#x failed (--gpu-registration %s): %s",
+			d.Len, d.Addr, iova, g.Asked, strings.Join(failed, "; "))
 	}
 	return mr, nil
 }
@@ -152,6 +153,9 @@ func (t *Transport) registerEngineDevicePath(p api.GPURegistration, d EngineDevi
 	return t.registerDMABuf(fd, off, d.Len, iova, u)
 }
 
+// pageSize is the host's page size.
+var pageSize = uint64(os.Getpagesize())
+
 // registerEngine registers g by register, and lists it.
 func (t *Transport) registerEngine(g *lentRegion, register func(use) (region, error)) (*EngineRegion, error) {
 	switch {
@@ -159,6 +163,10 @@ func (t *Transport) registerEngine(g *lentRegion, register func(use) (region, er
 		return nil, errors.New("rdma: registering an engine region of no bytes")
 	case g.iova+g.size < g.iova:
 		return nil, fmt.Errorf("rdma: an engine region of %d bytes at %#x passes the end of the address space", g.size, g.iova)
+	case g.iova%pageSize != g.addr%pageSize:
+		// The kernel refuses it (EINVAL): the NIC maps whole pages.
+		return nil, fmt.Errorf("rdma: an engine region at the engine's address %#x lies %d bytes into its page, and at %#x, %d bytes into its page, where the daemon reaches it: a NIC registers whole pages, so the two must match: lend the memory at the offset of the engine's address in it",
+			g.iova, g.iova%pageSize, g.addr, g.addr%pageSize)
 	}
 	mr, err := register(engineUse)
 	if err != nil {

@@ -51,19 +51,19 @@ func engineOn(t *testing.T, gpu bool) (peer, ferry mcSide, mem []byte, er *Engin
 		t.Fatalf("the stand-in GPU arena went by the %q path: %+v", p.Path, p.NotTaken)
 	}
 	mem = dev[arenaSize:]
-	er, g := registerEngineDevice(t, ferry.tr, f, mem)
+	er, g := registerEngineDevice(t, ferry.tr, f, mem, engineAddr)
 	wantEnginePath(t, g, onDevice(t))
 	return peer, ferry, mem, er
 }
 
 // registerEngineDevice registers mem, declared device memory of f, as
-// the daemon registers GPU memory an engine registered: at engineAddr,
-// with mem's dmabuf export (dmabufOf). The export's descriptor is
-// closed by then.
-func registerEngineDevice(t *testing.T, tr *Transport, f *fabric, mem []byte) (*EngineRegion, *GPURegistration) {
+// the daemon registers GPU memory an engine registered: at iova, with
+// mem's dmabuf export (dmabufOf). The export's descriptor is closed by
+// then.
+func registerEngineDevice(t *testing.T, tr *Transport, f *fabric, mem []byte, iova uint64) (*EngineRegion, *GPURegistration) {
 	t.Helper()
 	export, closed := dmabufOf(t, f, mem)
-	er, g, err := tr.RegisterEngineDevice(EngineDevice{Range: transport.Range{Addr: addrOf(mem), Len: uint64(len(mem))}, DMABuf: export}, engineAddr)
+	er, g, err := tr.RegisterEngineDevice(EngineDevice{Range: transport.Range{Addr: addrOf(mem), Len: uint64(len(mem))}, DMABuf: export}, iova)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -296,8 +296,10 @@ func TestEngineDeviceGrants(t *testing.T) {
 func engineDeviceGrants(t *testing.T, f *fabric) {
 	rxDev := mapT(t, 2*regionHalf)
 	// Lent at an offset inside a page, as a tensor of a caching
-	// allocator's segment may be: its dmabuf starts a page before.
-	const lentOff = regionHalf + 100
+	// allocator's segment may be: its dmabuf starts at the page, and the
+	// engine's address of it lies as far into its page (both processes
+	// map the allocation at page-aligned addresses).
+	const lentOff, iova = regionHalf + 100, engineAddr + 100
 	lent := transport.Range{Addr: addrOf(rxDev) + lentOff, Len: regionHalf - regionTail}
 	slots := transporttest.NewSlots(0)
 	slots.Mem, slots.Base = rxDev, addrOf(rxDev)
@@ -309,7 +311,7 @@ func engineDeviceGrants(t *testing.T, f *fabric) {
 	// dmabuf; the engine's memory tries it again, on its own.
 	noDMABuf := f.noDMABuf
 	f.noDMABuf = nil
-	rx := listenT(t, f, Config{Peer: peer.Config{Sink: engineSlots{Slots: slots, iova: engineAddr, at: lent.Addr, n: lent.Len}}, Device: gpuArenaIn(t, f, rxDev, regionHalf, "")})
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: engineSlots{Slots: slots, iova: iova, at: lent.Addr, n: lent.Len}}, Device: gpuArenaIn(t, f, rxDev, regionHalf, "")})
 	f.noDMABuf = noDMABuf
 	// Registered as the daemon registers a CUDA region lent with an
 	// engine's address: as a region, then for peers' writes.
@@ -318,7 +320,7 @@ func engineDeviceGrants(t *testing.T, f *fabric) {
 		t.Fatal(err)
 	}
 	defer reg.Close()
-	er, g := registerEngineDevice(t, rx, f, rxDev[lentOff:lentOff+lent.Len])
+	er, g := registerEngineDevice(t, rx, f, rxDev[lentOff:lentOff+lent.Len], iova)
 	if noDMABuf != nil {
 		if g.Path != api.GPURegistrationPeerMem || g.NotTaken[0].Path != api.GPURegistrationDMABuf || g.NotTaken[0].Err == nil ||
 			!strings.Contains(g.NotTaken[0].Err.Error(), "ibv_reg_dmabuf_mr") || !strings.Contains(g.NotTaken[0].Err.Error(), "nvidia-peermem") {
@@ -334,8 +336,8 @@ func engineDeviceGrants(t *testing.T, f *fabric) {
 	defer s.Close()
 	const n, off = 1<<20 + 7, 4096
 	key := slots.Add(lentOff+off, n)
-	grantedInPlace(t, txh, rx, er, engineAddr+off, func() {
-		w := transport.Write{Src: src[:n], Remote: engineAddr + off, Key: key, Tag: key.Tag()}
+	grantedInPlace(t, txh, rx, er, iova+off, func() {
+		w := transport.Write{Src: src[:n], Remote: iova + off, Key: key, Tag: key.Tag()}
 		if _, err := s.Write(ctxFor(t, 60*time.Second), w); err != nil {
 			t.Fatalf("a write at the engine's address: %v", err)
 		}
@@ -389,13 +391,13 @@ func TestEngineDevicePaths(t *testing.T) {
 			if c.noExport {
 				export = func() (int, uint64, error) { return -1, 0, noExport }
 			}
-			er, g, err := tr.RegisterEngineDevice(EngineDevice{Range: transport.Range{Addr: addrOf(mem), Len: uint64(len(mem))}, DMABuf: export}, engineAddr)
+			er, g, err := tr.RegisterEngineDevice(EngineDevice{Range: transport.Range{Addr: addrOf(mem), Len: uint64(len(mem))}, DMABuf: export}, engineAddr+100)
 			closed()
 			if er != nil {
 				defer er.Close()
 			}
 			switch {
-			case c.want == "" && (err == nil || !strings.Contains(err.Error(), fmt.Sprintf("registering 65436 bytes of GPU memory at %#x with the NIC for peers' writes at the engine's address %#x failed", addrOf(mem), uint64(engineAddr)))):
+			case c.want == "" && (err == nil || !strings.Contains(err.Error(), fmt.Sprintf("registering 65436 bytes of GPU memory at %#x with the NIC for peers' writes at the engine's address %#x failed", addrOf(mem), uint64(engineAddr+100)))):
 				t.Fatalf("no path working: %v, want the memory refused", err)
 			case c.want != "" && err != nil:
 				t.Fatal(err)
@@ -418,9 +420,11 @@ func TestEngineDevicePaths(t *testing.T) {
 	}
 }
 
-// TestEngineRegionRefusals: an engine region of no bytes, or one whose
-// addresses wrap, or GPU memory the NIC does not reach, is refused
-// naming what is wrong.
+// TestEngineRegionRefusals: an engine region of no bytes, one whose
+// addresses wrap, one whose engine address lies at another offset in
+// its page than the daemon's mapping of it (the kernel would refuse
+// it), or GPU memory the NIC does not reach, is refused naming what is
+// wrong.
 func TestEngineRegionRefusals(t *testing.T) {
 	_, ferry := mcPair(t, newFabric(), 0)
 	mem := mapT(t, 1<<16)
@@ -431,6 +435,7 @@ func TestEngineRegionRefusals(t *testing.T) {
 	}{
 		{nil, engineAddr, "no bytes"},
 		{mem, ^uint64(0) - 100, "end of the address space"},
+		{mem, engineAddr + 8, "lies 8 bytes into its page, and at"},
 	} {
 		if _, err := ferry.tr.RegisterEngineRegion(c.mem, c.iova); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%d bytes at %#x: %v, want an error saying %q", len(c.mem), c.iova, err, c.want)

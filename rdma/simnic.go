@@ -3,6 +3,7 @@ package rdma
 import (
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -127,6 +128,10 @@ func (n *fakeNIC) RegisterAt(mem []byte, iova uint64, u use) (region, error) {
 	defer n.f.mu.Unlock()
 	if n.f.failRegister > 0 && len(mem) >= n.f.failRegister {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes: %w", len(mem), syscall.ENOMEM)
+	}
+	if page := uint64(os.Getpagesize()); iova%page != addrOf(mem)%page {
+		// As the kernel's uverbs: the NIC maps whole pages.
+		return nil, fmt.Errorf("ibv_reg_mr_iova of %d bytes at %#x, at I/O address %#x, another offset in the page: %w", len(mem), addrOf(mem), iova, syscall.EINVAL)
 	}
 	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: iova, use: u}
 	n.f.mrs[m.key] = m

@@ -5,6 +5,9 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
 	"slices"
 	"strings"
 	"testing"
@@ -319,6 +322,20 @@ func engineRegistration(t *testing.T, d *daemon, name string, gpu, standIn bool)
 	if !en.Registered || en.Error != "" || (en.GPU != nil) != gpu {
 		t.Fatalf("region %s's engine registration %+v: want it registered, with its GPU path for GPU memory", name, en)
 	}
+	// ferryctl regions: the region's line, and why a path failed.
+	out, err := exec.CommandContext(ctxT(t), filepath.Join(bin, "ferryctl"), "--socket", d.socket, "regions").CombinedOutput()
+	if err != nil {
+		t.Fatalf("ferryctl regions: %v\n%s", err, out)
+	}
+	want := regexp.MustCompile(`(?m)^` + name + ` +cuda +[0-9]+ +[0-9]+ +0x[0-9a-f]+ +registered +by (dmabuf|peermem)$`)
+	if !gpu {
+		want = regexp.MustCompile(`(?m)^` + name + ` +host +[0-9]+ +[0-9]+ +0x[0-9a-f]+ +registered +registered$`)
+	} else if standIn {
+		want = regexp.MustCompile(`(?ms)^` + name + ` +cuda .* by peermem$.*^` + name + `: engine nic: dmabuf failed: ibv_reg_dmabuf_mr`)
+	}
+	if !want.Match(out) {
+		t.Errorf("ferryctl regions says\n%s\nwant a match for %s", out, want)
+	}
 	if !gpu {
 		return
 	}
@@ -347,12 +364,15 @@ func engineRegistration(t *testing.T, d *daemon, name string, gpu, standIn bool)
 	}
 }
 
-// TestEngineGPUMemoryRefusedOnTheBouncePath: where the NIC reaches no
-// GPU memory (the GPU arena went by --gpu-registration bounce), GPU
-// memory lent with a mooncake_addr to a segment speaking rdma is
-// refused, 400 naming the path and what to do: a Mooncake peer's
-// one-sided write into it could land nowhere. Nothing stays registered.
-func TestEngineGPUMemoryRefusedOnTheBouncePath(t *testing.T) {
+// TestEngineGPUMemoryOnTheBouncePath: where the NIC reaches no GPU
+// memory (the GPU arena went by --gpu-registration bounce), GPU memory
+// lent with a mooncake_addr is not registered for peers' RDMA writes:
+// GET /v1/regions' nic.engine and ferryctl regions say why (the bounce
+// path), and no path is counted. ferryd's segments speak tcp there (the
+// Mooncake pool is no part of the arena the NIC reaches), so no
+// Mooncake peer writes it one-sidedly: writes into it go through
+// staging, as over TCP.
+func TestEngineGPUMemoryOnTheBouncePath(t *testing.T) {
 	requireRDMA(t)
 	lib := fakecuda.Build(t, fakecuda.Working)
 	owner := startCUDAOwner(t, lib, 1<<20, 72)
@@ -363,10 +383,28 @@ func TestEngineGPUMemoryRefusedOnTheBouncePath(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = rcv.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "kv", NBytes: 1 << 20, MooncakeAddr: owner.addr, MooncakeSegment: es.ID,
+	desc, err := mooncake.FetchSegment(ctx, es.Session, &mooncake.Segment{Name: "test", Buffers: []mooncake.Buffer{}})
+	if err != nil || desc.Protocol != "tcp" {
+		t.Fatalf("the engine segment's descriptor %+v, %v: want protocol tcp on the bounce path", desc, err)
+	}
+	g, err := rcv.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "kv", NBytes: 1 << 20, MooncakeAddr: owner.addr, MooncakeSegment: es.ID,
 		CUDA: &api.RegionCUDA{Device: "cuda:0", IPCHandle: owner.handle}}, nil)
-	wantErr(t, err, 400, api.CodeBadRequest, "region kv", "speak rdma", "the GPU arena went by the bounce path", "lend a memfd, or run ferryd's Mooncake segments over tcp")
-	if regions, err := rcv.c.Regions(ctx); err != nil || len(regions) != 0 {
-		t.Fatalf("regions after the refusal: %+v, %v; want none", regions, err)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g.NIC == nil || g.NIC.Engine == nil || g.NIC.Engine.Registered || g.NIC.Engine.GPU != nil ||
+		!strings.Contains(g.NIC.Engine.Error, "only where the NIC reaches the GPU arena itself (dmabuf or peermem), and the GPU arena went by the bounce path") {
+		t.Fatalf("region %+v (nic %+v): want its engine registration refused, naming the bounce path", g, g.NIC)
+	}
+	out, err := exec.CommandContext(ctx, filepath.Join(bin, "ferryctl"), "--socket", rcv.socket, "regions").CombinedOutput()
+	if err != nil || !regexp.MustCompile(`(?m)^kv +cuda .* not registered$`).Match(out) || !bytes.Contains(out, []byte("kv: engine nic: rdma: GPU memory an engine registered")) {
+		t.Errorf("ferryctl regions: %v\n%s\nwant kv's engine registration not registered, and why", err, out)
+	}
+	for _, p := range []string{"dmabuf", "peermem"} {
+		for _, o := range []string{"taken", "failed"} {
+			if v := rcv.metric(t, fmt.Sprintf(`ferry_engine_gpu_registrations_total{outcome=%q,path=%q}`, o, p)); v != 0 {
+				t.Errorf("ferry_engine_gpu_registrations_total %s %s = %v, want 0: no path is tried on the bounce path", p, o, v)
+			}
+		}
 	}
 }
