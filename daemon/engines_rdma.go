@@ -38,7 +38,7 @@ import (
 
 // registerEngineRegion registers mem, lent as l, for peers' RDMA writes
 // at its Mooncake address, when the transport is rdma; l.mr holds it,
-// l.nic says how it went. A region that cannot be registered is
+// l.engineNIC says how it went. A region that cannot be registered is
 // refused: a peer's write into memory the NIC does not reach would
 // fail. GPU memory is registered where the NIC reaches GPU memory
 // itself, by its dmabuf or its device pointer as the GPU arena may be
@@ -64,11 +64,11 @@ func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) er
 		er, gpu, err = d.dp.rdma.RegisterEngineDevice(dev, l.mooncakeAddr)
 		d.countEngineGPU(name, gpu)
 	}
-	l.mr, l.nic = er, &api.RegionEngineNIC{Registered: er != nil, GPU: gpuStatus(gpu)}
+	l.mr, l.engineNIC = er, &api.RegionEngineNIC{Registered: er != nil, GPU: gpuStatus(gpu)}
 	switch {
 	case err == nil:
 	case mem.Host() == nil && d.mooncake.seg.Protocol != "rdma":
-		l.nic.Error = err.Error()
+		l.engineNIC.Error = err.Error()
 		d.regionLog.Printf("region %s: mooncake_addr: ferry peers' writes into this GPU memory go through host staging: %v", name, err)
 	case mem.Host() == nil:
 		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segments speak rdma, so Mooncake peers write the region one-sidedly, and %v: lend a memfd, or run ferryd's Mooncake segments over tcp (writes into GPU memory then go through host staging)", name, err)
