@@ -293,6 +293,23 @@ type RegionNIC struct {
 	// one of them.
 	NICs    []string `json:"nics,omitempty"`
 	NICsWhy string   `json:"nics_why,omitempty"`
+	// Engine, for memory lent with a mooncake_addr, is its registration
+	// for peers' writes and reads at the engine's addresses.
+	Engine *RegionEngineNIC `json:"engine,omitempty"`
+}
+
+// RegionEngineNIC is the registration of memory an engine registered
+// for peers' one-sided writes and reads at the engine's own addresses.
+// Where it failed (Error says why) GPU memory is refused when ferryd's
+// Mooncake segments speak rdma; over tcp ones, ferry peers' writes into
+// it go through host staging.
+type RegionEngineNIC struct {
+	Registered bool   `json:"registered"`
+	Error      string `json:"error,omitempty"`
+	// GPU, for GPU memory, is the path it went by (dmabuf or peermem)
+	// and why not the others, as status's registration.gpu says for the
+	// GPU arena.
+	GPU *GPURegistrationStatus `json:"gpu,omitempty"`
 }
 
 // Items are a transfer's pieces, each an array of integers (ItemFields

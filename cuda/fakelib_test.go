@@ -4,10 +4,13 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"os"
 	"path/filepath"
 	"strings"
 	"sync"
 	"testing"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/internal/fakecuda"
 )
@@ -233,6 +236,24 @@ func TestFakeDriverWithoutDMABufExport(t *testing.T) {
 	if fd, _, err := a.DMABuf(); fd != -1 || err == nil || !strings.Contains(err.Error(), "has no cuMemGetHandleForAddressRange: dmabuf export needs CUDA 11.7 or newer") {
 		t.Errorf("DMABuf = %d, %v", fd, err)
 	}
+	// Nor has GPU memory lent by IPC handle.
+	owner, err := dev.Alloc(1 << 20)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer dev.Free(owner)
+	h, err := dev.IPCHandle(owner)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := OpenRegion(dev, h, 4096, 4096, &testStaging{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	if fd, _, err := r.ExportDMABuf(); fd != -1 || err == nil || !strings.Contains(err.Error(), "exporting the 4096-byte CUDA region as a dmabuf") || !strings.Contains(err.Error(), "CUDA 11.7") {
+		t.Errorf("a region's dmabuf on a driver without export: %d, %v", fd, err)
+	}
 }
 
 // A region opened by IPC handle copies in and out of the owner's
@@ -273,6 +294,24 @@ func TestFakeDriverOpensARegionByIPCHandle(t *testing.T) {
 	}
 	if staging.in != int64(len(data)) || staging.out != int64(len(data)) {
 		t.Errorf("copies counted %d in, %d out; want %d each", staging.in, staging.out, len(data))
+	}
+	// Its dmabuf, through the driver's real call: the pages holding it
+	// (the driver refuses unaligned ranges), the region at offset 0 of
+	// them here; one at an unaligned offset too.
+	if fd, off, err := r.ExportDMABuf(); err != nil || !fdOpen(fd) || off != 0 {
+		t.Errorf("the region's dmabuf: fd %d at offset %d, %v", fd, off, err)
+	} else {
+		unix.Close(fd)
+	}
+	if u, err := OpenRegion(dev, h, 3*4096+100, 5000, staging); err != nil {
+		t.Error(err)
+	} else {
+		if fd, off, err := u.ExportDMABuf(); err != nil || !fdOpen(fd) || off != u.Base()%uint64(os.Getpagesize()) {
+			t.Errorf("an unaligned region's dmabuf: fd %d at offset %d, %v", fd, off, err)
+		} else {
+			unix.Close(fd)
+		}
+		u.Close()
 	}
 	if err := r.CopyIn(64<<10-1, []byte("xx")); err == nil || !strings.Contains(err.Error(), "outside the 65536-byte CUDA region") {
 		t.Errorf("a copy past the region: %v", err)

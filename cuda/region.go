@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"fmt"
+	"os"
 	"sync"
 
 	"github.com/ferry-project/ferry/arena"
@@ -13,6 +14,7 @@ type ipcDevice interface {
 	OpenIPC(h IPCHandle) (uint64, error)
 	AddressRange(p uint64) (base uint64, size int64, err error)
 	CloseIPC(p uint64) error
+	ExportDMABuf(p uint64, n int64) (int, error)
 	CopyHtoD(dst uint64, src []byte) error
 	CopyDtoH(dst []byte, src uint64) error
 }
@@ -172,6 +174,22 @@ func (r *Region) CopyOut(dst []byte, off int64) error {
 }
 
 func (r *Region) Bounce(n int64) ([]byte, func(), error) { return r.staging.Bounce(n) }
+
+// ExportDMABuf exports the region as a dmabuf for a NIC
+// (ibv_reg_dmabuf_mr): the host pages holding it, as this process maps
+// the allocation (cuMemGetHandleForAddressRange takes page-aligned
+// ranges only), with the region's first byte at offset in it. The
+// caller owns fd; a NIC's registration keeps the dmabuf, so fd may be
+// closed once registered.
+func (r *Region) ExportDMABuf() (fd int, offset uint64, err error) {
+	page := uint64(os.Getpagesize())
+	start := r.base &^ (page - 1)
+	end := (r.base + uint64(r.size) + page - 1) &^ (page - 1)
+	if fd, err = r.dev.ExportDMABuf(start, int64(end-start)); err != nil {
+		return -1, 0, fmt.Errorf("exporting the %d-byte CUDA region as a dmabuf (the %d bytes of pages from %#x): %w", r.size, end-start, start, err)
+	}
+	return fd, r.base - start, nil
+}
 
 // Close unmaps the allocation from this process once no other region
 // of it is open; its owner keeps it.

@@ -2,6 +2,7 @@ package cuda
 
 import (
 	"errors"
+	"os"
 	"testing"
 )
 
@@ -10,6 +11,8 @@ import (
 type ipcStub struct {
 	open          map[IPCHandle]bool
 	opens, closes int
+	// exported is each range ExportDMABuf was asked for.
+	exported [][2]uint64
 }
 
 func (s *ipcStub) Info() Info { return Info{Name: "stub"} }
@@ -26,6 +29,10 @@ func (s *ipcStub) CloseIPC(p uint64) error {
 	s.open[IPCHandle{byte((p - 0x7f0000000000) >> 32)}] = false
 	s.closes++
 	return nil
+}
+func (s *ipcStub) ExportDMABuf(p uint64, n int64) (int, error) {
+	s.exported = append(s.exported, [2]uint64{p, uint64(n)})
+	return 100 + len(s.exported), nil
 }
 func (s *ipcStub) CopyHtoD(uint64, []byte) error { return nil }
 func (s *ipcStub) CopyDtoH([]byte, uint64) error { return nil }
@@ -74,4 +81,36 @@ func TestRegionsOfOneAllocationShareItsOpening(t *testing.T) {
 		t.Fatalf("the allocation opened again once closed: %v", err)
 	}
 	again.Close()
+}
+
+// A region's dmabuf is the whole host pages holding it, as the driver
+// exports only page-aligned ranges, and says where the region starts
+// in it: a tensor of a caching allocator's segment starts anywhere.
+func TestRegionDMABufCoversItsPages(t *testing.T) {
+	dev := &ipcStub{open: map[IPCHandle]bool{}}
+	page := uint64(os.Getpagesize())
+	for i, c := range []struct {
+		offset, size int64
+		start, n     uint64 // the range asked for, from the allocation's base
+	}{
+		{0, int64(page), 0, page},
+		{int64(page) + 100, 5000, page, (100 + 5000 + page - 1) / page * page},
+		{int64(3*page) - 1, 2, 2 * page, 2 * page},
+	} {
+		r, err := openRegion(dev, IPCHandle{byte(3 + i)}, c.offset, c.size, &testStaging{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		base := r.Base() - uint64(c.offset)
+		fd, off, err := r.ExportDMABuf()
+		if err != nil || fd <= 100 {
+			t.Fatalf("a region of %d bytes at offset %d: fd %d, %v", c.size, c.offset, fd, err)
+		}
+		got := dev.exported[len(dev.exported)-1]
+		if got != [2]uint64{base + c.start, c.n} || base+c.start+off != r.Base() {
+			t.Errorf("a region of %d bytes at offset %d: exported %d bytes from %#x, region at offset %d of it; want %d bytes from %#x, the region at %d",
+				c.size, c.offset, got[1], got[0], off, c.n, base+c.start, r.Base()-base-c.start)
+		}
+		r.Close()
+	}
 }

@@ -43,12 +43,13 @@ import (
 // lend says where Mooncake peers write into a region: at addr (its
 // owner's address of its first byte; 0: they do not), in the engine
 // segment named segment ("": ferryd's own), lent by process owner, and
-// over RDMA under mr (engines_rdma.go; nil on TCP).
+// over RDMA under mr (engines_rdma.go; nil on TCP), as engineNIC says.
 type lend struct {
 	mooncakeAddr uint64
 	segment      string
 	owner        int32
 	mr           *rdma.EngineRegion
+	engineNIC    *api.RegionEngineNIC
 }
 
 // lendFor checks a region request asking that Mooncake peers write into

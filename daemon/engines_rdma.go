@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net"
+	"strings"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/arena"
@@ -30,17 +31,20 @@ import (
 // write. The same registration serves peers' RDMA READs: a Mooncake
 // peer's over its endpoint's queue pairs, a ferry peer's granted per
 // piece on a read connection (rdma/reads.go). GPU memory is registered so too
-// where the NIC reaches GPU memory itself (dmabuf or peermem), a ferry
-// peer's write into it placed by the NIC through AcceptEngine; on the
-// bounce path it is refused over rdma segments (registerEngineRegion).
+// where the NIC reaches GPU memory itself, by its dmabuf or its device
+// pointer as the GPU arena may be, a ferry peer's write into it placed
+// by the NIC through AcceptEngine; on the bounce path nothing is, and
+// its writes go through staging (registerEngineRegion).
 
 // registerEngineRegion registers mem, lent as l, for peers' RDMA writes
-// at its Mooncake address, when the transport is rdma; l.mr holds it.
-// A region that cannot be registered is refused: a peer's write into
-// memory the NIC does not reach would fail. GPU memory is registered
-// where the NIC reaches GPU memory itself (rdma/engines.go); where it
-// does not (the bounce path), or its registration fails, it is refused
-// when ferryd's Mooncake segments speak rdma (Mooncake peers' one-sided
+// at its Mooncake address, when the transport is rdma; l.mr holds it,
+// l.engineNIC says how it went. A region that cannot be registered is
+// refused: a peer's write into memory the NIC does not reach would
+// fail. GPU memory is registered where the NIC reaches GPU memory
+// itself, by its dmabuf or its device pointer as the GPU arena may be
+// (rdma/engines.go), the path logged and counted; where the NIC reaches
+// none (the bounce path), or its registration fails, it is refused when
+// ferryd's Mooncake segments speak rdma (Mooncake peers' one-sided
 // writes could land nowhere), and over tcp segments every write into it
 // goes through host staging, as over TCP, the reason logged.
 func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) error {
@@ -48,16 +52,23 @@ func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) er
 		return nil
 	}
 	var er *rdma.EngineRegion
+	var gpu *rdma.GPURegistration
 	var err error
 	if host := mem.Host(); host != nil {
 		er, err = d.dp.rdma.RegisterEngineRegion(host, l.mooncakeAddr)
 	} else {
-		er, err = d.dp.rdma.RegisterEngineDevice(transport.Range{Addr: mem.Base(), Len: uint64(mem.Size())}, l.mooncakeAddr)
+		dev := rdma.EngineDevice{Range: transport.Range{Addr: mem.Base(), Len: uint64(mem.Size())}}
+		if x, ok := mem.(dmabufExporter); ok {
+			dev.DMABuf = x.ExportDMABuf
+		}
+		er, gpu, err = d.dp.rdma.RegisterEngineDevice(dev, l.mooncakeAddr)
+		d.countEngineGPU(name, gpu)
 	}
+	l.mr, l.engineNIC = er, &api.RegionEngineNIC{Registered: er != nil, GPU: gpuStatus(gpu)}
 	switch {
 	case err == nil:
-		l.mr = er
 	case mem.Host() == nil && d.mooncake.seg.Protocol != "rdma":
+		l.engineNIC.Error = err.Error()
 		d.regionLog.Printf("region %s: mooncake_addr: ferry peers' writes into this GPU memory go through host staging: %v", name, err)
 	case mem.Host() == nil:
 		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segments speak rdma, so Mooncake peers write the region one-sidedly, and %v: lend a memfd, or run ferryd's Mooncake segments over tcp (writes into GPU memory then go through host staging)", name, err)
@@ -65,6 +76,35 @@ func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) er
 		return apiErr(api.CodeInternal, "region %s: mooncake_addr: Mooncake and ferry peers write it over RDMA, and %v", name, err)
 	}
 	return nil
+}
+
+// dmabufExporter is GPU memory that exports itself as a dmabuf for the
+// NIC: a CUDA region (cuda.Region).
+type dmabufExporter interface {
+	ExportDMABuf() (fd int, offset uint64, err error)
+}
+
+// countEngineGPU counts and logs (rate-limited) how GPU memory an
+// engine registered, region name, met the NIC: the path taken, and
+// each that failed first.
+func (d *Daemon) countEngineGPU(name string, g *rdma.GPURegistration) {
+	if g == nil {
+		return
+	}
+	var failed []string
+	for _, n := range g.NotTaken {
+		if n.Err != nil {
+			d.metrics.engineGPURegistrations.WithLabelValues(string(n.Path), "failed").Inc()
+			failed = append(failed, fmt.Sprintf("%s failed: %v", n.Path, n.Err))
+		}
+	}
+	if g.Path == "" {
+		return // the caller refuses the region, or logs why not
+	}
+	d.metrics.engineGPURegistrations.WithLabelValues(string(g.Path), "taken").Inc()
+	if len(failed) > 0 {
+		d.regionLog.Printf("region %s: mooncake_addr: GPU memory registered for peers' writes by %s, as %s", name, g.Path, strings.Join(failed, "; "))
+	}
 }
 
 var _ transport.EngineSink = (*registry)(nil)

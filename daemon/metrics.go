@@ -7,6 +7,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/ferry-project/ferry/api"
 )
 
 // metrics is the daemon's own registry (never the global one), served on
@@ -42,6 +44,10 @@ type metrics struct {
 	// received, by outcome; notifiesSent those engines sent.
 	notifiesReceived *prometheus.CounterVec
 	notifiesSent     *prometheus.CounterVec
+
+	// engineGPURegistrations counts GPU memory an engine registered
+	// registered for peers' writes, by path and outcome.
+	engineGPURegistrations *prometheus.CounterVec
 
 	sessions *labelSet // ferry_session_failures_total's sessions
 	reasons  *labelSet // ferry_transfer_failures_total's reasons
@@ -160,6 +166,10 @@ func newMetrics(g gauges, transport string) *metrics {
 			Name: "ferry_region_registrations_total",
 			Help: "Regions (POST /v1/regions: host and CUDA) registered with the RDMA NIC, by outcome: registered (written from and into without a copy), failed (copied through bounce and staging buffers, a CUDA region's through the pinned bounce area; logged, and GET /v1/regions says why).",
 		}, []string{"outcome"}),
+		engineGPURegistrations: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "ferry_engine_gpu_registrations_total",
+			Help: "GPU memory an engine registered (lent with a mooncake_addr), registered with the RDMA NIC for peers' writes at the engine's addresses, by path (dmabuf, peermem) and outcome: taken, or failed (the next path tried; none left: refused, or staged over tcp segments). GET /v1/regions says why, per region.",
+		}, []string{"path", "outcome"}),
 		regionDeregFailures: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "ferry_region_deregistration_failures_total",
 			Help: "Tries to drop a region's registration with the RDMA NIC (DELETE /v1/regions) that failed: the region stays listed (closing), its pages pinned and counted in ferry_region_host_bytes, until a DELETE tries again or ferryd restarts; logged at ERROR.",
@@ -187,7 +197,7 @@ func newMetrics(g gauges, transport string) *metrics {
 	}
 	reg.MustRegister(m.batches, m.batchItems, m.batchWrites, m.notifiesReceived, m.notifiesSent,
 		m.transfers, m.transferBytes, m.transferSeconds, m.transferFailures, m.retries,
-		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals, m.regionRegistrations, m.regionDeregFailures,
+		m.slowTransfers, m.sessionFailures, m.staged, m.swept, m.peerRefusals, m.regionRegistrations, m.regionDeregFailures, m.engineGPURegistrations,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}),
 		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
 			Name: "ferry_staged_embeddings", Help: "Entries staged or reserved on the sending side.",
@@ -228,6 +238,11 @@ func newMetrics(g gauges, transport string) *metrics {
 	}
 	for _, o := range regionOutcomes {
 		m.regionRegistrations.WithLabelValues(o)
+	}
+	for _, p := range []api.GPURegistration{api.GPURegistrationDMABuf, api.GPURegistrationPeerMem} {
+		for _, o := range []string{"taken", "failed"} {
+			m.engineGPURegistrations.WithLabelValues(string(p), o)
+		}
 	}
 	for _, o := range notifyReceivedOutcomes {
 		m.notifiesReceived.WithLabelValues(o)

@@ -343,6 +343,7 @@ func (r *registry) describeRegion(g *region) api.Region {
 		case g.dropErr != nil:
 			d.NIC.Error = g.dropErr.Error()
 		}
+		d.NIC.Engine = g.engineNIC
 	}
 	return d
 }

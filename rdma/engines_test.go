@@ -2,11 +2,16 @@ package rdma
 
 import (
 	"bytes"
+	"errors"
+	"fmt"
+	"os"
 	"strings"
 	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/transport"
@@ -22,10 +27,11 @@ const engineAddr = 0x7e00_0000_0000
 // engineOn is a transport on the ferry side of a Mooncake QP pair with
 // an engine region of 64 KiB registered at engineAddr as the daemon
 // registers each kind: host memory it mapped (RegisterEngineRegion), or
-// GPU memory past a stand-in GPU arena, by its device pointer
-// (RegisterEngineDevice; on soft-RoCE the stand-in is plain memory,
-// which ibv_reg_mr takes as the peer-memory path takes a GPU's). mem is
-// the region as the daemon reaches it.
+// GPU memory past a stand-in GPU arena (RegisterEngineDevice): by its
+// dmabuf on the fake NIC; on soft-RoCE, which registers no dmabuf, by
+// its device pointer (the stand-in is plain memory, which ibv_reg_mr
+// takes as the peer-memory path takes a GPU's), dmabuf's failure said.
+// mem is the region as the daemon reaches it.
 func engineOn(t *testing.T, gpu bool) (peer, ferry mcSide, mem []byte, er *EngineRegion) {
 	t.Helper()
 	f := newFabric()
@@ -45,11 +51,91 @@ func engineOn(t *testing.T, gpu bool) (peer, ferry mcSide, mem []byte, er *Engin
 		t.Fatalf("the stand-in GPU arena went by the %q path: %+v", p.Path, p.NotTaken)
 	}
 	mem = dev[arenaSize:]
-	var err error
-	if er, err = ferry.tr.RegisterEngineDevice(transport.Range{Addr: addrOf(mem), Len: uint64(len(mem))}, engineAddr); err != nil {
+	er, g := registerEngineDevice(t, ferry.tr, f, mem, engineAddr)
+	wantEnginePath(t, g, onDevice(t))
+	return peer, ferry, mem, er
+}
+
+// registerEngineDevice registers mem, declared device memory of f, as
+// the daemon registers GPU memory an engine registered: at iova, with
+// mem's dmabuf export (dmabufOf). The export's descriptor is closed by
+// then.
+func registerEngineDevice(t *testing.T, tr *Transport, f *fabric, mem []byte, iova uint64) (*EngineRegion, *GPURegistration) {
+	t.Helper()
+	export, closed := dmabufOf(t, f, mem)
+	er, g, err := tr.RegisterEngineDevice(EngineDevice{Range: transport.Range{Addr: addrOf(mem), Len: uint64(len(mem))}, DMABuf: export}, iova)
+	if err != nil {
 		t.Fatal(err)
 	}
-	return peer, ferry, mem, er
+	t.Cleanup(func() { er.Close() })
+	closed()
+	return er, g
+}
+
+// dmabufOf is a stand-in for a CUDA region's dmabuf export (its pages'
+// dmabuf, the region at an offset in it) of mem, declared device memory
+// of f: a memfd, through which the fake NIC reaches mem (soft-RoCE
+// refuses every dmabuf alike). closed fails the test unless each
+// descriptor exported was closed.
+func dmabufOf(t *testing.T, f *fabric, mem []byte) (export func() (int, uint64, error), closed func()) {
+	var exported []unix.Stat_t
+	var fds []int
+	page := uint64(os.Getpagesize())
+	start := addrOf(mem) &^ (page - 1)
+	export = func() (int, uint64, error) {
+		fd, err := unix.MemfdCreate("dmabuf", unix.MFD_CLOEXEC)
+		if err != nil {
+			return -1, 0, err
+		}
+		var st unix.Stat_t
+		if err := unix.Fstat(fd, &st); err != nil {
+			unix.Close(fd)
+			return -1, 0, err
+		}
+		f.mu.Lock()
+		f.dmabufs[fd] = start
+		f.mu.Unlock()
+		exported, fds = append(exported, st), append(fds, fd)
+		return fd, addrOf(mem) - start, nil
+	}
+	return export, func() {
+		t.Helper()
+		for i, fd := range fds {
+			var st unix.Stat_t
+			if unix.Fstat(fd, &st) == nil && st.Ino == exported[i].Ino && st.Dev == exported[i].Dev {
+				t.Errorf("dmabuf fd %d is still open after the registration", fd)
+				unix.Close(fd)
+			}
+		}
+	}
+}
+
+// wantEnginePath checks that GPU memory an engine registered went by
+// dmabuf, or on soft-RoCE (device) by peermem, dmabuf refused by
+// ibv_reg_dmabuf_mr with what to do; bounce never.
+func wantEnginePath(t *testing.T, g *GPURegistration, device bool) {
+	t.Helper()
+	want, notTaken := api.GPURegistrationDMABuf, map[api.GPURegistration]string{
+		api.GPURegistrationPeerMem: "not tried: dmabuf was taken first",
+		api.GPURegistrationBounce:  "never for GPU memory an engine registered",
+	}
+	if device {
+		want, notTaken[api.GPURegistrationDMABuf] = api.GPURegistrationPeerMem, "ibv_reg_dmabuf_mr of 65536 bytes of dmabuf fd"
+		delete(notTaken, api.GPURegistrationPeerMem)
+	}
+	if g == nil || g.Path != want || len(g.NotTaken) != len(notTaken) {
+		t.Fatalf("the engine's GPU memory registered by %+v, want %s with %d paths not taken", g, want, len(notTaken))
+	}
+	for _, n := range g.NotTaken {
+		why := n.Reason
+		if n.Err != nil {
+			why = n.Err.Error()
+		}
+		if !strings.Contains(why, notTaken[n.Path]) {
+			t.Errorf("%s not taken because %q, want %q", n.Path, why, notTaken[n.Path])
+		}
+	}
+	t.Logf("the engine's GPU memory went by %s; not taken: %+v", g.Path, g.NotTaken)
 }
 
 // TestEngineRegionMooncakeWrites: a Mooncake peer writes one-sidedly
@@ -188,19 +274,45 @@ func (e engineSlots) AcceptEngine(addr, n uint64, key transport.Key, tag uint32)
 // registered, addressed at the engine's address with its key, is placed
 // by the NIC in the daemon's device memory of it (the Sink's
 // AcceptEngine says where) under the engine registration's rkey at the
-// engine's address: in place, as for host memory; the bytes land.
+// engine's address: in place, as for host memory; the bytes land. The
+// memory is registered by its dmabuf (the pages holding it, the region
+// at an offset in them), or, where the NIC refuses dmabufs (soft-RoCE),
+// by its device pointer, dmabuf's failure said.
 func TestEngineDeviceGrants(t *testing.T) {
-	f := newFabric()
-	f.noDMABuf = syscall.EOPNOTSUPP // the peer-memory path, as on soft-RoCE
+	for _, dmabuf := range []bool{true, false} {
+		t.Run(map[bool]string{true: "dmabuf", false: "no dmabuf"}[dmabuf], func(t *testing.T) {
+			if dmabuf && onDevice(t) {
+				t.Skip("soft-RoCE registers no dmabuf: the fake NIC shows the dmabuf path, the case without it soft-RoCE's fallback")
+			}
+			f := newFabric()
+			if !dmabuf {
+				f.noDMABuf = syscall.EOPNOTSUPP
+			}
+			engineDeviceGrants(t, f)
+		})
+	}
+}
+
+func engineDeviceGrants(t *testing.T, f *fabric) {
 	rxDev := mapT(t, 2*regionHalf)
-	lent := transport.Range{Addr: addrOf(rxDev) + regionHalf, Len: regionHalf - regionTail}
+	// Lent at an offset inside a page, as a tensor of a caching
+	// allocator's segment may be: its dmabuf starts at the page, and the
+	// engine's address of it lies as far into its page (both processes
+	// map the allocation at page-aligned addresses).
+	const lentOff, iova = regionHalf + 100, engineAddr + 100
+	lent := transport.Range{Addr: addrOf(rxDev) + lentOff, Len: regionHalf - regionTail}
 	slots := transporttest.NewSlots(0)
 	slots.Mem, slots.Base = rxDev, addrOf(rxDev)
 	txh := &hook{}
 	src := mapT(t, regionHalf)
 	fill(src, 11)
 	tx := listenHooked(t, f, Config{Memory: src}, txh)
-	rx := listenT(t, f, Config{Peer: peer.Config{Sink: engineSlots{Slots: slots, iova: engineAddr, at: lent.Addr, n: lent.Len}}, Device: gpuArenaIn(t, f, rxDev, regionHalf, "")})
+	// The arena, registered before the NIC refuses dmabufs, went by
+	// dmabuf; the engine's memory tries it again, on its own.
+	noDMABuf := f.noDMABuf
+	f.noDMABuf = nil
+	rx := listenT(t, f, Config{Peer: peer.Config{Sink: engineSlots{Slots: slots, iova: iova, at: lent.Addr, n: lent.Len}}, Device: gpuArenaIn(t, f, rxDev, regionHalf, "")})
+	f.noDMABuf = noDMABuf
 	// Registered as the daemon registers a CUDA region lent with an
 	// engine's address: as a region, then for peers' writes.
 	reg, err := rx.RegisterDeviceRegion(lent)
@@ -208,20 +320,24 @@ func TestEngineDeviceGrants(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer reg.Close()
-	er, err := rx.RegisterEngineDevice(lent, engineAddr)
-	if err != nil {
-		t.Fatal(err)
+	er, g := registerEngineDevice(t, rx, f, rxDev[lentOff:lentOff+lent.Len], iova)
+	if noDMABuf != nil {
+		if g.Path != api.GPURegistrationPeerMem || g.NotTaken[0].Path != api.GPURegistrationDMABuf || g.NotTaken[0].Err == nil ||
+			!strings.Contains(g.NotTaken[0].Err.Error(), "ibv_reg_dmabuf_mr") || !strings.Contains(g.NotTaken[0].Err.Error(), "nvidia-peermem") {
+			t.Fatalf("registration %+v: want peermem, dmabuf refused by ibv_reg_dmabuf_mr with what to do", g)
+		}
+	} else if g.Path != api.GPURegistrationDMABuf {
+		t.Fatalf("registration %+v: want dmabuf", g)
 	}
-	defer er.Close()
 	s, err := tx.Dial(ctxFor(t, 30*time.Second), rx.Addr().String())
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer s.Close()
 	const n, off = 1<<20 + 7, 4096
-	key := slots.Add(regionHalf+off, n)
-	grantedInPlace(t, txh, rx, er, engineAddr+off, func() {
-		w := transport.Write{Src: src[:n], Remote: engineAddr + off, Key: key, Tag: key.Tag()}
+	key := slots.Add(lentOff+off, n)
+	grantedInPlace(t, txh, rx, er, iova+off, func() {
+		w := transport.Write{Src: src[:n], Remote: iova + off, Key: key, Tag: key.Tag()}
 		if _, err := s.Write(ctxFor(t, 60*time.Second), w); err != nil {
 			t.Fatalf("a write at the engine's address: %v", err)
 		}
@@ -229,14 +345,86 @@ func TestEngineDeviceGrants(t *testing.T) {
 			t.Fatal(err)
 		}
 	})
-	if !bytes.Equal(rxDev[regionHalf+off:regionHalf+off+n], src[:n]) {
+	if !bytes.Equal(rxDev[lentOff+off:lentOff+off+n], src[:n]) {
 		t.Fatal("the write into the engine's GPU memory landed wrong")
 	}
 }
 
-// TestEngineRegionRefusals: an engine region of no bytes, or one whose
-// addresses wrap, or GPU memory the NIC does not reach, is refused
-// naming what is wrong.
+// TestEngineDevicePaths: GPU memory an engine registered takes the
+// paths the GPU arena may: dmabuf, else peermem, each failure said with
+// what to do; the one --gpu-registration forces alone; bounce never.
+// None working refuses it, naming each path's failure. On the fake NIC,
+// whose refusals a test sets.
+func TestEngineDevicePaths(t *testing.T) {
+	if onDevice(t) {
+		t.Skip("the fake NIC's refusals; on soft-RoCE, TestEngineDeviceGrants and the e2e TestEngineMemoryOverRDMA show its own")
+	}
+	noExport := errors.New("cuda:0 (Fake GPU 0) reports CU_DEVICE_ATTRIBUTE_DMA_BUF_SUPPORTED=0: dmabuf export needs NVIDIA's open kernel modules")
+	for _, c := range []struct {
+		name                string
+		asked               api.GPURegistration
+		noExport            bool
+		noDMABuf, noPeerMem error
+		want                api.GPURegistration // "": refused
+		why                 []string            // each path's reason, in order
+	}{
+		{name: "dmabuf", want: api.GPURegistrationDMABuf,
+			why: []string{"not tried: dmabuf was taken first", "never for GPU memory an engine registered"}},
+		{name: "the NIC refuses dmabufs", noDMABuf: syscall.EOPNOTSUPP, want: api.GPURegistrationPeerMem,
+			why: []string{"ibv_reg_dmabuf_mr of 65436 bytes of dmabuf fd", "never"}},
+		{name: "no export", noExport: true, want: api.GPURegistrationPeerMem,
+			why: []string{"DMA_BUF_SUPPORTED=0: dmabuf export needs NVIDIA's open kernel modules: dmabuf needs Linux 5.12", "never"}},
+		{name: "neither", noDMABuf: syscall.EOPNOTSUPP, noPeerMem: syscall.EFAULT,
+			why: []string{"the NIC's driver does not register dmabufs", "bad address (EFAULT): the NIC's driver cannot pin GPU memory: load nvidia-peermem", "never"}},
+		{name: "forced dmabuf", asked: api.GPURegistrationDMABuf, noDMABuf: syscall.EOPNOTSUPP,
+			why: []string{"the NIC's driver does not register dmabufs", "not tried: --gpu-registration dmabuf", "never"}},
+		{name: "forced peermem", asked: api.GPURegistrationPeerMem, want: api.GPURegistrationPeerMem,
+			why: []string{"not tried: --gpu-registration peermem", "never"}},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			f := newFabric()
+			dev := mapT(t, 2<<20)
+			tr := listenT(t, f, Config{Device: gpuArenaIn(t, f, dev, 1<<20, c.asked)})
+			f.noDMABuf, f.noPeerMem = c.noDMABuf, c.noPeerMem // after the arena's registration
+			mem := dev[1<<20+100 : 1<<20+100+65436]
+			export, closed := dmabufOf(t, f, mem)
+			if c.noExport {
+				export = func() (int, uint64, error) { return -1, 0, noExport }
+			}
+			er, g, err := tr.RegisterEngineDevice(EngineDevice{Range: transport.Range{Addr: addrOf(mem), Len: uint64(len(mem))}, DMABuf: export}, engineAddr+100)
+			closed()
+			if er != nil {
+				defer er.Close()
+			}
+			switch {
+			case c.want == "" && (err == nil || !strings.Contains(err.Error(), fmt.Sprintf("registering 65436 bytes of GPU memory at %#x with the NIC for peers' writes at the engine's address %#x failed", addrOf(mem), uint64(engineAddr+100)))):
+				t.Fatalf("no path working: %v, want the memory refused", err)
+			case c.want != "" && err != nil:
+				t.Fatal(err)
+			case g == nil || g.Path != c.want || len(g.NotTaken) != len(c.why):
+				t.Fatalf("registration %+v, want path %q and %d paths not taken", g, c.want, len(c.why))
+			}
+			for i, n := range g.NotTaken {
+				why := n.Reason
+				if n.Err != nil {
+					why = n.Err.Error()
+					if c.want == "" && !strings.Contains(err.Error(), string(n.Path)+": "+why) {
+						t.Errorf("the refusal %q does not say why %s failed", err, n.Path)
+					}
+				}
+				if !strings.Contains(why, c.why[i]) {
+					t.Errorf("%s not taken because %q, want %q", n.Path, why, c.why[i])
+				}
+			}
+		})
+	}
+}
+
+// TestEngineRegionRefusals: an engine region of no bytes, one whose
+// addresses wrap, one whose engine address lies at another offset in
+// its page than the daemon's mapping of it (the kernel would refuse
+// it), or GPU memory the NIC does not reach, is refused naming what is
+// wrong.
 func TestEngineRegionRefusals(t *testing.T) {
 	_, ferry := mcPair(t, newFabric(), 0)
 	mem := mapT(t, 1<<16)
@@ -247,6 +435,7 @@ func TestEngineRegionRefusals(t *testing.T) {
 	}{
 		{nil, engineAddr, "no bytes"},
 		{mem, ^uint64(0) - 100, "end of the address space"},
+		{mem, engineAddr + 8, "lies 8 bytes into its page, and at"},
 	} {
 		if _, err := ferry.tr.RegisterEngineRegion(c.mem, c.iova); err == nil || !strings.Contains(err.Error(), c.want) {
 			t.Errorf("%d bytes at %#x: %v, want an error saying %q", len(c.mem), c.iova, err, c.want)
@@ -257,8 +446,8 @@ func TestEngineRegionRefusals(t *testing.T) {
 	f := newFabric()
 	dev := mapT(t, 2<<20)
 	tr := listenT(t, f, Config{Device: gpuArenaIn(t, f, dev, 1<<20, api.GPURegistrationBounce)})
-	_, err := tr.RegisterEngineDevice(transport.Range{Addr: addrOf(dev) + 1<<20, Len: 1 << 20}, engineAddr)
-	if want := "only where the NIC reaches the GPU arena itself (dmabuf or peermem), and the GPU arena went by the bounce path"; err == nil || !strings.Contains(err.Error(), want) {
+	_, g, err := tr.RegisterEngineDevice(EngineDevice{Range: transport.Range{Addr: addrOf(dev) + 1<<20, Len: 1 << 20}}, engineAddr)
+	if want := "only where the NIC reaches the GPU arena itself (dmabuf or peermem), and the GPU arena went by the bounce path"; err == nil || g != nil || !strings.Contains(err.Error(), want) {
 		t.Errorf("GPU memory on the bounce path: %v, want an error saying %q", err, want)
 	}
 }

@@ -148,19 +148,11 @@ func (t *Transport) registerPathRange(p api.GPURegistration, off, n uint64, u us
 	switch p {
 	case api.GPURegistrationDMABuf:
 		if d.DMABufFD < 0 {
-			return nil, fmt.Errorf("the arena is not exported as a dmabuf (%v): dmabuf needs Linux 5.12 or later and NVIDIA's open GPU kernel modules; else load nvidia-peermem, or run with --gpu-registration bounce", d.DMABufErr)
+			return nil, fmt.Errorf("the arena is not exported as a dmabuf (%v): %s", d.DMABufErr, noDMABufAdvice)
 		}
-		reg, err := t.nic.RegisterDMABuf(d.DMABufFD, d.DMABufOffset+off, n, d.Base+off, u)
-		if err != nil {
-			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), dmabufAdvice(err))
-		}
-		return reg, nil
+		return t.registerDMABuf(d.DMABufFD, d.DMABufOffset+off, n, d.Base+off, u)
 	case api.GPURegistrationPeerMem:
-		reg, err := t.nic.RegisterDevice(d.Base+off, n, d.Base+off, u)
-		if err != nil {
-			return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), peermemAdvice(err))
-		}
-		return reg, nil
+		return t.registerPeerMem(d.Base+off, n, d.Base+off, u)
 	case api.GPURegistrationBounce:
 		if off != 0 || n != d.Size {
 			return nil, errors.New("on the bounce path the NIC reaches no GPU memory, so no part of the GPU arena is registered on its own: load nvidia-peermem or use dmabuf")
@@ -176,6 +168,30 @@ func (t *Transport) registerPathRange(p api.GPURegistration, off, n uint64, u us
 	}
 	return nil, fmt.Errorf("unknown GPU registration path %q: auto, dmabuf, peermem or bounce", p)
 }
+
+// registerDMABuf registers n bytes at offset off of dmabuf fd, reached
+// at addresses from iova on, or says why not and what to do.
+func (t *Transport) registerDMABuf(fd int, off, n, iova uint64, u use) (region, error) {
+	reg, err := t.nic.RegisterDMABuf(fd, off, n, iova, u)
+	if err != nil {
+		return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), dmabufAdvice(err))
+	}
+	return reg, nil
+}
+
+// registerPeerMem registers n bytes of device memory at addr by its
+// device pointer, reached at addresses from iova on, or says why not
+// and what to do.
+func (t *Transport) registerPeerMem(addr, n, iova uint64, u use) (region, error) {
+	reg, err := t.nic.RegisterDevice(addr, n, iova, u)
+	if err != nil {
+		return nil, fmt.Errorf("%w (%s): %s", err, errnoName(err), peermemAdvice(err))
+	}
+	return reg, nil
+}
+
+// noDMABufAdvice is what to do when GPU memory has no dmabuf export.
+const noDMABufAdvice = "dmabuf needs Linux 5.12 or later and NVIDIA's open GPU kernel modules; else load nvidia-peermem, or run with --gpu-registration bounce"
 
 // dmabufAdvice says what a failed ibv_reg_dmabuf_mr means.
 func dmabufAdvice(err error) string {

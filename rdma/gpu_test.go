@@ -38,6 +38,9 @@ func gpuArenaIn(t *testing.T, f *fabric, dev []byte, size int, path api.GPURegis
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { null.Close() })
+	f.mu.Lock()
+	f.dmabufs[int(null.Fd())] = addrOf(dev)
+	f.mu.Unlock()
 	return &DeviceMemory{Base: addrOf(dev), Size: uint64(size), DMABufFD: int(null.Fd()), Bounce: mapT(t, 1<<20), Path: path}
 }
 

@@ -3,6 +3,7 @@ package rdma
 import (
 	"errors"
 	"fmt"
+	"os"
 	"sync"
 	"sync/atomic"
 	"syscall"
@@ -63,10 +64,14 @@ type fabric struct {
 	// windows, checked first.
 	device                              [][]byte
 	noDMABuf, noPeerMem, noDeviceMWBind error
+	// dmabufs are the descriptors tests hand out as dmabufs, each with
+	// the device address of its offset 0: RegisterDMABuf reaches the
+	// declared device memory through them.
+	dmabufs map[int]uint64
 }
 
 func newFabric() *fabric {
-	return &fabric{qps: make(map[uint32]*fakeQP), mrs: make(map[uint32]*fakeMR), mws: make(map[uint32]*fakeMW), next: 0x100}
+	return &fabric{qps: make(map[uint32]*fakeQP), mrs: make(map[uint32]*fakeMR), mws: make(map[uint32]*fakeMW), dmabufs: make(map[int]uint64), next: 0x100}
 }
 
 func (f *fabric) id() uint32 {
@@ -124,6 +129,10 @@ func (n *fakeNIC) RegisterAt(mem []byte, iova uint64, u use) (region, error) {
 	if n.f.failRegister > 0 && len(mem) >= n.f.failRegister {
 		return nil, fmt.Errorf("ibv_reg_mr of %d bytes: %w", len(mem), syscall.ENOMEM)
 	}
+	if page := uint64(os.Getpagesize()); iova%page != addrOf(mem)%page {
+		// As the kernel's uverbs: the NIC maps whole pages.
+		return nil, fmt.Errorf("ibv_reg_mr_iova of %d bytes at %#x, at I/O address %#x, another offset in the page: %w", len(mem), addrOf(mem), iova, syscall.EINVAL)
+	}
 	m := &fakeMR{n: n, key: n.f.id(), mem: mem, addr: iova, use: u}
 	n.f.mrs[m.key] = m
 	n.hold(1)
@@ -147,7 +156,13 @@ func (n *fakeNIC) RegisterDMABuf(fd int, offset, size, iova uint64, u use) (regi
 	if n.f.noDMABuf != nil {
 		return nil, fmt.Errorf("ibv_reg_dmabuf_mr of %d bytes of dmabuf fd %d: %w", size, fd, n.f.noDMABuf)
 	}
-	return n.registerDevice(iova, size, iova, u)
+	n.f.mu.RLock()
+	base, ok := n.f.dmabufs[fd]
+	n.f.mu.RUnlock()
+	if !ok {
+		return nil, fmt.Errorf("ibv_reg_dmabuf_mr of %d bytes of fd %d, which is no dmabuf: %w", size, fd, syscall.EINVAL)
+	}
+	return n.registerDevice(base+offset, size, iova, u)
 }
 
 // registerDevice registers [addr, addr+size) of the declared device

@@ -40,6 +40,7 @@ Commands:
   rm REQ_ID [--recv]                  delete a staged embedding (or free a receive slot)
   complete REQ_ID                     a Mooncake slot holds its data (its sender sent no notify)
   ls                                  staged embeddings and receive slots
+  regions                             memory clients lent, and how the NIC reached it
   sessions [--teardown ID]            sessions to peer daemons
 
 The socket defaults to $FERRY_SOCKET, else ` + api.DefaultSocket + `.
@@ -179,6 +180,7 @@ var commands = map[string]command{
 	"rm":       cmdRm,
 	"complete": cmdComplete,
 	"ls":       cmdLs,
+	"regions":  cmdRegions,
 	"sessions": cmdSessions,
 }
 
@@ -552,6 +554,56 @@ func cmdLs(fs *flag.FlagSet) func(context.Context, *env) error {
 				fmt.Fprintf(tw, "receive\t%s\t%s\t%d\t\t%s\n", x.ReqID, state, x.NBytes, time.Since(x.Since).Round(time.Millisecond))
 			}
 			tw.Flush()
+		})
+	}
+}
+
+// cmdRegions lists the regions: each one's registration with the NIC
+// and, for memory an engine registered, the one for peers' writes at
+// its addresses (GPU memory: the path it took), then why any failed.
+func cmdRegions(fs *flag.FlagSet) func(context.Context, *env) error {
+	return func(ctx context.Context, e *env) error {
+		regions, err := e.c.Regions(ctx)
+		if err != nil {
+			return err
+		}
+		sort.Slice(regions, func(i, j int) bool { return regions[i].Name < regions[j].Name })
+		return e.print(regions, func(w io.Writer) {
+			tw := tabwriter.NewWriter(w, 2, 8, 2, ' ', 0)
+			fmt.Fprintln(tw, "NAME\tKIND\tNBYTES\tUSES\tMOONCAKE_ADDR\tNIC\tENGINE NIC")
+			var why []string
+			for _, g := range regions {
+				addr, nic, engine := "-", "-", "-"
+				if g.MooncakeAddr != 0 {
+					addr = fmt.Sprintf("%#x", g.MooncakeAddr)
+				}
+				if n := g.NIC; n != nil {
+					nic = map[bool]string{true: "registered", false: "not registered"}[n.Registered]
+					if n.Error != "" {
+						why = append(why, fmt.Sprintf("%s: nic: %s", g.Name, n.Error))
+					}
+					if en := n.Engine; en != nil {
+						engine = map[bool]string{true: "registered", false: "not registered"}[en.Registered]
+						if en.GPU != nil && en.GPU.Path != "" {
+							engine = "by " + string(en.GPU.Path)
+						}
+						if en.Error != "" {
+							why = append(why, fmt.Sprintf("%s: engine nic: %s", g.Name, en.Error))
+						} else if en.GPU != nil {
+							for _, nt := range en.GPU.NotTaken {
+								if nt.Failed {
+									why = append(why, fmt.Sprintf("%s: engine nic: %s failed: %s", g.Name, nt.Path, nt.Reason))
+								}
+							}
+						}
+					}
+				}
+				fmt.Fprintf(tw, "%s\t%s\t%d\t%d\t%s\t%s\t%s\n", g.Name, g.Kind, g.NBytes, g.Uses, addr, nic, engine)
+			}
+			tw.Flush()
+			for _, line := range why {
+				fmt.Fprintln(w, line)
+			}
 		})
 	}
 }

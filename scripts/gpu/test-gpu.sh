@@ -4,7 +4,9 @@
 # from the folder make gpu-bundle builds (the binaries and scripts beside
 # this file), in well under 5 minutes:
 #   1. the cuda package's GPU tests: devices, a multi-GiB arena timed per
-#      GiB, IPC round trips through a second process, dmabuf export;
+#      GiB, IPC round trips through a second process, dmabuf export (of
+#      the arena, and of IPC-opened memory as ferryd exports GPU memory
+#      an engine registered: "== GPU region dmabuf");
 #   2. two ferryd on GPU memory over loopback TCP with the bytes verified,
 #      a torch process staging and reading in place through IPC handles,
 #      and GPU memory of the test's own (Go, then torch through the ferry
@@ -12,6 +14,8 @@
 #      torch.cuda tensors a Mooncake engine registers written and read by
 #      another engine (torch_mooncake.py);
 #      the path the NIC registers a GPU arena by ("== GPU registration"),
+#      and, with an RDMA NIC, GPU memory an engine registered, written and
+#      read by peers ("== ENGINE GPU registration"),
 #      and the GPU-to-NIC table from the PCIe topology ("== AFFINITY");
 #   3. ferry's host<->device copy bandwidth beside torch's, same sizes, run
 #      A B A B, quoted as ratios.
@@ -47,6 +51,10 @@ run e2e 120 ./e2e.test -test.v -test.count=1 -test.run '^TestGPU|^TestFerrydDoes
 # The path this host's NIC registers a GPU arena by (dmabuf, peermem or
 # bounce) and why not the others, or that there is no RDMA NIC here.
 grep -a '^== GPU registration' "$log/e2e.log" || echo "== GPU registration: not reported (TestGPURegistrationReport's output above says why)"
+# Whether the driver exports IPC-opened memory as a dmabuf, and the path
+# GPU memory an engine registered took with this host's NIC.
+grep -a '^== GPU region dmabuf' "$log/cuda.log" || echo "== GPU region dmabuf: not reported (TestGPUIPCInASecondProcess's output above says why)"
+grep -a '^== ENGINE GPU registration' "$log/e2e.log" || echo "== ENGINE GPU registration: not reported (TestGPUEngineMemoryOverRDMA's output above says why: no RDMA NIC, or a failure)"
 
 # The GPU-to-NIC table this host gives (TestGPUAffinityTable).
 grep -a '^== AFFINITY' "$log/e2e.log" || echo "== AFFINITY: not reported (TestGPUAffinityTable's output above says why)"

@@ -5,6 +5,11 @@ import (
 	"fmt"
 	"net/http"
 	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"slices"
+	"strings"
 	"testing"
 	"unsafe"
 
@@ -12,6 +17,7 @@ import (
 
 	"github.com/ferry-project/ferry/api"
 	"github.com/ferry-project/ferry/client"
+	"github.com/ferry-project/ferry/cuda/cudatest"
 	"github.com/ferry-project/ferry/internal/fakecuda"
 	"github.com/ferry-project/ferry/mooncake"
 	"github.com/ferry-project/ferry/mooncake/mooncaketest"
@@ -86,20 +92,41 @@ func lendAt(t *testing.T, d *daemon, e engineMemory, req api.RegionRequest, f *o
 func TestEngineMemoryOverRDMA(t *testing.T) {
 	requireRDMA(t)
 	for _, gpu := range []bool{false, true} {
-		t.Run(map[bool]string{false: "host", true: "gpu"}[gpu], func(t *testing.T) { engineMemoryOverRDMA(t, gpu) })
+		t.Run(map[bool]string{false: "host", true: "gpu"}[gpu], func(t *testing.T) {
+			var lib string
+			if gpu {
+				lib = fakecuda.Build(t, fakecuda.Working)
+			}
+			engineMemoryOverRDMA(t, gpu, lib)
+		})
 	}
 }
 
-func engineMemoryOverRDMA(t *testing.T, gpu bool) {
+// TestGPUEngineMemoryOverRDMA is TestEngineMemoryOverRDMA's GPU case on
+// a real GPU (make test-gpu), where the host has an RDMA NIC: the GPU
+// memory is registered by the first path that works (dmabuf where the
+// driver exports the IPC-opened range and the NIC registers dmabufs,
+// else peermem), printed as "== ENGINE GPU registration".
+func TestGPUEngineMemoryOverRDMA(t *testing.T) {
+	cudatest.Require(t)
+	requireRDMA(t)
+	engineMemoryOverRDMA(t, true, "")
+}
+
+// engineMemoryOverRDMA runs TestEngineMemoryOverRDMA's checks on host
+// memory, or GPU memory on the CUDA driver in lib ("": the host's).
+func engineMemoryOverRDMA(t *testing.T, gpu bool, lib string) {
 	const size = 4 << 20
 	kind, lend := "engine", func(d *daemon, segment, name string, off, n int) engineMemory {
 		return lendEngineMemory(t, d, segment, name, n)
 	}
 	var prefix, extra []string
 	if gpu {
-		lib := fakecuda.Build(t, fakecuda.Working)
 		owner := startCUDAOwner(t, lib, size, 71)
-		prefix, extra = []string{"env", "LD_LIBRARY_PATH=" + lib}, []string{"--device", "cuda:0", "--bounce-size", "8MiB"}
+		extra = []string{"--device", "cuda:0", "--bounce-size", "8MiB"}
+		if lib != "" {
+			prefix = []string{"env", "LD_LIBRARY_PATH=" + lib}
+		}
 		kind, lend = "engine-gpu", func(d *daemon, segment, name string, off, n int) engineMemory {
 			return lendGPUEngineMemory(t, d, owner, segment, name, off, n)
 		}
@@ -112,6 +139,7 @@ func engineMemoryOverRDMA(t *testing.T, gpu bool) {
 		t.Fatal(err)
 	}
 	e := lend(rcv, es.ID, "engine-kv", 0, size)
+	engineRegistration(t, rcv, "engine-kv", gpu, lib != "")
 	self := &mooncake.Segment{Name: "test", Buffers: []mooncake.Buffer{}}
 	desc, err := mooncake.FetchSegment(ctx, es.Session, self)
 	if err != nil {
@@ -277,12 +305,78 @@ func engineMemoryOverRDMA(t *testing.T, gpu bool) {
 	}
 }
 
-// TestEngineGPUMemoryRefusedOnTheBouncePath: where the NIC reaches no
-// GPU memory (the GPU arena went by --gpu-registration bounce), GPU
-// memory lent with a mooncake_addr to a segment speaking rdma is
-// refused, 400 naming the path and what to do: a Mooncake peer's
-// one-sided write into it could land nowhere. Nothing stays registered.
-func TestEngineGPUMemoryRefusedOnTheBouncePath(t *testing.T) {
+// engineRegistration checks how region name, memory an engine
+// registered, met the NIC for peers' writes, as GET /v1/regions and
+// /metrics say: registered; GPU memory by a path the NIC reaches it
+// by, never bounce, and on the stand-in driver by peermem, since
+// rdma_rxe refuses the dmabuf each region tries first
+// (ibv_reg_dmabuf_mr), said with what to do. It prints the path for
+// the VM's and make test-gpu's log.
+func engineRegistration(t *testing.T, d *daemon, name string, gpu, standIn bool) {
+	t.Helper()
+	regions, err := d.c.Regions(ctxT(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	i := slices.IndexFunc(regions, func(g api.Region) bool { return g.Name == name })
+	if i < 0 || regions[i].NIC == nil || regions[i].NIC.Engine == nil {
+		t.Fatalf("regions %+v: want %s with its engine registration", regions, name)
+	}
+	en := regions[i].NIC.Engine
+	if !en.Registered || en.Error != "" || (en.GPU != nil) != gpu {
+		t.Fatalf("region %s's engine registration %+v: want it registered, with its GPU path for GPU memory", name, en)
+	}
+	// ferryctl regions: the region's line, and why a path failed.
+	out, err := exec.CommandContext(ctxT(t), filepath.Join(bin, "ferryctl"), "--socket", d.socket, "regions").CombinedOutput()
+	if err != nil {
+		t.Fatalf("ferryctl regions: %v\n%s", err, out)
+	}
+	want := regexp.MustCompile(`(?m)^` + name + ` +cuda +[0-9]+ +[0-9]+ +0x[0-9a-f]+ +registered +by (dmabuf|peermem)$`)
+	if !gpu {
+		want = regexp.MustCompile(`(?m)^` + name + ` +host +[0-9]+ +[0-9]+ +0x[0-9a-f]+ +registered +registered$`)
+	} else if standIn {
+		want = regexp.MustCompile(`(?ms)^` + name + ` +cuda .* by peermem$.*^` + name + `: engine nic: dmabuf failed: ibv_reg_dmabuf_mr`)
+	}
+	if !want.Match(out) {
+		t.Errorf("ferryctl regions says\n%s\nwant a match for %s", out, want)
+	}
+	if !gpu {
+		return
+	}
+	why := notTaken(en.GPU)
+	fmt.Printf("== ENGINE GPU registration region=%s asked=%s path=%s (%s)\n", name, en.GPU.Asked, en.GPU.Path, strings.Join(why, "; "))
+	if len(why) != 2 || !strings.HasPrefix(why[1], "bounce not tried: never for GPU memory an engine registered") {
+		t.Errorf("paths not taken %q: want the one not taken of dmabuf and peermem, and bounce never", why)
+	}
+	failed := map[api.GPURegistration]float64{}
+	for _, n := range en.GPU.NotTaken {
+		if n.Failed {
+			failed[n.Path] = 1
+		}
+	}
+	if standIn && (en.GPU.Path != api.GPURegistrationPeerMem || !strings.HasPrefix(why[0], "dmabuf failed: ibv_reg_dmabuf_mr") || !strings.Contains(why[0], "load nvidia-peermem")) {
+		t.Errorf("the engine's GPU memory went by %s, not taken %q; want peermem, dmabuf refused by ibv_reg_dmabuf_mr with what to do", en.GPU.Path, why)
+	}
+	for _, p := range []api.GPURegistration{api.GPURegistrationDMABuf, api.GPURegistrationPeerMem} {
+		taken := map[bool]float64{true: 1}[p == en.GPU.Path]
+		for outcome, want := range map[string]float64{"taken": taken, "failed": failed[p]} {
+			series := fmt.Sprintf(`ferry_engine_gpu_registrations_total{outcome=%q,path=%q}`, outcome, p)
+			if v := d.metric(t, series); v != want {
+				t.Errorf("%s = %v, want %v", series, v, want)
+			}
+		}
+	}
+}
+
+// TestEngineGPUMemoryOnTheBouncePath: where the NIC reaches no GPU
+// memory (the GPU arena went by --gpu-registration bounce), GPU memory
+// lent with a mooncake_addr is not registered for peers' RDMA writes:
+// GET /v1/regions' nic.engine and ferryctl regions say why (the bounce
+// path), and no path is counted. ferryd's segments speak tcp there (the
+// Mooncake pool is no part of the arena the NIC reaches), so no
+// Mooncake peer writes it one-sidedly: writes into it go through
+// staging, as over TCP.
+func TestEngineGPUMemoryOnTheBouncePath(t *testing.T) {
 	requireRDMA(t)
 	lib := fakecuda.Build(t, fakecuda.Working)
 	owner := startCUDAOwner(t, lib, 1<<20, 72)
@@ -293,10 +387,28 @@ func TestEngineGPUMemoryRefusedOnTheBouncePath(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	_, err = rcv.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "kv", NBytes: 1 << 20, MooncakeAddr: owner.addr, MooncakeSegment: es.ID,
+	desc, err := mooncake.FetchSegment(ctx, es.Session, &mooncake.Segment{Name: "test", Buffers: []mooncake.Buffer{}})
+	if err != nil || desc.Protocol != "tcp" {
+		t.Fatalf("the engine segment's descriptor %+v, %v: want protocol tcp on the bounce path", desc, err)
+	}
+	g, err := rcv.c.RegisterRegionWith(ctx, api.RegionRequest{Name: "kv", NBytes: 1 << 20, MooncakeAddr: owner.addr, MooncakeSegment: es.ID,
 		CUDA: &api.RegionCUDA{Device: "cuda:0", IPCHandle: owner.handle}}, nil)
-	wantErr(t, err, 400, api.CodeBadRequest, "region kv", "speak rdma", "the GPU arena went by the bounce path", "lend a memfd, or run ferryd's Mooncake segments over tcp")
-	if regions, err := rcv.c.Regions(ctx); err != nil || len(regions) != 0 {
-		t.Fatalf("regions after the refusal: %+v, %v; want none", regions, err)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g.NIC == nil || g.NIC.Engine == nil || g.NIC.Engine.Registered || g.NIC.Engine.GPU != nil ||
+		!strings.Contains(g.NIC.Engine.Error, "only where the NIC reaches the GPU arena itself (dmabuf or peermem), and the GPU arena went by the bounce path") {
+		t.Fatalf("region %+v (nic %+v): want its engine registration refused, naming the bounce path", g, g.NIC)
+	}
+	out, err := exec.CommandContext(ctx, filepath.Join(bin, "ferryctl"), "--socket", rcv.socket, "regions").CombinedOutput()
+	if err != nil || !regexp.MustCompile(`(?m)^kv +cuda .* not registered$`).Match(out) || !bytes.Contains(out, []byte("kv: engine nic: rdma: GPU memory an engine registered")) {
+		t.Errorf("ferryctl regions: %v\n%s\nwant kv's engine registration not registered, and why", err, out)
+	}
+	for _, p := range []string{"dmabuf", "peermem"} {
+		for _, o := range []string{"taken", "failed"} {
+			if v := rcv.metric(t, fmt.Sprintf(`ferry_engine_gpu_registrations_total{outcome=%q,path=%q}`, o, p)); v != 0 {
+				t.Errorf("ferry_engine_gpu_registrations_total %s %s = %v, want 0: no path is tried on the bounce path", p, o, v)
+			}
+		}
 	}
 }
