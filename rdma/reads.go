@@ -102,7 +102,7 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 	}
 	var remote endpoint
 	remote.decode(b[:])
-	q, err := t.NewMooncakeQP()
+	q, err := t.newReadQP()
 	if err != nil {
 		writeReply(c, transport.Internal, 0, fmt.Sprintf("no queue pair for RDMA reads: %v", err), nil)
 		return err
@@ -253,7 +253,7 @@ func (s *session) Read(ctx context.Context, reads []transport.Read) error {
 		}
 		return fmt.Errorf("rdma read from %s: %s: %w", s.Peer(), step, err)
 	}
-	q, err := t.NewMooncakeQP()
+	q, err := t.newReadQP()
 	if err != nil {
 		return fail("a queue pair", err)
 	}

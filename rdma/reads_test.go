@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -185,11 +186,11 @@ type readRig struct {
 	ctx    context.Context
 }
 
-func newReadRig(t *testing.T, seed int) *readRig {
+func newReadRig(t *testing.T, seed int, readQPs int) *readRig {
 	f := newFabric()
 	r := &readRig{sink: &engineSink{Slots: transporttest.NewSlots(0), key: transport.NewKey(), mem: mapT(t, 1<<16)}}
 	var err error
-	if r.rx, err = listen(testConfig(t, Config{Memory: mapT(t, 1<<16), Peer: peer.Config{Sink: r.sink}}), testNIC(t, f, 1)); err != nil {
+	if r.rx, err = listen(testConfig(t, Config{Memory: mapT(t, 1<<16), ReadQPs: readQPs, Peer: peer.Config{Sink: r.sink}}), testNIC(t, f, 1)); err != nil {
 		t.Fatal(err)
 	}
 	closeAtEnd(t, r.rx)
@@ -215,12 +216,23 @@ func newReadRig(t *testing.T, seed int) *readRig {
 // connection of reads, the connect, and the reader's queue pair
 // connected to the one the server answered with.
 func (r *readRig) open(t *testing.T) (net.Conn, *MooncakeQP) {
+	c, q, rep := r.connect(t)
+	if rep.Code != transport.OK {
+		t.Fatalf("the connect reply: %s %q", rep.Code, rep.Msg)
+	}
+	return c, q
+}
+
+// connect opens a control connection of reads and sends the connect:
+// the server's reply, and once it is OK the reader's queue pair
+// connected to the server's.
+func (r *readRig) connect(t *testing.T) (net.Conn, *MooncakeQP, peer.Reply) {
 	c, _, err := r.tx.port.Dial(r.ctx, r.rx.Addr().String(), peer.KindRDMARead)
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	q, err := r.tx.NewMooncakeQP()
+	q, err := r.tx.newReadQP()
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -233,15 +245,19 @@ func (r *readRig) open(t *testing.T) (net.Conn, *MooncakeQP) {
 	if _, err := c.Write(b[:]); err != nil {
 		t.Fatal(err)
 	}
-	if rep, err := readReply(c, b[:]); err != nil || rep.Code != transport.OK {
-		t.Fatalf("the connect reply: %+v, %v", rep, err)
+	rep, err := readReply(c, b[:])
+	if err != nil {
+		t.Fatalf("the connect reply: %v", err)
+	}
+	if rep.Code != transport.OK {
+		return c, q, rep
 	}
 	var remote endpoint
 	remote.decode(b[:])
 	if err := q.l.qp.(mooncakeQP).connectMooncake(remote, 0); err != nil {
 		t.Fatal(err)
 	}
-	return c, q
+	return c, q, rep
 }
 
 // ask sends a read's header on c and returns the reply and its grant.
@@ -297,7 +313,7 @@ func (r *readRig) post(t *testing.T, q *MooncakeQP, read, unanswered bool) wcSta
 // writes (an engine region's), is refused by the responder
 // (REM_INV_REQ_ERR), and the memory stays as it was.
 func TestReadConnectionsTakeNoWrites(t *testing.T) {
-	r := newReadRig(t, 13)
+	r := newReadRig(t, 13, 0)
 	want := bytes.Clone(r.sink.mem)
 	fill(r.src, 99)
 	c, q := r.open(t)
@@ -321,7 +337,7 @@ func TestReadConnectionsTakeNoWrites(t *testing.T) {
 // lands. The holder of
 // the segment's key then READs the region on a connection of its own.
 func TestReadConnectionsReadNothingWithoutAKey(t *testing.T) {
-	r := newReadRig(t, 14)
+	r := newReadRig(t, 14, 0)
 	c, q := r.open(t)
 	if st := r.post(t, q, true, true); st == wcSuccess || !isZero(r.src) {
 		t.Fatalf("a READ before any key: completion %s, want the READ refused and nothing read", st.String())
@@ -342,4 +358,31 @@ func TestReadConnectionsReadNothingWithoutAKey(t *testing.T) {
 	if st := r.post(t, q3, true, false); st != wcSuccess || !bytes.Equal(r.src, r.sink.mem[:4096]) {
 		t.Fatalf("a granted READ: completion %s, want the region's bytes", st.String())
 	}
+}
+
+// TestReadQPsCapped: the queue pairs of read connections a daemon
+// serves count against a cap of their own (Config.ReadQPs), not the
+// Mooncake one: past it a read connection is refused, naming the cap,
+// and counted; a connection closing gives its queue pair back.
+func TestReadQPsCapped(t *testing.T) {
+	const limit = 2
+	r := newReadRig(t, 15, limit)
+	var conns []net.Conn
+	for range limit {
+		c, _ := r.open(t)
+		conns = append(conns, c)
+	}
+	_, _, rep := r.connect(t)
+	if rep.Code != transport.Internal || !strings.Contains(rep.Msg, "holds 2 queue pairs of RDMA read connections") {
+		t.Fatalf("a read connection past the cap: %s %q, want the cap named", rep.Code, rep.Msg)
+	}
+	if st := r.rx.ReadQPStats(); st.Open != limit || st.Limit != limit || st.Refused != 1 {
+		t.Fatalf("stats %+v: want %d open, the limit %d, 1 refused", st, limit, limit)
+	}
+	if st := r.rx.MooncakeQPStats(); st.Open != 0 || st.Refused != 0 {
+		t.Fatalf("Mooncake's queue pairs %+v: want read connections' counted apart", st)
+	}
+	conns[0].Close()
+	waitFor(t, "a closed read connection's queue pair given back", func() bool { return r.rx.ReadQPStats().Open < limit })
+	r.open(t) // taken, or the test fails
 }
