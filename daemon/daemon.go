@@ -248,6 +248,14 @@ func New(cfg Config) (*Daemon, error) {
 		Name: "ferry_panics_total",
 		Help: "Panics ferryd's HTTP servers (the control socket, the metrics listener) recovered from, each ending its connection: a bug; the first one's stack is logged, the others one line each, at most 10 a second.",
 	}, func() float64 { return float64(d.httpLog.panics.Load()) }))
+	d.metrics.reg.MustRegister(prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "ferry_write_streams",
+		Help: fmt.Sprintf("Write streams open (POST /v1/writes/stream), at most %d.", maxWriteStreams),
+	}, func() float64 { n, _ := d.streams.stats(); return float64(n) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "ferry_write_streams_refused_total",
+			Help: fmt.Sprintf("Write streams refused (409 busy) because %d were open, the most ferryd keeps.", maxWriteStreams),
+		}, func() float64 { _, r := d.streams.stats(); return float64(r) }))
 	if cfg.MetricsListen != "" {
 		// Only /metrics here: the control API stays on the socket, whose
 		// file mode is its access control.

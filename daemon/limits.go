@@ -1,6 +1,8 @@
 package daemon
 
 import (
+	"fmt"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/ferry-project/ferry/internal/connlimit"
@@ -9,14 +11,16 @@ import (
 
 // limitsCollector reports what the caps on the ports anyone may reach
 // did (the peer port, the Mooncake RPC and data ports, and for local
-// users the control socket and the metrics listener), and the Mooncake
-// endpoint table's, read at scrape time. Labels are the port and the
+// users the control socket and the metrics listener), the Mooncake
+// endpoint table's, and the caps on queue pairs (Mooncake's, read
+// connections'), read at scrape time. Labels are the port and the
 // reason: never an address. The endpoint tables' series read 0 on a
 // daemon without a Mooncake RDMA segment, so one dashboard fits every host.
 type limitsCollector struct {
 	ports     map[string]func() connlimit.Stats // by port label
 	endpoints func() connlimit.Stats            // every table's together; nil: no Mooncake RDMA segment
-	qps       func() rdma.MooncakeQPStats       // nil: no Mooncake RDMA segment
+	qps       func() rdma.QPStats               // nil: no Mooncake RDMA segment
+	readQPs   func() rdma.QPStats               // nil: no rdma transport
 }
 
 // reasonNotAllowed labels connections refused by an allow-list.
@@ -45,6 +49,10 @@ var (
 		"Mooncake queue pairs open, across every Mooncake segment's endpoints (at most 16384).", nil, nil)
 	mooncakeQPsRefusedDesc = prometheus.NewDesc("ferry_mooncake_qps_refused_total",
 		"Mooncake queue pairs refused because the daemon held the most it keeps across all its Mooncake segments (16384): each a handshake refused, or a write to a Mooncake segment failed.", nil, nil)
+	readQPsDesc = prometheus.NewDesc("ferry_rdma_read_qps",
+		fmt.Sprintf("Queue pairs of RDMA read connections open, those this daemon serves and its own reads' (at most %d; 0 without rdma).", rdma.DefaultReadQPs), nil, nil)
+	readQPsRefusedDesc = prometheus.NewDesc("ferry_rdma_read_qps_refused_total",
+		fmt.Sprintf("Queue pairs of RDMA read connections refused because the daemon held %d: each a read connection refused (served) or a read failed (its own).", rdma.DefaultReadQPs), nil, nil)
 )
 
 func (c *limitsCollector) Describe(ch chan<- *prometheus.Desc) {
@@ -57,6 +65,8 @@ func (c *limitsCollector) Describe(ch chan<- *prometheus.Desc) {
 	ch <- endpointsRefusedDesc
 	ch <- mooncakeQPsDesc
 	ch <- mooncakeQPsRefusedDesc
+	ch <- readQPsDesc
+	ch <- readQPsRefusedDesc
 }
 
 func (c *limitsCollector) Collect(ch chan<- prometheus.Metric) {
@@ -81,12 +91,16 @@ func (c *limitsCollector) Collect(ch chan<- prometheus.Metric) {
 	ch <- prometheus.MustNewConstMetric(endpointsDesc, prometheus.GaugeValue, float64(st.Open))
 	counter(endpointsEvictedDesc, st.Evicted)
 	counter(endpointsRefusedDesc, st.RefusedPerSource)
-	var qs rdma.MooncakeQPStats
-	if c.qps != nil {
-		qs = c.qps()
+	qps := func(read func() rdma.QPStats, open, refused *prometheus.Desc) {
+		var qs rdma.QPStats
+		if read != nil {
+			qs = read()
+		}
+		ch <- prometheus.MustNewConstMetric(open, prometheus.GaugeValue, float64(qs.Open))
+		counter(refused, qs.Refused)
 	}
-	ch <- prometheus.MustNewConstMetric(mooncakeQPsDesc, prometheus.GaugeValue, float64(qs.Open))
-	counter(mooncakeQPsRefusedDesc, qs.Refused)
+	qps(c.qps, mooncakeQPsDesc, mooncakeQPsRefusedDesc)
+	qps(c.readQPs, readQPsDesc, readQPsRefusedDesc)
 }
 
 // limits is the collector over this daemon's ports.
@@ -96,6 +110,9 @@ func (d *Daemon) limits() *limitsCollector {
 	c := &limitsCollector{ports: map[string]func() connlimit.Stats{"peer": peer.PortStats, "control": d.controlGate.Stats}}
 	if d.cfg.MetricsListen != "" {
 		c.ports["metrics"] = func() connlimit.Stats { return d.metricsGate.Stats() } // opened after this
+	}
+	if d.dp.rdma != nil {
+		c.readQPs = d.dp.rdma.ReadQPStats
 	}
 	if m := d.mooncake; m != nil {
 		c.ports["mooncake_rpc"] = m.hs.Stats

@@ -108,6 +108,14 @@ type writeStreams struct {
 	mu      sync.Mutex
 	open    map[*writeStream]struct{}
 	stopped bool
+	refused uint64 // at the cap (ferry_write_streams_refused_total)
+}
+
+// stats says how many streams are open, and how many the cap refused.
+func (ws *writeStreams) stats() (open int, refused uint64) {
+	ws.mu.Lock()
+	defer ws.mu.Unlock()
+	return len(ws.open), ws.refused
 }
 
 type writeStream struct {
@@ -123,6 +131,7 @@ func (ws *writeStreams) add(s *writeStream) error {
 	case ws.stopped:
 		return errStopping
 	case len(ws.open) >= maxWriteStreams:
+		ws.refused++
 		return apiErr(api.CodeBusy, "write stream: %d are open, the most ferryd keeps: close some (a client needs one per thread writing), or use POST /v1/writes", maxWriteStreams)
 	}
 	if ws.open == nil {

@@ -15,6 +15,7 @@ import (
 	"time"
 
 	"github.com/ferry-project/ferry/api"
+	"github.com/ferry-project/ferry/client"
 )
 
 // testStream is a write stream opened on a ferryd's control socket.
@@ -195,7 +196,8 @@ func TestWriteStreamWritesFromRegions(t *testing.T) {
 	// would not return within the test's bound).
 }
 
-// At maxWriteStreams open, one more is refused busy; one closed makes room.
+// At maxWriteStreams open, one more is refused busy, and /metrics
+// shows both; one closed makes room.
 func TestWriteStreamsAreCapped(t *testing.T) {
 	dir := t.TempDir()
 	snd, _ := serveTestDaemon(t, dir, "snd", nil)
@@ -223,6 +225,10 @@ func TestWriteStreamsAreCapped(t *testing.T) {
 	}
 	if got := refused(); !strings.Contains(got, `"busy"`) || !strings.Contains(got, "the most ferryd keeps") {
 		t.Fatalf("stream %d: %q, want busy", maxWriteStreams+1, got)
+	}
+	fams := scrapeSocket(t, &client.Client{Socket: snd.cfg.Socket})
+	if open, n := value(fams, "ferry_write_streams"), value(fams, "ferry_write_streams_refused_total"); open != maxWriteStreams || n != 1 {
+		t.Errorf("/metrics: ferry_write_streams %v, ferry_write_streams_refused_total %v: want %d open, 1 refused", open, n, maxWriteStreams)
 	}
 	streams[0].conn.Close()
 	deadline := time.Now().Add(20 * time.Second)

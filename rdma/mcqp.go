@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync/atomic"
 	"time"
 
 	"github.com/ferry-project/ferry/transport"
@@ -89,11 +90,13 @@ func (t *Transport) MooncakePool(off, n uint64) (addr uint64, rkey, lkey uint32,
 	return addr, reg.RKey(), reg.LKey(), nil
 }
 
-// MooncakeQP is a queue pair of a Mooncake endpoint. The transport
-// closes those still open when it closes.
+// MooncakeQP is a queue pair of a Mooncake endpoint, or of a ferry
+// read connection (reads.go), which connects as Mooncake's do. The
+// transport closes those still open when it closes.
 type MooncakeQP struct {
-	t *Transport
-	l *lane // ctrl is nil: Mooncake has no control connection
+	t   *Transport
+	l   *lane  // ctrl is nil: Mooncake has no control connection
+	cap *qpCap // the cap it counts against
 }
 
 // DefaultMooncakeQPs caps the Mooncake queue pairs a transport holds at
@@ -108,41 +111,77 @@ type MooncakeQP struct {
 // LimitNOFILE beside the ports' (docs/operations.md).
 const DefaultMooncakeQPs = 16384
 
-// MooncakeQPStats is what the cap on Mooncake queue pairs did.
-type MooncakeQPStats struct {
+// DefaultReadQPs caps the queue pairs of RDMA read connections a
+// transport holds at once, served and its own together: each costs
+// what a Mooncake queue pair does, and anyone who reaches the peer port
+// can open a read connection (its queue pair is made before any key is
+// checked, though it answers nothing until one is). Those it serves are
+// bounded first by the peer port's connections (peer.DefaultLimits:
+// 1024, where a stranger's unproven connections are evicted first), so
+// 2048 leaves as many again to this daemon's own reads (one per POST
+// /v1/reads). Their own cap, not the Mooncake one: read connections
+// need no place on mooncake_allow, and must not crowd Mooncake
+// endpoints out.
+const DefaultReadQPs = 2048
+
+// qpCap caps the queue pairs of one kind a transport holds; t.mu
+// guards it but for refused.
+type qpCap struct {
+	open    map[*MooncakeQP]struct{}
+	making  int // being made: they count against limit
+	limit   int
+	refused atomic.Uint64
+	full    string // the refusal at the cap; %d is the limit
+}
+
+// QPStats is what a cap on queue pairs did.
+type QPStats struct {
 	Open, Limit int
 	Refused     uint64 // queue pairs refused at the cap
 }
 
-// MooncakeQPStats says how many Mooncake queue pairs are open, and how
-// many the cap refused.
-func (t *Transport) MooncakeQPStats() MooncakeQPStats {
+func (t *Transport) qpStats(c *qpCap) QPStats {
 	t.mu.Lock()
 	defer t.mu.Unlock()
-	return MooncakeQPStats{Open: len(t.mooncake), Limit: t.cfg.MooncakeQPs, Refused: t.mcRefused.Load()}
+	return QPStats{Open: len(c.open), Limit: c.limit, Refused: c.refused.Load()}
 }
+
+// MooncakeQPStats says how many Mooncake queue pairs are open, and how
+// many the cap refused.
+func (t *Transport) MooncakeQPStats() QPStats { return t.qpStats(&t.mcQPs) }
+
+// ReadQPStats says how many queue pairs of RDMA read connections are
+// open, served and this daemon's own, and how many their cap refused.
+func (t *Transport) ReadQPStats() QPStats { return t.qpStats(&t.readQPs) }
 
 // NewMooncakeQP makes a queue pair for a Mooncake endpoint, in INIT; past
 // Config.MooncakeQPs open at once it refuses, saying so.
-func (t *Transport) NewMooncakeQP() (*MooncakeQP, error) {
+func (t *Transport) NewMooncakeQP() (*MooncakeQP, error) { return t.newQP(&t.mcQPs) }
+
+// newReadQP makes a queue pair for a read connection, in INIT; past
+// Config.ReadQPs open at once it refuses, saying so.
+func (t *Transport) newReadQP() (*MooncakeQP, error) { return t.newQP(&t.readQPs) }
+
+func (t *Transport) newQP(c *qpCap) (*MooncakeQP, error) {
 	t.mu.Lock()
 	switch {
 	case t.closed:
 		t.mu.Unlock()
-		return nil, fmt.Errorf("a Mooncake queue pair: %w", transport.ErrClosed)
-	case len(t.mooncake)+t.mcMaking >= t.cfg.MooncakeQPs:
+		return nil, fmt.Errorf("a queue pair: %w", transport.ErrClosed)
+	case len(c.open)+c.making >= c.limit:
 		t.mu.Unlock()
-		t.mcRefused.Add(1)
-		return nil, fmt.Errorf("this ferryd holds %d Mooncake queue pairs, the most it keeps across all its Mooncake segments (ferryd's own and every engine's): no more until endpoints close", t.cfg.MooncakeQPs)
+		c.refused.Add(1)
+		return nil, fmt.Errorf(c.full, c.limit)
 	}
-	t.mcMaking++
+	c.making++
 	t.mu.Unlock()
 	q, err := t.makeMooncakeQP()
 	t.mu.Lock()
-	t.mcMaking--
+	c.making--
 	closed := t.closed
 	if err == nil && !closed {
-		t.mooncake[q] = struct{}{}
+		q.cap = c
+		c.open[q] = struct{}{}
 	}
 	t.mu.Unlock()
 	switch {
@@ -150,7 +189,7 @@ func (t *Transport) NewMooncakeQP() (*MooncakeQP, error) {
 		return nil, err
 	case closed:
 		q.l.close()
-		return nil, fmt.Errorf("a Mooncake queue pair: %w", transport.ErrClosed)
+		return nil, fmt.Errorf("a queue pair: %w", transport.ErrClosed)
 	}
 	return q, nil
 }
@@ -232,7 +271,7 @@ func (q *MooncakeQP) Closed() bool {
 // Close destroys the QP, waiting out a write on it.
 func (q *MooncakeQP) Close() error {
 	q.t.mu.Lock()
-	delete(q.t.mooncake, q)
+	delete(q.cap.open, q)
 	q.t.mu.Unlock()
 	return q.l.close()
 }

@@ -15,9 +15,14 @@ package rdma
 //	                 domain holds the engine registrations); or a
 //	                 refusal, and the connection closes
 //
-// Both QPs connect as Mooncake endpoints' do (PSN 0, REMOTE_READ at
-// RTR: mcverbs.go); ferry's lanes keep refusing READs. Then any number
-// of reads, one at a time:
+// Both QPs connect as Mooncake endpoints' do (PSN 0: mcverbs.go); the
+// client's at once, letting the server do nothing through it. The
+// server's stays in INIT, where the NIC drops every packet sent to it,
+// until the first read whose key checks out and gets a grant: only then
+// does it go to RTR and RTS, with REMOTE_READ (no WRITE), so a stranger
+// who opened the connection without a key READs nothing, whatever rkey
+// it guesses. Ferry's lanes keep refusing READs. Then any number of
+// reads, one at a time:
 //
 //	client → server  peer.Header, 40 bytes: addr, len (at least 1), the
 //	                 key of the memory (an engine segment's), tag 0
@@ -97,18 +102,15 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 	}
 	var remote endpoint
 	remote.decode(b[:])
-	q, err := t.NewMooncakeQP()
-	if err == nil {
-		defer q.Close()
-		// The reader may READ through it and nothing else: what it
-		// reads is still only what a grant names (the registrations in
-		// this PD that allow READs are engine regions').
-		err = q.l.qp.(mooncakeQP).connectMooncake(remote, qpReads)
-	}
+	q, err := t.newReadQP()
 	if err != nil {
 		writeReply(c, transport.Internal, 0, fmt.Sprintf("no queue pair for RDMA reads: %v", err), nil)
 		return err
 	}
+	defer q.Close()
+	// In INIT until a key checks out (grantRead): no READ reaches
+	// anything before.
+	rq := &readQP{q: q, remote: remote}
 	e := t.nic.Endpoint()
 	e.QPN, e.PSN = q.QPN(), 0
 	e.encode(b[:])
@@ -144,7 +146,7 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 		var h peer.Header
 		h.Decode(&hb)
 		c.SetDeadline(time.Now().Add(ioTimeout))
-		err = t.grantRead(c, g, gate, &h, &release)
+		err = t.grantRead(c, g, gate, rq, &h, &release)
 		c.Idle()
 		if err != nil {
 			return err
@@ -152,8 +154,31 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 	}
 }
 
+// readQP is the queue pair of a read connection on the serving side,
+// connected to remote once a read's key has checked out.
+type readQP struct {
+	q         *MooncakeQP
+	remote    endpoint
+	connected bool
+}
+
+// connect takes the queue pair to RTS, once: the reader may READ
+// through it and nothing else, and what it reads is still only what a
+// grant names (the registrations in this PD that allow READs are
+// engine regions').
+func (r *readQP) connect() error {
+	if r.connected {
+		return nil
+	}
+	if err := r.q.l.qp.(mooncakeQP).connectMooncake(r.remote, qpReads); err != nil {
+		return err
+	}
+	r.connected = true
+	return nil
+}
+
 // grantRead answers one read; an error ends the connection.
-func (t *Transport) grantRead(c *connlimit.Conn, g ReadGranter, gate *peer.Gate, h *peer.Header, release *func()) error {
+func (t *Transport) grantRead(c *connlimit.Conn, g ReadGranter, gate *peer.Gate, rq *readQP, h *peer.Header, release *func()) error {
 	if msg, end := peer.ReadTooLarge(h.Len, t.cfg.Peer.MaxWrite); end != nil {
 		writeReply(c, transport.OutOfBounds, peer.FlagClose, msg, nil)
 		return end
@@ -169,6 +194,11 @@ func (t *Transport) grantRead(c *connlimit.Conn, g ReadGranter, gate *peer.Gate,
 			return werr
 		}
 		return end
+	}
+	if err := rq.connect(); err != nil {
+		done()
+		writeReply(c, transport.Internal, peer.FlagClose, fmt.Sprintf("no queue pair for RDMA reads: %v", err), nil)
+		return err
 	}
 	*release = done
 	c.Prove() // it held a key to readable memory
@@ -223,7 +253,7 @@ func (s *session) Read(ctx context.Context, reads []transport.Read) error {
 		}
 		return fmt.Errorf("rdma read from %s: %s: %w", s.Peer(), step, err)
 	}
-	q, err := t.NewMooncakeQP()
+	q, err := t.newReadQP()
 	if err != nil {
 		return fail("a queue pair", err)
 	}

@@ -2,8 +2,11 @@ package rdma
 
 import (
 	"bytes"
+	"context"
 	"errors"
 	"fmt"
+	"net"
+	"strings"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -171,50 +174,70 @@ func TestFerryReadsFromAPeerWithoutRDMAReads(t *testing.T) {
 	}
 }
 
-// TestReadConnectionsTakeNoWrites: the queue pair a read connection
-// gets answers RDMA READs only. A peer that sets one up (no key needed
-// for that) and WRITEs through it, under an rkey that takes peers'
-// writes (an engine region's), is refused by the responder
-// (REM_INV_REQ_ERR), and the memory stays as it was.
-func TestReadConnectionsTakeNoWrites(t *testing.T) {
-	f := newFabric()
-	sink := &engineSink{Slots: transporttest.NewSlots(0), key: transport.NewKey(), mem: mapT(t, 1<<16)}
-	rx, err := listen(testConfig(t, Config{Memory: mapT(t, 1<<16), Peer: peer.Config{Sink: sink}}), testNIC(t, f, 1))
-	if err != nil {
-		t.Fatal(err)
-	}
-	closeAtEnd(t, rx)
-	fill(sink.mem, 13)
-	want := bytes.Clone(sink.mem)
-	if sink.er, err = rx.RegisterEngineRegion(sink.mem, engineAddr); err != nil {
-		t.Fatal(err)
-	}
-	defer sink.er.Close()
-	tx, err := listen(testConfig(t, Config{Memory: mapT(t, 1<<16)}), testNIC(t, f, 2))
-	if err != nil {
-		t.Fatal(err)
-	}
-	closeAtEnd(t, tx)
-	src := mapT(t, 4096)
-	fill(src, 99)
-	own, err := tx.RegisterEngineRegion(src, addrOf(src))
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer own.Close()
+// readRig is a serving transport with one engine region (sink's, bytes
+// filled with seed) and a reading transport with a region of its own
+// to READ into or WRITE from (own, over src): both on fabric f, or on
+// the real port.
+type readRig struct {
+	sink   *engineSink
+	rx, tx *Transport
+	src    []byte
+	own    *EngineRegion
+	ctx    context.Context
+}
 
-	// The first steps of session.Read, by hand.
-	c, _, err := tx.port.Dial(ctxFor(t, 30*time.Second), rx.Addr().String(), peer.KindRDMARead)
+func newReadRig(t *testing.T, seed int, readQPs int) *readRig {
+	f := newFabric()
+	r := &readRig{sink: &engineSink{Slots: transporttest.NewSlots(0), key: transport.NewKey(), mem: mapT(t, 1<<16)}}
+	var err error
+	if r.rx, err = listen(testConfig(t, Config{Memory: mapT(t, 1<<16), ReadQPs: readQPs, Peer: peer.Config{Sink: r.sink}}), testNIC(t, f, 1)); err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, r.rx)
+	fill(r.sink.mem, seed)
+	if r.sink.er, err = r.rx.RegisterEngineRegion(r.sink.mem, engineAddr); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.sink.er.Close() })
+	if r.tx, err = listen(testConfig(t, Config{Memory: mapT(t, 1<<16)}), testNIC(t, f, 2)); err != nil {
+		t.Fatal(err)
+	}
+	closeAtEnd(t, r.tx)
+	r.src = mapT(t, 4096)
+	if r.own, err = r.tx.RegisterEngineRegion(r.src, addrOf(r.src)); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.own.Close() })
+	r.ctx = ctxFor(t, 60*time.Second)
+	return r
+}
+
+// open takes the first steps of session.Read by hand: a control
+// connection of reads, the connect, and the reader's queue pair
+// connected to the one the server answered with.
+func (r *readRig) open(t *testing.T) (net.Conn, *MooncakeQP) {
+	c, q, rep := r.connect(t)
+	if rep.Code != transport.OK {
+		t.Fatalf("the connect reply: %s %q", rep.Code, rep.Msg)
+	}
+	return c, q
+}
+
+// connect opens a control connection of reads and sends the connect:
+// the server's reply, and once it is OK the reader's queue pair
+// connected to the server's.
+func (r *readRig) connect(t *testing.T) (net.Conn, *MooncakeQP, peer.Reply) {
+	c, _, err := r.tx.port.Dial(r.ctx, r.rx.Addr().String(), peer.KindRDMARead)
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer c.Close()
-	q, err := tx.NewMooncakeQP()
+	t.Cleanup(func() { c.Close() })
+	q, err := r.tx.newReadQP()
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer q.Close()
-	e := tx.nic.Endpoint()
+	t.Cleanup(func() { q.Close() })
+	e := r.tx.nic.Endpoint()
 	e.QPN, e.PSN = q.QPN(), 0
 	var b [endpointSize]byte
 	e.encode(b[:])
@@ -222,26 +245,144 @@ func TestReadConnectionsTakeNoWrites(t *testing.T) {
 	if _, err := c.Write(b[:]); err != nil {
 		t.Fatal(err)
 	}
-	if r, err := readReply(c, b[:]); err != nil || r.Code != transport.OK {
-		t.Fatalf("the connect reply: %+v, %v", r, err)
+	rep, err := readReply(c, b[:])
+	if err != nil {
+		t.Fatalf("the connect reply: %v", err)
+	}
+	if rep.Code != transport.OK {
+		return c, q, rep
 	}
 	var remote endpoint
 	remote.decode(b[:])
 	if err := q.l.qp.(mooncakeQP).connectMooncake(remote, 0); err != nil {
 		t.Fatal(err)
 	}
-	l := q.l
-	if err := l.qp.Post([]op{{WRID: 7, Local: addrOf(src), Remote: engineAddr, Len: 4096, LKey: own.LKey, RKey: sink.er.RKey, Signaled: true}}); err != nil {
+	return c, q, rep
+}
+
+// ask sends a read's header on c and returns the reply and its grant.
+func (r *readRig) ask(t *testing.T, c net.Conn, key transport.Key) (peer.Reply, grant) {
+	var hb [peer.HeaderSize]byte
+	h := peer.Header{Addr: engineAddr, Len: 4096, Key: key}
+	h.Encode(&hb)
+	if _, err := c.Write(hb[:]); err != nil {
 		t.Fatal(err)
 	}
-	wc, err := wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+	var gb [grantSize]byte
+	rep, err := readReply(c, gb[:])
 	if err != nil {
-		t.Fatalf("waiting for the write's completion: %v", err)
+		t.Fatal(err)
 	}
-	if wc.Status != wcRemInvReqErr && wc.Status != wcRemAccessErr {
-		t.Fatalf("a WRITE through a read connection's queue pair: completion %s, want REM_INV_REQ_ERR", wc.Status.String())
+	var g grant
+	g.decode(&gb)
+	return rep, g
+}
+
+// post posts one signaled READ (or WRITE) of the 4096 bytes at the
+// engine's address under the engine region's rkey through q, and
+// returns its completion's status. With unanswered set, the peer may
+// never answer: rxe retries a request no QP takes for ever under
+// Mooncake's retry count (7), where a NIC gives up within about a
+// second (RETRY_EXC_ERR). So after 5 s without a completion (a READ
+// that succeeds completes within milliseconds), q is broken and the
+// READ flushed (WR_FLUSH_ERR).
+func (r *readRig) post(t *testing.T, q *MooncakeQP, read, unanswered bool) wcStatus {
+	l := q.l
+	if err := l.qp.Post([]op{{WRID: 7, Local: addrOf(r.src), Remote: engineAddr, Len: 4096, LKey: r.own.LKey, RKey: r.sink.er.RKey, Read: read, Signaled: true}}); err != nil {
+		t.Fatal(err)
 	}
-	if !bytes.Equal(sink.mem, want) {
+	var wc completion
+	var err error
+	if unanswered {
+		if wc, err = wait(l, l.wcs, time.Now().Add(5*time.Second), nil); err == errNoProgress {
+			l.qp.Break()
+			wc, err = wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+		}
+	} else {
+		wc, err = wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+	}
+	if err != nil {
+		t.Fatalf("waiting for the completion: %v", err)
+	}
+	return wc.Status
+}
+
+// TestReadConnectionsTakeNoWrites: the queue pair a read connection
+// gets answers RDMA READs only. A peer that holds a key (so the queue
+// pair is up) and WRITEs through it, under an rkey that takes peers'
+// writes (an engine region's), is refused by the responder
+// (REM_INV_REQ_ERR), and the memory stays as it was.
+func TestReadConnectionsTakeNoWrites(t *testing.T) {
+	r := newReadRig(t, 13, 0)
+	want := bytes.Clone(r.sink.mem)
+	fill(r.src, 99)
+	c, q := r.open(t)
+	if rep, _ := r.ask(t, c, r.sink.key); rep.Code != transport.OK {
+		t.Fatalf("a read under the segment's key: %s %q, want a grant", rep.Code, rep.Msg)
+	}
+	if st := r.post(t, q, false, false); st != wcRemInvReqErr && st != wcRemAccessErr {
+		t.Fatalf("a WRITE through a read connection's queue pair: completion %s, want REM_INV_REQ_ERR", st.String())
+	}
+	if !bytes.Equal(r.sink.mem, want) {
 		t.Fatal("a WRITE through a read connection's queue pair changed the engine's memory")
 	}
+}
+
+// TestReadConnectionsReadNothingWithoutAKey: a stranger that opens a
+// read connection (no key needed for that), connects its queue pair to
+// the one the server answered with and READs an engine region under
+// the region's rkey, without a key (first none, then a wrong one:
+// no_slot) READs nothing: the server's queue pair is not up, the READ
+// is never answered (RETRY_EXC_ERR, or on rxe flushed) and nothing
+// lands. The holder of
+// the segment's key then READs the region on a connection of its own.
+func TestReadConnectionsReadNothingWithoutAKey(t *testing.T) {
+	r := newReadRig(t, 14, 0)
+	c, q := r.open(t)
+	if st := r.post(t, q, true, true); st == wcSuccess || !isZero(r.src) {
+		t.Fatalf("a READ before any key: completion %s, want the READ refused and nothing read", st.String())
+	}
+	c2, q2 := r.open(t)
+	if rep, _ := r.ask(t, c2, transport.NewKey()); rep.Code != transport.NoSlot {
+		t.Fatalf("a read under a wrong key: %s %q, want no_slot", rep.Code, rep.Msg)
+	}
+	if st := r.post(t, q2, true, true); st == wcSuccess || !isZero(r.src) {
+		t.Fatalf("a READ after a wrong key: completion %s, want the READ refused and nothing read", st.String())
+	}
+	c.Close()
+	c3, q3 := r.open(t)
+	rep, g := r.ask(t, c3, r.sink.key)
+	if rep.Code != transport.OK || g.Addr != engineAddr || g.RKey != r.sink.er.RKey {
+		t.Fatalf("a read under the segment's key: %s %q, grant %+v: want a grant of the region", rep.Code, rep.Msg, g)
+	}
+	if st := r.post(t, q3, true, false); st != wcSuccess || !bytes.Equal(r.src, r.sink.mem[:4096]) {
+		t.Fatalf("a granted READ: completion %s, want the region's bytes", st.String())
+	}
+}
+
+// TestReadQPsCapped: the queue pairs of read connections a daemon
+// serves count against a cap of their own (Config.ReadQPs), not the
+// Mooncake one: past it a read connection is refused, naming the cap,
+// and counted; a connection closing gives its queue pair back.
+func TestReadQPsCapped(t *testing.T) {
+	const limit = 2
+	r := newReadRig(t, 15, limit)
+	var conns []net.Conn
+	for range limit {
+		c, _ := r.open(t)
+		conns = append(conns, c)
+	}
+	_, _, rep := r.connect(t)
+	if rep.Code != transport.Internal || !strings.Contains(rep.Msg, "holds 2 queue pairs of RDMA read connections") {
+		t.Fatalf("a read connection past the cap: %s %q, want the cap named", rep.Code, rep.Msg)
+	}
+	if st := r.rx.ReadQPStats(); st.Open != limit || st.Limit != limit || st.Refused != 1 {
+		t.Fatalf("stats %+v: want %d open, the limit %d, 1 refused", st, limit, limit)
+	}
+	if st := r.rx.MooncakeQPStats(); st.Open != 0 || st.Refused != 0 {
+		t.Fatalf("Mooncake's queue pairs %+v: want read connections' counted apart", st)
+	}
+	conns[0].Close()
+	waitFor(t, "a closed read connection's queue pair given back", func() bool { return r.rx.ReadQPStats().Open < limit })
+	r.open(t) // taken, or the test fails
 }

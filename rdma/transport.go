@@ -61,6 +61,9 @@ type Config struct {
 	// every endpoint table made on this transport (mcqp.go); 0:
 	// DefaultMooncakeQPs.
 	MooncakeQPs int
+	// ReadQPs caps the queue pairs of RDMA read connections open at
+	// once, served and this daemon's own (reads.go); 0: DefaultReadQPs.
+	ReadQPs int
 }
 
 // Fallback is the data plane for peers without RDMA, on the same port:
@@ -230,14 +233,12 @@ type Transport struct {
 	mu       sync.Mutex
 	closed   bool
 	sessions map[*session]struct{}
-	accepted map[*lane]struct{}       // served by serveLane
-	mooncake map[*MooncakeQP]struct{} // open (mcqp.go)
-	// mcMaking counts Mooncake QPs being made, which count against
-	// Config.MooncakeQPs; mcRefused those refused by it.
-	mcMaking  int
-	mcRefused atomic.Uint64
-	closeOnce sync.Once
-	closeErr  error
+	accepted map[*lane]struct{} // served by serveLane
+	// The queue pairs of Mooncake endpoints and of read connections,
+	// each kind under its cap (mcqp.go).
+	mcQPs, readQPs qpCap
+	closeOnce      sync.Once
+	closeErr       error
 }
 
 var _ transport.Transport = (*Transport)(nil)
@@ -259,11 +260,17 @@ func listen(cfg Config, n nic, more ...nic) (*Transport, error) {
 		closing:  make(chan struct{}),
 		sessions: make(map[*session]struct{}),
 		accepted: make(map[*lane]struct{}),
-		mooncake: make(map[*MooncakeQP]struct{}),
 	}
 	if cfg.MooncakeQPs <= 0 {
 		t.cfg.MooncakeQPs = DefaultMooncakeQPs
 	}
+	if cfg.ReadQPs <= 0 {
+		t.cfg.ReadQPs = DefaultReadQPs
+	}
+	t.mcQPs = qpCap{open: map[*MooncakeQP]struct{}{}, limit: t.cfg.MooncakeQPs,
+		full: "this ferryd holds %d Mooncake queue pairs, the most it keeps across all its Mooncake segments (ferryd's own and every engine's): no more until endpoints close"}
+	t.readQPs = qpCap{open: map[*MooncakeQP]struct{}{}, limit: t.cfg.ReadQPs,
+		full: "this ferryd holds %d queue pairs of RDMA read connections (served and its own), the most it keeps: no more until reads end"}
 	if cfg.Peer.Logf != nil {
 		t.warn = loglimit.New("rdma", cfg.Peer.Logf)
 	}
@@ -506,16 +513,19 @@ func (t *Transport) Close() error {
 		for l := range t.accepted {
 			l.abort()
 		}
-		mooncake := make([]*MooncakeQP, 0, len(t.mooncake))
-		for q := range t.mooncake {
-			mooncake = append(mooncake, q)
+		qps := make([]*MooncakeQP, 0, len(t.mcQPs.open)+len(t.readQPs.open))
+		for q := range t.mcQPs.open {
+			qps = append(qps, q)
+		}
+		for q := range t.readQPs.open {
+			qps = append(qps, q)
 		}
 		t.mu.Unlock()
 		for _, s := range sessions {
 			s.Close()
 		}
-		// Those of endpoints their owner left open.
-		for _, q := range mooncake {
+		// Those of endpoints and reads their owners left open.
+		for _, q := range qps {
 			q.Close()
 		}
 		if t.warn != nil {

@@ -19,6 +19,13 @@ package peer
 // connection, but for a read above the port's MaxWrite and the
 // MaxUnmatched-th no_slot, which close it (FlagClose): a reader guessing
 // keys pays a handshake per MaxUnmatched guesses.
+//
+// The server holds the memory it answers from (an engine's unregistering
+// waits for it) until the answer is sent, and a reader that takes the
+// bytes slowly holds it that long: so the whole answer, the reply and
+// every byte, has one deadline (answerTimeout: IOTimeout, and a second
+// more per MinReadRate bytes), past which the server closes the
+// connection, the answer cut short.
 
 import (
 	"context"
@@ -26,6 +33,7 @@ import (
 	"fmt"
 	"io"
 	"os"
+	"syscall"
 	"time"
 
 	"github.com/ferry-project/ferry/internal/connlimit"
@@ -39,6 +47,21 @@ const (
 	KindRead     Kind = 2
 	KindRDMARead Kind = 3
 )
+
+// MinReadRate is the slowest a reader may take an answer's bytes, on
+// average, before the answer's deadline cuts it (answerTimeout): 16 MiB
+// a second, far below any link ferry runs on, so that a read of the
+// largest size allowed (MaxWrite, 64 GiB) holds its memory about 70
+// minutes at most, and one of 1 GiB about 74 s with the default
+// IOTimeout.
+const MinReadRate = 16 << 20
+
+// answerTimeout is how long the server of a read connection takes to
+// send the answer to a read of n bytes, at most, with per-I/O timeout
+// io: io, and a second more per MinReadRate bytes.
+func answerTimeout(n uint64, io time.Duration) time.Duration {
+	return io + time.Duration(n)*time.Second/MinReadRate
+}
 
 // source is the Sink's reads, or nil when it serves none.
 func (p *Port) source() transport.Source {
@@ -112,13 +135,19 @@ func (p *Port) serveRead(c *connlimit.Conn, g *Gate, src transport.Source, h *He
 	}
 	defer done()
 	c.Prove() // it held a key to readable memory
-	if err := reply(transport.OK, 0, ""); err != nil {
+	limit := answerTimeout(h.Len, p.cfg.IOTimeout)
+	last := time.Now().Add(limit)
+	if err := reply(transport.OK, 0, ""); err != nil { // within IOTimeout: before last
 		return fmt.Errorf("sending an ok reply: %w", err)
 	}
 	for at := 0; at < len(b); {
 		end := min(at+transport.IOChunk, len(b))
-		c.SetWriteDeadline(time.Now().Add(p.cfg.IOTimeout))
+		// Each write within IOTimeout, all of them by last.
+		c.SetWriteDeadline(time.Now().Add(min(p.cfg.IOTimeout, time.Until(last))))
 		if _, err := c.Write(b[at:end]); err != nil {
+			if errors.Is(err, os.ErrDeadlineExceeded) && !time.Now().Before(last) {
+				return fmt.Errorf("closed the connection after %d of the %d bytes of a read: the reader did not take the answer within its %v (the io timeout, and a second per %d MiB)", at, len(b), limit, MinReadRate>>20)
+			}
 			return fmt.Errorf("sending %d bytes of a %d-byte read after %d: %w", end-at, len(b), at, err)
 		}
 		at = end
@@ -171,6 +200,9 @@ func (p *Port) Read(ctx context.Context, addr string, reads []transport.Read) er
 			end := min(at+transport.IOChunk, len(r.Dst))
 			c.SetReadDeadline(time.Now().Add(p.cfg.IOTimeout))
 			if _, err := io.ReadFull(c, r.Dst[at:end]); err != nil {
+				if errors.Is(err, io.ErrUnexpectedEOF) || errors.Is(err, io.EOF) || errors.Is(err, syscall.ECONNRESET) {
+					err = fmt.Errorf("%w (the peer cuts an answer not taken within its io timeout and a second per %d MiB)", err, MinReadRate>>20)
+				}
 				return p.readErr(ctx, addr, i, r, fmt.Sprintf("receiving its bytes (%d of %d in)", at, n), err)
 			}
 			at = end

@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"io"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -22,6 +23,7 @@ type readable struct {
 	key  transport.Key
 	base uint64
 	mem  []byte
+	pins atomic.Int32 // reads being answered: memory lent out
 }
 
 func (m *readable) ReadKeyed(addr, n uint64, key transport.Key) ([]byte, func(), error) {
@@ -32,7 +34,8 @@ func (m *readable) ReadKeyed(addr, n uint64, key transport.Key) ([]byte, func(),
 		return nil, nil, &transport.Refusal{Code: transport.OutOfBounds, Message: fmt.Sprintf("[%#x, +%d) lies outside the memory", addr, n)}
 	}
 	off := addr - m.base
-	return m.mem[off : off+n], func() {}, nil
+	m.pins.Add(1)
+	return m.mem[off : off+n], func() { m.pins.Add(-1) }, nil
 }
 
 func newReadable() *readable {
@@ -198,4 +201,56 @@ type stalling struct {
 func (s *stalling) ReadKeyed(addr, n uint64, key transport.Key) ([]byte, func(), error) {
 	<-s.release
 	return s.readable.ReadKeyed(addr, n, key)
+}
+
+// TestReadAnswerDeadline: a reader that takes an answer's bytes, but
+// slowly (1 MiB every 200 ms: each of the server's writes within its
+// I/O timeout), has the whole answer within one deadline (the I/O
+// timeout and a second per MinReadRate bytes) or not at all: past it
+// the server cuts the answer, closes the connection, gives back the
+// memory it lent, and says so in a line.
+func TestReadAnswerDeadline(t *testing.T) {
+	m := newReadable()
+	m.mem = make([]byte, 48<<20) // 5 MiB/s would take 9.6 s; the deadline is 4 s
+	var l transporttest.Logs
+	const ioTimeout = time.Second
+	rx := listen(t, Config{Sink: m, IOTimeout: ioTimeout, Logf: l.Logf}, nil)
+	tx := listen(t, Config{}, nil)
+	c, _, err := tx.Dial(ctxFor(t, 10*time.Second), rx.Addr().String(), KindRead)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	var hdr [HeaderSize]byte
+	h := Header{Addr: m.base, Len: uint64(len(m.mem)), Key: m.key}
+	h.Encode(&hdr)
+	c.SetDeadline(time.Now().Add(30 * time.Second))
+	if _, err := c.Write(hdr[:]); err != nil {
+		t.Fatal(err)
+	}
+	got := make(chan int, 1)
+	go func() { // the slow reader: the reply and bytes, 1 MiB a tick, until the connection ends
+		tick := time.NewTicker(200 * time.Millisecond)
+		defer tick.Stop()
+		n, buf := 0, make([]byte, 1<<20)
+		for range tick.C {
+			k, err := io.ReadFull(c, buf)
+			if n += k; err != nil {
+				got <- n
+				return
+			}
+		}
+	}()
+	l.Wait(t, "closed the connection after", "of the 50331648 bytes of a read", "within its 4s")
+	if p := m.pins.Load(); p != 0 {
+		t.Errorf("the answer cut short: %d reads still hold memory, want none", p)
+	}
+	select {
+	case n := <-got:
+		if want := ReplySize + len(m.mem); n >= want {
+			t.Fatalf("the slow reader took all %d bytes of the answer: want it cut at the deadline", n)
+		}
+	case <-time.After(30 * time.Second):
+		t.Fatal("the slow reader's connection still open 30 s after the answer's deadline")
+	}
 }
