@@ -42,7 +42,10 @@ package rdma
 // memory of its own (1 MiB each, every one signaled), waits for their
 // completions, and sends the next header or closes the connection: the
 // server keeps the region pinned (its unregistering waits) until then,
-// so a granted READ never reaches memory an engine unregistered. The
+// so a granted READ never reaches memory an engine unregistered, or
+// until the answer's deadline of a TCP read connection
+// (peer.AnswerTimeout) has passed, when it closes the connection and
+// its queue pair. The
 // grant's rkey is the region's, as the engine segment's descriptor
 // lists it for Mooncake peers: it reaches the region and nothing else.
 // A refusal keeps the connection, but for a read above MaxWrite and the
@@ -126,14 +129,27 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 		}
 	}()
 	var hb [peer.HeaderSize]byte
+	var granted uint64 // bytes of the grant out, 0 when none is
 	for {
-		c.SetDeadline(time.Now().Add(t.cfg.Peer.IdleTimeout))
+		// A grant pins its region until the next header: the client's
+		// READs of it, and that header, come within the answer's
+		// deadline a TCP read connection has (peer.AnswerTimeout), so a
+		// reader cannot hold the pin for the idle timeout or longer.
+		wait := t.cfg.Peer.IdleTimeout
+		if release != nil {
+			wait = peer.AnswerTimeout(granted, ioTimeout)
+		}
+		c.SetDeadline(time.Now().Add(wait))
 		n, err := readHeader(c, hb[:], ioTimeout)
-		if release != nil { // the client's READs of the last grant are done
+		held := release != nil
+		if held { // the client's READs of the last grant are done
 			release()
 			release = nil
 		}
 		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+			if held {
+				return fmt.Errorf("closed the connection: the reader held its grant of %d bytes past %v (the io timeout, and a second per %d MiB) without its next header: %w", granted, wait, peer.MinReadRate>>20, err)
+			}
 			c.Closing(connlimit.ReasonIdle)
 			return nil
 		}
@@ -147,6 +163,7 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 		h.Decode(&hb)
 		c.SetDeadline(time.Now().Add(ioTimeout))
 		err = t.grantRead(c, g, gate, rq, &h, &release)
+		granted = h.Len
 		c.Idle()
 		if err != nil {
 			return err

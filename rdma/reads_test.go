@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -186,11 +187,14 @@ type readRig struct {
 	ctx    context.Context
 }
 
-func newReadRig(t *testing.T, seed int, readQPs int) *readRig {
+// newReadRig: rx serves an engine region under cfg (its memory and
+// sink filled in), tx reads it.
+func newReadRig(t *testing.T, seed int, cfg Config) *readRig {
 	f := newFabric()
 	r := &readRig{sink: &engineSink{Slots: transporttest.NewSlots(0), key: transport.NewKey(), mem: mapT(t, 1<<16)}}
+	cfg.Memory, cfg.Peer.Sink = mapT(t, 1<<16), r.sink
 	var err error
-	if r.rx, err = listen(testConfig(t, Config{Memory: mapT(t, 1<<16), ReadQPs: readQPs, Peer: peer.Config{Sink: r.sink}}), testNIC(t, f, 1)); err != nil {
+	if r.rx, err = listen(testConfig(t, cfg), testNIC(t, f, 1)); err != nil {
 		t.Fatal(err)
 	}
 	closeAtEnd(t, r.rx)
@@ -313,7 +317,7 @@ func (r *readRig) post(t *testing.T, q *MooncakeQP, read, unanswered bool) wcSta
 // writes (an engine region's), is refused by the responder
 // (REM_INV_REQ_ERR), and the memory stays as it was.
 func TestReadConnectionsTakeNoWrites(t *testing.T) {
-	r := newReadRig(t, 13, 0)
+	r := newReadRig(t, 13, Config{})
 	want := bytes.Clone(r.sink.mem)
 	fill(r.src, 99)
 	c, q := r.open(t)
@@ -337,7 +341,7 @@ func TestReadConnectionsTakeNoWrites(t *testing.T) {
 // lands. The holder of
 // the segment's key then READs the region on a connection of its own.
 func TestReadConnectionsReadNothingWithoutAKey(t *testing.T) {
-	r := newReadRig(t, 14, 0)
+	r := newReadRig(t, 14, Config{})
 	c, q := r.open(t)
 	if st := r.post(t, q, true, true); st == wcSuccess || !isZero(r.src) {
 		t.Fatalf("a READ before any key: completion %s, want the READ refused and nothing read", st.String())
@@ -360,13 +364,33 @@ func TestReadConnectionsReadNothingWithoutAKey(t *testing.T) {
 	}
 }
 
+// TestReadGrantHeldPastItsDeadline: a reader that holds a grant without
+// sending its next header past the answer's deadline (peer.AnswerTimeout,
+// here a second and a little) loses the connection and the region's pin:
+// it cannot keep an engine's memory pinned for the idle timeout.
+func TestReadGrantHeldPastItsDeadline(t *testing.T) {
+	r := newReadRig(t, 16, Config{Peer: peer.Config{IOTimeout: time.Second, IdleTimeout: time.Hour}})
+	c, _ := r.open(t)
+	if rep, _ := r.ask(t, c, r.sink.key); rep.Code != transport.OK {
+		t.Fatalf("a read under the segment's key: %s %q, want a grant", rep.Code, rep.Msg)
+	}
+	if n := r.sink.pins.Load(); n != 1 {
+		t.Fatalf("%d pins after the grant, want its 1", n)
+	}
+	waitFor(t, "the pin of a grant held past its deadline given back", func() bool { return r.sink.pins.Load() == 0 })
+	c.SetReadDeadline(time.Now().Add(30 * time.Second))
+	if _, err := c.Read(make([]byte, 1)); err == nil || errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("the connection after its grant's deadline: %v, want it closed by the server", err)
+	}
+}
+
 // TestReadQPsCapped: the queue pairs of read connections a daemon
 // serves count against a cap of their own (Config.ReadQPs), not the
 // Mooncake one: past it a read connection is refused, naming the cap,
 // and counted; a connection closing gives its queue pair back.
 func TestReadQPsCapped(t *testing.T) {
 	const limit = 2
-	r := newReadRig(t, 15, limit)
+	r := newReadRig(t, 15, Config{ReadQPs: limit})
 	var conns []net.Conn
 	for range limit {
 		c, _ := r.open(t)

@@ -23,7 +23,7 @@ package peer
 // The server holds the memory it answers from (an engine's unregistering
 // waits for it) until the answer is sent, and a reader that takes the
 // bytes slowly holds it that long: so the whole answer, the reply and
-// every byte, has one deadline (answerTimeout: IOTimeout, and a second
+// every byte, has one deadline (AnswerTimeout: IOTimeout, and a second
 // more per MinReadRate bytes), past which the server closes the
 // connection, the answer cut short.
 
@@ -49,17 +49,17 @@ const (
 )
 
 // MinReadRate is the slowest a reader may take an answer's bytes, on
-// average, before the answer's deadline cuts it (answerTimeout): 16 MiB
+// average, before the answer's deadline cuts it (AnswerTimeout): 16 MiB
 // a second, far below any link ferry runs on, so that a read of the
 // largest size allowed (MaxWrite, 64 GiB) holds its memory about 70
 // minutes at most, and one of 1 GiB about 74 s with the default
 // IOTimeout.
 const MinReadRate = 16 << 20
 
-// answerTimeout is how long the server of a read connection takes to
+// AnswerTimeout is how long the server of a read connection takes to
 // send the answer to a read of n bytes, at most, with per-I/O timeout
 // io: io, and a second more per MinReadRate bytes.
-func answerTimeout(n uint64, io time.Duration) time.Duration {
+func AnswerTimeout(n uint64, io time.Duration) time.Duration {
 	return io + time.Duration(n)*time.Second/MinReadRate
 }
 
@@ -135,7 +135,7 @@ func (p *Port) serveRead(c *connlimit.Conn, g *Gate, src transport.Source, h *He
 	}
 	defer done()
 	c.Prove() // it held a key to readable memory
-	limit := answerTimeout(h.Len, p.cfg.IOTimeout)
+	limit := AnswerTimeout(h.Len, p.cfg.IOTimeout)
 	last := time.Now().Add(limit)
 	if err := reply(transport.OK, 0, ""); err != nil { // within IOTimeout: before last
 		return fmt.Errorf("sending an ok reply: %w", err)
