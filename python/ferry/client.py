@@ -399,7 +399,7 @@ class Client:
         payload = {
             "sources": [_source(s) for s in sources],
             "destinations": [self._slot_dict(d) for d in destinations],
-            "items": [list(it) for it in items],
+            "items": [it if isinstance(it, (list, tuple)) else list(it) for it in items],
         }
         if keep_sources:
             payload["keep_sources"] = True

@@ -609,20 +609,18 @@ class TransferEngine:
         pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
         if not pieces:
             return 0
-        held = []
+        held = set()
         try:
-            for local, _, n in pieces:
-                start = self._hold(local, n)
-                if start is None:
-                    return self._refuse(method, n, f"{method} with {session_id}: [{local:#x}, +{n}) lies in no registered "
-                                                   "range: register_memory it first")
-                held.append(start)
-            move(pieces, held)
+            starts, outside = self._hold(pieces, held)
+            if outside is not None:
+                local, _, n = outside
+                return self._refuse(method, n, f"{method} with {session_id}: [{local:#x}, +{n}) lies in no registered "
+                                               "range: register_memory it first")
+            move(pieces, starts)
         except FerryError as e:
             return self._fail(method, session_id, sum(n for _, _, n in pieces), e)
         finally:
-            for start in held:
-                self._release(start)
+            self._release(held)
         return 0
 
     def transfer_sync_read(self, session_id, buffer, peer_buffer_address, length):
@@ -845,24 +843,23 @@ class TransferEngine:
             _when_room(lambda: client.write(Slot(session=session, buffer_address=dst), body), client.timeout)
             return
         base = min(dst for _, dst, _ in pieces)
-        sources, items, staged, by_region = [], [], [], {}
-        host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in self._lent]
+        lent = self._lent
+        sources, items = [], []
+        host = [(src, dst, n) for (src, dst, n), st in zip(pieces, starts) if st not in lent]
         req_id = None
         if host:
             req_id = f"mooncake-{os.getpid()}-{next(_entry_ids)}"
             sources.append(req_id)
-            off = 0
-            for src, dst, n in host:
-                # Staged from where the pieces lie, one after another.
-                staged.append((ctypes.c_char * n).from_address(src))
-                items.append((0, off, 0, dst - base, n))
-                off += n
-        for (src, dst, n), st in zip(pieces, starts):
-            if st in self._lent:
-                if st not in by_region:
-                    by_region[st] = len(sources)
-                    sources.append({"region": self._lent[st]})
-                items.append((by_region[st], src - st, 0, dst - base, n))
+            # Staged from where the pieces lie, one after another.
+            staged = [(ctypes.c_char * n).from_address(src) for src, _, n in host]
+            items = [(0, off, 0, dst - base, n)
+                     for off, (_, dst, n) in zip(itertools.accumulate((n for _, _, n in host), initial=0), host)]
+        by_region = {}
+        for st in dict.fromkeys(st for st in starts if st in lent):
+            by_region[st] = len(sources)
+            sources.append({"region": lent[st]})
+        if by_region:
+            items += [(by_region[st], src - st, 0, dst - base, n) for (src, dst, n), st in zip(pieces, starts) if st in lent]
         if req_id is not None:
             client.stage(req_id, staged)
         try:
@@ -910,6 +907,16 @@ class TransferEngine:
         whole batch would write it (a run's offsets are no larger)."""
         base = min(dst for _, dst, _ in pieces)
         index = len(str(len(self._lent)))  # the most digits a source's index has
+        # Every item is at most as long as one of the largest fields: a
+        # source offset below the batch's bytes (staged) or the span of
+        # its local ends (lent), a destination offset below the span of
+        # its peer ends. Most batches fit whole by that bound.
+        total = sum(n for _, _, n in pieces)
+        widest = (8 + index + len(str(max(total, max(src for src, _, _ in pieces) - min(starts))))
+                  + len(str(max(dst for _, dst, _ in pieces) - base)) + len(str(max(n for _, _, n in pieces))))
+        if len(pieces) <= TRANSFER_ITEMS and len(pieces) * widest <= TRANSFER_ITEM_BYTES:
+            yield 0, len(pieces)
+            return
         lo, size, host = 0, 0, 0
         for i, ((src, dst, n), st) in enumerate(zip(pieces, starts)):
             if st in self._lent:
@@ -924,21 +931,33 @@ class TransferEngine:
             size += item
         yield lo, len(pieces)
 
-    def _hold(self, src, n):
-        """The start of the registered range holding [src, src+n), counted
-        as read until _release; None when there is none."""
+    def _hold(self, pieces, held):
+        """The start of the registered range each piece's local end lies
+        in, those ranges counted as read until _release(held) (held: the
+        starts counted, each once); and the first piece that lies in none
+        (None when all do). Under one lock: a batch's pages lie in a few
+        ranges, the last one found is tried first."""
+        starts = []
+        lo = hi = 0
         with self._lock:
-            i = bisect.bisect_right(self._regions, (src, float("inf"))) - 1
-            if i < 0 or not (self._regions[i][0] <= src and src + n <= self._regions[i][1]):
-                return None
-            start = self._regions[i][0]
-            self._in_flight[start] = self._in_flight.get(start, 0) + 1
-            return start
+            for src, dst, n in pieces:
+                if not (lo <= src and src + n <= hi):
+                    i = bisect.bisect_right(self._regions, (src, float("inf"))) - 1
+                    if i < 0 or not (self._regions[i][0] <= src and src + n <= self._regions[i][1]):
+                        return starts, (src, dst, n)
+                    lo, hi = self._regions[i]
+                    if lo not in held:
+                        held.add(lo)
+                        self._in_flight[lo] = self._in_flight.get(lo, 0) + 1
+                starts.append(lo)
+        return starts, None
 
-    def _release(self, start):
-        with self._lock:
-            self._in_flight[start] -= 1
-            self._lock.notify_all()
+    def _release(self, held):
+        if held:
+            with self._lock:
+                for start in held:
+                    self._in_flight[start] -= 1
+                self._lock.notify_all()
 
     def _need_client(self):
         if self._client is None:

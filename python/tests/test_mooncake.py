@@ -11,6 +11,7 @@ import logging
 import os
 import random
 import socket
+import threading
 import time
 
 import pytest
@@ -183,6 +184,39 @@ def test_a_batch_past_one_transfer_goes_as_several(engine, rx, req_id, monkeypat
     assert rx.wait(req_id, 10) == b"".join(ctypes.string_at(b, 4096) for b in bufs[:8])
     rx.free(req_id)
     assert engine.unregister_memory(base) == 0
+
+
+def test_a_batch_over_several_registered_ranges(engine, rx, req_id):
+    # A batch's pages lie in several registered ranges, taken in turns
+    # (the engine holds each range once, trying the last one found first);
+    # a piece reaching past its range is refused before anything moves,
+    # and every range the batch held is let go: unregister_memory, which
+    # waits for the batches reading a range, returns at once.
+    page, ranges = 4096, 3
+    bufs = [(ctypes.c_char * (4 * page)).from_buffer_copy(os.urandom(4 * page)) for _ in range(ranges)]
+    bases = [ctypes.addressof(b) for b in bufs]
+    assert engine.batch_register_memory(bases, [4 * page] * ranges) == 0
+    pieces = [(bases[r] + p * page, (3 - p) * ranges + r) for p in (3, 1, 0, 2) for r in (0, 2, 1)]
+    slot = rx.receive(req_id, 4 * ranges * page, mooncake=True)
+    dsts = [slot.buffer_address + k * page for _, k in pieces]
+    assert engine.batch_transfer_sync_write(slot.mooncake_session, [s for s, _ in pieces], dsts, [page] * len(pieces)) == 0, \
+        engine.last_failure
+    want = bytearray(4 * ranges * page)
+    for src, k in pieces:
+        want[k * page:(k + 1) * page] = ctypes.string_at(src, page)
+    assert rx.wait(req_id, 10) == bytes(want)
+    rx.free(req_id)
+    slot = rx.receive(req_id, 4 * page, mooncake=True)
+    srcs = [bases[0], bases[1], bases[1] + 3 * page + 1]  # the third runs a byte past its range
+    ret = engine.batch_transfer_sync_write(slot.mooncake_session, srcs, [slot.buffer_address + i * page for i in range(3)], [page] * 3)
+    assert ret == -1 and f"[{srcs[2]:#x}, +{page}) lies in no registered range" in engine.last_failure.message
+    assert not rx.slot_info(req_id).get("arrived")  # nothing moved
+    rx.free(req_id)
+    done = []
+    t = threading.Thread(target=lambda: done.extend(engine.unregister_memory(b) for b in bases), daemon=True)
+    t.start()
+    t.join(30)
+    assert done == [0] * ranges
 
 
 def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
