@@ -103,6 +103,25 @@ class Daemon:
                     pytest.fail(f"ferryd logged no {what} within {timeout} s; its log:\n{self.log()}")
                 self._cond.wait(left)
 
+    def mark(self, timeout=10):
+        """The number of log lines up to a marker request of its own: ferryd
+        logs a request before answering it and logs one stream in order, so
+        every request answered before mark() was called lies before it."""
+        marker = f"mark-{uuid.uuid4().hex}"
+        with self.client() as c:
+            with pytest.raises(ferry.FerryError):
+                c.embedding(marker)
+        self.wait_log(lambda line: line.get("req_id") == marker, timeout, f"the marker request {marker}")
+        with self._cond:
+            return next(i + 1 for i, line in enumerate(self.lines) if line.get("req_id") == marker)
+
+    def requests_between(self, start, end):
+        """(method, path) of the requests logged between two marks, the
+        second mark's own line left out."""
+        with self._cond:
+            return [(line["method"], line["path"]) for line in self.lines[start:end - 1]
+                    if line.get("message") == "request"]
+
     def wait_exit(self, timeout):
         """Waits for ferryd to exit by itself and returns its exit code."""
         try:

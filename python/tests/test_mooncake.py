@@ -53,21 +53,10 @@ def test_one_piece_of_host_memory_is_one_request(pair, engine, rx, req_id):
     assert engine.register_memory(base, len(data)) == 0
     slot = rx.receive(req_id, len(data), mooncake=True)
     tx = pair[0]
-    with tx._cond:
-        seen = len(tx.lines)
+    seen = tx.mark()
     assert engine.transfer_sync_write(slot.mooncake_session, base, slot.buffer_address, len(data)) == 0, engine.last_failure
     assert rx.wait(req_id, 10) == data
-    # ferryd logs each request (DEBUG) once it answered it, so the lines
-    # of register_memory's own requests (lending the range, making the
-    # segment) can come after `seen` on a busy machine: they are left out.
-    deadline = time.monotonic() + 10
-    with tx._cond:
-        while True:
-            asked = [(line["method"], line["path"]) for line in tx.lines[seen:] if line.get("message") == "request"
-                     and not line["path"].startswith(("/v1/regions", "/v1/mooncake/segments"))]
-            if ("POST", "/v1/writes") in asked or time.monotonic() > deadline:
-                break
-            tx._cond.wait(max(deadline - time.monotonic(), 0.001))
+    asked = tx.requests_between(seen, tx.mark())
     assert asked == [("POST", "/v1/writes")], asked
     assert engine.unregister_memory(base) == 0
     rx.free(req_id)
