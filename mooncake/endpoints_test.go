@@ -37,6 +37,32 @@ type fakeVerbs struct {
 	id   byte
 	mem  []byte
 	open int // QPs not yet closed; under f.mu
+	// readsMeet, set before its QPs read, holds each of their READs
+	// until as many are in flight at once as it counts.
+	readsMeet *meeting
+}
+
+// meeting lets no one through until n have come, or their context ends.
+type meeting struct {
+	mu   sync.Mutex
+	n    int
+	full chan struct{}
+}
+
+func newMeeting(n int) *meeting { return &meeting{n: n, full: make(chan struct{})} }
+
+func (m *meeting) wait(ctx context.Context) error {
+	m.mu.Lock()
+	if m.n--; m.n == 0 {
+		close(m.full)
+	}
+	m.mu.Unlock()
+	select {
+	case <-m.full:
+		return nil
+	case <-ctx.Done():
+		return fmt.Errorf("no other read came alongside: %w", ctx.Err())
+	}
 }
 
 func (f *fabric) nic(id byte) *fakeVerbs { return &fakeVerbs{f: f, id: id, mem: make([]byte, 1<<16)} }
@@ -94,7 +120,12 @@ func (q *fakeQP) Write(_ context.Context, src []byte, remote uint64, rkey uint32
 }
 
 // Read fills dst as Write lands src.
-func (q *fakeQP) Read(_ context.Context, dst []byte, remote uint64, rkey uint32) (transport.Report, error) {
+func (q *fakeQP) Read(ctx context.Context, dst []byte, remote uint64, rkey uint32) (transport.Report, error) {
+	if m := q.v.readsMeet; m != nil {
+		if err := m.wait(ctx); err != nil {
+			return transport.Report{}, err
+		}
+	}
 	return q.move(dst, remote, rkey, func(mem []byte) { copy(dst, mem) })
 }
 
@@ -725,5 +756,60 @@ func TestSessionReadsAnRDMASegment(t *testing.T) {
 	}
 	if got := ferry.endpoint(peer.nicPath()); got == nil || got == ep {
 		t.Fatal("the read after a failed one took no new endpoint")
+	}
+}
+
+// TestSessionReadsPiecesSideBySide: a read's pieces go on the endpoint's
+// queue pairs at once (the fake NIC lets no READ through until two are in
+// flight, so one at a time would time out), each byte-exact; a piece the
+// NIC fails among many ends the read with that failure, and the read
+// returns with no piece left running.
+func TestSessionReadsPiecesSideBySide(t *testing.T) {
+	f := newFabric()
+	ferry, peer := startSegment(t, f, 1, EndpointConfig{}), startSegment(t, f, 2, EndpointConfig{})
+	ctx := ctxFor(t, 30*time.Second)
+	d := &Dialer{Self: &Segment{Name: ferry.name, Protocol: "rdma", Buffers: []Buffer{}}, RDMA: ferry.eps}
+	ts, err := d.Dial(ctx, Scheme+peer.name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ts.Close()
+	s := ts.(*Session)
+	data := make([]byte, 1<<16)
+	for i := range data {
+		data[i] = byte(i*7 + i>>8) // differs from page to page
+	}
+	base := peer.v.base()
+	if _, err := s.Write(ctx, transport.Write{Src: data, Remote: base}); err != nil {
+		t.Fatal(err)
+	}
+	const pieces, page = 16, 4096
+	dst := make([]byte, pieces*page)
+	reads := make([]transport.Read, pieces)
+	for i := range reads { // page i of dst from page pieces-1-i of the buffer
+		reads[i] = transport.Read{Addr: base + uint64((pieces-1-i)*page), Dst: dst[i*page : (i+1)*page]}
+	}
+	ferry.v.readsMeet = newMeeting(DefaultQPs)
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := s.Read(rctx, reads); err != nil {
+		t.Fatalf("reading %d pieces: %v (one at a time meets no other read)", pieces, err)
+	}
+	for i := range pieces {
+		if !bytes.Equal(dst[i*page:(i+1)*page], data[(pieces-1-i)*page:(pieces-i)*page]) {
+			t.Fatalf("piece %d holds other bytes than the segment's buffer", i)
+		}
+	}
+
+	ferry.v.readsMeet = nil
+	s.mu.Lock()
+	s.seg.Buffers[0].RKey = []uint32{peer.v.rkey() + 1}
+	s.mu.Unlock()
+	err = s.Read(ctx, reads)
+	if err == nil || !strings.Contains(err.Error(), "REM_ACCESS_ERR") {
+		t.Fatalf("%d pieces under a wrong rkey: %v, want the NIC's REM_ACCESS_ERR", pieces, err)
+	}
+	if ferry.endpoint(peer.nicPath()) != nil {
+		t.Fatal("the failed read left its endpoint in the table")
 	}
 }

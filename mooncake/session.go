@@ -1,12 +1,14 @@
 package mooncake
 
 import (
+	"cmp"
 	"context"
 	"fmt"
 	"net"
 	"strconv"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"golang.org/x/sys/unix"
@@ -299,12 +301,15 @@ func (s *Session) Write(ctx context.Context, w transport.Write) (transport.Repor
 }
 
 // Read fills each piece's Dst from its Addr in the segment's buffers
-// (Key has no place on Mooncake's wire), one piece at a time: on an rdma
-// segment by plain RDMA READs under the rkey its descriptor lists for the
-// buffer (over the endpoint writes take), on a tcp one by READs on its
-// data port. Every piece is checked against the descriptor's buffers
-// before any is read (fetched again once when one lies outside them): a
-// piece outside all is a Refusal naming it, its range and the buffers.
+// (Key has no place on Mooncake's wire): on an rdma segment by plain RDMA
+// READs under the rkey its descriptor lists for the buffer (over the
+// endpoint writes take), on a tcp one by READs on its data port. Every
+// piece is checked against the descriptor's buffers before any is read
+// (fetched again once when one lies outside them): a piece outside all is
+// a Refusal naming it, its range and the buffers. The pieces then go
+// several at once, as many as the endpoint has queue pairs (or the
+// session data connections), so that a batch of small pages is not one
+// round trip per page; the first piece to fail ends the read.
 func (s *Session) Read(ctx context.Context, reads []transport.Read) error {
 	if s.ctx.Err() != nil {
 		return fmt.Errorf("mooncake read from %s: %w", s.peer, transport.ErrClosed)
@@ -330,31 +335,68 @@ func (s *Session) Read(ctx context.Context, reads []transport.Read) error {
 	defer cancel()
 	stop := context.AfterFunc(s.ctx, cancel)
 	defer stop()
-	for i, r := range reads {
-		if len(r.Dst) == 0 {
-			continue
-		}
-		var err error
-		if seg.Protocol == "rdma" {
-			var tg RDMATarget
-			if tg, _, err = seg.RDMATarget(r.Addr, uint64(len(r.Dst))); err == nil {
-				_, err = s.d.RDMA.ReadRDMA(ctx, RDMARead{Self: s.d.Self.Name, RPC: s.rpc, Target: tg, Remote: r.Addr, Dst: r.Dst, QPs: s.d.QPs})
+	workers := cap(s.sem)
+	if seg.Protocol == "rdma" {
+		workers = cmp.Or(s.d.QPs, DefaultQPs)
+	}
+	var (
+		next  atomic.Int64
+		wg    sync.WaitGroup
+		once  sync.Once
+		first error
+	)
+	for range min(workers, len(reads)) {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for ctx.Err() == nil {
+				i := int(next.Add(1)) - 1
+				if i >= len(reads) {
+					return
+				}
+				if err := s.readPiece(ctx, seg, i, reads[i]); err != nil {
+					// The pieces the cancel cuts short fail too: only the
+					// first failure says what went wrong.
+					once.Do(func() { first = err; cancel() })
+					return
+				}
 			}
-		} else {
-			err = s.tcp(ctx, OpRead, Request{Data: seg.DataAddr(s.rpc), Addr: r.Addr, Buf: r.Dst, V2: seg.TCPProtoVersion >= 2, IOTimeout: s.d.IOTimeout})
+		}()
+	}
+	wg.Wait()
+	return first
+}
+
+// readPiece reads piece i, r, of a Read from seg.
+func (s *Session) readPiece(ctx context.Context, seg *Segment, i int, r transport.Read) error {
+	if len(r.Dst) == 0 {
+		return nil
+	}
+	var err error
+	if seg.Protocol == "rdma" {
+		var tg RDMATarget
+		if tg, _, err = seg.RDMATarget(r.Addr, uint64(len(r.Dst))); err == nil {
+			_, err = s.d.RDMA.ReadRDMA(ctx, RDMARead{Self: s.d.Self.Name, RPC: s.rpc, Target: tg, Remote: r.Addr, Dst: r.Dst, QPs: s.d.QPs})
 		}
-		switch {
-		case err == nil:
-		case s.ctx.Err() != nil:
-			return fmt.Errorf("mooncake read from %s: piece %d, %d bytes at %#x: %w: %w", s.peer, i, len(r.Dst), r.Addr, transport.ErrClosed, err)
-		default:
-			s.mu.Lock()
-			s.stale = true
-			s.mu.Unlock()
-			return fmt.Errorf("mooncake read from %s: piece %d, %d bytes at %#x: %w", s.peer, i, len(r.Dst), r.Addr, err)
+	} else {
+		select {
+		case s.sem <- struct{}{}:
+			err = s.tcp(ctx, OpRead, Request{Data: seg.DataAddr(s.rpc), Addr: r.Addr, Buf: r.Dst, V2: seg.TCPProtoVersion >= 2, IOTimeout: s.d.IOTimeout})
+			<-s.sem
+		case <-ctx.Done():
+			err = fmt.Errorf("waiting for a data connection: %w", ctx.Err())
 		}
 	}
-	return nil
+	switch {
+	case err == nil:
+		return nil
+	case s.ctx.Err() != nil:
+		return fmt.Errorf("mooncake read from %s: piece %d, %d bytes at %#x: %w: %w", s.peer, i, len(r.Dst), r.Addr, transport.ErrClosed, err)
+	}
+	s.mu.Lock()
+	s.stale = true
+	s.mu.Unlock()
+	return fmt.Errorf("mooncake read from %s: piece %d, %d bytes at %#x: %w", s.peer, i, len(r.Dst), r.Addr, err)
 }
 
 // outside is the index of the first read lying in none of seg's buffers,
