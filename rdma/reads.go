@@ -140,13 +140,19 @@ func (t *Transport) grantReads(c *connlimit.Conn) error {
 			wait = peer.AnswerTimeout(granted, ioTimeout)
 		}
 		c.SetDeadline(time.Now().Add(wait))
-		n, err := readHeader(c, hb[:], ioTimeout)
 		held := release != nil
+		var n int
+		var err error
+		if held { // the whole header within the grant's deadline
+			n, err = io.ReadFull(c, hb[:])
+		} else {
+			n, err = readHeader(c, hb[:], ioTimeout)
+		}
 		if held { // the client's READs of the last grant are done
 			release()
 			release = nil
 		}
-		if n == 0 && errors.Is(err, os.ErrDeadlineExceeded) {
+		if errors.Is(err, os.ErrDeadlineExceeded) && (held || n == 0) {
 			if held {
 				return fmt.Errorf("closed the connection: the reader held its grant of %d bytes past %v (the io timeout, and a second per %d MiB) without its next header: %w", granted, wait, peer.MinReadRate>>20, err)
 			}
@@ -187,7 +193,17 @@ func (r *readQP) connect() error {
 	if r.connected {
 		return nil
 	}
-	if err := r.q.l.qp.(mooncakeQP).connectMooncake(r.remote, qpReads); err != nil {
+	// Under the lane's lock, and not once it closed: the transport's
+	// Close destroys read QPs before its port's connections end.
+	l := r.q.l
+	l.use.Lock()
+	defer l.use.Unlock()
+	select {
+	case <-l.quit:
+		return errLaneClosed
+	default:
+	}
+	if err := l.qp.(mooncakeQP).connectMooncake(r.remote, qpReads); err != nil {
 		return err
 	}
 	r.connected = true

@@ -50,17 +50,19 @@ const (
 
 // MinReadRate is the slowest a reader may take an answer's bytes, on
 // average, before the answer's deadline cuts it (AnswerTimeout): 16 MiB
-// a second, far below any link ferry runs on, so that a read of the
-// largest size allowed (MaxWrite, 64 GiB) holds its memory about 70
-// minutes at most, and one of 1 GiB about 74 s with the default
-// IOTimeout.
+// a second, far below any link ferry runs on, so that a read of 64 GiB
+// (the largest arena's size bounds a read: MaxWrite) holds its memory
+// about 68 minutes at most, and one of 1 GiB about 74 s with the
+// default IOTimeout.
 const MinReadRate = 16 << 20
 
 // AnswerTimeout is how long the server of a read connection takes to
 // send the answer to a read of n bytes, at most, with per-I/O timeout
 // io: io, and a second more per MinReadRate bytes.
 func AnswerTimeout(n uint64, io time.Duration) time.Duration {
-	return io + time.Duration(n)*time.Second/MinReadRate
+	// In whole seconds and the rest apart: n seconds' worth of
+	// nanoseconds overflows past 8 GiB.
+	return io + time.Duration(n/MinReadRate)*time.Second + time.Duration(n%MinReadRate)*time.Second/MinReadRate
 }
 
 // source is the Sink's reads, or nil when it serves none.

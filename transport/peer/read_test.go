@@ -254,3 +254,23 @@ func TestReadAnswerDeadline(t *testing.T) {
 		t.Fatal("the slow reader's connection still open 30 s after the answer's deadline")
 	}
 }
+
+// The answer's deadline grows a second per MinReadRate bytes to the
+// largest reads, with no overflow (n seconds' worth of nanoseconds
+// passes int64 at 8 GiB).
+func TestAnswerTimeoutOfLargeReads(t *testing.T) {
+	for _, c := range []struct {
+		n    uint64
+		want time.Duration
+	}{
+		{0, 10 * time.Second},
+		{8 << 20, 10*time.Second + 500*time.Millisecond},
+		{1 << 30, 74 * time.Second},
+		{9 << 30, 10*time.Second + 576*time.Second},
+		{64 << 30, 10*time.Second + 4096*time.Second},
+	} {
+		if got := AnswerTimeout(c.n, 10*time.Second); got != c.want {
+			t.Errorf("AnswerTimeout(%d bytes, 10s) = %v, want %v", c.n, got, c.want)
+		}
+	}
+}
