@@ -46,10 +46,11 @@ import (
 // none (the bounce path), or its registration fails, it is refused when
 // ferryd's Mooncake segments speak rdma (Mooncake peers' one-sided
 // writes could land nowhere), and over tcp segments every write into it
-// goes through host staging, as over TCP, the reason logged.
-func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) error {
+// goes through host staging, as over TCP, the reason logged. It returns
+// how GPU memory met the NIC, for engineGPUTaken once the region is in.
+func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) (*rdma.GPURegistration, error) {
 	if l.mooncakeAddr == 0 || d.dp.rdma == nil {
-		return nil
+		return nil, nil
 	}
 	var er *rdma.EngineRegion
 	var gpu *rdma.GPURegistration
@@ -62,7 +63,7 @@ func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) er
 			dev.DMABuf = x.ExportDMABuf
 		}
 		er, gpu, err = d.dp.rdma.RegisterEngineDevice(dev, l.mooncakeAddr)
-		d.countEngineGPU(name, gpu)
+		d.countEngineGPUFailures(gpu)
 	}
 	l.mr, l.engineNIC = er, &api.RegionEngineNIC{Registered: er != nil, GPU: gpuStatus(gpu)}
 	switch {
@@ -71,11 +72,11 @@ func (d *Daemon) registerEngineRegion(name string, mem arena.Memory, l *lend) er
 		l.engineNIC.Error = err.Error()
 		d.regionLog.Printf("region %s: mooncake_addr: ferry peers' writes into this GPU memory go through host staging: %v", name, err)
 	case mem.Host() == nil:
-		return apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segments speak rdma, so Mooncake peers write the region one-sidedly, and %v: lend a memfd, or run ferryd's Mooncake segments over tcp (writes into GPU memory then go through host staging)", name, err)
+		return gpu, apiErr(api.CodeBadRequest, "region %s: mooncake_addr: this ferryd's Mooncake segments speak rdma, so Mooncake peers write the region one-sidedly, and %v: lend a memfd, or run ferryd's Mooncake segments over tcp (writes into GPU memory then go through host staging)", name, err)
 	default:
-		return apiErr(api.CodeInternal, "region %s: mooncake_addr: Mooncake and ferry peers write it over RDMA, and %v", name, err)
+		return gpu, apiErr(api.CodeInternal, "region %s: mooncake_addr: Mooncake and ferry peers write it over RDMA, and %v", name, err)
 	}
-	return nil
+	return gpu, nil
 }
 
 // dmabufExporter is GPU memory that exports itself as a dmabuf for the
@@ -84,22 +85,32 @@ type dmabufExporter interface {
 	ExportDMABuf() (fd int, offset uint64, err error)
 }
 
-// countEngineGPU counts and logs (rate-limited) how GPU memory an
-// engine registered, region name, met the NIC: the path taken, and
-// each that failed first.
-func (d *Daemon) countEngineGPU(name string, g *rdma.GPURegistration) {
+// countEngineGPUFailures counts each path that failed to register GPU
+// memory an engine registered, whether or not a later one was taken.
+func (d *Daemon) countEngineGPUFailures(g *rdma.GPURegistration) {
 	if g == nil {
 		return
+	}
+	for _, n := range g.NotTaken {
+		if n.Err != nil {
+			d.metrics.engineGPURegistrations.WithLabelValues(string(n.Path), "failed").Inc()
+		}
+	}
+}
+
+// engineGPUTaken counts and logs (rate-limited) the path by which GPU
+// memory an engine registered, region name, met the NIC, once the region
+// is in (a request refused after all leaves no registration behind), and
+// each path that failed first.
+func (d *Daemon) engineGPUTaken(name string, g *rdma.GPURegistration) {
+	if g == nil || g.Path == "" {
+		return // host memory; or refused, or staged with the reason logged
 	}
 	var failed []string
 	for _, n := range g.NotTaken {
 		if n.Err != nil {
-			d.metrics.engineGPURegistrations.WithLabelValues(string(n.Path), "failed").Inc()
 			failed = append(failed, fmt.Sprintf("%s failed: %v", n.Path, n.Err))
 		}
-	}
-	if g.Path == "" {
-		return // the caller refuses the region, or logs why not
 	}
 	d.metrics.engineGPURegistrations.WithLabelValues(string(g.Path), "taken").Inc()
 	if len(failed) > 0 {

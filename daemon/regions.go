@@ -591,7 +591,7 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 		nics = d.affinity.NICsFor(req.CUDA.Device)
 	}
 	nic, on, nicErr := d.registerRegionNIC(mem, nics)
-	err = d.registerEngineRegion(req.Name, mem, &l)
+	gpu, err := d.registerEngineRegion(req.Name, mem, &l)
 	var g api.Region
 	if err == nil {
 		g, err = d.reg.addRegionOn(req.Name, mem, nic, nicErr, uint8(on.Home), l)
@@ -613,6 +613,7 @@ func (d *Daemon) handleNewRegion(w http.ResponseWriter, r *http.Request) error {
 	case nic != nil:
 		d.metrics.regionRegistrations.WithLabelValues("registered").Inc()
 	}
+	d.engineGPUTaken(req.Name, gpu)
 	d.log.Info().Str("region", req.Name).Str("kind", g.Kind).Int64("nbytes", req.NBytes).Bool("nic", nic != nil).Msg("region registered")
 	if l.owner > 0 {
 		d.watchOwner(l.owner)
