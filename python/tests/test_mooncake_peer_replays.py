@@ -88,6 +88,8 @@ def test_sglang_encoder_a_ferry_encoder_writes_into_a_mooncake_receivers_buffer(
     # Past the landing buffer's end: -1, nothing written past it.
     assert tx.register_memory(src, LANDING) == 0
     assert tx.transfer_sync_write(peer.session, src, peer.base + 8, LANDING) == -1
+    assert tx.last_failure.ret == "refused" and "lies in none of the buffers of Mooncake segment" in \
+        tx.last_failure.message, tx.last_failure
     assert peer.digest([[peer.base, LANDING]]) == [sha(bytes(emb))]
     assert tx.unregister_memory(src) == 0
 
