@@ -53,16 +53,18 @@ e2e: deps
 # The Python package (python/, docs/python.md): installed offline with
 # Debian's pip into a throwaway venv that also sees Debian's pytest and
 # torch (so the install itself is tested), then its tests against real
-# ferryd processes. Under a minute on a quiet host, three on a busy one (the
+# ferryd processes and a Mooncake-protocol peer (test/mcpeer, built
+# here). Under a minute on a quiet host, three on a busy one (the
 # limit, 900 s, leaves room). python/build goes first: setuptools
 # builds there and would ship files the source no longer has.
 PYVENV := $(BIN)/python-venv
 test-python: build alloc
 	@scripts/deps.sh python
+	$(GO) build -trimpath -o $(BIN)/ ./test/mcpeer
 	rm -rf $(PYVENV) python/build python/ferry.egg-info
 	/usr/bin/python3 -m venv --system-site-packages --without-pip $(PYVENV)
 	$(PYVENV)/bin/python -m pip install --no-build-isolation --no-index --no-deps --quiet ./python
-	cd python/tests && $(PYTEST_ENV) FERRYD=$(CURDIR)/$(BIN)/ferryd timeout 900 $(CURDIR)/$(PYVENV)/bin/python -m pytest -p no:cacheprovider $(or $(PYTEST_ARGS),.)
+	cd python/tests && $(PYTEST_ENV) FERRYD=$(CURDIR)/$(BIN)/ferryd MCPEER=$(CURDIR)/$(BIN)/mcpeer timeout 900 $(CURDIR)/$(PYVENV)/bin/python -m pytest -p no:cacheprovider $(or $(PYTEST_ARGS),.)
 
 # ferry's Mooncake engine class against a real Mooncake engine, over TCP,
 # both ways (python/tests/test_mooncake_real.py). Opt-in: MOONCAKE_PY is

@@ -446,15 +446,21 @@ class TransferEngine:
         metadata handshake; -1 on failure. A ferry segment lists ferryd's
         arena, whose only write targets are its Mooncake receive slots."""
         try:
-            desc = _handshake(segment_name, _METADATA, {"name": self.local_hostname, "protocol": self.protocol or "tcp",
-                                                        "buffers": []})
-            buffers = desc.get("buffers") or []
+            buffers = self._descriptor(segment_name).get("buffers") or []
             if not buffers:
                 raise ValueError("its descriptor lists no buffer")
-            return int(buffers[0]["addr"])
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            return buffers[0]["addr"]
+        except (OSError, ValueError) as e:
             return self._fail("get_first_buffer_address", segment_name, 0, FerryError(
                 f"get_first_buffer_address({segment_name!r}): {e}", code="unreachable"))
+
+    def _descriptor(self, segment):
+        """The segment's descriptor over the metadata handshake, its fields
+        checked (_check_descriptor)."""
+        desc = _handshake(segment, _METADATA, {"name": self.local_hostname, "protocol": self.protocol or "tcp",
+                                               "buffers": []})
+        _check_descriptor(segment, desc)
+        return desc
 
     def close(self):
         """Closes this engine's segment: ferryd stops listing and serving
@@ -656,8 +662,7 @@ class TransferEngine:
                                  "in host memory of this process only so far: read into registered host memory, "
                                  "then copy", code="bad_request")
             try:
-                desc = _handshake(session_id, _METADATA, {"name": self.local_hostname, "protocol": self.protocol or "tcp",
-                                                          "buffers": []})
+                desc = self._descriptor(session_id)
                 if _ferry_peer(session_id, desc):
                     self._read_via_ferryd(session_id, pieces, held)
                 elif self.protocol == "rdma":
@@ -1111,6 +1116,36 @@ def _handshake(segment, kind, body):
         return reply
 
 
+def _check_descriptor(segment, desc):
+    """Raises ValueError naming the field when a field of desc, segment's
+    descriptor, that this module reads has the wrong type: a peer's
+    answer is input, and a malformed one fails the call (-1), not the
+    caller."""
+    def bad(field, value, want):
+        raise ValueError(f"segment {segment}'s descriptor has {field} {repr(value)[:100]}, want {want}: "
+                         "is that RPC port a Mooncake engine's?")
+
+    def uint(value):
+        return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 1 << 64
+
+    for field in ("protocol", "name"):
+        if desc.get(field) is not None and not isinstance(desc[field], str):
+            bad(field, desc[field], "a string")
+    for field, top in (("tcp_data_port", 65535), ("tcp_proto_version", 1 << 32)):
+        value = desc.get(field)
+        if value is not None and not (uint(value) and value <= top):
+            bad(field, value, f"an integer from 0 to {top}")
+    ferry = desc.get("ferry")
+    if ferry is not None and not (isinstance(ferry, dict) and isinstance(ferry.get("peer", ""), str)):
+        bad("ferry", ferry, "an object whose peer is \"host:port\"")
+    buffers = desc.get("buffers")
+    if buffers is not None and not isinstance(buffers, list):
+        bad("buffers", buffers, "a list")
+    for i, b in enumerate(buffers or []):
+        if not (isinstance(b, dict) and uint(b.get("addr")) and uint(b.get("length"))):
+            bad(f"buffers[{i}]", b, "an object with an addr and a length, integers >= 0")
+
+
 class _ReadRefused(ValueError):
     """The peer refused a READ: the range lies in none of its buffers."""
 
@@ -1152,9 +1187,9 @@ def _read_runs(pieces):
 
 def _read_pieces(segment, desc, pieces):
     """Reads each (local, remote, n) piece from the segment, whose
-    descriptor is desc, over its TCP data port (mooncake/data.go has the
-    wire), into local memory in place; raises OSError or ValueError saying
-    what failed."""
+    descriptor is desc (_check_descriptor passed it), over its TCP data
+    port (mooncake/data.go has the wire), into local memory in place;
+    raises OSError or ValueError saying what failed."""
     if desc.get("protocol") != "tcp" or not desc.get("tcp_data_port"):
         raise ValueError(f"the segment speaks {desc.get('protocol')!r}: reads from a Mooncake engine go over its tcp "
                          "transport only so far")
@@ -1164,9 +1199,9 @@ def _read_pieces(segment, desc, pieces):
             listed = "; ".join(f"[{b['addr']:#x}, +{b['length']})" for b in buffers) or "none"
             raise _ReadRefused(f"[{remote:#x}, +{n}) lies in none of the segment's buffers ({listed}): read memory "
                                "its engine registered")
-    v2 = int(desc.get("tcp_proto_version") or 1) >= 2
+    v2 = (desc.get("tcp_proto_version") or 1) >= 2
     host, _ = _split_host_port(segment)
-    with socket.create_connection((host, int(desc["tcp_data_port"])), _IO_TIMEOUT) as conn:
+    with socket.create_connection((host, desc["tcp_data_port"]), _IO_TIMEOUT) as conn:
         conn.settimeout(_IO_TIMEOUT)
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         for local, remote, n in pieces:

@@ -3,10 +3,12 @@ peer port on 127.0.0.1, host memory, TCP, JSON logs; started by waiting
 for its "ready" log line, stopped by PID with SIGTERM and a deadline.
 
 FERRYD names the binary (make test-python builds it); else bin/ferryd of
-this checkout.
+this checkout. MCPEER likewise names test/mcpeer's binary, a Mooncake-
+protocol peer (the mcpeer fixture).
 """
 
 import contextlib
+import hashlib
 import json
 import os
 import signal
@@ -26,6 +28,7 @@ import ferry
 
 REPO = Path(__file__).resolve().parents[2]
 FERRYD = os.environ.get("FERRYD") or str(REPO / "bin" / "ferryd")
+MCPEER = os.environ.get("MCPEER") or str(REPO / "bin" / "mcpeer")
 
 def pytest_report_header():
     return f"ferry {ferry.__version__} from {os.path.dirname(ferry.__file__)}; ferryd {FERRYD}"
@@ -308,3 +311,90 @@ def engine_child():
     yield start
     for c in started:
         c.kill()
+
+
+class McPeer:
+    """A Mooncake-protocol peer (test/mcpeer: package mooncaketest's Peer on
+    loopback TCP, one registered buffer): session, base and size name its
+    segment; write, read and digest are its commands, each answered within
+    timeout seconds. It exits when its stdin closes; stop() also ends it by
+    PID."""
+
+    def __init__(self, buffer_size, timeout=120):
+        if not os.access(MCPEER, os.X_OK):
+            pytest.fail(f"no mcpeer at {MCPEER}: make test-python builds it, or name it with MCPEER=...")
+        self.proc = subprocess.Popen(["setpriv", "--pdeathsig", "TERM", "--", MCPEER, "-buffer-size", str(buffer_size)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        self.pid = self.proc.pid
+        self.timeout = timeout
+        self._lines = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        try:
+            hello = self._answer(30)
+        except BaseException:
+            self.stop()
+            raise
+        self.session, self.base, self.size = hello["session"], hello["base"], hello["size"]
+
+    def _read(self):
+        for raw in self.proc.stdout:
+            self._lines.put(raw)
+        self._lines.put(None)
+
+    def _answer(self, timeout):
+        try:
+            raw = self._lines.get(timeout=timeout)
+        except queue.Empty:
+            pytest.fail(f"mcpeer pid {self.pid} answered nothing within {timeout} s")
+        if raw is None:
+            self.proc.wait(10)
+            pytest.fail(f"mcpeer pid {self.pid} exited ({self.proc.returncode}): "
+                        f"{self.proc.stderr.read().decode(errors='replace')}")
+        return json.loads(raw)
+
+    def call(self, **command):
+        """The peer's answer to command; {"error": ...} when it failed."""
+        self.proc.stdin.write((json.dumps(command) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._answer(self.timeout)
+
+    def write(self, session, seed, pieces):
+        """WRITEs pieces [(addr, n)] of the seed's stream (pattern) into
+        session as a Mooncake initiator; None, or the peer's error."""
+        return self.call(op="write", session=session, seed=seed, pieces=pieces).get("error")
+
+    def read(self, session, pieces):
+        """READs pieces from session: their sha256 hex digests (or the error)."""
+        got = self.call(op="read", session=session, pieces=pieces)
+        return got.get("digests", got.get("error"))
+
+    def digest(self, pieces):
+        """The sha256 hex digests of pieces of its own buffer."""
+        got = self.call(op="digest", pieces=pieces)
+        assert "digests" in got, got
+        return got["digests"]
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+def pattern(seed, n):
+    """The first n bytes of the seed's stream, as mcpeer's write cuts it."""
+    return hashlib.shake_128(seed.encode()).digest(n)
+
+
+@pytest.fixture
+def mcpeer():
+    """Starts Mooncake-protocol peers (McPeer) for one test; each is killed by PID when it ends."""
+    started = []
+
+    def start(buffer_size=16 << 20):
+        p = McPeer(buffer_size)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.stop()

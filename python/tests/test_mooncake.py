@@ -11,8 +11,10 @@ import logging
 import os
 import random
 import socket
+import struct
 import threading
 import time
+import types
 
 import pytest
 
@@ -481,3 +483,78 @@ def test_reads_are_cut_to_what_one_request_of_ferryd_takes():
     runs = list(_read_runs(big))
     assert [sum(n for _, _, n in r) for r in runs] == [READ_MAX, 7]
     assert runs[1] == [(READ_MAX, READ_MAX, 7)]
+
+
+@pytest.fixture
+def descriptor_server():
+    """A Mooncake RPC port on loopback answering every metadata handshake
+    with the descriptor in .desc (a hostile peer's, here); its session id
+    in .session. Closed when the test ends."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(30)
+    state = types.SimpleNamespace()
+    state.session = "127.0.0.1:%d" % server.getsockname()[1]
+    state.desc = {}
+
+    def recv(conn, n):
+        out = b""
+        while len(out) < n:
+            chunk = conn.recv(n - len(out))
+            if not chunk:
+                raise OSError("closed")
+            out += chunk
+        return out
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:  # closed at the test's end (or its deadline passed)
+                return
+            with conn:
+                conn.settimeout(10)
+                try:
+                    length, kind = struct.unpack("<QB", recv(conn, 9))
+                    recv(conn, length - 1)
+                    body = json.dumps(state.desc).encode()
+                    conn.sendall(struct.pack("<QB", len(body) + 1, kind) + body)
+                except OSError:
+                    pass
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    yield state
+    server.shutdown(socket.SHUT_RDWR)  # wakes the accept (close alone does not)
+    server.close()
+    t.join(10)
+    assert not t.is_alive(), "the descriptor server's thread outlived its socket"
+
+
+@pytest.mark.parametrize("field,hostile", [
+    ("ferry", "x"),
+    ("ferry", {"peer": 5}),
+    ("buffers[0]", [{"name": "b", "length": 4096}]),
+    ("buffers[0]", [{"name": "b", "addr": "0x1000", "length": 4096}]),
+    ("buffers", "all of them"),
+    ("tcp_data_port", "80"),
+    ("tcp_proto_version", [2]),
+])
+def test_a_malformed_descriptor_fails_the_read_naming_the_field(engine, descriptor_server, field, hostile):
+    # A peer's descriptor is input: a field of the wrong type makes the
+    # read -1 with last_failure naming it and the segment, never an
+    # exception escaping into the framework.
+    session = descriptor_server.session
+    descriptor_server.desc = {"name": session, "protocol": "tcp", "tcp_data_port": 1, "tcp_proto_version": 2,
+                              "buffers": [{"name": "b", "addr": 4096, "length": 4096}]}
+    descriptor_server.desc[field.split("[")[0]] = hostile
+    dst = (ctypes.c_char * 4096)()
+    base = ctypes.addressof(dst)
+    assert engine.register_memory(base, 4096) == 0
+    assert engine.transfer_sync_read(session, base, 4096, 16) == -1
+    f = engine.last_failure
+    assert f.ret == "transfer_failed" and f"segment {session}'s descriptor has {field} " in f.message, f
+    assert engine.batch_transfer_sync_read(session, [base, base + 16], [4096, 4112], [16, 16]) == -1
+    assert f"{field} " in engine.last_failure.message
+    assert engine.get_first_buffer_address(session) == -1
+    assert f"{field} " in engine.last_failure.message
+    assert engine.unregister_memory(base) == 0

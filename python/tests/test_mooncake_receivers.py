@@ -210,13 +210,39 @@ def test_memory_outside_the_window_is_refused_with_the_fix(pair, engine_child):
     assert ptr != 0 and ret == 0
 
 
-def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
+def ferryd_holds(daemon):
+    """What ferryd holds for lent memory: its open fds, its mappings of the
+    allocator's memfd (ferry_alloc.c names it), and the region byte gauge."""
+    fds = len(os.listdir(f"/proc/{daemon.pid}/fd"))
+    with open(f"/proc/{daemon.pid}/maps") as f:
+        maps = sum(1 for line in f if "memfd:ferry-alloc" in line)
+    with daemon.client() as c:
+        gauge = next(line for line in c.metrics().splitlines() if line.startswith("ferry_region_host_bytes "))
+    return {"fds": fds, "memfd mappings": maps, "ferry_region_host_bytes": float(gauge.split()[1])}
+
+
+def accepts(session):
+    """Whether the session's RPC port accepts a connection."""
+    host, port = session.rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), 5).close()
+        return True
+    except ConnectionRefusedError:
+        return False
+
+
+def test_a_killed_engines_registrations_are_dropped(start_daemon, engine_child):
     # The process that lent the memory dies (SIGKILL: no teardown): its
-    # addresses mean nothing now, and ferryd unregisters what it lent.
-    rx = engine_child(pair[1].socket)
-    rx.run(RECEIVER)
+    # addresses mean nothing now, and ferryd unregisters what it lent,
+    # unmaps it, closes its fds and its RPC port: nothing leaks. A ferryd
+    # of its own, so no other test's engine comes or goes meanwhile.
+    daemon = start_daemon("kill", "--mooncake-listen", "127.0.0.1:0")
+    client = daemon.client()  # its connection is open throughout: in before too
+    client.status()
+    before = ferryd_holds(daemon)
+    rx = engine_child(daemon.socket)
+    session = rx.run(RECEIVER)
     ptrs = register_kv(rx, 4, 256)
-    client = pair[1].client()
 
     def lent():
         return [g for g in client.regions() if g.get("mooncake_addr") in ptrs]
@@ -225,12 +251,18 @@ def test_a_killed_engines_registrations_are_dropped(pair, engine_child):
         return [s for s in json.loads(client.request("GET", "/v1/mooncake/segments").body) if s["pid"] == rx.pid]
 
     assert len(lent()) == 4 and [s["regions"] for s in segments()] == [4]
-    engines = client.status()["mooncake"]["engines"]
+    held = ferryd_holds(daemon)
+    assert held["memfd mappings"] > before["memfd mappings"] and \
+        held["ferry_region_host_bytes"] >= before["ferry_region_host_bytes"] + 4 * 256 * PAGE, (before, held)
+    assert accepts(session)
     rx.kill()
     poll_until(lambda: not lent() and not segments(), 30, f"ferryd dropping what the killed engine pid {rx.pid} lent")
-    assert client.status()["mooncake"]["engines"] <= engines - 1  # (other tests' engines may end meanwhile)
-    pair[1].wait_log(lambda line: line.get("message") == "engine segment closed: the process that opened it exited"
-                     and line.get("pid") == rx.pid and line.get("regions") == 4, 10, "the dropped segment's line")
+    assert client.status()["mooncake"]["engines"] == 0
+    daemon.wait_log(lambda line: line.get("message") == "engine segment closed: the process that opened it exited"
+                    and line.get("pid") == rx.pid and line.get("regions") == 4, 10, "the dropped segment's line")
+    poll_until(lambda: ferryd_holds(daemon) == before, 30,
+               f"ferryd's fds, memfd mappings and region bytes returning to {before} (now {ferryd_holds(daemon)})")
+    poll_until(lambda: not accepts(session), 30, f"the killed engine's RPC port {session} closing")
 
 
 def reads_through(daemon):
