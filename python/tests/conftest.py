@@ -254,19 +254,16 @@ def stalled_upload(socket_path, req_id, nbytes):
         sock.close()
 
 
-class EngineChild:
-    """A Python process started with ferry's allocator preloaded (python -m
-    ferry.run), as a framework's would be: run(code) executes code there
-    and returns the value it left in `out`. Ended by its PID."""
+class LineChild:
+    """A child process driven by JSON lines: one line in on stdin, one line
+    of answer on stdout, each answer awaited with a deadline (what names
+    the process in failures). Ended by its PID (kill)."""
 
-    def __init__(self, socket_path, preload=True, timeout=240, env=None):
-        here = os.path.dirname(os.path.abspath(__file__))
-        argv = ["-m", "ferry.run"] if preload else []
-        environ = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_") and k != "LD_PRELOAD"}
-        environ.update(env or {}, FERRY_SOCKET=socket_path)
-        self.proc = subprocess.Popen([sys.executable, *argv, os.path.join(here, "engine_child.py")], env=environ,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    def __init__(self, argv, what, timeout, env=None):
+        self.proc = subprocess.Popen(argv, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=subprocess.PIPE)
         self.pid = self.proc.pid
+        self.what = f"{what} pid {self.pid}"
         self.timeout = timeout
         self._lines = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
@@ -276,26 +273,46 @@ class EngineChild:
             self._lines.put(raw)
         self._lines.put(None)
 
-    def run(self, code, timeout=None):
-        self.proc.stdin.write((json.dumps(textwrap.dedent(code)) + "\n").encode())
-        self.proc.stdin.flush()
+    def ask(self, line, timeout=None):
+        """Sends line (a JSON value) and returns the decoded answer."""
+        if line is not None:
+            self.proc.stdin.write((json.dumps(line) + "\n").encode())
+            self.proc.stdin.flush()
+        timeout = timeout or self.timeout
         try:
-            raw = self._lines.get(timeout=timeout or self.timeout)
+            raw = self._lines.get(timeout=timeout)
         except queue.Empty:
-            pytest.fail(f"the engine process pid {self.pid} answered nothing within {timeout or self.timeout} s")
+            pytest.fail(f"the {self.what} answered nothing within {timeout} s")
         if raw is None:
             self.proc.wait(10)
-            pytest.fail(f"the engine process pid {self.pid} exited ({self.proc.returncode}): "
+            pytest.fail(f"the {self.what} exited ({self.proc.returncode}): "
                         f"{self.proc.stderr.read().decode(errors='replace')}")
-        answer = json.loads(raw)
-        if "error" in answer:
-            pytest.fail(f"in the engine process: {answer['error']}")
-        return answer["out"]
+        return json.loads(raw)
 
     def kill(self):
         if self.proc.poll() is None:
             self.proc.kill()
         self.proc.wait(10)
+
+
+class EngineChild(LineChild):
+    """A Python process started with ferry's allocator preloaded (python -m
+    ferry.run), as a framework's would be: run(code) executes code there
+    and returns the value it left in `out`. Ended by its PID."""
+
+    def __init__(self, socket_path, preload=True, timeout=240, env=None):
+        here = os.path.dirname(os.path.abspath(__file__))
+        argv = ["-m", "ferry.run"] if preload else []
+        environ = {k: v for k, v in os.environ.items() if not k.startswith("FERRY_") and k != "LD_PRELOAD"}
+        environ.update(env or {}, FERRY_SOCKET=socket_path)
+        super().__init__([sys.executable, *argv, os.path.join(here, "engine_child.py")], "engine process",
+                         timeout, environ)
+
+    def run(self, code, timeout=None):
+        answer = self.ask(textwrap.dedent(code), timeout)
+        if "error" in answer:
+            pytest.fail(f"in the engine process: {answer['error']}")
+        return answer["out"]
 
 
 @pytest.fixture
@@ -313,50 +330,28 @@ def engine_child():
         c.kill()
 
 
-class McPeer:
+class McPeer(LineChild):
     """A Mooncake-protocol peer (test/mcpeer: package mooncaketest's Peer on
     loopback TCP, one registered buffer): session, base and size name its
     segment; write, read and digest are its commands, each answered within
-    timeout seconds. It exits when its stdin closes; stop() also ends it by
+    timeout seconds. It exits when its stdin closes; kill() also ends it by
     PID."""
 
     def __init__(self, buffer_size, timeout=120):
         if not os.access(MCPEER, os.X_OK):
             pytest.fail(f"no mcpeer at {MCPEER}: make test-python builds it, or name it with MCPEER=...")
-        self.proc = subprocess.Popen(["setpriv", "--pdeathsig", "TERM", "--", MCPEER, "-buffer-size", str(buffer_size)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-        self.pid = self.proc.pid
-        self.timeout = timeout
-        self._lines = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__(["setpriv", "--pdeathsig", "TERM", "--", MCPEER, "-buffer-size", str(buffer_size)],
+                         "mcpeer", timeout)
         try:
-            hello = self._answer(30)
+            hello = self.ask(None, 30)
         except BaseException:
-            self.stop()
+            self.kill()
             raise
         self.session, self.base, self.size = hello["session"], hello["base"], hello["size"]
 
-    def _read(self):
-        for raw in self.proc.stdout:
-            self._lines.put(raw)
-        self._lines.put(None)
-
-    def _answer(self, timeout):
-        try:
-            raw = self._lines.get(timeout=timeout)
-        except queue.Empty:
-            pytest.fail(f"mcpeer pid {self.pid} answered nothing within {timeout} s")
-        if raw is None:
-            self.proc.wait(10)
-            pytest.fail(f"mcpeer pid {self.pid} exited ({self.proc.returncode}): "
-                        f"{self.proc.stderr.read().decode(errors='replace')}")
-        return json.loads(raw)
-
     def call(self, **command):
         """The peer's answer to command; {"error": ...} when it failed."""
-        self.proc.stdin.write((json.dumps(command) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._answer(self.timeout)
+        return self.ask(command)
 
     def write(self, session, seed, pieces):
         """WRITEs pieces [(addr, n)] of the seed's stream (pattern) into
@@ -374,10 +369,6 @@ class McPeer:
         assert "digests" in got, got
         return got["digests"]
 
-    def stop(self):
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
 
 
 def pattern(seed, n):
@@ -397,4 +388,4 @@ def mcpeer():
 
     yield start
     for p in started:
-        p.stop()
+        p.kill()
