@@ -698,16 +698,9 @@ func TestDialBackOnlyWhereSent(t *testing.T) {
 // rkey it does not know) drops the endpoint, and the next read fetches
 // the descriptor again and handshakes afresh.
 func TestSessionReadsAnRDMASegment(t *testing.T) {
-	f := newFabric()
-	ferry, peer := startSegment(t, f, 1, EndpointConfig{}), startSegment(t, f, 2, EndpointConfig{})
 	ctx := ctxFor(t, 30*time.Second)
-	d := &Dialer{Self: &Segment{Name: ferry.name, Protocol: "rdma", Buffers: []Buffer{}}, RDMA: ferry.eps}
-	ts, err := d.Dial(ctx, Scheme+peer.name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ts.Close()
-	s := ts.(*Session)
+	ferry, peer, s := readingSession(t, ctx)
+	var err error
 	data := bytes.Repeat([]byte("mooncake segment "), 3000)
 	base := peer.v.base()
 	if _, err := s.Write(ctx, transport.Write{Src: data, Remote: base + 7}); err != nil {
@@ -759,22 +752,31 @@ func TestSessionReadsAnRDMASegment(t *testing.T) {
 	}
 }
 
+// readingSession is a session of segment ferry's to segment peer, each on
+// a fake NIC of one fabric, as a daemon's reads take it; closed when the
+// test ends.
+func readingSession(t *testing.T, ctx context.Context) (ferry, peer *segment, s *Session) {
+	t.Helper()
+	f := newFabric()
+	ferry, peer = startSegment(t, f, 1, EndpointConfig{}), startSegment(t, f, 2, EndpointConfig{})
+	d := &Dialer{Self: &Segment{Name: ferry.name, Protocol: "rdma", Buffers: []Buffer{}}, RDMA: ferry.eps}
+	ts, err := d.Dial(ctx, Scheme+peer.name)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ts.Close() })
+	return ferry, peer, ts.(*Session)
+}
+
 // TestSessionReadsPiecesSideBySide: a read's pieces go on the endpoint's
 // queue pairs at once (the fake NIC lets no READ through until two are in
 // flight, so one at a time would time out), each byte-exact; a piece the
 // NIC fails among many ends the read with that failure, and the read
 // returns with no piece left running.
 func TestSessionReadsPiecesSideBySide(t *testing.T) {
-	f := newFabric()
-	ferry, peer := startSegment(t, f, 1, EndpointConfig{}), startSegment(t, f, 2, EndpointConfig{})
 	ctx := ctxFor(t, 30*time.Second)
-	d := &Dialer{Self: &Segment{Name: ferry.name, Protocol: "rdma", Buffers: []Buffer{}}, RDMA: ferry.eps}
-	ts, err := d.Dial(ctx, Scheme+peer.name)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ts.Close()
-	s := ts.(*Session)
+	ferry, peer, s := readingSession(t, ctx)
+	var err error
 	data := make([]byte, 1<<16)
 	for i := range data {
 		data[i] = byte(i*7 + i>>8) // differs from page to page
