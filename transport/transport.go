@@ -388,7 +388,7 @@ func (c Code) Label() string {
 	return "other"
 }
 
-// Refusal is a write the receiver would not take, with its reason.
+// Refusal is a write (or a read) the peer would not serve, with its reason.
 // The Sink returns it; a sender sees it back from Session.Write.
 type Refusal struct {
 	Code    Code
@@ -396,7 +396,7 @@ type Refusal struct {
 }
 
 func (r *Refusal) Error() string {
-	return fmt.Sprintf("write refused by receiver (%s): %s", r.Code, r.Message)
+	return fmt.Sprintf("refused by the peer (%s): %s", r.Code, r.Message)
 }
 
 // ErrClosed is returned for work on a closed transport or session.
