@@ -1,22 +1,27 @@
 """The receiving half of sglang's and vLLM's Mooncake paths in GPU memory,
 on the stand-in CUDA driver (internal/fakecuda/testdata/fakecuda.c, whose
 "device memory" is host memory reached only through its calls): the
-receiving engine's process allocates with cuMemAlloc_v2, registers two
-tensors of one allocation (as the caching allocator's segments hold many),
-and peers write into them at its addresses through a ferryd with a GPU
-arena, which opened the allocation by its IPC handle. Every byte is read
-back through the driver (cuMemcpyDtoH_v2). make test-gpu runs the same
-on a GPU with torch.cuda tensors (scripts/gpu/torch_mooncake.py)."""
+receiving engine's process allocates with cuMemAlloc_v2, registers
+tensors carved from one allocation (as the caching allocator's segments
+hold many), and peers write into them at its addresses through a ferryd
+with a GPU arena, which opened the allocation by its IPC handle. Every
+byte is read back through the driver (cuMemcpyDtoH_v2).
+
+The frameworks' sequences are scripts/gpu/mooncake_replays.py's, run here
+with --memory stand-in; make test-gpu runs that script on a GPU with
+torch.cuda tensors."""
 
 import json
+import os
 import random
 import shutil
 import subprocess
+import sys
 
 import pytest
 
 from conftest import REPO, poll_until
-from test_mooncake_receivers import PAGE, digests, mooncake_write, sender, source
+from test_mooncake_receivers import PAGE, digests, mooncake_write
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc builds the stand-in CUDA driver (make deps installs it)")
 
@@ -70,8 +75,25 @@ GPU_RECEIVER = """
 """
 
 
-def test_gpu_memory_an_engine_registers_is_where_peers_write(gpu_pair, engine_child, fakecuda):
+def test_the_frameworks_sequences_in_gpu_memory(gpu_pair, fakecuda):
+    # sglang PD (2,048 scattered pages into per-layer K and V), sglang's
+    # encoder and receiver, vLLM's producer and consumer, and reads, each
+    # receiving engine an engine of its own with its memory on the GPU.
     txd, rxd = gpu_pair
+    script = REPO / "scripts" / "gpu" / "mooncake_replays.py"
+    env = dict(os.environ, PYTHONPATH=str(REPO / "python"), **fakecuda)
+    run = subprocess.run([sys.executable, str(script), "--memory", "stand-in", txd.socket, rxd.socket],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.endswith("PASS\n"), run.stdout + run.stderr
+    replays = [line.split()[2] for line in run.stdout.splitlines() if line.startswith("== REPLAY ")]
+    assert replays == ["sglang-pd", "sglang-encoder", "vllm", "reads"], run.stdout
+    assert "pages=2048 " in run.stdout and "4 receiving engines, 4 session ids" in run.stdout, run.stdout
+    # Every receiving engine closed: nothing of theirs is left in ferryd.
+    assert not [g for g in rxd.client().regions() if g["kind"] == "cuda"]
+
+
+def test_a_mooncake_initiator_writes_into_gpu_memory_and_an_exited_engines_is_dropped(gpu_pair, engine_child, fakecuda):
+    _, rxd = gpu_pair
     pages = 64
     rx = engine_child(rxd.socket, preload=False, env=fakecuda)
     session = rx.run(GPU_RECEIVER)
@@ -85,58 +107,28 @@ def test_gpu_memory_an_engine_registers_is_where_peers_write(gpu_pair, engine_ch
     """)
     lent = [g for g in rxd.client().regions() if g.get("mooncake_addr") in ptrs]
     assert sorted(g["mooncake_addr"] for g in lent) == ptrs and {g["kind"] for g in lent} == {"cuda"}, lent
-    # The prefill side's one batch of scattered pages, over ferry's peer
-    # protocol between the two ferryd.
+    # A Mooncake initiator (its TCP wire) writes scattered pages into both.
     rng = random.Random(31)
-    src, at = source(2 * pages * PAGE, 32)
     expect = [bytearray(pages * PAGE) for _ in range(2)]
-    srcs, dsts = [], []
-    for t in range(2):
-        for k, page in enumerate(rng.sample(range(pages), pages // 2)):
-            off = (t * pages + k) * PAGE
-            srcs.append(at + off)
-            dsts.append(ptrs[t] + page * PAGE)
-            expect[t][page * PAGE:(page + 1) * PAGE] = bytes(src[off:off + PAGE])
-    order = list(range(len(srcs)))
-    rng.shuffle(order)
-    tx = sender((txd,))
-    assert tx.register_memory(at, len(src)) == 0
-    assert tx.batch_transfer_sync_write(session, [srcs[i] for i in order], [dsts[i] for i in order],
-                                        [PAGE] * len(order)) == 0, tx.last_failure
-    # 0: the bytes are in the receiver's GPU memory.
-    assert rx.run(f"out = [hashlib.sha256(device_bytes(t.p, {pages * PAGE})).hexdigest() for t in kv]") == digests(expect)
-    # A Mooncake initiator (its TCP wire) writes into V too.
     pieces = []
-    for page in rng.sample(range(pages), 8):
-        data = rng.randbytes(PAGE)
-        expect[1][page * PAGE:(page + 1) * PAGE] = data
-        pieces.append((ptrs[1] + page * PAGE, data))
+    for t in range(2):
+        for page in rng.sample(range(pages), 16):
+            data = rng.randbytes(PAGE)
+            expect[t][page * PAGE:(page + 1) * PAGE] = data
+            pieces.append((ptrs[t] + page * PAGE, data))
+    rng.shuffle(pieces)
     assert mooncake_write(session, pieces) == [0] * len(pieces)
     assert rx.run(f"out = [hashlib.sha256(device_bytes(t.p, {pages * PAGE})).hexdigest() for t in kv]") == digests(expect)
-    # Reads are served from the GPU memory.
-    dst, dat = source(pages * PAGE, 33)
-    assert tx.register_memory(dat, len(dst)) == 0
-    order = list(range(pages))
-    rng.shuffle(order)
-    assert tx.batch_transfer_sync_read(session, [dat + i * PAGE for i in order], [ptrs[0] + i * PAGE for i in order],
-                                       [PAGE] * pages) == 0, tx.last_failure
-    assert bytes(dst) == bytes(expect[0])
-    # K unregistered: a write into it lands nowhere, and says so; V still takes them.
-    assert rx.run("out = engine.unregister_memory(kv[0])") == 0
-    assert tx.transfer_sync_write(session, at, ptrs[0], PAGE) == -1
-    assert tx.last_failure.ret == "refused" and "does not fit the memory registered" in tx.last_failure.message, tx.last_failure
-    assert tx.transfer_sync_write(session, at, ptrs[1], PAGE) == 0, tx.last_failure
-    # The engine's process exits: ferryd drops its segment and V's region.
+    # The engine's process exits: ferryd drops its segment and both regions.
     client = rxd.client()
 
     def left():
         segs = [s for s in json.loads(client.request("GET", "/v1/mooncake/segments").body) if s["pid"] == rx.pid]
         return segs + [g for g in client.regions() if g.get("mooncake_addr") in ptrs]
 
-    assert len(left()) == 2
+    assert len(left()) == 3
     rx.kill()
     poll_until(lambda: not left(), 30, f"ferryd dropping what the exited engine pid {rx.pid} lent")
-    assert tx.batch_unregister_memory([at, dat]) == 0
 
 
 def test_gpu_memory_with_no_ipc_handle_is_refused_with_the_reason(gpu_pair, engine_child, fakecuda):

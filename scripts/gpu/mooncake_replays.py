@@ -1,69 +1,288 @@
 #!/usr/bin/env python3
-"""The receiving half of sglang's and vLLM's Mooncake paths in GPU memory
-(make test-gpu).
+"""The receiving half of sglang's and vLLM's Mooncake paths in GPU memory:
+the sequences python/tests/test_mooncake_receivers.py replays in host
+memory, here with the receiving engine's memory on a GPU.
 
-The decode side's engine registers two torch.cuda tensors that are views
-of one allocation (as the caching allocator's segments hold many
-tensors), one by one; a prefill-side engine writes scattered pages of
-host memory into them with one batch_transfer_sync_write, between the
-two ferryd over ferry's peer protocol, and reads pages back with
-batch_transfer_sync_read. A 0 return means the bytes are in the
-tensors: they are compared on the GPU with no wait. Unregistered, the
-memory takes no write.
+  sglang PD      the decode engine's per-layer K and V buffers, allocated
+                 before it registers them in one batch_register_memory;
+                 the prefill engine's one batch_transfer_sync_write of
+                 2,048 scattered 16 KiB pages; batch_unregister_memory.
+  sglang encoder the receiver's register_memory of a torch.empty landing
+                 buffer; the encoder's register_memory,
+                 transfer_sync_write, unregister_memory.
+  vLLM           the consumer's KV caches, views of one allocation,
+                 registered in one batch; three requests' blocks and an
+                 empty batch from the producer; batch_unregister_memory.
+  reads          transfer_sync_read, batch_transfer_sync_read and
+                 transfer_sync(READ) from memory the peer registered;
+                 past its end refused.
 
-usage: torch_mooncake.py SENDER_SOCKET RECEIVER_SOCKET
+Every receiving engine is an engine of its own (its own session id) on
+the second ferryd; the sending engine (send_only, host memory) is on the
+first. A 0 return means the bytes are in the GPU memory: it is read back
+with no wait, and must equal what was sent, byte for byte. Memory
+unregistered takes no write, and says why.
+
+--memory torch (make test-gpu): torch.cuda tensors on cuda:0.
+--memory stand-in (make test): the CUDA driver's calls through ctypes on
+whatever libcuda.so.1 the loader finds, as the tests' stand-in driver
+gives one (internal/fakecuda); torch is not needed.
+
+usage: mooncake_replays.py [--memory torch|stand-in] SENDER_SOCKET RECEIVER_SOCKET
 """
+import argparse
+import ctypes
+import hashlib
 import random
 import sys
 
-import torch
+from ferry.mooncake import TransferEngine, TransferOpcode
 
-from ferry.mooncake import TransferEngine
+PAGE = 16 << 10  # sglang's page and vLLM's block here
+SEGMENT = 20 << 20  # torch's caching allocator's segment for tensors of 1-10 MiB
+
+
+class Torch:
+    """torch.cuda tensors, made as the frameworks make theirs."""
+
+    name = "torch.cuda"
+
+    def __init__(self):
+        import torch
+        self.torch = torch
+
+    def zeros(self, nbytes):
+        return TorchMemory(self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda:0"))
+
+    def landing(self, rows, cols):
+        """sglang's receiver's buffer: torch.empty, bfloat16, never written first."""
+        t = self.torch.empty((rows, cols), dtype=self.torch.bfloat16, device="cuda:0")
+        return TorchMemory(t.view(self.torch.uint8).reshape(-1))
+
+
+class TorchMemory:
+    def __init__(self, t):
+        self.t, self.ptr, self.nbytes = t, t.data_ptr(), t.numel()
+
+    def view(self, off, nbytes):
+        return TorchMemory(self.t[off:off + nbytes])
+
+    def fill(self, data):
+        import torch
+        self.t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+
+    def read(self):
+        return self.t.cpu().numpy().tobytes()
+
+
+class StandIn:
+    """Device memory through the driver's own calls, carved as torch's
+    caching allocator carves it: tensors of one size class share a
+    segment (one cuMemAlloc), so one allocation holds several registered
+    ranges."""
+
+    name = "stand-in CUDA driver"
+
+    def __init__(self):
+        cu = ctypes.CDLL("libcuda.so.1")
+        ctx = ctypes.c_void_p()
+        for what, r in (("cuInit", cu.cuInit(0)), ("cuDevicePrimaryCtxRetain", cu.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), 0)),
+                        ("cuCtxSetCurrent", cu.cuCtxSetCurrent(ctx))):
+            if r != 0:
+                sys.exit(f"FAIL: {what}: CUresult {r}")
+        self.cu, self.segment, self.used = cu, None, 0
+
+    def call(self, what, *args):
+        if (r := getattr(self.cu, what)(*args)) != 0:
+            raise RuntimeError(f"{what}: CUresult {r}")
+
+    def alloc(self, nbytes):
+        p = ctypes.c_uint64()
+        self.call("cuMemAlloc_v2", ctypes.byref(p), ctypes.c_size_t(nbytes))
+        # Copies into it are synchronous, as ferryd asks of its arena.
+        self.call("cuPointerSetAttribute", ctypes.byref(ctypes.c_uint(1)), 6, p)
+        return StandInMemory(self, p.value, nbytes)
+
+    def zeros(self, nbytes):
+        if self.segment is None or self.used + nbytes > SEGMENT:
+            self.segment, self.used = self.alloc(SEGMENT), 0
+        self.used += nbytes
+        return self.segment.view(self.used - nbytes, nbytes)
+
+    def landing(self, rows, cols):
+        # A small tensor, past others in its segment: its address is not
+        # the allocation's.
+        self.zeros(512)
+        return self.zeros(rows * cols * 2)
+
+
+class StandInMemory:
+    def __init__(self, gpu, ptr, nbytes):
+        self.gpu, self.ptr, self.nbytes = gpu, ptr, nbytes
+
+    def view(self, off, nbytes):
+        return StandInMemory(self.gpu, self.ptr + off, nbytes)
+
+    def fill(self, data):
+        self.gpu.call("cuMemcpyHtoD_v2", ctypes.c_uint64(self.ptr), bytes(data), ctypes.c_size_t(self.nbytes))
+
+    def read(self):
+        out = ctypes.create_string_buffer(self.nbytes)
+        self.gpu.call("cuMemcpyDtoH_v2", out, ctypes.c_uint64(self.ptr), ctypes.c_size_t(self.nbytes))
+        return out.raw
+
+
+def source(nbytes, seed):
+    """nbytes of seeded random bytes in host memory, and their address."""
+    buf = (ctypes.c_char * nbytes).from_buffer_copy(random.Random(seed).randbytes(nbytes))
+    return buf, ctypes.addressof(buf)
+
+
+def ok(ret, engine, what):
+    if ret != 0:
+        raise AssertionError(f"{what} returned {ret}: {engine.last_failure}")
+
+
+def same(memories, images, what):
+    got = [hashlib.sha256(m.read()).hexdigest() for m in memories]
+    want = [hashlib.sha256(bytes(b)).hexdigest() for b in images]
+    bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
+    if bad:
+        raise AssertionError(f"{what}: {len(bad)} of {len(want)} GPU buffers differ from what was sent (first: {bad[0]})")
+
+
+def refused(tx, session, src, dst):
+    """A write into memory no longer registered: -1, naming why."""
+    if tx.transfer_sync_write(session, src, dst, PAGE) != -1:
+        raise AssertionError(f"a write into unregistered GPU memory at {dst:#x} returned 0")
+    f = tx.last_failure
+    if f.ret != "refused" or "does not fit the memory registered" not in f.message:
+        raise AssertionError(f"a write into unregistered GPU memory failed for another reason: {f}")
+
+
+class Replays:
+    def __init__(self, gpu, tx_socket, rx_socket):
+        self.gpu, self.rx_socket, self.sessions = gpu, rx_socket, []
+        self.tx = TransferEngine(socket_path=tx_socket, send_only=True)
+        ok(self.tx.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), self.tx, "the sender's initialize")
+
+    def receiver(self):
+        """A receiving engine of its own, and its session id."""
+        rx = TransferEngine(socket_path=self.rx_socket)
+        ok(rx.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), rx, "the receiver's initialize")
+        session = f"127.0.0.1:{rx.get_rpc_port()}"
+        if session in self.sessions:
+            raise AssertionError(f"two engines were given one session id, {session}")
+        self.sessions.append(session)
+        return rx, session
+
+    def sglang_pd(self):
+        layers, pages, per_tensor = 16, 128, 64
+        rx, session = self.receiver()
+        kv = [self.gpu.zeros(pages * PAGE) for _ in range(2 * layers)]
+        ok(rx.batch_register_memory([t.ptr for t in kv], [t.nbytes for t in kv]), rx, "batch_register_memory of K and V")
+        rng = random.Random(30)
+        src, base = source(2 * layers * per_tensor * PAGE, 1)
+        expect = [bytearray(pages * PAGE) for _ in kv]
+        pieces = []
+        for t in range(2 * layers):
+            for k, page in enumerate(rng.sample(range(pages), per_tensor)):
+                off = (t * per_tensor + k) * PAGE
+                pieces.append((base + off, kv[t].ptr + page * PAGE))
+                expect[t][page * PAGE:(page + 1) * PAGE] = src[off:off + PAGE]
+        rng.shuffle(pieces)
+        ok(self.tx.register_memory(base, len(src)), self.tx, "the prefill's register_memory")
+        ok(self.tx.batch_transfer_sync_write(session, [s for s, _ in pieces], [d for _, d in pieces], [PAGE] * len(pieces)),
+           self.tx, "the prefill's batch_transfer_sync_write")
+        same(kv, expect, "sglang PD")
+        ok(rx.batch_unregister_memory([t.ptr for t in kv]), rx, "batch_unregister_memory of K and V")
+        refused(self.tx, session, base, kv[0].ptr)
+        ok(self.tx.unregister_memory(base), self.tx, "the prefill's unregister_memory")
+        ok(rx.close(), rx, "close")
+        return f"sglang-pd tensors={len(kv)} pages={len(pieces)} page={PAGE} one_batch=true"
+
+    def sglang_encoder(self):
+        rx, session = self.receiver()
+        landing = self.gpu.landing(16, 4096)
+        ok(rx.register_memory(landing.ptr, landing.nbytes), rx, "the receiver's register_memory")
+        emb, src = source(landing.nbytes, 2)
+        ok(self.tx.register_memory(src, len(emb)), self.tx, "the encoder's register_memory")
+        ok(self.tx.transfer_sync_write(session, src, landing.ptr, len(emb)), self.tx, "the encoder's transfer_sync_write")
+        ok(self.tx.unregister_memory(src), self.tx, "the encoder's unregister_memory")
+        same([landing], [emb], "sglang encoder")
+        ok(rx.unregister_memory(landing.ptr), rx, "the receiver's unregister_memory")
+        ok(self.tx.register_memory(src, len(emb)), self.tx, "register_memory")
+        refused(self.tx, session, src, landing.ptr)
+        ok(self.tx.unregister_memory(src), self.tx, "unregister_memory")
+        ok(rx.close(), rx, "close")
+        return f"sglang-encoder nbytes={len(emb)} landing=torch.empty"
+
+    def vllm(self):
+        rx, session = self.receiver()
+        blocks = 64
+        pool = self.gpu.zeros(4 * blocks * PAGE)
+        caches = [pool.view(c * blocks * PAGE, blocks * PAGE) for c in range(4)]
+        ok(rx.batch_register_memory([c.ptr for c in caches], [c.nbytes for c in caches]), rx, "register_kv_caches")
+        src, base = source(4 * blocks * PAGE, 3)
+        ok(self.tx.batch_register_memory([base], [len(src)]), self.tx, "the producer's batch_register_memory")
+        expect = [bytearray(blocks * PAGE) for _ in caches]
+        rng = random.Random(4)
+        sent = 0
+        for _ in range(3):
+            ids = rng.sample(range(blocks), 8)
+            s, d = [], []
+            for c in range(4):
+                for b in ids:
+                    off = (c * blocks + b) * PAGE
+                    s.append(base + off)
+                    d.append(caches[c].ptr + b * PAGE)
+                    expect[c][b * PAGE:(b + 1) * PAGE] = src[off:off + PAGE]
+            ok(self.tx.batch_transfer_sync_write(session, s, d, [PAGE] * len(s)), self.tx, "a request's blocks")
+            sent += len(s)
+        ok(self.tx.batch_transfer_sync_write(session, [], [], []), self.tx, "the empty batch")
+        same(caches, expect, "vLLM")
+        ok(rx.batch_unregister_memory([c.ptr for c in caches]), rx, "batch_unregister_memory")
+        ok(self.tx.batch_unregister_memory([base]), self.tx, "the producer's batch_unregister_memory")
+        ok(rx.close(), rx, "close")
+        return f"vllm caches=4 requests=3 blocks={sent} block={PAGE} empty_batch=0"
+
+    def reads(self):
+        rx, session = self.receiver()
+        pages = 64
+        want = random.Random(5).randbytes(pages * PAGE)
+        held = self.gpu.zeros(pages * PAGE)
+        held.fill(want)
+        ok(rx.register_memory(held.ptr, held.nbytes), rx, "register_memory of the held pages")
+        dst, base = source(pages * PAGE, 6)
+        ok(self.tx.register_memory(base, len(dst)), self.tx, "the reader's register_memory")
+        ok(self.tx.transfer_sync_read(session, base, held.ptr, PAGE), self.tx, "transfer_sync_read")
+        order = list(range(1, pages))
+        random.Random(7).shuffle(order)
+        ok(self.tx.batch_transfer_sync_read(session, [base + i * PAGE for i in order], [held.ptr + i * PAGE for i in order],
+                                            [PAGE] * len(order)), self.tx, "batch_transfer_sync_read")
+        ok(self.tx.transfer_sync(session, base, held.ptr, PAGE, TransferOpcode.READ), self.tx, "transfer_sync(READ)")
+        if bytes(dst) != want:
+            raise AssertionError("reads: the pages read differ from the GPU memory they were read from")
+        if self.tx.transfer_sync_read(session, base, held.ptr + held.nbytes - 8, 16) != -1:
+            raise AssertionError("a read running past the registered GPU memory returned 0")
+        ok(self.tx.unregister_memory(base), self.tx, "the reader's unregister_memory")
+        ok(rx.unregister_memory(held.ptr), rx, "unregister_memory of the held pages")
+        ok(rx.close(), rx, "close")
+        return f"reads pages={pages} page={PAGE} past_the_end=refused"
 
 
 def main():
-    page, pages = 16 << 10, 256
-    pool = torch.zeros(2 * pages * page + page, dtype=torch.uint8, device="cuda:0")
-    k, v = pool[:pages * page], pool[(pages + 1) * page:]
-    torch.cuda.synchronize()
-    rx = TransferEngine(socket_path=sys.argv[2])
-    assert rx.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, rx.last_failure
-    session = f"127.0.0.1:{rx.get_rpc_port()}"
-    assert rx.batch_register_memory([k.data_ptr(), v.data_ptr()], [k.numel(), v.numel()]) == 0, rx.last_failure
-
-    tx = TransferEngine(socket_path=sys.argv[1], send_only=True)
-    assert tx.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, tx.last_failure
-    src = torch.randint(0, 256, (2 * pages * page,), dtype=torch.uint8)
-    assert tx.register_memory(src.data_ptr(), src.numel()) == 0, tx.last_failure
-    rng = random.Random(30)
-    want = [torch.zeros_like(k), torch.zeros_like(v)]
-    pieces = []
-    for t, dst in enumerate((k, v)):
-        for i, p in enumerate(rng.sample(range(pages), pages // 2)):
-            off = (t * pages + i) * page
-            pieces.append((src.data_ptr() + off, dst.data_ptr() + p * page))
-            want[t][p * page:(p + 1) * page] = src[off:off + page].to("cuda:0")
-    rng.shuffle(pieces)
-    ret = tx.batch_transfer_sync_write(session, [s for s, _ in pieces], [d for _, d in pieces], [page] * len(pieces))
-    assert ret == 0, tx.last_failure
-    if not (torch.equal(k, want[0]) and torch.equal(v, want[1])):
-        sys.exit("FAIL: the registered tensors differ from the pages written into them")
-    print(f"{len(pieces)} scattered pages of {page} bytes landed in two tensors of one allocation")
-
-    back = torch.zeros(pages * page, dtype=torch.uint8)
-    assert tx.register_memory(back.data_ptr(), back.numel()) == 0, tx.last_failure
-    order = list(range(pages))
-    rng.shuffle(order)
-    ret = tx.batch_transfer_sync_read(session, [back.data_ptr() + i * page for i in order],
-                                      [v.data_ptr() + i * page for i in order], [page] * pages)
-    assert ret == 0, tx.last_failure
-    if not torch.equal(back, v.cpu()):
-        sys.exit("FAIL: the pages read from the registered tensor differ from it")
-
-    assert rx.batch_unregister_memory([k.data_ptr(), v.data_ptr()]) == 0, rx.last_failure
-    if tx.transfer_sync_write(session, src.data_ptr(), k.data_ptr(), page) != -1:
-        sys.exit("FAIL: a write into unregistered GPU memory returned 0")
-    assert tx.close() == 0 and rx.close() == 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--memory", choices=("torch", "stand-in"), default="torch")
+    ap.add_argument("sender_socket")
+    ap.add_argument("receiver_socket")
+    args = ap.parse_args()
+    gpu = Torch() if args.memory == "torch" else StandIn()
+    replays = Replays(gpu, args.sender_socket, args.receiver_socket)
+    for run in (replays.sglang_pd, replays.sglang_encoder, replays.vllm, replays.reads):
+        print(f"== REPLAY {run()} memory={gpu.name} byte_exact=true", flush=True)
+    ok(replays.tx.close(), replays.tx, "the sender's close")
+    print(f"{len(replays.sessions)} receiving engines, {len(set(replays.sessions))} session ids")
     print("PASS")
 
 

@@ -11,8 +11,10 @@
 #      a torch process staging and reading in place through IPC handles,
 #      and GPU memory of the test's own (Go, then torch through the ferry
 #      Python package) lent to both daemons as regions, a batch between them,
-#      torch.cuda tensors a Mooncake engine registers written and read by
-#      another engine (torch_mooncake.py);
+#      sglang's and vLLM's Mooncake sequences with torch.cuda tensors as
+#      the receiving engines' memory (mooncake_replays.py: 2,048 scattered
+#      pages into per-layer K and V, the encoder's landing buffer, vLLM's
+#      caches, reads);
 #      the path the NIC registers a GPU arena by ("== GPU registration"),
 #      and, with an RDMA NIC, GPU memory an engine registered, written and
 #      read by peers ("== ENGINE GPU registration"),

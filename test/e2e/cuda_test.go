@@ -425,11 +425,12 @@ func TestGPUTorchRegions(t *testing.T) {
 	runTorchClient(t, "torch_region.py", "64MiB", "32MiB", "--mooncake-listen", "127.0.0.1:0")
 }
 
-// torch.cuda tensors a Mooncake engine registers take a peer engine's
-// writes and serve its reads: the receiving half of sglang's and vLLM's
-// Mooncake paths in GPU memory (scripts/gpu/torch_mooncake.py).
+// torch.cuda tensors Mooncake engines register take a peer engine's
+// writes and serve its reads: sglang's and vLLM's sequences with their
+// receiving half in GPU memory (scripts/gpu/mooncake_replays.py; make
+// test runs it on the stand-in driver).
 func TestGPUTorchMooncakeReceiver(t *testing.T) {
-	runTorchClient(t, "torch_mooncake.py", "64MiB", "32MiB", "--mooncake-listen", "127.0.0.1:0")
+	runTorchClient(t, "mooncake_replays.py", "64MiB", "32MiB", "--mooncake-listen", "127.0.0.1:0")
 }
 
 // A host-memory ferryd cannot take GPU memory: it says what to do.
