@@ -58,6 +58,10 @@ grep -a '^== GPU registration' "$log/e2e.log" || echo "== GPU registration: not 
 grep -a '^== GPU region dmabuf' "$log/cuda.log" || echo "== GPU region dmabuf: not reported (TestGPUIPCInASecondProcess's output above says why)"
 grep -a '^== ENGINE GPU registration' "$log/e2e.log" || echo "== ENGINE GPU registration: not reported (TestGPUEngineMemoryOverRDMA's output above says why: no RDMA NIC, or a failure)"
 
+# sglang's and vLLM's sequences into torch.cuda tensors
+# (TestGPUTorchMooncakeReceiver, mooncake_replays.py).
+grep -a '== REPLAY' "$log/e2e.log" | sed 's/^ *//' | grep . || echo "== REPLAY: none reported (TestGPUTorchMooncakeReceiver's output above says why)"
+
 # The GPU-to-NIC table this host gives (TestGPUAffinityTable).
 grep -a '^== AFFINITY' "$log/e2e.log" || echo "== AFFINITY: not reported (TestGPUAffinityTable's output above says why)"
 
