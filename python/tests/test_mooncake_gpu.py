@@ -11,6 +11,7 @@ The frameworks' sequences are scripts/gpu/mooncake_replays.py's, run here
 with --memory stand-in; make test-gpu runs that script on a GPU with
 torch.cuda tensors."""
 
+import hashlib
 import json
 import os
 import random
@@ -20,8 +21,8 @@ import sys
 
 import pytest
 
-from conftest import REPO, poll_until
-from test_mooncake_receivers import PAGE, digests, mooncake_write
+from conftest import REPO, pattern, poll_until
+from test_mooncake_receivers import PAGE, digests
 
 pytestmark = pytest.mark.skipif(shutil.which("gcc") is None, reason="gcc builds the stand-in CUDA driver (make deps installs it)")
 
@@ -92,7 +93,11 @@ def test_the_frameworks_sequences_in_gpu_memory(gpu_pair, fakecuda):
     assert not [g for g in rxd.client().regions() if g["kind"] == "cuda"]
 
 
-def test_a_mooncake_initiator_writes_into_gpu_memory_and_an_exited_engines_is_dropped(gpu_pair, engine_child, fakecuda):
+def test_a_mooncake_peer_writes_and_reads_gpu_memory_and_an_exited_engines_is_dropped(gpu_pair, engine_child, fakecuda,
+                                                                                        mcpeer):
+    # The other half on Mooncake (test/mcpeer, its TCP wire): its WRITEs
+    # land in two tensors of one allocation a ferry engine registered,
+    # and its READs are served from them.
     _, rxd = gpu_pair
     pages = 64
     rx = engine_child(rxd.socket, preload=False, env=fakecuda)
@@ -107,18 +112,22 @@ def test_a_mooncake_initiator_writes_into_gpu_memory_and_an_exited_engines_is_dr
     """)
     lent = [g for g in rxd.client().regions() if g.get("mooncake_addr") in ptrs]
     assert sorted(g["mooncake_addr"] for g in lent) == ptrs and {g["kind"] for g in lent} == {"cuda"}, lent
-    # A Mooncake initiator (its TCP wire) writes scattered pages into both.
-    rng = random.Random(31)
+    order = [(t, p) for t in range(2) for p in random.Random(31).sample(range(pages), 32)]
+    random.Random(32).shuffle(order)
+    peer = mcpeer(1 << 20)
+    assert peer.write(session, "gpu", [[ptrs[t] + p * PAGE, PAGE] for t, p in order]) is None
+    sent = pattern("gpu", len(order) * PAGE)
     expect = [bytearray(pages * PAGE) for _ in range(2)]
-    pieces = []
-    for t in range(2):
-        for page in rng.sample(range(pages), 16):
-            data = rng.randbytes(PAGE)
-            expect[t][page * PAGE:(page + 1) * PAGE] = data
-            pieces.append((ptrs[t] + page * PAGE, data))
-    rng.shuffle(pieces)
-    assert mooncake_write(session, pieces) == [0] * len(pieces)
+    for i, (t, p) in enumerate(order):
+        expect[t][p * PAGE:(p + 1) * PAGE] = sent[i * PAGE:(i + 1) * PAGE]
+    # Its OK status means the bytes are in the GPU memory.
     assert rx.run(f"out = [hashlib.sha256(device_bytes(t.p, {pages * PAGE})).hexdigest() for t in kv]") == digests(expect)
+    back = list(reversed(order))
+    assert peer.read(session, [[ptrs[t] + p * PAGE, PAGE] for t, p in back]) == \
+        [hashlib.sha256(expect[t][p * PAGE:(p + 1) * PAGE]).hexdigest() for t, p in back]
+    # The page between K and V is not registered: rejected both ways.
+    assert "rejected" in peer.read(session, [[ptrs[0] + pages * PAGE, PAGE]])
+    assert "rejected" in (peer.write(session, "gap", [[ptrs[0] + pages * PAGE, PAGE]]) or "")
     # The engine's process exits: ferryd drops its segment and both regions.
     client = rxd.client()
 
