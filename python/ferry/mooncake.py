@@ -63,7 +63,7 @@ from .client import Client, Slot
 from .cuda import device_ordinal
 from .alloc import buffer as alloc_buffer
 from .alloc import free as alloc_free
-from .alloc import preload_hint, window
+from .alloc import preload_hint, preloaded, window
 from .errors import BadRequest, Busy, FerryError, NotFound
 
 __all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Failure"]
@@ -339,12 +339,18 @@ class TransferEngine:
         if w is None or not w.holds(ptr, length):
             if self.send_only:
                 return None
+            if w is None and preloaded():
+                raise _NotWritable(f"register_memory({ptr:#x}, {length}): this process is a fork child of one started "
+                                   "with ferry's allocator, and a child's window is private to it, so ferryd cannot "
+                                   "reach its pages: start workers that register host memory with spawn, not fork "
+                                   "(vLLM: VLLM_WORKER_MULTIPROC_METHOD=spawn), or register GPU memory (docs/python.md)")
             where = "outside ferry's allocator window" if w is not None else "in a process started without ferry's allocator"
             raise _NotWritable(f"register_memory({ptr:#x}, {length}): the memory at {ptr:#x} was not allocated through "
                                f"ferry's allocator ({where}), so ferryd cannot reach its pages and no peer's write could "
-                               f"land there; {preload_hint()} so tensors are born where ferryd can reach them, or "
-                               "allocate with allocate_managed_buffer. An engine that only sends from this memory "
-                               "says so: TransferEngine(send_only=True) or FERRY_MOONCAKE_SEND_ONLY=1 (docs/python.md)")
+                               f"land there; {preload_hint()} so tensors are born where ferryd can reach them (torch's "
+                               "tensors at any size; other allocations from FERRY_ALLOC_MIN up), or allocate with "
+                               "allocate_managed_buffer. An engine that only sends from this memory says so: "
+                               "TransferEngine(send_only=True) or FERRY_MOONCAKE_SEND_ONLY=1 (docs/python.md)")
         # The window's memfd, the range's own pages: peers write at ptr.
         self._need_client().register_fd(name, w.fd, length, mooncake_addr=0 if self.send_only else ptr,
                                         offset=ptr - w.base, mooncake_segment=segment)

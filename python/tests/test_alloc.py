@@ -68,6 +68,32 @@ def test_torch_and_numpy_allocations_are_born_in_the_window():
                    "threshold": 64 << 10}, got
 
 
+def test_small_torch_tensors_are_born_in_the_window_and_their_blocks_reused():
+    # torch's CPU allocator (posix_memalign) at any size: sglang's
+    # per-request metadata buffers are a few KiB or less, and registered as
+    # its KV is. Under 2 KiB they share slab pages, each block aligned to
+    # its power-of-two size; a freed block is given out again.
+    got = run_child(PRELUDE + textwrap.dedent("""
+        import torch
+        sizes = [1, 7, 64, 65, 1000, 2048, 2049, 4096]
+        ts = [torch.full((n,), k, dtype=torch.uint8) for k, n in enumerate(sizes)]
+        ptrs = [t.data_ptr() for t in ts]
+        intact = all(bool((t == k).all()) for k, t in enumerate(ts))
+        freed = ptrs[4]
+        del ts[4]
+        again = torch.zeros(1000, dtype=torch.uint8).data_ptr()
+        def block(n):  # its slab's block size, or a page
+            b = 64
+            while b < n:
+                b <<= 1
+            return b if b <= 2048 else 4096
+        print(json.dumps({"inside": [inside(p, n) for p, n in zip(ptrs, sizes)], "intact": intact,
+                          "aligned": [p % block(n) == 0 for p, n in zip(ptrs, sizes)],
+                          "distinct": len(set(ptrs)) == len(ptrs), "reused": again == freed}))
+    """))
+    assert got == {"inside": [True] * 8, "intact": True, "aligned": [True] * 8, "distinct": True, "reused": True}, got
+
+
 def test_without_the_preload_there_is_no_window():
     got = run_child("import json, ferry.alloc; print(json.dumps([ferry.alloc.window() is None, ferry.alloc.stats()]))",
                     preload=False)

@@ -121,9 +121,32 @@ def test_sglang_pd_decode_registers_its_kv_and_prefill_writes_2048_scattered_pag
     # Mooncake's wire.
     used = {s["transport"] for s in pair[0].client().sessions() if session in s["id"] or session in s["peer"]}
     assert used == {"tcp"}, pair[0].client().sessions()
-    assert rx.run("out = engine.batch_unregister_memory(ptrs)") == 0
-    assert not [g for g in pair[1].client().regions() if g.get("mooncake_addr") in ptrs]
-    assert tx.unregister_memory(base) == 0
+    # sglang's metadata (aux) buffers: small CPU tensors, registered too;
+    # the prefill writes one request's row of each. Torch allocates them
+    # in the window whatever their size (cached_tokens is 1 KiB here).
+    aux_rows = 256
+    aux = rx.run(f"""
+        aux = [torch.zeros(({aux_rows}, w), dtype=d) for w, d in
+               ((16, torch.int32), (1, torch.int32), (16, torch.float32), (8, torch.int64))]
+        aux_ptrs = [t.data_ptr() for t in aux]
+        aux_rows = [t[0].numel() * t.element_size() for t in aux]
+        assert engine.batch_register_memory(aux_ptrs, [t.numel() * t.element_size() for t in aux]) == 0, \\
+            engine.last_failure
+        out = [aux_ptrs, aux_rows]
+    """)
+    row, (aux_ptrs, aux_lens) = 37, aux
+    meta, meta_base = source(sum(aux_lens), 8)
+    assert tx.register_memory(meta_base, len(meta)) == 0
+    offs = [sum(aux_lens[:i]) for i in range(len(aux_lens))]
+    assert tx.batch_transfer_sync_write(session, [meta_base + o for o in offs],
+                                        [p + row * n for p, n in zip(aux_ptrs, aux_lens)], aux_lens) == 0, tx.last_failure
+    want = [bytearray(aux_rows * n) for n in aux_lens]
+    for w, o, n in zip(want, offs, aux_lens):
+        w[row * n:(row + 1) * n] = meta[o:o + n]
+    assert rx.run("out = digest([t.view(torch.uint8) for t in aux])") == digests(want)
+    assert rx.run("out = engine.batch_unregister_memory(ptrs + aux_ptrs)") == 0
+    assert not [g for g in pair[1].client().regions() if g.get("mooncake_addr") in ptrs + aux_ptrs]
+    assert tx.batch_unregister_memory([base, meta_base]) == 0
 
 
 def test_sglang_encoder_writes_into_the_receivers_torch_empty(pair, engine_child):
@@ -189,13 +212,16 @@ def test_vllm_producer_and_consumer(pair, engine_child):
 
 
 def test_memory_outside_the_window_is_refused_with_the_fix(pair, engine_child):
-    # In a process with the allocator: a small allocation (glibc's) cannot
-    # be lent; without the allocator nothing can (test_mooncake.py).
+    # In a process with the allocator: a small malloc (glibc's: under
+    # FERRY_ALLOC_MIN, and not an aligned allocation as torch's tensors
+    # are) cannot be lent; without the allocator nothing can
+    # (test_mooncake.py).
     rx = engine_child(pair[1].socket)
     rx.run(RECEIVER)
     ret, f = rx.run("""
-        small = torch.empty(1024, dtype=torch.uint8)
-        ret = engine.register_memory(small.data_ptr(), 1024)
+        import ctypes
+        small = ctypes.create_string_buffer(1024)
+        ret = engine.register_memory(ctypes.addressof(small), 1024)
         f = engine.last_failure
         out = [ret, [f.method, f.ret, f.message]]
     """)
@@ -208,6 +234,32 @@ def test_memory_outside_the_window_is_refused_with_the_fix(pair, engine_child):
         out = [ptr, engine.free_managed_buffer(ptr, 4096)]
     """)
     assert ptr != 0 and ret == 0
+
+
+def test_a_fork_child_is_told_to_start_its_workers_with_spawn(pair, engine_child):
+    # vLLM may fork its workers: a fork child's window is private to it,
+    # so its host memory cannot be lent, and the refusal says what to do.
+    rx = engine_child(pair[1].socket)
+    rx.run(RECEIVER)
+    ret, why = rx.run("""
+        import json, os
+        r, w = os.pipe()
+        pid = os.fork()
+        if pid == 0:
+            child = TransferEngine()
+            ok = child.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+            t = torch.zeros(1 << 16, dtype=torch.uint8)
+            got = [child.register_memory(t.data_ptr(), t.numel()), child.last_failure and child.last_failure.message]
+            os.write(w, json.dumps(got if ok else [None, "initialize failed"]).encode())
+            os._exit(0)
+        os.close(w)
+        with os.fdopen(r, "rb") as f:
+            data = f.read()
+        os.waitpid(pid, 0)
+        out = json.loads(data)
+    """)
+    assert ret == -1, why
+    assert "fork child" in why and "spawn" in why and "VLLM_WORKER_MULTIPROC_METHOD=spawn" in why, why
 
 
 def ferryd_holds(daemon):

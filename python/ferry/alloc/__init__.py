@@ -15,7 +15,7 @@ bytes into the very pages a registered tensor lies in.
 import ctypes
 import os
 
-__all__ = ["LIBRARY", "Window", "window", "stats", "buffer", "free"]
+__all__ = ["LIBRARY", "Window", "preloaded", "window", "stats", "buffer", "free"]
 
 # Where make alloc builds the library: beside this file.
 LIBRARY = os.path.join(os.path.dirname(os.path.abspath(__file__)), "libferry_alloc.so")
@@ -41,6 +41,12 @@ def _lib():
     if not hasattr(here, "ferry_alloc_window"):
         return None
     return here
+
+
+def preloaded():
+    """Whether the library is loaded in this process (with or without a
+    window to lend: a fork child has none)."""
+    return _lib() is not None
 
 
 def window():

@@ -5,7 +5,12 @@
  * over malloc and its family. An allocation of FERRY_ALLOC_MIN bytes or
  * more (default 64 KiB: tensors, numpy arrays) comes from one memfd of
  * this process, mapped MAP_SHARED over a window of address space reserved
- * once; smaller ones go to glibc. ferry.mooncake lends that memfd to
+ * once; smaller ones go to glibc. Aligned allocations (posix_memalign and
+ * its kin: torch's CPU tensors) come from the window at any size
+ * (FERRY_ALLOC_ALIGNED_MIN and up, default 0), so that a framework's
+ * small tensors (sglang's per-request metadata buffers, a few KiB) can be
+ * registered as its KV can: those under 2 KiB from slabs, window pages cut
+ * into blocks of one power-of-two size, kept for reuse once freed. ferry.mooncake lends that memfd to
  * ferryd, which maps the pages an engine registers and lands peers' writes
  * in them: the caller's own pages, at the caller's own addresses, never
  * moved (docs/python.md, "Where registered host memory lives").
@@ -46,6 +51,9 @@ extern void *__libc_memalign(size_t, size_t);
 #define DEFAULT_MIN (64UL << 10)
 #define DEFAULT_WINDOW (256UL << 30)
 #define DEFAULT_PUNCH (2UL << 20)
+#define SLAB_MIN 64UL
+#define SLAB_MAX 2048UL
+#define SLAB_CLASSES 6 /* 64 B to 2 KiB */
 
 struct extent {
 	uintptr_t start, len;
@@ -62,9 +70,14 @@ static pthread_once_t once = PTHREAD_ONCE_INIT;
 static int win_fd = -1;
 static uintptr_t win_base, win_len, win_used; /* win_used: the highest block end ever given */
 static size_t threshold = DEFAULT_MIN;
+static size_t aligned_min; /* FERRY_ALLOC_ALIGNED_MIN */
 static size_t punch_min = DEFAULT_PUNCH;
 static int in_child; /* a fork child: the window is private, glibc only */
 static struct list free_list, used_list;
+/* Slab pages: start is the page, len the size of its blocks. A freed
+ * block goes on its size's list, linked through its first word. */
+static struct list slabs;
+static void *slab_free[SLAB_CLASSES];
 static size_t (*libc_usable)(void *);
 
 static uintptr_t round_up(uintptr_t n, uintptr_t a) { return (n + a - 1) & ~(a - 1); }
@@ -145,6 +158,7 @@ static int give_back(uintptr_t start, uintptr_t len)
 static void init(void)
 {
 	threshold = env_size("FERRY_ALLOC_MIN", DEFAULT_MIN);
+	aligned_min = env_size("FERRY_ALLOC_ALIGNED_MIN", 0);
 	punch_min = env_size("FERRY_ALLOC_PUNCH", DEFAULT_PUNCH);
 	size_t want = round_up(env_size("FERRY_ALLOC_WINDOW", DEFAULT_WINDOW), PAGE);
 	libc_usable = (size_t (*)(void *))dlsym(RTLD_NEXT, "malloc_usable_size");
@@ -216,11 +230,54 @@ static ssize_t block_of(const void *p)
 	return -1;
 }
 
+/* The size of the slab blocks on p's page, or 0 when it is no slab
+ * page; callers hold mu. */
+static size_t slab_size(const void *p)
+{
+	uintptr_t page = (uintptr_t)p & ~(PAGE - 1);
+	size_t i = lower_bound(&slabs, page);
+	return i < slabs.n && slabs.v[i].start == page ? slabs.v[i].len : 0;
+}
+
+/* A block of size (a power of two from SLAB_MIN to SLAB_MAX, so aligned
+ * to it) from a slab, or NULL when the window has no page to cut. */
+static void *slab_take(size_t size)
+{
+	int c = __builtin_ctzl(size) - __builtin_ctzl(SLAB_MIN);
+	pthread_once(&once, init);
+	if (!win_len || in_child)
+		return NULL;
+	pthread_mutex_lock(&mu);
+	void *p = slab_free[c];
+	if (p)
+		slab_free[c] = *(void **)p;
+	pthread_mutex_unlock(&mu);
+	if (p)
+		return p;
+	uintptr_t page = (uintptr_t)take(PAGE, PAGE);
+	if (!page)
+		return NULL;
+	pthread_mutex_lock(&mu);
+	if (insert_at(&slabs, lower_bound(&slabs, page), (struct extent){page, size}) != 0) {
+		pthread_mutex_unlock(&mu);
+		return NULL; /* the page stays a used block: lost, as glibc's would be */
+	}
+	for (uintptr_t b = page + size; b < page + PAGE; b += size) {
+		*(void **)b = slab_free[c];
+		slab_free[c] = (void *)b;
+	}
+	pthread_mutex_unlock(&mu);
+	return (void *)page;
+}
+
 static size_t block_size(const void *p)
 {
 	pthread_mutex_lock(&mu);
-	ssize_t i = block_of(p);
-	size_t n = i < 0 ? 0 : used_list.v[i].len;
+	size_t n = slab_size(p);
+	if (!n) {
+		ssize_t i = block_of(p);
+		n = i < 0 ? 0 : used_list.v[i].len;
+	}
 	pthread_mutex_unlock(&mu);
 	return n;
 }
@@ -235,6 +292,14 @@ static void release(void *p)
 	if (in_child)
 		return; /* the parent's file: never punched from here */
 	pthread_mutex_lock(&mu);
+	size_t size = slab_size(p);
+	if (size) {
+		int c = __builtin_ctzl(size) - __builtin_ctzl(SLAB_MIN);
+		*(void **)p = slab_free[c];
+		slab_free[c] = p;
+		pthread_mutex_unlock(&mu);
+		return;
+	}
 	ssize_t i = block_of(p);
 	if (i < 0) {
 		pthread_mutex_unlock(&mu);
@@ -333,8 +398,11 @@ void *reallocarray(void *p, size_t k, size_t n)
 
 static void *aligned(size_t align, size_t n)
 {
-	if (n >= threshold) {
-		void *p = take(n, align > PAGE ? align : PAGE);
+	if (n >= threshold || n >= aligned_min) {
+		size_t size = SLAB_MIN;
+		while ((size < n || size < align) && size <= SLAB_MAX)
+			size <<= 1;
+		void *p = size <= SLAB_MAX ? slab_take(size) : take(n, align > PAGE ? align : PAGE);
 		if (p)
 			return p;
 	}
