@@ -342,7 +342,7 @@ func (ep *endpoint[Q]) done(i, n int) {
 	ep.mu.Unlock()
 }
 
-// close destroys the endpoint's QPs, waiting out writers on them.
+// close destroys the endpoint's QPs, waiting out the calls on them.
 func (ep *endpoint[Q]) close() {
 	ep.once.Do(func() {
 		close(ep.closed)

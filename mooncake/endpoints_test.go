@@ -858,3 +858,18 @@ func TestSessionReadsManyPiecesPerQP(t *testing.T) {
 		}
 	}
 }
+
+// TestEndpointPicksTheLeastLoadedQP: a call takes the QP with the fewest
+// bytes of calls on it, so pages go beside a long write, not behind it.
+func TestEndpointPicksTheLeastLoadedQP(t *testing.T) {
+	ep := &endpoint[*fakeQP]{qps: make([]*fakeQP, 3), load: make([]int, 3)}
+	for _, c := range []struct{ n, want int }{{1 << 30, 0}, {16 << 10, 1}, {16 << 10, 2}, {16 << 10, 1}, {16 << 10, 2}} {
+		if got := ep.pick(c.n); got != c.want {
+			t.Fatalf("a call of %d bytes took QP %d (loads %v after it), want %d", c.n, got, ep.load, c.want)
+		}
+	}
+	ep.done(0, 1<<30)
+	if got := ep.pick(16 << 10); got != 0 {
+		t.Fatalf("after the long write ended a call took QP %d (loads %v), want 0", got, ep.load)
+	}
+}

@@ -72,8 +72,9 @@ type lane struct {
 	// broken is set when a write that had let go of the lane failed: the
 	// QP is broken, and the next write to take the lane drops it.
 	broken atomic.Bool
-	// stalled is set when a write's wait on the lane ran past the I/O
-	// timeout and broke its QP: the writes flushed behind it stalled too.
+	// stalled is set when a write's wait on the lane (a call's, on a
+	// Mooncake QP) ran past the I/O timeout and broke its QP: the writes
+	// flushed behind it stalled too.
 	stalled atomic.Bool
 	// fault is the first error completion reaped other than a flush. The
 	// calls sharing a Mooncake QP name it when the break flushes theirs:

@@ -356,7 +356,7 @@ func (q *MooncakeQP) credit(ctx context.Context, deadline time.Time, wait bool) 
 			return false, nil
 		}
 	}
-	return true, q.take(ctx, q.credits, deadline, "a place in its send queue")
+	return true, q.take(ctx, q.credits, deadline, "place in its send queue")
 }
 
 // take takes a token from ch (the credits, the bounce ring), waiting
