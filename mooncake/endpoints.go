@@ -37,15 +37,16 @@ type QP interface {
 	Connect(gid [16]byte, lid uint16, qpn uint32, mtu int) error
 	// Write writes src to remote under rkey with plain RDMA WRITEs and
 	// returns once the peer's NIC has placed every byte, within ctx and
-	// the NIC's I/O timeout. A write that failed once anything went to
-	// the NIC has closed the QP.
+	// the NIC's I/O timeout, beside the other calls on the QP (many run
+	// at once). A write that failed once anything went to the NIC has
+	// closed the QP, failing the calls beside it.
 	Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error)
 	// Read fills dst from remote under rkey with plain RDMA READs, as
 	// Write writes; a failed read closes the QP as a failed write does.
 	Read(ctx context.Context, dst []byte, remote uint64, rkey uint32) (transport.Report, error)
 	// Closed reports whether the QP was closed.
 	Closed() bool
-	// Close destroys the QP, waiting out a write on it.
+	// Close destroys the QP, waiting out the calls on it.
 	Close() error
 }
 
@@ -112,12 +113,16 @@ var _ RDMAInitiator = (*Endpoints[QP])(nil)
 
 // endpoint is the QPs connected to one peer NIC.
 type endpoint[Q QP] struct {
-	peer   string   // the peer's NIC path, the table's key
-	owner  string   // the source whose handshakes may replace it (see ownerOf)
-	gid    [16]byte // the GID and LID the QPs are connected to
-	lid    uint16
-	qps    []Q
-	free   chan Q
+	peer  string   // the peer's NIC path, the table's key
+	owner string   // the source whose handshakes may replace it (see ownerOf)
+	gid   [16]byte // the GID and LID the QPs are connected to
+	lid   uint16
+	qps   []Q
+	// load is the bytes of the calls on each of qps, under mu: a call
+	// takes the least loaded (pick), so pages do not queue behind a long
+	// write while another QP idles.
+	mu     sync.Mutex
+	load   []int
 	once   sync.Once
 	closed chan struct{}                   // closed when close begins
 	m      *connlimit.Member[*endpoint[Q]] // its place in the table's caps
@@ -312,14 +317,32 @@ func (e *Endpoints[Q]) connect(peer, owner string, qps []Q, gid [16]byte, lid ui
 			return nil, err
 		}
 	}
-	ep := &endpoint[Q]{peer: peer, owner: owner, gid: gid, lid: lid, qps: qps, free: make(chan Q, len(qps)), closed: make(chan struct{})}
-	for _, q := range qps {
-		ep.free <- q
-	}
-	return ep, nil
+	return &endpoint[Q]{peer: peer, owner: owner, gid: gid, lid: lid, qps: qps, load: make([]int, len(qps)), closed: make(chan struct{})}, nil
 }
 
-// close destroys the endpoint's QPs, waiting out writers on them.
+// pick counts a call of n bytes on the QP with the fewest bytes of calls
+// on it (the first of those), and says which; done uncounts it. A QP
+// carries many calls at once (QP), so none waits for another to pick.
+func (ep *endpoint[Q]) pick(n int) int {
+	ep.mu.Lock()
+	defer ep.mu.Unlock()
+	i := 0
+	for j, b := range ep.load {
+		if b < ep.load[i] {
+			i = j
+		}
+	}
+	ep.load[i] += n
+	return i
+}
+
+func (ep *endpoint[Q]) done(i, n int) {
+	ep.mu.Lock()
+	ep.load[i] -= n
+	ep.mu.Unlock()
+}
+
+// close destroys the endpoint's QPs, waiting out the calls on them.
 func (ep *endpoint[Q]) close() {
 	ep.once.Do(func() {
 		close(ep.closed)
@@ -531,7 +554,8 @@ func (e *Endpoints[Q]) ReadRDMA(ctx context.Context, r RDMARead) (transport.Repo
 }
 
 // onQP runs op, a write or read (what) of n bytes at remote in tg's
-// buffer, on a free QP of the endpoint to tg's NIC.
+// buffer, on the least loaded QP of the endpoint to tg's NIC, beside the
+// calls already on it.
 func (e *Endpoints[Q]) onQP(ctx context.Context, what, self, rpc string, tg RDMATarget, qps int, remote uint64, n int, op func(Q) (transport.Report, error)) (transport.Report, error) {
 	if e.isClosed() {
 		return transport.Report{}, fmt.Errorf("rdma %s of %s: %w", what, tg.NICPath, transport.ErrClosed)
@@ -543,21 +567,16 @@ func (e *Endpoints[Q]) onQP(ctx context.Context, what, self, rpc string, tg RDMA
 	if err != nil {
 		return transport.Report{}, err
 	}
-	var q Q
-	select {
-	case q = <-ep.free:
-	case <-ctx.Done():
-		return transport.Report{}, fmt.Errorf("waiting for a queue pair to %s: %w", ep.peer, transport.ContextErr(ctx))
-	}
+	i := ep.pick(n)
+	q := ep.qps[i]
 	rep, err := op(q)
+	ep.done(i, n)
 	switch {
 	case err == nil:
 		// ferry wrote or read through it: legitimate traffic.
 		ep.m.Prove()
-		ep.free <- q
 		return rep, nil
-	case !q.Closed(): // nothing went to the NIC
-		ep.free <- q
+	case !q.Closed(): // nothing went to the NIC, or a canceled call's work completed
 		return transport.Report{}, err
 	case ep.isClosed(): // dropped under the transfer
 		return transport.Report{}, fmt.Errorf("the endpoint to %s was torn down: %w", ep.peer, err)

@@ -756,10 +756,16 @@ func TestSessionReadsAnRDMASegment(t *testing.T) {
 // a fake NIC of one fabric, as a daemon's reads take it; closed when the
 // test ends.
 func readingSession(t *testing.T, ctx context.Context) (ferry, peer *segment, s *Session) {
+	return readingSessionOver(t, ctx, 0)
+}
+
+// readingSessionOver is readingSession with qps queue pairs per
+// endpoint (0: DefaultQPs).
+func readingSessionOver(t *testing.T, ctx context.Context, qps int) (ferry, peer *segment, s *Session) {
 	t.Helper()
 	f := newFabric()
 	ferry, peer = startSegment(t, f, 1, EndpointConfig{}), startSegment(t, f, 2, EndpointConfig{})
-	d := &Dialer{Self: &Segment{Name: ferry.name, Protocol: "rdma", Buffers: []Buffer{}}, RDMA: ferry.eps}
+	d := &Dialer{Self: &Segment{Name: ferry.name, Protocol: "rdma", Buffers: []Buffer{}}, RDMA: ferry.eps, QPs: qps}
 	ts, err := d.Dial(ctx, Scheme+peer.name)
 	if err != nil {
 		t.Fatal(err)
@@ -813,5 +819,57 @@ func TestSessionReadsPiecesSideBySide(t *testing.T) {
 	}
 	if ferry.endpoint(peer.nicPath()) != nil {
 		t.Fatal("the failed read left its endpoint in the table")
+	}
+}
+
+// TestSessionReadsManyPiecesPerQP: with one queue pair per endpoint, a
+// read's pieces still go side by side, several calls on the one QP at
+// once (the fake NIC lets no READ through until 8 are in flight, so one
+// piece per QP would time out), each byte-exact.
+func TestSessionReadsManyPiecesPerQP(t *testing.T) {
+	ctx := ctxFor(t, 30*time.Second)
+	ferry, peer, s := readingSessionOver(t, ctx, 1)
+	data := make([]byte, 1<<16)
+	for i := range data {
+		data[i] = byte(i*5 + i>>8)
+	}
+	base := peer.v.base()
+	if _, err := s.Write(ctx, transport.Write{Src: data, Remote: base}); err != nil {
+		t.Fatal(err)
+	}
+	if n := len(ferry.endpoint(peer.nicPath()).qps); n != 1 {
+		t.Fatalf("the endpoint has %d QPs, want 1", n)
+	}
+	const pieces, page = 64, 1024
+	dst := make([]byte, pieces*page)
+	reads := make([]transport.Read, pieces)
+	for i := range reads {
+		reads[i] = transport.Read{Addr: base + uint64((pieces-1-i)*page), Dst: dst[i*page : (i+1)*page]}
+	}
+	ferry.v.readsMeet = newMeeting(8)
+	rctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	if err := s.Read(rctx, reads); err != nil {
+		t.Fatalf("reading %d pieces over one QP: %v (one piece at a time meets no other)", pieces, err)
+	}
+	for i := range pieces {
+		if !bytes.Equal(dst[i*page:(i+1)*page], data[(pieces-1-i)*page:(pieces-i)*page]) {
+			t.Fatalf("piece %d holds other bytes than the segment's buffer", i)
+		}
+	}
+}
+
+// TestEndpointPicksTheLeastLoadedQP: a call takes the QP with the fewest
+// bytes of calls on it, so pages go beside a long write, not behind it.
+func TestEndpointPicksTheLeastLoadedQP(t *testing.T) {
+	ep := &endpoint[*fakeQP]{qps: make([]*fakeQP, 3), load: make([]int, 3)}
+	for _, c := range []struct{ n, want int }{{1 << 30, 0}, {16 << 10, 1}, {16 << 10, 2}, {16 << 10, 1}, {16 << 10, 2}} {
+		if got := ep.pick(c.n); got != c.want {
+			t.Fatalf("a call of %d bytes took QP %d (loads %v after it), want %d", c.n, got, ep.load, c.want)
+		}
+	}
+	ep.done(0, 1<<30)
+	if got := ep.pick(16 << 10); got != 0 {
+		t.Fatalf("after the long write ended a call took QP %d (loads %v), want 0", got, ep.load)
 	}
 }

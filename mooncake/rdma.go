@@ -25,6 +25,12 @@ const (
 	MaxQPs     = 16
 )
 
+// ReadsPerQP is how many pieces of a Session.Read go at once per queue
+// pair of the endpoint: the calls on a QP share its send queue (package
+// rdma's, 64 work requests; a piece up to 1 MiB is one), and half of it
+// leaves room for the writes beside them.
+const ReadsPerQP = 32
+
 // DefaultMTU is Mooncake's cap on the path MTU (MC_MTU, bytes). Neither
 // side of a connection tells the other its MTU: each QP uses the smaller
 // of the cap and its port's active MTU, so both ends must come to the same.

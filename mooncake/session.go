@@ -307,8 +307,8 @@ func (s *Session) Write(ctx context.Context, w transport.Write) (transport.Repor
 // piece is checked against the descriptor's buffers before any is read
 // (fetched again once when one lies outside them): a piece outside all is
 // a Refusal naming it, its range and the buffers. The pieces then go
-// several at once, as many as the endpoint has queue pairs (or the
-// session data connections), so that a batch of small pages is not one
+// several at once, ReadsPerQP per queue pair of the endpoint (or one per
+// session data connection), so that a batch of small pages is not one
 // round trip per page; the first piece to fail ends the read.
 func (s *Session) Read(ctx context.Context, reads []transport.Read) error {
 	if s.ctx.Err() != nil {
@@ -337,7 +337,7 @@ func (s *Session) Read(ctx context.Context, reads []transport.Read) error {
 	defer stop()
 	workers := cap(s.sem)
 	if seg.Protocol == "rdma" {
-		workers = cmp.Or(s.d.QPs, DefaultQPs)
+		workers = cmp.Or(s.d.QPs, DefaultQPs) * ReadsPerQP
 	}
 	var (
 		next  atomic.Int64

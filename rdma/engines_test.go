@@ -470,11 +470,8 @@ func TestEngineRegionMooncakeReads(t *testing.T) {
 	arenaRKey, _, _ := ferry.tr.SharedKeys()
 	read := func(remote uint64, rkey uint32, n uint32) completion {
 		t.Helper()
-		l := peer.qp.l
-		if err := l.qp.Post([]op{{WRID: 7, Local: addrOf(peer.mem), Remote: remote, Len: n, LKey: lkey, RKey: rkey, Signaled: true, Read: true}}); err != nil {
-			t.Fatal(err)
-		}
-		c, err := wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+		w := postRaw(t, peer.qp, op{Local: addrOf(peer.mem), Remote: remote, Len: n, LKey: lkey, RKey: rkey, Signaled: true, Read: true})
+		c, err := peer.qp.l.completion(w, time.Now().Add(30*time.Second), nil)
 		if err != nil {
 			t.Fatalf("waiting for the read's completion: %v", err)
 		}

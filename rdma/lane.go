@@ -72,9 +72,15 @@ type lane struct {
 	// broken is set when a write that had let go of the lane failed: the
 	// QP is broken, and the next write to take the lane drops it.
 	broken atomic.Bool
-	// stalled is set when a write's wait on the lane ran past the I/O
-	// timeout and broke its QP: the writes flushed behind it stalled too.
+	// stalled is set when a write's wait on the lane (a call's, on a
+	// Mooncake QP) ran past the I/O timeout and broke its QP: the writes
+	// flushed behind it stalled too.
 	stalled atomic.Bool
+	// fault is the first error completion reaped other than a flush. The
+	// calls sharing a Mooncake QP name it when the break flushes theirs:
+	// reaped in CQ order, it is set before any flush after it is handed
+	// on (MooncakeQP.broken).
+	fault atomic.Pointer[completion]
 	// answered is set once the receiver answered a header on the lane;
 	// unanswered, when the receiver closed the control connection before
 	// answering the header of the write holding the lane (see
@@ -133,23 +139,32 @@ func newLane(qp queuePair, ctrl *net.TCPConn, depth int) *lane {
 // reap their own completions, and its poller sleeps on the completion
 // channel only for writes that wait longer (see completion).
 func newDialedLane(qp queuePair, ctrl *net.TCPConn, stats *counters) *lane {
-	l := &lane{
-		qp: qp, ctrl: ctrl, stats: stats,
-		credited: make(chan struct{}, 1),
-		quit:     make(chan struct{}),
-		polled:   make(chan struct{}),
-		down:     make(chan struct{}),
-		routes:   make(map[uint32]*waiter),
-		ops:      make([]op, 0, sendDepth),
-		wake:     make(chan struct{}, 1),
-		answers:  make(chan answer, 1),
-		landed:   make(chan struct{}, 1),
-		dead:     make(chan struct{}),
-	}
+	l := routedLane(qp)
+	l.ctrl, l.stats = ctrl, stats
+	l.credited = make(chan struct{}, 1)
+	l.ops = make([]op, 0, sendDepth)
+	l.answers = make(chan answer, 1)
+	l.landed = make(chan struct{}, 1)
+	l.dead = make(chan struct{})
 	l.credits.Store(recvPosted)
 	go l.pollForSleepers()
 	go l.readAnswers()
 	return l
+}
+
+// routedLane is a lane whose completions go to the waiter their work
+// request id names (see routes), its poller not yet started: a dialed
+// lane's start, and a Mooncake QP's, on which several calls post at once
+// (MooncakeQP.transfer).
+func routedLane(qp queuePair) *lane {
+	return &lane{
+		qp:     qp,
+		quit:   make(chan struct{}),
+		polled: make(chan struct{}),
+		down:   make(chan struct{}),
+		routes: make(map[uint32]*waiter),
+		wake:   make(chan struct{}, 1),
+	}
 }
 
 // poll moves completions from the CQ to wcs, sleeping on the completion
@@ -449,6 +464,10 @@ func (l *lane) failure() error {
 // write has gone), or to wcs on an accepted one. It reports false when
 // the lane is closing.
 func (l *lane) deliver(c completion) bool {
+	if c.Status != wcSuccess && c.Status != wcWRFlushErr && l.fault.Load() == nil {
+		f := c // only a fault's escapes
+		l.fault.CompareAndSwap(nil, &f)
+	}
 	to := l.wcs
 	if l.routes != nil {
 		l.routeMu.Lock()

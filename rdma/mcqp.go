@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"sync"
 	"sync/atomic"
 	"time"
 
@@ -91,12 +92,36 @@ func (t *Transport) MooncakePool(off, n uint64) (addr uint64, rkey, lkey uint32,
 }
 
 // MooncakeQP is a queue pair of a Mooncake endpoint, or of a ferry
-// read connection (reads.go), which connects as Mooncake's do. The
-// transport closes those still open when it closes.
+// read connection (reads.go), which connects as Mooncake's do. Several
+// calls (Write, Read) work it at once, as Mooncake's engine posts many
+// work requests per QP: each posts its own, its completions routed to it
+// by the sequence number in their work request ids (the lane's routes,
+// as a dialed lane's writes), and the send queue's depth is shared
+// between them as credits. The transport closes those still open when
+// it closes.
 type MooncakeQP struct {
 	t   *Transport
 	l   *lane  // ctrl is nil: Mooncake has no control connection
 	cap *qpCap // the cap it counts against
+
+	seq atomic.Uint32 // the calls', for work request ids
+	// credits holds a token per work request the send queue has room
+	// for: a call takes one per post and gives it back with its
+	// completion, so the calls together keep at most sendDepth in flight
+	// (the CQ's size too).
+	credits chan struct{}
+	// ring holds one token, the bounce ring's: it is the QP's, and a call
+	// from memory outside every registration (fromBounce) holds it from
+	// its first post to its last completion. Sharing its slots between
+	// calls would need a ring allocator for a path that already copies
+	// every byte; such calls take turns, beside the others.
+	ring chan struct{}
+	// broke closes when a call breaks the QP (an error completion, no
+	// progress for the I/O timeout, a canceled call whose work requests
+	// did not complete): every call on it fails, naming why (broken),
+	// and the QP closes once they all let go.
+	broke     chan struct{}
+	breakOnce sync.Once
 }
 
 // DefaultMooncakeQPs caps the Mooncake queue pairs a transport holds at
@@ -203,7 +228,13 @@ func (t *Transport) makeMooncakeQP() (*MooncakeQP, error) {
 		qp.Close()
 		return nil, errNoVerbsDevice
 	}
-	return &MooncakeQP{t: t, l: newLane(qp, nil, sendDepth)}, nil
+	q := &MooncakeQP{t: t, l: routedLane(qp), credits: make(chan struct{}, sendDepth), ring: make(chan struct{}, 1), broke: make(chan struct{})}
+	for range sendDepth {
+		q.credits <- struct{}{}
+	}
+	q.ring <- struct{}{}
+	go q.l.pollForSleepers()
+	return q, nil
 }
 
 func (q *MooncakeQP) QPN() uint32 { return q.l.qp.QPN() }
@@ -215,11 +246,15 @@ func (q *MooncakeQP) Connect(gid [16]byte, lid uint16, qpn uint32, mtu int) erro
 	return q.l.qp.(mooncakeQP).connectMooncake(endpoint{GID: gid, LID: lid, QPN: qpn, MTU: mtuOf(mtu)}, qpWrites|qpReads)
 }
 
-// Write writes src to remote under rkey in chunks, every one signaled, at
-// most sendDepth (bounceSlots from a bounce ring) in flight, and returns
-// once their completions say the peer's NIC has placed every byte, or
-// none came for the I/O timeout. A write that failed once its source was
-// on its way to the NIC closes the QP.
+// Write writes src to remote under rkey in chunks, every one signaled,
+// at most sendDepth (bounceSlots from a bounce ring) in flight, beside
+// the other calls on the QP, and returns once their completions say the
+// peer's NIC has placed every byte, or none came for the I/O timeout. A
+// write that failed once its source was on its way to the NIC breaks the
+// QP, failing every call on it, and returns once it closed (then the NIC
+// is done with every call's memory). One canceled returns once its work
+// requests completed (drainWait at most, else it breaks the QP), the QP
+// open.
 func (q *MooncakeQP) Write(ctx context.Context, src []byte, remote uint64, rkey uint32) (transport.Report, error) {
 	return q.move(ctx, src, remote, rkey, false)
 }
@@ -227,7 +262,8 @@ func (q *MooncakeQP) Write(ctx context.Context, src []byte, remote uint64, rkey 
 // Read reads len(dst) bytes at remote under rkey into dst by RDMA READs,
 // as Write writes: in place where dst lies in memory registered here
 // (the arena's shared registration, a region's), else through the
-// bounce ring. A read that failed once posted closes the QP.
+// bounce ring. A read that failed once posted breaks and closes the QP
+// as a write does.
 func (q *MooncakeQP) Read(ctx context.Context, dst []byte, remote uint64, rkey uint32) (transport.Report, error) {
 	return q.move(ctx, dst, remote, rkey, true)
 }
@@ -240,19 +276,21 @@ func (q *MooncakeQP) move(ctx context.Context, buf []byte, remote uint64, rkey u
 		return transport.Report{}, err
 	}
 	defer s.release()
-	l.use.Lock()
+	l.use.RLock() // close waits for every call to let go
 	select {
 	case <-l.quit: // closed meanwhile
-		l.use.Unlock()
+		l.use.RUnlock()
 		return transport.Report{}, errLaneClosed
 	default:
 	}
-	err = t.mooncakePost(ctx, l, buf, remote, rkey, s, read)
-	l.use.Unlock()
+	err = q.transfer(ctx, buf, remote, rkey, s, read)
+	l.use.RUnlock()
 	if err != nil {
-		// The QP goes before the registration (deferred): until then
-		// the NIC may still use it.
-		q.Close()
+		if q.isBroken() || q.Closed() {
+			// The QP goes before the registration (deferred): until
+			// then the NIC may still use it, for this call or another.
+			q.Close()
+		}
 		return transport.Report{}, err
 	}
 	return s.kind.report(len(buf)), nil
@@ -268,7 +306,7 @@ func (q *MooncakeQP) Closed() bool {
 	}
 }
 
-// Close destroys the QP, waiting out a write on it.
+// Close destroys the QP, waiting out the calls on it.
 func (q *MooncakeQP) Close() error {
 	q.t.mu.Lock()
 	delete(q.cap.open, q)
@@ -276,16 +314,102 @@ func (q *MooncakeQP) Close() error {
 	return q.l.close()
 }
 
-// mooncakePost posts the write of buf (or, read, the RDMA READ into
-// it) and waits for every completion. Through the bounce ring a write's
-// chunk is copied in before its post, a read's out once it completed
-// (completions come in the order of the posts).
-func (t *Transport) mooncakePost(ctx context.Context, l *lane, buf []byte, remote uint64, rkey uint32, s source, read bool) error {
+// breakQP breaks the QP for every call on it: the NIC flushes their
+// work requests, and calls waiting for a credit stop.
+func (q *MooncakeQP) breakQP() {
+	q.breakOnce.Do(func() { close(q.broke) })
+	q.l.qp.Break()
+}
+
+func (q *MooncakeQP) isBroken() bool {
+	select {
+	case <-q.broke:
+		return true
+	default:
+		return false
+	}
+}
+
+// broken says why a call found the QP broken or closed under it: the
+// first error completion on it, or a call that made no progress.
+func (q *MooncakeQP) broken() error {
+	l := q.l
+	if c := l.fault.Load(); c != nil {
+		return fmt.Errorf("the queue pair broke under another call on it: %w", &CompletionError{Status: c.Status, VendorErr: c.VendorErr, Op: "a work request"})
+	}
+	if l.stalled.Load() {
+		return errors.New("another call on the queue pair waited past its deadline for a completion (the peer made no progress) and broke it")
+	}
+	return errLaneClosed
+}
+
+// credit takes one of the QP's credits, waiting until deadline for one
+// when wait is set (the call has nothing in flight, so a credit is
+// another call's to give back); without wait it reports false at once
+// when there is none.
+func (q *MooncakeQP) credit(ctx context.Context, deadline time.Time, wait bool) (bool, error) {
+	select {
+	case <-q.credits:
+		return true, nil
+	default:
+		if !wait {
+			return false, nil
+		}
+	}
+	return true, q.take(ctx, q.credits, deadline, "place in its send queue")
+}
+
+// take takes a token from ch (the credits, the bounce ring), waiting
+// until deadline (zero: none), or until ctx ends or the QP breaks or
+// closes.
+func (q *MooncakeQP) take(ctx context.Context, ch chan struct{}, deadline time.Time, what string) error {
+	var expired <-chan time.Time
+	if !deadline.IsZero() {
+		t := time.NewTimer(time.Until(deadline))
+		defer t.Stop()
+		expired = t.C
+	}
+	select {
+	case <-ch:
+		return nil
+	case <-ctx.Done():
+		return transport.ContextErr(ctx)
+	case <-q.broke:
+		return q.broken()
+	case <-q.l.down:
+		return q.broken()
+	case <-expired:
+		return fmt.Errorf("no %s for %s: the calls on the queue pair before it made no progress", what, q.t.cfg.Peer.IOTimeout)
+	}
+}
+
+// transfer posts the work requests of buf's write (or, read, the RDMA
+// READs into it), each taking a credit, and waits for every completion.
+// Through the bounce ring a write's chunk is copied in before its post,
+// a read's out once it completed (a call's completions come in the order
+// of its posts). An error with the QP broken (isBroken) means the NIC
+// may still hold the call's work requests.
+func (q *MooncakeQP) transfer(ctx context.Context, buf []byte, remote uint64, rkey uint32, s source, read bool) error {
+	t, l := q.t, q.l
+	timeout := t.cfg.Peer.IOTimeout
+	deadline := func() time.Time {
+		d := time.Now().Add(timeout)
+		if cd, ok := ctx.Deadline(); ok && cd.Before(d) {
+			d = cd
+		}
+		return d
+	}
 	n := len(buf)
 	window := sendDepth
 	var ring []byte
 	var ringKey uint32
 	if s.kind == fromBounce {
+		// No deadline: the call holding the ring may take long, and
+		// fails by its own if the peer stalls.
+		if err := q.take(ctx, q.ring, time.Time{}, "turn at the bounce ring"); err != nil {
+			return err
+		}
+		defer func() { q.ring <- struct{}{} }()
 		window = bounceSlots
 		var err error
 		if ring, ringKey, err = l.bounceBuffer(t.nic); err != nil {
@@ -297,13 +421,30 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, buf []byte, remot
 		post = func(ops []op) error { return t.post(l.qp, ops) } // counted: the DATAPLANE read line
 	}
 	count := chunks(n)
-	l.seq++
-	base := uint64(l.seq) << 32
-	ops := make([]op, 0, min(count, window))
+	seq := q.seq.Add(1)
+	base := uint64(seq) << 32
+	// Room for every completion the call can have outstanding (flushes
+	// included) and a poke, so the poller never waits on it.
+	w := &waiter{wcs: make(chan completion, min(count, window)+2)}
+	l.route(seq, w)
+	defer l.unroute(seq)
 	posted, retired := 0, 0
+	defer func() {
+		for range posted - retired { // a broken QP's: nobody posts on it again
+			q.credits <- struct{}{}
+		}
+	}()
+	ops := make([]op, 0, min(count, window))
 	for retired < count {
 		ops = ops[:0]
 		for posted < count && posted-retired < window {
+			ok, err := q.credit(ctx, deadline(), posted == retired)
+			if err != nil {
+				return err // nothing of this call in flight
+			}
+			if !ok {
+				break
+			}
 			off := posted * chunk
 			m := min(chunk, n-off)
 			o := op{WRID: base | uint64(posted), Remote: remote + uint64(off), Len: uint32(m), RKey: rkey, Signaled: true, Read: read}
@@ -321,27 +462,34 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, buf []byte, remot
 		}
 		if len(ops) > 0 {
 			if err := post(ops); err != nil {
+				q.breakQP() // how many of them went is unknown
 				return err
 			}
 		}
-		deadline := time.Now().Add(t.cfg.Peer.IOTimeout)
-		if cd, ok := ctx.Deadline(); ok && cd.Before(deadline) {
-			deadline = cd
-		}
-		wc, err := wait(l, l.wcs, deadline, ctx.Done())
+		wc, err := l.completion(w, deadline(), ctx.Done())
 		switch {
+		case gaveUp(ctx, err):
+			return q.settle(ctx, w, posted-retired, base|uint64(posted-1))
 		case err == errNoProgress:
-			return fmt.Errorf("the peer made no progress for %s with %d work requests in flight", t.cfg.Peer.IOTimeout, posted-retired)
-		case err == errCanceled:
-			return transport.ContextErr(ctx)
+			l.stalled.Store(true)
+			q.breakQP()
+			return fmt.Errorf("the peer made no progress for %s with %d work requests in flight", timeout, posted-retired)
 		case err != nil:
-			return err
-		case wc.WRID>>32 != base>>32:
-			continue // a stale completion; none are expected
-		case wc.Status != wcSuccess && read:
-			return &CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma read"}
+			q.breakQP()
+			if err == errLaneClosed {
+				return q.broken()
+			}
+			return err // the poller's
+		case wc.Status == wcWRFlushErr:
+			q.breakQP()
+			return q.broken()
 		case wc.Status != wcSuccess:
-			return &CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: "rdma write"}
+			q.breakQP()
+			op := "rdma write"
+			if read {
+				op = "rdma read"
+			}
+			return &CompletionError{Status: wc.Status, VendorErr: wc.VendorErr, Op: op}
 		}
 		if ring != nil && read {
 			off := retired * chunk
@@ -349,6 +497,30 @@ func (t *Transport) mooncakePost(ctx context.Context, l *lane, buf []byte, remot
 			t.stats.copied.Add(uint64(copy(buf[off:off+m], ring[(retired%bounceSlots)*chunk:][:m])))
 		}
 		retired++
+		q.credits <- struct{}{}
 	}
 	return nil
+}
+
+// settle waits, for drainWait at most, for the completions of a canceled
+// call's work requests (inFlight of them, the last numbered last), so
+// that a cancel need not break the QP under the other calls on it. It
+// returns the cancel's error, having broken the QP when they did not all
+// complete: until then the NIC may use the call's memory.
+func (q *MooncakeQP) settle(ctx context.Context, w *waiter, inFlight int, last uint64) error {
+	deadline := time.Now().Add(drainWait)
+	for inFlight > 0 {
+		wc, err := q.l.completion(w, deadline, nil)
+		switch {
+		case err == nil && wc.Status == wcSuccess && wc.WRID != last:
+			continue
+		case err == errNoProgress:
+			q.l.stalled.Store(true)
+			q.breakQP()
+		case err != nil || wc.Status != wcSuccess:
+			q.breakQP()
+		}
+		break
+	}
+	return transport.ContextErr(ctx)
 }

@@ -292,18 +292,16 @@ func (r *readRig) ask(t *testing.T, c net.Conn, key transport.Key) (peer.Reply, 
 // READ flushed (WR_FLUSH_ERR).
 func (r *readRig) post(t *testing.T, q *MooncakeQP, read, unanswered bool) wcStatus {
 	l := q.l
-	if err := l.qp.Post([]op{{WRID: 7, Local: addrOf(r.src), Remote: engineAddr, Len: 4096, LKey: r.own.LKey, RKey: r.sink.er.RKey, Read: read, Signaled: true}}); err != nil {
-		t.Fatal(err)
-	}
+	w := postRaw(t, q, op{Local: addrOf(r.src), Remote: engineAddr, Len: 4096, LKey: r.own.LKey, RKey: r.sink.er.RKey, Read: read, Signaled: true})
 	var wc completion
 	var err error
 	if unanswered {
-		if wc, err = wait(l, l.wcs, time.Now().Add(5*time.Second), nil); err == errNoProgress {
+		if wc, err = l.completion(w, time.Now().Add(5*time.Second), nil); err == errNoProgress {
 			l.qp.Break()
-			wc, err = wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+			wc, err = l.completion(w, time.Now().Add(30*time.Second), nil)
 		}
 	} else {
-		wc, err = wait(l, l.wcs, time.Now().Add(30*time.Second), nil)
+		wc, err = l.completion(w, time.Now().Add(30*time.Second), nil)
 	}
 	if err != nil {
 		t.Fatalf("waiting for the completion: %v", err)

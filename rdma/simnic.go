@@ -49,6 +49,10 @@ type fabric struct {
 	// hold, if set, keeps every work request from executing until it is
 	// closed: a write stays in flight for as long as a test needs.
 	hold chan struct{}
+	// gather, if set, keeps each QP from executing any work request
+	// until that many were posted on it: a test sees calls sharing a QP
+	// all in flight at once.
+	gather int
 	// posted, if set, gets a token for each batch of work requests posted
 	// (none when it is full): a test sees a write reach the NIC.
 	posted chan struct{}
@@ -308,6 +312,8 @@ type fakeQP struct {
 	reads   bool      // set by connectMooncake: it answers RDMA READs
 	writes  bool      // it takes RDMA WRITEs: a lane, or connectMooncake's qpWrites
 	ops     []op
+	wrs     int // work requests posted, ever
+	most    int // the most queued at once, unexecuted (len(ops))
 	recvs   int
 	cq      []completion
 	armed   bool
@@ -384,6 +390,8 @@ func (q *fakeQP) Post(ops []op) error {
 		return nil
 	}
 	q.ops = append(q.ops, ops...)
+	q.wrs += len(ops)
+	q.most = max(q.most, len(q.ops))
 	q.work.Broadcast()
 	if q.n.f.posted != nil {
 		select {
@@ -529,7 +537,7 @@ func (q *fakeQP) run() {
 	q.mu.Lock()
 	defer q.mu.Unlock()
 	for {
-		for len(q.ops) == 0 && q.state != qpGone {
+		for (len(q.ops) == 0 || q.wrs < q.n.f.gather) && q.state != qpGone {
 			q.work.Wait()
 		}
 		if q.state == qpGone {
