@@ -118,14 +118,12 @@ func (s *Segment) DescribeBuffers() string {
 	return strings.Join(parts, "; ")
 }
 
-// DataAddr is the host:port of the segment's TCP data port: the host of
-// the segment name (which the metadata was fetched from when the name
-// gives none) and tcp_data_port.
+// DataAddr is the host:port of the segment's TCP data port: the host its
+// descriptor was fetched from (the RPC address dialed) and tcp_data_port.
+// Never the host the descriptor's name gives: a hostile peer's name could
+// send ferryd's data connection, and the caller's bytes, to a third host.
 func (s *Segment) DataAddr(fetchedFrom string) string {
-	host, _, err := net.SplitHostPort(s.Name)
-	if err != nil || host == "" {
-		host, _, _ = net.SplitHostPort(fetchedFrom)
-	}
+	host, _, _ := net.SplitHostPort(fetchedFrom)
 	return net.JoinHostPort(host, strconv.Itoa(s.TCPDataPort))
 }
 

@@ -162,6 +162,11 @@ func TestDecodeSegment(t *testing.T) {
 	if got := s.DataAddr("127.0.0.1:15302"); got != "127.0.0.1:15089" {
 		t.Fatalf("DataAddr = %s", got)
 	}
+	// A name naming another host does not send the data connection there.
+	s.Name = "192.0.2.7:15302"
+	if got := s.DataAddr("127.0.0.1:15302"); got != "127.0.0.1:15089" {
+		t.Fatalf("DataAddr of a segment named %s fetched from 127.0.0.1:15302 = %s, want the host it was fetched from", s.Name, got)
+	}
 	if _, ok := s.Buffer(18446603336221196288+1<<30-8, 8); !ok {
 		t.Fatal("the buffer's last 8 bytes are not in it")
 	}
