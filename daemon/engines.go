@@ -383,6 +383,12 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 	if d.mooncake == nil {
 		return nil, apiErr(api.CodeBadRequest, "an engine segment listens beside ferryd's own Mooncake segment, and this ferryd serves none: start it with --mooncake-listen HOST:PORT")
 	}
+	if owner <= 0 {
+		// The segment lives as long as its process: without its pid
+		// ferryd could never see that process exit, and the segment, its
+		// ports and the memory lent into it would stay forever.
+		return nil, apiErr(api.CodeForbidden, "ferryd cannot see this caller's process id (the kernel reports pid 0: the caller runs in a PID namespace ferryd's is not an ancestor of, e.g. ferryd in a container and the engine outside it), so it could not drop an engine segment when that process exits: run ferryd in the host's PID namespace (its systemd service, or a container with hostPID) or the engines in ferryd's")
+	}
 	d.engines.opening.Lock()
 	defer d.engines.opening.Unlock()
 	d.engines.mu.Lock()
@@ -420,7 +426,9 @@ func (d *Daemon) openEngineSegment(owner int32, port int) (*engineSegment, error
 	}
 	d.engines.mu.Lock()
 	d.engines.next++
-	id := "e" + strconv.Itoa(d.engines.next)
+	// Never one a ferryd before it gave: an engine that outlived a restart
+	// must not name (and close) another process's segment.
+	id := fmt.Sprintf("e%d-%08x", d.engines.next, uint32(d.instance))
 	d.engines.mu.Unlock()
 	ra := rpc.Addr().(*net.TCPAddr)
 	name := ra.String()
@@ -578,6 +586,9 @@ func (d *Daemon) handleDeleteEngineSegment(w http.ResponseWriter, r *http.Reques
 	es := d.engines.get(id)
 	if es == nil {
 		return apiErr(api.CodeNotFound, "no engine segment %s (GET /v1/mooncake/segments lists them)", id)
+	}
+	if pid := callerOf(r.Context()).pid; pid != es.owner {
+		return apiErr(api.CodeForbidden, "engine segment %s belongs to process %d, not to this caller (pid %d): an engine closes only its own segment (it closes by itself when its process exits)", id, es.owner, pid)
 	}
 	if err := d.dropEngineSegment(es, 30*time.Second, "its engine closed it"); err != nil {
 		return err

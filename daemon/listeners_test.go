@@ -210,7 +210,7 @@ func TestEngineSegmentPortsShareOneLogLimit(t *testing.T) {
 	const segments, each = 4, loglimit.Burst + 1
 	var ports []*engineSegment
 	for range segments {
-		es, err := d.openEngineSegment(0, 0)
+		es, err := d.openEngineSegment(int32(os.Getpid()), 0)
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -262,7 +262,7 @@ func TestEngineSegmentPortsShareOneCap(t *testing.T) {
 	d, _ := serveTestDaemon(t, t.TempDir(), "enginecap", func(cfg *Config) { cfg.MooncakeListen = "127.0.0.1:0" })
 	var segs []*engineSegment
 	for range 2 {
-		es, err := d.openEngineSegment(0, 0)
+		es, err := d.openEngineSegment(int32(os.Getpid()), 0)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/binary"
 	"errors"
+	"fmt"
 	"io"
 	"net"
 	"os"
@@ -139,6 +140,22 @@ func TestEngineSegmentsKeepNotifiesForTheirEngine(t *testing.T) {
 	}
 	if _, err := c.DrainNotifies(ctx, "e99"); !errors.As(err, &ce) || ce.Code != api.CodeNotFound {
 		t.Fatalf("an unknown segment's drain: %v", err)
+	}
+	// Nor may another close it (an engine that outlived a restart of
+	// ferryd holds an id of the old one's, never one this one gave).
+	if err := c.CloseEngineSegment(ctx, theirs.id); !errors.As(err, &ce) || ce.Code != api.CodeForbidden || !strings.Contains(ce.Message, "closes only its own segment") {
+		t.Fatalf("another process's close: %v", err)
+	}
+	if d.engines.get(theirs.id) != theirs {
+		t.Fatal("another process closed the segment")
+	}
+	if !strings.HasSuffix(seg.ID, fmt.Sprintf("-%08x", uint32(d.instance))) {
+		t.Fatalf("segment id %s does not carry this ferryd's instance", seg.ID)
+	}
+	// A caller whose pid ferryd cannot see (another PID namespace) could
+	// never have its segment dropped when it exits: refused, saying so.
+	if _, err := d.openEngineSegment(0, 0); !isCode(err, api.CodeForbidden) || !strings.Contains(err.Error(), "PID namespace") {
+		t.Fatalf("a segment for pid 0: %v", err)
 	}
 
 	// Bad requests say what was wrong; an unreachable target fails.
