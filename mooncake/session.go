@@ -3,6 +3,7 @@ package mooncake
 import (
 	"cmp"
 	"context"
+	"errors"
 	"fmt"
 	"net"
 	"strconv"
@@ -119,7 +120,7 @@ func (d *Dialer) Dial(ctx context.Context, session string) (transport.Session, e
 		if err != nil {
 			return nil, fmt.Errorf("mooncake segment %s (session %s) is a ferry engine's, served on ferry's peer port %s: %w", seg.Name, session, seg.Ferry.Peer, err)
 		}
-		return &ferrySession{Session: fs, key: seg.Ferry.Key}, nil
+		return &ferrySession{Session: fs, key: seg.Ferry.Key, rpc: rpc, self: d.Self}, nil
 	}
 	return s, nil
 }
@@ -140,12 +141,22 @@ func sameHost(rpc, peer string) bool {
 // Mooncake address (its owner's own); the receiver checks the range.
 type ferrySession struct {
 	transport.Session
+	rpc  string   // the segment's RPC port, where its descriptor is fetched
+	self *Segment // sent with the fetch
+
+	mu  sync.Mutex
 	key transport.Key
 }
 
 func (f *ferrySession) Write(ctx context.Context, w transport.Write) (transport.Report, error) {
-	w.Key, w.Tag, w.Whole = f.key, 0, false
-	return f.Session.Write(ctx, w)
+	w.Tag, w.Whole = 0, false
+	var rep transport.Report
+	err := f.underKey(ctx, func(key transport.Key) (err error) {
+		w.Key = key
+		rep, err = f.Session.Write(ctx, w)
+		return err
+	})
+	return rep, err
 }
 
 // Read reads from the segment's registered memory over ferry's peer
@@ -156,10 +167,36 @@ func (f *ferrySession) Read(ctx context.Context, reads []transport.Read) error {
 	if !ok {
 		return fmt.Errorf("the %s session to %s does not read", f.Session.Transport(), f.Session.Peer())
 	}
-	for i := range reads {
-		reads[i].Key = f.key
+	return f.underKey(ctx, func(key transport.Key) error {
+		for i := range reads {
+			reads[i].Key = key
+		}
+		return r.Read(ctx, reads)
+	})
+}
+
+// underKey runs op under the segment's key. Refused for want of a segment
+// under that key (no_slot: the engine on that RPC port closed, and one
+// opened there since has a key of its own), it fetches the descriptor
+// again and, if the key changed, runs op once more under the new one.
+// Mooncake peers would fetch a restarted segment afresh too.
+func (f *ferrySession) underKey(ctx context.Context, op func(transport.Key) error) error {
+	f.mu.Lock()
+	key := f.key
+	f.mu.Unlock()
+	err := op(key)
+	var refused *transport.Refusal
+	if !errors.As(err, &refused) || refused.Code != transport.NoSlot {
+		return err
 	}
-	return r.Read(ctx, reads)
+	seg, ferr := FetchSegment(ctx, f.rpc, f.self)
+	if ferr != nil || seg.Ferry == nil || seg.Ferry.Key == key || seg.Ferry.Peer != f.Session.Peer() {
+		return err
+	}
+	f.mu.Lock()
+	f.key = seg.Ferry.Key
+	f.mu.Unlock()
+	return op(seg.Ferry.Key)
 }
 
 // Session writes into, and reads from, one Mooncake segment. Its

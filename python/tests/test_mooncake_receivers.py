@@ -262,6 +262,38 @@ def test_a_fork_child_is_told_to_start_its_workers_with_spawn(pair, engine_child
     assert "fork child" in why and "spawn" in why and "VLLM_WORKER_MULTIPROC_METHOD=spawn" in why, why
 
 
+def test_a_receiver_reopened_on_its_rpc_port_takes_writes_again(pair, engine_child):
+    # A decode worker restarted on the port it had (its session id the
+    # same host:port): the sender's ferryd held the old segment's key, and
+    # fetches the new one's on the first refusal, as a Mooncake peer
+    # fetches a restarted segment afresh.
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    session = f"127.0.0.1:{port}"
+    opened = f"""
+        import hashlib, torch
+        from ferry.mooncake import TransferEngine
+        engine = TransferEngine()
+        assert engine.initialize("{session}", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+        buf = torch.zeros(1 << 16, dtype=torch.uint8)
+        assert engine.register_memory(buf.data_ptr(), buf.numel()) == 0, engine.last_failure
+        out = buf.data_ptr()
+    """
+    tx = sender(pair)
+    src, at = source(4096, 13)
+    assert tx.register_memory(at, 4096) == 0
+    first = engine_child(pair[1].socket)
+    assert tx.transfer_sync_write(session, at, first.run(opened), 4096) == 0, tx.last_failure
+    first.kill()
+    poll_until(lambda: not accepts(session), 30, f"the killed engine's RPC port {session} closing")
+    again = engine_child(pair[1].socket)
+    ptr = again.run(opened)
+    assert tx.transfer_sync_write(session, at, ptr, 4096) == 0, tx.last_failure
+    assert again.run("out = hashlib.sha256(buf[:4096].numpy().tobytes()).hexdigest()") == digests([bytes(src)])[0]
+    assert tx.unregister_memory(at) == 0
+
+
 def ferryd_holds(daemon):
     """What ferryd holds for lent memory: its open fds, its mappings of the
     allocator's memfd (ferry_alloc.c names it), and the region byte gauge."""
