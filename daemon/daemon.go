@@ -80,6 +80,9 @@ type Daemon struct {
 	discardLog *loglimit.Limiter
 	// refusedLog: callers off the allow-lists, each refused request.
 	refusedLog *loglimit.Limiter
+	// failLog: failed requests and transfers, which a peer gone down
+	// causes for every client request on it (failWarn).
+	failLog *loglimit.Limiter
 
 	inflight       inflight                // control requests being served
 	streams        writeStreams            // open write streams (writestream.go)
@@ -244,6 +247,9 @@ func New(cfg Config) (*Daemon, error) {
 		d.log.Warn().Str("component", "api").Msg(fmt.Sprintf(format, args...))
 	})
 	d.metrics.countRefused(d.refusedLog.Count)
+	d.failLog = loglimit.New("failed requests", func(format string, args ...any) {
+		d.log.Warn().Str("component", "api").Msg(fmt.Sprintf(format, args...))
+	})
 	d.metrics.reg.MustRegister(prometheus.NewCounterFunc(prometheus.CounterOpts{
 		Name: "ferry_panics_total",
 		Help: "Panics ferryd's HTTP servers (the control socket, the metrics listener) recovered from, each ending its connection: a bug; the first one's stack is logged, the others one line each, at most 10 a second.",
@@ -447,6 +453,9 @@ func (d *Daemon) closeAll() {
 	if d.regionLog != nil {
 		d.regionLog.Stop()
 	}
+	if d.failLog != nil {
+		d.failLog.Stop()
+	}
 	if d.discardLog != nil {
 		d.discardLog.Stop()
 	}
@@ -484,4 +493,15 @@ func (d *Daemon) logDropped(drops []dropped, why string) {
 		d.log.Warn().Str("req_id", x.reqID).Str("kind", x.kind).Str("state", x.state).
 			Int64("nbytes", x.nbytes).Dur("age", x.age).Msg(why)
 	}
+}
+
+// failWarn is the event a failure line goes out as: at warn level, at
+// most loglimit.Burst a second (a peer gone down fails every request a
+// client makes toward it, as fast as the client makes them); past that
+// at debug level, the limiter's summary saying how many.
+func (d *Daemon) failWarn(log *zerolog.Logger) *zerolog.Event {
+	if d.failLog == nil || d.failLog.Allow() {
+		return log.Warn()
+	}
+	return log.Debug()
 }

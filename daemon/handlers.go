@@ -183,7 +183,7 @@ func (d *Daemon) wrap(h func(http.ResponseWriter, *http.Request) error) http.Han
 			errors.As(err, &ae)
 			status := api.StatusOf(ae.code)
 			writeJSON(w, status, api.ErrorBody{Error: api.Error{Code: ae.code, Message: ae.msg}})
-			ev = d.log.Warn().Int("status", status).Str("code", ae.code).Str("error", ae.msg)
+			ev = d.failWarn(&d.log).Int("status", status).Str("code", ae.code).Str("error", ae.msg)
 		}
 		if id == "" {
 			id = r.PathValue("req_id")

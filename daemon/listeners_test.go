@@ -295,3 +295,31 @@ func TestEngineSegmentPortsShareOneCap(t *testing.T) {
 		t.Fatalf("engine ports' shared stats %+v: want 2 open, 1 evicted", st)
 	}
 }
+
+// Failed requests log at warn level at most loglimit.Burst a window: a
+// peer gone down fails every request a client makes toward it, as fast
+// as the client makes them. The rest go at debug level, and a summary
+// line says how many.
+func TestFailedRequestsLogThroughALimit(t *testing.T) {
+	var logs logBuffer
+	_, c := serveTestDaemon(t, t.TempDir(), "fails", func(cfg *Config) { cfg.Log = zerolog.New(&logs).Level(zerolog.InfoLevel) })
+	ctx := context.Background()
+	const n = 10 * loglimit.Burst
+	start := time.Now()
+	for i := range n {
+		if err := c.Delete(ctx, fmt.Sprintf("nothing-%d", i)); err == nil {
+			t.Fatal("deleting an entry never staged succeeded")
+		}
+	}
+	windows := int(time.Since(start)/loglimit.Window) + 1
+	lines := strings.Count(logs.String(), `"path":"/v1/embeddings/nothing-`)
+	if lines == 0 || lines > windows*loglimit.Burst {
+		t.Fatalf("%d failed requests over %d window(s) logged %d warn lines; want 1 to %d", n, windows, lines, windows*loglimit.Burst)
+	}
+	// Those suppressed are summed up once their window ends.
+	for deadline := time.Now().Add(30 * time.Second); lines < n && !strings.Contains(logs.String(), "failed requests: suppressed"); time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("%d lines suppressed and no summary of them within 30s", n-lines)
+		}
+	}
+}

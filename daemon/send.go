@@ -257,7 +257,7 @@ func (d *Daemon) deliver(ctx context.Context, session string, w transport.Write,
 		d.metrics.sessionFailed(session)
 		p.teardown(sess)
 		if attempt <= d.cfg.SendRetries {
-			log.Warn().Str("session", session).Int("attempt", attempt).
+			d.failWarn(&log).Str("session", session).Int("attempt", attempt).
 				Str("ret", retCode(err)).Err(err).Msg("write failed; session torn down, re-dialing and retrying")
 		}
 	}

@@ -471,7 +471,7 @@ func (d *Daemon) runTransfer(b *batch, dsts []batchDest, keep bool, srcs []batch
 	outcome := "ok"
 	if !ok {
 		outcome = "failed"
-		log.Warn().Int("item", failAt).Str("code", t.Error.Code).Str("error", t.Error.Message).Msg("transfer failed; its staged sources are kept")
+		d.failWarn(&log).Int("item", failAt).Str("code", t.Error.Code).Str("error", t.Error.Message).Msg("transfer failed; its staged sources are kept")
 	}
 	d.metrics.batches.WithLabelValues(outcome).Inc()
 	d.metrics.transferBytes.WithLabelValues(d.tr.Name()).Add(float64(written.Load()))
