@@ -49,6 +49,7 @@ import enum
 import itertools
 import json
 import logging
+import operator
 import os
 import socket
 import struct
@@ -66,7 +67,7 @@ from .alloc import free as alloc_free
 from .alloc import preload_hint, preloaded, window
 from .errors import BadRequest, Busy, FerryError, NotFound
 
-__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Failure"]
+__all__ = ["TransferEngine", "TransferOpcode", "Read", "Write", "TransferNotify", "Failure"]
 
 log = logging.getLogger("ferry.mooncake")
 
@@ -121,9 +122,29 @@ def _when_room(start, timeout):
 
 
 class TransferOpcode(enum.IntEnum):
-    """Mooncake's opcodes for transfer_sync and batch_transfer_sync."""
+    """Mooncake's opcodes for transfer_sync, batch_transfer_sync and
+    batch_transfer_async, spelt as Mooncake's (Read 0, Write 1); READ and
+    WRITE are ferry's older names of the same two. The methods take
+    Mooncake's own enum (mooncake.engine.TransferOpcode) too, or its int."""
+    Read = 0
+    Write = 1
     READ = 0
     WRITE = 1
+
+
+# Mooncake's module exports its enum's members at module level as well.
+Read, Write = TransferOpcode.Read, TransferOpcode.Write
+
+
+def _opcode(opcode):
+    """The TransferOpcode of opcode (ferry's, Mooncake's pybind enum, whose
+    int() is the same, or that int), or None."""
+    if isinstance(opcode, bool):
+        return None
+    try:
+        return TransferOpcode(operator.index(opcode))
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass
@@ -154,8 +175,11 @@ INLINE_MAX = 1 << 20
 
 class TransferEngine:
     """Mooncake's TransferEngine on ferry: every method of Mooncake's
-    Python engine is here; those ferry does not have raise
-    NotImplementedError saying why (_NOT_IMPLEMENTED)."""
+    Python engine is here, with its parameter names, order and defaults;
+    those ferry does not have raise NotImplementedError saying why
+    (_NOT_IMPLEMENTED)."""
+
+    TransferOpcode = TransferOpcode  # as Mooncake's: TransferEngine.TransferOpcode.Write
 
     def __init__(self, raise_on_failure=False, socket_path=None, send_only=None):
         self.raise_on_failure = raise_on_failure
@@ -272,8 +296,8 @@ class TransferEngine:
 
     # --- memory
 
-    def register_memory(self, ptr, length):
-        """Registers [ptr, ptr+length) of this process's memory: where
+    def register_memory(self, buffer_addr, capacity, location="*"):
+        """Registers [buffer_addr, +capacity) of this process's memory: where
         peers write (and a source of this engine's transfers). Host memory
         born in ferry's allocator window (a process started with
         ``python -m ferry.run`` or LD_PRELOAD=libferry_alloc.so) is lent to
@@ -286,13 +310,18 @@ class TransferEngine:
         or over RDMA placed by the NIC (where it reaches GPU memory; where
         it does not and ferryd's Mooncake segments speak rdma, ferryd
         refuses the range).
-        ptr may be an address or a tensor (its data_ptr()).
+        buffer_addr may be an address or a tensor (its data_ptr()).
+        location is Mooncake's ("cpu:0", "cuda:0", "*" to have it found),
+        taken and ignored: ferry asks the CUDA driver where the memory lies.
         Returns 0, or -1 with the reason in last_failure: memory peers
         cannot write (allocated outside the window, GPU memory with no IPC
         handle), a range overlapping one registered before, or a ferryd
         that refused it. An engine made with send_only also registers host
         memory outside the window, as a source only (its pieces are then
         copied per transfer)."""
+        return self._register(buffer_addr, capacity)
+
+    def _register(self, ptr, length):
         is_cuda, ptr = bool(getattr(ptr, "is_cuda", False)), _address(ptr)
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
@@ -356,13 +385,14 @@ class TransferEngine:
                                         offset=ptr - w.base, mooncake_segment=segment)
         return name
 
-    def batch_register_memory(self, ptrs, lengths):
+    def batch_register_memory(self, buffer_addresses, capacities, location="*"):
         """register_memory for each pair; 0, or -1 at the first refusal
         (the ranges registered before it stay registered, as in Mooncake)."""
-        if len(ptrs) != len(lengths):
-            return self._refuse("batch_register_memory", 0, f"{len(ptrs)} addresses but {len(lengths)} lengths")
-        for p, n in zip(ptrs, lengths):
-            if self.register_memory(p, n) != 0:
+        if len(buffer_addresses) != len(capacities):
+            return self._refuse("batch_register_memory", 0,
+                                f"{len(buffer_addresses)} addresses but {len(capacities)} capacities")
+        for p, n in zip(buffer_addresses, capacities):
+            if self._register(p, n) != 0:
                 return FAILED
         return 0
 
@@ -404,7 +434,7 @@ class TransferEngine:
             self._fail("allocate_managed_buffer", "", length, _NotWritable(
                 f"allocate_managed_buffer({length}): no room from ferry's allocator: {preload_hint()}"))
             return 0
-        if self.register_memory(ptr, length) != 0:
+        if self._register(ptr, length) != 0:
             alloc_free(ptr)
             return 0
         return ptr
@@ -523,16 +553,19 @@ class TransferEngine:
 
     # --- transfers
 
-    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None):
-        """transfer_sync_write for TransferOpcode.WRITE, transfer_sync_read
-        for READ, then the notify, if any (batch_transfer_sync)."""
-        return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify,
-                                        method="transfer_sync")
+    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None,
+                      transport_hint=""):
+        """transfer_sync_write for TransferOpcode.Write, transfer_sync_read
+        for Read, then the notify, if any (batch_transfer_sync)."""
+        return self._sync("transfer_sync", target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify)
 
     def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None,
-                            method="batch_transfer_sync"):
-        """batch_transfer_sync_write for TransferOpcode.WRITE,
-        batch_transfer_sync_read for READ. With notify (a TransferNotify:
+                            transport_hint=""):
+        """batch_transfer_sync_write for TransferOpcode.Write (ferry's,
+        Mooncake's own enum, or 1), batch_transfer_sync_read for Read (0).
+        transport_hint, as on every transfer call, is taken and ignored:
+        ferryd moves the bytes over its one transport (Mooncake's build
+        without TENT ignores it too). With notify (a TransferNotify:
         name, msg; ferry's or Mooncake's), once the transfer returned 0
         (an empty batch too), ferryd sends it to the RPC port of
         target_hostname's segment, as Mooncake sends it once a transfer
@@ -540,16 +573,18 @@ class TransferEngine:
         its receiver kept it; -1 when it was not delivered (refused, or
         unreachable), though the transfer's bytes are in place (Mooncake
         returns 0 then and logs the failure)."""
+        return self._sync("batch_transfer_sync", target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify)
+
+    def _sync(self, method, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify):
         if notify is not None and not (isinstance(getattr(notify, "name", None), str)
                                        and isinstance(getattr(notify, "msg", None), str)):
             return self._refuse(method, 0, f"{method}: notify {notify!r}: want a TransferNotify(name, msg) with str "
                                            "name and msg (ferry.mooncake's, or Mooncake's), or None")
-        if opcode == TransferOpcode.READ:
-            ret = self.batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
-        elif opcode == TransferOpcode.WRITE:
-            ret = self.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
-        else:
-            return self._refuse(method, 0, f"{method}: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
+        op = _opcode(opcode)
+        if op is None:
+            return self._refuse(method, 0, f"{method}: opcode {opcode!r}: want TransferOpcode.Write (1) or Read (0)")
+        move = self._read_batch if op == TransferOpcode.Read else self._write_batch
+        ret = move(method, target_hostname, buffers, peer_buffer_addresses, lengths)
         if ret != 0 or notify is None:
             return ret
         return self._notify(method, target_hostname, notify)
@@ -587,15 +622,13 @@ class TransferEngine:
         return [TransferNotify(n["name"], n["notify_msg"]) for n in got["notifies"]]
 
 
-    def transfer_sync_write(self, session_id, buffer, peer_buffer_address, length):
+    def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         """Writes length bytes at buffer (inside a registered range) to
-        peer_buffer_address in the segment session_id ("ip:rpcport"), and
-        returns once they are there: 0, or -1."""
-        return self.batch_transfer_sync_write(session_id, [buffer], [peer_buffer_address], [length],
-                                              method="transfer_sync_write")
+        peer_buffer_address in the segment target_hostname ("ip:rpcport"),
+        and returns once they are there: 0, or -1."""
+        return self._write_batch("transfer_sync_write", target_hostname, [buffer], [peer_buffer_address], [length])
 
-    def batch_transfer_sync_write(self, session_id, buffers, peer_buffer_addresses, lengths,
-                                  method="batch_transfer_sync_write"):
+    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """Writes every (buffer, peer address, length) piece, pieces that
         are adjacent at both ends merged into one write. Returns 0 once all
         are there (at once when there are none, or none has a byte: vLLM
@@ -603,6 +636,9 @@ class TransferEngine:
         cached), or -1 at the first that fails (the pieces written before
         it stay written). A batch larger than one transfer carries goes as
         several, one after another."""
+        return self._write_batch("batch_transfer_sync_write", target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def _write_batch(self, method, session_id, buffers, peer_buffer_addresses, lengths):
         session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
 
         def write(pieces, held):
@@ -635,14 +671,12 @@ class TransferEngine:
             self._release(held)
         return 0
 
-    def transfer_sync_read(self, session_id, buffer, peer_buffer_address, length):
+    def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         """Reads length bytes at peer_buffer_address of the segment
-        session_id into buffer (inside a registered range): 0, or -1."""
-        return self.batch_transfer_sync_read(session_id, [buffer], [peer_buffer_address], [length],
-                                             method="transfer_sync_read")
+        target_hostname into buffer (inside a registered range): 0, or -1."""
+        return self._read_batch("transfer_sync_read", target_hostname, [buffer], [peer_buffer_address], [length])
 
-    def batch_transfer_sync_read(self, session_id, buffers, peer_buffer_addresses, lengths,
-                                 method="batch_transfer_sync_read"):
+    def batch_transfer_sync_read(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """Reads every (peer address, length) piece into (buffer): 0 once
         all are in this process's memory, or -1 at the first that fails.
         Only memory an engine registered is read: a ferry engine's segment
@@ -661,6 +695,9 @@ class TransferEngine:
         than going over TCP. On a tcp engine: from this process over the
         segment's TCP data port (Mooncake's READ, protocol v2 where the
         segment says so), straight into the registered memory."""
+        return self._read_batch("batch_transfer_sync_read", target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def _read_batch(self, method, session_id, buffers, peer_buffer_addresses, lengths):
         def read(pieces, held):
             on_gpu = [local for (local, _, _), st in zip(pieces, held) if st in self._on_gpu]
             if on_gpu:
@@ -687,34 +724,37 @@ class TransferEngine:
 
     # --- asynchronous: the synchronous calls on the engine's pool
 
-    def batch_transfer_async_write(self, session_id, buffers, peer_buffer_addresses, lengths):
+    def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """batch_transfer_sync_write on the engine's pool: its batch id (an
         int > 0) at once, or 0 when it cannot be submitted (the reason
         logged and in last_failure). get_batch_transfer_status or
         transfer_check_status tell how it ended."""
-        return self._submit("batch_transfer_async_write", self.batch_transfer_sync_write,
-                            session_id, buffers, peer_buffer_addresses, lengths)
+        return self._submit("batch_transfer_async_write", self._write_batch,
+                            target_hostname, buffers, peer_buffer_addresses, lengths)
 
-    def batch_transfer_async_read(self, session_id, buffers, peer_buffer_addresses, lengths):
+    def batch_transfer_async_read(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """batch_transfer_sync_read on the engine's pool: a batch id, or 0."""
-        return self._submit("batch_transfer_async_read", self.batch_transfer_sync_read,
-                            session_id, buffers, peer_buffer_addresses, lengths)
+        return self._submit("batch_transfer_async_read", self._read_batch,
+                            target_hostname, buffers, peer_buffer_addresses, lengths)
 
-    def batch_transfer_async(self, session_id, buffers, peer_buffer_addresses, lengths, opcode):
-        """batch_transfer_async_write for TransferOpcode.WRITE,
-        batch_transfer_async_read for READ: a batch id, or 0."""
-        if opcode == TransferOpcode.READ:
-            return self.batch_transfer_async_read(session_id, buffers, peer_buffer_addresses, lengths)
-        if opcode == TransferOpcode.WRITE:
-            return self.batch_transfer_async_write(session_id, buffers, peer_buffer_addresses, lengths)
-        self._refuse("batch_transfer_async", 0, f"batch_transfer_async: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
-        return 0
+    def batch_transfer_async(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint=""):
+        """batch_transfer_async_write for TransferOpcode.Write,
+        batch_transfer_async_read for Read (either enum, or its int): a
+        batch id, or 0."""
+        op = _opcode(opcode)
+        if op is None:
+            self._refuse("batch_transfer_async", 0, f"batch_transfer_async: opcode {opcode!r}: want TransferOpcode.Write "
+                                                    "(1) or Read (0)")
+            return 0
+        return self._submit(f"batch_transfer_async_{op.name.lower()}",
+                            self._read_batch if op == TransferOpcode.Read else self._write_batch,
+                            target_hostname, buffers, peer_buffer_addresses, lengths)
 
-    def transfer_submit_write(self, session_id, buffer, peer_buffer_address, length):
+    def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         """transfer_sync_write on the engine's pool: a batch id for
         transfer_check_status, or 0."""
-        return self._submit("transfer_submit_write", self.batch_transfer_sync_write,
-                            session_id, [buffer], [peer_buffer_address], [length])
+        return self._submit("transfer_submit_write", self._write_batch,
+                            target_hostname, [buffer], [peer_buffer_address], [length])
 
     def transfer_check_status(self, batch_id):
         """Mooncake's: 0 while the batch runs; 1 when every byte is there
@@ -768,8 +808,8 @@ class TransferEngine:
         return ret
 
     def _submit(self, method, call, session_id, buffers, peer_buffer_addresses, lengths):
-        """Runs call(session_id, ...lists) on the pool: its batch id, or 0
-        (Mooncake's failed submit) with the reason."""
+        """Runs call(method, session_id, ...lists) on the pool: its batch
+        id, or 0 (Mooncake's failed submit) with the reason."""
         wrong = _wrong_lists(method, session_id, buffers, peer_buffer_addresses, lengths)
         with self._lock:
             if wrong is None and self._closing:
@@ -782,7 +822,7 @@ class TransferEngine:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="ferry-mooncake-async")
                 rec = _Batch(next(_batch_ids), method, session_id, sum(lengths), None)
-                rec.future = self._pool.submit(self._run_batch, call, session_id, list(buffers),
+                rec.future = self._pool.submit(self._run_batch, call, method, session_id, list(buffers),
                                                list(peer_buffer_addresses), list(lengths))
                 self._batches[rec.batch_id] = rec
                 self._drop_unread()
@@ -1056,7 +1096,6 @@ _NOT_IMPLEMENTED = {
     "transfer_read_on_cuda": _NO_CUDA_STREAM,
     "batch_transfer_write_on_cuda": _NO_CUDA_STREAM,
     "batch_transfer_read_on_cuda": _NO_CUDA_STREAM,
-    "batch_transfer_on_cuda": _NO_CUDA_STREAM,
     "get_engine_ptr": "there is no C++ engine in this process: transfers run in ferryd (get_engine gives this object)",
     "warmup_efa_segment": "ferry has no EFA transport",
 }

@@ -353,43 +353,6 @@ def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypa
     assert TransferEngine(socket_path=pair[0].socket).register_memory(emb.data_ptr(), emb.numel()) == 0
 
 
-# Mooncake's Python engine, every method (mooncake-integration's
-# TransferEnginePy; ../shared/reference/inference-frameworks.md).
-MOONCAKE_METHODS = [
-    "initialize", "initialize_ext", "get_rpc_port",
-    "register_memory", "unregister_memory", "batch_register_memory", "batch_unregister_memory",
-    "allocate_managed_buffer", "free_managed_buffer", "get_first_buffer_address",
-    "write_bytes_to_buffer", "read_bytes_from_buffer",
-    "transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write", "batch_transfer_sync_read",
-    "transfer_sync", "batch_transfer_sync",
-    "transfer_submit_write", "transfer_check_status", "batch_transfer_async_write", "batch_transfer_async_read",
-    "batch_transfer_async", "get_batch_transfer_status",
-    "get_notifies", "send_probe",
-    "transfer_write_on_cuda", "transfer_read_on_cuda", "batch_transfer_write_on_cuda", "batch_transfer_read_on_cuda",
-    "batch_transfer_on_cuda",
-    "get_engine", "get_engine_ptr", "get_local_topology", "warmup_efa_segment",
-]
-
-
-def test_every_method_of_mooncakes_engine_is_there(tmp_path):
-    import ferry.mooncake as mc
-    engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
-    for name in MOONCAKE_METHODS:
-        assert callable(getattr(engine, name, None)), name
-        if name in mc._NOT_IMPLEMENTED:
-            with pytest.raises(NotImplementedError, match=f"TransferEngine.{name}: .*docs/python.md"):
-                getattr(engine, name)("127.0.0.1:1", 1, 2, 3)
-    assert set(mc._NOT_IMPLEMENTED) <= set(MOONCAKE_METHODS)
-    assert engine.get_engine() is engine
-    # transfer_sync's READ is a read (an unregistered buffer: -1); a notify
-    # is a TransferNotify (test_mooncake_notifies.py).
-    assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, TransferOpcode.READ) == -1
-    assert "register_memory it first" in engine.last_failure.message
-    assert engine.batch_transfer_sync("127.0.0.1:1", [1], [2], [3], TransferOpcode.WRITE, notify=("a", "b")) == -1
-    assert "want a TransferNotify(name, msg)" in engine.last_failure.message
-    assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, 7) == -1 and "opcode 7" in engine.last_failure.message
-
-
 def test_initialize_honours_its_arguments(pair, monkeypatch):
     tx, rx = pair
     engine = TransferEngine(socket_path=rx.socket)
