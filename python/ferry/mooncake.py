@@ -203,6 +203,7 @@ class TransferEngine:
         # This engine's own Mooncake segment (initialize opens it) and what
         # closes it when the engine is closed or collected.
         self._segment, self._closer = None, None
+        self._initialized = False  # set by the first initialize that returned 0
         # The asynchronous calls: their pool (made at the first), batch id
         # -> _Batch in submission order, and whether close has begun.
         self._pool, self._batches, self._closing, self._dropped = None, collections.OrderedDict(), False, 0
@@ -231,6 +232,8 @@ class TransferEngine:
         return self._initialize("initialize_ext", local_hostname, metadata_server, protocol, device_name)
 
     def _initialize(self, method, local_hostname, metadata_server, protocol, device_name):
+        if self._closing:
+            return self._refuse(method, 0, f"{method}: the engine is closed: make a new TransferEngine and initialize it")
         if metadata_server != "P2PHANDSHAKE":
             return self._refuse(method, 0, f"metadata_server {metadata_server!r}: ferry speaks Mooncake's P2P handshake "
                                            "only (session ids are \"host:rpc_port\"): pass \"P2PHANDSHAKE\"; etcd, "
@@ -276,6 +279,7 @@ class TransferEngine:
                                            f"{self._segment['rpc_port']} already: pass that port, or the host alone")
         self.local_hostname, self.protocol = host, protocol
         self.device_name = ",".join(names or nics) if protocol == "rdma" else ""
+        self._initialized = True
         return 0
 
     def get_rpc_port(self):
@@ -318,14 +322,31 @@ class TransferEngine:
         handle), a range overlapping one registered before, or a ferryd
         that refused it. An engine made with send_only also registers host
         memory outside the window, as a source only (its pieces are then
-        copied per transfer)."""
+        copied per transfer). Before initialize (or after one that
+        failed) and after close it is -1 saying so, with nothing lent:
+        the memory is lent to the engine's own segment, which initialize
+        opens and close closes. (Mooncake's engine, before initialize,
+        has no engine to register with: the process crashes, SIGSEGV.)"""
         return self._register(buffer_addr, capacity)
+
+    def _unready(self, method):
+        """Why this engine registers no memory now, or None."""
+        if self._closing:
+            return f"{method}: the engine is closed: make a new TransferEngine and initialize it"
+        if not self._initialized:
+            return (f"{method}: initialize first: memory is lent to the engine's own segment, which initialize "
+                    "opens, and this engine was not initialized (or its initialize returned -1)")
+        return None
 
     def _register(self, ptr, length):
         is_cuda, ptr = bool(getattr(ptr, "is_cuda", False)), _address(ptr)
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
         with self._lock:
+            # Under the lock: close marks the engine closed under it too.
+            unready = self._unready("register_memory")
+            if unready is not None:
+                return self._refuse("register_memory", length, unready)
             i = bisect.bisect_left(self._regions, (ptr, ptr + length))
             near = self._regions[max(i - 1, 0):i + 1]
             if any(s < ptr + length and ptr < e for s, e in near):
@@ -347,6 +368,8 @@ class TransferEngine:
         or None for host memory an engine made with send_only keeps (its
         pieces are copied per transfer); raises what refused it."""
         name = f"mooncake-{os.getpid()}-{id(self):x}-{ptr:x}"
+        # No segment: initialize found a ferryd serving no Mooncake segment
+        # (_unready saw to the rest), so no peer reaches this memory.
         segment = self._segment["id"] if self._segment is not None else ""
         ordinal = device_ordinal(ptr)
         if ordinal is not None:
@@ -387,7 +410,11 @@ class TransferEngine:
 
     def batch_register_memory(self, buffer_addresses, capacities, location="*"):
         """register_memory for each pair; 0, or -1 at the first refusal
-        (the ranges registered before it stay registered, as in Mooncake)."""
+        (the ranges registered before it stay registered, as in Mooncake);
+        -1 before initialize and after close, as register_memory."""
+        unready = self._unready("batch_register_memory")
+        if unready is not None:
+            return self._refuse("batch_register_memory", 0, unready)
         if len(buffer_addresses) != len(capacities):
             return self._refuse("batch_register_memory", 0,
                                 f"{len(buffer_addresses)} addresses but {len(capacities)} capacities")
@@ -425,9 +452,14 @@ class TransferEngine:
     def allocate_managed_buffer(self, length):
         """length bytes from ferry's allocator window, registered (peers
         write into them): their address, or 0 with the reason in
-        last_failure (the process was started without the allocator)."""
+        last_failure (the process was started without the allocator;
+        before initialize or after close, as register_memory)."""
         if not isinstance(length, int) or length <= 0:
             self._refuse("allocate_managed_buffer", 0, f"allocate_managed_buffer({length!r}): want a positive length")
+            return 0
+        unready = self._unready("allocate_managed_buffer")
+        if unready is not None:
+            self._refuse("allocate_managed_buffer", length, unready)
             return 0
         ptr = alloc_buffer(length)
         if not ptr:

@@ -230,6 +230,7 @@ def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
     assert not [e for e in engine._need_client().embeddings() if e["req_id"].startswith("mooncake-")]
     # Opt-in: raise instead.
     raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path, send_only=True)
+    assert raising.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     assert raising.register_memory(ptr, 4096) == 0
     with pytest.raises(ferry.TransferFailed) as e:
         raising.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address + 8192, 4096)
@@ -342,6 +343,7 @@ def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypa
     assert receiver.unregister_memory(landing.data_ptr()) == -1
     # The encoder's write (which sglang does not check) lands nowhere.
     sender = TransferEngine(socket_path=pair[0].socket, send_only=True)
+    assert sender.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     emb = torch.randint(0, 255, (16 << 10,), dtype=torch.uint8)
     assert sender.register_memory(emb.data_ptr(), emb.numel()) == 0
     session = f"127.0.0.1:{receiver.get_rpc_port()}"
@@ -350,7 +352,9 @@ def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypa
     assert sender.unregister_memory(emb.data_ptr()) == 0
     # The environment says send-only for a framework that makes the engine.
     monkeypatch.setenv("FERRY_MOONCAKE_SEND_ONLY", "1")
-    assert TransferEngine(socket_path=pair[0].socket).register_memory(emb.data_ptr(), emb.numel()) == 0
+    from_env = TransferEngine(socket_path=pair[0].socket)
+    assert from_env.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert from_env.register_memory(emb.data_ptr(), emb.numel()) == 0
 
 
 def test_initialize_honours_its_arguments(pair, monkeypatch):
@@ -375,8 +379,11 @@ def test_initialize_honours_its_arguments(pair, monkeypatch):
     assert engine.initialize("127.0.0.1:1", "P2PHANDSHAKE", "tcp", "") == -1
     assert f"RPC port is {port} already" in engine.last_failure.message
     assert engine.close() == 0
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
+    assert "the engine is closed" in engine.last_failure.message
     # No segment: no port to be.
     assert TransferEngine(socket_path=tx.socket).initialize("h:1", "P2PHANDSHAKE", "tcp", "") == -1
+    engine = TransferEngine(socket_path=rx.socket)
     # An rdma ferryd (its status stood in for beneath the client):
     # device_name must name NICs it sends over (its rails).
     real = ferry.Client.status
@@ -394,6 +401,33 @@ def test_initialize_honours_its_arguments(pair, monkeypatch):
     assert "ferryd sends over mlx5_0, mlx5_1" in engine.last_failure.message
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_1") == 0 and engine.device_name == "mlx5_1"
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0 and engine.device_name == "mlx5_0,mlx5_1"
+
+
+def test_memory_is_registered_only_between_initialize_and_close(pair):
+    # Before initialize, after one that failed, and after close there is
+    # no segment of the engine's own to lend memory to: -1 saying so (it
+    # was 0, and lent memory landed in ferryd's shared segment). A
+    # send_only engine's host memory would otherwise be taken at once.
+    buf = ctypes.create_string_buffer(8192)
+    addr = ctypes.addressof(buf)
+    engine = TransferEngine(socket_path=pair[1].socket, send_only=True)
+
+    def refused(why):
+        assert engine.register_memory(addr, 4096) == -1
+        assert why in engine.last_failure.message, engine.last_failure
+        assert engine.batch_register_memory([addr], [4096]) == -1
+        assert engine.last_failure.method == "batch_register_memory" and why in engine.last_failure.message
+        assert engine.allocate_managed_buffer(4096) == 0 and why in engine.last_failure.message
+        assert engine.unregister_memory(addr) == -1  # nothing was registered
+
+    refused("initialize first")
+    assert engine.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    refused("initialize first")
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+    assert engine.register_memory(addr, 4096) == 0, engine.last_failure
+    assert engine.batch_register_memory([addr + 4096], [4096]) == 0, engine.last_failure
+    assert engine.close() == 0
+    refused("the engine is closed")
 
 
 def test_probe_first_buffer_and_local_buffers(engine, pair):
