@@ -662,7 +662,8 @@ class TransferEngine:
 
     def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """Writes every (buffer, peer address, length) piece, pieces that
-        are adjacent at both ends merged into one write. Returns 0 once all
+        are adjacent at both ends in one registered range merged into one
+        write. Returns 0 once all
         are there (at once when there are none, or none has a byte: vLLM
         sends an empty batch for a request whose blocks the decoder has
         cached), or -1 at the first that fails (the pieces written before
@@ -679,14 +680,14 @@ class TransferEngine:
         return self._batch(method, session_id, buffers, peer_buffer_addresses, lengths, write)
 
     def _batch(self, method, session_id, buffers, peer_buffer_addresses, lengths, move):
-        """Checks a batch's lists, merges its pieces (adjacent at both
-        ends), holds the registered ranges their local ends lie in (so
-        unregister_memory waits) and calls move(pieces, held): 0, at once
-        when no piece has a byte, or -1 with the failure."""
+        """Checks a batch's lists, holds the registered ranges its pieces'
+        local ends lie in (so unregister_memory waits), merges pieces
+        adjacent at both ends in one range and calls move(pieces, held):
+        0, at once when no piece has a byte, or -1 with the failure."""
         wrong = _wrong_lists(method, session_id, buffers, peer_buffer_addresses, lengths)
         if wrong:
             return self._refuse(method, 0, wrong)
-        pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
+        pieces = [p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0]
         if not pieces:
             return 0
         held = set()
@@ -696,7 +697,7 @@ class TransferEngine:
                 local, _, n = outside
                 return self._refuse(method, n, f"{method} with {session_id}: [{local:#x}, +{n}) lies in no registered "
                                                "range: register_memory it first")
-            move(pieces, starts)
+            move(*_merge(pieces, starts))
         except FerryError as e:
             return self._fail(method, session_id, sum(n for _, _, n in pieces), e)
         finally:
@@ -1311,12 +1312,16 @@ def _address(x):
     return int(data_ptr()) if callable(data_ptr) and not isinstance(x, int) else x
 
 
-def _merge(pieces):
-    """Joins pieces adjacent at both ends, in the order given."""
-    out = []
-    for src, dst, n in pieces:
-        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+def _merge(pieces, starts):
+    """Joins pieces adjacent at both ends that lie in one registered range
+    (starts: the start of each one's), in the order given: the pieces and
+    their starts. Two adjacent ranges are two regions (or one lent, one
+    not): a piece across them would lie in neither."""
+    out, at = [], []
+    for (src, dst, n), st in zip(pieces, starts):
+        if out and at[-1] == st and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
         else:
             out.append((src, dst, n))
-    return out
+            at.append(st)
+    return out, at

@@ -137,7 +137,7 @@ def test_a_batch_past_one_transfer_goes_as_several(engine, rx, req_id, monkeypat
     order = list(range(len(sizes)))
     rng.shuffle(order)
     # Pieces that come adjacent at both ends in this order are one item.
-    n = len(mc._merge([(base + offsets[i], offsets[i], sizes[i]) for i in order]))
+    n = len(mc._merge([(base + offsets[i], offsets[i], sizes[i]) for i in order], [base] * len(order))[0])
     calls = []
     real = ferry.Client.transfer_sync
 
@@ -208,6 +208,24 @@ def test_a_batch_over_several_registered_ranges(engine, rx, req_id):
     t.start()
     t.join(30)
     assert done == [0] * ranges
+
+
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_pieces_adjacent_across_two_registered_ranges_are_not_joined(engine, rx, req_id, order):
+    # Two ranges registered side by side, a piece in each, adjacent at
+    # both ends: in either order they go as two pieces and land (joined,
+    # the piece lay in no range and the batch was -1 in one order only).
+    page = 4096
+    buf = (ctypes.c_char * (2 * page)).from_buffer_copy(os.urandom(2 * page))
+    base = ctypes.addressof(buf)
+    assert engine.batch_register_memory([base, base + page], [page, page]) == 0
+    slot = rx.receive(req_id, 2 * page, mooncake=True)
+    ret = engine.batch_transfer_sync_write(slot.mooncake_session, [base + i * page for i in order],
+                                           [slot.buffer_address + i * page for i in order], [page, page])
+    assert ret == 0, engine.last_failure
+    assert rx.wait(req_id, 10) == bytes(buf)
+    rx.free(req_id)
+    assert engine.batch_unregister_memory([base, base + page]) == 0
 
 
 def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
