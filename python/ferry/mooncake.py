@@ -489,7 +489,13 @@ class TransferEngine:
         return 0
 
     def read_bytes_from_buffer(self, source_address, length):
-        """The length bytes at source_address in this process (a local copy)."""
+        """The length bytes at source_address in this process (a local
+        copy). A length that is not a whole number of bytes, 0 or more,
+        raises TypeError, as Mooncake's does (its binding takes a size_t);
+        ctypes would read a negative one as "up to the first NUL byte"."""
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise TypeError(f"read_bytes_from_buffer({source_address!r}, {length!r}): length {length!r}: want a "
+                            "whole number of bytes, 0 or more (Mooncake's engine raises TypeError too)")
         return ctypes.string_at(source_address, length)
 
     # --- peers
@@ -663,8 +669,7 @@ class TransferEngine:
     def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """Writes every (buffer, peer address, length) piece, pieces that
         are adjacent at both ends in one registered range merged into one
-        write. Returns 0 once all
-        are there (at once when there are none, or none has a byte: vLLM
+        write. Returns 0 once all are there (at once when there are none, or none has a byte: vLLM
         sends an empty batch for a request whose blocks the decoder has
         cached), or -1 at the first that fails (the pieces written before
         it stay written). A batch larger than one transfer carries goes as

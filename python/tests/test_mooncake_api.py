@@ -7,7 +7,9 @@ of a build; ../shared/reference/inference-frameworks.md);
 test_mooncake_real.py checks it against a real build where one is given
 (MOONCAKE_PY)."""
 
+import ctypes
 import inspect
+import re
 
 import pytest
 
@@ -158,3 +160,15 @@ def test_every_method_of_mooncakes_engine_is_there(tmp_path):
     assert engine.last_failure.method == "transfer_sync" and "register_memory it first" in engine.last_failure.message
     assert engine.batch_transfer_sync("127.0.0.1:1", [1], [2], [3], TransferOpcode.Write, notify=("a", "b")) == -1
     assert "want a TransferNotify(name, msg)" in engine.last_failure.message
+
+
+@pytest.mark.parametrize("length", [-1, -4096, 1.5, "4", True, None])
+def test_read_bytes_from_buffer_refuses_a_length_not_a_byte_count(tmp_path, length):
+    # Mooncake's raises TypeError (its binding takes a size_t); a negative
+    # length read up to the first NUL byte here.
+    buf = ctypes.create_string_buffer(b"abc\0def", 8)
+    engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
+    with pytest.raises(TypeError, match=f"length {re.escape(repr(length))}: want a whole number of bytes, 0 or more"):
+        engine.read_bytes_from_buffer(ctypes.addressof(buf), length)
+    assert engine.read_bytes_from_buffer(ctypes.addressof(buf), 0) == b""
+    assert engine.read_bytes_from_buffer(ctypes.addressof(buf), 7) == b"abc\0def"

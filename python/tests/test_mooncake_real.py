@@ -249,6 +249,7 @@ def test_a_real_engine_writing_into_a_slot_not_open_to_mooncake_is_refused(pair,
 # What Mooncake's module says of itself: each method's signature line
 # (pybind's docstring), its opcodes and the names it exports.
 SURFACE = """
+    import ctypes
     import mooncake.engine as m
     out = {
         "methods": {n: getattr(m.TransferEngine, n).__doc__.split("\\n")[0] for n in dir(m.TransferEngine)
@@ -257,6 +258,10 @@ SURFACE = """
         "module": {n: int(getattr(m, n)) for n in ("Read", "Write")},
         "nested": m.TransferEngine.TransferOpcode is m.TransferOpcode,
     }
+    try:
+        m.TransferEngine().read_bytes_from_buffer(ctypes.addressof(ctypes.create_string_buffer(8)), -1)
+    except Exception as e:
+        out["negative_read"] = type(e).__name__
 """
 
 
@@ -295,6 +300,8 @@ def test_ferrys_surface_is_a_real_builds(pair, engine_child):
     assert got["opcodes"] == {"Read": 0, "Write": 1} == {n: int(mc.TransferOpcode[n]) for n in ("Read", "Write")}
     assert got["module"] == {"Read": 0, "Write": 1} == {"Read": int(mc.Read), "Write": int(mc.Write)}
     assert got["nested"] and mc.TransferEngine.TransferOpcode is mc.TransferOpcode
+    # A negative length: TypeError from both (test_mooncake_api.py).
+    assert got.get("negative_read") == "TypeError", got
 
 
 def test_a_ferry_engine_takes_mooncakes_own_opcodes(pair, engine_child):
