@@ -46,6 +46,7 @@ import bisect
 import collections
 import ctypes
 import enum
+import ipaddress
 import itertools
 import json
 import logging
@@ -258,7 +259,14 @@ class TransferEngine:
                                            "--rdma-device, or its own choice: GET /v1/status transport.rdma.rails): "
                                            "name those, or pass \"\" for ferryd's choice")
         host, port = _split_host_port(str(local_hostname))
-        if not status.get("mooncake"):
+        # Peers dial f"{host}:{rpc_port}" (the frameworks publish that): it
+        # must reach the ports ferryd opens for the engine, which listen
+        # where its own segment does.
+        mooncake = status.get("mooncake")
+        unreachable = mooncake and _unreachable(host, _split_host_port(mooncake["rpc"])[0])
+        if unreachable:
+            return self._refuse(method, 0, f"local_hostname {local_hostname!r}: {unreachable}")
+        if not mooncake:
             if port:
                 return self._refuse(method, 0, f"local_hostname {local_hostname!r}: a port asks for this engine's own "
                                                "RPC port, and ferryd serves no Mooncake segment to open it beside: "
@@ -1168,6 +1176,42 @@ def _split_host_port(name):
         host, _, port = name.partition(":")
         return host, port
     return name, ""
+
+
+def _unreachable(host, listen):
+    """Why peers dialing host reach no port listening on listen (the host
+    of ferryd's --mooncake-listen, an IP), or None: a wildcard takes any
+    address of this host (one a socket binds to; 0.0.0.0 an IPv4 one), an
+    address only itself."""
+    try:
+        addrs = {ipaddress.ip_address(ai[4][0].partition("%")[0])
+                 for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError, ValueError) as e:
+        return (f"{host!r} resolves to no address ({e}); peers dial this engine at it: pass this host's IP (the host "
+                "of ferryd's --mooncake-listen)")
+    at = ipaddress.ip_address(listen)
+    shown = ", ".join(sorted(map(str, addrs)))
+    if not at.is_unspecified:
+        if at in addrs:
+            return None
+        return (f"peers dial this engine at {host} ({shown}), and ferryd's Mooncake segments listen on {listen} only "
+                f"(its --mooncake-listen): pass {listen}, or start ferryd with --mooncake-listen on this address "
+                "(or 0.0.0.0:PORT, every address of this host)")
+    if any(_local(a) for a in addrs if at.version == 6 or a.version == 4):
+        return None
+    return (f"peers dial this engine at {host} ({shown}), which is no {'IPv4 ' if at.version == 4 else ''}address "
+            f"of this host, where ferryd's Mooncake segments listen on every address ({listen}, its "
+            "--mooncake-listen): pass one of this host's addresses")
+
+
+def _local(addr):
+    """Whether addr is an address of this host: a socket binds to it."""
+    try:
+        with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((str(addr), 0))
+        return True
+    except OSError:
+        return False
 
 
 def _handshake(segment, kind, body):

@@ -421,6 +421,30 @@ def test_initialize_honours_its_arguments(pair, monkeypatch):
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0 and engine.device_name == "mlx5_0,mlx5_1"
 
 
+def test_initialize_refuses_a_hostname_peers_cannot_reach(pair, start_daemon):
+    # The frameworks pass the host's IP (get_ip()) and publish
+    # f"{ip}:{rpc_port}": where ferryd's segments do not listen there,
+    # peers' connections would be refused; initialize says so instead.
+    # pair's receiver listens on 127.0.0.1, which 127.0.0.2 does not reach.
+    loopback = TransferEngine(socket_path=pair[1].socket)
+    assert loopback.initialize("127.0.0.2", "P2PHANDSHAKE", "tcp", "") == -1
+    why = loopback.last_failure.message
+    assert "local_hostname '127.0.0.2'" in why and "listen on 127.0.0.1 only (its --mooncake-listen)" in why, why
+    assert loopback.initialize("127.0.0.2:0", "P2PHANDSHAKE", "tcp", "") == -1  # with a port alike
+    for host in ("localhost", "127.0.0.1"):
+        assert loopback.initialize(host, "P2PHANDSHAKE", "tcp", "") == 0, (host, loopback.last_failure)
+    assert loopback.close() == 0
+    # A wildcard listen takes any address of this host, and no other.
+    wild = start_daemon("wild", "--mooncake-listen", "0.0.0.0:0")
+    engine = TransferEngine(socket_path=wild.socket)
+    assert engine.initialize("203.0.113.7", "P2PHANDSHAKE", "tcp", "") == -1  # TEST-NET-3: no host's
+    assert "address of this host, where ferryd's Mooncake segments listen on every address" in \
+        engine.last_failure.message, engine.last_failure
+    for host in ("127.0.0.2", "localhost", socket.gethostname()):
+        assert engine.initialize(host, "P2PHANDSHAKE", "tcp", "") == 0, (host, engine.last_failure)
+    assert engine.close() == 0
+
+
 def test_memory_is_registered_only_between_initialize_and_close(pair):
     # Before initialize, after one that failed, and after close there is
     # no segment of the engine's own to lend memory to: -1 saying so (it
