@@ -677,11 +677,11 @@ class TransferEngine:
     def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """Writes every (buffer, peer address, length) piece, pieces that
         are adjacent at both ends in one registered range merged into one
-        write. Returns 0 once all are there (at once when there are none, or none has a byte: vLLM
-        sends an empty batch for a request whose blocks the decoder has
-        cached), or -1 at the first that fails (the pieces written before
-        it stay written). A batch larger than one transfer carries goes as
-        several, one after another."""
+        write. Returns 0 once all are there (at once when there are none,
+        or none has a byte: vLLM sends an empty batch for a request whose
+        blocks the decoder has cached), or -1 at the first that fails (the
+        pieces written before it stay written). A batch larger than one
+        transfer carries goes as several, one after another."""
         return self._write_batch("batch_transfer_sync_write", target_hostname, buffers, peer_buffer_addresses, lengths)
 
     def _write_batch(self, method, session_id, buffers, peer_buffer_addresses, lengths):
