@@ -46,9 +46,11 @@ import bisect
 import collections
 import ctypes
 import enum
+import ipaddress
 import itertools
 import json
 import logging
+import operator
 import os
 import socket
 import struct
@@ -66,7 +68,7 @@ from .alloc import free as alloc_free
 from .alloc import preload_hint, preloaded, window
 from .errors import BadRequest, Busy, FerryError, NotFound
 
-__all__ = ["TransferEngine", "TransferOpcode", "TransferNotify", "Failure"]
+__all__ = ["TransferEngine", "TransferOpcode", "Read", "Write", "TransferNotify", "Failure"]
 
 log = logging.getLogger("ferry.mooncake")
 
@@ -121,9 +123,29 @@ def _when_room(start, timeout):
 
 
 class TransferOpcode(enum.IntEnum):
-    """Mooncake's opcodes for transfer_sync and batch_transfer_sync."""
+    """Mooncake's opcodes for transfer_sync, batch_transfer_sync and
+    batch_transfer_async, spelt as Mooncake's (Read 0, Write 1); READ and
+    WRITE are ferry's older names of the same two. The methods take
+    Mooncake's own enum (mooncake.engine.TransferOpcode) too, or its int."""
+    Read = 0
+    Write = 1
     READ = 0
     WRITE = 1
+
+
+# Mooncake's module exports its enum's members at module level as well.
+Read, Write = TransferOpcode.Read, TransferOpcode.Write
+
+
+def _opcode(opcode):
+    """The TransferOpcode of opcode (ferry's, Mooncake's pybind enum, whose
+    int() is the same, or that int), or None."""
+    if isinstance(opcode, bool):
+        return None
+    try:
+        return TransferOpcode(operator.index(opcode))
+    except (TypeError, ValueError):
+        return None
 
 
 @dataclass
@@ -154,8 +176,11 @@ INLINE_MAX = 1 << 20
 
 class TransferEngine:
     """Mooncake's TransferEngine on ferry: every method of Mooncake's
-    Python engine is here; those ferry does not have raise
-    NotImplementedError saying why (_NOT_IMPLEMENTED)."""
+    Python engine is here, with its parameter names, order and defaults;
+    those ferry does not have raise NotImplementedError saying why
+    (_NOT_IMPLEMENTED)."""
+
+    TransferOpcode = TransferOpcode  # as Mooncake's: TransferEngine.TransferOpcode.Write
 
     def __init__(self, raise_on_failure=False, socket_path=None, send_only=None):
         self.raise_on_failure = raise_on_failure
@@ -179,6 +204,7 @@ class TransferEngine:
         # This engine's own Mooncake segment (initialize opens it) and what
         # closes it when the engine is closed or collected.
         self._segment, self._closer = None, None
+        self._initialized = False  # set by the first initialize that returned 0
         # The asynchronous calls: their pool (made at the first), batch id
         # -> _Batch in submission order, and whether close has begun.
         self._pool, self._batches, self._closing, self._dropped = None, collections.OrderedDict(), False, 0
@@ -207,6 +233,8 @@ class TransferEngine:
         return self._initialize("initialize_ext", local_hostname, metadata_server, protocol, device_name)
 
     def _initialize(self, method, local_hostname, metadata_server, protocol, device_name):
+        if self._closing:
+            return self._refuse(method, 0, f"{method}: the engine is closed: make a new TransferEngine and initialize it")
         if metadata_server != "P2PHANDSHAKE":
             return self._refuse(method, 0, f"metadata_server {metadata_server!r}: ferry speaks Mooncake's P2P handshake "
                                            "only (session ids are \"host:rpc_port\"): pass \"P2PHANDSHAKE\"; etcd, "
@@ -231,7 +259,14 @@ class TransferEngine:
                                            "--rdma-device, or its own choice: GET /v1/status transport.rdma.rails): "
                                            "name those, or pass \"\" for ferryd's choice")
         host, port = _split_host_port(str(local_hostname))
-        if not status.get("mooncake"):
+        # Peers dial f"{host}:{rpc_port}" (the frameworks publish that): it
+        # must reach the ports ferryd opens for the engine, which listen
+        # where its own segment does.
+        mooncake = status.get("mooncake")
+        unreachable = mooncake and _unreachable(host, _split_host_port(mooncake["rpc"])[0])
+        if unreachable:
+            return self._refuse(method, 0, f"local_hostname {local_hostname!r}: {unreachable}")
+        if not mooncake:
             if port:
                 return self._refuse(method, 0, f"local_hostname {local_hostname!r}: a port asks for this engine's own "
                                                "RPC port, and ferryd serves no Mooncake segment to open it beside: "
@@ -252,6 +287,7 @@ class TransferEngine:
                                            f"{self._segment['rpc_port']} already: pass that port, or the host alone")
         self.local_hostname, self.protocol = host, protocol
         self.device_name = ",".join(names or nics) if protocol == "rdma" else ""
+        self._initialized = True
         return 0
 
     def get_rpc_port(self):
@@ -272,8 +308,8 @@ class TransferEngine:
 
     # --- memory
 
-    def register_memory(self, ptr, length):
-        """Registers [ptr, ptr+length) of this process's memory: where
+    def register_memory(self, buffer_addr, capacity, location="*"):
+        """Registers [buffer_addr, +capacity) of this process's memory: where
         peers write (and a source of this engine's transfers). Host memory
         born in ferry's allocator window (a process started with
         ``python -m ferry.run`` or LD_PRELOAD=libferry_alloc.so) is lent to
@@ -286,17 +322,39 @@ class TransferEngine:
         or over RDMA placed by the NIC (where it reaches GPU memory; where
         it does not and ferryd's Mooncake segments speak rdma, ferryd
         refuses the range).
-        ptr may be an address or a tensor (its data_ptr()).
+        buffer_addr may be an address or a tensor (its data_ptr()).
+        location is Mooncake's ("cpu:0", "cuda:0", "*" to have it found),
+        taken and ignored: ferry asks the CUDA driver where the memory lies.
         Returns 0, or -1 with the reason in last_failure: memory peers
         cannot write (allocated outside the window, GPU memory with no IPC
         handle), a range overlapping one registered before, or a ferryd
         that refused it. An engine made with send_only also registers host
         memory outside the window, as a source only (its pieces are then
-        copied per transfer)."""
+        copied per transfer). Before initialize (or after one that
+        failed) and after close it is -1 saying so, with nothing lent:
+        the memory is lent to the engine's own segment, which initialize
+        opens and close closes. (Mooncake's engine, before initialize,
+        has no engine to register with: the process crashes, SIGSEGV.)"""
+        return self._register(buffer_addr, capacity)
+
+    def _unready(self, method):
+        """Why this engine registers no memory now, or None."""
+        if self._closing:
+            return f"{method}: the engine is closed: make a new TransferEngine and initialize it"
+        if not self._initialized:
+            return (f"{method}: initialize first: memory is lent to the engine's own segment, which initialize "
+                    "opens, and this engine was not initialized (or its initialize returned -1)")
+        return None
+
+    def _register(self, ptr, length):
         is_cuda, ptr = bool(getattr(ptr, "is_cuda", False)), _address(ptr)
         if not isinstance(ptr, int) or not isinstance(length, int) or ptr <= 0 or length <= 0:
             return self._refuse("register_memory", 0, f"register_memory({ptr!r}, {length!r}): want a positive address and length")
         with self._lock:
+            # Under the lock: close marks the engine closed under it too.
+            unready = self._unready("register_memory")
+            if unready is not None:
+                return self._refuse("register_memory", length, unready)
             i = bisect.bisect_left(self._regions, (ptr, ptr + length))
             near = self._regions[max(i - 1, 0):i + 1]
             if any(s < ptr + length and ptr < e for s, e in near):
@@ -318,6 +376,8 @@ class TransferEngine:
         or None for host memory an engine made with send_only keeps (its
         pieces are copied per transfer); raises what refused it."""
         name = f"mooncake-{os.getpid()}-{id(self):x}-{ptr:x}"
+        # No segment: initialize found a ferryd serving no Mooncake segment
+        # (_unready saw to the rest), so no peer reaches this memory.
         segment = self._segment["id"] if self._segment is not None else ""
         ordinal = device_ordinal(ptr)
         if ordinal is not None:
@@ -356,13 +416,18 @@ class TransferEngine:
                                         offset=ptr - w.base, mooncake_segment=segment)
         return name
 
-    def batch_register_memory(self, ptrs, lengths):
+    def batch_register_memory(self, buffer_addresses, capacities, location="*"):
         """register_memory for each pair; 0, or -1 at the first refusal
-        (the ranges registered before it stay registered, as in Mooncake)."""
-        if len(ptrs) != len(lengths):
-            return self._refuse("batch_register_memory", 0, f"{len(ptrs)} addresses but {len(lengths)} lengths")
-        for p, n in zip(ptrs, lengths):
-            if self.register_memory(p, n) != 0:
+        (the ranges registered before it stay registered, as in Mooncake);
+        -1 before initialize and after close, as register_memory."""
+        unready = self._unready("batch_register_memory")
+        if unready is not None:
+            return self._refuse("batch_register_memory", 0, unready)
+        if len(buffer_addresses) != len(capacities):
+            return self._refuse("batch_register_memory", 0,
+                                f"{len(buffer_addresses)} addresses but {len(capacities)} capacities")
+        for p, n in zip(buffer_addresses, capacities):
+            if self._register(p, n) != 0:
                 return FAILED
         return 0
 
@@ -395,16 +460,21 @@ class TransferEngine:
     def allocate_managed_buffer(self, length):
         """length bytes from ferry's allocator window, registered (peers
         write into them): their address, or 0 with the reason in
-        last_failure (the process was started without the allocator)."""
+        last_failure (the process was started without the allocator;
+        before initialize or after close, as register_memory)."""
         if not isinstance(length, int) or length <= 0:
             self._refuse("allocate_managed_buffer", 0, f"allocate_managed_buffer({length!r}): want a positive length")
+            return 0
+        unready = self._unready("allocate_managed_buffer")
+        if unready is not None:
+            self._refuse("allocate_managed_buffer", length, unready)
             return 0
         ptr = alloc_buffer(length)
         if not ptr:
             self._fail("allocate_managed_buffer", "", length, _NotWritable(
                 f"allocate_managed_buffer({length}): no room from ferry's allocator: {preload_hint()}"))
             return 0
-        if self.register_memory(ptr, length) != 0:
+        if self._register(ptr, length) != 0:
             alloc_free(ptr)
             return 0
         return ptr
@@ -427,7 +497,13 @@ class TransferEngine:
         return 0
 
     def read_bytes_from_buffer(self, source_address, length):
-        """The length bytes at source_address in this process (a local copy)."""
+        """The length bytes at source_address in this process (a local
+        copy). A length that is not a whole number of bytes, 0 or more,
+        raises TypeError, as Mooncake's does (its binding takes a size_t);
+        ctypes would read a negative one as "up to the first NUL byte"."""
+        if isinstance(length, bool) or not isinstance(length, int) or length < 0:
+            raise TypeError(f"read_bytes_from_buffer({source_address!r}, {length!r}): length {length!r}: want a "
+                            "whole number of bytes, 0 or more (Mooncake's engine raises TypeError too)")
         return ctypes.string_at(source_address, length)
 
     # --- peers
@@ -523,16 +599,19 @@ class TransferEngine:
 
     # --- transfers
 
-    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None):
-        """transfer_sync_write for TransferOpcode.WRITE, transfer_sync_read
-        for READ, then the notify, if any (batch_transfer_sync)."""
-        return self.batch_transfer_sync(target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify,
-                                        method="transfer_sync")
+    def transfer_sync(self, target_hostname, buffer, peer_buffer_address, length, opcode, notify=None,
+                      transport_hint=""):
+        """transfer_sync_write for TransferOpcode.Write, transfer_sync_read
+        for Read, then the notify, if any (batch_transfer_sync)."""
+        return self._sync("transfer_sync", target_hostname, [buffer], [peer_buffer_address], [length], opcode, notify)
 
     def batch_transfer_sync(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify=None,
-                            method="batch_transfer_sync"):
-        """batch_transfer_sync_write for TransferOpcode.WRITE,
-        batch_transfer_sync_read for READ. With notify (a TransferNotify:
+                            transport_hint=""):
+        """batch_transfer_sync_write for TransferOpcode.Write (ferry's,
+        Mooncake's own enum, or 1), batch_transfer_sync_read for Read (0).
+        transport_hint, as on every transfer call, is taken and ignored:
+        ferryd moves the bytes over its one transport (Mooncake's build
+        without TENT ignores it too). With notify (a TransferNotify:
         name, msg; ferry's or Mooncake's), once the transfer returned 0
         (an empty batch too), ferryd sends it to the RPC port of
         target_hostname's segment, as Mooncake sends it once a transfer
@@ -540,16 +619,18 @@ class TransferEngine:
         its receiver kept it; -1 when it was not delivered (refused, or
         unreachable), though the transfer's bytes are in place (Mooncake
         returns 0 then and logs the failure)."""
+        return self._sync("batch_transfer_sync", target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify)
+
+    def _sync(self, method, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, notify):
         if notify is not None and not (isinstance(getattr(notify, "name", None), str)
                                        and isinstance(getattr(notify, "msg", None), str)):
             return self._refuse(method, 0, f"{method}: notify {notify!r}: want a TransferNotify(name, msg) with str "
                                            "name and msg (ferry.mooncake's, or Mooncake's), or None")
-        if opcode == TransferOpcode.READ:
-            ret = self.batch_transfer_sync_read(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
-        elif opcode == TransferOpcode.WRITE:
-            ret = self.batch_transfer_sync_write(target_hostname, buffers, peer_buffer_addresses, lengths, method=method)
-        else:
-            return self._refuse(method, 0, f"{method}: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
+        op = _opcode(opcode)
+        if op is None:
+            return self._refuse(method, 0, f"{method}: opcode {opcode!r}: want TransferOpcode.Write (1) or Read (0)")
+        move = self._read_batch if op == TransferOpcode.Read else self._write_batch
+        ret = move(method, target_hostname, buffers, peer_buffer_addresses, lengths)
         if ret != 0 or notify is None:
             return ret
         return self._notify(method, target_hostname, notify)
@@ -587,22 +668,23 @@ class TransferEngine:
         return [TransferNotify(n["name"], n["notify_msg"]) for n in got["notifies"]]
 
 
-    def transfer_sync_write(self, session_id, buffer, peer_buffer_address, length):
+    def transfer_sync_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         """Writes length bytes at buffer (inside a registered range) to
-        peer_buffer_address in the segment session_id ("ip:rpcport"), and
-        returns once they are there: 0, or -1."""
-        return self.batch_transfer_sync_write(session_id, [buffer], [peer_buffer_address], [length],
-                                              method="transfer_sync_write")
+        peer_buffer_address in the segment target_hostname ("ip:rpcport"),
+        and returns once they are there: 0, or -1."""
+        return self._write_batch("transfer_sync_write", target_hostname, [buffer], [peer_buffer_address], [length])
 
-    def batch_transfer_sync_write(self, session_id, buffers, peer_buffer_addresses, lengths,
-                                  method="batch_transfer_sync_write"):
+    def batch_transfer_sync_write(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """Writes every (buffer, peer address, length) piece, pieces that
-        are adjacent at both ends merged into one write. Returns 0 once all
-        are there (at once when there are none, or none has a byte: vLLM
-        sends an empty batch for a request whose blocks the decoder has
-        cached), or -1 at the first that fails (the pieces written before
-        it stay written). A batch larger than one transfer carries goes as
-        several, one after another."""
+        are adjacent at both ends in one registered range merged into one
+        write. Returns 0 once all are there (at once when there are none,
+        or none has a byte: vLLM sends an empty batch for a request whose
+        blocks the decoder has cached), or -1 at the first that fails (the
+        pieces written before it stay written). A batch larger than one
+        transfer carries goes as several, one after another."""
+        return self._write_batch("batch_transfer_sync_write", target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def _write_batch(self, method, session_id, buffers, peer_buffer_addresses, lengths):
         session = session_id if session_id.startswith("mooncake://") else "mooncake://" + session_id
 
         def write(pieces, held):
@@ -611,14 +693,14 @@ class TransferEngine:
         return self._batch(method, session_id, buffers, peer_buffer_addresses, lengths, write)
 
     def _batch(self, method, session_id, buffers, peer_buffer_addresses, lengths, move):
-        """Checks a batch's lists, merges its pieces (adjacent at both
-        ends), holds the registered ranges their local ends lie in (so
-        unregister_memory waits) and calls move(pieces, held): 0, at once
-        when no piece has a byte, or -1 with the failure."""
+        """Checks a batch's lists, holds the registered ranges its pieces'
+        local ends lie in (so unregister_memory waits), merges pieces
+        adjacent at both ends in one range and calls move(pieces, held):
+        0, at once when no piece has a byte, or -1 with the failure."""
         wrong = _wrong_lists(method, session_id, buffers, peer_buffer_addresses, lengths)
         if wrong:
             return self._refuse(method, 0, wrong)
-        pieces = _merge([p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0])
+        pieces = [p for p in zip(buffers, peer_buffer_addresses, lengths) if p[2] != 0]
         if not pieces:
             return 0
         held = set()
@@ -628,21 +710,19 @@ class TransferEngine:
                 local, _, n = outside
                 return self._refuse(method, n, f"{method} with {session_id}: [{local:#x}, +{n}) lies in no registered "
                                                "range: register_memory it first")
-            move(pieces, starts)
+            move(*_merge(pieces, starts))
         except FerryError as e:
             return self._fail(method, session_id, sum(n for _, _, n in pieces), e)
         finally:
             self._release(held)
         return 0
 
-    def transfer_sync_read(self, session_id, buffer, peer_buffer_address, length):
+    def transfer_sync_read(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         """Reads length bytes at peer_buffer_address of the segment
-        session_id into buffer (inside a registered range): 0, or -1."""
-        return self.batch_transfer_sync_read(session_id, [buffer], [peer_buffer_address], [length],
-                                             method="transfer_sync_read")
+        target_hostname into buffer (inside a registered range): 0, or -1."""
+        return self._read_batch("transfer_sync_read", target_hostname, [buffer], [peer_buffer_address], [length])
 
-    def batch_transfer_sync_read(self, session_id, buffers, peer_buffer_addresses, lengths,
-                                 method="batch_transfer_sync_read"):
+    def batch_transfer_sync_read(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """Reads every (peer address, length) piece into (buffer): 0 once
         all are in this process's memory, or -1 at the first that fails.
         Only memory an engine registered is read: a ferry engine's segment
@@ -661,6 +741,9 @@ class TransferEngine:
         than going over TCP. On a tcp engine: from this process over the
         segment's TCP data port (Mooncake's READ, protocol v2 where the
         segment says so), straight into the registered memory."""
+        return self._read_batch("batch_transfer_sync_read", target_hostname, buffers, peer_buffer_addresses, lengths)
+
+    def _read_batch(self, method, session_id, buffers, peer_buffer_addresses, lengths):
         def read(pieces, held):
             on_gpu = [local for (local, _, _), st in zip(pieces, held) if st in self._on_gpu]
             if on_gpu:
@@ -687,34 +770,37 @@ class TransferEngine:
 
     # --- asynchronous: the synchronous calls on the engine's pool
 
-    def batch_transfer_async_write(self, session_id, buffers, peer_buffer_addresses, lengths):
+    def batch_transfer_async_write(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """batch_transfer_sync_write on the engine's pool: its batch id (an
         int > 0) at once, or 0 when it cannot be submitted (the reason
         logged and in last_failure). get_batch_transfer_status or
         transfer_check_status tell how it ended."""
-        return self._submit("batch_transfer_async_write", self.batch_transfer_sync_write,
-                            session_id, buffers, peer_buffer_addresses, lengths)
+        return self._submit("batch_transfer_async_write", self._write_batch,
+                            target_hostname, buffers, peer_buffer_addresses, lengths)
 
-    def batch_transfer_async_read(self, session_id, buffers, peer_buffer_addresses, lengths):
+    def batch_transfer_async_read(self, target_hostname, buffers, peer_buffer_addresses, lengths, transport_hint=""):
         """batch_transfer_sync_read on the engine's pool: a batch id, or 0."""
-        return self._submit("batch_transfer_async_read", self.batch_transfer_sync_read,
-                            session_id, buffers, peer_buffer_addresses, lengths)
+        return self._submit("batch_transfer_async_read", self._read_batch,
+                            target_hostname, buffers, peer_buffer_addresses, lengths)
 
-    def batch_transfer_async(self, session_id, buffers, peer_buffer_addresses, lengths, opcode):
-        """batch_transfer_async_write for TransferOpcode.WRITE,
-        batch_transfer_async_read for READ: a batch id, or 0."""
-        if opcode == TransferOpcode.READ:
-            return self.batch_transfer_async_read(session_id, buffers, peer_buffer_addresses, lengths)
-        if opcode == TransferOpcode.WRITE:
-            return self.batch_transfer_async_write(session_id, buffers, peer_buffer_addresses, lengths)
-        self._refuse("batch_transfer_async", 0, f"batch_transfer_async: opcode {opcode!r}: want TransferOpcode.WRITE (1) or READ (0)")
-        return 0
+    def batch_transfer_async(self, target_hostname, buffers, peer_buffer_addresses, lengths, opcode, transport_hint=""):
+        """batch_transfer_async_write for TransferOpcode.Write,
+        batch_transfer_async_read for Read (either enum, or its int): a
+        batch id, or 0."""
+        op = _opcode(opcode)
+        if op is None:
+            self._refuse("batch_transfer_async", 0, f"batch_transfer_async: opcode {opcode!r}: want TransferOpcode.Write "
+                                                    "(1) or Read (0)")
+            return 0
+        return self._submit(f"batch_transfer_async_{op.name.lower()}",
+                            self._read_batch if op == TransferOpcode.Read else self._write_batch,
+                            target_hostname, buffers, peer_buffer_addresses, lengths)
 
-    def transfer_submit_write(self, session_id, buffer, peer_buffer_address, length):
+    def transfer_submit_write(self, target_hostname, buffer, peer_buffer_address, length, transport_hint=""):
         """transfer_sync_write on the engine's pool: a batch id for
         transfer_check_status, or 0."""
-        return self._submit("transfer_submit_write", self.batch_transfer_sync_write,
-                            session_id, [buffer], [peer_buffer_address], [length])
+        return self._submit("transfer_submit_write", self._write_batch,
+                            target_hostname, [buffer], [peer_buffer_address], [length])
 
     def transfer_check_status(self, batch_id):
         """Mooncake's: 0 while the batch runs; 1 when every byte is there
@@ -768,8 +854,8 @@ class TransferEngine:
         return ret
 
     def _submit(self, method, call, session_id, buffers, peer_buffer_addresses, lengths):
-        """Runs call(session_id, ...lists) on the pool: its batch id, or 0
-        (Mooncake's failed submit) with the reason."""
+        """Runs call(method, session_id, ...lists) on the pool: its batch
+        id, or 0 (Mooncake's failed submit) with the reason."""
         wrong = _wrong_lists(method, session_id, buffers, peer_buffer_addresses, lengths)
         with self._lock:
             if wrong is None and self._closing:
@@ -782,7 +868,7 @@ class TransferEngine:
                 if self._pool is None:
                     self._pool = ThreadPoolExecutor(ASYNC_WORKERS, thread_name_prefix="ferry-mooncake-async")
                 rec = _Batch(next(_batch_ids), method, session_id, sum(lengths), None)
-                rec.future = self._pool.submit(self._run_batch, call, session_id, list(buffers),
+                rec.future = self._pool.submit(self._run_batch, call, method, session_id, list(buffers),
                                                list(peer_buffer_addresses), list(lengths))
                 self._batches[rec.batch_id] = rec
                 self._drop_unread()
@@ -1056,7 +1142,6 @@ _NOT_IMPLEMENTED = {
     "transfer_read_on_cuda": _NO_CUDA_STREAM,
     "batch_transfer_write_on_cuda": _NO_CUDA_STREAM,
     "batch_transfer_read_on_cuda": _NO_CUDA_STREAM,
-    "batch_transfer_on_cuda": _NO_CUDA_STREAM,
     "get_engine_ptr": "there is no C++ engine in this process: transfers run in ferryd (get_engine gives this object)",
     "warmup_efa_segment": "ferry has no EFA transport",
 }
@@ -1091,6 +1176,42 @@ def _split_host_port(name):
         host, _, port = name.partition(":")
         return host, port
     return name, ""
+
+
+def _unreachable(host, listen):
+    """Why peers dialing host reach no port listening on listen (the host
+    of ferryd's --mooncake-listen, an IP), or None: a wildcard takes any
+    address of this host (one a socket binds to; 0.0.0.0 an IPv4 one), an
+    address only itself."""
+    try:
+        addrs = {ipaddress.ip_address(ai[4][0].partition("%")[0])
+                 for ai in socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)}
+    except (OSError, UnicodeError, ValueError) as e:
+        return (f"{host!r} resolves to no address ({e}); peers dial this engine at it: pass this host's IP (the host "
+                "of ferryd's --mooncake-listen)")
+    at = ipaddress.ip_address(listen)
+    shown = ", ".join(sorted(map(str, addrs)))
+    if not at.is_unspecified:
+        if at in addrs:
+            return None
+        return (f"peers dial this engine at {host} ({shown}), and ferryd's Mooncake segments listen on {listen} only "
+                f"(its --mooncake-listen): pass {listen}, or start ferryd with --mooncake-listen on this address "
+                "(or 0.0.0.0:PORT, every address of this host)")
+    if any(_local(a) for a in addrs if at.version == 6 or a.version == 4):
+        return None
+    return (f"peers dial this engine at {host} ({shown}), which is no {'IPv4 ' if at.version == 4 else ''}address "
+            f"of this host, where ferryd's Mooncake segments listen on every address ({listen}, its "
+            "--mooncake-listen): pass one of this host's addresses")
+
+
+def _local(addr):
+    """Whether addr is an address of this host: a socket binds to it."""
+    try:
+        with socket.socket(socket.AF_INET6 if addr.version == 6 else socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((str(addr), 0))
+        return True
+    except OSError:
+        return False
 
 
 def _handshake(segment, kind, body):
@@ -1240,12 +1361,16 @@ def _address(x):
     return int(data_ptr()) if callable(data_ptr) and not isinstance(x, int) else x
 
 
-def _merge(pieces):
-    """Joins pieces adjacent at both ends, in the order given."""
-    out = []
-    for src, dst, n in pieces:
-        if out and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
+def _merge(pieces, starts):
+    """Joins pieces adjacent at both ends that lie in one registered range
+    (starts: the start of each one's), in the order given: the pieces and
+    their starts. Two adjacent ranges are two regions (or one lent, one
+    not): a piece across them would lie in neither."""
+    out, at = [], []
+    for (src, dst, n), st in zip(pieces, starts):
+        if out and at[-1] == st and out[-1][0] + out[-1][2] == src and out[-1][1] + out[-1][2] == dst:
             out[-1] = (out[-1][0], out[-1][1], out[-1][2] + n)
         else:
             out.append((src, dst, n))
-    return out
+            at.append(st)
+    return out, at

@@ -137,7 +137,7 @@ def test_a_batch_past_one_transfer_goes_as_several(engine, rx, req_id, monkeypat
     order = list(range(len(sizes)))
     rng.shuffle(order)
     # Pieces that come adjacent at both ends in this order are one item.
-    n = len(mc._merge([(base + offsets[i], offsets[i], sizes[i]) for i in order]))
+    n = len(mc._merge([(base + offsets[i], offsets[i], sizes[i]) for i in order], [base] * len(order))[0])
     calls = []
     real = ferry.Client.transfer_sync
 
@@ -210,6 +210,24 @@ def test_a_batch_over_several_registered_ranges(engine, rx, req_id):
     assert done == [0] * ranges
 
 
+@pytest.mark.parametrize("order", [(0, 1), (1, 0)])
+def test_pieces_adjacent_across_two_registered_ranges_are_not_joined(engine, rx, req_id, order):
+    # Two ranges registered side by side, a piece in each, adjacent at
+    # both ends: in either order they go as two pieces and land (joined,
+    # the piece lay in no range and the batch was -1 in one order only).
+    page = 4096
+    buf = (ctypes.c_char * (2 * page)).from_buffer_copy(os.urandom(2 * page))
+    base = ctypes.addressof(buf)
+    assert engine.batch_register_memory([base, base + page], [page, page]) == 0
+    slot = rx.receive(req_id, 2 * page, mooncake=True)
+    ret = engine.batch_transfer_sync_write(slot.mooncake_session, [base + i * page for i in order],
+                                           [slot.buffer_address + i * page for i in order], [page, page])
+    assert ret == 0, engine.last_failure
+    assert rx.wait(req_id, 10) == bytes(buf)
+    rx.free(req_id)
+    assert engine.batch_unregister_memory([base, base + page]) == 0
+
+
 def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
     buf = ctypes.create_string_buffer(4096)
     ptr = ctypes.addressof(buf)
@@ -230,6 +248,7 @@ def test_failures_return_minus_one_and_say_why(engine, rx, req_id, caplog):
     assert not [e for e in engine._need_client().embeddings() if e["req_id"].startswith("mooncake-")]
     # Opt-in: raise instead.
     raising = TransferEngine(raise_on_failure=True, socket_path=engine._need_client().socket_path, send_only=True)
+    assert raising.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     assert raising.register_memory(ptr, 4096) == 0
     with pytest.raises(ferry.TransferFailed) as e:
         raising.transfer_sync_write(slot.mooncake_session, ptr, slot.buffer_address + 8192, 4096)
@@ -342,6 +361,7 @@ def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypa
     assert receiver.unregister_memory(landing.data_ptr()) == -1
     # The encoder's write (which sglang does not check) lands nowhere.
     sender = TransferEngine(socket_path=pair[0].socket, send_only=True)
+    assert sender.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
     emb = torch.randint(0, 255, (16 << 10,), dtype=torch.uint8)
     assert sender.register_memory(emb.data_ptr(), emb.numel()) == 0
     session = f"127.0.0.1:{receiver.get_rpc_port()}"
@@ -350,44 +370,9 @@ def test_a_receivers_registered_buffer_is_refused_at_registration(pair, monkeypa
     assert sender.unregister_memory(emb.data_ptr()) == 0
     # The environment says send-only for a framework that makes the engine.
     monkeypatch.setenv("FERRY_MOONCAKE_SEND_ONLY", "1")
-    assert TransferEngine(socket_path=pair[0].socket).register_memory(emb.data_ptr(), emb.numel()) == 0
-
-
-# Mooncake's Python engine, every method (mooncake-integration's
-# TransferEnginePy; ../shared/reference/inference-frameworks.md).
-MOONCAKE_METHODS = [
-    "initialize", "initialize_ext", "get_rpc_port",
-    "register_memory", "unregister_memory", "batch_register_memory", "batch_unregister_memory",
-    "allocate_managed_buffer", "free_managed_buffer", "get_first_buffer_address",
-    "write_bytes_to_buffer", "read_bytes_from_buffer",
-    "transfer_sync_write", "transfer_sync_read", "batch_transfer_sync_write", "batch_transfer_sync_read",
-    "transfer_sync", "batch_transfer_sync",
-    "transfer_submit_write", "transfer_check_status", "batch_transfer_async_write", "batch_transfer_async_read",
-    "batch_transfer_async", "get_batch_transfer_status",
-    "get_notifies", "send_probe",
-    "transfer_write_on_cuda", "transfer_read_on_cuda", "batch_transfer_write_on_cuda", "batch_transfer_read_on_cuda",
-    "batch_transfer_on_cuda",
-    "get_engine", "get_engine_ptr", "get_local_topology", "warmup_efa_segment",
-]
-
-
-def test_every_method_of_mooncakes_engine_is_there(tmp_path):
-    import ferry.mooncake as mc
-    engine = TransferEngine(socket_path=str(tmp_path / "none.sock"))
-    for name in MOONCAKE_METHODS:
-        assert callable(getattr(engine, name, None)), name
-        if name in mc._NOT_IMPLEMENTED:
-            with pytest.raises(NotImplementedError, match=f"TransferEngine.{name}: .*docs/python.md"):
-                getattr(engine, name)("127.0.0.1:1", 1, 2, 3)
-    assert set(mc._NOT_IMPLEMENTED) <= set(MOONCAKE_METHODS)
-    assert engine.get_engine() is engine
-    # transfer_sync's READ is a read (an unregistered buffer: -1); a notify
-    # is a TransferNotify (test_mooncake_notifies.py).
-    assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, TransferOpcode.READ) == -1
-    assert "register_memory it first" in engine.last_failure.message
-    assert engine.batch_transfer_sync("127.0.0.1:1", [1], [2], [3], TransferOpcode.WRITE, notify=("a", "b")) == -1
-    assert "want a TransferNotify(name, msg)" in engine.last_failure.message
-    assert engine.transfer_sync("127.0.0.1:1", 1, 2, 3, 7) == -1 and "opcode 7" in engine.last_failure.message
+    from_env = TransferEngine(socket_path=pair[0].socket)
+    assert from_env.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0
+    assert from_env.register_memory(emb.data_ptr(), emb.numel()) == 0
 
 
 def test_initialize_honours_its_arguments(pair, monkeypatch):
@@ -412,8 +397,11 @@ def test_initialize_honours_its_arguments(pair, monkeypatch):
     assert engine.initialize("127.0.0.1:1", "P2PHANDSHAKE", "tcp", "") == -1
     assert f"RPC port is {port} already" in engine.last_failure.message
     assert engine.close() == 0
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == -1
+    assert "the engine is closed" in engine.last_failure.message
     # No segment: no port to be.
     assert TransferEngine(socket_path=tx.socket).initialize("h:1", "P2PHANDSHAKE", "tcp", "") == -1
+    engine = TransferEngine(socket_path=rx.socket)
     # An rdma ferryd (its status stood in for beneath the client):
     # device_name must name NICs it sends over (its rails).
     real = ferry.Client.status
@@ -431,6 +419,57 @@ def test_initialize_honours_its_arguments(pair, monkeypatch):
     assert "ferryd sends over mlx5_0, mlx5_1" in engine.last_failure.message
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "mlx5_1") == 0 and engine.device_name == "mlx5_1"
     assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "rdma", "") == 0 and engine.device_name == "mlx5_0,mlx5_1"
+
+
+def test_initialize_refuses_a_hostname_peers_cannot_reach(pair, start_daemon):
+    # The frameworks pass the host's IP (get_ip()) and publish
+    # f"{ip}:{rpc_port}": where ferryd's segments do not listen there,
+    # peers' connections would be refused; initialize says so instead.
+    # pair's receiver listens on 127.0.0.1, which 127.0.0.2 does not reach.
+    loopback = TransferEngine(socket_path=pair[1].socket)
+    assert loopback.initialize("127.0.0.2", "P2PHANDSHAKE", "tcp", "") == -1
+    why = loopback.last_failure.message
+    assert "local_hostname '127.0.0.2'" in why and "listen on 127.0.0.1 only (its --mooncake-listen)" in why, why
+    assert loopback.initialize("127.0.0.2:0", "P2PHANDSHAKE", "tcp", "") == -1  # with a port alike
+    for host in ("localhost", "127.0.0.1"):
+        assert loopback.initialize(host, "P2PHANDSHAKE", "tcp", "") == 0, (host, loopback.last_failure)
+    assert loopback.close() == 0
+    # A wildcard listen takes any address of this host, and no other.
+    wild = start_daemon("wild", "--mooncake-listen", "0.0.0.0:0")
+    engine = TransferEngine(socket_path=wild.socket)
+    assert engine.initialize("203.0.113.7", "P2PHANDSHAKE", "tcp", "") == -1  # TEST-NET-3: no host's
+    assert "address of this host, where ferryd's Mooncake segments listen on every address" in \
+        engine.last_failure.message, engine.last_failure
+    for host in ("127.0.0.2", "localhost", socket.gethostname()):
+        assert engine.initialize(host, "P2PHANDSHAKE", "tcp", "") == 0, (host, engine.last_failure)
+    assert engine.close() == 0
+
+
+def test_memory_is_registered_only_between_initialize_and_close(pair):
+    # Before initialize, after one that failed, and after close there is
+    # no segment of the engine's own to lend memory to: -1 saying so (it
+    # was 0, and lent memory landed in ferryd's shared segment). A
+    # send_only engine's host memory would otherwise be taken at once.
+    buf = ctypes.create_string_buffer(8192)
+    addr = ctypes.addressof(buf)
+    engine = TransferEngine(socket_path=pair[1].socket, send_only=True)
+
+    def refused(why):
+        assert engine.register_memory(addr, 4096) == -1
+        assert why in engine.last_failure.message, engine.last_failure
+        assert engine.batch_register_memory([addr], [4096]) == -1
+        assert engine.last_failure.method == "batch_register_memory" and why in engine.last_failure.message
+        assert engine.allocate_managed_buffer(4096) == 0 and why in engine.last_failure.message
+        assert engine.unregister_memory(addr) == -1  # nothing was registered
+
+    refused("initialize first")
+    assert engine.initialize("127.0.0.1", "etcd://127.0.0.1:2379", "tcp", "") == -1
+    refused("initialize first")
+    assert engine.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", "") == 0, engine.last_failure
+    assert engine.register_memory(addr, 4096) == 0, engine.last_failure
+    assert engine.batch_register_memory([addr + 4096], [4096]) == 0, engine.last_failure
+    assert engine.close() == 0
+    refused("the engine is closed")
 
 
 def test_probe_first_buffer_and_local_buffers(engine, pair):

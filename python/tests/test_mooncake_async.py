@@ -111,7 +111,8 @@ def test_a_failing_async_write_is_reported_by_the_status_calls(pair, engine_chil
     assert finished(tx, bad) == -1
     assert tx.last_failure.ret == "refused" and "does not fit the memory registered" in tx.last_failure.message, \
         tx.last_failure
-    assert tx.last_failure.method == "batch_transfer_sync_write" and tx.last_failure.nbytes == PAGE
+    # The failure names the call the caller made.
+    assert tx.last_failure.method == "transfer_submit_write" and tx.last_failure.nbytes == PAGE
     good = tx.batch_transfer_async_write(session, [base], [ptrs[0]], [PAGE])
     bad = tx.batch_transfer_async_write(session, [base], [ptrs[0] + 65 * PAGE], [PAGE])
     tx.last_failure = None

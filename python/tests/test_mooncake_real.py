@@ -21,8 +21,12 @@ finds a device, whatever the protocol argument says), ferryd on
 import hashlib
 import os
 import random
+import re
 
 import pytest
+
+from test_mooncake_api import MOONCAKE_SIGNATURES, ferry_params, same_params, split
+import ferry.mooncake as mc
 
 MOONCAKE_PY = os.environ.get("FERRY_TEST_MOONCAKE_PY")
 pytestmark = pytest.mark.skipif(not MOONCAKE_PY, reason="no real Mooncake build: make test-mooncake-real MOONCAKE_PY=dir")
@@ -206,7 +210,7 @@ def test_notifies_between_a_real_mooncake_engine_and_a_ferry_engine(pair, engine
     src, dst = (real, ferry) if sender == "real" else (ferry, real)
     dst_session = ferry_session if sender == "real" else real_session
     module = "mooncake.engine" if sender == "real" else "ferry.mooncake"
-    opcode = "TransferOpcode.Write" if sender == "real" else "TransferOpcode.WRITE"
+    opcode = "TransferOpcode.Write"  # Mooncake's spelling, ferry's too
     src_addr = src.run(BUFFER.format(name="src", nbytes=PAGES * PAGE, seed=11))
     dst_addr = dst.run(BUFFER.format(name="dst", nbytes=PAGES * PAGE, seed=12))
     moves = scattered(13)
@@ -240,3 +244,80 @@ def test_a_real_engine_writing_into_a_slot_not_open_to_mooncake_is_refused(pair,
     assert not rx.slot_info(req_id)["arrived"]
     rx.free(req_id)
     rx.free(req_id + "-mc")
+
+
+# What Mooncake's module says of itself: each method's signature line
+# (pybind's docstring), its opcodes and the names it exports.
+SURFACE = """
+    import ctypes
+    import mooncake.engine as m
+    out = {
+        "methods": {n: getattr(m.TransferEngine, n).__doc__.split("\\n")[0] for n in dir(m.TransferEngine)
+                    if not n.startswith("_") and n != "TransferOpcode"},
+        "opcodes": {n: int(v) for n, v in m.TransferOpcode.__members__.items()},
+        "module": {n: int(getattr(m, n)) for n in ("Read", "Write")},
+        "nested": m.TransferEngine.TransferOpcode is m.TransferOpcode,
+    }
+    try:
+        m.TransferEngine().read_bytes_from_buffer(ctypes.addressof(ctypes.create_string_buffer(8)), -1)
+    except Exception as e:
+        out["negative_read"] = type(e).__name__
+"""
+
+
+def pybind_params(line):
+    """A pybind signature line's parameters, self left out, in
+    MOONCAKE_SIGNATURES' form ("_" for an unnamed argN)."""
+    inner = line[line.index("(") + 1:line.rindex(") -> ")]
+    params, depth, cur = [], 0, ""
+    for ch in inner + ",":
+        if ch == "," and depth == 0:
+            params.append(cur.strip())
+            cur = ""
+            continue
+        depth += (ch == "[") - (ch == "]")
+        cur += ch
+    out = []
+    for p in params[1:]:
+        name, _, rest = p.partition(": ")
+        default = rest.partition(" = ")[2]
+        out.append("_" if re.fullmatch(r"arg\d+", name) else f"{name}={default}" if default else name)
+    return out
+
+
+def test_ferrys_surface_is_a_real_builds(pair, engine_child):
+    # Every method of the real build is in the list the always-run test
+    # checks ferry against (test_mooncake_api.py), with the parameters
+    # the build states, and ferry's are the same; the opcodes and their
+    # names are Mooncake's.
+    real = engine_child(pair[0].socket, preload=False, env={"PYTHONPATH": MOONCAKE_PY})
+    got = real.run(SURFACE)
+    for name, line in got["methods"].items():
+        assert name in MOONCAKE_SIGNATURES, f"the real build has {line}, which the list lacks"
+        assert pybind_params(line) == split(MOONCAKE_SIGNATURES[name]), line
+        if name not in mc._NOT_IMPLEMENTED:
+            assert same_params(name, ferry_params(name), pybind_params(line)), (line, ferry_params(name))
+    assert got["opcodes"] == {"Read": 0, "Write": 1} == {n: int(mc.TransferOpcode[n]) for n in ("Read", "Write")}
+    assert got["module"] == {"Read": 0, "Write": 1} == {"Read": int(mc.Read), "Write": int(mc.Write)}
+    assert got["nested"] and mc.TransferEngine.TransferOpcode is mc.TransferOpcode
+    # A negative length: TypeError from both (test_mooncake_api.py).
+    assert got.get("negative_read") == "TypeError", got
+
+
+def test_a_ferry_engine_takes_mooncakes_own_opcodes(pair, engine_child):
+    # A framework that still imports Mooncake's enum passes its values:
+    # ferry's engine takes them as its own (an unregistered buffer is what
+    # fails), and a positional transport_hint too.
+    both = os.pathsep.join(p for p in (MOONCAKE_PY, os.environ.get("PYTHONPATH")) if p)
+    child = engine_child(pair[1].socket, preload=False, env={"PYTHONPATH": both})
+    got = child.run("""
+        import mooncake.engine as m
+        from ferry.mooncake import TransferEngine
+        engine = TransferEngine()
+        out = []
+        for op in (m.TransferOpcode.Write, m.TransferOpcode.Read, m.Write, m.Read):
+            out.append([engine.transfer_sync("127.0.0.1:1", 1, 2, 3, op, None, ""), engine.last_failure.message])
+            bid = engine.batch_transfer_async("127.0.0.1:1", [1], [2], [3], op, "")
+            out.append([engine.get_batch_transfer_status([bid]) if bid else 0, engine.last_failure.message])
+    """)
+    assert len(got) == 8 and all(ret == -1 and "register_memory it first" in why for ret, why in got), got

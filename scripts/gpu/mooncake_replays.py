@@ -18,8 +18,9 @@ memory, here with the receiving engine's memory on a GPU.
                  past its end refused.
 
 Every receiving engine is an engine of its own (its own session id) on
-the second ferryd; the sending engine (send_only, host memory) is on the
-first. A 0 return means the bytes are in the GPU memory: it is read back
+the second ferryd, all of them open until the end, so their session ids
+are told apart between live engines; the sending engine (send_only, host
+memory) is on the first. A 0 return means the bytes are in the GPU memory: it is read back
 with no wait, and must equal what was sent, byte for byte. Memory
 unregistered takes no write, and says why.
 
@@ -52,7 +53,11 @@ class Torch:
         self.torch = torch
 
     def zeros(self, nbytes):
-        return TorchMemory(self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda:0"))
+        t = self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda:0")
+        # The zeroing kernel runs on the stream: done before ferryd (another
+        # process) writes into the memory, else it could zero what arrived.
+        self.torch.cuda.synchronize()
+        return TorchMemory(t)
 
     def landing(self, rows, cols):
         """sglang's receiver's buffer: torch.empty, bfloat16, never written first."""
@@ -70,6 +75,7 @@ class TorchMemory:
     def fill(self, data):
         import torch
         self.t.copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        torch.cuda.synchronize()  # in place before ferryd reads it
 
     def read(self):
         return self.t.cpu().numpy().tobytes()
@@ -162,19 +168,25 @@ def refused(tx, session, src, dst):
 
 class Replays:
     def __init__(self, gpu, tx_socket, rx_socket):
-        self.gpu, self.rx_socket, self.sessions = gpu, rx_socket, []
+        self.gpu, self.rx_socket, self.sessions, self.receivers = gpu, rx_socket, [], []
         self.tx = TransferEngine(socket_path=tx_socket, send_only=True)
         ok(self.tx.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), self.tx, "the sender's initialize")
 
     def receiver(self):
-        """A receiving engine of its own, and its session id."""
+        """A receiving engine of its own, and its session id; it stays open
+        until close_receivers, so the ids compared are live engines'."""
         rx = TransferEngine(socket_path=self.rx_socket)
         ok(rx.initialize("127.0.0.1", "P2PHANDSHAKE", "tcp", ""), rx, "the receiver's initialize")
         session = f"127.0.0.1:{rx.get_rpc_port()}"
         if session in self.sessions:
-            raise AssertionError(f"two engines were given one session id, {session}")
+            raise AssertionError(f"two open engines were given one session id, {session}")
         self.sessions.append(session)
+        self.receivers.append(rx)
         return rx, session
+
+    def close_receivers(self):
+        for rx in self.receivers:
+            ok(rx.close(), rx, "a receiver's close")
 
     def sglang_pd(self):
         layers, pages, per_tensor = 16, 128, 64
@@ -198,7 +210,6 @@ class Replays:
         ok(rx.batch_unregister_memory([t.ptr for t in kv]), rx, "batch_unregister_memory of K and V")
         refused(self.tx, session, base, kv[0].ptr)
         ok(self.tx.unregister_memory(base), self.tx, "the prefill's unregister_memory")
-        ok(rx.close(), rx, "close")
         return f"sglang-pd tensors={len(kv)} pages={len(pieces)} page={PAGE} one_batch=true"
 
     def sglang_encoder(self):
@@ -214,7 +225,6 @@ class Replays:
         ok(self.tx.register_memory(src, len(emb)), self.tx, "register_memory")
         refused(self.tx, session, src, landing.ptr)
         ok(self.tx.unregister_memory(src), self.tx, "unregister_memory")
-        ok(rx.close(), rx, "close")
         return f"sglang-encoder nbytes={len(emb)} landing=torch.empty"
 
     def vllm(self):
@@ -243,7 +253,6 @@ class Replays:
         same(caches, expect, "vLLM")
         ok(rx.batch_unregister_memory([c.ptr for c in caches]), rx, "batch_unregister_memory")
         ok(self.tx.batch_unregister_memory([base]), self.tx, "the producer's batch_unregister_memory")
-        ok(rx.close(), rx, "close")
         return f"vllm caches=4 requests=3 blocks={sent} block={PAGE} empty_batch=0"
 
     def reads(self):
@@ -267,7 +276,6 @@ class Replays:
             raise AssertionError("a read running past the registered GPU memory returned 0")
         ok(self.tx.unregister_memory(base), self.tx, "the reader's unregister_memory")
         ok(rx.unregister_memory(held.ptr), rx, "unregister_memory of the held pages")
-        ok(rx.close(), rx, "close")
         return f"reads pages={pages} page={PAGE} past_the_end=refused"
 
 
@@ -281,8 +289,9 @@ def main():
     replays = Replays(gpu, args.sender_socket, args.receiver_socket)
     for run in (replays.sglang_pd, replays.sglang_encoder, replays.vllm, replays.reads):
         print(f"== REPLAY {run()} memory={gpu.name} byte_exact=true", flush=True)
+    print(f"{len(replays.sessions)} receiving engines open at once, {len(set(replays.sessions))} session ids")
+    replays.close_receivers()
     ok(replays.tx.close(), replays.tx, "the sender's close")
-    print(f"{len(replays.sessions)} receiving engines, {len(set(replays.sessions))} session ids")
     print("PASS")
 
 
