@@ -163,11 +163,14 @@ CUresult cuDevicePrimaryCtxRelease_v2(int d) {
 
 CUresult cuCtxSetCurrent(void *ctx) { current = ctx; return OK; }
 
-// find returns the allocation holding [p, p+n), or NULL.
+// find returns the allocation holding [p, p+n) (for n 0, the byte at
+// p: an allocation ending at p, which a mapping placed right after it
+// would begin at, does not hold it), or NULL.
 static struct alloc *find(CUdeviceptr p, size_t n) {
 	for (int i = 0; i < MAXALLOC; i++) {
 		struct alloc *a = &allocs[i];
-		if (a->p && p >= (CUdeviceptr)a->p && p + n <= (CUdeviceptr)a->p + a->n) return a;
+		CUdeviceptr start = (CUdeviceptr)a->p, end = start + a->n;
+		if (a->p && p >= start && p < end && p + n <= end) return a;
 	}
 	return NULL;
 }
