@@ -177,9 +177,10 @@ func (f *ferrySession) Read(ctx context.Context, reads []transport.Read) error {
 
 // underKey runs op under the segment's key. Refused for want of a segment
 // under that key (no_slot: the engine on that RPC port closed, and one
-// opened there since has a key of its own), it fetches the descriptor
-// again and, if the key changed, runs op once more under the new one.
-// Mooncake peers would fetch a restarted segment afresh too.
+// opened there since has a key of its own), it runs op once more under
+// the new key: the one a call beside it fetched meanwhile, else one it
+// fetches from the descriptor itself. Mooncake peers would fetch a
+// restarted segment afresh too.
 func (f *ferrySession) underKey(ctx context.Context, op func(transport.Key) error) error {
 	f.mu.Lock()
 	key := f.key
@@ -189,14 +190,20 @@ func (f *ferrySession) underKey(ctx context.Context, op func(transport.Key) erro
 	if !errors.As(err, &refused) || refused.Code != transport.NoSlot {
 		return err
 	}
-	seg, ferr := FetchSegment(ctx, f.rpc, f.self)
-	if ferr != nil || seg.Ferry == nil || seg.Ferry.Key == key || seg.Ferry.Peer != f.Session.Peer() {
-		return err
-	}
 	f.mu.Lock()
-	f.key = seg.Ferry.Key
+	now := f.key
 	f.mu.Unlock()
-	return op(seg.Ferry.Key)
+	if now == key { // the pieces of one batch in flight fetch it once, not each
+		seg, ferr := FetchSegment(ctx, f.rpc, f.self)
+		if ferr != nil || seg.Ferry == nil || seg.Ferry.Key == key || seg.Ferry.Peer != f.Session.Peer() {
+			return err
+		}
+		now = seg.Ferry.Key
+		f.mu.Lock()
+		f.key = now
+		f.mu.Unlock()
+	}
+	return op(now)
 }
 
 // Session writes into, and reads from, one Mooncake segment. Its
